@@ -1,0 +1,1 @@
+"""Exporters (imported as ``spec_plugins.exporters``): compile verify graphs and draft heads per runtime."""

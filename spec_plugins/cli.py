@@ -1,0 +1,99 @@
+"""``spec-plugins`` command line. Each subcommand lives in its own small module."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Exact speculative decoding: generate, bench, train, export, serve.")
+
+
+@app.callback()
+def main() -> None:
+    """Exact speculative decoding: generate, bench, train, export, serve."""
+
+
+def load_config(path: Optional[Path]):
+    from spec_plugins.config import SpecConfig, default_config
+
+    return SpecConfig.from_file(path) if path else default_config()
+
+
+def fail(msg: str) -> None:
+    typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text (wrapped in the chat template if any)."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML/JSON SpecConfig (default: built-in)."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", min=0),
+    temperature: Optional[float] = typer.Option(None, "--temperature", "-t", min=0.0),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object: text, token_ids, stats."),
+    no_speculation: bool = typer.Option(False, "--no-speculation", help="Plain decoding on the same runtime."),
+    raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
+    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
+) -> None:
+    """Generate text for one prompt and report what speculation did."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from spec_plugins.config import ConfigError
+    from spec_plugins.decoder import SpeculativeDecoder
+    from spec_plugins.stats import DecodeStats
+
+    try:
+        cfg = load_config(config)
+        if no_speculation:
+            cfg = cfg.model_copy(update={"proposer": None})
+        dec = SpeculativeDecoder.from_config(cfg)
+        chat = not raw and dec.has_chat_template
+        stats = DecodeStats()
+        toks: list[int] = []
+        text = ""
+        reason = "length"
+        for ev in dec.stream(prompt, max_new_tokens, stop, chat=chat, temperature=temperature, seed=seed, stats=stats):
+            toks.extend(ev.token_ids)
+            text += ev.text
+            reason = ev.finish_reason or reason
+            if not as_json:
+                sys.stdout.write(ev.text)
+                sys.stdout.flush()
+    except (ConfigError, ValueError, FileNotFoundError, LookupError) as exc:
+        fail(str(exc))
+        return
+    if as_json:
+        print(json.dumps({"text": text, "token_ids": toks, "finish_reason": reason, "stats": stats.to_dict()}))
+    else:
+        s = stats
+        sys.stdout.write("\n")
+        typer.secho(
+            f"[{len(toks)} tokens, {s.tokens_per_second:.1f} tok/s, {s.target_forwards} target forwards, "
+            f"mean accepted {s.mean_accepted_tokens:.2f}, acceptance {s.acceptance_rate:.2%}, finish: {reason}]",
+            err=True, fg=typer.colors.CYAN)
+
+
+def _register_subcommands() -> None:
+    """Optional subcommand modules (bench, train, export, serve) add themselves to ``app``."""
+    import importlib
+
+    for mod in ("spec_plugins.bench.cli", "spec_plugins.training.cli", "spec_plugins.exporters.cli",
+                "spec_plugins.server.cli"):
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as exc:
+            if exc.name and mod.startswith(exc.name):
+                continue  # not built yet
+            raise
+
+
+_register_subcommands()
+
+if __name__ == "__main__":
+    app()

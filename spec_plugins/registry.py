@@ -1,0 +1,112 @@
+"""Name -> plugin registries for proposers, verifiers and runtimes.
+
+Built-ins register with a decorator; third-party packages add entries through the entry-point
+groups ``spec_plugins.proposers``, ``spec_plugins.verifiers`` and ``spec_plugins.backends``
+(value ``"pkg.module:Class"``), loaded lazily the first time a name is looked up. Every plugin
+class carries a pydantic ``Config`` model whose ``type`` (or ``backend``) field names it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib import metadata
+from types import MappingProxyType
+from typing import Any, Callable, Generic, Mapping, TypeVar
+
+T = TypeVar("T")
+
+
+class RegistryError(LookupError):
+    pass
+
+
+class Registry(Generic[T]):
+    """One kind of plugin. Duplicate names are refused; lookups load entry points on a miss."""
+
+    def __init__(self, kind: str, group: str, builtins: Mapping[str, str] | None = None) -> None:
+        self.kind = kind
+        self.group = group
+        self._entries: dict[str, T] = {}
+        # Lazy built-ins: name -> "module:attr" (imported on first use, e.g. optional runtimes).
+        self._lazy: dict[str, str] = dict(builtins or {})
+        self._hints: dict[str, str] = {}
+        self._entry_points_loaded = False
+
+    def register(self, name: str, *, install_hint: str | None = None) -> Callable[[T], T]:
+        def deco(obj: T) -> T:
+            if name in self._entries and self._entries[name] is not obj:
+                raise RegistryError(f"{self.kind} {name!r} is already registered ({self._entries[name]!r})")
+            self._entries[name] = obj
+            self._lazy.pop(name, None)
+            if install_hint:
+                self._hints[name] = install_hint
+            return obj
+
+        return deco
+
+    def add_lazy(self, name: str, target: str, install_hint: str | None = None) -> None:
+        """Register ``"module:attr"`` without importing it (optional dependencies)."""
+        if name in self._entries:
+            raise RegistryError(f"{self.kind} {name!r} is already registered")
+        self._lazy[name] = target
+        if install_hint:
+            self._hints[name] = install_hint
+
+    def _load_entry_points(self) -> None:
+        if self._entry_points_loaded:
+            return
+        self._entry_points_loaded = True
+        for ep in metadata.entry_points(group=self.group):
+            if ep.name not in self._entries and ep.name not in self._lazy:
+                self._lazy[ep.name] = ep.value
+
+    def names(self) -> list[str]:
+        self._load_entry_points()
+        return sorted(set(self._entries) | set(self._lazy))
+
+    def get(self, name: str) -> T:
+        if name not in self._entries:
+            self._load_entry_points()
+        if name in self._entries:
+            return self._entries[name]
+        if name in self._lazy:
+            target = self._lazy[name]
+            module, _, attr = target.partition(":")
+            try:
+                mod = importlib.import_module(module)
+            except ImportError as exc:
+                hint = self._hints.get(name, "")
+                raise RegistryError(
+                    f"{self.kind} {name!r} needs a package that is not installed ({exc.name or exc})."
+                    + (f" {hint}" if hint else "")
+                ) from exc
+            obj: Any = getattr(mod, attr) if attr else mod
+            # Importing the module may have registered it already through the decorator.
+            self._entries.setdefault(name, obj)
+            self._lazy.pop(name, None)
+            return self._entries[name]
+        raise RegistryError(f"unknown {self.kind} {name!r}; registered: {', '.join(self.names()) or 'none'}")
+
+    def view(self) -> Mapping[str, T]:
+        """Read-only view of the loaded entries."""
+        return MappingProxyType(self._entries)
+
+
+PROPOSERS: Registry[Any] = Registry(
+    "proposer",
+    "spec_plugins.proposers",
+    builtins={
+        "ngram": "spec_plugins.proposers.ngram:NgramProposer",
+        "draft_model": "spec_plugins.proposers.draft_model:DraftModelProposer",
+    },
+)
+VERIFIERS: Registry[Any] = Registry(
+    "verifier", "spec_plugins.verifiers", builtins={"exact": "spec_plugins.verifiers:ExactVerifier"}
+)
+BACKENDS: Registry[Any] = Registry(
+    "backend", "spec_plugins.backends", builtins={"torch": "spec_plugins.backends.torch_runtime:TorchRuntime"}
+)
+
+register_proposer = PROPOSERS.register
+register_verifier = VERIFIERS.register
+register_backend = BACKENDS.register

@@ -1,0 +1,117 @@
+"""The target's sampling distribution, applied identically to target and draft logits.
+
+User ``LogitsProcessor``s see the exact prefix each drafted node would have in plain decoding
+(committed tokens + the path to that node), so penalties and bans stay exact. Temperature,
+top-k and top-p do not depend on the prefix and are applied to all nodes at once.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from spec_plugins.config import SamplingConfig
+
+# transformers-compatible: processor(input_ids [R, L] long, scores [R, V] float) -> scores
+LogitsProcessorFn = Callable[[torch.LongTensor, torch.FloatTensor], torch.FloatTensor]
+
+
+class LogitsPipeline:
+    """user processors -> temperature -> top-k -> top-p, in transformers' order."""
+
+    def __init__(self, sampling: SamplingConfig, processors: Sequence[LogitsProcessorFn] = ()) -> None:
+        self.sampling = sampling
+        self.processors: list[LogitsProcessorFn] = list(processors)
+        if sampling.repetition_penalty not in (None, 1.0):
+            from transformers import RepetitionPenaltyLogitsProcessor
+
+            self.processors.insert(0, RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty))
+
+    @property
+    def greedy(self) -> bool:
+        return self.sampling.greedy
+
+    @property
+    def needs_prefix(self) -> bool:
+        return bool(self.processors)
+
+    # ---- prefix-independent warpers, vectorised over any leading dims -----------------------
+    def warp(self, logits: torch.Tensor) -> torch.Tensor:
+        s = self.sampling
+        if s.greedy:
+            return logits
+        x = logits / s.temperature if s.temperature != 1.0 else logits
+        if s.top_k is not None and s.top_k < x.shape[-1]:
+            kth = torch.topk(x, s.top_k, dim=-1).values[..., -1:]
+            x = x.masked_fill(x < kth, float("-inf"))
+        if s.top_p is not None and s.top_p < 1.0:
+            sorted_x, order = torch.sort(x, dim=-1, descending=True)
+            probs = sorted_x.softmax(-1)
+            before = probs.cumsum(-1) - probs  # mass strictly above each token
+            drop_sorted = before >= s.top_p  # the top token always survives (before = 0)
+            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+            x = x.masked_fill(drop, float("-inf"))
+        return x
+
+    def apply_user(self, prefix: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Run the user processors on ``logits`` [R, V] whose rows continue ``prefix`` [R, L]."""
+        for proc in self.processors:
+            logits = proc(prefix, logits)
+        return logits
+
+    def process(self, logits: torch.Tensor, prefix: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [R, V] of R nodes that continue ``prefix`` [R, L] -> processed logits."""
+        if self.processors:
+            assert prefix is not None, "user processors need the prefix"
+            logits = self.apply_user(prefix, logits)
+        return self.warp(logits)
+
+    def probs(self, processed: torch.Tensor) -> torch.Tensor:
+        """Processed logits -> probabilities (float32); greedy gives a point mass at argmax."""
+        if self.greedy:
+            out = torch.zeros_like(processed, dtype=torch.float32)
+            return out.scatter_(-1, processed.argmax(-1, keepdim=True), 1.0)
+        return processed.float().softmax(-1)
+
+    def process_rows(self, logits: torch.Tensor, prefixes: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Logits [R, V], row r continuing ``prefixes[r]`` (ragged) -> processed logits.
+        Rows with equal prefix length go through each user processor in one call."""
+        if self.processors:
+            logits = logits.clone()
+            by_len: dict[int, list[int]] = {}
+            for r, pre in enumerate(prefixes):
+                by_len.setdefault(len(pre), []).append(r)
+            for rows in by_len.values():
+                prefix = torch.tensor([list(prefixes[r]) for r in rows], dtype=torch.long, device=logits.device)
+                logits[rows] = self.apply_user(prefix, logits[rows])
+        return self.warp(logits)
+
+    def process_tree(
+        self,
+        logits: torch.Tensor,
+        sequences: Sequence[Sequence[int]],
+        tokens: torch.Tensor,
+        parents: tuple[int, ...],
+    ) -> torch.Tensor:
+        """Process target logits [B, N, V] of a forward over ``tokens`` [B, N] (node 0 = root,
+        whose prefix is the row's whole sequence; ``parents`` over all N nodes)."""
+        if not self.processors:
+            return self.warp(logits)
+        B, N, V = logits.shape
+        paths = _paths(parents)
+        tok = tokens.tolist()
+        prefixes = [list(sequences[b]) + [tok[b][i] for i in paths[j][1:]] for b in range(B) for j in range(N)]
+        return self.process_rows(logits.reshape(B * N, V), prefixes).reshape(B, N, V)
+
+
+def _paths(parents: tuple[int, ...]) -> list[list[int]]:
+    paths: list[list[int]] = []
+    for j, p in enumerate(parents):
+        paths.append((paths[p] if p >= 0 else []) + [j])
+    return paths
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of ``probs`` [R, V] (point masses included)."""
+    return torch.multinomial(probs.float(), 1, generator=generator).squeeze(-1)

@@ -1,0 +1,173 @@
+"""Accept/reject math, written once, over tensors. Every runtime only supplies logits.
+
+Notation (Leviathan et al. / Chen et al.): ``p`` target probabilities, ``q`` draft
+probabilities, ``x`` drafted tokens. A draft is a tree of ``n`` nodes given by ``parents``
+(-1 = child of the root); node ``i``'s target distribution sits at forward index ``i + 1``
+(index 0 is the root: the pending token whose logits score the first draft level).
+
+Chain rule (exact): accept x_i with probability min(1, p(x_i) / q(x_i)); at the first
+rejection emit a token from norm(max(0, p - q)); if every draft token passes, emit a bonus
+token from p at the last node. ``q is None`` means each node is a point mass (n-gram, tree
+drafters): then accept with probability p(x_i) and the residual is p with x_i removed.
+
+Tree rule (exact, recursive rejection sampling over siblings). At a node with residual
+distribution r (initially p at that node), try its children c_1..c_m in order:
+accept c_k with probability min(1, r(x_k) / q(x_k)); on rejection r <- norm(max(0, r - q)).
+If a child is accepted, descend with r = p at that child; if all are rejected (or there are
+no children), emit a token from r.
+
+Proof sketch for the tree rule with point-mass children (distinct tokens t_1..t_m): the
+probability of emitting t_k is prod_{j<k} (1 - r_j(t_j)) * r_k(t_k), and since
+r_k = r / (1 - sum_{j<k} r(t_j)) this telescopes to r(t_k); a token y outside the candidates
+is emitted with probability (1 - sum_j r(t_j)) * r(y) / (1 - sum_j r(t_j)) = r(y). With
+stochastic children drawn i.i.d. from q the same holds by the one-step argument applied
+repeatedly (each step's output is r; the residual after a rejection is exactly r's
+distribution conditioned on rejection), which is SpecInfer's multi-round theorem. Greedy
+decoding is the temperature-0 limit: accept while x equals the target argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spec_plugins.sampling import sample
+from spec_plugins.tree import children
+
+
+@dataclass
+class Verdict:
+    """Per row: accepted draft nodes (root-to-leaf order) and the token emitted after them."""
+
+    accepted: list[list[int]]
+    next_tokens: list[int]
+
+    def keep(self) -> list[list[int]]:
+        """Forward indices whose KV survives: the root plus every accepted node."""
+        return [[0] + [i + 1 for i in acc] for acc in self.accepted]
+
+
+def _is_chain(parents: tuple[int, ...]) -> bool:
+    return all(p == i - 1 for i, p in enumerate(parents))
+
+
+def greedy_verify(
+    x: torch.Tensor, parents: tuple[int, ...], target: torch.Tensor, valid: torch.Tensor | None = None
+) -> Verdict:
+    """x [B, n] drafted tokens; target [B, n+1, V] processed logits (or [B, n+1] argmax ids)."""
+    top = target.argmax(-1) if target.dim() == 3 else target  # [B, n+1]
+    B, n = x.shape
+    if n == 0:
+        return Verdict([[] for _ in range(B)], top[:, 0].tolist())
+    if _is_chain(parents):
+        match = x == top[:, :-1]
+        if valid is not None:
+            match &= valid
+        a = match.long().cumprod(1).sum(1)  # leading matches per row
+        nxt = top.gather(1, a[:, None]).squeeze(1)
+        return Verdict([list(range(k)) for k in a.tolist()], nxt.tolist())
+    kids = children(parents)
+    xs, tops = x.tolist(), top.tolist()
+    ok = valid.tolist() if valid is not None else None
+    accepted, nxt = [], []
+    for b in range(B):
+        path, node = [], -1  # node -1 = root
+        while True:
+            want = tops[b][node + 1]
+            nxt_node = next((c for c in kids[node] if xs[b][c] == want and (ok is None or ok[b][c])), None)
+            if nxt_node is None:
+                break
+            path.append(nxt_node)
+            node = nxt_node
+        accepted.append(path)
+        nxt.append(tops[b][node + 1])
+    return Verdict(accepted, nxt)
+
+
+def rejection_verify(
+    x: torch.Tensor,
+    parents: tuple[int, ...],
+    p: torch.Tensor,
+    q: torch.Tensor | None,
+    generator: torch.Generator | None,
+    valid: torch.Tensor | None = None,
+) -> Verdict:
+    """Exact speculative sampling. x [B, n]; p [B, n+1, V] target probs; q [B, n, V] or None."""
+    B, n = x.shape
+    if n == 0:
+        return Verdict([[] for _ in range(B)], sample(p[:, 0], generator).tolist())
+    if _is_chain(parents):
+        return _chain(x, p, q, generator, valid)
+    return _tree(x, parents, p, q, generator, valid)
+
+
+def _chain(x, p, q, generator, valid) -> Verdict:
+    B, n = x.shape
+    p_x = p[:, :n].gather(-1, x[..., None]).squeeze(-1)  # p(x_i | prefix, x_<i)
+    q_x = q.gather(-1, x[..., None]).squeeze(-1) if q is not None else torch.ones_like(p_x)
+    u = torch.rand(B, n, generator=generator, device=p.device)
+    ok = u * q_x < p_x  # u < p/q  <=>  accept with probability min(1, p/q)
+    if valid is not None:
+        ok &= valid
+    a = ok.long().cumprod(1).sum(1)  # [B] accepted count
+    rows = torch.arange(B, device=p.device)
+    p_a = p[rows, a]  # target distribution where the first rejection happened (or the bonus)
+    resid = p_a.clone()
+    rejected = a < n  # a real draft token was rejected (not just the end of the draft)
+    if valid is not None:
+        rejected &= valid[rows, a.clamp(max=n - 1)]
+    if rejected.any():
+        r = rows[rejected]
+        ar = a[rejected]
+        if q is not None:
+            resid[r] = (p_a[r] - q[r, ar]).clamp_min(0.0)  # norm(max(0, p - q))
+        else:
+            resid[r, x[r, ar]] = 0.0  # point mass: p without the rejected token
+        # p == q exactly would leave nothing; that case cannot reject (u < 1), but be safe
+        empty = resid[r].sum(-1) <= 0
+        if empty.any():
+            resid[r[empty]] = p_a[r[empty]]
+    nxt = sample(resid, generator)
+    return Verdict([list(range(k)) for k in a.tolist()], nxt.tolist())
+
+
+def _tree(x, parents, p, q, generator, valid) -> Verdict:
+    kids = children(parents)
+    B, _ = x.shape
+    xs = x.tolist()
+    ok = valid.tolist() if valid is not None else None
+    accepted, nxt = [], []
+    for b in range(B):
+        path, node = [], -1
+        while True:
+            r = p[b, node + 1].clone()  # residual starts as the target distribution here
+            chosen = None
+            for c in kids[node]:
+                if ok is not None and not ok[b][c]:
+                    continue
+                t = xs[b][c]
+                u = torch.rand((), generator=generator, device=p.device)
+                if q is None:
+                    if u < r[t]:
+                        chosen = c
+                        break
+                    r[t] = 0.0
+                else:
+                    qc = q[b, c]
+                    if u * qc[t] < r[t]:
+                        chosen = c
+                        break
+                    r = (r - qc).clamp_min(0.0)
+                s = r.sum()
+                if s <= 0:  # nothing left to reject into: only possible if r was fully covered
+                    r = p[b, node + 1].clone()
+                    break
+                r = r / s
+            if chosen is None:
+                nxt.append(int(sample(r[None], generator)[0]))
+                break
+            path.append(chosen)
+            node = chosen
+        accepted.append(path)
+    return Verdict(accepted, nxt)

@@ -1,0 +1,99 @@
+"""The PyTorch runtime's KV bookkeeping: rollback, tree masks, compaction, holes."""
+
+from __future__ import annotations
+
+import torch
+
+from conftest import tiny_llama
+from spec_plugins.backends.torch_runtime import TorchRuntime
+from spec_plugins.config import SamplingConfig
+from spec_plugins.engine import decode, fixed_length
+from spec_plugins.proposers.draft_model import DraftModelProposer
+from spec_plugins.sampling import LogitsPipeline
+from spec_plugins.tree import layout, with_root
+from spec_plugins.verifiers import ExactVerifier
+
+
+def _live_kv(rt: TorchRuntime, row: int):
+    """Keys/values of the row's non-hole slots, in position order, per layer."""
+    ok = rt.pos[row] >= 0
+    order = rt.pos[row][ok].argsort()
+    return [(l.keys[row][:, ok][:, order], l.values[row][:, ok][:, order]) for l in rt.cache.layers]
+
+
+def test_cache_after_many_rounds_equals_fresh_prefill():
+    model = tiny_llama(vocab=32, seed=2, sharpness=3.0)
+    target = TorchRuntime(model)
+    prop = DraftModelProposer(None, target=target, runtime=TorchRuntime(tiny_llama(vocab=32, seed=9, sharpness=3.0)))
+    pipe = LogitsPipeline(SamplingConfig(temperature=1.0))
+    gen = torch.Generator().manual_seed(0)
+    prompts = [[1, 2, 3, 4, 5], [7, 8], [9, 9, 9, 1]]
+    outs = [list(p) for p in prompts]
+    for step in decode(target, prop, ExactVerifier(), pipe, prompts, 40, (), gen, None, fixed_length(4)):
+        for i, t in step.emitted.items():
+            outs[i].extend(t)
+        if len(outs[0]) > 25:
+            break
+    # every row's cache holds its sequence minus the pending token
+    for b, seq in enumerate(outs):
+        cached = seq[:-1]
+        assert target.lengths()[b] == len(cached)
+        fresh = TorchRuntime(model)
+        fresh.prefill([cached])
+        for (k1, v1), (k2, v2) in zip(_live_kv(target, b), _live_kv(fresh, 0)):
+            torch.testing.assert_close(k1, k2, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(v1, v2, atol=1e-4, rtol=1e-4)
+
+
+def test_tree_forward_matches_chains_and_compacts():
+    model = tiny_llama(vocab=32, seed=2)
+    prompt = [3, 1, 4, 1, 5]
+    # root + tree: 0 -> {1, 2}; 1 -> {3}; 2 -> {4, 5}
+    parents = with_root((-1, -1, 0, 1, 1))
+    tokens = torch.tensor([[9, 10, 11, 12, 13, 14]])
+    rt = TorchRuntime(model)
+    rt.prefill([prompt])
+    tree_logits = rt.forward(tokens, tree=layout(parents)).logits[0]
+    for node in range(6):
+        path, j = [], node
+        while j >= 0:
+            path.append(j)
+            j = parents[j]
+        path = path[::-1]
+        ref = TorchRuntime(model)
+        ref.prefill([prompt])
+        chain_logits = ref.forward(tokens[:, path]).logits[0, -1]
+        torch.testing.assert_close(tree_logits[node], chain_logits, atol=1e-4, rtol=1e-4)
+    # keep path 0 -> 2 -> 5 and continue: equals a chain run over those tokens
+    rt.commit([[0, 2, 5]])
+    nxt = rt.forward(torch.tensor([[7]])).logits[0, -1]
+    ref = TorchRuntime(model)
+    ref.prefill([prompt])
+    want = ref.forward(torch.tensor([[9, 11, 14, 7]])).logits[0, -1]
+    torch.testing.assert_close(nxt, want, atol=1e-4, rtol=1e-4)
+    assert rt.lengths() == [len(prompt) + 4]
+
+
+def test_left_padded_batch_prefill_matches_solo():
+    model = tiny_llama(vocab=32, seed=2)
+    rows = [[1, 2, 3, 4, 5, 6], [7, 8], [9, 10, 11]]
+    rt = TorchRuntime(model)
+    out = rt.prefill(rows).logits[:, -1]
+    step = rt.forward(torch.tensor([[1], [2], [3]])).logits[:, -1]
+    for b, r in enumerate(rows):
+        solo = TorchRuntime(model)
+        torch.testing.assert_close(out[b], solo.prefill([r]).logits[0, -1], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(step[b], solo.forward(torch.tensor([[b + 1]])).logits[0, -1], atol=1e-4, rtol=1e-4)
+
+
+def test_rollback_then_continue():
+    model = tiny_llama(vocab=32, seed=2)
+    rt = TorchRuntime(model)
+    rt.prefill([[1, 2, 3]])
+    rt.forward(torch.tensor([[4, 5, 6, 7]]))
+    rt.rollback([5])
+    assert rt.lengths() == [5]
+    got = rt.forward(torch.tensor([[8]])).logits[0, -1]
+    ref = TorchRuntime(model)
+    ref.prefill([[1, 2, 3, 4, 5, 8]])
+    torch.testing.assert_close(got, ref.prefill([[1, 2, 3, 4, 5, 8]]).logits[0, -1], atol=1e-4, rtol=1e-4)
