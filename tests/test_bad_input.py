@@ -1,0 +1,94 @@
+"""Bad input: clear errors or correct empty results, never a half-written output."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import tiny_llama
+from spec_plugins.backends.torch_runtime import TorchRuntime
+from spec_plugins.decoder import SpeculativeDecoder
+from spec_plugins.models import ModelNotFound, resolve_model
+from spec_plugins.proposers.draft_model import DraftModelProposer
+from spec_plugins.proposers.ngram import NgramProposer
+from spec_plugins.verifiers import ExactVerifier
+from spec_plugins.vocab import VocabMismatch, check_vocab_compatible, fit_vocab
+
+
+def _decoder(max_pos=64):
+    return SpeculativeDecoder(TorchRuntime(tiny_llama(seed=3, max_pos=max_pos)),
+                              NgramProposer(NgramProposer.Config()), ExactVerifier())
+
+
+def test_empty_prompt_is_refused():
+    dec = _decoder()
+    with pytest.raises(ValueError, match="empty"):
+        dec.generate([], max_new_tokens=4)
+
+
+def test_prompt_longer_than_context_is_refused():
+    dec = _decoder(max_pos=16)
+    with pytest.raises(ValueError, match="context"):
+        dec.generate(list(range(20)), max_new_tokens=4)
+
+
+def test_generation_stops_at_context_end():
+    dec = _decoder(max_pos=16)
+    r = dec.generate([1, 2, 3, 1, 2, 3, 1, 2, 3, 1], max_new_tokens=50)
+    assert len(r.token_ids) == 6 and r.finish_reason == "length"
+
+
+def test_max_new_tokens_zero_and_negative():
+    dec = _decoder()
+    r = dec.generate([1, 2, 3], max_new_tokens=0)
+    assert r.token_ids == [] and r.stats.target_forwards == 0
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        dec.generate([1, 2, 3], max_new_tokens=-1)
+
+
+class _Tok:
+    def __init__(self, vocab):
+        self._v = vocab
+
+    def get_vocab(self):
+        return dict(self._v)
+
+
+def test_vocab_mismatch_is_refused_with_details():
+    a = _Tok({"a": 0, "b": 1, "c": 2})
+    with pytest.raises(VocabMismatch, match="'b': target id 1, draft id 2"):
+        check_vocab_compatible(a, _Tok({"a": 0, "b": 2, "c": 1}))
+    check_vocab_compatible(a, _Tok({"a": 0, "b": 1, "c": 2}))  # identical: fine
+
+
+def test_draft_model_proposer_refuses_mismatched_tokenizer():
+    target = TorchRuntime(tiny_llama(seed=3), tokenizer=_Tok({"a": 0, "b": 1}))
+    draft = TorchRuntime(tiny_llama(seed=4), tokenizer=_Tok({"a": 1, "b": 0}))
+    with pytest.raises(VocabMismatch):
+        DraftModelProposer(None, target=target, tokenizer=target.tokenizer, runtime=draft)
+
+
+def test_padded_vocab_widths_are_reconciled():
+    import torch
+
+    x = torch.randn(2, 5)
+    assert fit_vocab(x, 7).shape == (2, 7) and torch.isinf(fit_vocab(x, 7)[:, 5:]).all()
+    assert torch.equal(fit_vocab(x, 3), x[:, :3])
+
+
+def test_unknown_model_name_lists_builtins(tmp_path):
+    with pytest.raises(ModelNotFound, match="smollm2-135m-instruct"):
+        resolve_model("no-such-model")
+    with pytest.raises(ModelNotFound, match="not found"):
+        resolve_model(str(tmp_path / "missing.gguf"))
+
+
+def test_cli_invalid_config_exits_with_message(tmp_path):
+    from typer.testing import CliRunner
+
+    from spec_plugins.cli import app
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("target: {backend: torch, model: x}\nproposer: {type: ngram, max_ngram: 0}\n")
+    res = CliRunner().invoke(app, ["generate", "--config", str(bad), "--prompt", "hi"])
+    assert res.exit_code == 2
+    assert "max_ngram" in res.output
