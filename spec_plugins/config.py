@@ -95,6 +95,7 @@ def _dispatch(registry: Registry[Any], key: str, default: str | None = None):
         try:
             return cls.Config.model_validate({key: name, **value})
         except ValidationError as exc:
+            # name nested fields relative to this section: "proposer: max_ngram: ..." reads well
             raise ValueError(_format_errors(exc)) from None
 
     return BeforeValidator(validate)
@@ -103,8 +104,9 @@ def _dispatch(registry: Registry[Any], key: str, default: str | None = None):
 def _format_errors(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "(root)"
-        parts.append(f"{loc}: {err['msg']}")
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc else msg)
     return "; ".join(parts)
 
 
