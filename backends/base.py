@@ -73,3 +73,21 @@ class Runtime(Protocol):
     def select_rows(self, rows: Sequence[int]) -> None:
         """Keep only these batch rows (finished rows stop costing work)."""
         ...
+
+
+@runtime_checkable
+class GrowableRuntime(Runtime, Protocol):
+    """Optional capability (continuous batching): rows can join a running batch between rounds.
+
+    Checked with ``can_add_rows(runtime)``; a runtime without it can only serve fixed batches."""
+
+    def add_rows(self, rows: Sequence[Sequence[int]], want_hidden: bool = False) -> StepOutput:
+        """Prefill ``rows`` and append them after the running rows; output as ``prefill`` for the
+        new rows only. Existing rows' caches and lengths are unchanged. Never between
+        ``forward`` and ``commit``."""
+        ...
+
+
+def can_add_rows(runtime: object) -> bool:
+    """Whether ``runtime`` implements the optional ``add_rows`` (continuous batching)."""
+    return callable(getattr(runtime, "add_rows", None))

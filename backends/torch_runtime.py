@@ -284,3 +284,39 @@ class TorchRuntime:
         live = (self.pos >= 0).any(0).nonzero()
         if live.numel() and int(live.max()) + 1 < self.pos.shape[1]:
             self._crop(int(live.max()) + 1)
+
+    @torch.inference_mode()
+    def add_rows(self, rows: Sequence[Sequence[int]], want_hidden: bool = False) -> StepOutput:
+        """Prefill ``rows`` into the running batch (continuous batching); they become the last rows.
+
+        The new rows are prefilled in a cache of their own, then both caches are left-padded with
+        holes (pos = -1) to the same slot count and concatenated along the batch axis. Output as
+        ``prefill``, for the new rows only. With no running rows this is ``prefill``."""
+        if self.cache is None or not self._next:
+            return self.prefill(rows, want_hidden)
+        if self._tail is not None:
+            raise RuntimeError("add_rows() between forward() and commit()")
+        old_cache, old_pos, old_next = self.cache, self.pos, self._next
+        out = self.prefill(rows, want_hidden)
+        new_cache, new_pos = self.cache, self.pos
+        S = max(old_pos.shape[1], new_pos.shape[1])
+
+        def pad(t: torch.Tensor, s: int) -> torch.Tensor:  # left-pad the slot axis (dim 2) with zeros
+            if t.shape[2] == s:
+                return t
+            z = t.new_zeros(t.shape[0], t.shape[1], s - t.shape[2], t.shape[3])
+            return torch.cat([z, t], dim=2)
+
+        for lo, ln in zip(old_cache.layers, new_cache.layers):
+            lo.keys = torch.cat([pad(lo.keys, S), pad(ln.keys, S)], dim=0)
+            lo.values = torch.cat([pad(lo.values, S), pad(ln.values, S)], dim=0)
+
+        def pad_pos(p: torch.Tensor) -> torch.Tensor:
+            return torch.cat([torch.full((p.shape[0], S - p.shape[1]), -1, dtype=torch.long), p], dim=1)
+
+        self.cache = old_cache
+        self.pos = torch.cat([pad_pos(old_pos), pad_pos(new_pos)], dim=0)
+        self._next = list(old_next) + list(self._next)
+        self._holes = bool((self.pos < 0).any())
+        self._tail = None
+        return out

@@ -111,6 +111,8 @@ class SpeculativeDecoder:
         e = getattr(gen_cfg, "eos_token_id", None)
         if e is not None:
             ids.update([e] if isinstance(e, int) else list(e))
+        # runtimes without a transformers model (exported graphs) carry the ids themselves
+        ids.update(int(i) for i in getattr(self.target, "eos_token_ids", ()))
         return sorted(ids)
 
     def _draft_length(self) -> DraftLengthPolicy:

@@ -45,6 +45,9 @@ class Step:
 
 # policy(round_index, stats) -> draft length for this round
 DraftLengthPolicy = Callable[[DecodeStats], int]
+# stop(row_index, row_tokens, n_new) -> None to go on, or how many of the row's n_new newest tokens
+# to keep (the row then finishes with reason "stop"); external stopping criteria (transformers')
+StopFn = Callable[[int, Sequence[int], int], "int | None"]
 
 
 def fixed_length(k: int) -> DraftLengthPolicy:
@@ -62,8 +65,13 @@ def decode(
     generator: torch.Generator | None = None,
     stats: DecodeStats | None = None,
     draft_length: DraftLengthPolicy = fixed_length(5),
+    processor_prefix: Sequence[Sequence[int]] | None = None,
+    stop: StopFn | None = None,
 ) -> Iterator[Step]:
-    """Generate for a batch of token-id prompts; yields a Step per prefill/round."""
+    """Generate for a batch of token-id prompts; yields a Step per prefill/round.
+
+    ``processor_prefix[i]``: tokens prepended to row i's sequence where the target's user
+    processors see it (e.g. transformers' left pads), never fed to a model. ``stop``: see StopFn."""
     stats = stats if stats is not None else DecodeStats()
     stats.lossy = bool(getattr(verifier, "lossy", False))
     limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
@@ -92,7 +100,8 @@ def decode(
     stats.prefill_forwards += 1
     t0 = time.perf_counter()
     seqs = [rows[i].tokens for i in active]
-    z = pipeline.process_tree(out.logits[:, -1:], seqs, torch.tensor([[s[-1]] for s in seqs]), (-1,))[:, 0]
+    z = pipeline.process_tree(out.logits[:, -1:], _seen(seqs, active, processor_prefix, pipeline),
+                              torch.tensor([[s[-1]] for s in seqs]), (-1,))[:, 0]
     first = z.argmax(-1) if pipeline.greedy else sample(z.float().softmax(-1), generator)
     stats.time_verify += time.perf_counter() - t0
     hidden = [out.hidden[b] for b in range(len(active))] if out.hidden is not None else None
@@ -102,7 +111,7 @@ def decode(
         stats.time_draft += time.perf_counter() - t0
     step = Step()
     for b, i in enumerate(active):
-        _emit(rows[i], [int(first[b])], eos, step, i)
+        _emit(rows[i], [int(first[b])], eos, step, i, stop)
     stats.new_tokens += len(active)
     yield step
     stats.time_total += time.perf_counter() - t_start
@@ -144,7 +153,7 @@ def decode(
         stats.target_forwards += 1
         # 2c. process logits with per-node prefixes, then accept/reject
         t0 = time.perf_counter()
-        z = pipeline.process_tree(out.logits, seqs, tokens, full.parents)
+        z = pipeline.process_tree(out.logits, _seen(seqs, active, processor_prefix, pipeline), tokens, full.parents)
         if draft is not None:
             verdict = verifier(draft.tokens.cpu(), parents, z, draft.probs, pipeline, generator, draft.valid)
         else:
@@ -164,7 +173,7 @@ def decode(
         for b, i in enumerate(active):
             acc = verdict.accepted[b]
             toks = [int(tokens[b, j + 1]) for j in acc] + [verdict.next_tokens[b]]
-            n_emit = _emit(rows[i], toks, eos, step, i)
+            n_emit = _emit(rows[i], toks, eos, step, i, stop)
             emitted_rows.append(toks[:n_emit])
             row_drafted = depth_count if draft is None or draft.valid is None else _depth_counts(draft, b)
             stats.observe_round(row_drafted, len(acc), n_emit)
@@ -182,8 +191,16 @@ def decode(
         yield step
 
 
-def _emit(row: Row, toks: list[int], eos: set[int], step: Step, i: int) -> int:
-    """Append tokens to a row, stopping at EOS or the row's limit; returns how many."""
+def _seen(seqs: list[list[int]], active: list[int], prefix: Sequence[Sequence[int]] | None,
+          pipeline: LogitsPipeline) -> list[list[int]]:
+    """The sequences the target's user processors see: ``prefix[i]`` + row i's tokens."""
+    if prefix is None or not pipeline.needs_prefix:
+        return seqs
+    return [list(prefix[i]) + s for i, s in zip(active, seqs)]
+
+
+def _emit(row: Row, toks: list[int], eos: set[int], step: Step, i: int, stop: StopFn | None = None) -> int:
+    """Append tokens to a row, stopping at EOS, the row's limit or ``stop``; returns how many."""
     room = row.max_new - len(row.new)
     out = []
     for t in toks[:room]:
@@ -192,6 +209,12 @@ def _emit(row: Row, toks: list[int], eos: set[int], step: Step, i: int) -> int:
             row.done, row.finish_reason = True, "eos_token"
             break
     row.tokens.extend(out)
+    if stop is not None and out:
+        keep = stop(i, row.tokens, len(out))
+        if keep is not None:
+            del row.tokens[len(row.tokens) - len(out) + keep :]
+            out = out[:keep]
+            row.done, row.finish_reason = True, "stop"
     if not row.done and len(row.new) >= row.max_new:
         row.done, row.finish_reason = True, "length"
     step.emitted[i] = out

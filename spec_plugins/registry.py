@@ -98,14 +98,26 @@ PROPOSERS: Registry[Any] = Registry(
     builtins={
         "ngram": "spec_plugins.proposers.ngram:NgramProposer",
         "draft_model": "spec_plugins.proposers.draft_model:DraftModelProposer",
+        "recycling": "spec_plugins.proposers.recycling:RecyclingProposer",
+        "lookahead": "spec_plugins.proposers.lookahead:LookaheadProposer",
+        "medusa": "spec_plugins.proposers.medusa:MedusaProposer",
+        "eagle": "spec_plugins.proposers.eagle:EagleProposer",
     },
 )
 VERIFIERS: Registry[Any] = Registry(
-    "verifier", "spec_plugins.verifiers", builtins={"exact": "spec_plugins.verifiers:ExactVerifier"}
+    "verifier", "spec_plugins.verifiers", builtins={"exact": "spec_plugins.verifiers:ExactVerifier",
+                                                   "typical": "spec_plugins.verifiers:TypicalVerifier"}
 )
 BACKENDS: Registry[Any] = Registry(
-    "backend", "spec_plugins.backends", builtins={"torch": "spec_plugins.backends.torch_runtime:TorchRuntime"}
+    "backend", "spec_plugins.backends", builtins={"torch": "spec_plugins.backends.torch_runtime:TorchRuntime",
+                                                 "onnxruntime": "spec_plugins.backends.onnxruntime_runtime:OnnxRuntime"}
 )
+BACKENDS._hints["onnxruntime"] = "install the [onnx] extra: pip install 'spec-plugins[onnx]'"
+BACKENDS.add_lazy("llamacpp", "spec_plugins.backends.llamacpp_runtime:LlamaCppRuntime",
+                  install_hint="install the [llamacpp] extra: pip install 'spec-plugins[llamacpp]'")
+# imports tensorrt only when a runtime is built; that step gives the install hint where it is missing
+BACKENDS.add_lazy("tensorrt", "spec_plugins.backends.tensorrt_runtime:TensorRTRuntime",
+                  install_hint="install the [tensorrt] extra on a GPU machine: pip install 'spec-plugins[tensorrt]'")
 
 register_proposer = PROPOSERS.register
 register_verifier = VERIFIERS.register

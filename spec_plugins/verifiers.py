@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import ClassVar, Literal
 
 import torch
+from pydantic import Field
 
 from spec_plugins.config import VerifierConfig
 from spec_plugins.registry import register_verifier
 from spec_plugins.sampling import LogitsPipeline
-from spec_plugins.verify import Verdict, greedy_verify, rejection_verify
+from spec_plugins.verify import Verdict, greedy_verify, rejection_verify, typical_verify
 
 
 @register_verifier("exact")
@@ -39,3 +40,40 @@ class ExactVerifier:
             return greedy_verify(x, parents, target_logits, valid)
         p = target_logits.float().softmax(-1)
         return rejection_verify(x, parents, p, q, generator, valid)
+
+
+@register_verifier("typical")
+class TypicalVerifier:
+    """LOSSY: Medusa's typical acceptance at temperature > 0 (greedy match at temperature 0).
+
+    Output no longer follows the target distribution exactly; ``DecodeStats.lossy`` is True."""
+
+    lossy: ClassVar[bool] = True
+
+    class Config(VerifierConfig):
+        type: Literal["typical"] = "typical"
+        epsilon: float = Field(0.09, gt=0.0, le=1.0,
+                               description="Hard probability threshold (Medusa's posterior_threshold).")
+        delta: float = Field(0.3, gt=0.0, lt=1.0,
+                             description="Entropy-scaled threshold factor (Medusa's posterior_alpha).")
+        lossy: Literal[True] = Field(True,
+                                     description="Always true: typical acceptance changes the output distribution.")
+
+    def __init__(self, config: "TypicalVerifier.Config | None" = None) -> None:
+        self.config = config or self.Config()
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        parents: tuple[int, ...],
+        target_logits: torch.Tensor,
+        q: torch.Tensor | None,
+        pipeline: LogitsPipeline,
+        generator: torch.Generator | None,
+        valid: torch.Tensor | None = None,
+    ) -> Verdict:
+        """Same signature as ExactVerifier; ``q`` is ignored (the rule only looks at p)."""
+        if pipeline.greedy:
+            return greedy_verify(x, parents, target_logits, valid)
+        p = target_logits.float().softmax(-1)
+        return typical_verify(x, parents, p, self.config.epsilon, self.config.delta, generator, valid)

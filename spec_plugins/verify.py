@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from spec_plugins.sampling import sample
-from spec_plugins.tree import children
+from spec_plugins.tree import children, layout, path_to
 
 
 @dataclass
@@ -171,3 +171,52 @@ def _tree(x, parents, p, q, generator, valid) -> Verdict:
             node = chosen
         accepted.append(path)
     return Verdict(accepted, nxt)
+
+
+def typical_verify(
+    x: torch.Tensor,
+    parents: tuple[int, ...],
+    p: torch.Tensor,
+    epsilon: float,
+    delta: float,
+    generator: torch.Generator | None,
+    valid: torch.Tensor | None = None,
+) -> Verdict:
+    """LOSSY typical acceptance (Medusa, Cai et al. 2024): NOT the target's distribution.
+
+    A drafted token x is accepted where ``p(x) > min(epsilon, delta * exp(-H(p)))``, p being the
+    target distribution at x's parent; of the root-to-node paths whose every node passes, the
+    longest wins (ties: the higher sum of log p). The next token is sampled from p at the last
+    accepted node, restricted to the tokens that would pass the same test (the argmax always
+    does when delta < 1, since exp(-H) <= max p). Cheap and accepts more than the exact rule at
+    high temperature, but the output law changes; stats and configs say ``lossy``.
+    x [B, n]; p [B, n+1, V] target probabilities (index 0 = root)."""
+    B, n = x.shape
+    logp = p.clamp_min(1e-30).log()
+    entropy = -(p * logp).sum(-1)  # [B, n+1]
+    thresh = torch.clamp(delta * torch.exp(-entropy), max=epsilon)  # min(epsilon, delta * exp(-H))
+    rows = torch.arange(B, device=p.device)
+    best = torch.full((B,), -1, dtype=torch.long, device=p.device)
+    accepted: list[list[int]] = [[] for _ in range(B)]
+    if n > 0:
+        lay = layout(parents)
+        par_fwd = torch.tensor([q + 1 for q in parents], device=p.device)  # forward index of each parent
+        p_x = p[:, par_fwd].gather(-1, x[..., None]).squeeze(-1)  # [B, n]
+        ok = p_x > thresh[:, par_fwd]
+        if valid is not None:
+            ok &= valid
+        anc = lay.ancestors.to(p.device)[None]  # [1, n, n]
+        path_ok = ~(anc & ~ok[:, None, :]).any(-1)  # every node on the path passes
+        length = torch.where(path_ok, lay.depth.to(p.device)[None] + 1, 0)
+        path_lp = (anc.float() * p_x.clamp_min(1e-30).log()[:, None, :]).sum(-1)
+        key = torch.where(path_ok, path_lp, torch.full_like(path_lp, float("-inf")))
+        longest = length.max(1, keepdim=True).values
+        key = torch.where(length == longest, key, torch.full_like(key, float("-inf")))
+        cand = key.argmax(1)
+        best = torch.where(longest.squeeze(1) > 0, cand, best)
+        accepted = [path_to(parents, int(j)) if j >= 0 else [] for j in best.tolist()]
+    p_last = p[rows, best + 1]  # [B, V]
+    keep = p_last > thresh[rows, best + 1][:, None]
+    keep |= torch.nn.functional.one_hot(p_last.argmax(-1), p_last.shape[-1]).bool()
+    nxt = sample(p_last * keep, generator)
+    return Verdict(accepted, nxt.tolist())

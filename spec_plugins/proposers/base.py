@@ -93,6 +93,15 @@ class Proposer:
     def select_rows(self, rows: Sequence[int]) -> None:
         """Keep only these rows (others finished)."""
 
+    def admit(self, prompts: Sequence[Sequence[int]]) -> None:
+        """New rows join the running batch after the existing ones (continuous batching), before
+        their first token is emitted, as ``begin`` does for a new batch. Proposers with per-row
+        state must override this; the default refuses, so a server never mixes up rows."""
+        raise NotImplementedError(
+            f"proposer {type(self).__name__} cannot add rows to a running batch (no admit()); "
+            "it can only decode fixed batches"
+        )
+
     @property
     def draft_forward_time(self) -> float:
         """Seconds spent in draft-model forwards so far (0 for model-free proposers)."""

@@ -114,6 +114,22 @@ class DraftModelProposer(Proposer):
             self._fed[b] = fed[:i]
         self.runtime.rollback(lengths)
 
+    def admit(self, prompts: Sequence[Sequence[int]]) -> None:
+        # Like begin(): cache all but the last prompt token (a one-token prompt is cached whole);
+        # propose() feeds each row whatever its cache lacks.
+        if not self._fed:
+            self.begin(prompts)
+            return
+        if not callable(getattr(self.runtime, "add_rows", None)):
+            raise NotImplementedError(f"the draft model's runtime {type(self.runtime).__name__} has no add_rows()")
+        t0 = time.perf_counter()
+        heads = [list(p[:-1]) if len(p) > 1 else list(p) for p in prompts]
+        self.runtime.add_rows(heads)
+        self._fed += heads
+        if self._base:
+            self._base += [len(h) for h in heads]
+        self._forward_time += time.perf_counter() - t0
+
     def select_rows(self, rows: Sequence[int]) -> None:
         self.runtime.select_rows(rows)
         self._fed = [self._fed[r] for r in rows]

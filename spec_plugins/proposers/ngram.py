@@ -77,3 +77,6 @@ class NgramProposer(Proposer):
 
     def select_rows(self, rows: Sequence[int]) -> None:
         self._index = [self._index[r] for r in rows]
+
+    def admit(self, prompts: Sequence[Sequence[int]]) -> None:
+        self._index += [NgramIndex(self.config.min_ngram, self.config.max_ngram) for _ in prompts]

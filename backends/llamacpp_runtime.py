@@ -1,0 +1,410 @@
+"""llama.cpp runtime over llama-cpp-python's low-level API (GGUF models, CPU or llama.cpp's GPUs).
+
+KV layout: one *unified* llama.cpp KV cache. Batch row ``b`` owns sequence id ``b`` (its "home");
+a forward appends its N nodes to that sequence at positions ``length[b] + depth``, with logits
+for every node, and ``commit``/``rollback`` remove what is not kept with
+``llama_memory_seq_rm`` (metadata only; the prefix is never re-run).
+
+Trees use llama.cpp's per-token sequence lists: every leaf of the tree gets a sequence id
+(the first leaf reuses the row's home id, the others are temporary ids whose prefix is shared
+with ``llama_memory_seq_cp``, again metadata only), and each node is tagged with the ids of
+every leaf below it. A node then attends to the cells of its leaf's sequence at positions
+<= its own, which are exactly the row's prefix plus the node's ancestors. ``commit`` moves the
+accepted path onto the home sequence and drops the temporary ids.
+
+Models whose cache cannot be partially removed (recurrent / hybrid state) are refused.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+import torch
+from pydantic import Field
+
+from spec_plugins.backends.base import RuntimeCapabilities, StepOutput
+from spec_plugins.config import RuntimeConfig
+from spec_plugins.tree import TreeLayout
+
+INSTALL_HINT = (
+    "install the [llamacpp] extra: pip install -e '.[llamacpp]' (on x86 CPUs without AMX, build it with "
+    "CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF')"
+)
+
+_GGML_TYPES = {"float32": 0, "float16": 1, "bfloat16": 30}  # ggml_type enum values
+
+
+def _llama_cpp() -> Any:
+    """Import llama_cpp only where it is needed, so configs validate without the extra."""
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        raise ImportError(f"the llamacpp backend needs llama-cpp-python; {INSTALL_HINT}") from exc
+    return llama_cpp
+
+
+def load_tokenizer(model: str) -> Any:
+    """An HF tokenizer for a GGUF (or transformers dir), cached: converting one from a GGUF takes
+    ~25 s, so the converted model dir of the torch runtime is reused when present, else the
+    tokenizer alone is saved under ``<cache>/tokenizers``."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    from spec_plugins.models import cache_root, converted_dir, resolve_model
+
+    src = resolve_model(model)
+    if src.gguf_file is None:
+        return AutoTokenizer.from_pretrained(str(src.directory))
+    conv = converted_dir(src)
+    for d in (conv, cache_root() / "tokenizers" / conv.name):
+        if (d / "tokenizer_config.json").exists():
+            return AutoTokenizer.from_pretrained(str(d))
+    tok = AutoTokenizer.from_pretrained(str(src.directory), gguf_file=src.gguf_file)
+    _save_tokenizer(tok, cache_root() / "tokenizers" / conv.name)
+    return tok
+
+
+def _save_tokenizer(tok: Any, target: Path) -> None:
+    import shutil
+    import tempfile
+    import warnings
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=target.parent, prefix=".tmp-")
+    try:
+        tok.save_pretrained(tmp)
+        os.replace(tmp, target)
+    except OSError as exc:  # caching is an optimisation (or another process won the race)
+        if not (target / "tokenizer_config.json").exists():
+            warnings.warn(f"could not cache the tokenizer in {target}: {exc}")
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class LlamaCppRuntime:
+    """A GGUF model in a llama.cpp context; rows and tree leaves are llama.cpp sequences."""
+
+    class Config(RuntimeConfig):
+        backend: Literal["llamacpp"] = "llamacpp"
+        threads: int | None = Field(
+            None, ge=1, description="Threads for one-token decodes (None = all cores of this machine)."
+        )
+        threads_batch: int | None = Field(
+            None, ge=1, description="Threads for multi-token decodes: prefill, verification (None = threads)."
+        )
+        n_ctx: int = Field(4096, ge=0, description="KV cells shared by all rows and tree nodes (0 = model's length).")
+        n_batch: int = Field(512, ge=1, description="Most tokens per llama_decode call (longer inputs are split).")
+        max_sequences: int = Field(
+            16, ge=1, le=256, description="llama.cpp sequence ids: batch rows + tree leaves beyond one per row."
+        )
+        flash_attn: bool = Field(False, description="Use llama.cpp's flash attention kernels.")
+        swa_full: bool = Field(True, description="Full-size sliding-window cache (safe rollback for SWA models).")
+        gpu_layers: int = Field(0, ge=-1, description="Layers offloaded to a llama.cpp GPU backend (-1 = all).")
+        extra_buffer_types: bool = Field(
+            True, description="Let llama.cpp use repacked weight buffers (turn off if its AMX path crashes).")
+        dtype: Literal["float32", "float16", "bfloat16"] | None = Field(
+            None, description="KV cache type (weights keep the GGUF's quantisation); None = llama.cpp's f16.")
+        verbose: bool = Field(False, description="Print llama.cpp's own logs.")
+
+    @classmethod
+    def from_config(cls, config: "LlamaCppRuntime.Config") -> "LlamaCppRuntime":
+        from spec_plugins.models import resolve_model
+
+        src = resolve_model(config.model)
+        if src.gguf_path is None:
+            raise ValueError(f"the llamacpp backend needs a GGUF model; {config.model!r} is a transformers directory")
+        return cls(str(src.gguf_path), config, tokenizer=load_tokenizer(config.model))
+
+    def __init__(self, gguf_path: str, config: "LlamaCppRuntime.Config | None" = None, tokenizer: Any = None) -> None:
+        L = _llama_cpp()
+        self._L = L
+        cfg = config or self.Config(model=gguf_path)
+        self.config = cfg
+        self.tokenizer = tokenizer
+        try:
+            from llama_cpp._logger import set_verbose
+
+            set_verbose(cfg.verbose)
+        except ImportError:  # older packages: logs stay on
+            pass
+        L.llama_backend_init()
+        mp = L.llama_model_default_params()
+        mp.n_gpu_layers = cfg.gpu_layers
+        if hasattr(mp, "use_extra_bufts"):
+            mp.use_extra_bufts = cfg.extra_buffer_types
+        self._model = L.llama_model_load_from_file(str(gguf_path).encode(), mp)
+        if not self._model:
+            raise ValueError(f"llama.cpp could not load {gguf_path}")
+        self._ctx = None
+        self._batch = None
+        if L.llama_model_is_recurrent(self._model) or L.llama_model_is_hybrid(self._model):
+            self.close()
+            raise ValueError(
+                f"{Path(gguf_path).name} is a recurrent/hybrid model: llama.cpp cannot remove part of its "
+                "state, so rejected draft tokens could not be rolled back. Use a transformer model or another runtime."
+            )
+        threads = cfg.threads or os.cpu_count() or 1
+        self.threads, self.threads_batch = threads, cfg.threads_batch or threads
+        cp = L.llama_context_default_params()
+        cp.n_ctx = cfg.n_ctx
+        cp.n_batch = cfg.n_batch
+        cp.n_ubatch = cfg.n_batch
+        cp.n_seq_max = cfg.max_sequences
+        cp.kv_unified = True  # one cell may belong to several sequences (tree nodes)
+        cp.swa_full = cfg.swa_full
+        cp.n_threads, cp.n_threads_batch = self.threads, self.threads_batch
+        if cfg.dtype is not None:
+            cp.type_k = cp.type_v = _GGML_TYPES[cfg.dtype]
+        cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if cfg.flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        self._ctx = L.llama_init_from_model(self._model, cp)
+        if not self._ctx:
+            self.close()
+            raise ValueError(f"llama.cpp could not create a context (n_ctx={cfg.n_ctx}) for {gguf_path}")
+        self._mem = L.llama_get_memory(self._ctx)
+        self._n_batch = cfg.n_batch
+        self._batch = L.llama_batch_init(self._n_batch, 0, cfg.max_sequences)
+        vocab = L.llama_model_get_vocab(self._model)
+        self.vocab_size = int(L.llama_vocab_n_tokens(vocab))
+        eos = int(L.llama_vocab_eos(vocab))
+        self.eos_token_ids = (eos,) if eos >= 0 else ()  # the GGUF's EOS, as the torch runtime's config has
+        self.max_context = int(L.llama_n_ctx(self._ctx))
+        self.capabilities = RuntimeCapabilities(tree_mask=True, hidden_states=False, batch=True, name="llamacpp")
+        self._seq: list[int] = []  # home sequence id per row
+        self._len: list[int] = []  # tokens cached per row (= next position)
+        self._pending: dict[str, Any] | None = None  # what the last forward wrote, until commit
+        self.decode_time = 0.0  # seconds inside llama_decode (excludes Python batch building)
+
+    # ---- lifetime ------------------------------------------------------------------------
+    def close(self) -> None:
+        """Free the llama.cpp batch, context and model (also done on garbage collection)."""
+        L = self._L
+        if self._batch is not None:
+            L.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx:
+            L.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            L.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
+
+    # ---- llama.cpp calls -----------------------------------------------------------------
+    def _decode(self, items: list[tuple[int, int, Sequence[int], bool]]) -> torch.Tensor:
+        """Run (token, pos, seq_ids, want_logits) items in n_batch chunks; logits rows in order."""
+        L, batch, V = self._L, self._batch, self.vocab_size
+        outs = []
+        for start in range(0, len(items), self._n_batch):
+            chunk = items[start : start + self._n_batch]
+            n_out = 0
+            for i, (tok, pos, seqs, want) in enumerate(chunk):
+                batch.token[i] = tok
+                batch.pos[i] = pos
+                batch.n_seq_id[i] = len(seqs)
+                sid = batch.seq_id[i]
+                for j, s in enumerate(seqs):
+                    sid[j] = s
+                batch.logits[i] = 1 if want else 0
+                n_out += bool(want)
+            batch.n_tokens = len(chunk)
+            t0 = time.perf_counter()
+            rc = L.llama_decode(self._ctx, batch)
+            self.decode_time += time.perf_counter() - t0
+            if rc == 1:
+                raise RuntimeError(
+                    f"llama.cpp KV cache is full ({self.max_context} cells shared by all rows and draft nodes); "
+                    "raise n_ctx in the llamacpp runtime config"
+                )
+            if rc != 0:
+                raise RuntimeError(f"llama_decode failed with code {rc}")
+            if n_out:
+                ptr = L.llama_get_logits(self._ctx)
+                buf = (ctypes.c_float * (n_out * V)).from_address(ctypes.addressof(ptr.contents))
+                outs.append(torch.frombuffer(buf, dtype=torch.float32).view(n_out, V).clone())
+        return torch.cat(outs) if len(outs) != 1 else outs[0]
+
+    def _seq_rm(self, seq: int, p0: int, p1: int = -1) -> None:
+        if not self._L.llama_memory_seq_rm(self._mem, seq, p0, p1):
+            raise RuntimeError(
+                f"llama.cpp refused to remove positions [{p0}, {p1}) of sequence {seq}: this model's cache "
+                "cannot be partially removed, so speculative decoding cannot roll it back"
+            )
+
+    # ---- Runtime contract ----------------------------------------------------------------
+    def prefill(self, rows: Sequence[Sequence[int]], want_hidden: bool = False) -> StepOutput:
+        if want_hidden:
+            raise ValueError("the llamacpp runtime does not return hidden states (capabilities.hidden_states=False)")
+        if not rows or any(len(r) == 0 for r in rows):
+            raise ValueError("prefill needs at least one token per row")
+        if len(rows) > self.config.max_sequences:
+            raise ValueError(
+                f"batch of {len(rows)} rows exceeds max_sequences={self.config.max_sequences} of the llamacpp runtime"
+            )
+        total = sum(len(r) for r in rows)
+        if total > self.max_context:
+            raise ValueError(f"prompts hold {total} tokens; the llama.cpp context holds {self.max_context} (n_ctx)")
+        self._L.llama_memory_clear(self._mem, True)
+        self._pending = None
+        items = [(int(t), p, (b,), p == len(r) - 1) for b, r in enumerate(rows) for p, t in enumerate(r)]
+        logits = self._decode(items)
+        self._seq = list(range(len(rows)))
+        self._len = [len(r) for r in rows]
+        return StepOutput(logits.view(len(rows), 1, self.vocab_size))
+
+    def forward(self, tokens: torch.Tensor, tree: TreeLayout | None = None, want_hidden: bool = False) -> StepOutput:
+        if want_hidden:
+            raise ValueError("the llamacpp runtime does not return hidden states (capabilities.hidden_states=False)")
+        if self._pending is not None:
+            self._drop_temporaries()
+            self._pending = None
+        B, N = tokens.shape
+        if B != len(self._seq):
+            raise ValueError(f"forward got {B} rows; the runtime holds {len(self._seq)}")
+        toks = tokens.tolist()
+        if tree is None or tree.is_chain:
+            if max(self._len) + N > self.max_context:
+                raise ValueError(f"position {max(self._len) + N - 1} exceeds the context of {self.max_context}")
+            items = [(toks[b][j], self._len[b] + j, (s,), True) for b, s in enumerate(self._seq) for j in range(N)]
+            self._pending = {"before": list(self._len), "tree": None, "leaves": None}
+            self._len = [n + N for n in self._len]
+        else:
+            items = self._tree_items(toks, tree)
+        logits = self._decode(items)
+        return StepOutput(logits.view(B, N, self.vocab_size))
+
+    def _tree_items(self, toks: list[list[int]], tree: TreeLayout) -> list[tuple[int, int, Sequence[int], bool]]:
+        """Give each leaf a sequence holding the row's prefix; tag nodes with their leaves' ids."""
+        N = tree.size
+        has_child = [False] * N
+        for p in tree.parents:
+            if p >= 0:
+                has_child[p] = True
+        leaves = [i for i in range(N) if not has_child[i]]
+        depth = tree.depth.tolist()
+        if max(self._len) + max(depth) + 1 > self.max_context:
+            raise ValueError(f"tree depth {max(depth) + 1} exceeds the context of {self.max_context}")
+        extra = len(self._seq) * (len(leaves) - 1)
+        free = sorted(set(range(self.config.max_sequences)) - set(self._seq))
+        if extra > len(free):
+            raise ValueError(
+                f"a tree with {len(leaves)} leaves over {len(self._seq)} rows needs {len(self._seq) + extra} llama.cpp "
+                f"sequences; raise max_sequences (now {self.config.max_sequences}) in the llamacpp runtime config"
+            )
+        anc = tree.ancestors  # anc[leaf, j]: node j lies on the leaf's path
+        on_leaf = [[k for k, leaf in enumerate(leaves) if bool(anc[leaf, j])] for j in range(N)]
+        row_ids: list[list[int]] = []
+        items = []
+        for b, home in enumerate(self._seq):
+            ids = [home] + free[b * (len(leaves) - 1) : (b + 1) * (len(leaves) - 1)]
+            for s in ids[1:]:
+                self._L.llama_memory_seq_cp(self._mem, home, s, -1, -1)
+            row_ids.append(ids)
+            base = self._len[b]
+            items.extend((toks[b][j], base + depth[j], [ids[k] for k in on_leaf[j]], True) for j in range(N))
+        self._pending = {"before": list(self._len), "tree": tree, "leaves": leaves, "ids": row_ids}
+        self._len = [n + max(depth) + 1 for n in self._len]
+        return items
+
+    def _drop_temporaries(self) -> None:
+        pend = self._pending
+        if pend is not None and pend.get("ids"):
+            for ids in pend["ids"]:
+                for s in ids[1:]:
+                    self._seq_rm(s, -1, -1)
+
+    def commit(self, keep: Sequence[Sequence[int]]) -> None:
+        pend = self._pending
+        if pend is None:
+            raise RuntimeError("commit() without a preceding forward()")
+        if len(keep) != len(self._seq):
+            raise ValueError(f"commit got {len(keep)} rows; the runtime holds {len(self._seq)}")
+        self._pending = None
+        before, tree = pend["before"], pend["tree"]
+        for b, k in enumerate(keep):
+            k = list(k)
+            a, home, base = len(k), self._seq[b], before[b]
+            if tree is None:
+                if k != list(range(a)):
+                    raise ValueError(f"row {b}: a chain keeps a prefix of its nodes, got {k}")
+                self._seq_rm(home, base + a)
+            else:
+                self._commit_path(b, k, tree, pend)
+            self._len[b] = base + a
+        if tree is not None:
+            for ids in pend["ids"]:
+                for s in ids[1:]:
+                    self._seq_rm(s, -1, -1)
+
+    def _commit_path(self, b: int, keep: list[int], tree: TreeLayout, pend: dict) -> None:
+        """Leave exactly prefix + the kept root-to-node path on the row's home sequence."""
+        home, base = self._seq[b], pend["before"][b]
+        if not keep:
+            self._seq_rm(home, base)
+            return
+        for d, j in enumerate(keep):
+            want_parent = keep[d - 1] if d else -1
+            if tree.parents[j] != want_parent:
+                raise ValueError(f"row {b}: kept nodes {keep} are not a root-to-node path of the tree")
+        last, ids = keep[-1], pend["ids"][b]
+        leaf_k = next(k for k, leaf in enumerate(pend["leaves"]) if bool(tree.ancestors[leaf, last]))
+        if leaf_k == 0:  # the path lies on the home sequence already
+            self._seq_rm(home, base + len(keep))
+            return
+        self._seq_rm(home, base)
+        self._L.llama_memory_seq_cp(self._mem, ids[leaf_k], home, base, base + len(keep))
+
+    def rollback(self, lengths: Sequence[int]) -> None:
+        if len(lengths) != len(self._seq):
+            raise ValueError(f"rollback got {len(lengths)} rows; the runtime holds {len(self._seq)}")
+        self._drop_temporaries()
+        self._pending = None
+        for b, (s, n) in enumerate(zip(self._seq, lengths)):
+            n = min(int(n), self._len[b])
+            if n < 0:
+                raise ValueError(f"rollback length must be >= 0, got {n}")
+            self._seq_rm(s, n)
+            self._len[b] = n
+
+    def add_rows(self, rows: Sequence[Sequence[int]], want_hidden: bool = False) -> StepOutput:
+        """Continuous batching: prefill ``rows`` on unused sequence ids and append them after
+        the running rows (whose cache is untouched). Output as ``prefill``, new rows only."""
+        if not self._seq:
+            return self.prefill(rows, want_hidden)
+        if want_hidden:
+            raise ValueError("the llamacpp runtime does not return hidden states (capabilities.hidden_states=False)")
+        if self._pending is not None and self._pending.get("ids"):
+            raise RuntimeError("add_rows() between a tree forward() and commit()")
+        if not rows or any(len(r) == 0 for r in rows):
+            raise ValueError("add_rows needs at least one token per row")
+        free = sorted(set(range(self.config.max_sequences)) - set(self._seq))
+        if len(rows) > len(free):
+            raise ValueError(f"{len(self._seq)} running + {len(rows)} new rows exceed max_sequences="
+                             f"{self.config.max_sequences} of the llamacpp runtime")
+        ids = free[: len(rows)]
+        items = [(int(t), p, (s,), p == len(r) - 1) for s, r in zip(ids, rows) for p, t in enumerate(r)]
+        logits = self._decode(items)
+        self._seq += ids
+        self._len += [len(r) for r in rows]
+        return StepOutput(logits.view(len(rows), 1, self.vocab_size))
+
+    def lengths(self) -> list[int]:
+        return list(self._len)
+
+    def select_rows(self, rows: Sequence[int]) -> None:
+        rows = list(rows)
+        if any(r < 0 or r >= len(self._seq) for r in rows):
+            raise ValueError(f"select_rows: rows {rows} out of range for {len(self._seq)} rows")
+        self._drop_temporaries()
+        self._pending = None
+        for b in set(range(len(self._seq))) - set(rows):
+            self._seq_rm(self._seq[b], -1, -1)
+        self._seq = [self._seq[r] for r in rows]
+        self._len = [self._len[r] for r in rows]

@@ -1,0 +1,158 @@
+"""TensorRT runtime: plans of the verify-graph layout, KV kept on the GPU between steps.
+
+Engines come from ``spec-plugins export tensorrt`` (``exporters/tensorrt_build.py``). One
+execution context per optimisation profile (``decode``, ``prefill``); every call sets the
+input shapes, binds torch CUDA tensors with ``set_tensor_address`` and runs
+``execute_async_v3`` on torch's current stream, so the small torch ops around it (masks, KV
+gathers) are ordered with it without host syncs.
+
+KV layout and the Runtime contract come from
+:class:`~spec_plugins.backends.slot_engine.SlotEngineRuntime`: the torch runtime's hole-masked
+slot layout (:class:`~spec_plugins.backends.kv_slots.KVSlots`); each call's ``present = past +
+new`` becomes the next call's past; ``commit`` / ``rollback`` / ``select_rows`` apply slot plans
+to those GPU tensors (crop or tail gather, never a re-run of the prefix). This module adds only
+what is TensorRT: loading, the version/GPU check, contexts and the engine call.
+
+``tensorrt`` is imported only when a runtime is built, so configs naming this backend validate
+on machines without it; building one there fails with the install hint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import Field
+
+from spec_plugins.backends.slot_engine import SlotEngineRuntime
+from spec_plugins.config import RuntimeConfig
+from spec_plugins.exporters.tensorrt_manifest import (BuildEnv, EngineEntry, EngineManifest, EngineManifestError,
+                                                      check_compatible, torch_dtype_name)
+from spec_plugins.exporters.tensorrt_profiles import Limits
+from spec_plugins.registry import RegistryError, register_backend
+
+INSTALL_HINT = ('Install it with `pip install "spec-plugins[tensorrt]"` (TensorRT 10 wheels for CUDA 12, fetched '
+                "from pypi.nvidia.com) on a machine with an NVIDIA GPU and a CUDA build of torch.")
+
+
+class TensorRTUnavailable(RegistryError):
+    """TensorRT or a CUDA device is missing (a LookupError, so the CLI prints it without a traceback)."""
+
+
+def import_tensorrt() -> Any:
+    try:
+        import tensorrt as trt
+    except ImportError as exc:
+        raise TensorRTUnavailable(f"backend 'tensorrt' needs the tensorrt package, which is not installed "
+                                  f"({exc}). {INSTALL_HINT}") from None
+    return trt
+
+
+def cuda_device(name: str) -> torch.device:
+    dev = torch.device(name)
+    if dev.type != "cuda":
+        raise ValueError(f"backend 'tensorrt' runs on CUDA devices only, got device {name!r}")
+    if not torch.cuda.is_available():
+        raise TensorRTUnavailable("backend 'tensorrt' needs a CUDA GPU, but torch sees none "
+                                  f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'})")
+    return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+def load_tokenizer(directory: Path) -> Any:
+    """The tokenizer the ONNX export saved next to the graphs (copied into the engine dir)."""
+    if not directory.is_dir():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(directory))
+
+
+@register_backend("tensorrt")
+class TensorRTRuntime(SlotEngineRuntime):
+    """A TensorRT engine of the verify-graph layout with a batched, hole-masked KV on the GPU."""
+
+    class Config(RuntimeConfig):
+        backend: Literal["tensorrt"] = "tensorrt"
+        engine_dir: str = Field(description="Directory written by `spec-plugins export tensorrt`.")
+        model: str = Field("", description="Source model name (informational; the engine dir holds the tokenizer).")
+        graph: str = Field("verify", description="Engine to run: 'verify' (a target) or 'draft' (a draft model).")
+        device: str = Field("cuda", description="CUDA device: 'cuda', 'cuda:1', ...")
+        allow_gpu_mismatch: bool = Field(
+            False, description="Run engines built on another GPU model of the same compute capability.")
+        max_context: int | None = Field(None, ge=2,
+                                        description="Cap on positions (at most the engines' --max-context).")
+
+    @classmethod
+    def from_config(cls, config: "TensorRTRuntime.Config") -> "TensorRTRuntime":
+        trt = import_tensorrt()
+        device = cuda_device(config.device)
+        directory = Path(config.engine_dir)
+        man = EngineManifest.read(directory)
+        check_compatible(man.env, BuildEnv.current(device.index or 0), config.allow_gpu_mismatch,
+                         man.hardware_compatibility)
+        plan = man.check_plan(directory, config.graph)
+        tok = load_tokenizer(directory / man.tokenizer) if man.tokenizer else None
+        rt = cls(trt, plan, man.engine(config.graph), man.limits_object(), device, tok, config.max_context)
+        rt.eos_token_ids = list(man.eos_token_ids)
+        return rt
+
+    def __init__(self, trt: Any, plan: bytes, entry: EngineEntry, limits: Limits, device: torch.device,
+                 tokenizer: Any = None, max_context: int | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids: list[int] = []
+        self.inputs, self.outputs = entry.inputs, entry.outputs
+        profiles = entry.profile_objects()
+        with torch.cuda.device(device):
+            self._logger = trt.Logger(trt.Logger.WARNING)
+            self._trt_runtime = trt.Runtime(self._logger)
+            self.engine = self._trt_runtime.deserialize_cuda_engine(plan)
+            if self.engine is None:
+                raise EngineManifestError(f"TensorRT could not deserialise engine {entry.name!r} (see its log above)")
+            if self.engine.num_optimization_profiles != len(profiles):
+                raise EngineManifestError(f"engine {entry.name!r} has {self.engine.num_optimization_profiles} "
+                                          f"profiles, its manifest lists {len(profiles)}; rebuild the engines")
+            dtypes = self._io_dtypes(trt)
+            stream = torch.cuda.current_stream(device).cuda_stream
+            self.contexts = []
+            for i in range(len(profiles)):  # one context per profile: switching profiles costs a sync
+                ctx = self.engine.create_execution_context()
+                ctx.set_optimization_profile_async(i, stream)
+                self.contexts.append(ctx)
+        self._scratch = torch.empty(256, dtype=torch.uint8, device=device)  # address for empty tensors
+        self._init_slots(entry.inputs, entry.outputs, profiles, limits, entry.model, dtypes, device, "tensorrt",
+                         max_context)
+
+    def _io_dtypes(self, trt: Any) -> dict[str, torch.dtype]:
+        """Torch dtype of every engine I/O tensor; the engine's names must be the manifest's."""
+        eng = self.engine
+        got = {eng.get_tensor_name(i) for i in range(eng.num_io_tensors)}
+        want = {t["name"] for t in self.inputs + self.outputs}
+        if got != want:
+            raise EngineManifestError(f"engine I/O {sorted(got)} differs from the manifest's {sorted(want)}")
+        for t in self.inputs:
+            if eng.get_tensor_mode(t["name"]) != trt.TensorIOMode.INPUT:
+                raise EngineManifestError(f"engine tensor {t['name']!r} is not an input")
+        return {n: getattr(torch, torch_dtype_name(eng.get_tensor_dtype(n).name)) for n in got}
+
+    # ---- one engine call -------------------------------------------------------------------------
+    def _addr(self, t: torch.Tensor) -> int:
+        return t.data_ptr() if t.numel() else self._scratch.data_ptr()
+
+    def _run_engine(self, profile: int, feeds: dict[str, torch.Tensor],
+                    out_shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+        """Bind torch CUDA tensors by address and enqueue on torch's current stream (no sync)."""
+        ctx = self.contexts[profile]
+        for name, t in feeds.items():
+            ctx.set_input_shape(name, tuple(t.shape))
+            ctx.set_tensor_address(name, self._addr(t))
+        outs = {}
+        for name, shape in out_shapes.items():
+            got = tuple(ctx.get_tensor_shape(name))
+            if got != shape:
+                raise RuntimeError(f"engine output {name} has shape {got}; the manifest layout gives {shape}")
+            outs[name] = torch.empty(shape, dtype=self._dtypes[name], device=self.device)
+            ctx.set_tensor_address(name, self._addr(outs[name]))
+        if not ctx.execute_async_v3(torch.cuda.current_stream(self.device).cuda_stream):
+            raise RuntimeError("TensorRT execute_async_v3 failed (see the TensorRT log above)")
+        return outs

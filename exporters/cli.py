@@ -1,0 +1,85 @@
+"""``spec-plugins export onnx --config FILE --out DIR`` and ``spec-plugins export check DIR``."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from spec_plugins.cli import app, fail, load_config
+
+export_app = typer.Typer(add_completion=False, no_args_is_help=True,
+                         help="Export the target/draft graphs (ONNX) and check them against PyTorch.")
+app.add_typer(export_app, name="export")
+
+
+def _log(msg: str) -> None:
+    typer.secho(msg, err=True, fg=typer.colors.CYAN)
+
+
+@export_app.command("onnx")
+def export_onnx(
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML/JSON SpecConfig (default: built-in)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Directory to write (replaced if it exists)."),
+    opset: int = typer.Option(17, "--opset", min=14, help="ONNX opset."),
+) -> None:
+    """Write the verify graph of the target, the draft graphs and manifest.json to DIR."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from spec_plugins.config import ConfigError
+    from spec_plugins.exporters.onnx_export import export_config
+
+    t0 = time.perf_counter()
+    try:
+        man = export_config(load_config(config), out, opset, log=_log)
+    except (ConfigError, ValueError, FileNotFoundError, LookupError, ImportError) as exc:
+        fail(str(exc))
+        return
+    for g in man.graphs:
+        typer.echo(f"{g.name:<8} {out / g.file}  {g.size_bytes / 2**20:.1f} MiB  exported in {g.export_seconds:.1f} s")
+    for p in man.pending:
+        typer.echo(f"pending: {p}")
+    typer.echo(f"manifest: {out / 'manifest.json'}  (total {time.perf_counter() - t0:.1f} s including model load)")
+
+
+@export_app.command("check")
+def export_check(
+    directory: Path = typer.Argument(..., help="An export directory (with manifest.json)."),
+    gamma: int = typer.Option(5, "--gamma", min=1, max=64, help="Check N = 1..gamma+1 new nodes."),
+    rtol: float = typer.Option(1e-4, "--rtol", help="Allowed max|diff| relative to max|logits|."),
+    max_new_tokens: int = typer.Option(48, "--max-new-tokens", min=1, help="Greedy speculative tokens compared."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="ONNX Runtime intra-op threads."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+) -> None:
+    """ONNX Runtime vs PyTorch on random and real inputs; exit 1 on any mismatch."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from spec_plugins.exporters.parity import check_export
+
+    try:
+        report = check_export(directory, gamma, rtol, max_new_tokens, threads, log=_log)
+    except (ValueError, FileNotFoundError, LookupError, ImportError) as exc:
+        fail(str(exc))
+        return
+    typer.echo(json.dumps(report.to_dict()) if as_json else report.format())
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+def _register_other_formats() -> None:
+    """Other export formats add their commands to ``export`` (``tensorrt``: exporters/tensorrt_build.py)."""
+    import importlib
+
+    for mod in ("spec_plugins.exporters.tensorrt_build",):
+        try:
+            module = importlib.import_module(mod)
+        except ModuleNotFoundError as exc:
+            if exc.name and mod.startswith(exc.name):
+                continue  # not built yet
+            raise
+        module.add_command(export_app)
+
+
+_register_other_formats()

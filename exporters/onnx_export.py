@@ -1,0 +1,108 @@
+"""Export what a SpecConfig runs to ONNX: the target's verify graph and the draft graphs.
+
+One entry point, :func:`export_config`, used by ``spec-plugins export onnx`` and by the ONNX
+Runtime backend's export-on-first-use. Graphs are written to a temporary directory and moved
+into place at the end, so an interrupted export never leaves a half-written directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from spec_plugins.exporters.manifest import GraphEntry, Manifest, library_versions
+from spec_plugins.exporters.onnx_verify import OPSET, export_verify_graph
+
+Log = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def graph_entry(name: str, model: Any, source: str, path: Path, opset: int = OPSET) -> GraphEntry:
+    """Export one decoder (target or draft model) in the verify-graph layout."""
+    res = export_verify_graph(model, path, opset)
+    s = res.shape
+    return GraphEntry(name=name, kind="decoder_with_past", file=path.name, source_model=source, dtype=res.dtype,
+                      num_layers=s.num_layers, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+                      hidden_size=s.hidden_size, vocab_size=s.vocab_size, max_context=s.max_context,
+                      inputs=res.inputs, outputs=res.outputs, size_bytes=res.size_bytes,
+                      export_seconds=round(res.seconds, 3))
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    ids: set[int] = set()
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    e = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if e is not None:
+        ids.update([e] if isinstance(e, int) else list(e))
+    return sorted(ids)
+
+
+def export_models(out: str | Path, target: tuple[Any, Any, str], draft: tuple[Any, str] | None = None,
+                  pending: list[str] | None = None, opset: int = OPSET, log: Log = _quiet,
+                  heads: list[tuple[str, Any, str]] | None = None) -> Manifest:
+    """Write ``verify.onnx`` (+ ``draft.onnx``, head graphs), the tokenizer and ``manifest.json``.
+
+    ``target`` is (model, tokenizer, source name); ``draft`` is (model, source name); ``heads``
+    are (graph name, MedusaHeads or EagleDrafter, trained head directory)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        model, tok, source = target
+        log(f"exporting verify graph of {source} ...")
+        graphs = [graph_entry("verify", model, source, tmp / "verify.onnx", opset)]
+        log(f"  verify.onnx: {graphs[0].size_bytes / 2**20:.1f} MiB in {graphs[0].export_seconds:.1f} s")
+        if draft is not None:
+            dmodel, dsource = draft
+            log(f"exporting draft graph of {dsource} ...")
+            graphs.append(graph_entry("draft", dmodel, dsource, tmp / "draft.onnx", opset))
+            log(f"  draft.onnx: {graphs[1].size_bytes / 2**20:.1f} MiB in {graphs[1].export_seconds:.1f} s")
+        for name, module, head_dir in heads or []:
+            from spec_plugins.exporters.onnx_heads import export_head
+
+            log(f"exporting {name} head graph from {head_dir} ...")
+            graphs.append(export_head(module, tmp / f"{name}.onnx", name, source, head_dir, opset))
+            log(f"  {name}.onnx: {graphs[-1].size_bytes / 2**20:.1f} MiB in {graphs[-1].export_seconds:.1f} s")
+        if tok is not None:
+            tok.save_pretrained(str(tmp / "tokenizer"))
+        man = Manifest(graphs=graphs, opset=opset, versions=library_versions(),
+                       tokenizer="tokenizer" if tok is not None else None, eos_token_ids=_eos_ids(model, tok),
+                       pending=list(pending or []))
+        man.write(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+        return man
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def export_config(config: Any, out: str | Path, opset: int = OPSET, log: Log = _quiet) -> Manifest:
+    """Export the target (and the draft model or heads, if the proposer has them) of a SpecConfig."""
+    from spec_plugins.backends.torch_runtime import load_hf
+
+    tgt = config.target
+    dtype = getattr(tgt, "dtype", "float32")
+    model, tok = load_hf(tgt.model, dtype, "cpu")
+    draft = None
+    heads: list[tuple[str, Any, str]] = []
+    prop = config.proposer
+    if prop is not None and prop.type == "draft_model":
+        dm = prop.model
+        dmodel, _ = load_hf(dm.model, getattr(dm, "dtype", "float32"), "cpu")
+        draft = (dmodel, dm.model)
+    elif prop is not None and prop.type in ("medusa", "eagle"):
+        from spec_plugins.heads import EagleDrafter, MedusaHeads
+
+        cls = MedusaHeads if prop.type == "medusa" else EagleDrafter
+        heads.append((prop.type, cls.from_pretrained(prop.heads, model), str(prop.heads)))
+    return export_models(out, (model, tok, tgt.model), draft, None, opset, log, heads)

@@ -1,0 +1,167 @@
+"""ONNX graphs of the trained draft heads (``spec_plugins.heads``): Medusa heads, EAGLE layer.
+
+    medusa  hidden [B, H]                                 -> logits [B, K, Vd]
+    eagle   features [B, T, H], tokens [B, T], positions [B, T],
+            past_key / past_value [B, kv, S, d], attention_mask [B, 1, T, S+T] (additive)
+                                                          -> features [B, T, H], logits [B, T, Vd],
+                                                             new_key / new_value [B, kv, T, d]
+
+Logits are over the head's draft vocabulary (``vocab_ids`` in the head directory). The heads
+are plain modules without caches, so the tracer sees every shape; B, T and S are dynamic.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from spec_plugins.exporters.manifest import GraphEntry
+from spec_plugins.exporters.onnx_verify import OPSET
+
+
+class _Eagle(torch.nn.Module):
+    """Adds the draft-vocabulary logits to the drafter's outputs."""
+
+    def __init__(self, drafter: Any) -> None:
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, features, tokens, positions, past_key, past_value, attention_mask):
+        f, k, v = self.drafter(features, tokens, positions, past_key, past_value, attention_mask)
+        return f, self.drafter.logits(f), k, v
+
+
+def _io(kind: str, c: Any, vd: int) -> tuple[list[dict], list[dict], dict]:
+    if kind == "medusa_heads":
+        ins = [{"name": "hidden", "dtype": "float32", "shape": ["B", c.hidden_size]}]
+        outs = [{"name": "logits", "dtype": "float32", "shape": ["B", c.num_heads, vd]}]
+        return ins, outs, {"hidden": {0: "B"}, "logits": {0: "B"}}
+    kv_in, kv_new = ["B", c.num_kv_heads, "S", c.head_dim], ["B", c.num_kv_heads, "T", c.head_dim]
+    ins = [{"name": "features", "dtype": "float32", "shape": ["B", "T", c.hidden_size]},
+           {"name": "tokens", "dtype": "int64", "shape": ["B", "T"]},
+           {"name": "positions", "dtype": "int64", "shape": ["B", "T"]},
+           {"name": "past_key", "dtype": "float32", "shape": kv_in},
+           {"name": "past_value", "dtype": "float32", "shape": kv_in},
+           {"name": "attention_mask", "dtype": "float32", "shape": ["B", 1, "T", "S+T"]}]
+    outs = [{"name": "features_out", "dtype": "float32", "shape": ["B", "T", c.hidden_size]},
+            {"name": "logits", "dtype": "float32", "shape": ["B", "T", vd]},
+            {"name": "new_key", "dtype": "float32", "shape": kv_new},
+            {"name": "new_value", "dtype": "float32", "shape": kv_new}]
+    axes = {"features": {0: "B", 1: "T"}, "tokens": {0: "B", 1: "T"}, "positions": {0: "B", 1: "T"},
+            "past_key": {0: "B", 2: "S"}, "past_value": {0: "B", 2: "S"}, "attention_mask": {0: "B", 2: "T", 3: "ST"},
+            "features_out": {0: "B", 1: "T"}, "logits": {0: "B", 1: "T"}, "new_key": {0: "B", 2: "T"},
+            "new_value": {0: "B", 2: "T"}}
+    return ins, outs, axes
+
+
+def head_inputs(kind: str, module: Any, B: int = 2, T: int = 3, S: int = 4, seed: int = 0) -> tuple:
+    """Random inputs for a head graph (causal mask over a non-empty past for EAGLE)."""
+    g = torch.Generator().manual_seed(seed)
+    c = module.config
+    if kind == "medusa_heads":
+        return (torch.randn(B, c.hidden_size, generator=g),)
+    vocab = module.embed_weight.shape[0]
+    ok = torch.cat([torch.ones(T, S, dtype=torch.bool), torch.ones(T, T, dtype=torch.bool).tril()], -1)
+    mask = torch.zeros(B, 1, T, S + T).masked_fill_(~ok[None, None], torch.finfo(torch.float32).min)
+    return (torch.randn(B, T, c.hidden_size, generator=g), torch.randint(0, vocab, (B, T), generator=g),
+            (torch.arange(T) + S)[None].expand(B, T).contiguous(),
+            torch.randn(B, c.num_kv_heads, S, c.head_dim, generator=g),
+            torch.randn(B, c.num_kv_heads, S, c.head_dim, generator=g), mask)
+
+
+def _kind(module: Any) -> str:
+    from spec_plugins.heads import EagleDrafter, MedusaHeads
+
+    if isinstance(module, MedusaHeads):
+        return "medusa_heads"
+    if isinstance(module, EagleDrafter):
+        return "eagle_layer"
+    raise TypeError(f"cannot export {type(module).__name__}: expected MedusaHeads or EagleDrafter")
+
+
+@torch.no_grad()
+def export_head(module: Any, path: str | Path, name: str, source_model: str, source_heads: str | None,
+                opset: int = OPSET) -> GraphEntry:
+    """Trace a Medusa or EAGLE head into ``path`` and validate it with onnx.checker."""
+    import onnx
+
+    kind = _kind(module)
+    module = module.float().eval()
+    wrapped = module if kind == "medusa_heads" else _Eagle(module)
+    vd = int(module.vocab_ids.numel())
+    ins, outs, axes = _io(kind, module.config, vd)
+    path = Path(path)
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(wrapped, head_inputs(kind, module), str(path), input_names=[i["name"] for i in ins],
+                          output_names=[o["name"] for o in outs], dynamic_axes=axes, opset_version=opset,
+                          dynamo=False)
+    drop_noop_casts(path)
+    onnx.checker.check_model(str(path))
+    return GraphEntry(name=name, kind=kind, file=path.name, source_model=source_model, dtype="float32", inputs=ins,
+                      outputs=outs, size_bytes=path.stat().st_size,
+                      export_seconds=round(time.perf_counter() - t0, 3), hidden_size=module.config.hidden_size,
+                      vocab_size=vd, source_heads=source_heads)
+
+
+def drop_noop_casts(path: Path) -> int:
+    """Remove Cast nodes to the type their input already has (the heads' RMSNorm casts to float
+    and back). ONNX Runtime 1.32's Cast-chain elimination breaks on them ("node input ... is not
+    a graph input") at any optimisation level above 'disable'. Returns how many were removed."""
+    import onnx
+
+    model = onnx.shape_inference.infer_shapes(onnx.load(str(path)))
+    g = model.graph
+    types = {v.name: v.type.tensor_type.elem_type for v in [*g.input, *g.value_info, *g.output]}
+    types.update({t.name: t.data_type for t in g.initializer})
+    outputs = {o.name for o in g.output}
+    rename: dict[str, str] = {}
+    keep = []
+    for node in g.node:
+        node.input[:] = [rename.get(i, i) for i in node.input]
+        to = next((a.i for a in node.attribute if a.name == "to"), None)
+        if node.op_type == "Cast" and to is not None and types.get(node.input[0]) == to and node.output[0] not in outputs:
+            rename[node.output[0]] = node.input[0]
+            continue
+        keep.append(node)
+    if rename:
+        del g.node[:]
+        g.node.extend(keep)
+        del g.value_info[:]
+        onnx.save(model, str(path))
+    return len(rename)
+
+
+def load_head_module(entry: GraphEntry, model: Any) -> Any:
+    from spec_plugins.heads import EagleDrafter, MedusaHeads
+
+    if entry.source_heads is None:
+        raise ValueError(f"graph {entry.name!r} has no source_heads directory to compare against")
+    cls = MedusaHeads if entry.kind == "medusa_heads" else EagleDrafter
+    return cls.from_pretrained(entry.source_heads, model)
+
+
+@torch.no_grad()
+def check_head(directory: str | Path, entry: GraphEntry, model: Any, rtol: float, module: Any = None) -> list:
+    """ORT vs the PyTorch head on random inputs of a few shapes (logits compared)."""
+    from spec_plugins.backends.onnxruntime_runtime import create_session
+    from spec_plugins.exporters.parity import compare
+
+    module = (module if module is not None else load_head_module(entry, model)).float().eval()
+    wrapped = module if entry.kind == "medusa_heads" else _Eagle(module)
+    session = create_session(Path(directory) / entry.file, "cpu")
+    names = [i["name"] for i in entry.inputs]
+    cases = []
+    for B, T, S in ((1, 1, 0), (2, 3, 5), (3, 6, 9)):
+        args = head_inputs(entry.kind, module, B, T, S, seed=B + T + S)
+        want = wrapped(*args)
+        want = want if entry.kind == "medusa_heads" else want[1]
+        got = session.run(["logits"], {n: a.numpy() for n, a in zip(names, args)})[0]
+        label = f"random B={B}" if entry.kind == "medusa_heads" else f"random B={B} T={T} S={S}"
+        cases.append(compare(entry.name, label, got, want, rtol))
+    return cases

@@ -1,0 +1,194 @@
+"""The ONNX verify graph: one decoder step over N new nodes with an explicit KV past.
+
+Layout (the same for a target's verify graph and a draft model's graph):
+
+    inputs   input_ids       [B, N]          int64
+             position_ids    [B, N]          int64
+             attention_mask  [B, 1, N, P+N]  float, additive (0 = attend, finfo.min = masked)
+             past_key.i      [B, H_kv, P, D] per layer i (past_value.i likewise)
+    outputs  logits          [B, N, V]       float32
+             hidden          [B, N, H]       last hidden state (feature-level drafters)
+             present_key.i   [B, H_kv, P+N, D] = past + new (present_value.i likewise)
+
+The mask is exactly what ``backends/torch_runtime.py`` builds in ``_mask``, so it carries tree
+masks and holes (left padding, rejected nodes). B, N and P are dynamic axes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+OPSET = 17
+# The dummy input used for tracing. N must be > 1: transformers' SDPA wrapper picks a
+# single-query GQA packing path for N == 1, which the tracer would freeze into the graph.
+_TRACE_B, _TRACE_N, _TRACE_P = 2, 3, 4
+
+
+class UnsupportedModel(ValueError):
+    """The model cannot be exported with the verify-graph layout (the message says why)."""
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """What a runtime needs to know to feed a decoder graph."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_context: int
+
+    @classmethod
+    def of(cls, model: Any) -> "DecoderShape":
+        cfg = model.config.get_text_config(decoder=True)
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        return cls(
+            num_layers=int(cfg.num_hidden_layers),
+            num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
+            head_dim=int(head_dim),
+            hidden_size=int(cfg.hidden_size),
+            vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+            max_context=int(getattr(cfg, "max_position_embeddings", 2048)),
+        )
+
+
+def input_names(num_layers: int) -> list[str]:
+    past = [f"past_{kv}.{i}" for i in range(num_layers) for kv in ("key", "value")]
+    return ["input_ids", "position_ids", "attention_mask", *past]
+
+
+def output_names(num_layers: int) -> list[str]:
+    present = [f"present_{kv}.{i}" for i in range(num_layers) for kv in ("key", "value")]
+    return ["logits", "hidden", *present]
+
+
+def io_spec(shape: DecoderShape, dtype: str) -> tuple[list[dict], list[dict]]:
+    """Manifest description of the graph's inputs and outputs (symbolic dims B, N, P, T=P+N)."""
+    L = shape.num_layers
+    kv_in = ["B", shape.num_kv_heads, "P", shape.head_dim]
+    kv_out = ["B", shape.num_kv_heads, "T", shape.head_dim]
+    ins = [
+        {"name": "input_ids", "dtype": "int64", "shape": ["B", "N"]},
+        {"name": "position_ids", "dtype": "int64", "shape": ["B", "N"]},
+        {"name": "attention_mask", "dtype": dtype, "shape": ["B", 1, "N", "T"]},
+    ] + [{"name": n, "dtype": dtype, "shape": kv_in} for n in input_names(L)[3:]]
+    outs = [
+        {"name": "logits", "dtype": "float32", "shape": ["B", "N", shape.vocab_size]},
+        {"name": "hidden", "dtype": dtype, "shape": ["B", "N", shape.hidden_size]},
+    ] + [{"name": n, "dtype": dtype, "shape": kv_out} for n in output_names(L)[2:]]
+    return ins, outs
+
+
+def check_exportable(model: Any) -> None:
+    """Refuse models whose cache is not one plain growing KV per layer."""
+    cfg = model.config.get_text_config(decoder=True)
+    kinds = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"}:
+        raise UnsupportedModel(
+            f"{type(model).__name__} has layer types {sorted(kinds)}; the ONNX verify graph supports "
+            "full-attention decoders only (sliding-window / hybrid caches are not exported)"
+        )
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise UnsupportedModel("encoder-decoder models are not supported by the verify graph")
+
+
+class VerifyGraph(torch.nn.Module):
+    """Wraps a transformers causal LM: past tensors in, (logits, hidden, presents) out.
+
+    The past is put into a DynamicCache whose ``update`` concatenates the new keys/values, so
+    the presents are past + new, as the graph layout promises."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self.model = model
+        self.shape = DecoderShape.of(model)
+        self.softcap = getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
+
+    def forward(self, input_ids, position_ids, attention_mask, *past):
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        for i, layer in enumerate(cache.layers):
+            k, v = past[2 * i], past[2 * i + 1]
+            layer.lazy_initialization(k, v)
+            layer.keys, layer.values = k, v
+        h = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
+                                     attention_mask=attention_mask, cache=cache, use_cache=True).last_hidden_state
+        logits = self.model.get_output_embeddings()(h).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        presents = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+        return (logits, h, *presents)
+
+
+def dummy_inputs(shape: DecoderShape, B: int, N: int, P: int, dtype: torch.dtype = torch.float32,
+                 tree: torch.Tensor | None = None, generator: torch.Generator | None = None) -> tuple:
+    """Random inputs of the verify layout: random ids, past of length P, a causal (or tree) mask."""
+    g = generator
+    ids = torch.randint(0, shape.vocab_size, (B, N), generator=g)
+    pos = (torch.arange(N) + P)[None].expand(B, N).contiguous()
+    anc = tree if tree is not None else torch.ones(N, N, dtype=torch.bool).tril()
+    if tree is not None:  # tree nodes sit at past + depth
+        pos = (anc.sum(-1) - 1 + P)[None].expand(B, N).contiguous()
+    ok = torch.cat([torch.ones(N, P, dtype=torch.bool), anc], -1)
+    mask = torch.zeros(B, 1, N, P + N, dtype=dtype).masked_fill_(~ok[None, None], torch.finfo(dtype).min)
+    past = [torch.randn(B, shape.num_kv_heads, P, shape.head_dim, generator=g).to(dtype)
+            for _ in range(2 * shape.num_layers)]
+    return (ids, pos, mask, *past)
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    path: Path
+    seconds: float
+    size_bytes: int
+    inputs: list[dict]
+    outputs: list[dict]
+    shape: DecoderShape
+    dtype: str
+
+
+@torch.no_grad()
+def export_verify_graph(model: Any, path: str | Path, opset: int = OPSET) -> ExportResult:
+    """Trace ``model`` into ``path`` (legacy TorchScript exporter) and validate with onnx.checker.
+
+    The TorchScript exporter is used because it handles transformers' Python-side cache and
+    mask code with dynamic axes reliably; the dynamo exporter is not needed for this layout."""
+    import warnings
+
+    import onnx
+
+    check_exportable(model)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    wrapper = VerifyGraph(model).eval()
+    shape = wrapper.shape
+    p0 = next(model.parameters())
+    dtype = p0.dtype
+    dname = str(dtype).removeprefix("torch.")
+    args = tuple(a.to(p0.device) for a in dummy_inputs(shape, _TRACE_B, _TRACE_N, _TRACE_P, dtype))
+    L = shape.num_layers
+    ins, outs = input_names(L), output_names(L)
+    axes: dict[str, dict[int, str]] = {
+        "input_ids": {0: "B", 1: "N"}, "position_ids": {0: "B", 1: "N"},
+        "attention_mask": {0: "B", 2: "N", 3: "T"}, "logits": {0: "B", 1: "N"}, "hidden": {0: "B", 1: "N"},
+    }
+    axes.update({n: {0: "B", 2: "P"} for n in ins[3:]})
+    axes.update({n: {0: "B", 2: "T"} for n in outs[2:]})
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # tracer warnings about transformers' shape checks
+        torch.onnx.export(wrapper, args, str(path), input_names=ins, output_names=outs, dynamic_axes=axes,
+                          opset_version=opset, dynamo=False, do_constant_folding=True)
+    onnx.checker.check_model(str(path))  # by path: works above the 2 GB protobuf limit too
+    seconds = time.perf_counter() - t0
+    size = path.stat().st_size + sum(f.stat().st_size for f in path.parent.glob(path.stem + ".onnx.data"))
+    spec_in, spec_out = io_spec(shape, dname)
+    return ExportResult(path, seconds, size, spec_in, spec_out, shape, dname)

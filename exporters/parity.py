@@ -1,0 +1,243 @@
+"""Parity of exported graphs with their PyTorch modules (``spec-plugins export check DIR``).
+
+Three checks per decoder graph (target verify graph, draft model graph):
+1. random inputs straight into the session: N = 1..gamma+1 new nodes, chain and tree masks,
+   non-empty past, B = 2;
+2. real inputs through the two runtimes (TorchRuntime vs OnnxRuntime): a real prompt, a
+   left-padded batch, chains and a tree with commit/rollback between them;
+3. greedy speculative decoding (n-gram drafts) on both runtimes: the tokens must be identical.
+Every logits comparison goes through :func:`compare`: max |ort - torch| relative to max |torch|.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from spec_plugins.exporters.manifest import GraphEntry, Manifest
+
+DEFAULT_RTOL = 1e-4  # fp32: max |diff| <= rtol * max |reference|
+_PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog again, and"
+
+
+@dataclass
+class ParityCase:
+    graph: str
+    case: str
+    max_abs: float  # max |ort - torch| over the logits
+    ref_scale: float  # max |torch logits|
+    ok: bool
+
+    @property
+    def rel(self) -> float:
+        return self.max_abs / self.ref_scale if self.ref_scale else self.max_abs
+
+
+@dataclass
+class GreedyCase:
+    graph: str
+    tokens: int
+    identical: bool
+    first_difference: int | None = None
+
+
+@dataclass
+class ParityReport:
+    directory: str
+    rtol: float
+    cases: list[ParityCase] = field(default_factory=list)
+    greedy: list[GreedyCase] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.cases) and all(g.identical for g in self.greedy)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["ok"] = self.ok
+        for c, dc in zip(self.cases, d["cases"]):
+            dc["rel"] = c.rel
+        d["max_abs"] = max((c.max_abs for c in self.cases), default=0.0)
+        d["max_rel"] = max((c.rel for c in self.cases), default=0.0)
+        return d
+
+    def format(self) -> str:
+        lines = [f"parity of {self.directory} (tolerance: max|diff| <= {self.rtol:g} x max|logits|)"]
+        for c in self.cases:
+            lines.append(f"  {'ok  ' if c.ok else 'FAIL'} {c.graph:<8} {c.case:<44} max|diff| {c.max_abs:.3e}  "
+                         f"rel {c.rel:.2e}")
+        for g in self.greedy:
+            what = "identical" if g.identical else f"DIFFER at token {g.first_difference}"
+            lines.append(f"  {'ok  ' if g.identical else 'FAIL'} {g.graph:<8} greedy speculative, {g.tokens} tokens: {what}")
+        lines += [f"  note: {n}" for n in self.notes]
+        lines.append("PASS" if self.ok else "FAIL")
+        return "\n".join(lines)
+
+
+def compare(graph: str, case: str, got: Any, want: Any, rtol: float) -> ParityCase:
+    """The one parity rule: max |got - want| <= rtol * max |want| (both logits, any shape)."""
+    g = torch.as_tensor(np.asarray(got) if not isinstance(got, torch.Tensor) else got).float()
+    w = torch.as_tensor(np.asarray(want) if not isinstance(want, torch.Tensor) else want).float()
+    if g.shape != w.shape:
+        return ParityCase(graph, f"{case} (shape {tuple(g.shape)} != {tuple(w.shape)})", float("inf"), 0.0, False)
+    max_abs = float((g - w).abs().max()) if g.numel() else 0.0
+    scale = float(w.abs().max()) if w.numel() else 0.0
+    return ParityCase(graph, case, max_abs, scale, bool(max_abs <= rtol * max(scale, 1e-6)))
+
+
+def random_tree(n: int, gen: torch.Generator) -> tuple[int, ...]:
+    """Parents of a random tree of n nodes rooted at node 0 (topological order)."""
+    return (-1,) + tuple(int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n))
+
+
+@torch.no_grad()
+def check_random(graph: str, session: Any, model: Any, gamma: int, rtol: float, seed: int = 0,
+                 past: int = 7) -> list[ParityCase]:
+    """Random ids, random past, chain and tree masks, N = 1..gamma+1, fed to the session directly."""
+    from spec_plugins.exporters.onnx_verify import DecoderShape, VerifyGraph, dummy_inputs, input_names
+    from spec_plugins.tree import layout
+
+    wrapper = VerifyGraph(model).eval()
+    shape = DecoderShape.of(model)
+    names = input_names(shape.num_layers)
+    gen = torch.Generator().manual_seed(seed)
+    dtype = next(model.parameters()).dtype
+    out = []
+    for n in range(1, gamma + 2):
+        for tree in (False, True):
+            if tree and n < 3:
+                continue  # one and two nodes can only form a chain
+            anc = layout(random_tree(n, gen)).ancestors if tree else None
+            args = dummy_inputs(shape, 2, n, past, dtype, anc, gen)
+            want = wrapper(*args)[0]
+            got = session.run(["logits"], {k: v.numpy() for k, v in zip(names, args)})[0]
+            out.append(compare(graph, f"random B=2 N={n} P={past} {'tree' if tree else 'chain'}", got, want, rtol))
+    return out
+
+
+@torch.no_grad()
+def check_runtimes(graph: str, torch_rt: Any, ort_rt: Any, ids: list[int], gamma: int, rtol: float,
+                   seed: int = 0) -> list[ParityCase]:
+    """Real prompt ids through both runtimes: prefill (solo and left-padded batch), chains of
+    N = 1..gamma+1 with partial commits, a tree with a path commit, a rollback."""
+    from spec_plugins.tree import layout
+
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    half = ids[: max(1, len(ids) // 2)]
+    a, b = torch_rt.prefill([ids, half]).logits, ort_rt.prefill([ids, half]).logits
+    out.append(compare(graph, f"real prefill B=2 (left-padded, {len(ids)}/{len(half)} tokens)", b, a, rtol))
+    vocab = torch_rt.vocab_size
+    for n in range(1, gamma + 2):
+        toks = torch.randint(0, vocab, (2, n), generator=gen)
+        toks[0] = torch.tensor((ids * 4)[n : 2 * n])  # real continuation-like ids for row 0
+        a, b = torch_rt.forward(toks).logits, ort_rt.forward(toks).logits
+        out.append(compare(graph, f"real chain B=2 N={n} P={torch_rt.lengths()[0] - n}", b, a, rtol))
+        keep = [list(range(int(torch.randint(1, n + 1, (1,), generator=gen)))) for _ in range(2)]
+        torch_rt.commit(keep)
+        ort_rt.commit(keep)
+    n = gamma + 1
+    parents = random_tree(max(n, 3), gen)
+    lay = layout(parents)
+    toks = torch.randint(0, vocab, (2, lay.size), generator=gen)
+    a, b = torch_rt.forward(toks, tree=lay).logits, ort_rt.forward(toks, tree=lay).logits
+    out.append(compare(graph, f"real tree B=2 N={lay.size} (holes in past)", b, a, rtol))
+    leaf = lay.size - 1
+    path = []
+    while leaf >= 0:
+        path.append(leaf)
+        leaf = parents[leaf]
+    keep = [sorted(path), [0]]
+    torch_rt.commit(keep)
+    ort_rt.commit(keep)
+    back = [max(1, L - 3) for L in torch_rt.lengths()]
+    torch_rt.rollback(back)
+    ort_rt.rollback(back)
+    toks = torch.randint(0, vocab, (2, 2), generator=gen)
+    a, b = torch_rt.forward(toks).logits, ort_rt.forward(toks).logits
+    out.append(compare(graph, "real chain after tree commit + rollback", b, a, rtol))
+    return out
+
+
+def greedy_tokens(runtime: Any, prompt: list[int], max_new: int, draft_runtime: Any = None) -> list[int]:
+    """Greedy speculative decoding: n-gram drafts, or a draft model on ``draft_runtime``."""
+    from spec_plugins.config import SamplingConfig
+    from spec_plugins.engine import decode, fixed_length
+    from spec_plugins.proposers.draft_model import DraftModelProposer
+    from spec_plugins.proposers.ngram import NgramProposer
+    from spec_plugins.sampling import LogitsPipeline
+    from spec_plugins.verifiers import ExactVerifier
+
+    if draft_runtime is not None:
+        prop: Any = DraftModelProposer(None, target=runtime, runtime=draft_runtime)
+    else:
+        prop = NgramProposer(NgramProposer.Config(num_draft_tokens=5))
+    toks: list[int] = []
+    for step in decode(runtime, prop, ExactVerifier(), LogitsPipeline(SamplingConfig()), [prompt], max_new,
+                       (), None, None, fixed_length(5)):
+        toks.extend(step.emitted.get(0, []))
+    return toks
+
+
+def _first_diff(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def check_export(directory: str | Path, gamma: int = 5, rtol: float = DEFAULT_RTOL, max_new_tokens: int = 48,
+                 threads: int | None = None, log: Callable[[str], None] = lambda s: None,
+                 models: dict[str, Any] | None = None, heads: dict[str, Any] | None = None) -> ParityReport:
+    """Check every graph of an export directory against its PyTorch source. ``models`` (source
+    name -> transformers model) and ``heads`` (graph name -> head module) skip loading from disk."""
+    from spec_plugins.backends.onnxruntime_runtime import OnnxRuntime, create_session
+    from spec_plugins.backends.torch_runtime import TorchRuntime, load_hf
+
+    directory = Path(directory)
+    man = Manifest.read(directory)
+    report = ParityReport(str(directory), rtol, notes=list(man.pending))
+    loaded: dict[str, Any] = dict(models or {})
+
+    def model_of(source: str, dtype: str = "float32") -> Any:
+        if source not in loaded:
+            loaded[source] = load_hf(source, dtype, "cpu")[0]
+        return loaded[source]
+
+    tok = None
+    if man.tokenizer:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(directory / man.tokenizer))
+    for g in man.graphs:
+        if g.kind != "decoder_with_past":
+            continue
+        log(f"checking {g.name} ({g.source_model}) ...")
+        model = model_of(g.source_model, g.dtype)
+        session = create_session(directory / g.file, "cpu", threads=threads)
+        report.cases += check_random(g.name, session, model, gamma, rtol)
+        ids = list(tok(_PROMPT)["input_ids"]) if tok is not None else list(range(1, 25))
+        ort_rt = OnnxRuntime(session, g, tok, eos_token_ids=man.eos_token_ids)
+        report.cases += check_runtimes(g.name, TorchRuntime(model), ort_rt, ids, gamma, rtol)
+        if g.name == "draft":  # the draft graph drafts for the torch target; tokens must not change
+            target = model_of(man.graph("verify").source_model)
+            want = greedy_tokens(TorchRuntime(target), ids, max_new_tokens, TorchRuntime(model))
+            got = greedy_tokens(TorchRuntime(target), ids, max_new_tokens, ort_rt)
+        else:
+            want = greedy_tokens(TorchRuntime(model), ids, max_new_tokens)
+            got = greedy_tokens(ort_rt, ids, max_new_tokens)
+        report.greedy.append(GreedyCase(g.name, len(want), want == got, _first_diff(want, got)))
+    for g in man.graphs:
+        if g.kind != "decoder_with_past":
+            from spec_plugins.exporters.onnx_heads import check_head
+
+            log(f"checking {g.name} ...")
+            module = (heads or {}).get(g.name)
+            model = model_of(g.source_model) if module is None else None
+            report.cases += check_head(directory, g, model, rtol, module)
+    return report

@@ -1,0 +1,162 @@
+"""``num_draft_tokens: auto``: pick the draft length each round for the most tokens per second.
+
+Per round with draft length k the loop emits E(k) = 1 + sum_{j<k} prod_{i<=j} p_i tokens, where
+p_j = P(draft position j is accepted | positions < j were), and pays
+T(1 + D(k)) + draft costs + overhead, where D(k) = sum_{j<k} q_j is the expected number of
+drafted nodes (q_j = P(the proposer offers a token at position j); an n-gram drafter often offers
+fewer than k) and T is the measured cost curve (``costmodel``). The policy returns
+argmax_k E(k) / cost(k) over k = 0..max_k; k = 0 (plain decoding) wins when acceptance collapses.
+
+p and q are learnt online from the DecodeStats deltas of the previous round, with exponential
+forgetting (acceptance comes in bursts: copying phases) and a prior that extends each position's
+estimate to the next unseen one, so long drafts are tried when short ones are always accepted.
+Forgetting also re-opens drafting after a collapse: with no new evidence the estimate drifts
+back to the prior and one cheap probe round follows. Each call is O(max_k).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from spec_plugins.costmodel import CostModel, cost_model_for
+from spec_plugins.stats import DecodeStats
+
+
+class AcceptanceEstimate:
+    """Exponentially forgotten per-position counts of reach/accept (p) and offer (q)."""
+
+    def __init__(self, max_k: int, decay: float = 0.8, prior_accept: float = 0.5, prior_weight: float = 1.0,
+                 idle_decay: float = 0.97, chain_weight: float | None = None) -> None:
+        if max_k < 1:
+            raise ValueError(f"max_k must be >= 1, got {max_k}")
+        if not 0.0 < decay <= 1.0 or not 0.0 < idle_decay <= 1.0:
+            raise ValueError(f"decay and idle_decay must be in (0, 1], got {decay}, {idle_decay}")
+        if not 0.0 <= prior_accept <= 1.0 or prior_weight <= 0 or (chain_weight is not None and chain_weight <= 0):
+            raise ValueError(f"prior_accept must be in [0, 1] and prior weights > 0, got {prior_accept}, "
+                             f"{prior_weight}, {chain_weight}")
+        self.max_k, self.decay, self.idle_decay = max_k, decay, idle_decay
+        # the first position's prior stays weak (a collapse must be able to stop drafting); deeper
+        # positions lean harder on the previous one (so drafts grow while they keep being accepted)
+        self.prior_accept, self.prior_weight = prior_accept, prior_weight
+        self.chain_weight = chain_weight if chain_weight is not None else prior_weight
+        self.reach = [0.0] * max_k  # rows that had positions < j accepted and a budget > j
+        self.hits = [0.0] * max_k  # ... of which position j was drafted and accepted
+        self.offer_trials = [0.0] * max_k  # rows with a budget > j
+        self.offered = [0.0] * max_k  # ... of which the proposer drafted position j
+
+    def update(self, k: int, rows: int, drafted: list[int], accepted: list[int]) -> None:
+        """One round: draft length ``k`` over ``rows`` rows; ``drafted[j]`` / ``accepted[j]``
+        rows drafted / accepted position j (the DecodeStats by-position deltas). Evidence fades
+        by ``decay`` per drafting round and, slower, by ``idle_decay`` per round without drafts."""
+        lam = self.decay if k > 0 else self.idle_decay
+        for j in range(self.max_k):
+            self.reach[j] *= lam
+            self.hits[j] *= lam
+            self.offer_trials[j] *= lam
+            self.offered[j] *= lam
+        reach = float(rows)
+        for j in range(min(k, self.max_k)):
+            d = drafted[j] if j < len(drafted) else 0
+            a = accepted[j] if j < len(accepted) else 0
+            self.offer_trials[j] += rows
+            self.offered[j] += d
+            if reach <= 0:
+                continue
+            self.reach[j] += reach
+            self.hits[j] += a
+            reach = a  # rows that go on to position j + 1
+
+    def accept_probs(self) -> list[float]:
+        """p_j, each unseen position borrowing the previous position's estimate as its prior."""
+        out, prior, w = [], self.prior_accept, self.prior_weight
+        for j in range(self.max_k):
+            p = (self.hits[j] + w * prior) / (self.reach[j] + w)
+            out.append(p)
+            prior, w = p, self.chain_weight
+        return out
+
+    def offer_probs(self) -> list[float]:
+        """q_j, nonincreasing, unseen positions assumed offered as often as the previous one."""
+        out, prior, w = [], 1.0, self.prior_weight
+        for j in range(self.max_k):
+            q = min(prior, (self.offered[j] + w * prior) / (self.offer_trials[j] + w))
+            out.append(q)
+            prior = q
+        return out
+
+
+class AutoDraftLength:
+    """``policy(stats) -> k`` for the decode loop; one instance per generation."""
+
+    def __init__(self, cost: CostModel, max_k: int = 16, decay: float = 0.8, prior_accept: float = 0.5,
+                 prior_weight: float = 1.0, idle_decay: float = 0.97, chain_weight: float | None = 3.0,
+                 overhead_decay: float = 0.9) -> None:
+        if max_k + 1 > cost.max_positions:
+            max_k = cost.max_positions - 1  # never extrapolate the cost curve silently
+        if max_k < 1:
+            raise ValueError(f"the cost model covers {cost.max_positions} position(s); auto needs >= 2")
+        self.cost = cost
+        self.max_k = max_k
+        self.estimate = AcceptanceEstimate(max_k, decay, prior_accept, prior_weight, idle_decay, chain_weight)
+        self.overhead = 0.0  # seconds per round outside forwards and drafting (verify, commit, Python)
+        self._overhead_decay = overhead_decay
+        self.chosen = [0] * (max_k + 1)  # how often each k was picked
+        self._stats: DecodeStats | None = None
+        self._snap: tuple = ()
+        self._last_k: int | None = None
+
+    @classmethod
+    def for_decoder(cls, decoder: Any, **kwargs: Any) -> "AutoDraftLength":
+        """Measure (once per runtime, cached) the decoder's cost curve and draft cost."""
+        from spec_plugins.sampling import LogitsPipeline
+
+        pipeline = LogitsPipeline(decoder._sampling(None, None))
+        max_k = int(kwargs.get("max_k", 16))
+        cost = cost_model_for(decoder.target, decoder.proposer, pipeline, max_positions=max_k + 1)
+        return cls(cost, **kwargs)
+
+    # ---- the per-round call ------------------------------------------------------------------
+    def __call__(self, stats: DecodeStats) -> int:
+        if stats is not self._stats:  # a new generation
+            self._stats, self._snap, self._last_k = stats, _snapshot(DecodeStats()), None
+        snap = _snapshot(stats)
+        prev, self._snap = self._snap, snap
+        if snap[0] > prev[0] and self._last_k is not None:  # a round ran since the last call
+            drafted = [a - b for a, b in zip(snap[4], _pad(prev[4], len(snap[4])))]
+            accepted = [a - b for a, b in zip(snap[5], _pad(prev[5], len(snap[5])))]
+            rows = max(1, (snap[1] - prev[1]) - (snap[2] - prev[2]))  # each row emits accepted + 1
+            self.estimate.update(self._last_k, rows, drafted, accepted)
+            spent = snap[3] - prev[3]
+            lam = self._overhead_decay
+            self.overhead = spent if self.overhead == 0.0 else lam * self.overhead + (1 - lam) * spent
+        k = self.best_k()
+        self._last_k = k
+        self.chosen[k] += 1
+        return k
+
+    def rates(self) -> list[float]:
+        """Expected tokens per second for k = 0..max_k under the current estimates."""
+        p, q = self.estimate.accept_probs(), self.estimate.offer_probs()
+        out = [1.0 / (self.cost.round_seconds(0.0, False) + self.overhead)]
+        tokens, run, drafted = 1.0, 1.0, 0.0
+        for j in range(self.max_k):
+            run *= p[j]
+            tokens += run
+            drafted += q[j]
+            out.append(tokens / (self.cost.round_seconds(drafted, True) + self.overhead))
+        return out
+
+    def best_k(self) -> int:
+        r = self.rates()
+        return max(range(len(r)), key=r.__getitem__)
+
+
+def _snapshot(s: DecodeStats) -> tuple:
+    # forwards, emitted, accepted, seconds outside forwards/drafting, by-position lists
+    outside = s.time_total - s.time_prefill - s.time_target_forward - s.time_draft
+    return (s.target_forwards, s.emitted_tokens, s.accepted_tokens, outside,
+            list(s.drafted_by_position), list(s.accepted_by_position))
+
+
+def _pad(xs: list[int], n: int) -> list[int]:
+    return xs + [0] * (n - len(xs)) if len(xs) < n else xs

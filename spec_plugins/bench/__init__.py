@@ -1,0 +1,43 @@
+"""``spec-plugins bench``: ours against plain decoding and peer implementations, in one run.
+
+prompts (JSONL) -> runner (interleaved methods, medians over runs) -> report (JSON, Markdown)
+-> plots (PNG). Peers are a registry (``baselines``) other runtimes extend.
+"""
+
+from spec_plugins.bench.baselines import (
+    BASELINES,
+    BaselineContext,
+    BaselineUnavailable,
+    TurnRun,
+    register_baseline,
+)
+from spec_plugins.bench.prompts import BenchPrompt, load_prompts
+from spec_plugins.bench.runner import Bench, BenchOptions
+
+__all__ = ["BASELINES", "Bench", "BenchOptions", "BenchPrompt", "BaselineContext", "BaselineUnavailable",
+           "TurnRun", "load_prompts", "register_baseline", "run_bench"]
+
+
+def run_bench(decoder, prompts, options: BenchOptions, out=None, meta: dict | None = None) -> dict:
+    """Run, summarise and (if ``out`` is a directory path) write report.json, summary.md, PNGs."""
+    from pathlib import Path
+
+    from spec_plugins.bench.plots import write_plots
+    from spec_plugins.bench.report import build_report, markdown, write_json
+
+    partial = None
+    if out is not None:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        partial = Path(out) / "partial.jsonl"
+        partial.unlink(missing_ok=True)
+    raw = Bench(decoder, options).run(prompts, partial)
+    base_meta = {"max_new_tokens": options.max_new_tokens, "runs": options.runs, "num_prompts": len(prompts),
+                 "num_turns": sum(len(p.turns) for p in prompts)}
+    report = build_report(raw, {**base_meta, **(meta or {})}, decoder.tokenizer)
+    if out is not None:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(report, out / "report.json")
+        (out / "summary.md").write_text(markdown(report))
+        report["files"] = [str(p) for p in write_plots(report, out)]
+    return report

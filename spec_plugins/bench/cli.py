@@ -1,0 +1,102 @@
+"""The ``spec-plugins bench`` subcommand (registered on the main Typer app at import)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from spec_plugins.cli import app, fail, load_config
+
+
+def parse_gammas(text: str) -> list[int]:
+    """'1-8' / '1,2,4' / '1-4,8' / '' -> sorted unique ints; bad syntax names the part."""
+    out: set[int] = set()
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        try:
+            if "-" in part:
+                lo, hi = (int(x) for x in part.split("-", 1))
+                if lo > hi:
+                    raise ValueError
+                out.update(range(lo, hi + 1))
+            else:
+                out.add(int(part))
+        except ValueError:
+            raise ValueError(f"--gammas: cannot read {part!r}; use e.g. '1-8' or '1,2,4'") from None
+    return sorted(out)
+
+
+@app.command("bench")
+def bench(
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML/JSON SpecConfig with a proposer."),
+    prompts: Path = typer.Option(..., "--prompts", help="JSONL: {question_id, category, turns} or {prompt}."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", min=1),
+    runs: int = typer.Option(1, "--runs", min=1, help="Repeats per prompt and method (median taken)."),
+    baselines: str = typer.Option("plain,transformers", "--baselines",
+                                  help="Comma-separated registered baselines (plain is always run)."),
+    gammas: str = typer.Option("1-8", "--gammas", help="Our fixed draft lengths to run, e.g. '1-8' or '2,4'."),
+    auto: bool = typer.Option(True, "--auto/--no-auto", help="Also run num_draft_tokens: auto."),
+    baseline_gamma: Optional[int] = typer.Option(None, "--baseline-gamma", min=1,
+                                                 help="Draft length for peers (default: the config's, 5 if auto)."),
+    out: Path = typer.Option(Path("bench-out"), "--out", "-o", help="Directory for report.json, summary.md, PNGs."),
+    as_json: bool = typer.Option(False, "--json", help="Print the JSON report instead of the Markdown summary."),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Only the first N prompts."),
+    categories: Optional[str] = typer.Option(None, "--categories", help="Comma-separated categories to keep."),
+    raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
+    strict: bool = typer.Option(False, "--strict", help="Exit 1 if any greedy output differs from plain."),
+    progress: bool = typer.Option(True, "--progress/--no-progress"),
+) -> None:
+    """Benchmark ours (fixed gammas + auto) against plain decoding and peer implementations."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from spec_plugins.bench import BenchOptions, load_prompts, run_bench
+    from spec_plugins.config import ConfigError
+    from spec_plugins.decoder import SpeculativeDecoder
+
+    t0 = time.perf_counter()
+    try:
+        cfg = load_config(config)
+        if cfg.proposer is None:
+            raise ValueError("the config has no proposer section; the bench compares a proposer against plain")
+        cats = [c.strip() for c in categories.split(",") if c.strip()] if categories else None
+        plist = load_prompts(prompts, limit, cats)
+        opts = BenchOptions(max_new_tokens=max_new_tokens, runs=runs,
+                            baselines=[b.strip() for b in baselines.split(",") if b.strip()],
+                            gammas=parse_gammas(gammas), auto=auto, baseline_gamma=baseline_gamma,
+                            chat=not raw, progress=progress)
+        dec = SpeculativeDecoder.from_config(cfg)
+        load_s = time.perf_counter() - t0
+        import torch
+        import transformers
+
+        meta = {"config": str(config) if config else "built-in default", "model": cfg.target.model,
+                "backend": cfg.target.backend, "proposer": cfg.proposer.model_dump(mode="json"),
+                "sampling": cfg.sampling.model_dump(mode="json"), "prompts_file": str(prompts),
+                "torch": torch.__version__, "transformers": transformers.__version__,
+                "torch_threads": torch.get_num_threads(), "machine": platform.machine(),
+                "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "model_load_s": load_s}
+        report = run_bench(dec, plist, opts, out, meta)
+    except (ConfigError, ValueError, FileNotFoundError, LookupError) as exc:
+        fail(str(exc))
+        return
+    total = time.perf_counter() - t0
+    report["meta"]["wall_s_including_load"] = total
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    if as_json:
+        print(json.dumps(report))
+    else:
+        print((out / "summary.md").read_text())
+    n_bad = len(report["greedy_mismatches"])
+    color = typer.colors.RED if n_bad else typer.colors.CYAN
+    typer.secho(f"[bench: {total:.0f} s including model load; {n_bad} greedy mismatch(es); files in {out}/]",
+                err=True, fg=color, bold=bool(n_bad))
+    if strict and n_bad:
+        raise typer.Exit(1)
+    sys.stdout.flush()

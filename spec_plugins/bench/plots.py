@@ -1,0 +1,142 @@
+"""PNG plots of a bench report (matplotlib, headless). Each reads only the report dict."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _ours(report: dict) -> list[dict]:
+    return [m for m in report["methods"] if m["kind"] == "ours"]
+
+
+def acceptance_by_position(report: dict, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ours = _ours(report)
+    cmap = plt.get_cmap("viridis")
+    fixed = [m for m in ours if m["gamma"] != "auto"]
+    for i, m in enumerate(ours):
+        s = report["summary"][m["name"]]["all"]["stats"]
+        rates = [a / d for a, d in zip(s["accepted_by_position"], s["drafted_by_position"]) if d]
+        if not rates:
+            continue
+        xs = range(1, len(rates) + 1)
+        if m["gamma"] == "auto":
+            ax.plot(xs, rates, "k--o", label="auto", markersize=4)
+        else:
+            ax.plot(xs, rates, "-o", color=cmap(i / max(1, len(fixed) - 1)), label=f"γ = {m['gamma']}", markersize=4)
+    ax.set_xlabel("draft position (1 = first drafted token)")
+    ax.set_ylabel("acceptance rate (accepted / drafted at that position)")
+    ax.set_ylim(0, 1.02)
+    ax.set_title("Acceptance by draft position, all prompts")
+    ax.grid(alpha=0.3)
+    if ax.get_lines():
+        ax.legend(fontsize=8, ncol=2)
+    else:
+        ax.text(0.5, 0.5, "nothing was drafted", ha="center", va="center", transform=ax.transAxes)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def speedup_by_category(report: dict, path: Path) -> None:
+    """Heatmap: method x category, speedup over plain written in each cell."""
+    import numpy as np
+
+    methods = [m["name"] for m in report["methods"] if m["name"] != "plain"]
+    cats = report["categories"]
+    data = np.array([[report["summary"][m][c]["speedup"] or 0.0 for c in cats] for m in methods])
+    fig, ax = plt.subplots(figsize=(1.2 * len(cats) + 3, 0.45 * len(methods) + 2))
+    from matplotlib.colors import TwoSlopeNorm
+
+    norm = TwoSlopeNorm(vcenter=1.0, vmin=min(float(data.min()), 0.95), vmax=max(float(data.max()), 1.05))
+    im = ax.imshow(data, cmap="RdYlGn", norm=norm, aspect="auto")  # red: slower than plain, green: faster
+    for i in range(len(methods)):
+        for j in range(len(cats)):
+            ax.text(j, i, f"{data[i, j]:.2f}", ha="center", va="center", fontsize=9)
+    ax.set_xticks(range(len(cats)), cats, rotation=30, ha="right")
+    ax.set_yticks(range(len(methods)), methods)
+    ax.set_xlabel("prompt category")
+    ax.set_ylabel("method")
+    ax.set_title("Speedup over plain decoding (tokens/s ratio)")
+    fig.colorbar(im, ax=ax, label="speedup over plain (×)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def speedup_vs_theory(report: dict, path: Path) -> None:
+    th = report["theory"]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    g = th["gammas"]
+    ax.plot(g, th["ideal"], "-", color="tab:blue",
+            label=f"S(γ) = (1−α^(γ+1)) / ((1−α)(1+γc)), α={th['alpha']:.2f}, c={th['c']:.3f}")
+    ax.plot(g, th["with_verify_cost"], "-", color="tab:orange", label="same, divided by measured verify cost T(γ+1)/T(1)")
+    meas = sorted((int(k), v) for k, v in th["measured"].items() if v is not None)
+    if meas:
+        ax.plot([x for x, _ in meas], [y for _, y in meas], "ko", label="measured (ours, fixed γ)")
+    if th.get("measured_auto") is not None:
+        ax.axhline(th["measured_auto"], color="tab:green", ls="--", label="measured (ours, auto)")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("draft length γ")
+    ax.set_ylabel("speedup over plain decoding (×)")
+    ax.set_title("Measured speedup against the theoretical S(γ)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def rejected_tokens(report: dict, path: Path, top: int = 20) -> None:
+    rows = report["most_rejected_tokens"][:top]
+    fig, ax = plt.subplots(figsize=(8, 0.3 * max(len(rows), 3) + 1.5))
+    if rows:
+        labels = [repr(r["text"]) for r in rows][::-1]
+        ax.barh(range(len(rows)), [r["count"] for r in rows][::-1], color="tab:red")
+        ax.set_yticks(range(len(rows)), labels, fontsize=9)
+    else:
+        ax.text(0.5, 0.5, "no rejected draft tokens", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("times rejected (all our methods, all prompts)")
+    ax.set_ylabel("drafted token")
+    ax.set_title("Most often rejected draft tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def cost_model(report: dict, path: Path) -> None:
+    cm = report["cost_model"]
+    t1 = cm["target_seconds"][0]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ax.plot(cm["positions"], [t / t1 for t in cm["raw_target_seconds"]], "o", color="tab:grey", label="median")
+    ax.plot(cm["positions"], cm["target_relative"], "-", color="tab:blue", label="monotone fit (used by auto)")
+    ax.set_xlabel("new positions N in one target forward (warm cache)")
+    ax.set_ylabel(f"cost relative to N = 1  (T(1) = {t1 * 1e3:.1f} ms)")
+    ax.set_title(f"Target forward cost on the {cm['runtime']} runtime")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+PLOTS = {
+    "acceptance_by_position.png": acceptance_by_position,
+    "speedup_by_category.png": speedup_by_category,
+    "speedup_vs_theory.png": speedup_vs_theory,
+    "rejected_tokens.png": rejected_tokens,
+    "cost_model.png": cost_model,
+}
+
+
+def write_plots(report: dict, out: Path) -> list[Path]:
+    paths = []
+    for name, fn in PLOTS.items():
+        fn(report, out / name)
+        paths.append(out / name)
+    return paths

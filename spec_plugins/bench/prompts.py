@@ -1,0 +1,78 @@
+"""Benchmark prompts from JSONL, in the common speculative-decoding layout or a plain one.
+
+``{"question_id": ..., "category": ..., "turns": ["first", "second", ...]}``: each later turn is
+asked after the model's own answer to the previous one (multi-turn, as in MT-Bench/Spec-Bench).
+``{"prompt": "...", "category": ...}`` is one turn. Bad lines fail with the file and line named.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    question_id: str
+    category: str
+    turns: tuple[str, ...]
+
+
+def parse_prompt(obj: object, where: str = "prompt", index: int = 0) -> BenchPrompt:
+    """One JSON object -> BenchPrompt; ``where`` names the source in errors."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    if "turns" in obj and "prompt" in obj:
+        raise ValueError(f"{where}: give either 'turns' or 'prompt', not both")
+    if "turns" in obj:
+        turns = obj["turns"]
+        if not isinstance(turns, list) or not turns:
+            raise ValueError(f"{where}: 'turns' must be a non-empty list of strings")
+    elif "prompt" in obj:
+        turns = [obj["prompt"]]
+    else:
+        raise ValueError(f"{where}: missing 'turns' (list of strings) or 'prompt' (string)")
+    for t in turns:
+        if not isinstance(t, str) or not t.strip():
+            raise ValueError(f"{where}: every turn must be a non-empty string, got {t!r}")
+    category = obj.get("category", "default")
+    if not isinstance(category, str) or not category:
+        raise ValueError(f"{where}: 'category' must be a non-empty string, got {category!r}")
+    qid = obj.get("question_id", index)
+    return BenchPrompt(str(qid), category, tuple(turns))
+
+
+def load_prompts(path: str | Path, limit: int | None = None, categories: list[str] | None = None) -> list[BenchPrompt]:
+    """Read a JSONL prompt file (blank lines and ``#`` comments skipped)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file not found: {path}")
+    out: list[BenchPrompt] = []
+    seen: set[str] = set()
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        where = f"{path}:{n}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not valid JSON ({exc.msg})") from None
+        p = parse_prompt(obj, where, len(out))
+        if p.question_id in seen:
+            raise ValueError(f"{where}: duplicate question_id {p.question_id!r}")
+        seen.add(p.question_id)
+        out.append(p)
+    if categories:
+        known = sorted({p.category for p in out})
+        missing = [c for c in categories if c not in known]
+        if missing:
+            raise ValueError(f"unknown categor{'y' if len(missing) == 1 else 'ies'} {missing}; "
+                             f"{path} has: {', '.join(known)}")
+        out = [p for p in out if p.category in categories]
+    if limit is not None:
+        out = out[:limit]
+    if not out:
+        raise ValueError(f"no prompts in {path}")
+    return out

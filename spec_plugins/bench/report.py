@@ -1,0 +1,247 @@
+"""Turn raw bench results into numbers: per prompt, per category, overall; JSON and Markdown.
+
+Speeds use the median seconds over runs per prompt; a category's tokens/s is its total tokens
+over its total median seconds (long answers weigh more, as they do for a user). Speedup is
+tokens/s over plain's. The theoretical S(gamma) = (1 - a^(g+1)) / ((1 - a)(1 + g c)) uses the
+pooled acceptance a of our fixed-gamma runs and the measured draft cost ratio c; a second curve
+divides by the measured verify cost T(g+1)/T(1) instead of 1, which is what a CPU sees.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from spec_plugins.stats import DecodeStats
+
+SHARES = ("prefill", "target_forward", "draft", "verify", "cache", "other")
+
+
+def _shares(s: DecodeStats) -> dict[str, float]:
+    tot = s.time_total or 1.0
+    parts = {"prefill": s.time_prefill, "target_forward": s.time_target_forward, "draft": s.time_draft,
+             "verify": s.time_verify, "cache": s.time_cache, "other": s.time_other}
+    return {k: v / tot for k, v in parts.items()}
+
+
+def _stats_summary(s: DecodeStats | None) -> dict[str, Any] | None:
+    if s is None:
+        return None
+    return {
+        "target_forwards": s.target_forwards,
+        "draft_tokens": s.draft_tokens,
+        "accepted_tokens": s.accepted_tokens,
+        "mean_accepted_tokens": s.mean_accepted_tokens,
+        "acceptance_rate": s.acceptance_rate,
+        "accepted_by_position": list(s.accepted_by_position),
+        "drafted_by_position": list(s.drafted_by_position),
+        "acceptance_by_position": s.acceptance_by_position,
+        "time_share": _shares(s),
+        "share_outside_forwards": s.time_outside_forwards / s.time_total if s.time_total else 0.0,
+    }
+
+
+def theoretical_speedup(alpha: float, gamma: int, c: float, verify_ratio: float = 1.0) -> float:
+    """S(gamma) = (1 - a^(g+1)) / ((1 - a) (verify_ratio + g c)); verify_ratio = T(g+1)/T(1)."""
+    tokens = gamma + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+    return tokens / (verify_ratio + gamma * c)
+
+
+def build_report(raw: dict, meta: dict[str, Any], tokenizer: Any = None) -> dict[str, Any]:
+    """Everything the JSON file holds; Markdown and plots read only this dict."""
+    prompts, methods, results = raw["prompts"], raw["methods"], raw["results"]
+    names = [m.name for m in methods]
+    greedy = raw["greedy"]
+    bad = {(mm["question_id"], mm["method"]) for mm in raw["mismatches"]}
+    per_prompt: list[dict] = []
+    agg: dict[str, dict[str, dict]] = {n: {} for n in names}  # method -> category -> sums
+    for i, p in enumerate(prompts):
+        entry: dict[str, Any] = {"question_id": p.question_id, "category": p.category, "turns": len(p.turns),
+                                 "methods": {}}
+        plain_tps = None
+        for m in methods:
+            runs = results[m.name][i]
+            n_tok = sum(len(t) for t in runs[0].tokens)
+            secs = [r.seconds for r in runs]
+            med = statistics.median(secs)
+            tps = n_tok / med if med > 0 else 0.0
+            if m.name == "plain":
+                plain_tps = tps
+            entry["methods"][m.name] = {
+                "new_tokens": n_tok,
+                "seconds_runs": secs,
+                "median_seconds": med,
+                "tokens_per_s": tps,
+                "speedup": tps / plain_tps if plain_tps else None,
+                "greedy_equal": (None if not greedy or m.name == "plain" else (p.question_id, m.name) not in bad),
+                "stats": _stats_summary(runs[0].stats),
+                "token_ids": runs[0].tokens,
+            }
+            for cat in (p.category, "all"):
+                a = agg[m.name].setdefault(cat, {"tokens": 0, "seconds": 0.0, "stats": None, "prompts": 0,
+                                                 "mismatches": 0})
+                a["tokens"] += n_tok
+                a["seconds"] += med
+                a["prompts"] += 1
+                a["mismatches"] += int((p.question_id, m.name) in bad)
+                if runs[0].stats is not None:
+                    a["stats"] = runs[0].stats if a["stats"] is None else a["stats"].merge(runs[0].stats)
+        per_prompt.append(entry)
+
+    categories = list(dict.fromkeys(p.category for p in prompts)) + ["all"]
+    summary: dict[str, dict[str, dict]] = {}
+    for m in methods:
+        summary[m.name] = {}
+        for cat in categories:
+            a = agg[m.name][cat]
+            tps = a["tokens"] / a["seconds"] if a["seconds"] > 0 else 0.0
+            summary[m.name][cat] = {"tokens": a["tokens"], "seconds": a["seconds"], "tokens_per_s": tps,
+                                    "prompts": a["prompts"], "greedy_mismatches": a["mismatches"],
+                                    "stats": _stats_summary(a["stats"])}
+    for m in methods:
+        for cat in categories:
+            row = summary[m.name][cat]
+            base = summary["plain"][cat]["tokens_per_s"]
+            row["speedup"] = row["tokens_per_s"] / base if base else None
+            for peer in names:
+                if peer != "plain" and not peer.startswith("ours_"):
+                    ref = summary[peer][cat]["tokens_per_s"]
+                    row[f"vs_{peer}"] = row["tokens_per_s"] / ref if ref else None
+
+    ours_fixed = [m for m in methods if m.kind == "ours" and m.gamma != "auto"]
+    auto = next((m for m in methods if m.gamma == "auto"), None)
+    auto_vs_best: dict[str, dict] = {}
+    if ours_fixed and auto is not None:
+        for cat in categories:
+            best = max(ours_fixed, key=lambda m: summary[m.name][cat]["tokens_per_s"])
+            b, a = summary[best.name][cat]["tokens_per_s"], summary[auto.name][cat]["tokens_per_s"]
+            auto_vs_best[cat] = {"best_fixed": best.name, "best_gamma": best.gamma, "best_tokens_per_s": b,
+                                 "auto_tokens_per_s": a, "auto_over_best": a / b if b else None}
+
+    cost = raw["cost_model"]
+    drafted = sum(summary[m.name]["all"]["stats"]["draft_tokens"] for m in ours_fixed)
+    accepted = sum(summary[m.name]["all"]["stats"]["accepted_tokens"] for m in ours_fixed)
+    alpha = accepted / drafted if drafted else 0.0
+    c = cost.draft_cost_ratio
+    rel = cost.relative()
+    gammas = sorted({int(m.gamma) for m in ours_fixed} | set(range(1, 9)))
+    theory = {
+        "alpha": alpha,
+        "c": c,
+        "gammas": gammas,
+        "ideal": [theoretical_speedup(alpha, g, c) for g in gammas],
+        "with_verify_cost": [theoretical_speedup(alpha, g, c, rel[min(g, len(rel) - 1)]) for g in gammas],
+        "measured": {str(m.gamma): summary[m.name]["all"]["speedup"] for m in ours_fixed},
+        "measured_auto": summary[auto.name]["all"]["speedup"] if auto is not None else None,
+    }
+
+    rejected: Counter = Counter()
+    for m in methods:
+        if m.recorder is not None:
+            rejected.update(m.recorder.rejected)
+    top = [{"token_id": t, "text": tokenizer.decode([t]) if tokenizer is not None else str(t), "count": n}
+           for t, n in rejected.most_common(25)]
+    chosen = {m.name: {str(k): v for k, v in sorted(m.chosen_k.items())} for m in methods if m.chosen_k}
+    return {
+        "meta": {**meta, "duration_s": raw["duration_s"], "greedy": greedy},
+        "methods": [{"name": m.name, "kind": m.kind, "gamma": m.gamma} for m in methods],
+        "unavailable_baselines": raw["unavailable"],
+        "categories": categories,
+        "summary": summary,
+        "auto_vs_best_fixed": auto_vs_best,
+        "auto_chosen_gamma": chosen,
+        "cost_model": cost.to_dict(),
+        "theory": theory,
+        "greedy_mismatches": raw["mismatches"],
+        "most_rejected_tokens": top,
+        "prompts": per_prompt,
+    }
+
+
+def write_json(report: dict, path: Path) -> None:
+    path.write_text(json.dumps(report, indent=1))
+
+
+def _f(x: float | None, fmt: str = "{:.2f}") -> str:
+    return "–" if x is None else fmt.format(x)
+
+
+def markdown(report: dict) -> str:
+    """The summary tables a reader needs to pick a method."""
+    meta, summ, cats = report["meta"], report["summary"], report["categories"]
+    peers = [m["name"] for m in report["methods"] if m["kind"] == "baseline" and m["name"] != "plain"]
+    L: list[str] = ["# spec-plugins bench", ""]
+    L.append(f"config `{meta.get('config')}` · model `{meta.get('model')}` · proposer `{meta.get('proposer')}` · "
+             f"prompts `{meta.get('prompts_file')}` ({meta.get('num_prompts')} prompts, {meta.get('num_turns')} turns) · "
+             f"max_new_tokens {meta.get('max_new_tokens')} · runs {meta.get('runs')} · "
+             f"bench took {meta['duration_s']:.0f} s")
+    L.append("")
+    mm = report["greedy_mismatches"]
+    if meta["greedy"]:
+        if mm:
+            L.append(f"**WARNING: {len(mm)} greedy output mismatch(es) against plain decoding:** "
+                     + ", ".join(f"{x['method']} on {x['question_id']} (turn {x['turn']}, token {x['index']})"
+                                 for x in mm))
+        else:
+            L.append("Greedy outputs: every method's tokens are identical to plain decoding on every prompt.")
+        L.append("")
+    for name, why in report["unavailable_baselines"].items():
+        L.append(f"Baseline `{name}` not run: {why}")
+    head = "| method | γ | tokens/s | speedup vs plain | " + "".join(f"vs {p} | " for p in peers)
+    head += "mean accepted / forward | acceptance | draft | verify | other | greedy mismatches |"
+    L += ["## Overall", "", head, "|" + "---|" * (head.count("|") - 1)]
+    for m in report["methods"]:
+        r = summ[m["name"]]["all"]
+        s = r["stats"]
+        cells = [f"`{m['name']}`", str(m["gamma"] if m["gamma"] is not None else "–"), _f(r["tokens_per_s"], "{:.1f}"),
+                 _f(r["speedup"]) + "×"]
+        cells += [_f(r.get(f"vs_{p}")) + "×" for p in peers]
+        if s is not None:
+            sh = s["time_share"]
+            cells += [_f(s["mean_accepted_tokens"]), _f(s["acceptance_rate"], "{:.0%}"), _f(sh["draft"], "{:.1%}"),
+                      _f(sh["verify"], "{:.1%}"), _f(sh["other"] + sh["cache"], "{:.1%}")]
+        else:
+            cells += ["–"] * 5
+        cells.append(str(r["greedy_mismatches"]) if meta["greedy"] and m["name"] != "plain" else "–")
+        L.append("| " + " | ".join(cells) + " |")
+    L += ["", "draft / verify / other: share of our decode time spent proposing, in accept/reject + logits "
+          "processing, and in cache bookkeeping + loop overhead (the rest is target forwards and prefill).", ""]
+    for title, key, fmt in (("Speedup over plain by category", "speedup", "{:.2f}×"),
+                            ("Tokens/s by category", "tokens_per_s", "{:.1f}")):
+        L += [f"## {title}", "", "| method | " + " | ".join(cats) + " |", "|" + "---|" * (len(cats) + 1)]
+        for m in report["methods"]:
+            L.append(f"| `{m['name']}` | " + " | ".join(_f(summ[m['name']][c][key], fmt) for c in cats) + " |")
+        L.append("")
+    avb = report["auto_vs_best_fixed"]
+    if avb:
+        L += ["## auto against the best fixed γ", "", "| category | best fixed γ | its tokens/s | auto tokens/s | auto / best |",
+              "|---|---|---|---|---|"]
+        for c, r in avb.items():
+            L.append(f"| {c} | {r['best_gamma']} | {r['best_tokens_per_s']:.1f} | {r['auto_tokens_per_s']:.1f} | "
+                     f"{_f(r['auto_over_best'])} |")
+        ch = report["auto_chosen_gamma"].get("ours_auto")
+        if ch:
+            L += ["", "γ chosen by auto (rounds): " + ", ".join(f"{k}: {v}" for k, v in ch.items())]
+        L.append("")
+    cm = report["cost_model"]
+    pick = [n for n in (1, 2, 4, 8, 16, 32) if n <= len(cm["target_seconds"])]
+    L += ["## Cost model (target forward over N new positions, warm cache)", "",
+          "| N | " + " | ".join(str(n) for n in pick) + " |", "|" + "---|" * (len(pick) + 1),
+          "| ms | " + " | ".join(f"{cm['target_seconds'][n - 1] * 1e3:.1f}" for n in pick) + " |",
+          "| × T(1) | " + " | ".join(f"{cm['target_relative'][n - 1]:.2f}" for n in pick) + " |", "",
+          f"Draft: {cm['draft_round_seconds'] * 1e3:.3f} ms per propose call + {cm['draft_step_seconds'] * 1e3:.3f} ms "
+          f"per drafted token (c = {cm['draft_cost_ratio']:.3f} of one target forward).", ""]
+    th = report["theory"]
+    L += ["## Measured speedup against theory", "",
+          f"α = {th['alpha']:.3f} (pooled acceptance of fixed-γ runs), c = {th['c']:.3f}", "",
+          "| γ | S(γ) ideal | S(γ) with measured verify cost | measured |", "|---|---|---|---|"]
+    for g, a, b in zip(th["gammas"], th["ideal"], th["with_verify_cost"]):
+        L.append(f"| {g} | {a:.2f} | {b:.2f} | {_f(th['measured'].get(str(g)))} |")
+    L.append("")
+    if report["most_rejected_tokens"]:
+        L += ["## Most rejected draft tokens", "",
+              ", ".join(f"{t['text']!r} ({t['count']})" for t in report["most_rejected_tokens"][:15]), ""]
+    return "\n".join(L)

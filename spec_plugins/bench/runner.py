@@ -1,0 +1,285 @@
+"""Run every method on every prompt in one process, interleaved, and collect raw numbers.
+
+Order: for each prompt, for each run, every method once (rotated per run: A B C, B C A, ...), so
+machine drift and contention hit all methods alike; the report takes medians over runs. Methods
+are the registered baselines plus ours at each fixed gamma and ``auto``, all on ONE loaded
+runtime. Multi-turn prompts feed each method its own previous answers.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from spec_plugins.bench.baselines import (
+    BASELINES,
+    BaselineContext,
+    BaselineUnavailable,
+    TurnFn,
+    TurnRun,
+    time_decoder,
+)
+from spec_plugins.bench.prompts import BenchPrompt
+from spec_plugins.decoder import SpeculativeDecoder
+from spec_plugins.engine import DraftLengthPolicy
+from spec_plugins.proposers.base import Draft, ProposeContext, Proposer, RoundResult
+from spec_plugins.stats import DecodeStats
+
+
+@dataclass
+class BenchOptions:
+    max_new_tokens: int = 128
+    runs: int = 1
+    baselines: Sequence[str] = ("plain", "transformers")
+    gammas: Sequence[int] = tuple(range(1, 9))
+    auto: bool = True
+    baseline_gamma: int | None = None  # gamma for peers; None = the config's, or 5 when it is auto
+    chat: bool = True  # wrap turns in the chat template when the model has one
+    warmup: bool = True
+    progress: bool = True
+    cost_positions: int = 32
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.runs < 1:
+            raise ValueError(f"runs must be >= 1, got {self.runs}")
+        bad = [g for g in self.gammas if not (1 <= int(g) <= 64)]
+        if bad:
+            raise ValueError(f"gammas must be integers in 1..64, got {bad}")
+        if self.cost_positions < 2:
+            raise ValueError(f"cost_positions must be >= 2, got {self.cost_positions}")
+
+
+class RejectionRecorder(Proposer):
+    """Wraps a chain proposer and counts which drafted tokens the verifier rejected."""
+
+    def __init__(self, inner: Proposer) -> None:
+        self.inner = inner
+        self.needs_hidden = inner.needs_hidden  # type: ignore[misc]
+        self.tree = inner.tree  # type: ignore[misc]
+        self.rejected: Counter[int] = Counter()
+
+    def begin(self, prompts: Sequence[Sequence[int]]) -> None:
+        self.inner.begin(prompts)
+
+    def propose(self, ctx: ProposeContext) -> Draft | None:
+        return self.inner.propose(ctx)
+
+    def observe(self, result: RoundResult) -> None:
+        self.inner.observe(result)
+        d = result.draft
+        if d is None or any(p != i - 1 for i, p in enumerate(d.parents)):
+            return  # nothing drafted, or a tree (no single rejected token)
+        toks = d.tokens.tolist()
+        lens = d.valid.sum(1).tolist() if d.valid is not None else [d.size] * len(toks)
+        for b, acc in enumerate(result.accepted):
+            if len(acc) < lens[b]:
+                self.rejected[toks[b][len(acc)]] += 1
+
+    def select_rows(self, rows: Sequence[int]) -> None:
+        self.inner.select_rows(rows)
+
+    @property
+    def draft_forward_time(self) -> float:
+        return self.inner.draft_forward_time
+
+    def __getattr__(self, name: str) -> Any:  # any other hook (e.g. admitting rows) goes to the wrapped one
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+class _TracedDecoder(SpeculativeDecoder):
+    """Keeps the draft-length policy of the last generation (to report what ``auto`` chose)."""
+
+    last_policy: Any = None
+
+    def _draft_length(self) -> DraftLengthPolicy:
+        self.last_policy = super()._draft_length()
+        return self.last_policy
+
+
+@dataclass
+class Method:
+    name: str
+    kind: str  # "baseline" or "ours"
+    gamma: int | str | None
+    run_turn: TurnFn
+    recorder: RejectionRecorder | None = None
+    decoder: _TracedDecoder | None = None
+    chosen_k: Counter = field(default_factory=Counter)  # auto: how often each gamma was picked
+
+
+@dataclass
+class PromptRun:
+    """One method on one prompt in one run: per-turn tokens, total seconds, merged stats."""
+
+    tokens: list[list[int]]
+    seconds: float
+    stats: DecodeStats | None
+
+
+def ours_name(gamma: int | str) -> str:
+    return f"ours_k{gamma}" if gamma != "auto" else "ours_auto"
+
+
+class Bench:
+    """Holds one decoder (one loaded runtime) and the methods built around it."""
+
+    def __init__(self, decoder: SpeculativeDecoder, options: BenchOptions,
+                 log: Callable[[str], None] | None = None) -> None:
+        if decoder.config is None or decoder.config.proposer is None:
+            raise ValueError("the bench needs a config with a proposer section (ours is measured against plain)")
+        if decoder.tokenizer is None:
+            raise ValueError("the bench needs a tokenizer on the target runtime to encode text prompts")
+        self.decoder = decoder
+        self.options = options
+        self.log = log or (lambda msg: print(msg, file=sys.stderr))
+        self.unavailable: dict[str, str] = {}
+        self.methods = self._build_methods()
+
+    # ---- setup -------------------------------------------------------------------------------
+    def _gamma_for_peers(self) -> int:
+        if self.options.baseline_gamma is not None:
+            return self.options.baseline_gamma
+        k = self.decoder.config.proposer.num_draft_tokens
+        return int(k) if k != "auto" else 5
+
+    def _build_methods(self) -> list[Method]:
+        opts, dec = self.options, self.decoder
+        names = list(dict.fromkeys(["plain", *opts.baselines]))  # plain is the reference, always first
+        ctx = BaselineContext(dec, self._gamma_for_peers(), tuple(dec.eos_ids()))
+        methods: list[Method] = []
+        for name in names:
+            factory = BASELINES.get(name)  # unknown names fail here with the registered list
+            try:
+                methods.append(Method(name, "baseline", ctx.num_draft_tokens if name != "plain" else None,
+                                      factory(ctx)))
+            except BaselineUnavailable as exc:
+                if name == "plain":
+                    raise
+                self.unavailable[name] = str(exc)
+                self.log(f"baseline {name!r} skipped: {exc}")
+        variants: list[int | str] = [int(g) for g in dict.fromkeys(opts.gammas)]
+        if opts.auto:
+            variants.append("auto")
+        if not variants:
+            variants.append(dec.config.proposer.num_draft_tokens)
+        for g in variants:
+            cfg = dec.config.model_copy(
+                update={"proposer": dec.config.proposer.model_copy(update={"num_draft_tokens": g})})
+            rec = RejectionRecorder(dec.proposer)
+            traced = _TracedDecoder(dec.target, rec, dec.verifier, cfg, dec.tokenizer)
+            methods.append(Method(ours_name(g), "ours", g, _bind(traced), rec, traced))
+        return methods
+
+    # ---- prompts -----------------------------------------------------------------------------
+    def _encode(self, history: list[dict]) -> list[int]:
+        if self.options.chat and self.decoder.has_chat_template:
+            return self.decoder.encode(history)
+        return self.decoder.encode("\n\n".join(m["content"] for m in history))
+
+    def _run_prompt(self, method: Method, prompt: BenchPrompt, max_new: int) -> PromptRun:
+        history: list[dict] = []
+        toks: list[list[int]] = []
+        seconds = 0.0
+        stats: DecodeStats | None = None
+        for turn in prompt.turns:
+            history.append({"role": "user", "content": turn})
+            ids = self._encode(history)
+            r: TurnRun = method.run_turn(ids, max_new)
+            if method.decoder is not None and hasattr(method.decoder.last_policy, "chosen"):
+                for k, c in enumerate(method.decoder.last_policy.chosen):
+                    if c:
+                        method.chosen_k[k] += c
+            toks.append(r.tokens)
+            seconds += r.seconds
+            if r.stats is not None:
+                stats = r.stats if stats is None else stats.merge(r.stats)
+            answer = self.decoder.tokenizer.decode(r.tokens, skip_special_tokens=True)
+            history.append({"role": "assistant", "content": answer})
+        return PromptRun(toks, seconds, stats)
+
+    # ---- the run -----------------------------------------------------------------------------
+    def run(self, prompts: Sequence[BenchPrompt], partial: Any = None) -> dict:
+        """Measure everything; returns the raw results (``report.build_report`` summarises).
+        ``partial``: a path that gets one JSON line per finished prompt (survives an interrupted run)."""
+        import json
+        from tqdm import tqdm
+
+        from spec_plugins.costmodel import cost_model_for
+        from spec_plugins.sampling import LogitsPipeline
+
+        opts = self.options
+        t_start = time.perf_counter()
+        pipeline = LogitsPipeline(self.decoder._sampling(None, None))
+        self.log(f"measuring the cost model (target forward over 1..{opts.cost_positions} positions) ...")
+        cost = cost_model_for(self.decoder.target, self.decoder.proposer, pipeline,
+                              max_positions=opts.cost_positions)
+        if opts.warmup:
+            for m in self.methods:  # first calls pay one-off setup (allocator, HF generate init)
+                self._run_prompt(m, BenchPrompt("warmup", "warmup", prompts[0].turns[:1]), min(16, opts.max_new_tokens))
+                m.chosen_k.clear()
+                if m.recorder is not None:
+                    m.recorder.rejected.clear()
+        results: dict[str, list[list[PromptRun]]] = {m.name: [[] for _ in prompts] for m in self.methods}
+        bar = tqdm(total=len(prompts) * opts.runs * len(self.methods), desc="bench", unit="gen",
+                   disable=not opts.progress, file=sys.stderr, dynamic_ncols=True)
+        mismatches: list[dict] = []
+        greedy = pipeline.greedy
+        for i, p in enumerate(prompts):
+            for r in range(opts.runs):
+                shift = r % len(self.methods)
+                for m in self.methods[shift:] + self.methods[:shift]:
+                    bar.set_postfix_str(f"{p.question_id} {m.name}", refresh=False)
+                    results[m.name][i].append(self._run_prompt(m, p, opts.max_new_tokens))
+                    bar.update(1)
+            if partial is not None:
+                line = {"question_id": p.question_id, "category": p.category,
+                        "methods": {m.name: {"seconds": [r.seconds for r in results[m.name][i]],
+                                             "new_tokens": sum(len(t) for t in results[m.name][i][0].tokens)}
+                                    for m in self.methods}}
+                with open(partial, "a") as fh:
+                    fh.write(json.dumps(line) + "\n")
+            if greedy:
+                ref = results["plain"][i][0].tokens
+                for m in self.methods[1:]:
+                    got = results[m.name][i][0].tokens
+                    if got != ref:
+                        mm = _mismatch(p, m.name, ref, got)
+                        mismatches.append(mm)
+                        bar.write(f"GREEDY MISMATCH: {m.name} differs from plain on {p.question_id} "
+                                  f"(turn {mm['turn']}, token {mm['index']})", file=sys.stderr)
+        bar.close()
+        return {
+            "prompts": list(prompts),
+            "methods": self.methods,
+            "results": results,
+            "mismatches": mismatches,
+            "greedy": greedy,
+            "cost_model": cost,
+            "unavailable": dict(self.unavailable),
+            "duration_s": time.perf_counter() - t_start,
+        }
+
+
+def _bind(decoder: SpeculativeDecoder) -> TurnFn:
+    return lambda ids, n: time_decoder(decoder, ids, n)
+
+
+def _mismatch(p: BenchPrompt, method: str, ref: list[list[int]], got: list[list[int]]) -> dict:
+    """Where a method's greedy output first leaves plain's: turn and token index."""
+    for t, (a, b) in enumerate(zip(ref, got)):
+        if a != b:
+            idx = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            return {"question_id": p.question_id, "method": method, "turn": t, "index": idx}
+    return {"question_id": p.question_id, "method": method, "turn": len(ref), "index": 0}
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs)

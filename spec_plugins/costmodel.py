@@ -1,0 +1,204 @@
+"""Measured cost of one round on the active runtime, so draft lengths come from numbers.
+
+A draft of k tokens pays one target forward over k+1 positions plus the drafting itself. On a
+GPU the forward costs about the same for 1 or 9 positions; on a CPU it does not (SmolLM2 fp32:
+8 positions ~1.9x one), so the best k depends on the machine. ``measure_target`` times a forward
+over N = 1..max new positions with a warm cache through the Runtime contract only (prefill,
+forward, rollback), so it works on every backend; ``measure_draft`` times the proposer's own
+``propose`` call. Results are cached per runtime / proposer object.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds per round component, measured once per runtime (+ proposer)."""
+
+    target_seconds: tuple[float, ...]  # [N-1]: one forward over N new positions, N = 1..len (isotonic fit)
+    raw_target_seconds: tuple[float, ...] = ()  # the medians before the monotone fit
+    draft_round_seconds: float = 0.0  # fixed cost of one propose() call (any k >= 1)
+    draft_step_seconds: float = 0.0  # extra cost per drafted token (a draft model's forward)
+    context: int = 0  # cached tokens while the target was timed
+    runtime: str = ""
+    repeats: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.target_seconds:
+            raise ValueError("a cost model needs at least one target timing (N = 1)")
+        if any(not (t > 0) for t in self.target_seconds):
+            raise ValueError(f"target timings must be positive seconds, got {self.target_seconds}")
+
+    @property
+    def max_positions(self) -> int:
+        return len(self.target_seconds)
+
+    def target(self, n: float) -> float:
+        """Seconds of a forward over ``n`` positions (fractional n interpolates; linear beyond)."""
+        if n < 1:
+            raise ValueError(f"a forward covers at least 1 position, got {n}")
+        ts = self.target_seconds
+        if n >= len(ts):
+            slope = (ts[-1] - ts[0]) / (len(ts) - 1) if len(ts) > 1 else 0.0
+            return ts[-1] + slope * (n - len(ts))
+        lo = int(n)
+        frac = n - lo
+        return ts[lo - 1] + frac * (ts[lo] - ts[lo - 1]) if frac else ts[lo - 1]
+
+    def relative(self) -> list[float]:
+        """T(N) / T(1): what verifying N positions costs in single-token forwards."""
+        return [t / self.target_seconds[0] for t in self.target_seconds]
+
+    @property
+    def draft_cost_ratio(self) -> float:
+        """c in S(gamma): one draft step relative to one single-position target forward."""
+        return self.draft_step_seconds / self.target_seconds[0]
+
+    def round_seconds(self, expected_drafted: float, drafts: bool) -> float:
+        """Expected cost of one round that feeds ``expected_drafted`` draft nodes to the target."""
+        t = self.target(1.0 + expected_drafted)
+        if drafts:
+            t += self.draft_round_seconds + self.draft_step_seconds * expected_drafted
+        return t
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "positions": list(range(1, self.max_positions + 1)),
+            "target_seconds": list(self.target_seconds),
+            "raw_target_seconds": list(self.raw_target_seconds),
+            "target_relative": self.relative(),
+            "draft_round_seconds": self.draft_round_seconds,
+            "draft_step_seconds": self.draft_step_seconds,
+            "draft_cost_ratio": self.draft_cost_ratio,
+            "context": self.context,
+            "runtime": self.runtime,
+            "repeats": self.repeats,
+        }
+
+
+def isotonic(values: Sequence[float]) -> list[float]:
+    """Least-squares nondecreasing fit (pool adjacent violators): more positions never cost less."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, c = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += c
+    out: list[float] = []
+    for s, c in blocks:
+        out.extend([s / c] * int(c))
+    return out
+
+
+def _context_tokens(vocab_size: int, n: int, period: int = 16) -> list[int]:
+    """A deterministic, repetitive context: n-gram drafters find matches, models see real ids."""
+    g = torch.Generator().manual_seed(1234)
+    block = torch.randint(0, max(2, min(vocab_size, 30000)), (period,), generator=g).tolist()
+    return (block * (n // period + 1))[:n]
+
+
+def _sync(x: torch.Tensor) -> None:
+    """Force an asynchronous device (CUDA) to finish before the clock is read."""
+    x.reshape(-1)[:1].cpu()
+
+
+def measure_target(runtime: Any, max_positions: int = 32, context: int = 128, repeats: int = 3) -> CostModel:
+    """Time one forward over N = 1..max_positions new positions on a warm cache of ``context``
+    tokens (median of ``repeats``, order alternated to cancel drift). Leaves the runtime with a
+    synthetic batch in its cache; the next prefill replaces it."""
+    if max_positions < 1 or context < 1 or repeats < 1:
+        raise ValueError(f"max_positions, context and repeats must be >= 1, got {max_positions}, {context}, {repeats}")
+    if context + max_positions > runtime.max_context:
+        raise ValueError(f"context {context} + {max_positions} positions exceeds the runtime's {runtime.max_context}")
+    ctx = _context_tokens(runtime.vocab_size, context + max_positions)
+    runtime.prefill([ctx[:context]])
+    new = torch.tensor([ctx[context : context + max_positions]], dtype=torch.long)
+    for n in (1, max_positions, 1):  # warm-up: allocator, kernels, lazy init
+        _sync(runtime.forward(new[:, :n]).logits)
+        runtime.rollback([context])
+    samples: dict[int, list[float]] = {n: [] for n in range(1, max_positions + 1)}
+    order = list(range(1, max_positions + 1))
+    for r in range(repeats):
+        for n in order if r % 2 == 0 else order[::-1]:
+            t0 = time.perf_counter()
+            _sync(runtime.forward(new[:, :n]).logits)
+            samples[n].append(time.perf_counter() - t0)
+            runtime.rollback([context])
+    raw = [statistics.median(samples[n]) for n in order]
+    name = getattr(getattr(runtime, "capabilities", None), "name", "") or type(runtime).__name__
+    return CostModel(tuple(isotonic(raw)), tuple(raw), context=context, runtime=name, repeats=repeats)
+
+
+def measure_draft(proposer: Any, pipeline: Any, vocab_size: int, context: int = 128, k: int = 4,
+                  repeats: int = 3) -> tuple[float, float]:
+    """(seconds per propose() call, extra seconds per drafted token), from propose() with budgets
+    1 and k on a repetitive context. Model-free drafters come out near (tens of us, 0)."""
+    from spec_plugins.proposers.base import ProposeContext
+
+    if k < 2:
+        raise ValueError(f"k must be >= 2 to separate the per-token cost, got {k}")
+    seq = _context_tokens(vocab_size, context)
+
+    def once(budget: int) -> float:
+        proposer.begin([seq[:-1]])
+        ctx = ProposeContext([seq], [budget], pipeline)
+        proposer.propose(ctx)  # catch-up (indexing / feeding the context) is not a per-round cost
+        t0 = time.perf_counter()
+        draft = proposer.propose(ctx)
+        if draft is not None:
+            _sync(draft.tokens)
+        return time.perf_counter() - t0
+
+    once(1)
+    once(k)  # warm-up
+    t1 = statistics.median(once(1) for _ in range(repeats))
+    tk = statistics.median(once(k) for _ in range(repeats))
+    step = max(0.0, (tk - t1) / (k - 1))
+    return max(0.0, t1 - step), step
+
+
+@dataclass
+class _Entry:
+    model: CostModel
+    drafts: "weakref.WeakKeyDictionary[Any, tuple[float, float]]" = field(
+        default_factory=weakref.WeakKeyDictionary)  # proposer -> (per call, per token) seconds
+
+
+_CACHE: "weakref.WeakKeyDictionary[Any, _Entry]" = weakref.WeakKeyDictionary()
+
+
+def cost_model_for(runtime: Any, proposer: Any = None, pipeline: Any = None, max_positions: int = 17,
+                   context: int = 128, repeats: int = 3) -> CostModel:
+    """The runtime's cost model (measured on first use, then cached on the runtime object),
+    with the proposer's draft costs filled in when one is given."""
+    entry = _CACHE.get(runtime)
+    if entry is None or entry.model.max_positions < max_positions:
+        entry = _Entry(measure_target(runtime, max_positions, context, repeats))
+        _CACHE[runtime] = entry
+    model = entry.model
+    if proposer is None:
+        return model
+    if proposer not in entry.drafts:
+        if pipeline is None:
+            from spec_plugins.config import SamplingConfig
+            from spec_plugins.sampling import LogitsPipeline
+
+            pipeline = LogitsPipeline(SamplingConfig())
+        entry.drafts[proposer] = measure_draft(proposer, pipeline, runtime.vocab_size, context, repeats=repeats)
+    fixed, step = entry.drafts[proposer]
+    return CostModel(model.target_seconds, model.raw_target_seconds, fixed, step, model.context, model.runtime,
+                     model.repeats)
+
+
+def forget(runtime: Any) -> None:
+    """Drop a runtime's cached measurements (e.g. after changing threads or device)."""
+    _CACHE.pop(runtime, None)

@@ -1,0 +1,96 @@
+"""Pieces shared by the heads: the frozen target LM head restricted to a draft vocabulary,
+and the on-disk format (``head.safetensors`` + ``config.json``).
+
+Draft vocabulary: a head scores only the tokens seen in its training data (FR-Spec style). On
+SmolLM2 the full LM head (49152 x 576) costs about as much as a quarter of the target per
+token, so a 8k-token draft vocabulary makes drafting several times cheaper; exactness is
+unaffected because drafts are only ever proposals.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
+
+
+def target_lm_parts(model: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(LM head weight [V, H], input embedding weight [V, H]) of a transformers causal LM, detached."""
+    lm = model.get_output_embeddings().weight.detach()
+    emb = model.get_input_embeddings().weight.detach()
+    return lm, emb
+
+
+def draft_vocab(token_counts: torch.Tensor, size: int) -> torch.Tensor:
+    """``size`` token ids (ascending): those seen in the training responses, most frequent first,
+    then filled with the lowest ids (BPE vocabularies put frequent merges first), so tokens the
+    small training set missed (other languages, code) can still be drafted."""
+    size = min(size, token_counts.numel())
+    seen = int((token_counts > 0).sum())
+    order = torch.argsort(token_counts.float(), descending=True, stable=True)
+    picked = order[: min(seen, size)]
+    if picked.numel() < size:
+        rest = torch.ones(token_counts.numel(), dtype=torch.bool)
+        rest[picked] = False
+        picked = torch.cat([picked, rest.nonzero().squeeze(1)[: size - picked.numel()]])
+    return picked.sort().values
+
+
+@dataclass(frozen=True)
+class HeadFiles:
+    """A trained head on disk: ``<dir>/head.safetensors`` and ``<dir>/config.json``."""
+
+    directory: Path
+
+    @property
+    def weights(self) -> Path:
+        return self.directory / "head.safetensors"
+
+    @property
+    def config(self) -> Path:
+        return self.directory / "config.json"
+
+    def exists(self) -> bool:
+        return self.weights.is_file() and self.config.is_file()
+
+
+def save_head(module: nn.Module, config: dict, directory: str | Path, dtype: torch.dtype = torch.float16) -> HeadFiles:
+    """Write trainable weights (+ the draft vocabulary) as safetensors and the config as JSON.
+    The frozen target tensors (LM head, embeddings) are not written: they come from the target."""
+    from safetensors.torch import save_file
+
+    files = HeadFiles(Path(directory))
+    files.directory.mkdir(parents=True, exist_ok=True)
+    state = {k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).contiguous().cpu()
+             for k, v in module.state_dict().items()}
+    tmp = files.weights.with_suffix(".tmp")
+    save_file(state, str(tmp), metadata={"kind": str(config.get("kind", ""))})
+    tmp.replace(files.weights)
+    files.config.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return files
+
+
+def load_head(directory: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config, state dict) of a saved head; raises FileNotFoundError naming what is missing."""
+    from safetensors.torch import load_file
+
+    files = HeadFiles(Path(directory))
+    if not files.exists():
+        raise FileNotFoundError(f"no trained head in {files.directory} (need head.safetensors and config.json); "
+                                "train one with `spec-plugins train {medusa,eagle} --target MODEL --out DIR`")
+    return json.loads(files.config.read_text()), load_file(str(files.weights))

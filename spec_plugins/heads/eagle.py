@@ -1,0 +1,118 @@
+"""EAGLE drafter: one decoder layer over (target feature f_t, embedding of token x_{t+1}),
+predicting the next feature f_{t+1}; the target's frozen LM head decodes it into x_{t+2}.
+
+Features are the target's last-layer hidden states after its final norm (what the LM head
+reads), so the layer ends with an RMSNorm and its output can be fed back as the next input
+feature when drafting several tokens ahead. The module keeps no cache: callers pass past
+keys/values and an additive attention mask, so every shape is explicit (exportable).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from spec_plugins.heads.common import RMSNorm
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    hidden_size: int
+    num_heads: int = 9
+    num_kv_heads: int = 3
+    intermediate_size: int = 1152
+    rope_theta: float = 100000.0
+    rms_norm_eps: float = 1e-5
+    draft_vocab_size: int = 8192
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def to_dict(self) -> dict:
+        return {"kind": "eagle", **asdict(self)}
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding (half-split layout). x [B, h, T, d], positions [B, T]."""
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    ang = positions.float()[:, None, :, None] * inv  # [B, 1, T, d/2]
+    cos, sin = torch.cat([ang.cos()] * 2, -1).to(x.dtype), torch.cat([ang.sin()] * 2, -1).to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class EagleDrafter(nn.Module):
+    """forward(features [B,T,H], tokens [B,T], positions [B,T], past_k, past_v [B,kv,S,d],
+    mask [B,1,T,S+T] additive) -> (next features [B,T,H], new keys, new values [B,kv,T,d])."""
+
+    def __init__(self, config: EagleConfig, lm_weight: torch.Tensor, embed_weight: torch.Tensor,
+                 vocab_ids: torch.Tensor) -> None:
+        super().__init__()
+        c = self.config = config
+        H, d = c.hidden_size, c.head_dim
+        self.fuse = nn.Linear(2 * H, H)
+        self.in_norm = RMSNorm(H, c.rms_norm_eps)
+        self.q = nn.Linear(H, c.num_heads * d, bias=False)
+        self.k = nn.Linear(H, c.num_kv_heads * d, bias=False)
+        self.v = nn.Linear(H, c.num_kv_heads * d, bias=False)
+        self.o = nn.Linear(c.num_heads * d, H, bias=False)
+        self.mlp_norm = RMSNorm(H, c.rms_norm_eps)
+        self.gate = nn.Linear(H, c.intermediate_size, bias=False)
+        self.up = nn.Linear(H, c.intermediate_size, bias=False)
+        self.down = nn.Linear(c.intermediate_size, H, bias=False)
+        self.out_norm = RMSNorm(H, c.rms_norm_eps)
+        self.register_buffer("vocab_ids", vocab_ids.long().clone())
+        # frozen target tensors, shared, not saved with the head
+        self.register_buffer("lm_weight", lm_weight.detach()[vocab_ids.long()].clone(), persistent=False)
+        self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
+
+    @classmethod
+    def from_pretrained(cls, directory: str, model: Any) -> "EagleDrafter":
+        """Load a trained drafter and attach the target's (frozen) LM head and embeddings."""
+        from dataclasses import fields
+
+        from spec_plugins.heads.common import load_head, target_lm_parts
+
+        cfg, state = load_head(directory)
+        names = {f.name for f in fields(EagleConfig)}
+        lm, emb = target_lm_parts(model)
+        drafter = cls(EagleConfig(**{k: v for k, v in cfg.items() if k in names}), lm.float(), emb.float(),
+                      state["vocab_ids"])
+        drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()},
+                                strict=True)
+        return drafter.eval()
+
+    def forward(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                past_k: torch.Tensor, past_v: torch.Tensor, mask: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        c = self.config
+        B, T, _ = features.shape
+        emb = nn.functional.embedding(tokens, self.embed_weight).to(features.dtype)
+        x = self.fuse(torch.cat([features, emb], -1))  # [B, T, H]
+        h = self.in_norm(x)
+        q = self.q(h).view(B, T, c.num_heads, c.head_dim).transpose(1, 2)
+        k = self.k(h).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        v = self.v(h).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
+        keys, values = torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)
+        rep = c.num_heads // c.num_kv_heads
+        att = nn.functional.scaled_dot_product_attention(
+            q, keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1), attn_mask=mask.to(q.dtype))
+        x = x + self.o(att.transpose(1, 2).reshape(B, T, -1))
+        m = self.mlp_norm(x)
+        x = x + self.down(nn.functional.silu(self.gate(m)) * self.up(m))
+        return self.out_norm(x), k, v
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Predicted features [..., H] -> logits over the draft vocabulary [..., Vd]."""
+        return features @ self.lm_weight.T.to(features.dtype)
+
+    def empty_past(self, batch: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        z = torch.zeros(batch, c.num_kv_heads, 0, c.head_dim, dtype=dtype, device=self.lm_weight.device)
+        return z, z.clone()

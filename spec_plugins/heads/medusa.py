@@ -1,0 +1,68 @@
+"""Medusa heads: K residual blocks on the target's last hidden state h_t, each decoded by the
+target's own (frozen) LM head; head k predicts token t+2+k (the LM head itself predicts t+1)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class MedusaConfig:
+    hidden_size: int
+    num_heads: int = 4
+    num_layers: int = 1  # residual blocks per head
+    draft_vocab_size: int = 8192
+
+    def to_dict(self) -> dict:
+        return {"kind": "medusa", **asdict(self)}
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x): zero-initialised W starts each head as the plain LM head (Medusa)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + nn.functional.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """hidden [B, H] -> logits [B, K, Vd] over the draft vocabulary ``vocab_ids`` [Vd]."""
+
+    def __init__(self, config: MedusaConfig, lm_weight: torch.Tensor, vocab_ids: torch.Tensor,
+                 zero_init: bool = True) -> None:
+        super().__init__()
+        self.config = config
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*[ResBlock(config.hidden_size) for _ in range(config.num_layers)])
+            for _ in range(config.num_heads))
+        if zero_init:
+            for p in self.blocks.parameters():
+                nn.init.zeros_(p)
+        self.register_buffer("vocab_ids", vocab_ids.long().clone())
+        # frozen, shared with the target (rows of its LM head); not saved with the head
+        self.register_buffer("lm_weight", lm_weight.detach()[vocab_ids.long()].clone(), persistent=False)
+        self.calibration: dict[str, list[float]] = {}  # holdout rank accuracies per head, if trained
+
+    @classmethod
+    def from_pretrained(cls, directory: str, model: Any) -> "MedusaHeads":
+        """Load a trained head and attach the target's (frozen) LM head."""
+        from spec_plugins.heads.common import load_head, target_lm_parts
+
+        cfg, state = load_head(directory)
+        fields = {k: cfg[k] for k in ("hidden_size", "num_heads", "num_layers", "draft_vocab_size")}
+        lm, _ = target_lm_parts(model)
+        heads = cls(MedusaConfig(**fields), lm.float(), state["vocab_ids"])
+        heads.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=True)
+        heads.calibration = cfg.get("holdout_topk_accuracy") or {}
+        return heads.eval()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        hs = torch.stack([blk(hidden) for blk in self.blocks], dim=-2)  # [B, K, H]
+        return hs @ self.lm_weight.T.to(hs.dtype)  # [B, K, Vd]

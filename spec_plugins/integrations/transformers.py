@@ -1,0 +1,330 @@
+"""``model.generate(..., custom_generate=speculative_generate, spec_config=...)``: our decode loop
+inside transformers' ``generate()``.
+
+transformers prepares everything (generation config, logits processors incl. its own warpers,
+stopping criteria, left-padded ``input_ids``) and calls this function instead of its greedy/sample
+loop. We strip each row's left pads (the runtime never sees them), decode the batch with any
+registered proposer and the exact verifier, and return transformers' layout: prompt incl. pads +
+new tokens, right-padded with ``pad_token_id``.
+
+What user processors see: for row b, exactly what plain ``generate()`` shows them for that row,
+i.e. ``input_ids[b]`` with its left pads + the tokens before the scored one (the engine's
+``processor_prefix``). Length-based processors (min_length, min_new_tokens, forced EOS,
+suppress-at-begin) therefore count as transformers does. Processors must be functions of
+(row prefix, scores): they are called per drafted node, rows grouped by prefix length, so one
+that reads a batch index or keeps state between calls is refused or mis-applied (see
+``_adapt_processors``). Draft models see processors over their pad-free prefix; that only
+changes acceptance, never the output law, because the verifier uses the target's scores.
+
+transformers 5.x does not pass ``streamer`` or ``assistant_model`` to a callable
+``custom_generate`` (it forwards only the parameters ``_sample`` lacks), so both are read from
+the calling ``generate()`` frame; ``draft_model=`` is the explicit spelling of the latter.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from spec_plugins.backends.torch_runtime import TorchRuntime
+from spec_plugins.config import SamplingConfig, SpecConfig, default_config
+from spec_plugins.decoder import SpeculativeDecoder
+from spec_plugins.engine import decode
+from spec_plugins.proposers.base import Proposer
+from spec_plugins.proposers.draft_model import DraftModelProposer
+from spec_plugins.registry import PROPOSERS, VERIFIERS
+from spec_plugins.sampling import LogitsPipeline
+from spec_plugins.stats import DecodeStats
+
+__all__ = ["speculative_generate"]
+
+# model_kwargs transformers always prepares for decoder-only models; anything else is a model
+# input we do not forward (images, embeddings, token types...).
+_KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "logits_to_keep", "use_cache", "cache"}
+
+
+def speculative_generate(
+    model: Any,
+    input_ids: torch.LongTensor,
+    logits_processor: Sequence[Any] | None = None,
+    stopping_criteria: Sequence[Any] | None = None,
+    generation_config: Any = None,
+    synced_gpus: bool = False,
+    streamer: Any = None,
+    spec_config: SpecConfig | dict | str | Path | None = None,
+    draft_model: Any = None,
+    proposer: Proposer | None = None,
+    spec_stats: DecodeStats | None = None,
+    **model_kwargs: Any,
+) -> Any:
+    """Speculative ``generate()`` loop. Extra ``generate()`` kwargs: ``spec_config`` (file, dict or
+    SpecConfig; its proposer/verifier are used, its target and sampling sections are not: the
+    model and ``generation_config`` are), ``draft_model`` (a loaded model for the draft_model
+    proposer; ``assistant_model=`` works too), ``proposer`` (a Proposer instance), ``spec_stats``
+    (a DecodeStats to fill)."""
+    gc = generation_config if generation_config is not None else model.generation_config
+    frame = _generate_locals()
+    streamer = streamer if streamer is not None else frame.get("streamer")
+    draft_model = draft_model if draft_model is not None else frame.get("assistant_model")
+    _check_supported(model, gc, synced_gpus, model_kwargs)
+
+    # 1. rows: strip left padding, keep the pads for the processors' view
+    rows, pads = _split_left_padding(input_ids, model_kwargs.get("attention_mask"))
+    max_new = int(gc.max_length) - input_ids.shape[1]
+    # generate() stores the resolved ids (pad falls back to EOS) as tensors on the config
+    eos = _ids(getattr(gc, "_eos_token_tensor", gc.eos_token_id))
+    pad_id = next(iter(_ids(getattr(gc, "_pad_token_tensor", gc.pad_token_id))), None)
+
+    # 2. components: the user's model as target, proposer/verifier from the spec config
+    cfg = _spec_config(spec_config)
+    target = TorchRuntime(model, tokenizer=None)
+    prop = proposer if proposer is not None else _build_proposer(cfg, target, draft_model, spec_config is None)
+    verifier = VERIFIERS.get(cfg.verifier.type)(cfg.verifier)
+    draft_length = SpeculativeDecoder(target, prop, verifier, cfg)._draft_length()
+    # transformers' processor list already holds its warpers (temperature, top-k, top-p, ...):
+    # sample from the processed scores as they are (temperature 1), or take their argmax.
+    sampling = SamplingConfig(temperature=1.0 if gc.do_sample else 0.0, seed=None)
+    pipeline = LogitsPipeline(sampling, _adapt_processors(logits_processor or [], rows, pads, pad_id))
+    stop = _stop_fn(stopping_criteria or [], gc, pads, eos, input_ids.device)
+
+    # 3. decode, streaming as we go (global torch RNG, like plain generate)
+    stats = spec_stats if spec_stats is not None else DecodeStats()
+    out: list[list[int]] = [[] for _ in rows]
+    done = [False] * len(rows)
+    sent = 0
+    for step in decode(target, prop, verifier, pipeline, rows, max_new, eos, None, stats, draft_length,
+                       processor_prefix=pads, stop=stop):
+        for i, toks in step.emitted.items():
+            out[i].extend(toks)
+        for i in step.finished:
+            done[i] = True
+        if streamer is not None:
+            sent = _stream(streamer, out, done, sent, pad_id)
+    if streamer is not None:
+        _stream(streamer, out, [True] * len(out), sent, pad_id)
+        streamer.end()
+
+    # 4. transformers' layout: padded prompt + new tokens, right-padded with pad_token_id
+    sequences = _assemble(input_ids, out, pad_id)
+    if gc.return_dict_in_generate:
+        from transformers.generation import GenerateDecoderOnlyOutput
+
+        return GenerateDecoderOnlyOutput(sequences=sequences)
+    return sequences
+
+
+# ---- checks ------------------------------------------------------------------------------------
+def _check_supported(model: Any, gc: Any, synced_gpus: bool, model_kwargs: dict) -> None:
+    """Refuse, by name, every option whose meaning we cannot reproduce exactly."""
+    from transformers.generation import GenerationMode
+
+    if model.config.is_encoder_decoder:
+        raise ValueError("speculative_generate supports decoder-only models; this one is encoder-decoder")
+    mode = gc.get_generation_mode()
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        hint = {
+            GenerationMode.ASSISTED_GENERATION: " (prompt_lookup_num_tokens / assistant options: choose the draft "
+                                                "source with spec_config's proposer, e.g. type ngram, or draft_model=)",
+        }.get(mode, f" (num_beams={gc.num_beams}; only num_beams=1 is supported)"
+              if mode in (GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE, GenerationMode.GROUP_BEAM_SEARCH,
+                          GenerationMode.CONSTRAINED_BEAM_SEARCH) else "")
+        raise ValueError(f"speculative_generate supports greedy search and sampling, not {mode.value}{hint}")
+    if synced_gpus:
+        raise ValueError("speculative_generate does not support synced_gpus (multi-GPU ZeRO-3/FSDP generation)")
+    if gc.return_dict_in_generate:
+        wanted = [n for n in ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+                  if getattr(gc, n, False)]
+        if wanted:
+            raise NotImplementedError(
+                f"speculative_generate returns sequences only; {', '.join(wanted)} is not supported "
+                "(scores of drafted positions are not produced one step at a time)")
+    extra = sorted(k for k, v in model_kwargs.items() if k not in _KNOWN_MODEL_KWARGS and v is not None)
+    if extra:
+        raise ValueError(f"speculative_generate takes input_ids (+ attention_mask) only; got {', '.join(extra)}")
+    cache = model_kwargs.get("cache")
+    if cache is not None and cache.get_seq_length() > 0:
+        raise ValueError("speculative_generate cannot continue from a pre-filled cache; pass the full input_ids")
+
+
+def _split_left_padding(input_ids: torch.Tensor, mask: torch.Tensor | None) -> tuple[list[list[int]], list[list[int]]]:
+    """Per row: the real tokens and the left pads before them. Right or inner padding is refused."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
+    ids = input_ids.tolist()
+    if mask is None:
+        return ids, [[] for _ in ids]
+    if mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask shape {tuple(mask.shape)} differs from input_ids {tuple(input_ids.shape)}")
+    m = (mask != 0).long().cpu()
+    n_pad = (m.cumsum(1) == 0).sum(1).tolist()  # leading zeros
+    rows, pads = [], []
+    for b, (row, k) in enumerate(zip(ids, n_pad)):
+        if int(m[b, k:].sum()) != len(row) - k:
+            raise ValueError(f"row {b} of attention_mask is not left-padded (zeros after the first one); "
+                             "use tokenizer.padding_side = 'left' for decoder-only generation")
+        rows.append(row[k:])
+        pads.append(row[:k])
+    return rows, pads
+
+
+def _ids(x: Any) -> list[int]:
+    if x is None:
+        return []
+    if isinstance(x, torch.Tensor):
+        return [int(v) for v in x.flatten().tolist()]
+    return [int(x)] if isinstance(x, int) else [int(v) for v in x]
+
+
+# ---- components ----------------------------------------------------------------------------------
+def _spec_config(spec: SpecConfig | dict | str | Path | None) -> SpecConfig:
+    """File path, dict or SpecConfig; the target section may be omitted (the model is the target)."""
+    if spec is None:
+        return default_config()
+    if isinstance(spec, (str, Path)):
+        return SpecConfig.from_file(spec)
+    if isinstance(spec, dict):
+        data = dict(spec)
+        data.setdefault("target", {"backend": "torch", "model": "<the model generate() was called on>"})
+        return SpecConfig.parse(data, source="spec_config")
+    if isinstance(spec, SpecConfig):
+        return spec
+    raise TypeError(f"spec_config must be a path, a dict or a SpecConfig, got {type(spec).__name__}")
+
+
+_PROPOSER_CACHE: dict[tuple, Proposer] = {}  # last proposer built from a config (a draft model loads once)
+
+
+def _build_proposer(cfg: SpecConfig, target: TorchRuntime, draft_model: Any, implicit: bool) -> Proposer | None:
+    section = cfg.proposer
+    if draft_model is not None:
+        if section is not None and section.type != "draft_model" and not implicit:
+            raise ValueError(f"draft_model/assistant_model given, but spec_config's proposer is {section.type!r}; "
+                             "use proposer type draft_model (or drop the model)")
+        if section is not None and section.type != "draft_model":
+            section = None  # no spec_config given: the model alone decides, 5 tokens per round
+        return DraftModelProposer(section, target=target, runtime=TorchRuntime(draft_model))
+    if section is None:
+        return None
+    key = (section.model_dump_json(), target.vocab_size)
+    if key not in _PROPOSER_CACHE:
+        _PROPOSER_CACHE.clear()
+        prop = PROPOSERS.get(section.type)(section, target=target, tokenizer=None)
+        _PROPOSER_CACHE[key] = prop
+    return _PROPOSER_CACHE[key]
+
+
+class _PadBlindRepetitionPenalty:
+    """transformers' own repetition penalty for a padded batch ignores each row's left pads via a
+    per-row tensor (``prompt_ignore_length``), which breaks once rows are regrouped. Same effect,
+    row-free: ignore the leading run of pad tokens (exact when no prompt starts with the pad id)."""
+
+    def __init__(self, penalty: float, pad_id: int) -> None:
+        self.penalty, self.pad_id = penalty, pad_id
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        from transformers import RepetitionPenaltyLogitsProcessor
+
+        lead = (input_ids == self.pad_id).long().cumprod(1).sum(1)
+        return RepetitionPenaltyLogitsProcessor(self.penalty, prompt_ignore_length=lead)(input_ids, scores)
+
+
+def _adapt_processors(procs: Sequence[Any], rows: list[list[int]], pads: list[list[int]],
+                      pad_id: int | None) -> list[Any]:
+    """Make transformers' processor list row-free; refuse processors that depend on batch layout."""
+    from transformers.generation import logits_process as lp
+
+    refused = {
+        "PrefixConstrainedLogitsProcessor": "prefix_allowed_tokens_fn receives a batch index",
+        "UnbatchedClassifierFreeGuidanceLogitsProcessor": "guidance runs its own model with a cache between calls",
+        "ClassifierFreeGuidanceLogitsProcessor": "it expects the batch doubled with unconditional rows",
+    }
+    out = []
+    for p in procs:
+        name = type(p).__name__
+        if name in refused:
+            raise ValueError(f"logits processor {name} is not supported by speculative_generate: {refused[name]}")
+        if isinstance(p, lp.RepetitionPenaltyLogitsProcessor) and isinstance(p.prompt_ignore_length, torch.Tensor):
+            if p.prompt_ignore_length.tolist() != [len(x) for x in pads]:
+                raise ValueError("RepetitionPenaltyLogitsProcessor with a per-row prompt_ignore_length other than "
+                                 "the left padding is not supported (rows are regrouped per drafted node)")
+            if any(pads) and pad_id is not None:
+                if any(x != [pad_id] * len(x) or (r and r[0] == pad_id) for x, r in zip(pads, rows)):
+                    raise ValueError("repetition_penalty with left padding needs pad tokens equal to pad_token_id "
+                                     "and prompts that do not start with pad_token_id")
+                p = _PadBlindRepetitionPenalty(p.penalty, pad_id)
+            else:
+                p = lp.RepetitionPenaltyLogitsProcessor(p.penalty)
+        out.append(p)
+    return out
+
+
+def _stop_fn(criteria: Sequence[Any], gc: Any, pads: list[list[int]], eos: list[int], device: torch.device):
+    """Stopping criteria the engine does not already apply (max length and EOS it does), evaluated
+    after every new token of a row on that row's transformers-layout sequence."""
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+
+    rest = []
+    for c in criteria:
+        if isinstance(c, MaxLengthCriteria) and c.max_length >= gc.max_length:
+            continue  # the engine stops at max_new_tokens = max_length - padded prompt length
+        if isinstance(c, EosTokenCriteria) and set(_ids(c.eos_token_id)) <= set(eos):
+            continue
+        rest.append(c)
+    if not rest:
+        return None
+    crit = StoppingCriteriaList(rest)
+
+    def stop(i: int, tokens: Sequence[int], n_new: int) -> int | None:
+        head = pads[i]
+        for j in range(n_new):
+            upto = len(tokens) - n_new + j + 1
+            ids = torch.tensor([head + list(tokens[:upto])], dtype=torch.long, device=device)
+            if bool(crit(ids, None)[0]):
+                return j + 1
+        return None
+
+    return stop
+
+
+# ---- output ------------------------------------------------------------------------------------
+def _stream(streamer: Any, out: list[list[int]], done: list[bool], sent: int, pad_id: int | None) -> int:
+    """Batch 1: put each round's new tokens at once. Batch > 1: put column by column, [B] per put
+    as plain generate() does, once every unfinished row has the column (finished rows: pad)."""
+    if len(out) == 1:
+        if len(out[0]) > sent:
+            streamer.put(torch.tensor(out[0][sent:], dtype=torch.long))
+        return len(out[0])
+    ready = min((len(o) for o, d in zip(out, done) if not d), default=max(len(o) for o in out))
+    for c in range(sent, ready):
+        streamer.put(torch.tensor([o[c] if c < len(o) else _pad(pad_id) for o in out], dtype=torch.long))
+    return max(sent, ready)
+
+
+def _pad(pad_id: int | None) -> int:
+    if pad_id is None:
+        raise ValueError("rows finished at different lengths and there is no pad_token_id to fill them; "
+                         "set generation_config.pad_token_id (or pass pad_token_id=)")
+    return pad_id
+
+
+def _assemble(input_ids: torch.Tensor, out: list[list[int]], pad_id: int | None) -> torch.Tensor:
+    T = max((len(o) for o in out), default=0)
+    new = [o + [_pad(pad_id)] * (T - len(o)) if len(o) < T else o for o in out]
+    new_t = torch.tensor(new, dtype=torch.long, device=input_ids.device).reshape(len(out), T)
+    return torch.cat([input_ids, new_t], dim=1)
+
+
+def _generate_locals() -> dict:
+    """``streamer`` / ``assistant_model`` from the ``GenerationMixin.generate`` frame that called
+    us (transformers drops them for callables); empty when called directly."""
+    frame = inspect.currentframe()
+    try:
+        caller = frame.f_back.f_back if frame is not None and frame.f_back is not None else None
+        if caller is None or caller.f_code.co_name != "generate" or "custom_generate" not in caller.f_locals:
+            return {}
+        return {k: caller.f_locals.get(k) for k in ("streamer", "assistant_model")}
+    finally:
+        del frame

@@ -1,0 +1,232 @@
+"""EAGLE: a one-layer drafter continues the target's features autoregressively.
+
+State: the drafter's own KV cache over committed positions only. Each round it first catches
+up on the pairs (f_j, x_{j+1}) the target committed last round (``ctx.hidden``: the features of
+the root and accepted nodes, whose next tokens are now known), then drafts from the feature it
+predicts for the pending token's position. Draft steps attend to the cache plus their own
+ancestors and are never written to the cache, so rejected drafts need no rollback.
+
+Modes: ``chain`` (top-1, ``num_draft_tokens`` deep) and ``tree`` (EAGLE-2 dynamic tree: at
+each depth expand the ``top_k`` nodes with the highest cumulative draft log-probability, each
+into its ``top_k`` best children; finally keep the ``tree_nodes`` best nodes overall, which is
+closed under ancestors since a child never scores above its parent). Drafts are deterministic,
+hence point masses (``probs=None``) for the exact verifier.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Sequence
+
+import torch
+from pydantic import Field
+
+from spec_plugins.config import ProposerConfig
+from spec_plugins.heads.eagle import EagleDrafter
+from spec_plugins.heads.shapes import merge_rows, parents_of
+from spec_plugins.proposers.base import Draft, ProposeContext, Proposer
+from spec_plugins.proposers.medusa import resolve_head_dir
+from spec_plugins.registry import register_proposer
+
+NEG = float("-inf")
+
+
+@register_proposer("eagle")
+class EagleProposer(Proposer):
+    needs_hidden = True
+
+    class Config(ProposerConfig):
+        type: Literal["eagle"] = "eagle"
+        heads: str = Field(description="Directory of a trained drafter (head.safetensors + config.json), "
+                                       "from `spec-plugins train eagle`.")
+        mode: Literal["tree", "chain"] = Field("tree", description="EAGLE-2 dynamic tree, or a top-1 chain.")
+        tree_nodes: int = Field(16, ge=1, le=256, description="Tree mode: nodes kept after reranking.")
+        top_k: int = Field(4, ge=1, le=16, description="Tree mode: children per expanded node and nodes expanded per depth.")
+
+    def __init__(self, config: "EagleProposer.Config", target: Any = None, drafter: EagleDrafter | None = None,
+                 **_: object) -> None:
+        self.config = config
+        if drafter is None:
+            if target is None or getattr(target, "model", None) is None:
+                raise ValueError("eagle needs a transformers target (its LM head and embeddings are shared)")
+            drafter = EagleDrafter.from_pretrained(str(resolve_head_dir(config.heads)), target.model)
+        self.drafter = drafter.eval()
+        self.tree = config.mode == "tree"
+        self.dtype = drafter.lm_weight.dtype
+        self.k = self.v = torch.empty(0)
+        self.slot_pos = torch.empty(0, 0, dtype=torch.long)  # [B, S] position of each cached pair, -1 = hole
+        self.fed: list[int] = []  # per row: pairs (f_j, x_{j+1}) cached for j < fed
+
+    # ---- cache -------------------------------------------------------------------------------
+    def begin(self, prompts: Sequence[Sequence[int]]) -> None:
+        self.k, self.v = self.drafter.empty_past(len(prompts), self.dtype)
+        self.slot_pos = torch.empty(len(prompts), 0, dtype=torch.long)
+        self.fed = [0] * len(prompts)
+
+    def select_rows(self, rows: Sequence[int]) -> None:
+        idx = torch.as_tensor(list(rows), dtype=torch.long)
+        self.k, self.v, self.slot_pos = self.k[idx], self.v[idx], self.slot_pos[idx]
+        self.fed = [self.fed[r] for r in rows]
+        self._compact()
+
+    def _compact(self) -> None:
+        """Move each row's live slots to the front once holes are the majority (batches only)."""
+        live = self.slot_pos >= 0
+        S = live.shape[1]
+        n = int(live.sum(1).max()) if S else 0
+        if S == 0 or n * 2 > S:
+            return
+        order = torch.sort((~live).long(), dim=1, stable=True).indices[:, :n]  # live slots first, in order
+        g = order[:, None, :, None].expand(-1, self.k.shape[1], -1, self.k.shape[3])
+        self.k, self.v = self.k.gather(2, g), self.v.gather(2, g)
+        self.slot_pos = self.slot_pos.gather(1, order)
+
+    def _past_mask(self, B: int, T: int) -> torch.Tensor:
+        return (self.slot_pos >= 0)[:, None, None, :].expand(B, 1, T, self.slot_pos.shape[1])
+
+    @staticmethod
+    def _additive(ok: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(ok.shape, dtype=dtype).masked_fill_(~ok, NEG)
+
+    def _catch_up(self, ctx: ProposeContext) -> torch.Tensor:
+        """Feed last round's committed pairs; returns the predicted feature at each row's
+        pending position [B, H]."""
+        B = len(ctx.sequences)
+        rows = []
+        for b, seq in enumerate(ctx.sequences):
+            n = len(seq) - 1 - self.fed[b]
+            hid = ctx.hidden[b]
+            m = min(n, hid.shape[0])  # a round without propose() leaves a gap: skip it
+            start = len(seq) - 1 - m
+            rows.append((hid[hid.shape[0] - m:], list(seq[start + 1: len(seq)]), start, m))
+            self.fed[b] = len(seq) - 1
+        N = max(1, max(r[3] for r in rows))
+        H = self.drafter.config.hidden_size
+        feat = torch.zeros(B, N, H, dtype=self.dtype)
+        tok = torch.zeros(B, N, dtype=torch.long)
+        pos = torch.full((B, N), -1, dtype=torch.long)
+        for b, (hid, nxt, start, m) in enumerate(rows):  # right-aligned: the last pair sits at N-1
+            if m:
+                feat[b, N - m:] = hid.to(self.dtype)
+                tok[b, N - m:] = torch.as_tensor(nxt)
+                pos[b, N - m:] = torch.arange(start, start + m)
+        new_ok = (pos >= 0)[:, None, :] & torch.ones(N, N, dtype=torch.bool).tril()[None]
+        new_ok |= torch.eye(N, dtype=torch.bool)[None]  # padding queries see themselves
+        ok = torch.cat([self._past_mask(B, N), new_ok[:, None]], -1)
+        out, k, v = self.drafter(feat, tok, pos.clamp_min(0), self.k, self.v, self._additive(ok, self.dtype))
+        self.k, self.v = torch.cat([self.k, k], 2), torch.cat([self.v, v], 2)
+        self.slot_pos = torch.cat([self.slot_pos, pos], 1)
+        self._compact()
+        return out[:, -1]
+
+    # ---- drafting ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, ctx: ProposeContext) -> Draft | None:
+        if ctx.hidden is None:
+            raise RuntimeError("eagle needs target hidden states (needs_hidden) but the loop passed none")
+        f = self._catch_up(ctx)
+        depth = max(ctx.budgets, default=0)
+        if depth <= 0:
+            return None
+        base = torch.tensor([len(s) - 1 for s in ctx.sequences], dtype=torch.long)  # pending position
+        if self.tree and ctx.tree_ok:
+            return self._tree(f, base, list(ctx.budgets), depth)
+        return self._chain(f, base, list(ctx.budgets), depth)
+
+    def _step(self, feat: torch.Tensor, tok: torch.Tensor, pos: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+              anc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One drafter call for F new nodes per row [B, F]; ``anc`` [B, F, E] marks which of the
+        E earlier draft slots (dk, dv) each new node may see (its ancestors)."""
+        B, F = tok.shape
+        ok = torch.cat([self._past_mask(B, F), anc[:, None], torch.eye(F, dtype=torch.bool).expand(B, 1, F, F)], -1)
+        out, k, v = self.drafter(feat, tok, pos, torch.cat([self.k, dk], 2), torch.cat([self.v, dv], 2),
+                                 self._additive(ok, self.dtype))
+        return out, k, v
+
+    def _chain(self, f: torch.Tensor, base: torch.Tensor, budgets: list[int], depth: int) -> Draft:
+        B = f.shape[0]
+        vocab = self.drafter.vocab_ids
+        toks = torch.zeros(B, depth, dtype=torch.long)
+        dk, dv = self.drafter.empty_past(B, self.dtype)
+        for d in range(depth):
+            toks[:, d] = vocab[self.drafter.logits(f).argmax(-1)]
+            if d + 1 == depth:
+                break
+            anc = torch.ones(B, 1, d, dtype=torch.bool)
+            out, k, v = self._step(f[:, None], toks[:, d: d + 1], (base + d)[:, None], dk, dv, anc)
+            dk, dv, f = torch.cat([dk, k], 2), torch.cat([dv, v], 2), out[:, 0]
+        valid = torch.arange(depth)[None, :] < torch.tensor(budgets)[:, None]
+        return Draft(toks, tuple(range(-1, depth - 1)), None, None if bool(valid.all()) else valid)
+
+    def _tree(self, f: torch.Tensor, base: torch.Tensor, budgets: list[int], depth: int) -> Draft:
+        B, kk = f.shape[0], self.config.top_k
+        vocab = self.drafter.vocab_ids
+        # all candidate nodes, per row: token, cumulative log-prob, parent (-1 root), rank, depth
+        lp = self.drafter.logits(f).float().log_softmax(-1)
+        top = lp.topk(kk, -1)
+        tok, score = vocab[top.indices], top.values  # [B, k]
+        parent = torch.full((B, kk), -1, dtype=torch.long)
+        rank = torch.arange(kk).expand(B, kk)
+        dep = [0] * kk
+        feat_of = f[:, None].expand(B, kk, -1)  # feature each node's token was drawn from
+        level = torch.arange(kk).expand(B, kk)  # node ids of the newest level
+        dk, dv = self.drafter.empty_past(B, self.dtype)
+        slot_anc = torch.zeros(B, 0, 0, dtype=torch.bool)  # [B, E, E] ancestry among expanded nodes
+        slot_of = torch.full((B, kk), -1, dtype=torch.long)  # node -> draft slot once expanded
+        rows = torch.arange(B)[:, None]
+        for d in range(1, depth):
+            # expand the top_k newest nodes by cumulative score
+            lvl_score = score.gather(1, level)
+            pick = level.gather(1, lvl_score.topk(min(kk, level.shape[1]), -1).indices)  # [B, F] node ids
+            F = pick.shape[1]
+            E = dk.shape[2]
+            par_slot = slot_of.gather(1, parent.gather(1, pick).clamp_min(0))  # parent's slot (or junk for roots)
+            is_root = parent.gather(1, pick) < 0
+            anc = torch.zeros(B, F, E, dtype=torch.bool)
+            if E:
+                from_par = slot_anc[rows, par_slot.clamp_min(0)]  # [B, F, E] parent's ancestry row
+                anc = torch.where(is_root[..., None], anc, from_par)
+            out, k, v = self._step(feat_of[rows, pick], tok.gather(1, pick), base[:, None] + d - 1, dk, dv, anc)
+            # register the new slots: ancestry = parent's ancestry + itself
+            new_anc = torch.cat([anc, torch.eye(F, dtype=torch.bool).expand(B, F, F)], -1)  # [B, F, E+F]
+            slot_anc = torch.cat([torch.cat([slot_anc, torch.zeros(B, E, F, dtype=torch.bool)], -1), new_anc], 1)
+            dk, dv = torch.cat([dk, k], 2), torch.cat([dv, v], 2)
+            slot_of = slot_of.scatter(1, pick, E + torch.arange(F).expand(B, F))
+            # children: top_k of each expanded node
+            lp = self.drafter.logits(out).float().log_softmax(-1)  # [B, F, Vd]
+            top = lp.topk(kk, -1)
+            n0 = tok.shape[1]
+            tok = torch.cat([tok, vocab[top.indices].reshape(B, F * kk)], 1)
+            score = torch.cat([score, (score.gather(1, pick)[..., None] + top.values).reshape(B, F * kk)], 1)
+            parent = torch.cat([parent, pick[..., None].expand(B, F, kk).reshape(B, F * kk)], 1)
+            rank = torch.cat([rank, torch.arange(kk).expand(B, F, kk).reshape(B, F * kk)], 1)
+            dep += [d] * (F * kk)
+            feat_of = torch.cat([feat_of, out[:, :, None].expand(B, F, kk, -1).reshape(B, F * kk, -1)], 1)
+            slot_of = torch.cat([slot_of, torch.full((B, F * kk), -1, dtype=torch.long)], 1)
+            level = torch.arange(n0, n0 + F * kk).expand(B, F * kk)
+        # keep the best tree_nodes per row within its depth budget; ties favour shallower nodes
+        dep_t = torch.tensor(dep)
+        key = score - 1e-6 * dep_t[None]
+        key = key.masked_fill(dep_t[None] >= torch.tensor(budgets)[:, None], NEG)
+        keep = key.topk(min(self.config.tree_nodes, key.shape[1]), -1)
+        par_l, rank_l, tok_l = parent.tolist(), rank.tolist(), tok.tolist()
+        row_paths, row_tok = [], []
+        for b in range(B):
+            paths: dict[int, tuple[int, ...]] = {}
+
+            def path(n: int) -> tuple[int, ...]:
+                if n not in paths:
+                    p = par_l[b][n]
+                    paths[n] = (path(p) if p >= 0 else ()) + (rank_l[b][n],)
+                return paths[n]
+
+            sel = [n for n, s in zip(keep.indices[b].tolist(), keep.values[b].tolist()) if s != NEG]
+            row_paths.append([path(n) for n in sel])
+            row_tok.append({path(n): tok_l[b][n] for n in sel})
+        union, used = merge_rows(row_paths)
+        toks = torch.zeros(B, len(union), dtype=torch.long)
+        valid = torch.zeros(B, len(union), dtype=torch.bool)
+        for b in range(B):
+            for i in used[b]:
+                toks[b, i] = row_tok[b][union[i]]
+                valid[b, i] = True
+        return Draft(toks, parents_of(union), None, None if bool(valid.all()) else valid)

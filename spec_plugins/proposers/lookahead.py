@@ -1,0 +1,191 @@
+"""Lookahead decoding (Fu et al., 2024), compacted to one target forward per round.
+
+Lookahead runs two branches in one forward: a *lookahead* branch that refines a window of W
+guessed future tokens by Jacobi iteration (every guess is re-predicted from the guesses before
+it) and a *verification* branch that checks n-grams collected from the Jacobi trajectory.
+
+Here both branches are draft nodes of one tree rooted at the pending token:
+
+* the Jacobi window is a chain of W guesses for positions P+1..P+W (P = the pending token's
+  position). The forward over that chain IS a Jacobi step: the target's argmax at the root and
+  at each window node are the next iterate's guesses for positions P+1..P+W+1. Like any draft
+  node, the window can itself be accepted when the iteration has converged;
+* the verification branch is up to G candidates ``(c_1..c_{N-1})`` from the n-gram pool whose
+  key is the pending token, merged into a trie with the window.
+
+After the round, n-grams are read along the diagonals of the last N iterates (absolute
+positions, so accepted tokens simply shift the window): the guess at position i of iterate s,
+then i+1 of iterate s+1, ... each was predicted right after its predecessor, which is how
+lookahead harvests plausible n-grams. The pool is also filled with the n-grams of the prompt and
+the output (as the reference implementation does), most recent first, ``pool_size`` per key.
+Positions past the previous iterate are filled with tokens drawn from the sequence (the paper
+initialises guesses from the prompt), with a seeded generator, so runs are reproducible.
+Drafts are point masses depending only on the past, so the exact verifier applies unchanged.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict, deque
+from typing import Any, Literal, Sequence
+
+from pydantic import Field
+
+from spec_plugins.config import ProposerConfig
+from spec_plugins.proposers.base import Draft, ProposeContext, Proposer, RoundResult
+from spec_plugins.registry import register_proposer
+from spec_plugins.trees import merge_rows_indexed
+
+
+class _RowState:
+    """One row: its n-gram pool, Jacobi iterates (start position, guesses) and window node ids."""
+
+    def __init__(self, n: int, pool_size: int, seed: int) -> None:
+        self.n, self.pool_size = n, pool_size
+        self.pool: dict[int, OrderedDict[tuple[int, ...], None]] = {}
+        self.iterates: deque[tuple[int, list[int]]] = deque(maxlen=n)  # the last N iterates
+        self.seen = 0  # sequence tokens already scanned for n-grams
+        self.window: list[int] = []  # window tokens of the current draft
+        self.window_nodes: list[int] = []  # their node ids in this row's trie
+        self.rng = random.Random(seed)
+
+    def add(self, gram: Sequence[int]) -> None:
+        key, cont = int(gram[0]), tuple(int(t) for t in gram[1:])
+        slot = self.pool.setdefault(key, OrderedDict())
+        slot.pop(cont, None)
+        slot[cont] = None  # most recent last
+        while len(slot) > self.pool_size:
+            slot.popitem(last=False)
+
+    def scan(self, seq: Sequence[int]) -> None:
+        """Add the n-grams of the sequence completed since the last scan."""
+        n = self.n
+        for end in range(max(self.seen, n), len(seq) + 1):
+            self.add(seq[end - n : end])
+        self.seen = max(self.seen, len(seq))
+
+    def candidates(self, key: int, g: int) -> list[tuple[int, ...]]:
+        slot = self.pool.get(key)
+        return list(reversed(slot))[:g] if slot else []
+
+    def guess(self, pos: int, seq: Sequence[int]) -> int:
+        """The latest iterate's guess for an absolute position, or a token drawn from the sequence."""
+        if self.iterates:
+            start, toks = self.iterates[-1]
+            if start <= pos < start + len(toks):
+                return toks[pos - start]
+        return int(seq[self.rng.randrange(len(seq))])
+
+    def harvest(self, start: int, new: list[int]) -> None:
+        """Store a new iterate and add the n-grams ending in it along the diagonals."""
+        self.iterates.append((start, new))
+        its = list(self.iterates)
+        n = self.n
+        if len(its) < n:
+            return
+        for j, _ in enumerate(new):
+            gram = []
+            for lvl in range(n):  # iterate (len-n+lvl) at position (pos - (n-1) + lvl)
+                s, toks = its[len(its) - n + lvl]
+                i = start + j - (n - 1) + lvl - s
+                if not 0 <= i < len(toks):
+                    break
+                gram.append(toks[i])
+            if len(gram) == n:
+                self.add(gram)
+
+
+@register_proposer("lookahead")
+class LookaheadProposer(Proposer):
+    """Jacobi-window + n-gram-pool drafts in one tree (no model, no training)."""
+
+    tree = True
+
+    class Config(ProposerConfig):
+        type: Literal["lookahead"] = "lookahead"
+        num_draft_tokens: int | Literal["auto"] = Field(
+            8, description="Depth limit of the draft tree (tokens that can be accepted per round).")
+        window: int = Field(4, ge=1, le=32, description="W: Jacobi guesses refined per round (lookahead branch).")
+        ngram: int = Field(4, ge=2, le=16, description="N: n-gram size; candidates draft N-1 tokens.")
+        candidates: int = Field(3, ge=0, le=32, description="G: pool candidates verified per round.")
+        pool_size: int = Field(8, ge=1, le=256, description="n-grams kept per key token (most recent).")
+        seed: int = Field(0, description="Seed for the initial guesses drawn from the sequence.")
+
+    def __init__(self, config: "LookaheadProposer.Config | None" = None, **_: Any) -> None:
+        self.config = config or self.Config()
+        self.rows: list[_RowState] = []
+        self._node_maps: list[list[int]] = []  # per row: own trie node -> node of the shared draft
+
+    def _new_row(self, prompt: Sequence[int], i: int) -> _RowState:
+        c = self.config
+        st = _RowState(c.ngram, c.pool_size, c.seed + i)
+        st.scan(prompt)
+        return st
+
+    def begin(self, prompts: Sequence[Sequence[int]]) -> None:
+        self.rows = [self._new_row(p, i) for i, p in enumerate(prompts)]
+
+    def admit(self, prompts: Sequence[Sequence[int]]) -> None:
+        base = len(self.rows)
+        self.rows.extend(self._new_row(p, base + i) for i, p in enumerate(prompts))
+
+    def select_rows(self, rows: Sequence[int]) -> None:
+        self.rows = [self.rows[r] for r in rows]
+
+    def propose(self, ctx: ProposeContext) -> Draft | None:
+        c = self.config
+        if max(ctx.budgets, default=0) <= 0:
+            return None
+        trees = []
+        for st, seq, budget in zip(self.rows, ctx.sequences, ctx.budgets):
+            st.scan(seq)
+            P = len(seq) - 1  # position of the pending token
+            st.window = [st.guess(P + 1 + j, seq) for j in range(c.window)]
+            chains = [list(g) for g in st.candidates(int(seq[-1]), c.candidates)]
+            if not ctx.tree_ok:  # chain runtime: the best pool candidate, else the window
+                toks, par, ends = _trie(chains[:1] or [st.window], [budget])
+                st.window_nodes = [] if chains else ends[0]
+            else:
+                toks, par, ends = _trie([st.window] + chains, [budget] * (1 + len(chains)))
+                st.window_nodes = ends[0]
+            trees.append((toks, par))
+        tokens, parents, valid, self._node_maps = merge_rows_indexed(trees)
+        if tokens.shape[1] == 0:
+            return None
+        return Draft(tokens, parents, None, valid)
+
+    def observe(self, result: RoundResult) -> None:
+        z = result.target_logits
+        if z is None or result.draft is None:
+            return
+        top = z.argmax(-1).tolist()  # [B, n+1]: greedy Jacobi update at the root and every node
+        for b, (st, seq, em) in enumerate(zip(self.rows, result.sequences, result.emitted)):
+            if not st.window_nodes:
+                continue
+            P = len(seq) - len(em) - 1  # the pending position when the draft was made
+            m = self._node_maps[b]
+            # guess for P+1 comes from the root; for P+2+j from window node j
+            new = [top[b][0]] + [top[b][m[j] + 1] for j in st.window_nodes]
+            st.harvest(P + 1, new)
+
+
+def _trie(chains: Sequence[Sequence[int]], depth_caps: Sequence[int]):
+    """Merge chains into a prefix tree; returns (tokens, parents, node ids per chain), each chain
+    cut at its depth cap."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    index: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+    ends: list[list[int]] = []
+    for ci, ch in enumerate(chains):
+        cap = depth_caps[ci]
+        node, ids = -1, []
+        for t in list(ch)[:cap]:
+            key = (node, int(t))
+            if key not in index:
+                index[key] = len(tokens)
+                tokens.append(int(t))
+                parents.append(node)
+            node = index[key]
+            ids.append(node)
+        ends.append(ids)
+    return tokens, tuple(parents), ends

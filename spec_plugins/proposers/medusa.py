@@ -1,0 +1,87 @@
+"""Medusa: K trained heads read the target's hidden state at the last committed token and
+propose the tokens 2..K+1 ahead (the pending token is the target's own next token). Tree mode
+verifies a static tree of top-k candidates per head (chosen from the heads' holdout rank
+accuracies, Medusa's construction); chain mode drafts each head's top-1.
+
+Drafts are deterministic (top-k), so they are point masses (``probs=None``): the verifier's
+point-mass rules keep sampling exact, and sibling tokens (distinct ranks of one head) are distinct.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+import torch
+from pydantic import Field
+
+from spec_plugins.config import ProposerConfig
+from spec_plugins.heads.medusa import MedusaHeads
+from spec_plugins.heads.shapes import default_accuracy, parents_of, static_tree
+from spec_plugins.proposers.base import Draft, ProposeContext, Proposer
+from spec_plugins.registry import register_proposer
+
+
+def resolve_head_dir(path: str) -> Path:
+    """A head directory as given, or relative to the repository root (shipped examples)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        alt = Path(__file__).resolve().parents[2] / path
+        if alt.exists():
+            return alt
+    return p
+
+
+@register_proposer("medusa")
+class MedusaProposer(Proposer):
+    needs_hidden = True
+
+    class Config(ProposerConfig):
+        type: Literal["medusa"] = "medusa"
+        heads: str = Field(description="Directory of a trained head (head.safetensors + config.json), "
+                                       "from `spec-plugins train medusa`.")
+        mode: Literal["tree", "chain"] = Field("tree", description="Static top-k tree, or each head's top-1 chain.")
+        tree_nodes: int = Field(16, ge=1, le=256, description="Tree mode: draft nodes per round.")
+        top_k: int = Field(4, ge=1, le=32, description="Tree mode: candidates considered per head.")
+
+    def __init__(self, config: "MedusaProposer.Config", target: Any = None, heads: MedusaHeads | None = None,
+                 **_: object) -> None:
+        self.config = config
+        if heads is None:
+            if target is None or getattr(target, "model", None) is None:
+                raise ValueError("medusa needs a transformers target (its LM head is shared with the heads)")
+            heads = MedusaHeads.from_pretrained(str(resolve_head_dir(config.heads)), target.model)
+        self.heads = heads.eval()
+        self.tree = config.mode == "tree"  # the decoder checks this against the runtime's tree support
+        K = heads.config.num_heads
+        acc = [heads.calibration.get(f"head{d}", [])[: config.top_k] for d in range(K)]
+        if not all(len(a) == config.top_k for a in acc):
+            acc = default_accuracy(K, config.top_k)
+        self._paths = static_tree(acc, config.tree_nodes)
+        self._depth = torch.tensor([len(p) - 1 for p in self._paths], dtype=torch.long)
+        self._head = torch.tensor([len(p) - 1 for p in self._paths], dtype=torch.long)
+        self._rank = torch.tensor([p[-1] for p in self._paths], dtype=torch.long)
+
+    @torch.inference_mode()
+    def propose(self, ctx: ProposeContext) -> Draft | None:
+        if ctx.hidden is None:
+            raise RuntimeError("medusa needs target hidden states (needs_hidden) but the loop passed none")
+        budgets = torch.tensor(list(ctx.budgets), dtype=torch.long)
+        h = torch.stack([hb[-1] for hb in ctx.hidden]).to(self.heads.lm_weight)  # [B, H] at the last committed token
+        logits = self.heads(h)  # [B, K, Vd]
+        if not (self.tree and ctx.tree_ok):
+            k = min(int(budgets.max()), logits.shape[1])
+            if k <= 0:
+                return None
+            toks = self.heads.vocab_ids[logits[:, :k].argmax(-1)].cpu()  # [B, k]
+            valid = torch.arange(k)[None, :] < budgets[:, None]
+            return Draft(toks, tuple(range(-1, k - 1)), None, None if bool(valid.all()) else valid)
+        top = logits.topk(self.config.top_k, -1).indices  # [B, K, k]
+        toks = self.heads.vocab_ids[top[:, self._head, self._rank]].cpu()  # [B, n]
+        valid = self._depth[None, :] < budgets[:, None]
+        if not bool(valid.any()):
+            return None
+        return Draft(toks, parents_of(self._paths), None, None if bool(valid.all()) else valid)
+
+    def select_rows(self, rows: Sequence[int]) -> None:
+        """Stateless between rounds: the hidden states arrive with every context."""

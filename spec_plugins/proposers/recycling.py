@@ -1,0 +1,187 @@
+"""Token recycling (Luo et al., 2024): the target's own top-k candidates, kept for reuse.
+
+Every verify pass scores the pending token and every drafted node; the top-k of each of those
+distributions are the tokens most likely to follow that node's token. They are "recycled" into
+an adjacency table ``M[token] -> k successor candidates`` (the latest observation wins, as in the
+paper), shared by all rows and kept across generations (hot start). A draft is a static tree
+grown from the pending token by breadth-first lookups: node ``(r1, r2)`` is
+``M[M[pending][r1]][r2]``. No model, no training; drafts are point masses, so the exact verifier
+needs no ``q``. Nodes whose lookup is missing (a token never scored yet) are marked invalid.
+
+The tree's shape is ``best_static_tree`` over per-(depth, rank) acceptance priors; its size is
+the knob the CPU's forward-cost curve decides (``tree_size``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Sequence
+
+import torch
+from pydantic import Field, model_validator
+
+from spec_plugins.config import ProposerConfig
+from spec_plugins.proposers.base import Draft, ProposeContext, Proposer, RoundResult
+from spec_plugins.registry import register_proposer
+from spec_plugins.trees import StaticTree, best_static_tree, expected_accepted, static_tree
+
+# P(rank-r successor is the target's token | parent accepted), per depth, for sizing the static
+# tree. Measured on SmolLM2-135M-Instruct, greedy, the README bench prompts (see README).
+DEFAULT_ACCEPT: tuple[tuple[float, ...], ...] = (
+    (0.50, 0.12, 0.05, 0.03, 0.02, 0.015, 0.01, 0.01),
+    (0.60, 0.12, 0.05, 0.03, 0.02, 0.015, 0.01, 0.01),
+)
+
+
+@register_proposer("recycling")
+class RecyclingProposer(Proposer):
+    """Static draft trees read from an adjacency table of the target's recent top-k tokens."""
+
+    tree = True
+
+    class Config(ProposerConfig):
+        type: Literal["recycling"] = "recycling"
+        num_draft_tokens: int | Literal["auto"] = Field(
+            6, description="Depth limit of the draft tree (tokens that can be accepted per round).")
+        tree_size: int | Literal["auto"] = Field(
+            12, description="Draft nodes per round; 'auto' sizes the tree from the cost model of the runtime.")
+        candidates: int = Field(8, ge=1, le=64, description="Successor candidates kept per token (k of top-k).")
+        paths: list[list[int]] | None = Field(
+            None, description="Explicit static tree as Medusa-style rank paths (overrides tree_size).")
+        keep_table: bool = Field(True, description="Keep the adjacency table across generations (hot start).")
+
+        @model_validator(mode="after")
+        def _check(self) -> "RecyclingProposer.Config":
+            if self.tree_size != "auto" and not (1 <= self.tree_size <= 128):
+                raise ValueError(f"tree_size must be 'auto' or 1..128, got {self.tree_size}")
+            if self.paths is not None:
+                tree = static_tree(self.paths)  # raises on malformed paths
+                if max(tree.ranks) >= self.candidates:
+                    raise ValueError(f"paths use rank {max(tree.ranks)} but candidates={self.candidates}")
+            return self
+
+    def __init__(self, config: "RecyclingProposer.Config | None" = None, target: Any = None, **_: object) -> None:
+        self.config = config or self.Config()
+        self.vocab_size: int | None = getattr(target, "vocab_size", None)
+        self.table: torch.Tensor | None = None  # [V, k] long, -1 = unknown
+        self.shape = self._shape(target)
+        self._layers = _layers(self.shape)
+        # (depth, rank) -> [times reachable, times accepted]: acceptance statistics of the shape
+        self.rank_stats: dict[tuple[int, int], list[int]] = {}
+
+    def _shape(self, target: Any) -> StaticTree:
+        c = self.config
+        if c.paths is not None:
+            return static_tree(c.paths)
+        depth = c.num_draft_tokens if isinstance(c.num_draft_tokens, int) else 6
+        size = c.tree_size if isinstance(c.tree_size, int) else auto_tree_size(target, max_depth=depth)
+        return best_static_tree(DEFAULT_ACCEPT, size, depth, max_rank=c.candidates)
+
+    # ---- table --------------------------------------------------------------------------------
+    def _ensure_table(self, vocab: int) -> torch.Tensor:
+        if self.table is None or self.table.shape[0] < vocab:
+            self.table = torch.full((vocab, self.config.candidates), -1, dtype=torch.long)
+        return self.table
+
+    def update(self, tokens: torch.Tensor, logits: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Recycle: ``M[tokens[b, i]] <- top-k of logits[b, i]`` (tokens [B, N], logits [B, N, V])."""
+        table = self._ensure_table(logits.shape[-1])
+        k = min(self.config.candidates, logits.shape[-1])
+        top = logits.topk(k, dim=-1)
+        idx = top.indices.masked_fill(top.values == float("-inf"), -1).cpu()  # banned tokens are not candidates
+        toks = tokens.cpu()
+        if valid is not None:
+            toks, idx = toks[valid.cpu()], idx[valid.cpu()]
+        else:
+            toks, idx = toks.reshape(-1), idx.reshape(-1, k)
+        table[toks, :k] = idx
+
+    def begin(self, prompts: Sequence[Sequence[int]]) -> None:
+        if not self.config.keep_table:
+            self.table = None
+
+    def admit(self, prompts: Sequence[Sequence[int]]) -> None:
+        """New rows need no state of their own: the table is shared by all rows."""
+
+    # ---- draft --------------------------------------------------------------------------------
+    def propose(self, ctx: ProposeContext) -> Draft | None:
+        if self.table is None or max(ctx.budgets, default=0) <= 0 or self.shape.size == 0:
+            return None
+        B, n = len(ctx.sequences), self.shape.size
+        pending = torch.tensor([s[-1] for s in ctx.sequences], dtype=torch.long)
+        budget = torch.tensor(list(ctx.budgets), dtype=torch.long)
+        toks = torch.zeros(B, n, dtype=torch.long)
+        ok = torch.zeros(B, n, dtype=torch.bool)
+        for depth, (nodes, parents, ranks) in enumerate(self._layers):  # breadth-first, one gather per depth
+            if parents is None:
+                src, src_ok = pending[:, None].expand(B, len(nodes)), torch.ones(B, len(nodes), dtype=torch.bool)
+            else:
+                src, src_ok = toks[:, parents], ok[:, parents]
+            cand = self.table[src, ranks.expand(B, -1)]
+            ok[:, nodes] = src_ok & (cand >= 0) & (depth < budget)[:, None]
+            toks[:, nodes] = cand.clamp_min(0)
+        if not bool(ok.any()):
+            return None
+        return Draft(toks, self.shape.parents, None, None if bool(ok.all()) else ok)
+
+    def observe(self, result: RoundResult) -> None:
+        z = result.target_logits
+        if z is None:
+            return
+        roots = [seq[len(seq) - len(em) - 1] for seq, em in zip(result.sequences, result.emitted)]
+        root = torch.tensor(roots, dtype=torch.long)[:, None]
+        d = result.draft
+        if d is None or d.size == 0:
+            self.update(root, z[:, :1])
+            return
+        tokens = torch.cat([root, d.tokens.cpu()], 1)
+        valid = None
+        if d.valid is not None:
+            valid = torch.cat([torch.ones(len(roots), 1, dtype=torch.bool), d.valid.cpu()], 1)
+        self.update(tokens, z, valid)
+        if d.parents == self.shape.parents:
+            self._count(result.accepted, d.valid)
+
+    def _count(self, accepted: Sequence[Sequence[int]], valid: torch.Tensor | None) -> None:
+        """Per (depth, rank): how often a node was reachable (parent accepted) and accepted."""
+        paths, parents = self.shape.paths, self.shape.parents
+        kids: dict[int, list[int]] = {}
+        for i, p in enumerate(parents):
+            kids.setdefault(p, []).append(i)
+        for b, acc in enumerate(accepted):
+            for parent in [-1] + list(acc):
+                for c in kids.get(parent, []):
+                    if valid is not None and not bool(valid[b, c]):
+                        continue
+                    key = (len(paths[c]) - 1, paths[c][-1])
+                    cell = self.rank_stats.setdefault(key, [0, 0])
+                    cell[0] += 1
+                    cell[1] += int(c in acc)
+
+
+def _layers(tree: StaticTree) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]:
+    """Per depth: node ids, their parents' ids (None at depth 0) and their ranks."""
+    out = []
+    for d in range(tree.depth):
+        nodes = [i for i, p in enumerate(tree.paths) if len(p) == d + 1]
+        par = None if d == 0 else torch.tensor([tree.parents[i] for i in nodes], dtype=torch.long)
+        out.append((torch.tensor(nodes, dtype=torch.long), par,
+                    torch.tensor([tree.paths[i][-1] for i in nodes], dtype=torch.long)[None]))
+    return out
+
+
+def auto_tree_size(target: Any, max_size: int = 32, max_depth: int = 6) -> int:
+    """Tree size from the runtime's measured forward-cost curve (``spec_plugins.costmodel``): the
+    size maximising expected tokens per second, (1 + E[accepted]) / T(size + 1), under
+    DEFAULT_ACCEPT. The curve is measured once per runtime (a few seconds) and cached."""
+    if target is None:
+        raise ValueError("tree_size='auto' needs the target runtime to measure its cost curve")
+    from spec_plugins.costmodel import cost_model_for
+
+    cost = cost_model_for(target, max_positions=max_size + 1)
+    best, best_rate = 1, 0.0
+    for size in range(1, max_size + 1):
+        tree = best_static_tree(DEFAULT_ACCEPT, size, max_depth)
+        rate = (1.0 + expected_accepted(tree, DEFAULT_ACCEPT)) / cost.target(size + 1)
+        if rate > best_rate:
+            best, best_rate = size, rate
+    return best

@@ -1,0 +1,413 @@
+"""HTTP routes of the text-generation-inference API over a continuously batched speculative decoder.
+
+POST /generate, /generate_stream (SSE: one event per token, the last one with generated_text and
+details), / (TGI's compat route: either, by ``stream``), /v1/chat/completions (OpenAI-style,
+streaming or not); GET /info, /health, /metrics. Bad requests get TGI's error body and codes.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from spec_plugins.batching import ContinuousBatch, RowRequest
+from spec_plugins.config import SamplingConfig
+from spec_plugins.server.metrics import Metrics
+from spec_plugins.server.scheduler import Job, Scheduler
+from spec_plugins.server.schemas import (
+    ApiError,
+    ChatRequest,
+    GenerateParameters,
+    GenerateRequest,
+    validation_message,
+)
+
+DEFAULT_MAX_NEW_TOKENS = 256
+
+
+@dataclass
+class ServerState:
+    """Everything the routes need; built by ``build_state`` (CLI) or directly in tests."""
+
+    scheduler: Scheduler
+    tokenizer: Any
+    model_id: str
+    max_input_tokens: int
+    max_total_tokens: int
+    metrics: Metrics = field(default_factory=Metrics)
+    info_extra: dict[str, Any] = field(default_factory=dict)
+    policy: Any = None  # LoadAwareDraftLength or None
+    max_draft_length: int = 0
+    shutdown_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.max_input_tokens >= self.max_total_tokens:
+            raise ValueError(f"max_input_tokens ({self.max_input_tokens}) must be < max_total_tokens "
+                             f"({self.max_total_tokens})")
+        self.special_ids = set(getattr(self.tokenizer, "all_special_ids", []) or [])
+
+    @property
+    def batch(self) -> ContinuousBatch:
+        return self.scheduler.batch
+
+    def policy_view(self) -> dict[str, Any]:
+        snap = self.scheduler.snapshot()
+        snap["max_draft_length"] = self.max_draft_length
+        if self.policy is not None:
+            snap.update({k: v for k, v in self.policy.last.items() if k == "expected_tokens"})
+            sizes = sorted({1, 2, 4, 8, 16, self.scheduler.max_batch} & set(range(1, self.scheduler.max_batch + 1)))
+            snap["draft_length_by_batch"] = {b: self.policy.choose(b) for b in sizes}
+        return snap
+
+
+# ---- request preparation -----------------------------------------------------------------------
+def _parse(model: type, body: bytes) -> Any:
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"Failed to parse the request body as JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ApiError(422, f"Failed to deserialize the JSON body: expected an object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise ApiError(422, validation_message(exc)) from None
+
+
+@dataclass
+class Prepared:
+    ids: list[int]
+    params: GenerateParameters
+    row: RowRequest
+    seed: int | None
+
+
+def prepare(state: ServerState, ids: list[int], params: GenerateParameters, key: int) -> Prepared:
+    """Token limits and sampling, with TGI's messages."""
+    if params.truncate is not None:
+        ids = ids[-params.truncate:]
+    n_in = len(ids)
+    if n_in == 0:
+        raise ApiError(422, "`inputs` cannot be empty")
+    if n_in > state.max_input_tokens:
+        raise ApiError(422, f"`inputs` tokens must be <= {state.max_input_tokens} (--max-input-tokens). "
+                            f"Given: {n_in}")
+    room = state.max_total_tokens - n_in
+    max_new = params.max_new_tokens if params.max_new_tokens is not None else min(room, DEFAULT_MAX_NEW_TOKENS)
+    if n_in + max_new > state.max_total_tokens:
+        raise ApiError(422, f"`inputs` tokens + `max_new_tokens` must be <= {state.max_total_tokens}. "
+                            f"Given: {n_in} `inputs` tokens and {max_new} `max_new_tokens`")
+    seed = None
+    if params.sampling:
+        seed = params.seed if params.seed is not None else random.randrange(2**63)
+        sampling = SamplingConfig(temperature=params.temperature or 1.0, top_k=params.top_k, top_p=params.top_p,
+                                  repetition_penalty=params.repetition_penalty, seed=seed)
+    else:
+        sampling = SamplingConfig(temperature=0.0, repetition_penalty=params.repetition_penalty, seed=None)
+    return Prepared(ids, params, RowRequest(key, ids, max_new, sampling, seed), seed)
+
+
+def encode_text(state: ServerState, text: str) -> list[int]:
+    return list(state.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def encode_chat(state: ServerState, req: ChatRequest) -> list[int]:
+    tok = state.tokenizer
+    msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+    if getattr(tok, "chat_template", None):
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    raise ApiError(422, "this model's tokenizer has no chat template; use /generate")
+
+
+# ---- one request, as a stream of tokens --------------------------------------------------------
+@dataclass
+class TokenOut:
+    id: int
+    text: str
+    logprob: float
+    special: bool
+
+
+@dataclass
+class Finished:
+    reason: str  # "length" | "eos_token" | "stop_sequence"
+    text: str  # generated text (special tokens skipped)
+    tokens: list[TokenOut]
+
+
+class Detokenizer:
+    """Incremental detokenization (TGI's prefix/read offsets): a token's text appears once the
+    bytes it completes decode to whole characters."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok, self.ids, self.prefix, self.read = tokenizer, [], 0, 0
+
+    def add(self, t: int) -> str:
+        self.ids.append(t)
+        prev = self.tok.decode(self.ids[self.prefix:self.read], skip_special_tokens=False)
+        new = self.tok.decode(self.ids[self.prefix:], skip_special_tokens=False)
+        if len(new) > len(prev) and not new.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return new[len(prev):]
+        return ""
+
+
+async def run_job(state: ServerState, prep: Prepared, request: Request) -> AsyncIterator[TokenOut | Finished]:
+    """Submit to the scheduler, yield tokens, then a Finished; cancels the row if abandoned."""
+    import asyncio
+
+    job = Job(prep.row, asyncio.get_running_loop())
+    try:
+        state.scheduler.submit(job)
+    except OverflowError as exc:
+        raise ApiError(429, str(exc), "overloaded") from None
+    except RuntimeError as exc:
+        raise ApiError(503, str(exc), "overloaded") from None
+    det = Detokenizer(state.tokenizer)
+    toks: list[TokenOut] = []
+    out_text = ""
+    stops = prep.params.stop
+    done = False
+    try:
+        while True:
+            try:
+                item = await asyncio.wait_for(job.queue.get(), timeout=1.0)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return
+                continue
+            if item[0] == "error":
+                raise ApiError(500, item[1], "generation")
+            _, ids, lps, reason = item
+            if reason is not None and not ids:
+                done = True
+                yield Finished(reason, state.tokenizer.decode([x.id for x in toks], skip_special_tokens=True), toks)
+                return
+            for i, (t, lp) in enumerate(zip(ids, lps)):
+                text = det.add(t)
+                out_text += text
+                tok = TokenOut(t, text, lp, t in state.special_ids)
+                toks.append(tok)
+                hit = bool(stops) and any(s in out_text[-(len(s) + len(text)):] for s in stops)
+                if hit or (reason is not None and i == len(ids) - 1):
+                    yield tok
+                    gen = state.tokenizer.decode([x.id for x in toks], skip_special_tokens=True)
+                    done = True
+                    yield Finished("stop_sequence" if hit else reason, gen, toks)
+                    return
+                yield tok
+    finally:
+        if not done:
+            state.metrics.request_cancelled()
+        state.scheduler.cancel(job)  # no-op when finished; frees the slot otherwise
+
+
+# ---- the app ---------------------------------------------------------------------------------
+def create_app(state: ServerState) -> FastAPI:
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if not state.scheduler.alive:
+            state.scheduler.start()
+        yield
+        import asyncio
+
+        await asyncio.get_running_loop().run_in_executor(None, state.scheduler.stop, state.shutdown_timeout)
+
+    app = FastAPI(title="spec-plugins TGI-compatible server", lifespan=lifespan)
+    app.state.spec = state
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    def timed(route: str) -> Callable:
+        """Count the request and its latency in /metrics, errors included."""
+
+        def deco(fn: Callable) -> Callable:
+            async def wrapper(request: Request) -> Response:
+                t0 = time.perf_counter()
+                try:
+                    resp = await fn(request, t0)
+                except ApiError as exc:
+                    state.metrics.request_done(route, exc.status)
+                    return JSONResponse(exc.body(), status_code=exc.status)
+                if not isinstance(resp, StreamingResponse):
+                    state.metrics.request_done(route, resp.status_code, time.perf_counter() - t0)
+                return resp
+
+            wrapper.__name__ = fn.__name__
+            return wrapper
+
+        return deco
+
+    def details_of(fin: Finished, prep: Prepared) -> dict[str, Any]:
+        return {"finish_reason": fin.reason, "generated_tokens": len(fin.tokens), "seed": prep.seed, "prefill": [],
+                "tokens": [vars(t) for t in fin.tokens], "top_tokens": None, "best_of_sequences": None}
+
+    async def generate_body(request: Request, req: GenerateRequest, t0: float, route: str) -> dict[str, Any]:
+        prep = prepare(state, encode_text(state, req.inputs), req.parameters, state.scheduler.new_key())
+        fin: Finished | None = None
+        first = None
+        async for ev in run_job(state, prep, request):
+            if first is None:
+                first = time.perf_counter() - t0
+            if isinstance(ev, Finished):
+                fin = ev
+        if fin is None:
+            raise ApiError(499, "client disconnected", "cancelled")
+        text = (req.inputs + fin.text) if req.parameters.return_full_text else fin.text
+        out: dict[str, Any] = {"generated_text": text}
+        if req.parameters.details:
+            out["details"] = details_of(fin, prep)
+        state.metrics.request_done(route + ":tokens", "ok", None, len(fin.tokens), first)
+        return out
+
+    def sse(data: Any) -> bytes:
+        return f"data:{json.dumps(data)}\n\n".encode()
+
+    def stream_tgi(request: Request, req: GenerateRequest, t0: float, route: str) -> StreamingResponse:
+        prep = prepare(state, encode_text(state, req.inputs), req.parameters, state.scheduler.new_key())
+
+        async def events() -> AsyncIterator[bytes]:
+            status, n, first = "200", 0, None
+            try:
+                async for ev in run_job(state, prep, request):
+                    if isinstance(ev, TokenOut):
+                        n += 1
+                        first = first if first is not None else time.perf_counter() - t0
+                        pending = {"index": n, "token": vars(ev), "top_tokens": None, "generated_text": None,
+                                   "details": None}
+                        # hold one event back: the last token's event carries generated_text + details
+                        if n > 1:
+                            yield sse(prev)
+                        prev = pending
+                    else:
+                        text = (req.inputs + ev.text) if req.parameters.return_full_text else ev.text
+                        prev["generated_text"] = text
+                        prev["details"] = {"finish_reason": ev.reason, "generated_tokens": len(ev.tokens),
+                                           "seed": prep.seed}
+                        yield sse(prev)
+            except ApiError as exc:
+                status = str(exc.status)
+                yield sse(exc.body())
+            finally:
+                state.metrics.request_done(route, status, time.perf_counter() - t0, n, first)
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/generate")
+    @timed("generate")
+    async def generate(request: Request, t0: float) -> Response:
+        req = _parse(GenerateRequest, await request.body())
+        return JSONResponse(await generate_body(request, req, t0, "generate"))
+
+    @app.post("/generate_stream")
+    @timed("generate_stream")
+    async def generate_stream(request: Request, t0: float) -> Response:
+        req = _parse(GenerateRequest, await request.body())
+        return stream_tgi(request, req, t0, "generate_stream")
+
+    @app.post("/")
+    @timed("compat")
+    async def compat(request: Request, t0: float) -> Response:
+        req = _parse(GenerateRequest, await request.body())
+        if req.stream:
+            return stream_tgi(request, req, t0, "compat_stream")
+        return JSONResponse([await generate_body(request, req, t0, "compat")])
+
+    @app.post("/v1/chat/completions")
+    @timed("chat_completions")
+    async def chat(request: Request, t0: float) -> Response:
+        req = _parse(ChatRequest, await request.body())
+        try:
+            params = req.to_parameters()
+        except ValidationError as exc:
+            raise ApiError(422, validation_message(exc)) from None
+        prep = prepare(state, encode_chat(state, req), params, state.scheduler.new_key())
+        cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        model = state.model_id
+        finish = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
+
+        def chunk(delta: dict, reason: str | None) -> dict:
+            return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                    "system_fingerprint": "spec-plugins",
+                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+
+        if req.stream:
+            async def events() -> AsyncIterator[bytes]:
+                status, n = "200", 0
+                try:
+                    async for ev in run_job(state, prep, request):
+                        if isinstance(ev, TokenOut):
+                            n += 1
+                            if ev.text and not ev.special:
+                                yield sse(chunk({"role": "assistant", "content": ev.text}, None))
+                        else:
+                            yield sse(chunk({"role": "assistant", "content": ""}, finish[ev.reason]))
+                    yield b"data: [DONE]\n\n"
+                except ApiError as exc:
+                    status = str(exc.status)
+                    yield sse(exc.body())
+                finally:
+                    state.metrics.request_done("chat_completions_stream", status, time.perf_counter() - t0, n)
+
+            return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+        fin: Finished | None = None
+        async for ev in run_job(state, prep, request):
+            if isinstance(ev, Finished):
+                fin = ev
+        if fin is None:
+            raise ApiError(499, "client disconnected", "cancelled")
+        state.metrics.request_done("chat_completions:tokens", "ok", None, len(fin.tokens))
+        return JSONResponse({
+            "id": cid, "object": "chat.completion", "created": created, "model": model,
+            "system_fingerprint": "spec-plugins",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": fin.text}, "logprobs": None,
+                         "finish_reason": finish[fin.reason]}],
+            "usage": {"prompt_tokens": len(prep.ids), "completion_tokens": len(fin.tokens),
+                      "total_tokens": len(prep.ids) + len(fin.tokens)},
+        })
+
+    @app.get("/info")
+    async def info() -> JSONResponse:
+        from spec_plugins import __version__
+
+        return JSONResponse({
+            "model_id": state.model_id, "model_sha": None, "model_pipeline_tag": "text-generation",
+            "model_dtype": str(getattr(state.batch.target, "dtype", "")).replace("torch.", ""),
+            "model_device_type": str(getattr(state.batch.target, "device", "cpu")),
+            "max_concurrent_requests": state.scheduler.max_queue + state.scheduler.max_batch,
+            "max_best_of": 1, "max_stop_sequences": 4,
+            "max_input_tokens": state.max_input_tokens, "max_input_length": state.max_input_tokens,
+            "max_total_tokens": state.max_total_tokens, "max_batch_size": state.scheduler.max_batch,
+            "max_batch_total_tokens": state.max_total_tokens * state.scheduler.max_batch,
+            "waiting_served_ratio": 0.0, "max_waiting_tokens": 0, "validation_workers": 1,
+            "max_client_batch_size": 1, "router": "spec-plugins", "version": __version__, "sha": None,
+            "docker_label": None, **state.info_extra,
+        })
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.scheduler.alive:
+            return JSONResponse({})
+        return JSONResponse({"error": "decode thread is not running", "error_type": "unhealthy"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        text = state.metrics.render(state.batch.stats, state.policy_view())
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    return app

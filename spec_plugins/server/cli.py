@@ -1,0 +1,109 @@
+"""``spec-plugins serve``: a TGI-compatible HTTP server over the configured decoder."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from spec_plugins.cli import app, fail, load_config
+
+log = logging.getLogger("spec_plugins.server")
+
+
+def build_state(decoder: Any, max_batch: int = 8, max_input_tokens: int | None = None,
+                max_total_tokens: int | None = None, draft_policy: str = "load", model_id: str = "",
+                calibrate_context: int = 32, max_queue: int = 1024) -> Any:
+    """Wire a SpeculativeDecoder into a ContinuousBatch + Scheduler + ServerState.
+
+    ``draft_policy='load'`` measures the target forward cost per (batch size, tokens per row)
+    once at startup and shrinks the draft length as the batch grows; ``'fixed'`` always drafts
+    the configured length."""
+    from spec_plugins.batching import ContinuousBatch, LoadAwareDraftLength, measure_forward_cost
+    from spec_plugins.server.app import ServerState
+    from spec_plugins.server.scheduler import Scheduler
+    from spec_plugins.stats import DecodeStats
+
+    target = decoder.target
+    total = max_total_tokens or min(target.max_context, 2048)
+    if total > target.max_context:
+        raise ValueError(f"--max-total-tokens {total} exceeds the model's context of {target.max_context}")
+    inputs = max_input_tokens or max(1, total // 2)
+    if draft_policy not in ("load", "fixed"):
+        raise ValueError(f"draft policy must be 'load' or 'fixed', got {draft_policy!r}")
+    stats = DecodeStats()
+    proposer = decoder.proposer
+    k = 0
+    if proposer is not None:
+        k_cfg = decoder.config.proposer.num_draft_tokens if decoder.config and decoder.config.proposer else 5
+        k = 8 if k_cfg == "auto" else int(k_cfg)
+    policy = None
+    cost_table: dict[str, float] = {}
+    if proposer is not None and k > 0 and draft_policy == "load":
+        # a coarse grid (bilinear in between) keeps startup short: 3 x 3 points for 16 slots, k = 5
+        sizes = sorted({b for b in (1, 4, 16, 64) if b < max_batch} | {max_batch})
+        lengths = sorted({1, (k + 2) // 2, k + 1})
+        cost = measure_forward_cost(target, sizes, lengths, context=calibrate_context, repeats=2)
+        cost_table = cost.to_dict()
+        policy = LoadAwareDraftLength(cost, k, stats)
+        draft = policy
+    else:
+        draft = (lambda b, k=k: k)
+    seed = decoder.config.sampling.seed if decoder.config else 0
+    batch = ContinuousBatch(target, proposer, decoder.verifier, decoder.eos_ids(), draft, stats, seed=seed)
+    sched = Scheduler(batch, max_batch, max_queue)
+    info = {"speculation": {"proposer": decoder.config.proposer.type if decoder.config and decoder.config.proposer
+                            else None, "max_draft_length": k, "draft_policy": draft_policy if k else "off",
+                            "forward_cost_seconds": cost_table}}
+    return ServerState(sched, decoder.tokenizer, model_id or "spec-plugins", inputs, total, policy=policy,
+                       max_draft_length=k, info_extra=info)
+
+
+@app.command("serve")
+def serve(
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML/JSON SpecConfig (default: built-in)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Bind address (loopback by default)."),
+    port: int = typer.Option(8080, "--port", min=0, max=65535),
+    max_batch: int = typer.Option(8, "--max-batch", min=1, help="Requests decoded together (slots)."),
+    max_input_tokens: Optional[int] = typer.Option(None, "--max-input-tokens", min=1,
+                                                   help="Longest prompt (default: half of --max-total-tokens)."),
+    max_total_tokens: Optional[int] = typer.Option(None, "--max-total-tokens", min=2,
+                                                   help="Prompt + new tokens per request (default: min(context, 2048))."),
+    draft_policy: str = typer.Option("load", "--draft-policy",
+                                     help="'load': shrink the draft length as the batch grows (measured cost); "
+                                          "'fixed': always the configured length."),
+    no_speculation: bool = typer.Option(False, "--no-speculation", help="Plain decoding (same batching)."),
+    shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout", min=0.0,
+                                           help="Seconds in-flight requests may finish after SIGTERM/SIGINT."),
+) -> None:
+    """Serve the text-generation-inference HTTP API with continuous batching and speculation."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvicorn
+
+        from spec_plugins.server.app import create_app
+    except ImportError as exc:
+        fail(f"the server needs the [server] extra (pip install -e '.[server]'): {exc}")
+        return
+    from spec_plugins.config import ConfigError
+    from spec_plugins.decoder import SpeculativeDecoder
+
+    try:
+        cfg = load_config(config)
+        if no_speculation:
+            cfg = cfg.model_copy(update={"proposer": None})
+        dec = SpeculativeDecoder.from_config(cfg)
+        state = build_state(dec, max_batch, max_input_tokens, max_total_tokens, draft_policy,
+                            model_id=cfg.target.model)
+    except (ConfigError, ValueError, FileNotFoundError, LookupError) as exc:
+        fail(str(exc))
+        return
+    state.shutdown_timeout = shutdown_timeout
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("binding %s: the server has no authentication", host)
+    uvicorn.run(create_app(state), host=host, port=port, log_level="info",
+                timeout_graceful_shutdown=int(shutdown_timeout) or None)

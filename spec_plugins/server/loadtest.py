@@ -1,0 +1,182 @@
+"""Loopback load test: speculation on vs off, same run, same prompts, greedy.
+
+Starts two servers (``serve`` with the config, and with ``--no-speculation``) on free loopback
+ports, computes each prompt's solo greedy output in-process (plain decoding, batch 1), then for
+every concurrency level runs a bounded number of requests against each server in turn and checks
+that every request completed and returned exactly its prompt's solo output (no cross-talk).
+Reports throughput (generated tokens / wall time of the level) and p50/p95 latency.
+
+    flock /tmp/spec-bench.lock python -m spec_plugins.server.loadtest --config examples/configs/smollm2-server.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+PROMPTS = [
+    "What is the capital of France?",
+    "List the planets of the solar system.",
+    "Repeat this list exactly, one item per line: apples, bananas, cherries, dates, elderberries, figs, grapes, "
+    "honeydew, kiwis, lemons.",
+    "Copy the following paragraph verbatim: The quick brown fox jumps over the lazy dog. The dog did not move. "
+    "The fox ran into the forest, where it met an owl who asked it where it was going so late at night.",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
+    "Rewrite both functions with type hints and docstrings.",
+    "Write a haiku about the sea.",
+    "Translate to French: The cat sleeps on the mat and the dog sleeps by the door.",
+    "Explain in two sentences what a binary search is.",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(config: str, extra: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cmd = [sys.executable, "-c", "from spec_plugins.cli import app; app()", "serve", "--config", config, "--port", str(port), *extra]
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ,
+                                                                                   "HF_HUB_OFFLINE": "1"})
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+    import httpx
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server {url} exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"server {url} not healthy after {timeout}s")
+
+
+async def _level(url: str, inputs: list[str], n_requests: int, clients: int, max_new: int) -> dict[str, Any]:
+    import httpx
+
+    todo = list(range(n_requests))
+    results: list[dict[str, Any]] = []
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while todo:
+            i = todo.pop(0)
+            p = i % len(inputs)
+            t0 = time.perf_counter()
+            r = await client.post(url + "/generate", json={"inputs": inputs[p], "parameters": {
+                "max_new_tokens": max_new, "details": True}})
+            dt = time.perf_counter() - t0
+            ok = r.status_code == 200
+            ids = [t["id"] for t in r.json()["details"]["tokens"]] if ok else []
+            results.append({"prompt": p, "ok": ok, "status": r.status_code, "latency": dt, "ids": ids})
+
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients)) as client:
+        await asyncio.gather(*(worker(client) for _ in range(clients)))
+    wall = time.perf_counter() - t0
+    lat = sorted(r["latency"] for r in results)
+    q = lambda f: lat[min(len(lat) - 1, int(round(f * (len(lat) - 1))))]  # noqa: E731
+    tokens = sum(len(r["ids"]) for r in results)
+    return {"requests": n_requests, "clients": clients, "completed": sum(r["ok"] for r in results), "wall_s": wall,
+            "tokens": tokens, "tokens_per_s": tokens / wall, "p50_s": q(0.5), "p95_s": q(0.95), "results": results}
+
+
+def _metrics(url: str) -> dict[str, float]:
+    import httpx
+
+    out = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line and not line.startswith("#") and (line.startswith("spec_policy_draft_length")
+                                                  or line.split("{")[0].split(" ")[0] in (
+                "spec_target_forwards_total", "spec_draft_tokens_total", "spec_accepted_tokens_total",
+                "spec_mean_accepted_tokens")):
+            k, v = line.rsplit(" ", 1)
+            out[k] = float(v)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="examples/configs/smollm2-server.yaml")
+    ap.add_argument("--levels", default="1,4,16")
+    ap.add_argument("--requests", default="16,32,64", help="requests per level (comma list, one per level)")
+    ap.add_argument("--max-new-tokens", type=int, default=40)
+    ap.add_argument("--max-batch", type=int, default=16)
+    ap.add_argument("--out", default="loadtest.json")
+    ap.add_argument("--logs", default="/tmp")
+    a = ap.parse_args(argv)
+    levels = [int(x) for x in a.levels.split(",")]
+    counts = [int(x) for x in a.requests.split(",")]
+    if len(counts) != len(levels):
+        ap.error("--requests needs one count per level")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    servers = {}
+    common = ["--max-batch", str(a.max_batch), "--max-total-tokens", "1024", "--max-input-tokens", "512"]
+    try:
+        for mode, extra in (("off", ["--no-speculation"]), ("on", [])):
+            servers[mode] = _start(a.config, common + extra, Path(a.logs) / f"spec-loadtest-{mode}.log")
+        for mode, (proc, url) in servers.items():
+            _wait_healthy(url, proc)
+
+        from spec_plugins.config import SpecConfig
+        from spec_plugins.decoder import SpeculativeDecoder
+
+        dec = SpeculativeDecoder.from_config(SpecConfig.from_file(a.config)).without_speculation()
+        tok = dec.tokenizer
+        inputs = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                          tokenize=False) for p in PROMPTS]
+        refs = []
+        for text in inputs:
+            ids = list(tok(text, add_special_tokens=True)["input_ids"])
+            refs.append(dec.generate(ids, max_new_tokens=a.max_new_tokens).token_ids)
+        print(f"prompt lengths (tokens): {[len(tok(t)['input_ids']) for t in inputs]}", flush=True)
+
+        report: dict[str, Any] = {"max_new_tokens": a.max_new_tokens, "max_batch": a.max_batch, "levels": []}
+        for clients, n in zip(levels, counts):
+            row: dict[str, Any] = {"clients": clients}
+            for mode in ("off", "on"):
+                proc, url = servers[mode]
+                res = asyncio.run(_level(url, inputs, n, clients, a.max_new_tokens))
+                mism = [r["prompt"] for r in res["results"] if r["ok"] and r["ids"] != refs[r["prompt"]]]
+                res["mismatches"] = len(mism)
+                res["mismatched_prompts"] = sorted(set(mism))
+                res.pop("results")
+                row[mode] = res
+                print(f"clients={clients:3d} spec={mode:3s} requests={n} completed={res['completed']} "
+                      f"mismatches={len(mism)} tokens/s={res['tokens_per_s']:.1f} p50={res['p50_s']:.2f}s "
+                      f"p95={res['p95_s']:.2f}s", flush=True)
+            report["levels"].append(row)
+        report["metrics_on"] = _metrics(servers["on"][1])
+        report["metrics_off"] = _metrics(servers["off"][1])
+        report["info_on"] = __import__("httpx").get(servers["on"][1] + "/info").json()
+        Path(a.out).write_text(json.dumps(report, indent=2))
+        print(json.dumps(report["metrics_on"], indent=1))
+        return 0
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+        for proc, _ in servers.values():
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

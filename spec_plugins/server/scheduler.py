@@ -1,0 +1,172 @@
+"""The decode thread: admits waiting requests into the running batch between rounds, runs rounds,
+hands each request its tokens through an asyncio queue, and frees slots at once.
+
+Model work is CPU/GPU-bound, so it runs in one thread of its own; the HTTP handlers only wait on
+their queues. A request leaves the batch as soon as it finishes or is cancelled (stop string,
+client gone): the next loop iteration drops its row before the round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from spec_plugins.batching import ContinuousBatch, Emission, RowRequest
+
+log = logging.getLogger("spec_plugins.server")
+
+
+@dataclass
+class Job:
+    """One request's life in the scheduler; events arrive on ``queue`` in the handler's loop.
+
+    Events: ("tokens", ids, logprobs, finish_reason | None) and ("error", message)."""
+
+    row: RowRequest
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: bool = False
+    finished: bool = False
+    submitted: float = field(default_factory=time.perf_counter)
+
+    def push(self, item: tuple) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the handler's loop is gone (shutdown)
+            pass
+
+
+class Scheduler:
+    """Owns a ContinuousBatch; ``submit`` / ``cancel`` are safe from any thread."""
+
+    def __init__(self, batch: ContinuousBatch, max_batch: int, max_queue: int = 1024) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.batch, self.max_batch, self.max_queue = batch, max_batch, max_queue
+        self._cv = threading.Condition()
+        self._waiting: list[Job] = []
+        self._jobs: dict[int, Job] = {}  # running, by row key
+        self._ids = itertools.count()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    # ---- called from HTTP handlers ------------------------------------------------------------
+    def new_key(self) -> int:
+        return next(self._ids)
+
+    def submit(self, job: Job) -> None:
+        with self._cv:
+            if self._stop:
+                raise RuntimeError("the server is shutting down")
+            if len(self._waiting) >= self.max_queue:
+                raise OverflowError(f"queue is full ({self.max_queue} requests waiting)")
+            self._waiting.append(job)
+            self._cv.notify()
+
+    def cancel(self, job: Job) -> None:
+        with self._cv:
+            if not job.finished:
+                job.cancelled = True
+                self._cv.notify()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._cv:
+            return {"batch": len(self._jobs), "queue": len(self._waiting), "max_batch": self.max_batch,
+                    "draft_length": self.batch.last_k}
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="spec-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Finish in-flight requests for up to ``timeout`` seconds, then cancel the rest."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        deadline = time.monotonic() + timeout
+        while self.alive and time.monotonic() < deadline:
+            with self._cv:
+                if not self._jobs and not self._waiting:
+                    break
+            time.sleep(0.02)
+        with self._cv:
+            for job in list(self._jobs.values()) + self._waiting:
+                if not job.finished:
+                    job.finished = True
+                    job.push(("error", "the server shut down before this request finished"))
+            self._waiting.clear()
+            self._jobs.clear()
+            self._halt = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    # ---- the decode thread ----------------------------------------------------------------------
+    _halt = False
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                if self._halt or (self._stop and not self._jobs and not self._waiting):
+                    return
+                # drop cancelled rows, waiting or running, before the round
+                self._waiting = [j for j in self._waiting if not j.cancelled]
+                gone = [k for k, j in self._jobs.items() if j.cancelled or j.finished]
+                room = self.max_batch - (len(self._jobs) - len(gone))
+                admit, self._waiting = self._waiting[:room], self._waiting[room:]
+                if not gone and not admit and not self._jobs:
+                    self._cv.wait(timeout=0.5)
+                    continue
+            try:
+                for k in gone:
+                    self._jobs.pop(k, None)
+                self.batch.remove(gone)
+                if admit:
+                    for j in admit:
+                        self._jobs[j.row.key] = j
+                    self._dispatch(self.batch.add([j.row for j in admit]))
+                if len(self.batch):
+                    self._dispatch(self.batch.step())
+            except Exception as exc:  # noqa: BLE001 - a failed round must not kill the server
+                log.exception("decode round failed")
+                self._fail_all(f"generation failed: {type(exc).__name__}: {exc}")
+
+    def _dispatch(self, ems: list[Emission]) -> None:
+        done = []
+        for em in ems:
+            job = self._jobs.get(em.key)
+            if job is None:
+                continue
+            if not job.cancelled:
+                job.push(("tokens", em.tokens, em.logprobs, em.finish_reason))
+            if em.finish_reason is not None:
+                job.finished = True
+                done.append(em.key)
+        if done:  # free the slots now, not at the next round
+            for k in done:
+                self._jobs.pop(k, None)
+            self.batch.remove(done)
+
+    def _fail_all(self, message: str) -> None:
+        with self._cv:
+            jobs = list(self._jobs.values())
+            self._jobs.clear()
+        for j in jobs:
+            j.finished = True
+            j.push(("error", message))
+        try:
+            self.batch.remove(self.batch.keys())
+        except Exception:  # noqa: BLE001
+            log.exception("could not reset the batch; rebuilding on next admission")
+            self.batch.rows = []

@@ -1,0 +1,252 @@
+"""Request/response models with text-generation-inference's names, and its error shapes.
+
+TGI answers a bad request with ``{"error": "...", "error_type": "validation"}`` (422; 400 when
+the body is not JSON) and the official clients turn ``error_type`` into their exception types,
+so the messages below follow TGI's wording. Parameters TGI knows but this server does not
+implement are accepted at their neutral value (clients send them as null) and refused otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_STOP_SEQUENCES = 4
+
+
+class ApiError(Exception):
+    """An error answered as TGI does: status code + ``{"error", "error_type"}``."""
+
+    def __init__(self, status: int, message: str, error_type: str = "validation") -> None:
+        super().__init__(message)
+        self.status, self.message, self.error_type = status, message, error_type
+
+    def body(self) -> dict[str, str]:
+        return {"error": self.message, "error_type": self.error_type}
+
+
+def _neutral(name: str, value: Any, neutral: tuple = (None,)) -> Any:
+    if value not in neutral:
+        raise ValueError(f"`{name}` is not supported by this server (spec-plugins); leave it unset")
+    return value
+
+
+class GenerateParameters(BaseModel):
+    """TGI ``parameters``; unknown names are refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int | None = Field(None, description="Tokens to generate (default: what fits, capped).")
+    do_sample: bool = Field(False, description="Sample instead of greedy (also implied by temperature/top_k/top_p).")
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    details: bool = False
+    return_full_text: bool | None = False
+    truncate: int | None = None
+    # known to TGI, neutral values only
+    best_of: int | None = None
+    decoder_input_details: bool = False
+    frequency_penalty: float | None = None
+    typical_p: float | None = None
+    watermark: bool = False
+    top_n_tokens: int | None = None
+    grammar: Any = None
+    adapter_id: str | None = None
+
+    @field_validator("max_new_tokens")
+    @classmethod
+    def _max_new(cls, v: int | None) -> int | None:
+        if v is not None and v <= 0:
+            raise ValueError("`max_new_tokens` must be strictly positive")
+        return v
+
+    @field_validator("temperature")
+    @classmethod
+    def _temp(cls, v: float | None) -> float | None:
+        if v is not None and not v > 0:
+            raise ValueError("`temperature` must be strictly positive")
+        return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int | None) -> int | None:
+        if v is not None and v <= 0:
+            raise ValueError("`top_k` must be strictly positive")
+        return v
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, v: float | None) -> float | None:
+        if v is not None and not (0.0 < v < 1.0):
+            raise ValueError("`top_p` must be > 0.0 and < 1.0")
+        return v
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _rep(cls, v: float | None) -> float | None:
+        if v is not None and not v > 0:
+            raise ValueError("`repetition_penalty` must be strictly positive")
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v: int | None) -> int | None:
+        if v is not None and not (0 <= v < 2**63):
+            raise ValueError("`seed` must be a non-negative 64-bit integer")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: list[str]) -> list[str]:
+        if len(v) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"`stop` supports up to {MAX_STOP_SEQUENCES} stop sequences. Given: {len(v)}")
+        if any(s == "" for s in v):
+            raise ValueError("`stop` sequences must not be empty")
+        return v
+
+    @field_validator("truncate")
+    @classmethod
+    def _truncate(cls, v: int | None) -> int | None:
+        if v is not None and v <= 0:
+            raise ValueError("`truncate` must be strictly positive")
+        return v
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> "GenerateParameters":
+        _neutral("best_of", self.best_of, (None, 1))
+        _neutral("decoder_input_details", self.decoder_input_details, (False,))
+        _neutral("frequency_penalty", self.frequency_penalty, (None, 0.0))
+        _neutral("typical_p", self.typical_p, (None, 1.0))
+        _neutral("watermark", self.watermark, (False,))
+        _neutral("top_n_tokens", self.top_n_tokens, (None, 0))
+        _neutral("grammar", self.grammar)
+        _neutral("adapter_id", self.adapter_id)
+        return self
+
+    @property
+    def sampling(self) -> bool:
+        """TGI's rule: sample if asked to, or if any warper is set."""
+        return bool(self.do_sample or self.temperature not in (None, 1.0) or self.top_k is not None
+                    or self.top_p is not None)
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    inputs: str
+    parameters: GenerateParameters = Field(default_factory=GenerateParameters)
+    stream: bool = False  # only read by the compat route POST /
+
+    @field_validator("inputs")
+    @classmethod
+    def _inputs(cls, v: str) -> str:
+        if not v:
+            raise ValueError("`inputs` cannot be empty")
+        return v
+
+    @field_validator("parameters", mode="before")
+    @classmethod
+    def _params_none(cls, v: Any) -> Any:
+        return {} if v is None else v
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):  # OpenAI content parts: keep the text ones
+            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+        return self.content or ""
+
+
+class ChatRequest(BaseModel):
+    """OpenAI chat completions, as TGI serves them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    messages: list[ChatMessage]
+    model: str | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    repetition_penalty: float | None = None
+    # OpenAI/TGI fields accepted at their neutral values only
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: Any = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    n: int | None = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    tool_prompt: str | None = None
+    user: str | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        if not v:
+            raise ValueError("`messages` cannot be empty")
+        return v
+
+    @field_validator("temperature")
+    @classmethod
+    def _temp(cls, v: float | None) -> float | None:
+        if v is not None and not (0.0 <= v <= 2.0):
+            raise ValueError("`temperature` must be between 0 and 2")
+        return v
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> "ChatRequest":
+        _neutral("frequency_penalty", self.frequency_penalty, (None, 0.0))
+        _neutral("presence_penalty", self.presence_penalty, (None, 0.0))
+        _neutral("logit_bias", self.logit_bias, (None, {}, []))
+        _neutral("logprobs", self.logprobs, (None, False))
+        _neutral("top_logprobs", self.top_logprobs, (None, 0))
+        _neutral("n", self.n, (None, 1))
+        _neutral("response_format", self.response_format)
+        _neutral("tools", self.tools, (None, []))
+        _neutral("tool_choice", self.tool_choice, (None, "none", "auto"))
+        return self
+
+    def to_parameters(self) -> GenerateParameters:
+        """TGI's mapping: temperature 0 = greedy, otherwise sample (OpenAI's default is 1)."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        greedy = self.temperature == 0.0
+        return GenerateParameters(
+            max_new_tokens=self.max_completion_tokens or self.max_tokens,
+            do_sample=not greedy,
+            temperature=None if greedy else self.temperature,
+            top_p=self.top_p if self.top_p not in (None, 1.0) else None,
+            seed=self.seed,
+            stop=stop,
+            repetition_penalty=self.repetition_penalty,
+        )
+
+
+def validation_message(exc: Any) -> str:
+    """A pydantic ValidationError as one TGI-style line (field path only where it helps)."""
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"] if p != "__root__")
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = f"unknown field `{loc.split('.')[-1]}`" + (f" in `{loc.rsplit('.', 1)[0]}`" if "." in loc else "")
+        elif not msg.startswith("`"):
+            msg = f"`{loc}`: {msg}" if loc else msg
+        parts.append(msg)
+    return "; ".join(parts)

@@ -1,0 +1,1 @@
+"""Self-distillation training for the draft heads (``spec-plugins train {medusa,eagle}``)."""

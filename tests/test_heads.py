@@ -1,0 +1,187 @@
+"""Medusa and EAGLE proposers: greedy output identical to plain greedy with random heads
+(correctness never depends on head quality), batches, budgets, the drafter cache, tree shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import plain_greedy
+
+from conftest import tiny_llama
+from spec_plugins.backends.torch_runtime import TorchRuntime
+from spec_plugins.config import SamplingConfig
+from spec_plugins.engine import decode, fixed_length
+from spec_plugins.heads import EagleConfig, EagleDrafter, MedusaConfig, MedusaHeads, save_head, target_lm_parts
+from spec_plugins.heads.shapes import merge_rows, parents_of, static_tree
+from spec_plugins.proposers.eagle import EagleProposer
+from spec_plugins.proposers.medusa import MedusaProposer
+from spec_plugins.sampling import LogitsPipeline
+from spec_plugins.stats import DecodeStats
+from spec_plugins.training.data import target_features
+from spec_plugins.verifiers import ExactVerifier
+
+GREEDY = LogitsPipeline(SamplingConfig(temperature=0.0))
+VOCAB_IDS = torch.arange(2, 30)  # a draft vocabulary smaller than the target's (32)
+
+
+def run(target, proposer, prompts, n, k):
+    outs = [[] for _ in prompts]
+    stats = DecodeStats()
+    for step in decode(target, proposer, ExactVerifier(), GREEDY, prompts, n, (), None, stats, fixed_length(k)):
+        for i, t in step.emitted.items():
+            outs[i].extend(t)
+    return outs, stats
+
+
+def prompts(count, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 32, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(count)]
+
+
+def medusa(model, num_heads=3, seed=0):
+    torch.manual_seed(seed)
+    lm, _ = target_lm_parts(model)
+    return MedusaHeads(MedusaConfig(lm.shape[1], num_heads=num_heads, draft_vocab_size=len(VOCAB_IDS)), lm,
+                       VOCAB_IDS, zero_init=False)
+
+
+def eagle(model, seed=0):
+    torch.manual_seed(seed)
+    lm, emb = target_lm_parts(model)
+    cfg = EagleConfig(lm.shape[1], num_heads=4, num_kv_heads=2, intermediate_size=64, draft_vocab_size=len(VOCAB_IDS))
+    return EagleDrafter(cfg, lm, emb, VOCAB_IDS)
+
+
+def medusa_prop(model, mode, nodes=10, top_k=3, **kw):
+    cfg = MedusaProposer.Config(heads="unused", mode=mode, tree_nodes=nodes, top_k=top_k)
+    return MedusaProposer(cfg, heads=medusa(model, **kw))
+
+
+def eagle_prop(model, mode, nodes=10, top_k=3, seed=0):
+    cfg = EagleProposer.Config(heads="unused", mode=mode, tree_nodes=nodes, top_k=top_k)
+    return EagleProposer(cfg, drafter=eagle(model, seed))
+
+
+MAKERS = {
+    "medusa-tree": lambda m: medusa_prop(m, "tree"),
+    "medusa-chain": lambda m: medusa_prop(m, "chain"),
+    "eagle-chain": lambda m: eagle_prop(m, "chain"),
+    "eagle-tree": lambda m: eagle_prop(m, "tree"),
+}
+
+
+@pytest.mark.parametrize("kind", list(MAKERS))
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_identical_single_row(kind, k):
+    model = tiny_llama(seed=3)
+    target = TorchRuntime(model)
+    prop = MAKERS[kind](model)
+    for prompt in prompts(3, seed=k):
+        for n in (1, 6, 19):
+            outs, stats = run(target, prop, [prompt], n, k)
+            assert outs[0] == plain_greedy(model, prompt, n), (kind, prompt, n, k)
+
+
+@pytest.mark.parametrize("kind", list(MAKERS))
+def test_greedy_identical_batch(kind):
+    model = tiny_llama(seed=5)
+    target = TorchRuntime(model)
+    prop = MAKERS[kind](model)
+    ps = prompts(4, seed=11)
+    limits = [3, 17, 9, 25]
+    outs, stats = run(target, prop, ps, limits, 4)
+    for p, o, n in zip(ps, outs, limits):
+        assert o == plain_greedy(model, p, n), kind
+    assert stats.draft_tokens > 0
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_eagle_cache_matches_full_recompute(mode):
+    """After decoding, the drafter's cached keys equal the drafter run on the full committed
+    sequence with the target's true features: the catch-up feeds exactly the right pairs."""
+    model = tiny_llama(seed=3)
+    target = TorchRuntime(model)
+    prop = eagle_prop(model, mode)
+    ps = [[1, 2, 3, 4, 5], [7, 8]]
+    outs, _ = run(target, prop, ps, [20, 14], 3)
+    d = prop.drafter
+    for b, (p, o) in enumerate(zip(ps, outs)):
+        if b >= prop.slot_pos.shape[0]:
+            break  # finished rows leave the cache
+        seq = p + o
+        fed = prop.fed[b]
+        feats = target_features(model, [seq])[0][:fed]
+        T = fed
+        mask = torch.zeros(1, 1, T, T).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+        k0, v0 = d.empty_past(1)
+        _, k_ref, _ = d(feats[None], torch.tensor([seq[1: fed + 1]]), torch.arange(T)[None], k0, v0, mask)
+        live = prop.slot_pos[b] >= 0
+        assert prop.slot_pos[b][live].tolist() == list(range(fed))
+        torch.testing.assert_close(prop.k[b][:, live], k_ref[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_tree_draft_shapes_and_budgets(kind):
+    """Trees respect tree_nodes and each row's depth budget, and are point masses with distinct
+    sibling tokens: the condition under which the verifier's point-mass tree rule is exact."""
+    model = tiny_llama(seed=3)
+    target = TorchRuntime(model)
+    prop = eagle_prop(model, "tree", nodes=7, top_k=2) if kind == "eagle" else medusa_prop(model, "tree", 7, 2)
+    seen = []
+    orig = prop.propose
+
+    def spy(ctx):
+        d = orig(ctx)
+        seen.append((list(ctx.budgets), d))
+        return d
+
+    prop.propose = spy
+    run(target, prop, [[1, 2, 3], [4, 5, 6, 7]], [12, 5], 4)
+    for budgets, d in seen:
+        if d is None:
+            continue
+        depth = torch.zeros(d.size, dtype=torch.long)
+        for i, p in enumerate(d.parents):
+            assert p < i
+            depth[i] = depth[p] + 1 if p >= 0 else 0
+        valid = d.valid if d.valid is not None else torch.ones(d.tokens.shape, dtype=torch.bool)
+        assert d.probs is None
+        for b, bud in enumerate(budgets):
+            assert int(valid[b].sum()) <= 7
+            assert bool((depth[valid[b]] < bud).all())
+            for parent in set(d.parents):
+                sib = [int(d.tokens[b, i]) for i, p in enumerate(d.parents) if p == parent and valid[b, i]]
+                assert len(sib) == len(set(sib)), (kind, sib)
+    assert any(d is not None and not d.parents == tuple(range(-1, d.size - 1)) for _, d in seen)
+
+
+def test_static_tree_best_first_and_closed():
+    acc = [[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.05]]
+    paths = static_tree(acc, 6)
+    # products: (0,) .6, (0,0) .24, (1,) .2, (0,1) .12, (2,) .1, (1,0) .08 > (0,0,0) .072
+    assert paths == [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)]
+    assert static_tree(acc, 7)[-1] == (0, 0, 0)
+    par = parents_of(paths)
+    assert all(p < i for i, p in enumerate(par))
+    union, used = merge_rows([[(0,), (0, 1)], [(1,), (0,)]])
+    assert union == [(0,), (1,), (0, 1)] and used == [[0, 2], [1, 0]]
+    with pytest.raises(ValueError, match="no parent"):
+        parents_of([(0, 1)])
+
+
+def test_head_save_load_roundtrip(tmp_path):
+    model = tiny_llama(seed=3)
+    h = medusa(model)
+    save_head(h, h.config.to_dict(), tmp_path / "m")
+    h2 = MedusaHeads.from_pretrained(str(tmp_path / "m"), model)
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(h2(x), h(x), atol=2e-2, rtol=2e-2)  # fp16 on disk
+    e = eagle(model)
+    save_head(e, e.config.to_dict(), tmp_path / "e")
+    e2 = EagleDrafter.from_pretrained(str(tmp_path / "e"), model)
+    assert torch.equal(e2.vocab_ids, VOCAB_IDS)
+    for name, p in e.state_dict().items():
+        torch.testing.assert_close(e2.state_dict()[name], p.to(torch.float16).float() if p.is_floating_point() else p)
+    with pytest.raises(FileNotFoundError, match="spec-plugins train"):
+        MedusaHeads.from_pretrained(str(tmp_path / "missing"), model)

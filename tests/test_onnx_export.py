@@ -1,0 +1,111 @@
+"""ONNX export of verify/draft graphs and heads, the manifest, and the parity check."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+
+from conftest import tiny_llama  # noqa: E402
+from spec_plugins.exporters.manifest import Manifest, ManifestError  # noqa: E402
+from spec_plugins.exporters.onnx_export import export_models  # noqa: E402
+from spec_plugins.exporters.parity import check_export  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_export(tmp_path_factory):
+    target, draft = tiny_llama(vocab=32, seed=2, sharpness=4.0), tiny_llama(vocab=32, seed=3, sharpness=4.0)
+    out = tmp_path_factory.mktemp("onnx") / "export"
+    man = export_models(out, (target, None, "tiny-target"), (draft, "tiny-draft"))
+    return out, man, target, draft
+
+
+def test_manifest_and_dynamic_axes(tiny_export):
+    import onnx
+
+    out, man, target, _ = tiny_export
+    read = Manifest.read(out)
+    assert [g.name for g in read.graphs] == ["verify", "draft"]
+    g = read.graph("verify")
+    assert (g.num_layers, g.num_kv_heads, g.head_dim, g.vocab_size) == (2, 2, 8, 32)
+    assert g.source_model == "tiny-target" and g.dtype == "float32" and g.size_bytes > 0
+    assert read.opset == 17 and read.exporter_version and "torch" in read.versions
+    model = onnx.load(str(out / g.file), load_external_data=False)
+    dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+    assert dims["input_ids"] == ["B", "N"]
+    assert dims["attention_mask"] == ["B", 1, "N", "T"]
+    assert dims["past_key.0"] == ["B", 2, "P", 8]
+    outs = [o.name for o in model.graph.output]
+    assert outs[:3] == ["logits", "hidden", "present_key.0"] and len(outs) == 2 + 2 * 2
+
+
+def test_parity_passes_for_each_graph(tiny_export):
+    out, _, target, draft = tiny_export
+    rep = check_export(out, gamma=3, max_new_tokens=16, models={"tiny-target": target, "tiny-draft": draft})
+    assert rep.ok, rep.format()
+    labels = {(c.graph, c.case) for c in rep.cases}
+    for n in range(1, 5):  # N = 1..gamma+1, chain, random inputs, non-empty past
+        assert ("verify", f"random B=2 N={n} P=7 chain") in labels
+    assert ("verify", "random B=2 N=4 P=7 tree") in labels
+    assert any("real tree" in c for _, c in labels)
+    assert [g.graph for g in rep.greedy] == ["verify", "draft"] and all(g.identical for g in rep.greedy)
+    assert max(c.rel for c in rep.cases) < 1e-4
+
+
+def test_parity_detects_a_different_model(tiny_export):
+    """Power check: the same graph compared against another model's weights must fail."""
+    out, _, _, draft = tiny_export
+    other = tiny_llama(vocab=32, seed=7, sharpness=4.0)
+    rep = check_export(out, gamma=2, max_new_tokens=8, models={"tiny-target": other, "tiny-draft": draft})
+    assert not rep.ok
+    assert any(not c.ok and c.graph == "verify" for c in rep.cases)
+    assert all(c.ok for c in rep.cases if c.graph == "draft")
+
+
+def test_manifest_errors_name_the_problem(tmp_path, tiny_export):
+    with pytest.raises(ManifestError, match="manifest.json not found"):
+        Manifest.read(tmp_path)
+    out, man, _, _ = tiny_export
+    data = json.loads((out / "manifest.json").read_text())
+    data["exporter_version"] = "0"
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(ManifestError, match="exporter version '0'"):
+        Manifest.read(tmp_path)
+    data["exporter_version"] = man.exporter_version
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(ManifestError, match="verify.onnx, which does not exist"):
+        Manifest.read(tmp_path)
+    with pytest.raises(ManifestError, match="no graph 'medusa'"):
+        man.graph("medusa")
+
+
+def test_heads_export_and_parity(tmp_path):
+    from spec_plugins.exporters.onnx_heads import check_head
+    from spec_plugins.heads import EagleConfig, EagleDrafter, MedusaConfig, MedusaHeads
+
+    model = tiny_llama(vocab=32, seed=2)
+    lm, emb = model.lm_head.weight, model.model.embed_tokens.weight
+    vocab_ids = torch.arange(0, 32, 2)
+    torch.manual_seed(0)
+    medusa = MedusaHeads(MedusaConfig(hidden_size=32, num_heads=3, draft_vocab_size=16), lm, vocab_ids,
+                         zero_init=False)
+    eagle = EagleDrafter(EagleConfig(hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64,
+                                     draft_vocab_size=16), lm, emb, vocab_ids)
+    out = tmp_path / "export"
+    man = export_models(out, (model, None, "tiny"), heads=[("medusa", medusa, "unused"), ("eagle", eagle, "unused")])
+    assert [(g.name, g.kind, g.vocab_size) for g in man.graphs[1:]] == [("medusa", "medusa_heads", 16),
+                                                                         ("eagle", "eagle_layer", 16)]
+    rep = check_export(out, gamma=1, max_new_tokens=4, models={"tiny": model},
+                       heads={"medusa": medusa, "eagle": eagle})
+    assert rep.ok, rep.format()
+    assert sum(c.graph in ("medusa", "eagle") for c in rep.cases) == 6
+    for name, head in (("medusa", medusa), ("eagle", eagle)):
+        entry = man.graph(name)
+        # power check: a perturbed module no longer matches the graph
+        with torch.no_grad():
+            next(p for p in head.parameters() if p.dim() == 2).add_(0.5)
+        assert not all(c.ok for c in check_head(out, entry, None, 1e-4, module=head))

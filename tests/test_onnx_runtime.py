@@ -1,0 +1,216 @@
+"""The ONNX Runtime backend: KV bookkeeping vs the torch runtime, swap by config, errors."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("onnxruntime")
+
+from conftest import tiny_llama  # noqa: E402
+from spec_plugins.backends.onnxruntime_runtime import OnnxRuntime, create_session, providers_for  # noqa: E402
+from spec_plugins.backends.torch_runtime import TorchRuntime  # noqa: E402
+from spec_plugins.config import SamplingConfig, SpecConfig  # noqa: E402
+from spec_plugins.engine import decode, fixed_length  # noqa: E402
+from spec_plugins.exporters.manifest import Manifest  # noqa: E402
+from spec_plugins.exporters.onnx_export import export_models  # noqa: E402
+from spec_plugins.proposers.draft_model import DraftModelProposer  # noqa: E402
+from spec_plugins.sampling import LogitsPipeline  # noqa: E402
+from spec_plugins.tree import layout, with_root  # noqa: E402
+from spec_plugins.verifiers import ExactVerifier  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    target, draft = tiny_llama(vocab=32, seed=2, sharpness=4.0), tiny_llama(vocab=32, seed=5, sharpness=4.0)
+    out = tmp_path_factory.mktemp("onnxrt") / "export"
+    export_models(out, (target, None, "tiny"), (draft, "tiny-draft"))
+    return out, target, draft
+
+
+def ort_runtime(out, graph: str = "verify", **kw) -> OnnxRuntime:
+    man = Manifest.read(out)
+    entry = man.graph(graph)
+    return OnnxRuntime(create_session(out / entry.file, "cpu", **kw), entry)
+
+
+def test_bookkeeping_matches_torch_runtime(exported):
+    """Left-padded prefill, tree forward, per-row path commit, rollback, row selection, hidden."""
+    out, model, _ = exported
+    rt, ref = ort_runtime(out), TorchRuntime(model)
+    rows = [[1, 2, 3, 4, 5, 6], [7, 8], [9, 10, 11]]
+    torch.testing.assert_close(rt.prefill(rows).logits, ref.prefill(rows).logits, atol=1e-4, rtol=1e-4)
+    tree = layout(with_root((-1, -1, 0, 1, 1)))
+    toks = torch.randint(0, 32, (3, 6), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(rt.forward(toks, tree=tree).logits, ref.forward(toks, tree=tree).logits,
+                               atol=1e-4, rtol=1e-4)
+    for r in (rt, ref):
+        r.commit([[0, 2, 5], [0, 1], [0]])
+    t = torch.tensor([[3, 4], [5, 6], [7, 8]])
+    torch.testing.assert_close(rt.forward(t).logits, ref.forward(t).logits, atol=1e-4, rtol=1e-4)
+    for r in (rt, ref):
+        r.commit([[0], [0, 1], [0]])
+        r.rollback([6, 4, 3])
+        r.select_rows([0, 2])
+    assert rt.lengths() == ref.lengths() == [6, 3]
+    t = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    a, b = rt.forward(t, want_hidden=True), ref.forward(t, want_hidden=True)
+    torch.testing.assert_close(a.logits, b.logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(a.hidden, b.hidden, atol=1e-4, rtol=1e-4)
+    # after commit + rollback the ORT cache equals a fresh prefill of the same tokens
+    rt.commit([[0, 1], [0]])
+    fresh = ort_runtime(out)
+    fresh.prefill([[1, 2, 3, 4, 5, 6, 1, 2]])
+    rt.select_rows([0])
+    assert rt.lengths() == [8]
+    live = rt.pos[0] >= 0
+    for k_live, k_fresh in zip(rt.kv, fresh.kv):
+        torch.testing.assert_close(k_live[0][:, live], k_fresh[0], atol=1e-4, rtol=1e-4)
+
+
+def _greedy(target, draft_rt, prompts, n=24):
+    prop = DraftModelProposer(None, target=target, runtime=draft_rt)
+    outs = [[] for _ in prompts]
+    for step in decode(target, prop, ExactVerifier(), LogitsPipeline(SamplingConfig()), prompts, n, (), None, None,
+                       fixed_length(4)):
+        for i, t in step.emitted.items():
+            outs[i].extend(t)
+    return outs
+
+
+def test_mixed_runtimes_give_the_same_greedy_tokens(exported):
+    out, target, draft = exported
+    prompts = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9]]
+    want = _greedy(TorchRuntime(target), TorchRuntime(draft), prompts)
+    assert _greedy(ort_runtime(out), TorchRuntime(draft), prompts) == want  # ORT target, torch draft
+    assert _greedy(TorchRuntime(target), ort_runtime(out, "draft"), prompts) == want  # torch target, ORT draft
+    assert _greedy(ort_runtime(out), ort_runtime(out, "draft"), prompts) == want
+
+
+def test_session_settings_and_cuda_error(exported):
+    out, _, _ = exported
+    with pytest.raises(RuntimeError, match="no CUDAExecutionProvider.*spec-plugins\\[gpu\\]"):
+        providers_for("cuda", ["CPUExecutionProvider"])
+    assert providers_for("auto", ["CPUExecutionProvider"]) == ["CPUExecutionProvider"]
+    assert providers_for("auto", ["CUDAExecutionProvider", "CPUExecutionProvider"])[0] == "CUDAExecutionProvider"
+    s = create_session(out / "verify.onnx", "cpu", graph_optimization="disable", threads=1)
+    assert s.get_providers() == ["CPUExecutionProvider"]
+    with pytest.raises(ValueError, match="graph_optimization='fast'"):
+        create_session(out / "verify.onnx", "cpu", graph_optimization="fast")
+
+
+def test_missing_onnxruntime_gives_install_hint(monkeypatch):
+    from spec_plugins.backends.onnxruntime_runtime import import_ort
+
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import now raises ImportError
+    with pytest.raises(ImportError, match=r"pip install 'spec-plugins\[onnx\]'"):
+        import_ort()
+    # configs still validate without onnxruntime
+    cfg = SpecConfig.parse({"target": {"backend": "onnxruntime", "model": "x", "threads": 2}})
+    assert cfg.target.threads == 2
+    with pytest.raises(ImportError, match="onnx"):
+        OnnxRuntime.from_config(cfg.target)
+
+
+def test_config_errors_are_named(exported):
+    out, _, _ = exported
+    from spec_plugins.config import ConfigError
+
+    with pytest.raises(ConfigError, match="graph_optimization"):
+        SpecConfig.parse({"target": {"backend": "onnxruntime", "model": "tiny", "graph_optimization": "max"}})
+    with pytest.raises(ConfigError, match="device"):
+        SpecConfig.parse({"target": {"backend": "onnxruntime", "model": "tiny", "device": "tpu"}})
+    cfg = OnnxRuntime.Config(model="other", path=str(out))
+    with pytest.raises(ValueError, match="exported from model 'tiny'"):
+        OnnxRuntime.from_config(cfg)
+
+
+@pytest.fixture
+def tiny_model_dir(tmp_path):
+    """A tiny llama + word-level tokenizer saved as a local transformers directory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel({f"w{i}": i for i in range(32)}, unk_token="w0"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    d = tmp_path / "tiny-model"
+    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="w0", eos_token="w31").save_pretrained(str(d))
+    tiny_llama(vocab=32, seed=4, sharpness=4.0).save_pretrained(str(d))
+    return d
+
+
+def test_swap_by_config_export_on_first_use_and_cli(tiny_model_dir, tmp_path, monkeypatch):
+    """Same config, only the backend changed: same greedy tokens; the export is cached; the CLI
+    exports and checks the same model."""
+    from typer.testing import CliRunner
+
+    from spec_plugins.cli import app
+    from spec_plugins.decoder import SpeculativeDecoder
+
+    monkeypatch.setenv("SPEC_PLUGINS_CACHE", str(tmp_path / "cache"))
+    base = {"proposer": {"type": "ngram", "num_draft_tokens": 4}, "sampling": {"temperature": 0.0}}
+    prompt = [1, 2, 3, 4, 1, 2, 3, 5, 6]
+    res = {}
+    for backend in ("torch", "onnxruntime"):
+        cfg = SpecConfig.parse({"target": {"backend": backend, "model": str(tiny_model_dir)}, **base})
+        dec = SpeculativeDecoder.from_config(cfg)
+        res[backend] = dec.generate(prompt, max_new_tokens=20).token_ids
+    assert res["torch"] == res["onnxruntime"] and len(res["torch"]) > 0
+    cached = list((tmp_path / "cache" / "onnx").iterdir())
+    assert len(cached) == 1 and (cached[0] / "manifest.json").is_file()
+    stamp = (cached[0] / "manifest.json").stat().st_mtime_ns
+    SpeculativeDecoder.from_config(SpecConfig.parse({"target": {"backend": "onnxruntime",
+                                                                "model": str(tiny_model_dir)}}))
+    assert (cached[0] / "manifest.json").stat().st_mtime_ns == stamp  # reused, not re-exported
+
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(f"target: {{backend: torch, model: '{tiny_model_dir}'}}\n")
+    runner = CliRunner()
+    r = runner.invoke(app, ["export", "onnx", "--config", str(cfg_file), "--out", str(tmp_path / "exp")])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["export", "check", str(tmp_path / "exp"), "--gamma", "2", "--max-new-tokens", "8"])
+    assert r.exit_code == 0, r.output
+    assert "PASS" in r.output and "greedy speculative" in r.output
+    r = runner.invoke(app, ["export", "check", str(tmp_path / "nothing")])
+    assert r.exit_code == 2 and "manifest.json not found" in r.output
+
+
+def test_add_rows_matches_torch_runtime(exported):
+    """Continuous batching: rows joining a running batch score like in the torch runtime."""
+    out, model, _ = exported
+    rt, ref = ort_runtime(out), TorchRuntime(model)
+    for r in (rt, ref):
+        r.prefill([[1, 2, 3]])
+        r.forward(torch.tensor([[4, 5]]))
+        r.commit([[0, 1]])
+    torch.testing.assert_close(rt.add_rows([[6, 7, 8, 9, 10, 11], [12]]).logits,
+                               ref.add_rows([[6, 7, 8, 9, 10, 11], [12]]).logits, atol=1e-4, rtol=1e-4)
+    assert rt.lengths() == ref.lengths() == [5, 6, 1]
+    t = torch.tensor([[1, 2], [3, 4], [5, 6]])
+    torch.testing.assert_close(rt.forward(t).logits, ref.forward(t).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_export_config_with_medusa_heads(tiny_model_dir, tmp_path):
+    """A medusa proposer's trained heads are exported next to the verify graph and checked."""
+    from transformers import AutoModelForCausalLM
+
+    from spec_plugins.exporters.onnx_export import export_config
+    from spec_plugins.exporters.parity import check_export
+    from spec_plugins.heads import MedusaConfig, MedusaHeads, save_head
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+    torch.manual_seed(0)
+    heads = MedusaHeads(MedusaConfig(hidden_size=32, num_heads=2, draft_vocab_size=8), model.lm_head.weight,
+                        torch.arange(8), zero_init=False)
+    save_head(heads, heads.config.to_dict(), tmp_path / "heads", dtype=torch.float32)
+    cfg = SpecConfig.parse({"target": {"backend": "torch", "model": str(tiny_model_dir)},
+                            "proposer": {"type": "medusa", "heads": str(tmp_path / "heads")}})
+    man = export_config(cfg, tmp_path / "exp")
+    assert [g.name for g in man.graphs] == ["verify", "medusa"]
+    rep = check_export(tmp_path / "exp", gamma=1, max_new_tokens=4)
+    assert rep.ok and sum(c.graph == "medusa" for c in rep.cases) == 3, rep.format()
+    with pytest.raises(ValueError, match="medusa_heads graph; the onnxruntime backend runs decoder graphs"):
+        OnnxRuntime.from_config(OnnxRuntime.Config(model=str(tiny_model_dir), path=str(tmp_path / "exp"),
+                                                   graph="medusa"))

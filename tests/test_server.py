@@ -1,0 +1,310 @@
+"""The TGI-compatible server over real HTTP on loopback, driven by the official clients."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import pytest
+import torch
+from helpers import plain_greedy
+
+from conftest import tiny_llama
+
+pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+text_generation = pytest.importorskip("text_generation")
+
+from spec_plugins.backends.torch_runtime import TorchRuntime  # noqa: E402
+from spec_plugins.decoder import SpeculativeDecoder  # noqa: E402
+from spec_plugins.proposers.ngram import NgramProposer  # noqa: E402
+from spec_plugins.server.app import create_app  # noqa: E402
+from spec_plugins.server.cli import build_state  # noqa: E402
+from spec_plugins.verifiers import ExactVerifier  # noqa: E402
+
+WORDS = [f"w{i}" for i in range(2, 32)]
+CHAT = "{% for m in messages %}{{ m['content'] }} {% endfor %}w2"
+
+
+def tiny_tokenizer(eos: bool = True):
+    """A 32-word WordLevel tokenizer (ids 0 <unk>, 1 </s>, 2.. w2..w31) with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "</s>": 1} | {w: i + 2 for i, w in enumerate(WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>" if eos else None,
+                                   chat_template=CHAT)
+
+
+class LiveServer:
+    """uvicorn in a thread on a free loopback port."""
+
+    def __init__(self, model, tokenizer, max_batch: int = 4, policy: str = "load", max_total: int = 128,
+                 max_input: int = 48, shutdown_timeout: float = 30.0) -> None:
+        rt = TorchRuntime(model, tokenizer)
+        self.decoder = SpeculativeDecoder(rt, NgramProposer(NgramProposer.Config()), ExactVerifier(),
+                                          tokenizer=tokenizer)
+        self.state = build_state(self.decoder, max_batch, max_input, max_total, policy, model_id="tiny")
+        self.state.shutdown_timeout = shutdown_timeout
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        cfg = uvicorn.Config(create_app(self.state), host="127.0.0.1", port=self.port, log_level="warning",
+                             timeout_graceful_shutdown=int(shutdown_timeout))
+        self.server = uvicorn.Server(cfg)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics").text
+        for line in text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(seed=3)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def live(model, tok):
+    srv = LiveServer(model, tok)
+    yield srv
+    srv.stop()
+
+
+PROMPTS = ["w2 w3 w4 w2 w3 w4 w2", "w9 w8 w7 w6 w5 w9 w8 w7 w6 w5 w9", "w17", "w5 w5 w5 w5 w5 w5 w5 w5 w5 w5 w5 w6",
+           "w30 w31 w30 w31 w30"]
+
+
+def solo(model, tok, text: str, n: int) -> list[int]:
+    return plain_greedy(model, tok(text)["input_ids"], n, eos=[tok.eos_token_id])
+
+
+def test_text_generation_client_generate_and_stream(live, model, tok):
+    client = text_generation.Client(live.url, timeout=60)
+    for p, n in zip(PROMPTS, [12, 20, 7, 30, 16]):
+        want = solo(model, tok, p, n)
+        r = client.generate(p, max_new_tokens=n)
+        assert [t.id for t in r.details.tokens] == want
+        assert r.generated_text == tok.decode(want, skip_special_tokens=True)
+        assert r.details.generated_tokens == len(want)
+        assert r.details.finish_reason.value in ("length", "eos_token")
+        events = list(client.generate_stream(p, max_new_tokens=n))
+        assert [e.token.id for e in events] == want  # one event per token
+        assert all(e.generated_text is None for e in events[:-1])
+        assert events[-1].generated_text == r.generated_text and events[-1].details.generated_tokens == len(want)
+    full = client.generate(PROMPTS[0], max_new_tokens=4, return_full_text=True)
+    assert full.generated_text.startswith(PROMPTS[0])
+
+
+def test_async_client_concurrent_requests_equal_solo(live, model, tok):
+    """More concurrent requests than slots (max_batch 4): rows join and leave a running batch."""
+    client = text_generation.AsyncClient(live.url, timeout=120)
+    jobs = [(p, n, stream) for stream in (False, True) for p, n in zip(PROMPTS, [25, 9, 31, 14, 20])]
+
+    async def one(p, n, stream):
+        if stream:
+            return [e.token.id async for e in client.generate_stream(p, max_new_tokens=n)]
+        r = await client.generate(p, max_new_tokens=n)
+        return [t.id for t in r.details.tokens]
+
+    async def main():
+        return await asyncio.gather(*(one(*j) for j in jobs))
+
+    outs = asyncio.run(main())
+    for (p, n, _), got in zip(jobs, outs):
+        assert got == solo(model, tok, p, n), p
+
+
+def test_seeded_sampling_is_reproducible(live):
+    client = text_generation.Client(live.url, timeout=60)
+    a = client.generate(PROMPTS[1], max_new_tokens=15, do_sample=True, temperature=0.8, seed=42)
+    b = client.generate(PROMPTS[1], max_new_tokens=15, do_sample=True, temperature=0.8, seed=42)
+    assert a.generated_text == b.generated_text and a.details.seed == 42
+
+
+def test_huggingface_hub_inference_client(live, model, tok, monkeypatch):
+    import huggingface_hub.constants
+    from huggingface_hub import InferenceClient
+
+    # HF_HUB_OFFLINE blocks every request of the hub's HTTP session, loopback included; this client
+    # only ever talks to the local server (base_url), so lift it for this test.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    client = InferenceClient(base_url=live.url, timeout=60)
+    want = solo(model, tok, PROMPTS[0], 10)
+    assert client.text_generation(PROMPTS[0], max_new_tokens=10) == tok.decode(want, skip_special_tokens=True)
+    out = client.text_generation(PROMPTS[0], max_new_tokens=10, details=True)
+    assert [t.id for t in out.details.tokens] == want
+    streamed = list(client.text_generation(PROMPTS[0], max_new_tokens=10, stream=True, details=True))
+    assert [e.token.id for e in streamed] == want and streamed[-1].details.generated_tokens == len(want)
+    # chat: the model's template, greedy at temperature 0
+    msgs = [{"role": "user", "content": "w4 w5 w4 w5"}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    want_chat = plain_greedy(model, ids, 12, eos=[tok.eos_token_id])
+    text = tok.decode(want_chat, skip_special_tokens=True)
+    chat = client.chat_completion(msgs, max_tokens=12, temperature=0)
+    assert chat.choices[0].message.content == text
+    assert chat.usage.completion_tokens == len(want_chat)
+    parts = [c.choices[0].delta.content or "" for c in client.chat_completion(msgs, max_tokens=12, temperature=0,
+                                                                               stream=True)]
+    assert "".join(parts) == text
+
+
+def test_stop_sequence(live, model, tok):
+    want = solo(model, tok, PROMPTS[3], 30)
+    stop_word = tok.decode([want[4]])
+    first = [tok.decode([t]) for t in want].index(stop_word)
+    r = text_generation.Client(live.url).generate(PROMPTS[3], max_new_tokens=30, stop_sequences=[stop_word])
+    assert r.details.finish_reason.value == "stop_sequence"
+    assert [t.id for t in r.details.tokens] == want[: first + 1]
+
+
+BAD = [
+    (b"{not json", 400, "Failed to parse the request body as JSON"),
+    (b'{"inputs": "w2", "parameters": {"max_new_tokens": 5, "frobnicate": 1}}', 422, "unknown field `frobnicate`"),
+    (b'{"inputs": "w2", "bogus": true}', 422, "unknown field `bogus`"),
+    (b'{"inputs": "w2", "parameters": {"temperature": -1}}', 422, "`temperature` must be strictly positive"),
+    (b'{"inputs": "w2", "parameters": {"top_p": 1.5}}', 422, "`top_p` must be > 0.0 and < 1.0"),
+    (b'{"inputs": "w2", "parameters": {"top_k": 0}}', 422, "`top_k` must be strictly positive"),
+    (b'{"inputs": "w2", "parameters": {"max_new_tokens": 0}}', 422, "`max_new_tokens` must be strictly positive"),
+    (b'{"inputs": "w2", "parameters": {"max_new_tokens": "many"}}', 422, "max_new_tokens"),
+    (b'{"inputs": "", "parameters": {}}', 422, "`inputs` cannot be empty"),
+    (b'{"parameters": {}}', 422, "inputs"),
+    (b'{"inputs": "w2", "parameters": {"best_of": 3}}', 422, "`best_of` is not supported"),
+    (b'[1, 2]', 422, "expected an object"),
+    (json.dumps({"inputs": " ".join(["w3"] * 60)}).encode(), 422, "`inputs` tokens must be <= 48"),
+    (json.dumps({"inputs": "w3 w4", "parameters": {"max_new_tokens": 127}}).encode(), 422,
+     "`inputs` tokens + `max_new_tokens` must be <= 128"),
+]
+
+
+@pytest.mark.parametrize("route", ["/generate", "/generate_stream"])
+def test_bad_requests_get_tgi_errors_and_server_keeps_serving(live, route):
+    for body, status, msg in BAD:
+        r = httpx.post(live.url + route, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == status, (body, r.text)
+        err = r.json()
+        assert msg in err["error"] and err["error_type"] == "validation", (body, err)
+    r = httpx.post(live.url + route, json={"inputs": "w2 w3", "parameters": {"max_new_tokens": 3}})
+    assert r.status_code == 200
+
+
+def test_bad_chat_requests(live):
+    cases = [({"messages": []}, "`messages` cannot be empty"),
+             ({"messages": [{"role": "user", "content": "w2"}], "n": 3}, "`n` is not supported"),
+             ({"messages": [{"role": "user", "content": "w2"}], "temperature": 9}, "temperature"),
+             ({"messages": [{"role": "user", "content": "w2"}], "mystery": 1}, "unknown field `mystery`")]
+    for body, msg in cases:
+        r = httpx.post(live.url + "/v1/chat/completions", json=body)
+        assert r.status_code == 422 and msg in r.json()["error"], (body, r.text)
+
+
+def test_client_sees_validation_error(live):
+    with pytest.raises(text_generation.errors.ValidationError, match="must be <= 48"):
+        text_generation.Client(live.url).generate(" ".join(["w3"] * 60), max_new_tokens=2)
+
+
+def test_info_health_metrics(live):
+    info = httpx.get(live.url + "/info").json()
+    assert info["max_total_tokens"] == 128 and info["max_input_tokens"] == 48 and info["max_batch_size"] == 4
+    assert info["speculation"]["proposer"] is None or "max_draft_length" in info["speculation"]
+    assert httpx.get(live.url + "/health").status_code == 200
+    httpx.post(live.url + "/generate", json={"inputs": "w2 w3 w2 w3", "parameters": {"max_new_tokens": 8}})
+    text = httpx.get(live.url + "/metrics").text
+    for name in ('spec_requests_total{route="generate",status="200"}', "spec_request_duration_seconds_bucket",
+                 "spec_generated_tokens_total", "spec_target_forwards_total", "spec_draft_tokens_total",
+                 "spec_accepted_tokens_total", 'spec_acceptance_rate{position="0"}', "spec_batch_size",
+                 "spec_draft_length ", 'spec_policy_draft_length{batch="1"}'):
+        assert name in text, name
+    assert live.metric("spec_target_forwards_total") > 0
+
+
+def test_disconnect_mid_stream_frees_slot(model):
+    tok = tiny_tokenizer(eos=False)  # no EOS: only the length limit (or a cancel) ends a request
+    big = LiveServer(tiny_llama(seed=3, max_pos=4096), tok, max_total=4000, max_input=32, policy="fixed")
+    try:
+        with httpx.Client(timeout=30) as c:
+            with c.stream("POST", big.url + "/generate_stream",
+                          json={"inputs": "w2 w3", "parameters": {"max_new_tokens": 3900}}) as r:
+                lines = 0
+                for line in r.iter_lines():
+                    lines += line.startswith("data:")
+                    if lines == 3:
+                        break  # hang up mid-stream
+        deadline = time.time() + 20
+        while big.metric("spec_batch_size") != 0 or big.metric("spec_requests_cancelled_total") < 1:
+            assert time.time() < deadline, "slot not freed after the client disconnected"
+            time.sleep(0.1)
+        assert big.metric("spec_decoded_tokens_total") < 3900  # stopped early, not run to the limit
+        r = httpx.post(big.url + "/generate", json={"inputs": "w2", "parameters": {"max_new_tokens": 4}})
+        assert r.status_code == 200
+    finally:
+        big.stop()
+
+
+def test_graceful_shutdown_finishes_in_flight_stream(model):
+    tok = tiny_tokenizer(eos=False)
+    srv = LiveServer(model, tok, max_total=200, max_input=16, policy="fixed")
+    events = []
+
+    def consume():
+        with httpx.stream("POST", srv.url + "/generate_stream", timeout=60,
+                          json={"inputs": "w2 w3", "parameters": {"max_new_tokens": 190}}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    events.append(json.loads(line[5:]))
+
+    t = threading.Thread(target=consume)
+    t.start()
+    deadline = time.time() + 30
+    while not events:
+        assert time.time() < deadline
+        time.sleep(0.005)
+    srv.stop()  # SIGTERM equivalent: stop accepting, let in-flight requests finish
+    t.join(timeout=60)
+    assert events[-1]["details"]["finish_reason"] == "length" and len(events) == 190
+    assert not srv.state.scheduler.alive
+    with pytest.raises(httpx.ConnectError):
+        httpx.post(srv.url + "/generate", json={"inputs": "w2"})
+
+
+def test_scheduler_stop_cancels_what_cannot_finish(model, tok):
+    from spec_plugins.batching import RowRequest
+    from spec_plugins.server.scheduler import Job
+
+    srv = LiveServer(model, tok, max_total=128, policy="fixed")
+    sched = srv.state.scheduler
+    loop = asyncio.new_event_loop()
+    try:
+        job = Job(RowRequest(sched.new_key(), [2, 3], 120), loop)
+        sched.stop(timeout=0.0)  # nothing may finish
+        with pytest.raises(RuntimeError, match="shutting down"):
+            sched.submit(job)
+        assert not sched.alive
+    finally:
+        loop.close()
+        srv.stop()

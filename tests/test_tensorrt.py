@@ -1,0 +1,513 @@
+"""TensorRT exporter + runtime: everything that needs no GPU runs here; the engine tests run
+where ``tensorrt`` imports and a CUDA GPU is visible, and skip with that reason elsewhere."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from spec_plugins.backends.kv_slots import KVSlots, SlotPlan
+from spec_plugins.backends.torch_runtime import TorchRuntime
+from spec_plugins.exporters.onnx_verify import DecoderShape, io_spec
+from spec_plugins.exporters.tensorrt_build import network_flags, precision_of
+from spec_plugins.exporters.tensorrt_manifest import (BuildEnv, EngineEntry, EngineManifest, EngineManifestError,
+                                                      EngineMismatch, check_compatible, torch_dtype_name)
+from spec_plugins.exporters.tensorrt_profiles import Limits, ProfileError, bindings, check_graph, profiles
+from spec_plugins.tree import layout, with_root
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPE = DecoderShape(num_layers=2, num_kv_heads=2, head_dim=8, hidden_size=32, vocab_size=32, max_context=256)
+INPUTS, OUTPUTS = io_spec(SHAPE, "float32")
+
+
+def _has_gpu_trt() -> tuple[bool, str]:
+    if importlib.util.find_spec("tensorrt") is None:
+        return False, "needs the tensorrt package (not installed here)"
+    if not torch.cuda.is_available():
+        return False, "needs a CUDA GPU (torch sees none)"
+    return True, ""
+
+
+HAS_TRT, NO_TRT_REASON = _has_gpu_trt()
+gpu_trt = pytest.mark.skipif(not HAS_TRT, reason=f"TensorRT engine test: {NO_TRT_REASON}")
+
+
+# ---- limits and profiles ------------------------------------------------------------------------
+@pytest.mark.parametrize("kw, needle", [
+    ({"max_draft": 0}, "--max-draft must be >= 1"),
+    ({"max_batch": 0}, "--max-batch must be >= 1"),
+    ({"max_draft": 8, "max_context": 9}, "--max-context 9 is too small for --max-draft 8"),
+    ({"max_context": 64, "prefill_chunk": 65}, "--prefill-chunk must be in 1..max_context"),
+    ({"max_batch": 2, "opt_batch": 3}, "opt batch 3"),
+    ({"max_context": 64, "opt_context": 65}, "opt context 65"),
+])
+def test_impossible_limits_are_refused_with_the_flag(kw, needle):
+    with pytest.raises(ProfileError, match=needle):
+        Limits(**kw)
+
+
+def test_profiles_from_limits():
+    lim = Limits(max_batch=4, max_draft=5, max_context=128, prefill_chunk=32, opt_batch=2)
+    dec, pre = profiles(lim)
+    assert dec.name == "decode" and pre.name == "prefill"
+    assert dec.ranges == {"B": (1, 2, 4), "N": (1, 6, 6), "P": (0, 64, 128), "T": (1, 70, 134)}
+    assert pre.ranges == {"B": (1, 2, 4), "N": (1, 32, 32), "P": (0, 0, 128), "T": (1, 32, 160)}
+    shapes = dec.shapes(INPUTS)
+    assert shapes["input_ids"] == ((1, 1), (2, 6), (4, 6))
+    assert shapes["attention_mask"] == ((1, 1, 1, 1), (2, 1, 6, 70), (4, 1, 6, 134))
+    assert shapes["past_key.1"] == ((1, 2, 0, 8), (2, 2, 64, 8), (4, 2, 128, 8))
+    assert set(shapes) == {t["name"] for t in INPUTS}
+    # a prefill chunk no longer than a step needs no second profile
+    assert [p.name for p in profiles(Limits(max_draft=7, max_context=64, prefill_chunk=8))] == ["decode"]
+
+
+def test_binding_shapes_and_profile_choice():
+    profs = profiles(Limits(max_batch=2, max_draft=4, max_context=100, prefill_chunk=16))
+    bd = bindings(INPUTS, OUTPUTS, profs, B=2, N=5, P=37)
+    assert bd.profile == 0
+    assert bd.inputs["input_ids"] == (2, 5) and bd.inputs["attention_mask"] == (2, 1, 5, 42)
+    assert bd.inputs["past_value.0"] == (2, 2, 37, 8)
+    assert bd.outputs["logits"] == (2, 5, 32) and bd.outputs["hidden"] == (2, 5, 32)
+    assert bd.outputs["present_key.1"] == (2, 2, 42, 8)
+    assert bindings(INPUTS, OUTPUTS, profs, B=1, N=16, P=0).profile == 1  # a prompt chunk
+    assert bindings(INPUTS, OUTPUTS, profs, B=1, N=3, P=0, prefer="prefill").profile == 1
+    assert bindings(INPUTS, OUTPUTS, profs, B=1, N=3, P=0, prefer="decode").profile == 0
+    with pytest.raises(ProfileError, match=r"B=3 exceeds .* --max-batch"):
+        bindings(INPUTS, OUTPUTS, profs, B=3, N=1, P=0)
+    with pytest.raises(ProfileError, match=r"P=101 exceeds .* --max-context"):
+        bindings(INPUTS, OUTPUTS, profs, B=1, N=1, P=101)
+    with pytest.raises(ProfileError, match="N=17 exceeds"):
+        bindings(INPUTS, OUTPUTS, profs, B=1, N=17, P=0)
+
+
+def test_graph_with_unknown_axis_is_refused():
+    check_graph(INPUTS, OUTPUTS, "verify")
+    bad = [{"name": "x", "dtype": "float32", "shape": ["B", "heads"]}]
+    with pytest.raises(ProfileError, match="dynamic axis 'heads'"):
+        check_graph(bad, OUTPUTS, "medusa")
+
+
+def test_precision_flags_and_network_flags():
+    assert precision_of(False, False, False) == "fp32"
+    assert precision_of(True, False, False) == "fp16"
+    with pytest.raises(ProfileError, match="--fp16, --bf16"):
+        precision_of(True, True, False)
+    flag = SimpleNamespace(EXPLICIT_BATCH=0)
+    assert network_flags(SimpleNamespace(__version__="10.3.0.26", NetworkDefinitionCreationFlag=flag)) == 0
+    assert network_flags(SimpleNamespace(__version__="8.6.1", NetworkDefinitionCreationFlag=flag)) == 1
+
+
+# ---- manifest and compatibility -----------------------------------------------------------------
+ENV = BuildEnv("10.3.0", "NVIDIA H200", (9, 0))
+
+
+def _manifest(tmp_path: Path, plan: bytes = b"plan-bytes") -> EngineManifest:
+    import hashlib
+
+    (tmp_path / "verify.plan").write_bytes(plan)
+    lim = Limits(max_batch=2, max_draft=4, max_context=100, prefill_chunk=16)
+    entry = EngineEntry(name="verify", plan="verify.plan", onnx_file="verify.onnx",
+                        sha256=hashlib.sha256(plan).hexdigest(), size_bytes=len(plan), build_seconds=1.5,
+                        profiles=[p.to_dict() for p in profiles(lim)], inputs=INPUTS, outputs=OUTPUTS,
+                        model={"num_layers": 2, "vocab_size": 32, "max_context": 256})
+    man = EngineManifest(engines=[entry], built_with=ENV.to_dict(), precision="fp16", limits=lim.to_dict(),
+                         onnx_manifest_sha256="ab" * 32, eos_token_ids=[2])
+    man.write(tmp_path)
+    return man
+
+
+def test_manifest_round_trip_and_plan_checksum(tmp_path):
+    man = _manifest(tmp_path)
+    back = EngineManifest.read(tmp_path)
+    assert back == man
+    assert back.env == ENV and back.limits_object() == Limits(max_batch=2, max_draft=4, max_context=100,
+                                                              prefill_chunk=16)
+    assert back.engine("verify").profile_objects() == profiles(back.limits_object())
+    assert back.check_plan(tmp_path, "verify") == b"plan-bytes"
+    (tmp_path / "verify.plan").write_bytes(b"plan-byte")  # truncated copy
+    with pytest.raises(EngineManifestError, match="checksum"):
+        back.check_plan(tmp_path, "verify")
+    with pytest.raises(EngineManifestError, match="no engine 'draft'"):
+        back.engine("draft")
+
+
+def test_manifest_errors_name_the_problem(tmp_path):
+    with pytest.raises(EngineManifestError, match="spec-plugins export tensorrt"):
+        EngineManifest.read(tmp_path)
+    _manifest(tmp_path)
+    path = tmp_path / "tensorrt_manifest.json"
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "format": "something-else"}))
+    with pytest.raises(EngineManifestError, match="rebuild"):
+        EngineManifest.read(tmp_path)
+    path.write_text(json.dumps({**data, "limits": {**data["limits"], "max_draft": 0}}))
+    with pytest.raises(EngineManifestError, match="malformed"):
+        EngineManifest.read(tmp_path)
+
+
+def test_version_and_gpu_mismatch_refused():
+    check_compatible(ENV, BuildEnv("10.3.0", "NVIDIA H200", (9, 0)))
+    with pytest.raises(EngineMismatch, match=r"built with TensorRT 10\.3\.0, but TensorRT 10\.4\.0 is installed"):
+        check_compatible(ENV, BuildEnv("10.4.0", "NVIDIA H200", (9, 0)))
+    with pytest.raises(EngineMismatch, match=r"compute capability 9\.0.*NVIDIA A100.*compute capability 8\.0"):
+        check_compatible(ENV, BuildEnv("10.3.0", "NVIDIA A100", (8, 0)))
+    with pytest.raises(EngineMismatch, match="allow_gpu_mismatch"):
+        check_compatible(ENV, BuildEnv("10.3.0", "NVIDIA H100 80GB HBM3", (9, 0)))
+    check_compatible(ENV, BuildEnv("10.3.0", "NVIDIA H100 80GB HBM3", (9, 0)), allow_gpu_mismatch=True)
+    with pytest.raises(EngineMismatch, match="compute capability"):  # never across compute capabilities
+        check_compatible(ENV, BuildEnv("10.3.0", "NVIDIA A100", (8, 0)), allow_gpu_mismatch=True)
+
+
+def test_hardware_compatible_plans_relax_only_the_gpu_check():
+    a100, rtx = BuildEnv("10.3.0", "NVIDIA A100", (8, 0)), BuildEnv("10.3.0", "NVIDIA T4", (7, 5))
+    check_compatible(ENV, a100, hardware_compatibility="ampere_plus")
+    with pytest.raises(EngineMismatch, match="Ampere and newer"):
+        check_compatible(ENV, rtx, hardware_compatibility="ampere_plus")
+    with pytest.raises(EngineMismatch, match="TensorRT 10.4.0 is installed"):  # never across versions
+        check_compatible(ENV, BuildEnv("10.4.0", "NVIDIA H200", (9, 0)), hardware_compatibility="ampere_plus")
+    check_compatible(ENV, BuildEnv("10.3.0", "NVIDIA H100 80GB HBM3", (9, 0)), hardware_compatibility="same_cc")
+    with pytest.raises(EngineMismatch, match="compute capability"):
+        check_compatible(ENV, a100, hardware_compatibility="same_cc")
+
+
+def test_trt_dtype_names():
+    assert torch_dtype_name("HALF") == "float16" and torch_dtype_name("INT64") == "int64"
+    assert all(hasattr(torch, torch_dtype_name(n)) for n in ("FLOAT", "HALF", "BF16", "INT32", "BOOL"))
+    with pytest.raises(EngineManifestError, match="FP8"):
+        torch_dtype_name("FP8")
+
+
+# ---- KV slot bookkeeping, step for step against the torch runtime ------------------------------
+def _cache(rt: TorchRuntime) -> list[torch.Tensor]:
+    return [t.clone() for layer in rt.cache.layers for t in (layer.keys, layer.values)]
+
+
+def _check(rt: TorchRuntime, slots: KVSlots, before: list[torch.Tensor], plan: SlotPlan) -> None:
+    assert torch.equal(slots.pos, rt.pos) and slots.next == rt.lengths()
+    for got, want in zip([plan.apply(t) for t in before], _cache(rt)):
+        assert torch.equal(got, want)
+
+
+def test_slot_plans_match_torch_runtime_step_for_step():
+    rt = TorchRuntime(tiny_llama(vocab=32, seed=4))
+    slots = KVSlots()
+    rows = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]]
+    rt.prefill(rows)
+    slots.prefill([len(r) for r in rows])
+    assert torch.equal(slots.pos, rt.pos) and slots.next == rt.lengths()
+
+    def step(tokens, tree, keep):
+        anc = tree.ancestors if tree is not None else torch.ones(tokens.shape[1], tokens.shape[1]).bool().tril()
+        depth = tree.depth if tree is not None else torch.arange(tokens.shape[1])
+        want_mask = rt._mask(torch.tensor(rt.lengths())[:, None] + depth[None], anc)
+        rt.forward(tokens, tree)
+        new_pos = slots.forward(depth)
+        assert torch.equal(new_pos, rt.pos[:, -tokens.shape[1]:])
+        assert torch.equal(slots.forward_mask(anc, torch.float32), want_mask)
+        before = _cache(rt)
+        rt.commit(keep)
+        _check(rt, slots, before, slots.commit(keep))
+
+    chain = torch.tensor([[11, 12, 13, 14]] * 3)
+    step(chain, None, [[0, 1, 2, 3]] * 3)  # all accepted: no-op crop
+    step(chain, None, [[0, 1], [0, 1], [0, 1]])  # same count: crop
+    step(chain, None, [[0], [0, 1, 2], [0, 1]])  # different counts: holes
+    tree = layout(with_root((-1, -1, 0, 1, 1)))
+    tree_tokens = torch.tensor([[9, 10, 11, 12, 13, 14]] * 3)
+    step(tree_tokens, tree, [[0, 2, 5], [0, 1, 3], [0]])  # tree paths
+    step(tree_tokens, tree, [[0, 2, 4], [0, 1, 3], [0, 2, 5]])  # same count, not a prefix: still a gather
+    before = _cache(rt)
+    rt.rollback([7, 5, 6])
+    _check(rt, slots, before, slots.rollback([7, 5, 6]))
+    before = _cache(rt)
+    rt.select_rows([2, 0])
+    idx, plan = slots.select_rows([2, 0])
+    _check(rt, slots, [t[idx] for t in before], plan)
+    step(chain[:2], None, [[0, 1, 2], [0]])
+
+
+def test_compaction_keeps_every_row_and_its_outputs():
+    """Squeezing the holes out changes slots, never what the model computes."""
+    model = tiny_llama(vocab=32, seed=5)
+    rt, twin = TorchRuntime(model), TorchRuntime(model)
+    slots = KVSlots()
+    rows = [[1, 2, 3, 4, 5, 6], [7, 8]]
+    for r in (rt, twin):
+        r.prefill(rows)
+    slots.prefill([6, 2])
+    for keep in ([[0], [0, 1, 2]], [[0, 1, 2], [0]], [[0, 1], [0, 1, 2]]):
+        for r in (rt, twin):
+            r.forward(torch.tensor([[3, 4, 5]] * 2))
+            r.commit(keep)
+        slots.forward(torch.arange(3))
+        slots.commit(keep)
+    assert torch.equal(slots.pos, rt.pos) and bool((rt.pos < 0).any())
+    live_before = [rt.pos[b][rt.pos[b] >= 0].tolist() for b in range(2)]
+    plan = slots.compact()
+    assert slots.slots == max(len(x) for x in live_before) < rt.pos.shape[1]
+    assert [slots.pos[b][slots.pos[b] >= 0].tolist() for b in range(2)] == live_before
+    for layer in rt.cache.layers:  # compact the twin-to-be in place, as the TensorRT runtime would
+        layer.keys, layer.values = plan.apply(layer.keys), plan.apply(layer.values)
+    rt.pos, rt._holes = slots.pos, slots.holes
+    tokens = torch.tensor([[9, 10], [11, 12]])
+    torch.testing.assert_close(rt.forward(tokens).logits, twin.forward(tokens).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_prefill_masks_match_one_shot_prefill():
+    model = tiny_llama(vocab=32, seed=6)
+    rows = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10]]
+    want = TorchRuntime(model).prefill(rows).logits[:, -1]
+    rt = TorchRuntime(model)  # driven chunk by chunk through its model call, with KVSlots' masks
+    slots = KVSlots()
+    pos = slots.prefill([7, 3])
+    ids = torch.zeros(2, 7, dtype=torch.long)
+    ids[0], ids[1, 4:] = torch.tensor(rows[0]), torch.tensor(rows[1])
+    for start in range(0, 7, 3):
+        end = min(7, start + 3)
+        out = rt._run(ids[:, start:end], pos[:, start:end].clamp_min(0),
+                      slots.prefill_mask(start, end, torch.float32), want_hidden=False)
+    torch.testing.assert_close(out.logits[:, -1], want, atol=1e-5, rtol=1e-5)
+
+
+# ---- the engine-runtime protocol over the real exported graph (executed by ONNX Runtime on CPU) ---
+class OrtExecutedEngine:
+    """Test harness, not a backend: ``SlotEngineRuntime`` (everything the TensorRT runtime does
+    except its TensorRT calls: profile choice, binding shapes, chunked prefill, masks, present ->
+    past hand-off, commit/rollback/compaction plans) driving the exported verify graph, with
+    ``_run_engine`` done by onnxruntime on CPU. Asserts every output shape the bookkeeping
+    predicts is the one the graph produces."""
+
+    @staticmethod
+    def build(onnx_dir: Path, limits: Limits):
+        import onnxruntime as ort
+
+        from spec_plugins.backends.slot_engine import SlotEngineRuntime
+        from spec_plugins.exporters.manifest import Manifest
+
+        g = Manifest.read(onnx_dir).graph("verify")
+
+        class Engine(SlotEngineRuntime):
+            def _run_engine(self, profile, feeds, out_shapes):
+                self.calls.append((profile, tuple(feeds["input_ids"].shape)))
+                res = self.sess.run(list(out_shapes), {k: v.numpy() for k, v in feeds.items()})
+                outs = {n: torch.from_numpy(r) for n, r in zip(out_shapes, res)}
+                for n, shape in out_shapes.items():
+                    assert tuple(outs[n].shape) == shape, (n, outs[n].shape, shape)
+                return outs
+
+        eng = Engine()
+        eng.sess = ort.InferenceSession(str(onnx_dir / g.file), providers=["CPUExecutionProvider"])
+        eng.calls = []
+        dtypes = {t["name"]: getattr(torch, t["dtype"]) for t in g.inputs + g.outputs}
+        model = {"num_layers": g.num_layers, "vocab_size": g.vocab_size, "max_context": g.max_context}
+        eng._init_slots(g.inputs, g.outputs, profiles(limits), limits, model, dtypes, torch.device("cpu"), "ort-test")
+        return eng
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    pytest.importorskip("onnxruntime")
+    from spec_plugins.exporters.onnx_export import export_models
+
+    model = tiny_llama(vocab=32, seed=2, sharpness=3.0)
+    d = tmp_path_factory.mktemp("onnx")
+    export_models(d, (model, None, "tiny-llama"))
+    return model, d
+
+
+def test_engine_protocol_matches_torch_runtime(exported):
+    model, onnx_dir = exported
+    eng = OrtExecutedEngine.build(onnx_dir, Limits(max_batch=4, max_draft=5, max_context=100, prefill_chunk=8))
+    ref = TorchRuntime(model)
+    close = dict(atol=1e-4, rtol=1e-4)
+    rows = [list(range(1, 20)), [5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 9]]  # 19 tokens: 3 prefill chunks
+    got, want = eng.prefill(rows, want_hidden=True), ref.prefill(rows, want_hidden=True)
+    torch.testing.assert_close(got.logits, want.logits, **close)
+    torch.testing.assert_close(got.hidden[:, -1], want.hidden[:, -1], **close)
+    assert [c for c in eng.calls[-3:]] == [(1, (3, 8)), (1, (3, 8)), (1, (3, 3))]  # the prefill profile
+    tree = layout(with_root((-1, -1, 0, 1, 1)))
+    toks = torch.tensor([[9, 10, 11, 12, 13, 14]] * 3)
+    torch.testing.assert_close(eng.forward(toks, tree).logits, ref.forward(toks, tree).logits, **close)
+    assert eng.calls[-1] == (0, (3, 6))  # the decode profile
+    for r in (eng, ref):
+        r.commit([[0, 2, 5], [0], [0, 1]])
+    assert torch.equal(eng.slots.pos, ref.pos)
+    for r in (eng, ref):
+        r.rollback([20, 4, 11])
+        r.select_rows([2, 0])
+    assert eng.lengths() == ref.lengths() and torch.equal(eng.slots.pos, ref.pos)
+    nxt = torch.tensor([[3, 4], [5, 6]])
+    torch.testing.assert_close(eng.forward(nxt).logits, ref.forward(nxt).logits, **close)
+
+
+def test_engine_compacts_holes_before_the_slot_axis_outgrows_the_profile(exported):
+    model, onnx_dir = exported
+    eng = OrtExecutedEngine.build(onnx_dir, Limits(max_batch=2, max_draft=5, max_context=40, prefill_chunk=8))
+    ref = TorchRuntime(model)
+    for r in (eng, ref):
+        r.prefill([[1, 2, 3, 4], [4, 3, 2, 1]])
+    toks = torch.tensor([[7, 8, 9, 10, 11, 12]] * 2)
+    compacted = False
+    for i in range(9):  # rows alternate 1 and 6 kept nodes: slots grow 6 per round, lengths 3.5
+        keep = [[0], list(range(6))] if i % 2 else [list(range(6)), [0]]
+        slots_before = eng.slots.slots
+        torch.testing.assert_close(eng.forward(toks).logits, ref.forward(toks).logits, atol=1e-4, rtol=1e-4)
+        compacted |= eng.slots.slots - 6 < slots_before
+        for r in (eng, ref):
+            r.commit(keep)
+        assert eng.lengths() == ref.lengths() and max(eng.lengths()) < 40
+    assert compacted and ref.pos.shape[1] > 40  # the torch runtime's slot axis outgrew 40; the engine's never
+
+
+def test_engine_add_rows_matches_torch_runtime(exported):
+    model, onnx_dir = exported
+    eng = OrtExecutedEngine.build(onnx_dir, Limits(max_batch=3, max_draft=5, max_context=100, prefill_chunk=8))
+    ref = TorchRuntime(model)
+    for r in (eng, ref):
+        r.prefill([[1, 2, 3], [4, 5, 6, 7]])
+        r.forward(torch.tensor([[8, 9, 10]] * 2))
+        r.commit([[0], [0, 1, 2]])
+    got, want = eng.add_rows([list(range(1, 12))]), ref.add_rows([list(range(1, 12))])  # longer than the slots
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
+    assert torch.equal(eng.slots.pos, ref.pos) and eng.lengths() == ref.lengths()
+    toks = torch.tensor([[5, 6]] * 3)
+    torch.testing.assert_close(eng.forward(toks).logits, ref.forward(toks).logits, atol=1e-4, rtol=1e-4)
+    with pytest.raises(RuntimeError, match="between forward"):
+        eng.add_rows([[1]])
+    eng.commit([[0, 1]] * 3)
+    with pytest.raises(ValueError, match="--max-batch"):
+        eng.add_rows([[1]])
+
+
+def test_engine_greedy_decode_equals_torch_runtime(exported):
+    from spec_plugins import SpecConfig, SpeculativeDecoder
+
+    model, onnx_dir = exported
+    cfg = SpecConfig.parse({"target": {"backend": "torch", "model": "unused"},
+                            "proposer": {"type": "ngram", "num_draft_tokens": 4}})
+    eng = OrtExecutedEngine.build(onnx_dir, Limits(max_batch=3, max_draft=4, max_context=120, prefill_chunk=8))
+    a = SpeculativeDecoder.from_config(cfg, target=eng)
+    b = SpeculativeDecoder.from_config(cfg, target=TorchRuntime(model))
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2], [7, 7, 8, 9, 7, 7, 8], [4, 5, 6]]
+    got = [r.token_ids for r in a.generate_batch(prompts, max_new_tokens=30)]
+    assert got == [r.token_ids for r in b.generate_batch(prompts, max_new_tokens=30)]
+    assert a.last_stats.draft_tokens > 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt") is not None, reason="tensorrt is installed here")
+def test_export_tensorrt_cli_checks_flags_then_gives_install_hint(exported, tmp_path):
+    from typer.testing import CliRunner
+
+    from spec_plugins.cli import app
+
+    _, onnx_dir = exported
+    run = lambda *a: CliRunner().invoke(app, ["export", "tensorrt", "--onnx", str(onnx_dir),  # noqa: E731
+                                              "--out", str(tmp_path / "engines"), *a])
+    res = run("--fp16", "--max-draft", "4")
+    assert res.exit_code == 2 and "spec-plugins[tensorrt]" in res.output, res.output
+    assert "choose one precision flag" in run("--fp16", "--bf16").output
+    assert "--max-draft must be >= 1" in run("--max-draft", "0").output
+    assert "--hardware-compat" in CliRunner().invoke(app, ["export", "tensorrt", "--help"]).output
+    assert not (tmp_path / "engines").exists()
+
+
+# ---- without TensorRT: configs validate, building says how to install ----------------------------
+def test_tensorrt_config_validates_and_missing_tensorrt_gives_install_hint(tmp_path):
+    from spec_plugins import SpecConfig
+    from spec_plugins.backends import build_runtime
+    from spec_plugins.registry import RegistryError
+
+    cfg = SpecConfig.parse({"target": {"backend": "tensorrt", "engine_dir": str(tmp_path)},
+                            "proposer": {"type": "ngram"}})
+    assert cfg.target.backend == "tensorrt" and cfg.target.graph == "verify"
+    if HAS_TRT:
+        pytest.skip("tensorrt and a GPU are present: the hint is not shown")
+    with pytest.raises(RegistryError, match=r"spec-plugins\[tensorrt\]|CUDA GPU"):
+        build_runtime(cfg.target)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt") is not None, reason="tensorrt is installed here")
+def test_cli_without_tensorrt_prints_hint_not_traceback(tmp_path):
+    cfg = tmp_path / "trt.yaml"
+    cfg.write_text(f"target: {{backend: tensorrt, engine_dir: {tmp_path}}}\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    res = subprocess.run([sys.executable, "-m", "spec_plugins.cli", "generate", "-p", "hi", "-c", str(cfg)],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert "spec-plugins[tensorrt]" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_gpu_check_script_without_gpu_says_so_quickly():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the script would run the full matrix")
+    t0 = time.perf_counter()
+    res = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "no CUDA GPU" in res.stdout
+    assert time.perf_counter() - t0 < 60
+
+
+# ---- on a GPU with TensorRT ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """A tiny llama exported to ONNX, then built into fp32 engines (module-scoped: builds take seconds)."""
+    from spec_plugins.exporters.onnx_export import export_models
+    from spec_plugins.exporters.tensorrt_build import build_engines
+
+    d = tmp_path_factory.mktemp("trt")
+    model = tiny_llama(vocab=32, seed=2, sharpness=3.0)
+    export_models(d / "onnx", (model, None, "tiny-llama"))
+    build_engines(d / "onnx", d / "engines", "fp32", Limits(max_batch=4, max_draft=6, max_context=128,
+                                                           prefill_chunk=16))
+    return model, d / "engines"
+
+
+def _trt_runtime(engine_dir: Path):
+    from spec_plugins.backends.tensorrt_runtime import TensorRTRuntime
+
+    return TensorRTRuntime.from_config(TensorRTRuntime.Config(engine_dir=str(engine_dir)))
+
+
+@gpu_trt
+def test_gpu_trt_tree_rollback_batch_match_torch_cuda(engines):
+    model, engine_dir = engines
+    trt_rt, ref = _trt_runtime(engine_dir), TorchRuntime(model.cuda())
+    rows = [list(range(1, 20)), [5, 6, 7]]  # 19 tokens: two prefill chunks
+    torch.testing.assert_close(trt_rt.prefill(rows).logits.cpu(), ref.prefill(rows).logits.cpu(), atol=1e-3, rtol=1e-3)
+    tree = layout(with_root((-1, -1, 0, 1, 1)))
+    toks = torch.tensor([[9, 10, 11, 12, 13, 14]] * 2)
+    torch.testing.assert_close(trt_rt.forward(toks, tree).logits.cpu(), ref.forward(toks, tree).logits.cpu(),
+                               atol=1e-3, rtol=1e-3)
+    for r in (trt_rt, ref):
+        r.commit([[0, 2, 5], [0]])
+        r.rollback([20, 4])
+    assert trt_rt.lengths() == ref.lengths() and torch.equal(trt_rt.slots.pos, ref.pos)
+    nxt = torch.tensor([[3, 4], [5, 6]])
+    torch.testing.assert_close(trt_rt.forward(nxt).logits.cpu(), ref.forward(nxt).logits.cpu(), atol=1e-3, rtol=1e-3)
+
+
+@gpu_trt
+def test_gpu_trt_config_swap_same_greedy_tokens(engines):
+    from spec_plugins import SpecConfig, SpeculativeDecoder
+
+    model, engine_dir = engines
+    prop = {"type": "ngram", "num_draft_tokens": 5}
+    trt_dec = SpeculativeDecoder.from_config(SpecConfig.parse(
+        {"target": {"backend": "tensorrt", "engine_dir": str(engine_dir)}, "proposer": prop}))
+    torch_dec = SpeculativeDecoder.from_config(SpecConfig.parse(
+        {"target": {"backend": "torch", "model": "unused"}, "proposer": prop}), target=TorchRuntime(model.cuda()))
+    for prompt in ([1, 2, 3, 1, 2, 3, 1, 2], [7, 7, 8, 9, 7, 7]):
+        a = trt_dec.generate(prompt, max_new_tokens=40)
+        b = torch_dec.generate(prompt, max_new_tokens=40)
+        assert a.token_ids == b.token_ids
+        assert a.token_ids == trt_dec.without_speculation().generate(prompt, max_new_tokens=40).token_ids

