@@ -251,7 +251,7 @@ class LlamaCppRuntime:
         total = sum(len(r) for r in rows)
         if total > self.max_context:
             raise ValueError(f"prompts hold {total} tokens; the llama.cpp context holds {self.max_context} (n_ctx)")
-        self._L.llama_memory_clear(self._mem, True)
+        self._L.llama_memory_clear(self._mem, False)  # metadata only: cells are overwritten
         self._pending = None
         items = [(int(t), p, (b,), p == len(r) - 1) for b, r in enumerate(rows) for p, t in enumerate(r)]
         logits = self._decode(items)

@@ -29,10 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 HEADS = ROOT / "examples" / "heads" / "smollm2-135m-instruct"
 METHODS = {
     "medusa-tree": {"type": "medusa", "heads": str(HEADS / "medusa"), "mode": "tree", "num_draft_tokens": 4,
-                    "tree_nodes": 12, "top_k": 4},
+                    "tree_nodes": 10, "top_k": 3},
     "eagle-chain": {"type": "eagle", "heads": str(HEADS / "eagle"), "mode": "chain", "num_draft_tokens": 4},
     "eagle-tree": {"type": "eagle", "heads": str(HEADS / "eagle"), "mode": "tree", "num_draft_tokens": 5,
-                   "tree_nodes": 12, "top_k": 3},
+                   "tree_nodes": 10, "top_k": 3},
     "ngram": {"type": "ngram", "num_draft_tokens": 5, "max_ngram": 3},
 }
 PICK = ["chat-1", "code-1", "sum-1", "qa-1", "math-1", "trans-1"]

@@ -53,13 +53,14 @@ def export_check(
     max_new_tokens: int = typer.Option(48, "--max-new-tokens", min=1, help="Greedy speculative tokens compared."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="ONNX Runtime intra-op threads."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    graph: list[str] = typer.Option([], "--graph", help="Only check this graph (repeatable; default: all)."),
 ) -> None:
     """ONNX Runtime vs PyTorch on random and real inputs; exit 1 on any mismatch."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from spec_plugins.exporters.parity import check_export
 
     try:
-        report = check_export(directory, gamma, rtol, max_new_tokens, threads, log=_log)
+        report = check_export(directory, gamma, rtol, max_new_tokens, threads, log=_log, only=graph or None)
     except (ValueError, FileNotFoundError, LookupError, ImportError) as exc:
         fail(str(exc))
         return

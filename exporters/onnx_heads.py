@@ -125,7 +125,8 @@ def drop_noop_casts(path: Path) -> int:
     for node in g.node:
         node.input[:] = [rename.get(i, i) for i in node.input]
         to = next((a.i for a in node.attribute if a.name == "to"), None)
-        if node.op_type == "Cast" and to is not None and types.get(node.input[0]) == to and node.output[0] not in outputs:
+        noop = node.op_type == "Cast" and to is not None and types.get(node.input[0]) == to
+        if noop and node.output[0] not in outputs:
             rename[node.output[0]] = node.input[0]
             continue
         keep.append(node)

@@ -10,8 +10,10 @@ argmax_k E(k) / cost(k) over k = 0..max_k; k = 0 (plain decoding) wins when acce
 p and q are learnt online from the DecodeStats deltas of the previous round, with exponential
 forgetting (acceptance comes in bursts: copying phases) and a prior that extends each position's
 estimate to the next unseen one, so long drafts are tried when short ones are always accepted.
-Forgetting also re-opens drafting after a collapse: with no new evidence the estimate drifts
-back to the prior and one cheap probe round follows. Each call is O(max_k).
+Forgetting also re-opens drafting after a collapse: rounds without drafts fade the evidence
+slowly (``idle_decay``), the estimate drifts back to the prior and one cheap probe round follows.
+Defaults were chosen by replaying greedy SmolLM2 outputs on the dev prompts (exact acceptance for
+any policy) against CPU-like cost curves. Each call is O(max_k).
 """
 
 from __future__ import annotations

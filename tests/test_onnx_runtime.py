@@ -173,6 +173,8 @@ def test_swap_by_config_export_on_first_use_and_cli(tiny_model_dir, tmp_path, mo
     r = runner.invoke(app, ["export", "check", str(tmp_path / "exp"), "--gamma", "2", "--max-new-tokens", "8"])
     assert r.exit_code == 0, r.output
     assert "PASS" in r.output and "greedy speculative" in r.output
+    r = runner.invoke(app, ["export", "check", str(tmp_path / "exp"), "--graph", "nope"])
+    assert r.exit_code == 2 and "no graph 'nope'" in r.output
     r = runner.invoke(app, ["export", "check", str(tmp_path / "nothing")])
     assert r.exit_code == 2 and "manifest.json not found" in r.output
 

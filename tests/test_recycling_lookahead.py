@@ -321,3 +321,28 @@ def test_typical_accepts_more_than_exact_at_high_temperature():
     n_typ = sum(len(a) for a in typ.accepted)
     n_ex = sum(len(a) for a in ex.accepted)
     assert n_typ == 2000 and abs(n_ex / 2000 - 0.35) < 0.05
+
+
+def test_auto_tree_size_follows_the_cost_curve(monkeypatch):
+    import spec_plugins.costmodel as cm
+    from spec_plugins.proposers.recycling import auto_tree_size
+
+    flat = cm.CostModel(tuple([0.05] * 40))  # GPU-like: extra positions are free -> the largest tree
+    steep = cm.CostModel(tuple(0.05 * n for n in range(1, 41)))  # cost linear in positions -> tiny tree
+    curved = cm.CostModel(tuple(0.05 * (1 + 0.12 * (n - 1)) for n in range(1, 41)))  # in between
+    sizes = {}
+    for name, model in (("flat", flat), ("steep", steep), ("curved", curved)):
+        monkeypatch.setattr(cm, "cost_model_for", lambda rt, max_positions=17, _m=model, **kw: _m)
+        sizes[name] = auto_tree_size(object())
+    assert sizes["flat"] == 32 and sizes["steep"] == 1 and 1 < sizes["curved"] < 32, sizes
+    with pytest.raises(ValueError, match="needs the target"):
+        auto_tree_size(None)
+
+
+def test_auto_tree_size_on_a_real_runtime_measures_and_stays_exact():
+    model = tiny_llama(seed=3)
+    target = TorchRuntime(model)
+    prop = RecyclingProposer(RecyclingProposer.Config(tree_size="auto"), target=target)
+    assert 1 <= prop.shape.size <= 32
+    outs, _ = run(target, prop, [[1, 2, 3, 1, 2, 3]], 20)
+    assert outs[0] == plain_greedy(model, [1, 2, 3, 1, 2, 3], 20)

@@ -9,7 +9,6 @@ import threading
 import time
 
 import pytest
-import torch
 from helpers import plain_greedy
 
 from conftest import tiny_llama

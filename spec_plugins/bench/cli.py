@@ -40,7 +40,7 @@ def bench(
     prompts: Path = typer.Option(..., "--prompts", help="JSONL: {question_id, category, turns} or {prompt}."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", min=1),
     runs: int = typer.Option(1, "--runs", min=1, help="Repeats per prompt and method (median taken)."),
-    baselines: str = typer.Option("plain,transformers", "--baselines",
+    baselines: str = typer.Option("plain,transformers,llamacpp,llamacpp_prompt_lookup", "--baselines",
                                   help="Comma-separated registered baselines (plain is always run)."),
     gammas: str = typer.Option("1-8", "--gammas", help="Our fixed draft lengths to run, e.g. '1-8' or '2,4'."),
     auto: bool = typer.Option(True, "--auto/--no-auto", help="Also run num_draft_tokens: auto."),

@@ -34,7 +34,8 @@ from spec_plugins.stats import DecodeStats
 class BenchOptions:
     max_new_tokens: int = 128
     runs: int = 1
-    baselines: Sequence[str] = ("plain", "transformers")
+    # peers that do not apply to the target's runtime are skipped with a message
+    baselines: Sequence[str] = ("plain", "transformers", "llamacpp", "llamacpp_prompt_lookup")
     gammas: Sequence[int] = tuple(range(1, 9))
     auto: bool = True
     baseline_gamma: int | None = None  # gamma for peers; None = the config's, or 5 when it is auto

@@ -135,6 +135,10 @@ class TokenOut:
     text: str
     logprob: float
     special: bool
+    last: bool = False  # the request's final token (a Finished follows at once)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "text": self.text, "logprob": self.logprob, "special": self.special}
 
 
 @dataclass
@@ -199,6 +203,7 @@ async def run_job(state: ServerState, prep: Prepared, request: Request) -> Async
                 toks.append(tok)
                 hit = bool(stops) and any(s in out_text[-(len(s) + len(text)):] for s in stops)
                 if hit or (reason is not None and i == len(ids) - 1):
+                    tok.last = True
                     yield tok
                     gen = state.tokenizer.decode([x.id for x in toks], skip_special_tokens=True)
                     done = True
@@ -253,7 +258,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     def details_of(fin: Finished, prep: Prepared) -> dict[str, Any]:
         return {"finish_reason": fin.reason, "generated_tokens": len(fin.tokens), "seed": prep.seed, "prefill": [],
-                "tokens": [vars(t) for t in fin.tokens], "top_tokens": None, "best_of_sequences": None}
+                "tokens": [t.to_json() for t in fin.tokens], "top_tokens": None, "best_of_sequences": None}
 
     async def generate_body(request: Request, req: GenerateRequest, t0: float, route: str) -> dict[str, Any]:
         prep = prepare(state, encode_text(state, req.inputs), req.parameters, state.scheduler.new_key())
@@ -281,23 +286,24 @@ def create_app(state: ServerState) -> FastAPI:
 
         async def events() -> AsyncIterator[bytes]:
             status, n, first = "200", 0, None
+            held: dict[str, Any] | None = None  # the newest token's event, sent at once unless last
             try:
                 async for ev in run_job(state, prep, request):
                     if isinstance(ev, TokenOut):
                         n += 1
                         first = first if first is not None else time.perf_counter() - t0
-                        pending = {"index": n, "token": vars(ev), "top_tokens": None, "generated_text": None,
-                                   "details": None}
-                        # hold one event back: the last token's event carries generated_text + details
-                        if n > 1:
-                            yield sse(prev)
-                        prev = pending
-                    else:
-                        text = (req.inputs + ev.text) if req.parameters.return_full_text else ev.text
-                        prev["generated_text"] = text
-                        prev["details"] = {"finish_reason": ev.reason, "generated_tokens": len(ev.tokens),
+                        if held is not None:
+                            yield sse(held)
+                        held = {"index": n, "token": ev.to_json(), "top_tokens": None, "generated_text": None,
+                                "details": None}
+                        if not ev.last:
+                            yield sse(held)
+                            held = None
+                    elif held is not None:  # the last token's event carries generated_text + details
+                        held["generated_text"] = (req.inputs + ev.text) if req.parameters.return_full_text else ev.text
+                        held["details"] = {"finish_reason": ev.reason, "generated_tokens": len(ev.tokens),
                                            "seed": prep.seed}
-                        yield sse(prev)
+                        yield sse(held)
             except ApiError as exc:
                 status = str(exc.status)
                 yield sse(exc.body())

@@ -81,6 +81,10 @@ def serve(
 ) -> None:
     """Serve the text-generation-inference HTTP API with continuous batching and speculation."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if draft_policy not in ("load", "fixed"):
+        fail(f"--draft-policy must be 'load' or 'fixed', got {draft_policy!r}")
+    if max_input_tokens is not None and max_total_tokens is not None and max_input_tokens >= max_total_tokens:
+        fail(f"--max-input-tokens ({max_input_tokens}) must be < --max-total-tokens ({max_total_tokens})")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         import uvicorn

@@ -1,0 +1,125 @@
+"""Compact llama.cpp comparison in one process: plain, ours (n-gram, fixed k and auto) and
+llama-cpp-python's own plain / prompt-lookup decoding, interleaved per prompt, medians of runs;
+then the same n-gram config with only the backend line changed (torch vs llamacpp).
+
+    flock /tmp/spec-bench.lock python examples/bench_llamacpp.py --runs 3 --max-new-tokens 64
+
+`spec-plugins bench --baselines llamacpp,llamacpp_prompt_lookup` gives the full report; this script
+is the short version used for the numbers in the README."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TEXT = ("The city council voted on Tuesday to expand the bicycle lane network by 40 kilometres over the "
+        "next three years. The plan adds protected lanes on the main north-south avenues, new bike parking "
+        "near the train stations and a bike-share scheme with 500 bicycles. Opponents said the lanes would "
+        "slow car traffic; supporters said the city must cut emissions and make short trips safer.")
+PROMPTS = {
+    "copy": "Repeat the following text exactly, word for word:\n\n" + TEXT,
+    "summary": "Summarise the following article in three sentences, quoting its numbers.\n\n" + TEXT,
+    "code": "Add a docstring to this Python function and keep the code unchanged:\n\n"
+            "def merge_counts(a, b):\n    result = dict(a)\n    for key, value in b.items():\n"
+            "        result[key] = result.get(key, 0) + value\n    return result\n",
+    "open": "Give three tips for learning to play the guitar.",
+}
+
+
+def _methods(model: str, k: int, threads: int):
+    from spec_plugins import SpeculativeDecoder
+    from spec_plugins.bench.baselines import BASELINES, BaselineContext, time_decoder
+
+    base = {"target": {"backend": "llamacpp", "model": model, "threads": threads}, "sampling": {"temperature": 0.0}}
+    auto = SpeculativeDecoder.from_config({**base, "proposer": {"type": "ngram", "num_draft_tokens": "auto",
+                                                                "max_ngram": 3}})
+    fixed = SpeculativeDecoder.from_config({**base, "proposer": {"type": "ngram", "num_draft_tokens": k,
+                                                                 "max_ngram": 3}}, target=auto.target)
+    ctx = BaselineContext(fixed, k, tuple(fixed.eos_ids()))
+    ctx10 = BaselineContext(fixed, 10, tuple(fixed.eos_ids()))
+    return auto, {
+        "plain": lambda ids, n: time_decoder(auto.without_speculation(), ids, n),
+        f"ours k={k}": lambda ids, n: time_decoder(fixed, ids, n),
+        "ours auto": lambda ids, n: time_decoder(auto, ids, n),
+        "llama-cpp-python plain": BASELINES.get("llamacpp")(ctx),
+        f"llama-cpp-python PLD k={k}": BASELINES.get("llamacpp_prompt_lookup")(ctx),
+        "llama-cpp-python PLD k=10": BASELINES.get("llamacpp_prompt_lookup")(ctx10),
+    }
+
+
+def compare(model: str, k: int, runs: int, max_new: int, threads: int) -> dict:
+    dec, methods = _methods(model, k, threads)
+    out: dict = {}
+    names = list(methods)
+    for pname, text in PROMPTS.items():
+        ids = dec.encode(text, chat=True)
+        speeds: dict[str, list[float]] = {m: [] for m in names}
+        toks: dict[str, list[int]] = {}
+        for r in range(runs + 1):  # run 0 warms up and is not counted
+            order = names[r % len(names):] + names[: r % len(names)]
+            for m in order:
+                res = methods[m](ids, max_new)
+                if r:
+                    speeds[m].append(len(res.tokens) / res.seconds)
+                toks[m] = res.tokens
+        ref = toks["llama-cpp-python plain"]
+        out[pname] = {m: {"tok_s": statistics.median(v),
+                          "agree_vs_llama_cpp_plain": sum(a == b for a, b in zip(toks[m], ref)) / max(len(ref), 1),
+                          "identical": toks[m] == ref, "tokens": len(toks[m])} for m, v in speeds.items()}
+        print(model, pname, json.dumps({m: round(d["tok_s"], 1) for m, d in out[pname].items()}), flush=True)
+    return out
+
+
+def backends_side_by_side(runs: int, max_new: int) -> dict:
+    """examples/configs/smollm2-ngram.yaml vs -llamacpp.yaml: only the backend line differs."""
+    from spec_plugins import SpeculativeDecoder
+
+    res = {}
+    decs = {b: SpeculativeDecoder.from_config(f"examples/configs/smollm2-ngram{s}.yaml")
+            for b, s in (("torch", ""), ("llamacpp", "-llamacpp"))}
+    for pname, text in PROMPTS.items():
+        row = {}
+        for b, d in decs.items():
+            d.generate(text, max_new_tokens=8, chat=True)  # warm-up
+            speeds, plain = [], []
+            for _ in range(runs):
+                t0 = time.perf_counter()
+                r = d.generate(text, max_new_tokens=max_new, chat=True)
+                speeds.append(len(r.token_ids) / (time.perf_counter() - t0))
+                t0 = time.perf_counter()
+                p = d.without_speculation().generate(text, max_new_tokens=max_new, chat=True)
+                plain.append(len(p.token_ids) / (time.perf_counter() - t0))
+            row[b] = {"ngram_tok_s": statistics.median(speeds), "plain_tok_s": statistics.median(plain),
+                      "identical_to_own_plain": r.token_ids == p.token_ids}
+        res[pname] = row
+        print("torch vs llamacpp", pname, json.dumps(row), flush=True)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="smollm2-135m-instruct,gemma-3-270m")
+    ap.add_argument("--k", type=int, default=4, help="fixed draft length for ours and the peer")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--skip-backends", action="store_true")
+    ap.add_argument("--out", default="bench-llamacpp.json")
+    a = ap.parse_args()
+    t0 = time.perf_counter()
+    report = {"models": {m: compare(m, a.k, a.runs, a.max_new_tokens, a.threads) for m in a.models.split(",")}}
+    if not a.skip_backends:
+        report["backends"] = backends_side_by_side(a.runs, a.max_new_tokens)
+    report["wall_s"] = time.perf_counter() - t0
+    with open(a.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {a.out} in {report['wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
