@@ -373,7 +373,9 @@ class LoadAwareDraftLength:
 
     E(k) = 1 + sum_{d<k} a_d, with a_d the measured rate at which depth d is accepted
     (``stats.accepted_by_position / drafted_by_position``), shrunk towards ``prior ** (d + 1)``
-    while few drafts were seen. k = 0 (no drafting) wins once verifying k extra tokens per row
+    while few drafts were seen, times f, the share of row-rounds asked for a draft in which the
+    proposer actually drafted (an n-gram proposer often finds no match; those rounds still pay
+    for the padded verify). k = 0 (no drafting) wins once verifying k extra tokens per row
     costs more than the tokens it is expected to save."""
 
     def __init__(self, cost: Callable[[int, int], float], max_k: int, stats: DecodeStats,
@@ -381,14 +383,22 @@ class LoadAwareDraftLength:
         self.cost, self.max_k, self.stats = cost, max_k, stats
         self.prior, self.prior_weight = prior, prior_weight
         self.last: dict[str, float] = {}
+        self._asked = 0  # row-rounds in which a draft (k >= 1) was asked for
+        self._drafted0 = stats.drafted_by_position[0] if stats.drafted_by_position else 0
+
+    def draft_share(self) -> float:
+        """f: drafted row-rounds / asked row-rounds, starting optimistic (1.0) while unmeasured."""
+        s = self.stats
+        drafted = (s.drafted_by_position[0] if s.drafted_by_position else 0) - self._drafted0
+        return min(1.0, (drafted + self.prior_weight) / (self._asked + self.prior_weight))
 
     def expected_tokens(self, k: int) -> float:
-        s, e = self.stats, 1.0
+        s, e = self.stats, 0.0
         for d in range(k):
             acc = s.accepted_by_position[d] if d < len(s.accepted_by_position) else 0
             dr = s.drafted_by_position[d] if d < len(s.drafted_by_position) else 0
             e += (acc + self.prior ** (d + 1) * self.prior_weight) / (dr + self.prior_weight)
-        return e
+        return 1.0 + self.draft_share() * e
 
     def choose(self, batch: int) -> int:
         """The best draft length for ``batch`` rows under the current acceptance estimates."""
@@ -401,5 +411,7 @@ class LoadAwareDraftLength:
 
     def __call__(self, batch: int) -> int:
         k = self.choose(batch)
+        if k >= 1:
+            self._asked += batch
         self.last = {"batch": batch, "draft_length": k, "expected_tokens": self.expected_tokens(k)}
         return k
