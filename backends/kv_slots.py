@@ -96,15 +96,7 @@ class KVSlots:
         self.next = [n + c for n, c in zip(self._before, counts)]
         if all(list(k) == list(range(len(k))) for k in keep) and len(set(counts)) == 1:
             return self._crop(S + m)
-        B = len(keep)
-        idx = torch.zeros(B, m, dtype=torch.long)
-        ok = torch.zeros(B, m, dtype=torch.bool)
-        for b, k in enumerate(keep):
-            if k:
-                idx[b, : len(k)] = torch.as_tensor(list(k))
-                ok[b, : len(k)] = True
-        tail_pos = self.pos[:, S:].gather(1, idx)
-        tail_pos = torch.where(ok, tail_pos, torch.full_like(tail_pos, -1))
+        idx, tail_pos = keep_index(keep, self.pos[:, S:])
         self.pos = torch.cat([self.pos[:, :S], tail_pos], dim=1)
         return SlotPlan(S + m, S, idx)
 
@@ -196,3 +188,18 @@ class KVSlots:
 def additive(ok: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Bool "may attend" -> additive float mask (0 or the dtype's most negative value)."""
     return torch.zeros(ok.shape, dtype=dtype).masked_fill_(~ok, torch.finfo(dtype).min)
+
+
+def keep_index(keep: Sequence[Sequence[int]], tail_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather plan for a commit: ``idx [B, m]`` (the kept nodes of each row, left-aligned,
+    padded with 0) and the positions of the compacted tail, -1 where a row kept fewer nodes.
+    Shared by every runtime that keeps a hole-masked slot layout."""
+    m = max(len(k) for k in keep)
+    idx = torch.zeros(len(keep), m, dtype=torch.long)
+    ok = torch.zeros(len(keep), m, dtype=torch.bool)
+    for b, k in enumerate(keep):
+        if k:
+            idx[b, : len(k)] = torch.as_tensor(list(k))
+            ok[b, : len(k)] = True
+    pos = tail_pos.gather(1, idx)
+    return idx, torch.where(ok, pos, torch.full_like(pos, -1))

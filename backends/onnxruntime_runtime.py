@@ -22,6 +22,7 @@ from typing import Any, Literal, Sequence
 import torch
 from pydantic import Field
 
+from spec_plugins.backends.kv_slots import keep_index
 from spec_plugins.backends.base import RuntimeCapabilities, StepOutput
 from spec_plugins.config import RuntimeConfig
 from spec_plugins.registry import register_backend
@@ -258,15 +259,7 @@ class OnnxRuntime:
         if all(list(k) == list(range(len(k))) for k in keep) and len(set(counts)) == 1:
             self._crop(S + m)  # every row keeps the same leading nodes (plain decoding: a no-op)
             return
-        B = len(keep)
-        idx = torch.zeros(B, m, dtype=torch.long)
-        ok = torch.zeros(B, m, dtype=torch.bool)
-        for b, k in enumerate(keep):
-            if k:
-                idx[b, : len(k)] = torch.as_tensor(list(k))
-                ok[b, : len(k)] = True
-        tail_pos = self.pos[:, S:].gather(1, idx)
-        tail_pos = torch.where(ok, tail_pos, torch.full_like(tail_pos, -1))
+        idx, tail_pos = keep_index(keep, self.pos[:, S:])
         gidx = idx.to(self.device)
         for i, t in enumerate(self.kv):
             g = gidx[:, None, :, None].expand(t.shape[0], t.shape[1], m, t.shape[3])
