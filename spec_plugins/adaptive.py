@@ -12,13 +12,17 @@ forgetting (acceptance comes in bursts: copying phases) and a prior that extends
 estimate to the next unseen one, so long drafts are tried when short ones are always accepted.
 Forgetting also re-opens drafting after a collapse: rounds without drafts fade the evidence
 slowly (``idle_decay``), the estimate drifts back to the prior and one cheap probe round follows.
+With a proposer that classes its rounds before drafting (``Proposer.draft_keys``; n-gram: the
+matched suffix length), the loop asks ``per_row`` instead: one estimate per key, one draft
+length per row. On a CPU where verifying 2 positions already costs ~1.7x one, that is what
+separates "draft 8 after a 3-gram match from the prompt" from "draft nothing after a 1-gram one".
 Defaults were chosen by replaying greedy SmolLM2 outputs on the dev prompts (exact acceptance for
 any policy) against CPU-like cost curves. Each call is O(max_k).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from spec_plugins.costmodel import CostModel, cost_model_for
 from spec_plugins.stats import DecodeStats
@@ -90,16 +94,26 @@ class AcceptanceEstimate:
 class AutoDraftLength:
     """``policy(stats) -> k`` for the decode loop; one instance per generation."""
 
+    # per-key estimates (``per_row``): a key already separates copy phases from free text, so its
+    # evidence is kept longer (decay), and a key that stopped drafting is re-probed sooner (idle
+    # decay). Chosen by replaying SmolLM2's greedy dev-set outputs against the measured CPU cost
+    # curve (``spec_plugins.bench.replay``), then checked with the bench.
+    KEYED = {"decay": 0.95, "prior_accept": 0.6, "prior_weight": 1.0, "idle_decay": 0.9, "chain_weight": 3.0}
+
     def __init__(self, cost: CostModel, max_k: int = 16, decay: float = 0.8, prior_accept: float = 0.5,
                  prior_weight: float = 1.0, idle_decay: float = 0.97, chain_weight: float | None = 3.0,
-                 overhead_decay: float = 0.9) -> None:
+                 overhead_decay: float = 0.9, keyed: dict[str, float] | None = None) -> None:
         if max_k + 1 > cost.max_positions:
             max_k = cost.max_positions - 1  # never extrapolate the cost curve silently
         if max_k < 1:
             raise ValueError(f"the cost model covers {cost.max_positions} position(s); auto needs >= 2")
         self.cost = cost
         self.max_k = max_k
-        self.estimate = AcceptanceEstimate(max_k, decay, prior_accept, prior_weight, idle_decay, chain_weight)
+        self._estimate_args = (decay, prior_accept, prior_weight, idle_decay, chain_weight)
+        self.estimate = AcceptanceEstimate(max_k, *self._estimate_args)
+        self.by_key: dict[int, AcceptanceEstimate] = {}  # per-row mode: one estimate per draft key
+        kp = {**self.KEYED, **(keyed or {})}
+        self._keyed_args = (kp["decay"], kp["prior_accept"], kp["prior_weight"], kp["idle_decay"], kp["chain_weight"])
         self.overhead = 0.0  # seconds per round outside forwards and drafting (verify, commit, Python)
         self._overhead_decay = overhead_decay
         self.chosen = [0] * (max_k + 1)  # how often each k was picked
@@ -119,26 +133,61 @@ class AutoDraftLength:
 
     # ---- the per-round call ------------------------------------------------------------------
     def __call__(self, stats: DecodeStats) -> int:
-        if stats is not self._stats:  # a new generation
-            self._stats, self._snap, self._last_k = stats, _snapshot(DecodeStats()), None
-        snap = _snapshot(stats)
-        prev, self._snap = self._snap, snap
-        if snap[0] > prev[0] and self._last_k is not None:  # a round ran since the last call
-            drafted = [a - b for a, b in zip(snap[4], _pad(prev[4], len(snap[4])))]
-            accepted = [a - b for a, b in zip(snap[5], _pad(prev[5], len(snap[5])))]
-            rows = max(1, (snap[1] - prev[1]) - (snap[2] - prev[2]))  # each row emits accepted + 1
+        """One draft length for every row, learnt from the stats' by-position deltas."""
+        delta = self._advance(stats)
+        if delta is not None:
+            drafted, accepted, rows = delta
             self.estimate.update(self._last_k, rows, drafted, accepted)
-            spent = snap[3] - prev[3]
-            lam = self._overhead_decay
-            self.overhead = spent if self.overhead == 0.0 else lam * self.overhead + (1 - lam) * spent
         k = self.best_k()
         self._last_k = k
         self.chosen[k] += 1
         return k
 
-    def rates(self) -> list[float]:
+    # ---- per-row calls for proposers that class their rounds (``Proposer.draft_keys``) --------
+    def per_row(self, stats: DecodeStats, keys: Sequence[int]) -> list[int]:
+        """A draft length per row from the estimate kept for that row's key (e.g. the n-gram
+        match length: 3-gram matches may earn 8 tokens while 1-gram matches earn none)."""
+        self._advance(stats)
+        ks = [self.best_k(self._keyed(key)) for key in keys]
+        self._last_k = max(ks, default=0)
+        for k in ks:
+            self.chosen[k] += 1
+        return ks
+
+    def observe_rows(self, keys: Sequence[int], budgets: Sequence[int], drafted: Sequence[int],
+                     accepted: Sequence[int]) -> None:
+        """Per row of the round just verified: its key, the draft budget it was given, how many
+        chain tokens the proposer drafted and how many the verifier accepted."""
+        for key, k, d, a in zip(keys, budgets, drafted, accepted):
+            self._keyed(key).update(k, 1, [1] * d, [1] * a)
+
+    def _keyed(self, key: int) -> AcceptanceEstimate:
+        est = self.by_key.get(key)
+        if est is None:
+            est = self.by_key[key] = AcceptanceEstimate(self.max_k, *self._keyed_args)
+        return est
+
+    def _advance(self, stats: DecodeStats) -> tuple[list[int], list[int], int] | None:
+        """Track the per-round overhead; return (drafted, accepted, rows) deltas of the round that
+        ran since the last call, or None."""
+        if stats is not self._stats:  # a new generation
+            self._stats, self._snap, self._last_k = stats, _snapshot(DecodeStats()), None
+        snap = _snapshot(stats)
+        prev, self._snap = self._snap, snap
+        if not (snap[0] > prev[0] and self._last_k is not None):
+            return None
+        spent = snap[3] - prev[3]
+        lam = self._overhead_decay
+        self.overhead = spent if self.overhead == 0.0 else lam * self.overhead + (1 - lam) * spent
+        drafted = [a - b for a, b in zip(snap[4], _pad(prev[4], len(snap[4])))]
+        accepted = [a - b for a, b in zip(snap[5], _pad(prev[5], len(snap[5])))]
+        rows = max(1, (snap[1] - prev[1]) - (snap[2] - prev[2]))  # each row emits accepted + 1
+        return drafted, accepted, rows
+
+    def rates(self, estimate: AcceptanceEstimate | None = None) -> list[float]:
         """Expected tokens per second for k = 0..max_k under the current estimates."""
-        p, q = self.estimate.accept_probs(), self.estimate.offer_probs()
+        est = estimate or self.estimate
+        p, q = est.accept_probs(), est.offer_probs()
         out = [1.0 / (self.cost.round_seconds(0.0, False) + self.overhead)]
         tokens, run, drafted = 1.0, 1.0, 0.0
         for j in range(self.max_k):
@@ -148,8 +197,8 @@ class AutoDraftLength:
             out.append(tokens / (self.cost.round_seconds(drafted, True) + self.overhead))
         return out
 
-    def best_k(self) -> int:
-        r = self.rates()
+    def best_k(self, estimate: AcceptanceEstimate | None = None) -> int:
+        r = self.rates(estimate)
         return max(range(len(r)), key=r.__getitem__)
 
 

@@ -17,6 +17,7 @@ verifier. The draft length per round comes from a policy of the batch size
 from __future__ import annotations
 
 import math
+from collections import deque
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Sequence
@@ -213,9 +214,20 @@ class ContinuousBatch:
         pipes = RowPipelines([r.pipeline for r in rows])
         # 1. draft
         draft: Draft | None = None
-        k = self.last_k = max(0, int(self.draft_length(len(rows)))) if self.proposer is not None else 0
+        keys: list[int] | None = None
+        if self.proposer is not None and not self.proposer.tree and hasattr(self.draft_length, "observe_rows"):
+            t0 = time.perf_counter()
+            keys = self.proposer.draft_keys(seqs)  # per-row class of the coming draft (n-gram match length)
+            stats.time_draft += time.perf_counter() - t0
+        if self.proposer is None:
+            k = 0
+        elif keys is not None:
+            k = int(self.draft_length(len(rows), keys))  # type: ignore[call-arg]
+        else:
+            k = int(self.draft_length(len(rows)))
+        k = self.last_k = max(0, k)
+        budgets = [max(0, min(k, r.max_new - r.n_new - 1)) for r in rows]
         if k > 0:
-            budgets = [max(0, min(k, r.max_new - r.n_new - 1)) for r in rows]
             if max(budgets) > 0:
                 t0 = time.perf_counter()
                 fwd0 = self.proposer.draft_forward_time
@@ -253,6 +265,11 @@ class ContinuousBatch:
             drafted = depth_all if draft is None or draft.valid is None else _depth_counts(draft, b)
             stats.observe_round(drafted, len(acc), len(em.tokens))
             stats.new_tokens += len(em.tokens)
+        if keys is not None:
+            n_drafted = (draft.valid.sum(1).tolist() if draft is not None and draft.valid is not None
+                         else [draft.size if draft is not None else 0] * len(rows))
+            self.draft_length.observe_rows(keys, budgets, n_drafted,  # type: ignore[attr-defined]
+                                           [len(a) for a in verdict.accepted])
         if self.proposer is not None:
             t0 = time.perf_counter()
             fwd0 = self.proposer.draft_forward_time
@@ -385,6 +402,9 @@ class LoadAwareDraftLength:
         self.last: dict[str, float] = {}
         self._asked = 0  # row-rounds in which a draft (k >= 1) was asked for
         self._drafted0 = stats.drafted_by_position[0] if stats.drafted_by_position else 0
+        # per draft key (``Proposer.draft_keys``): rows asked for depth d, drafted it, accepted through it
+        self._by_key: dict[int, tuple[list[float], list[float], list[float]]] = {}
+        self._recent_keys: deque[int] = deque(maxlen=256)
 
     def draft_share(self) -> float:
         """f: drafted row-rounds / asked row-rounds, starting optimistic (1.0) while unmeasured."""
@@ -401,15 +421,61 @@ class LoadAwareDraftLength:
         return 1.0 + self.draft_share() * e
 
     def choose(self, batch: int) -> int:
-        """The best draft length for ``batch`` rows under the current acceptance estimates."""
+        """The best draft length for ``batch`` rows under the current acceptance estimates (with
+        per-key evidence: rows drawn from the recent mix of keys; what /metrics shows per size)."""
         best, best_rate = 0, -math.inf
+        mix = list(self._recent_keys)
         for k in range(self.max_k + 1):
-            rate = self.expected_tokens(k) / self.cost(batch, k + 1)
+            e = (sum(self.expected_tokens_for_key(key, k) for key in mix) / len(mix)) if mix else self.expected_tokens(k)
+            rate = e / self.cost(batch, k + 1)
             if rate > best_rate * 1.0001:
                 best, best_rate = k, rate
         return best
 
-    def __call__(self, batch: int) -> int:
+    # ---- per-row keys: each row's expected tokens from the estimate of its own key ------------
+    def expected_tokens_for_key(self, key: int, k: int) -> float:
+        """1 + sum_{d<k} P(key's rows draft depth d) * P(accepted through d | drafted), both
+        shrunk towards the prior while the key has little evidence."""
+        asked, drafted, accepted = self._by_key.get(key, ([], [], []))
+        w, e = self.prior_weight, 1.0
+        for d in range(k):
+            a_n = asked[d] if d < len(asked) else 0.0
+            d_n = drafted[d] if d < len(drafted) else 0.0
+            c_n = accepted[d] if d < len(accepted) else 0.0
+            offered = (d_n + w) / (a_n + w)
+            e += offered * (c_n + self.prior ** (d + 1) * w) / (d_n + w)
+        return e
+
+    def choose_for_keys(self, keys: Sequence[int]) -> int:
+        """The padded draft length L maximising sum_rows E_key(L) / cost(rows, L + 1): every row
+        pays for the padded verify, so one strong row (a 3-gram copy) can carry the batch, and a
+        batch of unmatched rows does not draft at all."""
+        best, best_rate, b = 0, -math.inf, len(keys)
+        for k in range(self.max_k + 1):
+            rate = sum(self.expected_tokens_for_key(key, k) for key in keys) / self.cost(b, k + 1)
+            if rate > best_rate * 1.0001:
+                best, best_rate = k, rate
+        return best
+
+    def observe_rows(self, keys: Sequence[int], budgets: Sequence[int], drafted: Sequence[int],
+                     accepted: Sequence[int]) -> None:
+        for key, bud, d, a in zip(keys, budgets, drafted, accepted):
+            asked, dr, acc = self._by_key.setdefault(key, ([], [], []))
+            for lst, n in ((asked, bud), (dr, d), (acc, a)):
+                while len(lst) < n:
+                    lst.append(0.0)
+                for j in range(n):
+                    lst[j] += 1.0
+
+    def __call__(self, batch: int, keys: Sequence[int] | None = None) -> int:
+        if keys is not None:
+            self._recent_keys.extend(keys)
+            k = self.choose_for_keys(keys)
+            if k >= 1:
+                self._asked += batch
+            e = sum(self.expected_tokens_for_key(key, k) for key in keys) / max(1, len(keys))
+            self.last = {"batch": batch, "draft_length": k, "expected_tokens": e}
+            return k
         k = self.choose(batch)
         if k >= 1:
             self._asked += batch

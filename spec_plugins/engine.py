@@ -43,7 +43,9 @@ class Step:
     finished: dict[int, str] = field(default_factory=dict)
 
 
-# policy(round_index, stats) -> draft length for this round
+# policy(stats) -> draft length for this round. A policy may also offer per_row(stats, keys) ->
+# lengths and observe_rows(keys, budgets, drafted, accepted) (``adaptive.AutoDraftLength``); the
+# loop then uses them with chain proposers whose draft_keys() classes each row's round
 DraftLengthPolicy = Callable[[DecodeStats], int]
 # stop(row_index, row_tokens, n_new) -> None to go on, or how many of the row's n_new newest tokens
 # to keep (the row then finishes with reason "stop"); external stopping criteria (transformers')
@@ -91,6 +93,8 @@ def decode(
     if not active:
         return
     want_hidden = bool(proposer is not None and proposer.needs_hidden)
+    # per-row draft lengths: a policy with per_row() and a chain proposer that classes its rows
+    per_row = bool(proposer is not None and not proposer.tree and hasattr(draft_length, "per_row"))
     t_start = time.perf_counter()
 
     # 1. prefill: the first token comes from the prompt's last position
@@ -132,9 +136,14 @@ def decode(
         seqs = [rows[i].tokens for i in active]
         # 2a. draft
         draft: Draft | None = None
+        keys: list[int] | None = None
         if proposer is not None:
-            k = draft_length(stats)
-            budgets = [max(0, min(k, rows[i].max_new - len(rows[i].new) - 1)) for i in active]
+            t0 = time.perf_counter()
+            if per_row:  # the policy picks a length per row from the proposer's cheap row keys
+                keys = proposer.draft_keys(seqs)
+            stats.time_draft += time.perf_counter() - t0
+            ks = draft_length.per_row(stats, keys) if keys is not None else [draft_length(stats)] * len(active)
+            budgets = [max(0, min(k, rows[i].max_new - len(rows[i].new) - 1)) for k, i in zip(ks, active)]
             if max(budgets) > 0:
                 t0 = time.perf_counter()
                 fwd0 = proposer.draft_forward_time
@@ -178,6 +187,10 @@ def decode(
             row_drafted = depth_count if draft is None or draft.valid is None else _depth_counts(draft, b)
             stats.observe_round(row_drafted, len(acc), n_emit)
             stats.new_tokens += n_emit
+        if keys is not None:
+            drafted_n = draft.valid.sum(1).tolist() if draft is not None and draft.valid is not None else (
+                [draft.size] * len(active) if draft is not None else [0] * len(active))
+            draft_length.observe_rows(keys, budgets, drafted_n, [len(a) for a in verdict.accepted])
         if out.hidden is not None:
             hidden = [out.hidden[b, k] for b, k in enumerate(keep)]
         # 2e. let the proposer learn / roll back its own cache

@@ -173,3 +173,46 @@ def test_auto_config_end_to_end_greedy_identical():
         assert r.token_ids == plain_greedy(model, prompt, 40)
     assert cost_model_for(rt).max_positions >= 17  # measured once and cached on the runtime
     assert r.stats.target_forwards >= 1
+
+
+# ---- one estimate per draft key (n-gram: matched suffix length) ---------------------------------
+STEP = CostModel(tuple([0.010] + [0.017 + 0.0003 * n for n in range(2, 18)]))  # this CPU: N=2 ~1.7x N=1
+
+
+def test_per_row_learns_a_length_per_key():
+    """Key 3 rows always copy 8 tokens, key 1 rows never: under a cost curve where any draft costs
+    ~1.7x, the policy must draft long for key 3 and nothing for key 1, in the same batch."""
+    pol = AutoDraftLength(STEP, max_k=8)
+    stats = DecodeStats()
+    for _ in range(40):
+        ks = pol.per_row(stats, [3, 1])
+        acc = [min(ks[0], 8), 0]
+        pol.observe_rows([3, 1], ks, ks, acc)
+        stats.target_forwards += 1
+    ks = pol.per_row(stats, [3, 1, 1])
+    assert ks[0] >= 6 and ks[1] == 0 and ks[2] == 0
+    assert pol.chosen[0] > 0 and sum(pol.chosen) == 40 * 2 + 3
+
+
+def test_per_row_reprobes_a_key_after_it_stopped():
+    pol = AutoDraftLength(STEP, max_k=8)
+    stats = DecodeStats()
+    for _ in range(10):  # key 2 fails while drafted
+        (k,) = pol.per_row(stats, [2])
+        pol.observe_rows([2], [k], [k], [0])
+    assert pol.per_row(stats, [2]) == [0]
+    probed = False
+    for _ in range(200):  # while it does not draft, its evidence fades and a probe follows
+        (k,) = pol.per_row(stats, [2])
+        pol.observe_rows([2], [k], [k], [k])  # ... and the probe is accepted in full
+        probed |= k > 0
+    assert probed and pol.per_row(stats, [2])[0] >= 4
+
+
+def test_ngram_draft_keys_are_matched_suffix_lengths():
+    from spec_plugins.proposers.ngram import NgramProposer
+
+    p = NgramProposer(NgramProposer.Config(max_ngram=3))
+    seqs = [[1, 2, 3, 4, 1, 2, 3], [5, 6, 7, 6], [8, 9, 10]]
+    p.begin(seqs)
+    assert p.draft_keys(seqs) == [3, 1, 0]

@@ -279,3 +279,64 @@ def test_real_smollm2_bench_greedy_identical(tmp_path):
     rep = run_bench(dec, prompts, opts, out=tmp_path)
     assert rep["greedy_mismatches"] == []
     assert rep["summary"]["ours_k3"]["rag"]["stats"]["mean_accepted_tokens"] > 1.2
+
+
+# ---- another runtime in the same run -----------------------------------------------------------
+def test_compare_runtime_methods_are_measured_and_checked(tmp_path):
+    dec, _ = tiny_decoder()
+    same, _ = tiny_decoder(k=2)  # the same weights on a second runtime instance
+    other = SpeculativeDecoder.from_config(same.config, target=TorchRuntime(tiny_llama(seed=11), word_tokenizer()))
+    opts = BenchOptions(max_new_tokens=12, runs=1, gammas=[2], auto=False, progress=False, cost_positions=4,
+                        baselines=["plain"], compare=[("same", same), ("other", other)])
+    rep = run_bench(dec, PROMPTS, opts, out=tmp_path)
+    names = [m["name"] for m in rep["methods"]]
+    assert names == ["plain", "ours_k2", "plain@same", "ours_k2@same", "plain@other", "ours_k2@other"]
+    refs = {m["name"]: m["speedup_reference"] for m in rep["methods"]}
+    assert refs["ours_k2@same"] == "plain@same" and refs["plain@same"] == "plain"
+    bad = {(m["method"], m["reference"]) for m in rep["greedy_mismatches"]}
+    # same weights: identical everywhere; other weights: its plain differs from ours, but its own
+    # speculative output equals its own plain (exactness holds per runtime)
+    assert ("plain@other", "plain") in bad
+    assert not any(m in ("plain@same", "ours_k2@same", "ours_k2@other") for m, _ in bad)
+    s = rep["summary"]
+    assert s["ours_k2@same"]["all"]["speedup"] == pytest.approx(
+        s["ours_k2@same"]["all"]["tokens_per_s"] / s["plain@same"]["all"]["tokens_per_s"])
+    assert "`plain@same`" in (tmp_path / "summary.md").read_text()
+
+
+def test_compare_runtime_needs_the_same_tokenizer():
+    dec, _ = tiny_decoder()
+    other, _ = tiny_decoder(k=2)
+    other.tokenizer.add_tokens(["extra-word"])
+    opts = BenchOptions(max_new_tokens=4, progress=False, baselines=["plain"], compare=[("x", other)])
+    from spec_plugins.bench import Bench
+
+    with pytest.raises(ValueError, match="tokenizer differs"):
+        Bench(dec, opts)
+
+
+# ---- replaying policies over recorded greedy outputs -------------------------------------------
+def test_replay_reproduces_the_real_rounds_for_fixed_gammas():
+    """The replay is exact for greedy n-gram decoding: same rounds, drafts and acceptances as the
+    real engine, for every fixed draft length (what makes offline policy tuning trustworthy)."""
+    from spec_plugins.bench.replay import fixed, replay_turn
+    from spec_plugins.costmodel import CostModel
+    from spec_plugins.proposers.ngram import NgramProposer
+
+    dec, _ = tiny_decoder(k=1)
+    ids = dec.encode([{"role": "user", "content": PROMPTS[0].turns[0]}])
+    cost = CostModel((0.01, 0.011, 0.012, 0.013, 0.014, 0.015, 0.016, 0.017, 0.018))
+    plain = dec.without_speculation().generate_batch([ids], max_new_tokens=40)[0].token_ids
+    for k in (1, 2, 3, 5, 8):
+        cfg = dec.config.model_copy(update={"proposer": dec.config.proposer.model_copy(update={"num_draft_tokens": k})})
+        real = SpeculativeDecoder(dec.target, dec.proposer, dec.verifier, cfg, dec.tokenizer)
+        r = real.generate_batch([ids], max_new_tokens=40)[0]
+        assert r.token_ids == plain
+        sim = replay_turn(ids, plain, 40, NgramProposer(cfg.proposer), fixed(k)(), cost, 0.0)
+        assert sim.rounds == r.stats.target_forwards
+        assert sim.stats.accepted_by_position == r.stats.accepted_by_position
+        assert sim.stats.drafted_by_position == r.stats.drafted_by_position
+        # every round pays T(1 + its drafted tokens): the total lies between rounds x T(1) and that plus
+        # the drafted tokens' share of the slope
+        lo = sim.rounds * cost.target(1)
+        assert lo <= sim.seconds <= lo + 0.001 * sim.stats.draft_tokens + 1e-9

@@ -145,6 +145,33 @@ def test_load_aware_policy_shrinks_with_cost():
     assert bad(1) == 0
 
 
+def test_load_aware_policy_per_key():
+    """Rows keyed by the n-gram match length: strong keys carry a padded draft at small batches,
+    a batch of rows whose key never gets accepted stops drafting, and unmatched rows add nothing."""
+    table = {(b, n): b * (1.0 + 0.7 * (n > 1) + 0.02 * n) for b in (1, 16) for n in range(1, 6)}
+    policy = LoadAwareDraftLength(ForwardCost(table), 4, DecodeStats())
+    for _ in range(50):
+        policy.observe_rows([3, 1, 0], [4, 4, 4], [4, 4, 0], [4, 0, 0])
+    assert policy(1, [3]) == 4 and policy.last["draft_length"] == 4
+    assert policy(1, [1]) == 0 and policy(1, [0]) == 0
+    assert policy(16, [1] * 16) == 0 and policy(16, [0] * 16) == 0
+    assert policy(16, [3] * 16) == 4
+
+
+def test_keyed_policy_in_the_batch_keeps_greedy_outputs():
+    model = tiny_llama(seed=3)
+    target = TorchRuntime(model)
+    table = {(b, n): 1.0 + 0.1 * b * n for b in (1, 8) for n in range(1, 6)}
+    policy = LoadAwareDraftLength(ForwardCost(table), 4, DecodeStats())
+    batch = ContinuousBatch(target, _proposer("ngram", target), ExactVerifier(), draft_length=policy)
+    limits = [20, 15, 25, 30, 9]
+    reqs = [RowRequest(i, p, n) for i, (p, n) in enumerate(zip(PROMPTS, limits))]
+    outs = _drive(batch, {0: [reqs[0]], 3: [reqs[1], reqs[2]], 4: [reqs[3]], 12: [reqs[4]]})
+    for i, (p, n) in enumerate(zip(PROMPTS, limits)):
+        assert outs[i] == plain_greedy(model, p, n)
+    assert policy._by_key  # the batch fed per-key evidence back
+
+
 def test_refuses_proposer_without_admit():
     class Fixed(Proposer):
         def propose(self, ctx):

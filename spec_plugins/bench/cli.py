@@ -53,6 +53,10 @@ def bench(
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
     strict: bool = typer.Option(False, "--strict", help="Exit 1 if any greedy output differs from plain."),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
+    compare_config: Optional[list[Path]] = typer.Option(
+        None, "--compare-config",
+        help="Another config (e.g. the same one with another backend) measured in the same run: adds "
+             "plain@<backend> and ours@<backend> with its draft length. Repeatable."),
 ) -> None:
     """Benchmark ours (fixed gammas + auto) against plain decoding and peer implementations."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -72,6 +76,16 @@ def bench(
                             gammas=parse_gammas(gammas), auto=auto, baseline_gamma=baseline_gamma,
                             chat=not raw, progress=progress)
         dec = SpeculativeDecoder.from_config(cfg)
+        compare: list[tuple[str, SpeculativeDecoder]] = []
+        for path in compare_config or []:
+            other_cfg = load_config(path)
+            label = other_cfg.target.backend
+            taken = {lab for lab, _ in compare} | {cfg.target.backend}
+            n = 2
+            while label in taken:
+                label, n = f"{other_cfg.target.backend}-{n}", n + 1
+            compare.append((label, SpeculativeDecoder.from_config(other_cfg)))
+        opts.compare = compare
         load_s = time.perf_counter() - t0
         import torch
         import transformers
@@ -81,7 +95,8 @@ def bench(
                 "sampling": cfg.sampling.model_dump(mode="json"), "prompts_file": str(prompts),
                 "torch": torch.__version__, "transformers": transformers.__version__,
                 "torch_threads": torch.get_num_threads(), "machine": platform.machine(),
-                "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "model_load_s": load_s}
+                "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "model_load_s": load_s,
+                "compare_configs": {lab: str(p) for (lab, _), p in zip(compare, compare_config or [])}}
         report = run_bench(dec, plist, opts, out, meta)
     except (ConfigError, ValueError, FileNotFoundError, LookupError) as exc:
         fail(str(exc))

@@ -59,7 +59,9 @@ def speedup_by_category(report: dict, path: Path) -> None:
         for j in range(len(cats)):
             ax.text(j, i, f"{data[i, j]:.2f}", ha="center", va="center", fontsize=9)
     ax.set_xticks(range(len(cats)), cats, rotation=30, ha="right")
-    ax.set_yticks(range(len(methods)), methods)
+    ref = {m["name"]: m.get("speedup_reference", "plain") for m in report["methods"]}
+    ax.set_yticks(range(len(methods)), [m if ref.get(m, "plain") == "plain" and "@" not in m else f"{m} (vs {ref[m]})"
+                                        for m in methods])
     ax.set_xlabel("prompt category")
     ax.set_ylabel("method")
     ax.set_title("Speedup over plain decoding (tokens/s ratio)")

@@ -50,6 +50,15 @@ def theoretical_speedup(alpha: float, gamma: int, c: float, verify_ratio: float 
     return tokens / (verify_ratio + gamma * c)
 
 
+def _reference(m: Any) -> str:
+    """Speedups of a runtime's methods are over that runtime's plain decoding; another runtime's
+    plain decoding is compared with the primary runtime's plain decoding."""
+    group = getattr(m, "group", "")
+    if not group or m.name == f"plain@{group}":
+        return "plain"
+    return f"plain@{group}"
+
+
 def build_report(raw: dict, meta: dict[str, Any], tokenizer: Any = None) -> dict[str, Any]:
     """Everything the JSON file holds; Markdown and plots read only this dict."""
     prompts, methods, results = raw["prompts"], raw["methods"], raw["results"]
@@ -61,21 +70,21 @@ def build_report(raw: dict, meta: dict[str, Any], tokenizer: Any = None) -> dict
     for i, p in enumerate(prompts):
         entry: dict[str, Any] = {"question_id": p.question_id, "category": p.category, "turns": len(p.turns),
                                  "methods": {}}
-        plain_tps = None
-        for m in methods:
+        tps_of: dict[str, float] = {}
+        for m in sorted(methods, key=lambda m: not m.name.startswith("plain")):  # plains first
             runs = results[m.name][i]
             n_tok = sum(len(t) for t in runs[0].tokens)
             secs = [r.seconds for r in runs]
             med = statistics.median(secs)
             tps = n_tok / med if med > 0 else 0.0
-            if m.name == "plain":
-                plain_tps = tps
+            tps_of[m.name] = tps
+            ref = tps_of.get(_reference(m))
             entry["methods"][m.name] = {
                 "new_tokens": n_tok,
                 "seconds_runs": secs,
                 "median_seconds": med,
                 "tokens_per_s": tps,
-                "speedup": tps / plain_tps if plain_tps else None,
+                "speedup": tps / ref if ref else None,
                 "greedy_equal": (None if not greedy or m.name == "plain" else (p.question_id, m.name) not in bad),
                 "stats": _stats_summary(runs[0].stats),
                 "token_ids": runs[0].tokens,
@@ -104,10 +113,9 @@ def build_report(raw: dict, meta: dict[str, Any], tokenizer: Any = None) -> dict
     for m in methods:
         for cat in categories:
             row = summary[m.name][cat]
-            base = summary["plain"][cat]["tokens_per_s"]
+            base = summary[_reference(m)][cat]["tokens_per_s"]
             row["speedup"] = row["tokens_per_s"] / base if base else None
-            for peer in names:
-                if peer != "plain" and not peer.startswith("ours_"):
+            for peer in (x.name for x in methods if x.kind == "baseline" and x.name != "plain"):
                     ref = summary[peer][cat]["tokens_per_s"]
                     row[f"vs_{peer}"] = row["tokens_per_s"] / ref if ref else None
 
@@ -147,7 +155,8 @@ def build_report(raw: dict, meta: dict[str, Any], tokenizer: Any = None) -> dict
     chosen = {m.name: {str(k): v for k, v in sorted(m.chosen_k.items())} for m in methods if m.chosen_k}
     return {
         "meta": {**meta, "duration_s": raw["duration_s"], "greedy": greedy},
-        "methods": [{"name": m.name, "kind": m.kind, "gamma": m.gamma} for m in methods],
+        "methods": [{"name": m.name, "kind": m.kind, "gamma": m.gamma, "group": m.group,
+                     "speedup_reference": _reference(m)} for m in methods],
         "unavailable_baselines": raw["unavailable"],
         "categories": categories,
         "summary": summary,
@@ -209,6 +218,11 @@ def markdown(report: dict) -> str:
         L.append("| " + " | ".join(cells) + " |")
     L += ["", "draft / verify / other: share of our decode time spent proposing, in accept/reject + logits "
           "processing, and in cache bookkeeping + loop overhead (the rest is target forwards and prefill).", ""]
+    others = [m for m in report["methods"] if m.get("group")]
+    if others:
+        L += ["`name@runtime`: measured on another runtime in the same run; its speedup is over "
+              "`plain@runtime`, and `plain@runtime`'s speedup is over the primary runtime's `plain`; its "
+              "greedy outputs are checked against `plain@runtime`, and `plain@runtime`'s against `plain`.", ""]
     for title, key, fmt in (("Speedup over plain by category", "speedup", "{:.2f}×"),
                             ("Tokens/s by category", "tokens_per_s", "{:.1f}")):
         L += [f"## {title}", "", "| method | " + " | ".join(cats) + " |", "|" + "---|" * (len(cats) + 1)]

@@ -43,6 +43,9 @@ class BenchOptions:
     warmup: bool = True
     progress: bool = True
     cost_positions: int = 32
+    # other runtimes measured in the same run: (label, decoder) pairs, each adds plain@label and
+    # ours@label (its config's draft length); their outputs are checked against their own plain
+    compare: Sequence[tuple[str, Any]] = ()
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -70,6 +73,9 @@ class RejectionRecorder(Proposer):
 
     def propose(self, ctx: ProposeContext) -> Draft | None:
         return self.inner.propose(ctx)
+
+    def draft_keys(self, sequences: Sequence[Sequence[int]]) -> list[int] | None:
+        return self.inner.draft_keys(sequences)
 
     def observe(self, result: RoundResult) -> None:
         self.inner.observe(result)
@@ -108,12 +114,13 @@ class _TracedDecoder(SpeculativeDecoder):
 @dataclass
 class Method:
     name: str
-    kind: str  # "baseline" or "ours"
+    kind: str  # "baseline", "ours", or "compare" (plain / ours on another runtime)
     gamma: int | str | None
     run_turn: TurnFn
     recorder: RejectionRecorder | None = None
     decoder: _TracedDecoder | None = None
     chosen_k: Counter = field(default_factory=Counter)  # auto: how often each gamma was picked
+    group: str = ""  # runtime label for "compare" methods; "" = the primary runtime
 
 
 @dataclass
@@ -123,6 +130,11 @@ class PromptRun:
     tokens: list[list[int]]
     seconds: float
     stats: DecodeStats | None
+
+
+def plain_of(group: str) -> str:
+    """The plain-decoding method a runtime group's speedups and outputs are measured against."""
+    return f"plain@{group}" if group else "plain"
 
 
 def ours_name(gamma: int | str) -> str:
@@ -177,7 +189,25 @@ class Bench:
             rec = RejectionRecorder(dec.proposer)
             traced = _TracedDecoder(dec.target, rec, dec.verifier, cfg, dec.tokenizer)
             methods.append(Method(ours_name(g), "ours", g, _bind(traced), rec, traced))
+        for label, other in opts.compare:
+            methods += self._compare_methods(label, other)
         return methods
+
+    def _compare_methods(self, label: str, other: SpeculativeDecoder) -> list[Method]:
+        """plain@label and ours@label on another loaded runtime (same tokenizer required)."""
+        if other.config is None or other.config.proposer is None:
+            raise ValueError(f"compare config {label!r} has no proposer section")
+        mine, theirs = self.decoder.tokenizer, other.tokenizer
+        if theirs is None or mine.get_vocab() != theirs.get_vocab():
+            raise ValueError(f"compare config {label!r}: its tokenizer differs from the primary config's; "
+                             "the bench feeds every method the same token ids")
+        g = other.config.proposer.num_draft_tokens
+        plain_dec = other.without_speculation()
+        rec = RejectionRecorder(other.proposer)
+        traced = _TracedDecoder(other.target, rec, other.verifier, other.config, other.tokenizer)
+        return [Method(f"plain@{label}", "compare", None, lambda ids, n: time_decoder(plain_dec, ids, n),
+                       group=label),
+                Method(f"{ours_name(g)}@{label}", "compare", g, _bind(traced), rec, traced, group=label)]
 
     # ---- prompts -----------------------------------------------------------------------------
     def _encode(self, history: list[dict]) -> list[int]:
@@ -248,13 +278,17 @@ class Bench:
                 with open(partial, "a") as fh:
                     fh.write(json.dumps(line) + "\n")
             if greedy:
-                ref = results["plain"][i][0].tokens
                 for m in self.methods[1:]:
+                    # a runtime's methods are checked against its own plain; each runtime's plain
+                    # against the primary plain (a cross-runtime numerics difference shows there)
+                    ref_name = plain_of(m.group) if m.name != plain_of(m.group) else "plain"
+                    ref = results[ref_name][i][0].tokens
                     got = results[m.name][i][0].tokens
                     if got != ref:
                         mm = _mismatch(p, m.name, ref, got)
+                        mm["reference"] = ref_name
                         mismatches.append(mm)
-                        bar.write(f"GREEDY MISMATCH: {m.name} differs from plain on {p.question_id} "
+                        bar.write(f"GREEDY MISMATCH: {m.name} differs from {ref_name} on {p.question_id} "
                                   f"(turn {mm['turn']}, token {mm['index']})", file=sys.stderr)
         bar.close()
         return {

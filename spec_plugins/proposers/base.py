@@ -90,6 +90,13 @@ class Proposer:
     def observe(self, result: RoundResult) -> None:
         """Learn from a round (adaptive state, rolling back a draft model's cache)."""
 
+    def draft_keys(self, sequences: Sequence[Sequence[int]]) -> list[int] | None:
+        """Optional, cheap: a small integer per row classing how promising this round's draft
+        is before it is made (n-gram: the matched suffix length). ``num_draft_tokens: auto``
+        keeps one acceptance estimate per key and picks each row's draft length from it.
+        None (the default): one estimate for all rounds."""
+        return None
+
     def select_rows(self, rows: Sequence[int]) -> None:
         """Keep only these rows (others finished)."""
 

@@ -34,6 +34,10 @@ class NgramIndex:
 
     def lookup(self, k: int) -> list[int]:
         """Up to k tokens following the longest suffix n-gram seen earlier in the sequence."""
+        return self.match(k)[1]
+
+    def match(self, k: int) -> tuple[int, list[int]]:
+        """(n, tokens): the longest matching suffix length (0 = none) and up to k tokens after it."""
         toks = self.tokens
         end = len(toks)
         for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
@@ -42,8 +46,8 @@ class NgramIndex:
             if pos == end:  # the suffix itself; use the occurrence before it
                 pos = self.prev.get(key)
             if pos is not None and pos < end:
-                return toks[pos : min(pos + k, end)]
-        return []
+                return n, toks[pos : min(pos + k, end)]
+        return 0, []
 
 
 @register_proposer("ngram")
@@ -74,6 +78,15 @@ class NgramProposer(Proposer):
             idx.extend(seq[len(idx.tokens) :])  # catch up with tokens emitted since last round
             chains.append(idx.lookup(k) if k > 0 else [])
         return Draft.from_chains(chains)
+
+    def draft_keys(self, sequences: Sequence[Sequence[int]]) -> list[int]:
+        """The matched suffix n-gram length per row: a 3-gram match is copied far more reliably
+        than a 1-gram one, so ``auto`` learns a draft length for each."""
+        keys = []
+        for idx, seq in zip(self._index, sequences):
+            idx.extend(seq[len(idx.tokens) :])
+            keys.append(idx.match(1)[0])
+        return keys
 
     def select_rows(self, rows: Sequence[int]) -> None:
         self._index = [self._index[r] for r in rows]
