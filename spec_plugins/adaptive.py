@@ -112,6 +112,8 @@ class AutoDraftLength:
         self._estimate_args = (decay, prior_accept, prior_weight, idle_decay, chain_weight)
         self.estimate = AcceptanceEstimate(max_k, *self._estimate_args)
         self.by_key: dict[int, AcceptanceEstimate] = {}  # per-row mode: one estimate per draft key
+        self._shadows: list[tuple[int, list[int], int, list[int]]] = []  # (key, row tokens, start, draft)
+        self._shadowing = False
         kp = {**self.KEYED, **(keyed or {})}
         self._keyed_args = (kp["decay"], kp["prior_accept"], kp["prior_weight"], kp["idle_decay"], kp["chain_weight"])
         self.overhead = 0.0  # seconds per round outside forwards and drafting (verify, commit, Python)
@@ -148,17 +150,47 @@ class AutoDraftLength:
         """A draft length per row from the estimate kept for that row's key (e.g. the n-gram
         match length: 3-gram matches may earn 8 tokens while 1-gram matches earn none)."""
         self._advance(stats)
+        if self._shadows:
+            self._resolve_shadows()
         ks = [self.best_k(self._keyed(key)) for key in keys]
         self._last_k = max(ks, default=0)
         for k in ks:
             self.chosen[k] += 1
         return ks
 
+    def shadow(self, keys: Sequence[int], sequences: Sequence[list[int]], drafts: Sequence[Sequence[int]]) -> None:
+        """Counterfactual evidence for rows that did not draft this round: remember the free
+        point-mass draft each would have made; it is scored (``_resolve_shadows``) against the
+        tokens the row emits next. Under greedy decoding that is exactly what verification
+        would have accepted; under sampling, token t is emitted with probability p(t), the same
+        as its acceptance probability min(1, p(t)/1), so the estimate stays unbiased. The row's
+        token list is held by reference; the engine extends it in place."""
+        self._shadowing = True
+        for key, seq, d in zip(keys, sequences, drafts):
+            if d:
+                self._shadows.append((key, seq, len(seq), list(d)))
+
+    def _resolve_shadows(self) -> None:
+        keep = []
+        for key, seq, start, d in self._shadows:
+            seen = seq[start : start + len(d)]
+            a = 0
+            while a < len(seen) and seen[a] == d[a]:
+                a += 1
+            if a < len(seen) or len(seen) == len(d):  # a mismatch decided it, or all of it matched
+                # all len(d) tokens were offered; positions after the first miss are never reached
+                self._keyed(key).update(len(d), 1, [1] * len(d), [1] * a)
+            else:
+                keep.append((key, seq, start, d))
+        self._shadows = keep[-256:]
+
     def observe_rows(self, keys: Sequence[int], budgets: Sequence[int], drafted: Sequence[int],
                      accepted: Sequence[int]) -> None:
         """Per row of the round just verified: its key, the draft budget it was given, how many
         chain tokens the proposer drafted and how many the verifier accepted."""
         for key, k, d, a in zip(keys, budgets, drafted, accepted):
+            if k == 0 and self._shadowing:
+                continue  # its shadow draft brings real evidence; no idle fading
             self._keyed(key).update(k, 1, [1] * d, [1] * a)
 
     def _keyed(self, key: int) -> AcceptanceEstimate:
@@ -172,6 +204,7 @@ class AutoDraftLength:
         ran since the last call, or None."""
         if stats is not self._stats:  # a new generation
             self._stats, self._snap, self._last_k = stats, _snapshot(DecodeStats()), None
+            self._shadows = []
         snap = _snapshot(stats)
         prev, self._snap = self._snap, snap
         if not (snap[0] > prev[0] and self._last_k is not None):

@@ -17,6 +17,7 @@ verifier. The draft length per round comes from a policy of the batch size
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 import time
 from dataclasses import dataclass, field
@@ -360,26 +361,33 @@ class ForwardCost:
 
 @torch.inference_mode()
 def measure_forward_cost(runtime: Any, batch_sizes: Sequence[int], tokens_per_row: Sequence[int],
-                         context: int = 64, repeats: int = 3, vocab: int | None = None) -> ForwardCost:
-    """Time ``runtime.forward`` for each (rows, tokens per row) after a ``context``-token prefill;
-    the median of ``repeats`` runs after one warm-up. Leaves the runtime with no rows."""
+                         context: int = 64, repeats: int = 5, vocab: int | None = None) -> ForwardCost:
+    """Time ``runtime.forward`` for each (rows, tokens per row) after a ``context``-token prefill.
+    Every shape is warmed up first (runtimes allocate per shape on first use), the lengths are
+    timed in alternating order ``repeats`` times, the median is taken, and each batch size's
+    curve is made nondecreasing in the tokens per row (a longer verify never costs less; noise
+    saying otherwise would make drafting look free). Leaves the runtime with no rows."""
+    from spec_plugins.costmodel import isotonic
+
     g = torch.Generator().manual_seed(0)
     v = min(vocab or runtime.vocab_size, runtime.vocab_size)
     table: dict[tuple[int, int], float] = {}
+    ns = sorted(set(tokens_per_row))
     for b in batch_sizes:
         rows = torch.randint(0, v, (b, context), generator=g).tolist()
         runtime.prefill(rows)
-        for n in tokens_per_row:
-            times = []
-            for i in range(repeats + 1):
+        samples: dict[int, list[float]] = {n: [] for n in ns}
+        for r in range(repeats + 1):
+            for n in ns if r % 2 == 0 else ns[::-1]:
                 toks = torch.randint(0, v, (b, n), generator=g)
                 t0 = time.perf_counter()
                 runtime.forward(toks)
                 dt = time.perf_counter() - t0
                 runtime.rollback([context] * b)
-                if i:
-                    times.append(dt)
-            table[(b, n)] = sorted(times)[len(times) // 2]
+                if r:  # round 0 warms every shape up
+                    samples[n].append(dt)
+        fit = isotonic([statistics.median(samples[n]) for n in ns])
+        table.update({(b, n): t for n, t in zip(ns, fit)})
     runtime.select_rows([])
     return ForwardCost(table)
 
@@ -396,8 +404,11 @@ class LoadAwareDraftLength:
     costs more than the tokens it is expected to save."""
 
     def __init__(self, cost: Callable[[int, int], float], max_k: int, stats: DecodeStats,
-                 prior: float = 0.6, prior_weight: float = 20.0) -> None:
+                 prior: float = 0.6, prior_weight: float = 20.0, min_gain: float = 1.05) -> None:
         self.cost, self.max_k, self.stats = cost, max_k, stats
+        # drafting must beat no drafting by this factor: the cost grid times the forward only, while
+        # a padded verify also processes B x (k+1) logits rows; marginal wins are not worth the risk
+        self.min_gain = min_gain
         self.prior, self.prior_weight = prior, prior_weight
         self.last: dict[str, float] = {}
         self._asked = 0  # row-rounds in which a draft (k >= 1) was asked for
@@ -428,7 +439,7 @@ class LoadAwareDraftLength:
         for k in range(self.max_k + 1):
             e = (sum(self.expected_tokens_for_key(key, k) for key in mix) / len(mix)) if mix else self.expected_tokens(k)
             rate = e / self.cost(batch, k + 1)
-            if rate > best_rate * 1.0001:
+            if rate > best_rate * (1.0001 if k == 0 or best > 0 else self.min_gain):
                 best, best_rate = k, rate
         return best
 
@@ -453,7 +464,7 @@ class LoadAwareDraftLength:
         best, best_rate, b = 0, -math.inf, len(keys)
         for k in range(self.max_k + 1):
             rate = sum(self.expected_tokens_for_key(key, k) for key in keys) / self.cost(b, k + 1)
-            if rate > best_rate * 1.0001:
+            if rate > best_rate * (1.0001 if k == 0 or best > 0 else self.min_gain):
                 best, best_rate = k, rate
         return best
 

@@ -143,6 +143,13 @@ def decode(
                 keys = proposer.draft_keys(seqs)
             stats.time_draft += time.perf_counter() - t0
             ks = draft_length.per_row(stats, keys) if keys is not None else [draft_length(stats)] * len(active)
+            if keys is not None and hasattr(draft_length, "shadow") and 0 in ks:
+                t0 = time.perf_counter()
+                free = proposer.free_drafts(seqs, draft_length.max_k)
+                if free is not None:  # counterfactual evidence for rows that do not draft this round
+                    idle = [b for b, k in enumerate(ks) if k == 0]
+                    draft_length.shadow([keys[b] for b in idle], [seqs[b] for b in idle], [free[b] for b in idle])
+                stats.time_draft += time.perf_counter() - t0
             budgets = [max(0, min(k, rows[i].max_new - len(rows[i].new) - 1)) for k, i in zip(ks, active)]
             if max(budgets) > 0:
                 t0 = time.perf_counter()

@@ -216,3 +216,31 @@ def test_ngram_draft_keys_are_matched_suffix_lengths():
     seqs = [[1, 2, 3, 4, 1, 2, 3], [5, 6, 7, 6], [8, 9, 10]]
     p.begin(seqs)
     assert p.draft_keys(seqs) == [3, 1, 0]
+
+
+def test_shadow_drafts_teach_a_key_without_verifying():
+    """A key that does not pay under the prior never drafts, so only counterfactual evidence can
+    show it copies perfectly: its free drafts, scored against the emitted tokens, must turn it on."""
+    steep = CostModel(tuple(0.010 * (1 + 0.6 * (n - 1)) for n in range(1, 18)))  # llama.cpp-like curve
+    pol = AutoDraftLength(steep, max_k=8)
+    stats = DecodeStats()
+    text = list(range(100, 140))
+    seq = [1, 2]
+    assert pol.per_row(stats, [3]) == [0]  # the prior alone does not pay on this curve
+    ks = []
+    for i, t in enumerate(text):
+        (k,) = pol.per_row(stats, [3])
+        ks.append(k)
+        if k == 0:
+            pol.shadow([3], [seq], [text[i:i + 8]])  # the free draft matches what follows
+        pol.observe_rows([3], [k], [k], [k])  # a real draft is accepted in full too
+        seq.append(t)
+        stats.target_forwards += 1
+    assert max(ks) >= 4, f"perfect counterfactual acceptance must make the key draft long, got {ks}"
+    # ... and a key whose free drafts always miss stays off
+    pol2 = AutoDraftLength(steep, max_k=8)
+    seq = [1, 2]
+    for t in text:
+        assert pol2.per_row(stats, [1]) == [0]
+        pol2.shadow([1], [seq], [[7, 7, 7, 7]])
+        seq.append(t)

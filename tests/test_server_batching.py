@@ -172,6 +172,18 @@ def test_keyed_policy_in_the_batch_keeps_greedy_outputs():
     assert policy._by_key  # the batch fed per-key evidence back
 
 
+def test_measured_forward_cost_grid_is_complete_and_monotone():
+    from spec_plugins.batching import measure_forward_cost
+
+    target = TorchRuntime(tiny_llama(seed=3))
+    cost = measure_forward_cost(target, [1, 3], [1, 2, 4], context=8, repeats=3)
+    assert set(cost.table) == {(b, n) for b in (1, 3) for n in (1, 2, 4)}
+    for b in (1, 3):
+        ts = [cost.table[(b, n)] for n in (1, 2, 4)]
+        assert all(t > 0 for t in ts) and ts == sorted(ts)
+    assert target.lengths() == []  # calibration leaves no rows behind
+
+
 def test_refuses_proposer_without_admit():
     class Fixed(Proposer):
         def propose(self, ctx):

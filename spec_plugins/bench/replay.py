@@ -46,6 +46,10 @@ def replay_turn(prompt: Sequence[int], output: Sequence[int], max_new: int, prop
     while pos < len(output):
         keys = proposer.draft_keys([seq]) if per_row else None
         k = policy.per_row(stats, keys)[0] if keys is not None else policy(stats)  # type: ignore[attr-defined]
+        if keys is not None and k == 0 and hasattr(policy, "shadow"):
+            free = proposer.free_drafts([seq], policy.max_k)  # type: ignore[attr-defined]
+            if free is not None:
+                policy.shadow(keys, [seq], free)  # type: ignore[attr-defined]
         budget = max(0, min(k, max_new - pos - 1))
         chain: list[int] = []
         draft: Draft | None = None

@@ -77,6 +77,9 @@ class RejectionRecorder(Proposer):
     def draft_keys(self, sequences: Sequence[Sequence[int]]) -> list[int] | None:
         return self.inner.draft_keys(sequences)
 
+    def free_drafts(self, sequences: Sequence[Sequence[int]], k: int) -> list[list[int]] | None:
+        return self.inner.free_drafts(sequences, k)
+
     def observe(self, result: RoundResult) -> None:
         self.inner.observe(result)
         d = result.draft

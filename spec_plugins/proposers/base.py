@@ -97,6 +97,13 @@ class Proposer:
         None (the default): one estimate for all rounds."""
         return None
 
+    def free_drafts(self, sequences: Sequence[Sequence[int]], k: int) -> list[list[int]] | None:
+        """Optional: the point-mass chains of up to ``k`` tokens this proposer would draft for
+        each row, when drafting costs nothing and changes no state (n-gram lookup). ``auto``
+        scores them against the tokens the rows emit next, so a key learns its acceptance even
+        in rounds where it was not worth verifying. None (the default): not offered."""
+        return None
+
     def select_rows(self, rows: Sequence[int]) -> None:
         """Keep only these rows (others finished)."""
 

@@ -88,6 +88,14 @@ class NgramProposer(Proposer):
             keys.append(idx.match(1)[0])
         return keys
 
+    def free_drafts(self, sequences: Sequence[Sequence[int]], k: int) -> list[list[int]]:
+        """What ``propose`` would draft with budget k per row (a lookup, no state change)."""
+        out = []
+        for idx, seq in zip(self._index, sequences):
+            idx.extend(seq[len(idx.tokens) :])
+            out.append(idx.lookup(k))
+        return out
+
     def select_rows(self, rows: Sequence[int]) -> None:
         self._index = [self._index[r] for r in rows]
 

@@ -46,7 +46,7 @@ def build_state(decoder: Any, max_batch: int = 8, max_input_tokens: int | None =
         # a coarse grid (bilinear in between) keeps startup short: 3 x 3 points for 16 slots, k = 5
         sizes = sorted({b for b in (1, 4, 16, 64) if b < max_batch} | {max_batch})
         lengths = sorted({1, 2, (k + 2) // 2, k + 1})  # CPU GEMMs jump from 1 to 2 rows: measure both
-        cost = measure_forward_cost(target, sizes, lengths, context=calibrate_context, repeats=2)
+        cost = measure_forward_cost(target, sizes, lengths, context=calibrate_context, repeats=5)
         cost_table = cost.to_dict()
         policy = LoadAwareDraftLength(cost, k, stats)
         draft = policy
