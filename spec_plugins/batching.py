@@ -267,8 +267,7 @@ class ContinuousBatch:
             stats.observe_round(drafted, len(acc), len(em.tokens))
             stats.new_tokens += len(em.tokens)
         if keys is not None:
-            n_drafted = (draft.valid.sum(1).tolist() if draft is not None and draft.valid is not None
-                         else [draft.size if draft is not None else 0] * len(rows))
+            n_drafted = draft.row_sizes() if draft is not None else [0] * len(rows)
             self.draft_length.observe_rows(keys, budgets, n_drafted,  # type: ignore[attr-defined]
                                            [len(a) for a in verdict.accepted])
         if self.proposer is not None:

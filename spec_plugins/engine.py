@@ -195,8 +195,7 @@ def decode(
             stats.observe_round(row_drafted, len(acc), n_emit)
             stats.new_tokens += n_emit
         if keys is not None:
-            drafted_n = draft.valid.sum(1).tolist() if draft is not None and draft.valid is not None else (
-                [draft.size] * len(active) if draft is not None else [0] * len(active))
+            drafted_n = draft.row_sizes() if draft is not None else [0] * len(active)
             draft_length.observe_rows(keys, budgets, drafted_n, [len(a) for a in verdict.accepted])
         if out.hidden is not None:
             hidden = [out.hidden[b, k] for b, k in enumerate(keep)]

@@ -35,6 +35,12 @@ class Draft:
     def size(self) -> int:
         return len(self.parents)
 
+    def row_sizes(self) -> list[int]:
+        """Nodes each row actually drafted (its valid ones)."""
+        if self.valid is None:
+            return [self.size] * int(self.tokens.shape[0])
+        return self.valid.sum(1).tolist()
+
     @staticmethod
     def from_chains(chains: Sequence[Sequence[int]], device: torch.device | str = "cpu") -> "Draft | None":
         """Pad per-row token chains of different lengths into one draft (None if all empty)."""
