@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import deque
 import time
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Sequence
 
@@ -433,14 +433,23 @@ class LoadAwareDraftLength:
     def choose(self, batch: int) -> int:
         """The best draft length for ``batch`` rows under the current acceptance estimates (with
         per-key evidence: rows drawn from the recent mix of keys; what /metrics shows per size)."""
+        if self._recent_keys:
+            return self._best_length(batch, lambda k: self._mean_expected(Counter(self._recent_keys), k))
+        return self._best_length(batch, self.expected_tokens)
+
+    def _best_length(self, batch: int, expected: Callable[[int], float]) -> int:
+        """argmax_k expected(k) / cost(batch, k + 1); drafting (k >= 1) must beat k = 0 by min_gain."""
         best, best_rate = 0, -math.inf
-        mix = list(self._recent_keys)
         for k in range(self.max_k + 1):
-            e = (sum(self.expected_tokens_for_key(key, k) for key in mix) / len(mix)) if mix else self.expected_tokens(k)
-            rate = e / self.cost(batch, k + 1)
+            rate = expected(k) / self.cost(batch, k + 1)
             if rate > best_rate * (1.0001 if k == 0 or best > 0 else self.min_gain):
                 best, best_rate = k, rate
         return best
+
+    def _mean_expected(self, keys: Counter, k: int) -> float:
+        """Mean over rows of E_key(k); keys counted once per distinct key (few: match lengths)."""
+        n = sum(keys.values())
+        return sum(c * self.expected_tokens_for_key(key, k) for key, c in keys.items()) / n
 
     # ---- per-row keys: each row's expected tokens from the estimate of its own key ------------
     def expected_tokens_for_key(self, key: int, k: int) -> float:
@@ -460,12 +469,8 @@ class LoadAwareDraftLength:
         """The padded draft length L maximising sum_rows E_key(L) / cost(rows, L + 1): every row
         pays for the padded verify, so one strong row (a 3-gram copy) can carry the batch, and a
         batch of unmatched rows does not draft at all."""
-        best, best_rate, b = 0, -math.inf, len(keys)
-        for k in range(self.max_k + 1):
-            rate = sum(self.expected_tokens_for_key(key, k) for key in keys) / self.cost(b, k + 1)
-            if rate > best_rate * (1.0001 if k == 0 or best > 0 else self.min_gain):
-                best, best_rate = k, rate
-        return best
+        counts = Counter(keys)
+        return self._best_length(len(keys), lambda k: self._mean_expected(counts, k))
 
     def observe_rows(self, keys: Sequence[int], budgets: Sequence[int], drafted: Sequence[int],
                      accepted: Sequence[int]) -> None:
@@ -483,7 +488,7 @@ class LoadAwareDraftLength:
             k = self.choose_for_keys(keys)
             if k >= 1:
                 self._asked += batch
-            e = sum(self.expected_tokens_for_key(key, k) for key in keys) / max(1, len(keys))
+            e = self._mean_expected(Counter(keys), k) if keys else 1.0
             self.last = {"batch": batch, "draft_length": k, "expected_tokens": e}
             return k
         k = self.choose(batch)
