@@ -10,11 +10,13 @@ written by the last forward (O(draft) per round), ``rollback`` crops.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Literal, Sequence
 
 import torch
 from pydantic import Field
 
+from spec_plugins.backends import torch_kernels
 from spec_plugins.backends.kv_slots import keep_index
 from spec_plugins.backends.base import RuntimeCapabilities, StepOutput
 from spec_plugins.config import RuntimeConfig
@@ -106,16 +108,24 @@ class TorchRuntime:
         device: str = Field("auto", description="'auto' (cuda if available), 'cpu', 'cuda', 'cuda:1' ...")
         threads: int | None = Field(None, ge=1, description="torch intra-op threads (None = torch default).")
         max_context: int | None = Field(None, ge=1, description="Override the model's context length.")
+        matmul: Literal["auto", "auto_transposed", "native"] = Field(
+            "auto", description="'auto': on CPU, time F.linear against weight@x.T per row count (1-16) at "
+            "load and use the faster inside this runtime (see backends/torch_kernels.py); 'auto_transposed': "
+            "also try x@W.T on a transposed copy of each weight for one row (2x weight memory); 'native': F.linear.")
 
     @classmethod
     def from_config(cls, config: "TorchRuntime.Config") -> "TorchRuntime":
         if config.threads:
             torch.set_num_threads(config.threads)
         model, tok = load_hf(config.model, config.dtype, config.device)
-        return cls(model, tok, max_context=config.max_context)
+        return cls(model, tok, max_context=config.max_context, matmul=config.matmul)
 
-    def __init__(self, model: Any, tokenizer: Any = None, max_context: int | None = None) -> None:
+    def __init__(self, model: Any, tokenizer: Any = None, max_context: int | None = None,
+                 matmul: Literal["auto", "auto_transposed", "native"] = "auto") -> None:
         self.model = model
+        # measured few-row kernel choice, active only inside _run (None: stock F.linear)
+        self.kernels = (torch_kernels.tune(model, transposed=matmul == "auto_transposed")
+                        if matmul != "native" else None)
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -143,14 +153,15 @@ class TorchRuntime:
         kwargs: dict[str, Any] = dict(input_ids=ids, position_ids=pos.to(self.device), cache=self.cache, use_cache=True)
         if mask is not None:
             kwargs["attention_mask"] = mask
-        if not want_hidden:
-            if last_only:
-                kwargs["logits_to_keep"] = 1
-            out = self.model(**kwargs)
-            return StepOutput(out.logits.float())
-        base = self.model.get_decoder()
-        h = base(**kwargs).last_hidden_state
-        logits = self.model.get_output_embeddings()(h[:, -1:] if last_only else h).float()
+        with torch_kernels.active() if self.kernels is not None else contextlib.nullcontext():
+            if not want_hidden:
+                if last_only:
+                    kwargs["logits_to_keep"] = 1
+                out = self.model(**kwargs)
+                return StepOutput(out.logits.float())
+            base = self.model.get_decoder()
+            h = base(**kwargs).last_hidden_state
+            logits = self.model.get_output_embeddings()(h[:, -1:] if last_only else h).float()
         if self._softcap:
             logits = torch.tanh(logits / self._softcap) * self._softcap
         return StepOutput(logits, h)

@@ -77,7 +77,7 @@ def speedup_vs_theory(report: dict, path: Path) -> None:
     g = th["gammas"]
     ax.plot(g, th["ideal"], "-", color="tab:blue",
             label=f"S(γ) = (1−α^(γ+1)) / ((1−α)(1+γc)), α={th['alpha']:.2f}, c={th['c']:.3f}")
-    ax.plot(g, th["with_verify_cost"], "-", color="tab:orange", label="same, divided by measured verify cost T(γ+1)/T(1)")
+    ax.plot(g, th["with_verify_cost"], "-", color="tab:orange", label="same, divided by measured verify cost T(γ+1)/T(1) (as if every round drafted γ)")
     meas = sorted((int(k), v) for k, v in th["measured"].items() if v is not None)
     if meas:
         ax.plot([x for x, _ in meas], [y for _, y in meas], "ko", label="measured (ours, fixed γ)")

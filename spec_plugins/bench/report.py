@@ -163,6 +163,7 @@ def build_report(raw: dict, meta: dict[str, Any], tokenizer: Any = None) -> dict
         "auto_vs_best_fixed": auto_vs_best,
         "auto_chosen_gamma": chosen,
         "cost_model": cost.to_dict(),
+        "target_kernels": ({"choice": k.describe(), **k.to_dict()} if (k := raw.get("kernels")) is not None else None),
         "theory": theory,
         "greedy_mismatches": raw["mismatches"],
         "most_rejected_tokens": top,
@@ -248,6 +249,8 @@ def markdown(report: dict) -> str:
           "| × T(1) | " + " | ".join(f"{cm['target_relative'][n - 1]:.2f}" for n in pick) + " |", "",
           f"Draft: {cm['draft_round_seconds'] * 1e3:.3f} ms per propose call + {cm['draft_step_seconds'] * 1e3:.3f} ms "
           f"per drafted token (c = {cm['draft_cost_ratio']:.3f} of one target forward).", ""]
+    if report.get("target_kernels"):
+        L += [f"Target matmul kernels (measured at load, `matmul: auto`): {report['target_kernels']['choice']}.", ""]
     th = report["theory"]
     L += ["## Measured speedup against theory", "",
           f"α = {th['alpha']:.3f} (pooled acceptance of fixed-γ runs), c = {th['c']:.3f}", "",

@@ -301,6 +301,7 @@ class Bench:
             "mismatches": mismatches,
             "greedy": greedy,
             "cost_model": cost,
+            "kernels": getattr(self.decoder.target, "kernels", None),
             "unavailable": dict(self.unavailable),
             "duration_s": time.perf_counter() - t_start,
         }
