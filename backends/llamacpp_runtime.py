@@ -100,7 +100,10 @@ class LlamaCppRuntime:
         max_sequences: int = Field(
             16, ge=1, le=256, description="llama.cpp sequence ids: batch rows + tree leaves beyond one per row."
         )
-        flash_attn: bool = Field(False, description="Use llama.cpp's flash attention kernels.")
+        flash_attn: bool = Field(
+            True, description="Use llama.cpp's flash attention kernels. On by default: on the CPU backend its "
+            "multi-token attention gives the same logits as one token at a time (measured: bit-identical for "
+            "SmolLM2; without it they differ by up to ~1 logit), so verification matches plain decoding.")
         swa_full: bool = Field(True, description="Full-size sliding-window cache (safe rollback for SWA models).")
         gpu_layers: int = Field(0, ge=-1, description="Layers offloaded to a llama.cpp GPU backend (-1 = all).")
         extra_buffer_types: bool = Field(

@@ -199,9 +199,8 @@ def test_greedy_tokens_are_verify_argmax_and_agree_with_plain(decoder):
             else:
                 break
     assert emitted == len(out)
-    agree = sum(a == b for a, b in zip(spec.token_ids, ref.token_ids)) / max(len(ref.token_ids), 1)
-    first = next((i for i, (a, b) in enumerate(zip(spec.token_ids, ref.token_ids)) if a != b), len(ref.token_ids))
-    assert agree >= 0.5 and (first >= 16 or first == len(ref.token_ids)), (first, agree)
+    # with flash attention (the default) batched scoring equals one-token scoring: identical output
+    assert spec.token_ids == ref.token_ids
     assert spec.stats.mean_accepted_tokens > 1.3, spec.stats.to_dict()
 
 
@@ -215,7 +214,7 @@ def test_plain_matches_llama_cpp_python_greedy_baselines(decoder):
     ctx = BaselineContext(decoder, 4, tuple(decoder.eos_ids()))
     assert BASELINES.get("llamacpp")(ctx)(ids, 24).tokens == ours
     pld = BASELINES.get("llamacpp_prompt_lookup")(ctx)(ids, 24).tokens
-    assert sum(a == b for a, b in zip(pld, ours)) >= len(ours) // 2
+    assert pld == ours  # same flash-attention setting as our runtime: its batched checks agree too
 
 
 def test_llamacpp_baselines_skip_other_runtimes():
@@ -259,3 +258,30 @@ def test_tree_proposer_and_sampling_run_on_llamacpp(decoder):
     a = decoder.generate("Once upon a time", max_new_tokens=16, temperature=0.8, seed=3)
     b = decoder.generate("Once upon a time", max_new_tokens=16, temperature=0.8, seed=3)
     assert a.token_ids == b.token_ids and len(a.token_ids) == 16
+
+
+@_model_test
+def test_flash_attention_makes_batched_logits_equal_one_token_logits(ref):
+    """Why flash_attn defaults on: with it, llama.cpp's CPU backend scores N positions in one batch
+    exactly as it scores them one at a time (SmolLM2, llama architecture), so speculative greedy
+    output is token-identical to plain decoding, not just close."""
+    assert ref.config.flash_attn
+    prompt = _ids(ref, "The quick brown fox jumps over the lazy dog. The quick brown")
+    toks = [int(t) for t in torch.randint(0, 1000, (8,), generator=torch.Generator().manual_seed(3))]
+    ref.prefill([prompt])
+    batched = ref.forward(torch.tensor([toks])).logits[0]
+    ref.rollback([len(prompt)])
+    singles = []
+    for t in toks:
+        singles.append(ref.forward(torch.tensor([[t]])).logits[0, -1])
+        ref.commit([[0]])
+    assert torch.equal(batched, torch.stack(singles))
+
+
+@_model_test
+def test_speculative_greedy_is_identical_to_plain_with_flash_attention(decoder):
+    ids = decoder.encode(CHAT)
+    plain = decoder.without_speculation().generate(ids, max_new_tokens=40).token_ids
+    spec = decoder.generate(ids, max_new_tokens=40)
+    assert spec.token_ids == plain
+    assert spec.stats.accepted_tokens >= 5  # verification accepted drafts, so batches were scored
