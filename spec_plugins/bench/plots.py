@@ -73,7 +73,7 @@ def speedup_by_category(report: dict, path: Path) -> None:
 
 def speedup_vs_theory(report: dict, path: Path) -> None:
     th = report["theory"]
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(8, 6.2))
     g = th["gammas"]
     ax.plot(g, th["ideal"], "-", color="tab:blue",
             label=f"S(γ) = (1−α^(γ+1)) / ((1−α)(1+γc)), α={th['alpha']:.2f}, c={th['c']:.3f}")
@@ -88,7 +88,7 @@ def speedup_vs_theory(report: dict, path: Path) -> None:
     ax.set_ylabel("speedup over plain decoding (×)")
     ax.set_title("Measured speedup against the theoretical S(γ)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13))  # below: never over the data
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
