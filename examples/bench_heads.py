@@ -34,6 +34,7 @@ METHODS = {
     "eagle-tree": {"type": "eagle", "heads": str(HEADS / "eagle"), "mode": "tree", "num_draft_tokens": 5,
                    "tree_nodes": 10, "top_k": 3},
     "ngram": {"type": "ngram", "num_draft_tokens": 5, "max_ngram": 3},
+    "recycling-tree": {"type": "recycling", "num_draft_tokens": 6, "tree_size": "auto"},
 }
 PICK = ["chat-1", "code-1", "sum-1", "qa-1", "math-1", "trans-1"]
 
