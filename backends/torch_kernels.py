@@ -175,6 +175,28 @@ def uninstall(model: torch.nn.Module) -> None:
 _MEASURED: dict[tuple[Any, ...], KernelChoice] = {}
 
 
+def timing_sample(linears: list[torch.nn.Linear], budget_bytes: int = 256 << 20) -> list[torch.nn.Linear]:
+    """The layers to time: one of every distinct shape, then more in model order up to
+    ``budget_bytes`` of weights. Why a budget: the measurement makes ~64 passes, which over a
+    7B model's weights would take minutes; why not one layer per shape: weights that fit in cache
+    would time as if memory were free, while decoding streams every weight from RAM."""
+    chosen: dict[int, torch.nn.Linear] = {}
+    seen: set[tuple[int, int]] = set()
+    for lin in linears:
+        shape = (lin.out_features, lin.in_features)
+        if shape not in seen:
+            seen.add(shape)
+            chosen[id(lin)] = lin
+    total = sum(lin.weight.numel() * lin.weight.element_size() for lin in chosen.values())
+    for lin in linears:
+        if total >= budget_bytes:
+            break
+        if id(lin) not in chosen:
+            chosen[id(lin)] = lin
+            total += lin.weight.numel() * lin.weight.element_size()
+    return [lin for lin in linears if id(lin) in chosen]
+
+
 def tune(model: torch.nn.Module, transposed: bool = False) -> KernelChoice | None:
     """Measure (once per process per weight-shape set) and install; None where not applicable
     (non-CPU devices: their BLAS handles few rows well, and timing would need syncs).
@@ -186,6 +208,6 @@ def tune(model: torch.nn.Module, transposed: bool = False) -> KernelChoice | Non
            tuple(sorted((lin.out_features, lin.in_features) for lin in linears)))
     choice = _MEASURED.get(key)
     if choice is None:
-        choice = _MEASURED[key] = measure(linears, transposed=transposed)
+        choice = _MEASURED[key] = measure(timing_sample(linears), transposed=transposed)
     install(model, choice)
     return choice

@@ -111,3 +111,13 @@ def test_transposed_copy_for_one_row(monkeypatch):
     c = torch_kernels.measure([m for m in model.modules() if isinstance(m, torch.nn.Linear)], repeats=1,
                               transposed=True)
     assert c.transposed_s is not None and c.transposed_s > 0 and "transposed_1row_ms" in c.to_dict()
+
+
+def test_timing_sample_keeps_every_shape_within_budget():
+    lins = [torch.nn.Linear(64, 32) for _ in range(10)] + [torch.nn.Linear(32, 128), torch.nn.Linear(64, 32)]
+    one = 64 * 32 * 4
+    got = torch_kernels.timing_sample(lins, budget_bytes=3 * one)
+    assert lins[10] in got and lins[0] in got  # every distinct shape, however small the budget
+    assert sum(l.weight.numel() * 4 for l in got) < 3 * one + 128 * 32 * 4 + one
+    assert [lins.index(l) for l in got] == sorted(lins.index(l) for l in got)  # model order kept
+    assert torch_kernels.timing_sample(lins, budget_bytes=1 << 30) == lins
