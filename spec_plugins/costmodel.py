@@ -24,7 +24,7 @@ class CostModel:
     """Seconds per round component, measured once per runtime (+ proposer)."""
 
     target_seconds: tuple[float, ...]  # [N-1]: one forward over N new positions, N = 1..len (isotonic fit)
-    raw_target_seconds: tuple[float, ...] = ()  # the medians before the monotone fit
+    raw_target_seconds: tuple[float, ...] = ()  # per-N minima over repeats, before the monotone fit
     draft_round_seconds: float = 0.0  # fixed cost of one propose() call (any k >= 1)
     draft_step_seconds: float = 0.0  # extra cost per drafted token (a draft model's forward)
     context: int = 0  # cached tokens while the target was timed
@@ -113,7 +113,10 @@ def _sync(x: torch.Tensor) -> None:
 
 def measure_target(runtime: Any, max_positions: int = 32, context: int = 128, repeats: int = 3) -> CostModel:
     """Time one forward over N = 1..max_positions new positions on a warm cache of ``context``
-    tokens (median of ``repeats``, order alternated to cancel drift). Leaves the runtime with a
+    tokens (minimum of ``repeats``, order alternated to cancel drift). Why the minimum: on a
+    shared machine noise only ever adds time, and one burst that hits two of three repeats of
+    some N made the median-based curve read N=5 as 2.5x N=1 (measured here; the monotone fit then
+    spread it over N=5..10 and ``auto`` stopped drafting more than 3). Leaves the runtime with a
     synthetic batch in its cache; the next prefill replaces it."""
     if max_positions < 1 or context < 1 or repeats < 1:
         raise ValueError(f"max_positions, context and repeats must be >= 1, got {max_positions}, {context}, {repeats}")
@@ -133,7 +136,7 @@ def measure_target(runtime: Any, max_positions: int = 32, context: int = 128, re
             _sync(runtime.forward(new[:, :n]).logits)
             samples[n].append(time.perf_counter() - t0)
             runtime.rollback([context])
-    raw = [statistics.median(samples[n]) for n in order]
+    raw = [min(samples[n]) for n in order]
     name = getattr(getattr(runtime, "capabilities", None), "name", "") or type(runtime).__name__
     return CostModel(tuple(isotonic(raw)), tuple(raw), context=context, runtime=name, repeats=repeats)
 
