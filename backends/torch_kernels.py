@@ -42,11 +42,15 @@ class KernelChoice:
     transposed_s: float | None = None
     use_transposed: bool = False
 
+    def __post_init__(self) -> None:
+        # row count -> kernel, precomputed: the lookup runs for every linear of every forward
+        table = [False] * (max(self.rows) + 1)
+        for m in range(1, len(table)):
+            table[m] = next(use for r, use in zip(self.rows, self.use_rowmajor) if m <= r)
+        object.__setattr__(self, "_table", tuple(table))
+
     def rowmajor_for(self, m: int) -> bool:
-        for r, use in zip(self.rows, self.use_rowmajor):
-            if m <= r:
-                return use
-        return False
+        return self._table[m] if m < len(self._table) else False  # type: ignore[attr-defined]
 
     def describe(self) -> str:
         on = [r for r, u in zip(self.rows, self.use_rowmajor) if u]

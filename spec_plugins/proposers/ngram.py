@@ -73,11 +73,15 @@ class NgramProposer(Proposer):
         self._index = [NgramIndex(self.config.min_ngram, self.config.max_ngram) for _ in prompts]
 
     def propose(self, ctx: ProposeContext) -> Draft | None:
+        return Draft.from_chains(self._chains(ctx.sequences, ctx.budgets))
+
+    def _chains(self, sequences: Sequence[Sequence[int]], budgets: Sequence[int]) -> list[list[int]]:
+        """Per row: up to its budget of tokens after the longest matched suffix (a lookup)."""
         chains = []
-        for idx, seq, k in zip(self._index, ctx.sequences, ctx.budgets):
+        for idx, seq, k in zip(self._index, sequences, budgets):
             idx.extend(seq[len(idx.tokens) :])  # catch up with tokens emitted since last round
             chains.append(idx.lookup(k) if k > 0 else [])
-        return Draft.from_chains(chains)
+        return chains
 
     def draft_keys(self, sequences: Sequence[Sequence[int]]) -> list[int]:
         """The matched suffix n-gram length per row: a 3-gram match is copied far more reliably
@@ -90,11 +94,7 @@ class NgramProposer(Proposer):
 
     def free_drafts(self, sequences: Sequence[Sequence[int]], k: int) -> list[list[int]]:
         """What ``propose`` would draft with budget k per row (a lookup, no state change)."""
-        out = []
-        for idx, seq in zip(self._index, sequences):
-            idx.extend(seq[len(idx.tokens) :])
-            out.append(idx.lookup(k))
-        return out
+        return self._chains(sequences, [k] * len(sequences))
 
     def select_rows(self, rows: Sequence[int]) -> None:
         self._index = [self._index[r] for r in rows]
