@@ -33,8 +33,14 @@ METHODS = {
     "eagle-chain": {"type": "eagle", "heads": str(HEADS / "eagle"), "mode": "chain", "num_draft_tokens": 4},
     "eagle-tree": {"type": "eagle", "heads": str(HEADS / "eagle"), "mode": "tree", "num_draft_tokens": 5,
                    "tree_nodes": 10, "top_k": 3},
+    "eagle-tree-auto": {"type": "eagle", "heads": str(HEADS / "eagle"), "mode": "tree", "num_draft_tokens": 6,
+                        "tree_nodes": "auto", "top_k": 4},
     "ngram": {"type": "ngram", "num_draft_tokens": 5, "max_ngram": 3},
     "recycling-tree": {"type": "recycling", "num_draft_tokens": 6, "tree_size": "auto"},
+    # large fixed trees: how many tokens a forward can accept when verification cost is ignored
+    "recycling-tree-64": {"type": "recycling", "num_draft_tokens": 8, "tree_size": 64},
+    "eagle-tree-64": {"type": "eagle", "heads": str(HEADS / "eagle"), "mode": "tree", "num_draft_tokens": 8,
+                      "tree_nodes": 64, "top_k": 8},
 }
 PICK = ["chat-1", "code-1", "sum-1", "qa-1", "math-1", "trans-1"]
 

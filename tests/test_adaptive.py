@@ -244,3 +244,28 @@ def test_shadow_drafts_teach_a_key_without_verifying():
         assert pol2.per_row(stats, [1]) == [0]
         pol2.shadow([1], [seq], [[7, 7, 7, 7]])
         seq.append(t)
+
+
+def test_shadow_drafts_are_scored_after_the_horizon_not_the_whole_draft():
+    """A matching free draft of 12 tokens is scored once the row has emitted ``shadow_horizon``
+    tokens (positions beyond it are cut from every shadow alike); a miss is scored at once."""
+    steep = CostModel(tuple(0.010 * (1 + 0.6 * (n - 1)) for n in range(1, 18)))
+    pol = AutoDraftLength(steep, max_k=16, shadow_horizon=4)
+    stats = DecodeStats()
+    seq = [1, 2]
+    pol.per_row(stats, [3])
+    pol.shadow([3], [seq], [list(range(100, 112))])
+    for t in range(100, 104):
+        pol.per_row(stats, [3])  # resolves shadows against what the row emitted so far
+        assert len(pol._shadows) == 1 and pol.by_key[3].reach[0] == 0  # still waiting
+        seq.append(t)
+    pol.per_row(stats, [3])
+    assert pol._shadows == []
+    est = pol.by_key[3]
+    assert [round(h, 6) for h in est.hits[:5]] == [1, 1, 1, 1, 0] and est.reach[4] == 0
+    pol.shadow([3], [seq], [[7, 7, 7]])  # the next token is not 7: scored as a miss at position 0
+    seq.append(104)
+    pol.per_row(stats, [3])
+    assert pol._shadows == []
+    with pytest.raises(ValueError, match="shadow_horizon"):
+        AutoDraftLength(steep, shadow_horizon=0)

@@ -185,3 +185,43 @@ def test_head_save_load_roundtrip(tmp_path):
         torch.testing.assert_close(e2.state_dict()[name], p.to(torch.float16).float() if p.is_floating_point() else p)
     with pytest.raises(FileNotFoundError, match="spec-plugins train"):
         MedusaHeads.from_pretrained(str(tmp_path / "missing"), model)
+
+
+def eagle_auto(model, target, seed=0):
+    cfg = EagleProposer.Config(heads="unused", mode="tree", tree_nodes="auto", top_k=3)
+    return EagleProposer(cfg, target=target, drafter=eagle(model, seed))
+
+
+def test_eagle_auto_tree_greedy_identical_batch():
+    model = tiny_llama(seed=5)
+    target = TorchRuntime(model)
+    prop = eagle_auto(model, target)
+    ps = prompts(3, seed=4)
+    limits = [9, 21, 14]
+    outs, stats = run(target, prop, ps, limits, 5)
+    for p, o, n in zip(ps, outs, limits):
+        assert o == plain_greedy(model, p, n)
+    assert prop.calib[1] > 2.0  # rounds were predicted and observed
+
+
+def test_eagle_auto_tree_size_follows_the_cost_curve_and_calibration():
+    """Flat cost curve (GPU-like): keep every candidate with probability mass; steep curve (each
+    position costs a full forward): keep none unless a node is near-certain. Calibration that
+    says the drafter over-predicts shrinks the tree."""
+    from spec_plugins.costmodel import CostModel
+
+    model = tiny_llama(seed=5)
+    prop = eagle_auto(model, TorchRuntime(model))
+    scores = torch.tensor([[-0.1, -0.3, -0.7, -1.2, -2.0, -3.0, float("-inf")]])
+    prop._t0 = __import__("time").perf_counter()
+    prop.cost = CostModel(tuple([0.01] * 40))
+    assert prop._auto_counts(scores) == [6]
+    prop.cost = CostModel(tuple(0.01 * n for n in range(1, 41)))
+    assert prop._auto_counts(scores) == [0]
+    prop.cost = CostModel(tuple(0.01 * (1 + 0.2 * (n - 1)) for n in range(1, 41)))
+    prop.calib = [2.0, 2.0]
+    mid = prop._auto_counts(scores)[0]
+    prop.calib = [0.5, 2.0]  # only a quarter of the predicted nodes were accepted
+    assert 0 < mid and prop._auto_counts(scores)[0] < mid
+    with pytest.raises(ValueError, match="tree_nodes"):
+        EagleProposer.Config(heads="unused", tree_nodes=0)

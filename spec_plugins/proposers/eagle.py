@@ -15,19 +15,21 @@ hence point masses (``probs=None``) for the exact verifier.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Literal, Sequence
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from spec_plugins.config import ProposerConfig
 from spec_plugins.heads.eagle import EagleDrafter
 from spec_plugins.heads.shapes import merge_rows, parents_of
-from spec_plugins.proposers.base import Draft, ProposeContext, Proposer
+from spec_plugins.proposers.base import Draft, ProposeContext, Proposer, RoundResult
 from spec_plugins.proposers.medusa import resolve_head_dir
 from spec_plugins.registry import register_proposer
 
 NEG = float("-inf")
+AUTO_MAX_NODES = 32  # 'auto' tree sizes stay within the measured cost curve (N <= 33 positions)
 
 
 @register_proposer("eagle")
@@ -39,8 +41,17 @@ class EagleProposer(Proposer):
         heads: str = Field(description="Directory of a trained drafter (head.safetensors + config.json), "
                                        "from `spec-plugins train eagle`.")
         mode: Literal["tree", "chain"] = Field("tree", description="EAGLE-2 dynamic tree, or a top-1 chain.")
-        tree_nodes: int = Field(16, ge=1, le=256, description="Tree mode: nodes kept after reranking.")
+        tree_nodes: int | Literal["auto"] = Field(
+            16, description="Tree mode: nodes kept after reranking; 'auto' picks per round and row the "
+            "count with the most expected tokens per second from the drafter's own path probabilities "
+            "(calibrated online) and the runtime's measured forward-cost curve.")
         top_k: int = Field(4, ge=1, le=16, description="Tree mode: children per expanded node and nodes expanded per depth.")
+
+        @model_validator(mode="after")
+        def _check(self) -> "EagleProposer.Config":
+            if self.tree_nodes != "auto" and not (1 <= self.tree_nodes <= 256):
+                raise ValueError(f"tree_nodes must be 'auto' or 1..256, got {self.tree_nodes}")
+            return self
 
     def __init__(self, config: "EagleProposer.Config", target: Any = None, drafter: EagleDrafter | None = None,
                  **_: object) -> None:
@@ -55,6 +66,16 @@ class EagleProposer(Proposer):
         self.k = self.v = torch.empty(0)
         self.slot_pos = torch.empty(0, 0, dtype=torch.long)  # [B, S] position of each cached pair, -1 = hole
         self.fed: list[int] = []  # per row: pairs (f_j, x_{j+1}) cached for j < fed
+        self.cost = None
+        if config.tree_nodes == "auto":
+            if target is None or not hasattr(target, "forward"):
+                raise ValueError("tree_nodes='auto' needs the target runtime to measure its cost curve")
+            from spec_plugins.costmodel import cost_model_for
+
+            self.cost = cost_model_for(target, max_positions=AUTO_MAX_NODES + 1)
+        # calibration of 'auto': accepted nodes vs the drafter's predicted sum of path probabilities
+        self._predicted: list[float] = []
+        self.calib = [2.0, 2.0]  # [accepted, predicted], prior: calibrated
 
     # ---- cache -------------------------------------------------------------------------------
     def begin(self, prompts: Sequence[Sequence[int]]) -> None:
@@ -123,6 +144,8 @@ class EagleProposer(Proposer):
     def propose(self, ctx: ProposeContext) -> Draft | None:
         if ctx.hidden is None:
             raise RuntimeError("eagle needs target hidden states (needs_hidden) but the loop passed none")
+        self._t0 = time.perf_counter()
+        self._predicted = []
         f = self._catch_up(ctx)
         depth = max(ctx.budgets, default=0)
         if depth <= 0:
@@ -207,7 +230,11 @@ class EagleProposer(Proposer):
         dep_t = torch.tensor(dep)
         key = score - 1e-6 * dep_t[None]
         key = key.masked_fill(dep_t[None] >= torch.tensor(budgets)[:, None], NEG)
-        keep = key.topk(min(self.config.tree_nodes, key.shape[1]), -1)
+        auto = self.config.tree_nodes == "auto"
+        keep = key.topk(min(AUTO_MAX_NODES if auto else self.config.tree_nodes, key.shape[1]), -1)
+        counts = self._auto_counts(keep.values) if auto else [keep.values.shape[1]] * B
+        if auto and max(counts) == 0:
+            return None
         par_l, rank_l, tok_l = parent.tolist(), rank.tolist(), tok.tolist()
         row_paths, row_tok = [], []
         for b in range(B):
@@ -219,7 +246,7 @@ class EagleProposer(Proposer):
                     paths[n] = (path(p) if p >= 0 else ()) + (rank_l[b][n],)
                 return paths[n]
 
-            sel = [n for n, s in zip(keep.indices[b].tolist(), keep.values[b].tolist()) if s != NEG]
+            sel = [n for n, s in zip(keep.indices[b].tolist()[: counts[b]], keep.values[b].tolist()) if s != NEG]
             row_paths.append([path(n) for n in sel])
             row_tok.append({path(n): tok_l[b][n] for n in sel})
         union, used = merge_rows(row_paths)
@@ -230,3 +257,42 @@ class EagleProposer(Proposer):
                 toks[b, i] = row_tok[b][union[i]]
                 valid[b, i] = True
         return Draft(toks, parents_of(union), None, None if bool(valid.all()) else valid)
+
+    # ---- tree_nodes: auto ----------------------------------------------------------------------
+    def _auto_counts(self, scores: torch.Tensor) -> list[int]:
+        """Nodes to keep per row: the prefix n of the best-first candidates maximising
+        (1 + sum of their acceptance estimates) / (T(n + 1) + this round's drafting time).
+        A node is accepted iff the target follows its whole path, so its draft path probability
+        exp(score) estimates P(accepted) and the sum over kept nodes the accepted length; a
+        prefix of the best-first list is a valid tree (a child never scores above its parent).
+        The estimates are scaled by the measured accepted / predicted ratio of recent rounds."""
+        cost = self.cost
+        spent = time.perf_counter() - self._t0
+        scale = self.calib[0] / self.calib[1]
+        raw = scores.float().exp().clamp(max=1.0)  # NEG -> 0
+        p = (raw * scale).clamp(max=1.0)
+        counts = []
+        for row, raw_row in zip(p.tolist(), raw.tolist()):
+            best_n, best, total = 0, 1.0 / (cost.target(1) + spent), 1.0
+            for n, pn in enumerate(row, start=1):
+                if pn <= 0.0:
+                    break
+                total += pn
+                rate = total / (cost.target(n + 1) + spent)
+                if rate > best:
+                    best_n, best = n, rate
+            counts.append(best_n)
+            self._predicted.append(sum(raw_row[:best_n]))
+        return counts
+
+    def observe(self, result: RoundResult) -> None:
+        """Calibrate 'auto': accepted nodes against the drafter's (unscaled) predicted sum."""
+        if self.cost is None or not self._predicted or result.draft is None:
+            return
+        got = sum(len(a) for a in result.accepted)
+        pred = sum(self._predicted)
+        self._predicted = []
+        lam = 0.9
+        self.calib = [lam * self.calib[0] + got, lam * self.calib[1] + pred]
+        self.calib[0] = max(self.calib[0], 0.05 * self.calib[1])  # keep the scale in [0.05, 2]
+        self.calib[0] = min(self.calib[0], 2.0 * self.calib[1])

@@ -103,12 +103,14 @@ def train(
     features: Optional[Path] = typer.Option(None, "--features", help="Feature cache file (default: in the cache dir)."),
     epochs: float = typer.Option(3.0, "--epochs", min=0.0),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Positions (medusa, 256) or sequences (eagle, 8)."),
-    lr: Optional[float] = typer.Option(None, "--lr", help="Learning rate (medusa 1e-3, eagle 5e-4)."),
+    lr: Optional[float] = typer.Option(None, "--lr", help="Learning rate (1e-3 for both heads)."),
     max_steps: Optional[int] = typer.Option(None, "--max-steps", min=1, help="Shorten the schedule to N steps."),
     stop_after: Optional[int] = typer.Option(None, "--stop-after", min=1,
                                              help="Leave after N steps (checkpointed); rerun to resume."),
     num_heads: int = typer.Option(4, "--num-heads", min=1, help="Medusa heads."),
     unroll: int = typer.Option(3, "--unroll", min=1, help="EAGLE training-time unroll steps."),
+    ce_weight: float = typer.Option(1.0, "--ce-weight", min=0.0,
+                                    help="EAGLE: weight of the token cross-entropy next to the feature regression."),
     draft_vocab: int = typer.Option(4096, "--draft-vocab", min=16,
                                     help="Draft vocabulary size (tokens seen in the responses, then the lowest ids)."),
     threads: int = typer.Option(2, "--threads", min=1, help="torch threads."),
@@ -139,8 +141,8 @@ def train(
         return
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
     cfg = TrainConfig(epochs=epochs, batch_size=batch_size or (256 if kind == "medusa" else 8),
-                      lr=lr or (1e-3 if kind == "medusa" else 5e-4), max_steps=max_steps, stop_after=stop_after, finalize=finalize,
-                      unroll=unroll, seed=seed)
+                      lr=lr or 1e-3, max_steps=max_steps, stop_after=stop_after, finalize=finalize,
+                      unroll=unroll, ce_weight=ce_weight, seed=seed)
     report = train_head(kind, model, prompt_ids, out, target, max_new_tokens, eos, features, gen_batch,
                         draft_vocab, num_heads, cfg, not no_progress)
     typer.echo(json.dumps(report, indent=2))

@@ -44,7 +44,7 @@ class TrainConfig:
     # eagle
     unroll: int = 3
     reg_weight: float = 1.0
-    ce_weight: float = 0.1
+    ce_weight: float = 1.0  # EAGLE's paper uses 0.1; 1.0 (with lr 1e-3) gave 30.8 % vs 27.1 % top-1 at 150 steps here
     noise: float = 0.05  # gaussian noise on input features, relative to their std
 
 
