@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from helpers import plain_greedy
@@ -213,7 +215,7 @@ def test_eagle_auto_tree_size_follows_the_cost_curve_and_calibration():
     model = tiny_llama(seed=5)
     prop = eagle_auto(model, TorchRuntime(model))
     scores = torch.tensor([[-0.1, -0.3, -0.7, -1.2, -2.0, -3.0, float("-inf")]])
-    prop._t0 = __import__("time").perf_counter()
+    prop._t0 = time.perf_counter()
     prop.cost = CostModel(tuple([0.01] * 40))
     assert prop._auto_counts(scores) == [6]
     prop.cost = CostModel(tuple(0.01 * n for n in range(1, 41)))

@@ -75,6 +75,7 @@ class EagleProposer(Proposer):
             self.cost = cost_model_for(target, max_positions=AUTO_MAX_NODES + 1)
         # calibration of 'auto': accepted nodes vs the drafter's predicted sum of path probabilities
         self._predicted: list[float] = []
+        self._t0 = 0.0  # start of the current propose(): its drafting time so far is a sunk cost of the round
         self.calib = [2.0, 2.0]  # [accepted, predicted], prior: calibrated
 
     # ---- cache -------------------------------------------------------------------------------
@@ -294,5 +295,4 @@ class EagleProposer(Proposer):
         self._predicted = []
         lam = 0.9
         self.calib = [lam * self.calib[0] + got, lam * self.calib[1] + pred]
-        self.calib[0] = max(self.calib[0], 0.05 * self.calib[1])  # keep the scale in [0.05, 2]
-        self.calib[0] = min(self.calib[0], 2.0 * self.calib[1])
+        self.calib[0] = min(max(self.calib[0], 0.05 * self.calib[1]), 2.0 * self.calib[1])  # scale in [0.05, 2]
