@@ -209,13 +209,20 @@ def test_per_row_reprobes_a_key_after_it_stopped():
     assert probed and pol.per_row(stats, [2])[0] >= 4
 
 
-def test_ngram_draft_keys_are_matched_suffix_lengths():
+def test_ngram_draft_keys_are_matched_suffix_lengths_and_agreement():
+    """key = 3 x matched suffix length + (0: seen once before, 1: its two previous occurrences
+    went on with the same token, 2: with different ones)."""
     from spec_plugins.proposers.ngram import NgramProposer
 
     p = NgramProposer(NgramProposer.Config(max_ngram=3))
-    seqs = [[1, 2, 3, 4, 1, 2, 3], [5, 6, 7, 6], [8, 9, 10]]
+    seqs = [[1, 2, 3, 4, 1, 2, 3], [5, 6, 7, 6], [8, 9, 10],
+            [7, 1, 2, 7, 1, 2, 7, 1, 2, 7, 1],  # (2, 7, 1) twice before, both followed by 2
+            [7, 1, 2, 7, 1, 3, 7, 1, 4, 7, 1]]  # (7, 1) three times before: 3, then 4
     p.begin(seqs)
-    assert p.draft_keys(seqs) == [3, 1, 0]
+    assert p.draft_keys(seqs) == [9, 3, 0, 10, 8]
+    seqs[3].append(2)  # the loop goes on: still agreeing, and incremental updates see it
+    seqs[4] += [5, 7, 1]
+    assert p.draft_keys(seqs) == [9, 3, 0, 10, 8]
 
 
 def test_shadow_drafts_teach_a_key_without_verifying():
