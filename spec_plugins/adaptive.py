@@ -4,8 +4,10 @@ Per round with draft length k the loop emits E(k) = 1 + sum_{j<k} prod_{i<=j} p_
 p_j = P(draft position j is accepted | positions < j were), and pays
 T(1 + D(k)) + draft costs + overhead, where D(k) = sum_{j<k} q_j is the expected number of
 drafted nodes (q_j = P(the proposer offers a token at position j); an n-gram drafter often offers
-fewer than k) and T is the measured cost curve (``costmodel``). The policy returns
-argmax_k E(k) / cost(k) over k = 0..max_k; k = 0 (plain decoding) wins when acceptance collapses.
+fewer than k) and T is the measured cost curve (``costmodel``: its per-N minima, not the
+monotone fit, since some widths are cheaper than narrower ones, corrected online by the forwards
+the loop runs, ``OnlineCost``). The policy returns argmax_k E(k) / cost(k) over k = 0..max_k;
+k = 0 (plain decoding) wins when acceptance collapses.
 
 p and q are learnt online from the DecodeStats deltas of the previous round, with exponential
 forgetting (acceptance comes in bursts: copying phases) and a prior that extends each position's
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from spec_plugins.costmodel import CostModel, cost_model_for
+from spec_plugins.costmodel import CostModel, OnlineCost, cost_model_for, online_cost_for
 from spec_plugins.stats import DecodeStats
 
 
@@ -103,12 +105,14 @@ class AutoDraftLength:
     def __init__(self, cost: CostModel, max_k: int = 16, decay: float = 0.8, prior_accept: float = 0.5,
                  prior_weight: float = 1.0, idle_decay: float = 0.97, chain_weight: float | None = 3.0,
                  overhead_decay: float = 0.9, keyed: dict[str, float] | None = None,
-                 shadow_horizon: int = 4) -> None:
+                 shadow_horizon: int = 4, online: OnlineCost | bool = True) -> None:
         if max_k + 1 > cost.max_positions:
             max_k = cost.max_positions - 1  # never extrapolate the cost curve silently
         if max_k < 1:
             raise ValueError(f"the cost model covers {cost.max_positions} position(s); auto needs >= 2")
         self.cost = cost
+        # forward times as this generation measures them (None: the load-time curve as is)
+        self.online = (OnlineCost(cost) if online is True else online) or None
         self.max_k = max_k
         self._estimate_args = (decay, prior_accept, prior_weight, idle_decay, chain_weight)
         self.estimate = AcceptanceEstimate(max_k, *self._estimate_args)
@@ -129,12 +133,14 @@ class AutoDraftLength:
 
     @classmethod
     def for_decoder(cls, decoder: Any, **kwargs: Any) -> "AutoDraftLength":
-        """Measure (once per runtime, cached) the decoder's cost curve and draft cost."""
+        """Measure (once per runtime, cached) the decoder's cost curve and draft cost; the
+        unsmoothed curve, corrected by the forwards of every generation on that runtime."""
         from spec_plugins.sampling import LogitsPipeline
 
         pipeline = LogitsPipeline(decoder._sampling(None, None))
         max_k = int(kwargs.get("max_k", 16))
-        cost = cost_model_for(decoder.target, decoder.proposer, pipeline, max_positions=max_k + 1)
+        cost = cost_model_for(decoder.target, decoder.proposer, pipeline, max_positions=max_k + 1).unsmoothed()
+        kwargs.setdefault("online", online_cost_for(decoder.target, cost))
         return cls(cost, **kwargs)
 
     # ---- the per-round call ------------------------------------------------------------------
@@ -221,6 +227,8 @@ class AutoDraftLength:
         if not (snap[0] > prev[0] and self._last_k is not None):
             return None
         spent = snap[3] - prev[3]
+        if self.online is not None and snap[0] == prev[0] + 1:  # exactly one forward since
+            self.online.observe(snap[6] - prev[6], snap[7] - prev[7])
         lam = self._overhead_decay
         self.overhead = spent if self.overhead == 0.0 else lam * self.overhead + (1 - lam) * spent
         drafted = [a - b for a, b in zip(snap[4], _pad(prev[4], len(snap[4])))]
@@ -232,14 +240,23 @@ class AutoDraftLength:
         """Expected tokens per second for k = 0..max_k under the current estimates."""
         est = estimate or self.estimate
         p, q = est.accept_probs(), est.offer_probs()
-        out = [1.0 / (self.cost.round_seconds(0.0, False) + self.overhead)]
+        out = [1.0 / (self.round_seconds(0.0, False) + self.overhead)]
         tokens, run, drafted = 1.0, 1.0, 0.0
         for j in range(self.max_k):
             run *= p[j]
             tokens += run
             drafted += q[j]
-            out.append(tokens / (self.cost.round_seconds(drafted, True) + self.overhead))
+            out.append(tokens / (self.round_seconds(drafted, True) + self.overhead))
         return out
+
+    def round_seconds(self, expected_drafted: float, drafts: bool) -> float:
+        """The cost model's round, its forward corrected online when ``online`` is on."""
+        if self.online is None:
+            return self.cost.round_seconds(expected_drafted, drafts)
+        t = self.online.target(1.0 + expected_drafted)
+        if drafts:
+            t += self.cost.draft_round_seconds + self.cost.draft_step_seconds * expected_drafted
+        return t
 
     def best_k(self, estimate: AcceptanceEstimate | None = None) -> int:
         r = self.rates(estimate)
@@ -247,10 +264,11 @@ class AutoDraftLength:
 
 
 def _snapshot(s: DecodeStats) -> tuple:
-    # forwards, emitted, accepted, seconds outside forwards/drafting, by-position lists
+    # forwards, emitted, accepted, seconds outside forwards/drafting, by-position lists,
+    # verified positions, seconds in verify forwards
     outside = s.time_total - s.time_prefill - s.time_target_forward - s.time_draft
     return (s.target_forwards, s.emitted_tokens, s.accepted_tokens, outside,
-            list(s.drafted_by_position), list(s.accepted_by_position))
+            list(s.drafted_by_position), list(s.accepted_by_position), s.verify_positions, s.time_target_forward)
 
 
 def _pad(xs: list[int], n: int) -> list[int]:

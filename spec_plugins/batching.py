@@ -245,6 +245,7 @@ class ContinuousBatch:
         out = self.target.forward(tokens, tree=None if full.is_chain else full)
         stats.time_target_forward += time.perf_counter() - t0
         stats.target_forwards += 1
+        stats.verify_positions += tokens.shape[1]
         # 3-4. per-row logits processing, then the verifier per group
         t0 = time.perf_counter()
         z = pipes.process_tree(out.logits, seqs, tokens, full.parents)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import torch
@@ -52,6 +52,15 @@ class CostModel:
         lo = int(n)
         frac = n - lo
         return ts[lo - 1] + frac * (ts[lo] - ts[lo - 1]) if frac else ts[lo - 1]
+
+    def unsmoothed(self) -> "CostModel":
+        """This model on the per-N minima, without the monotone fit. Matmul kernels make some
+        widths cheaper than narrower ones (bench runs here: verifying 4 positions cost less than
+        3, in the load-time minima and in the decode loop alike), which a policy choosing the
+        width should see; ``OnlineCost`` then corrects what is noise."""
+        if len(self.raw_target_seconds) != len(self.target_seconds):
+            return self
+        return replace(self, target_seconds=self.raw_target_seconds)
 
     def relative(self) -> list[float]:
         """T(N) / T(1): what verifying N positions costs in single-token forwards."""
@@ -172,11 +181,73 @@ def measure_draft(proposer: Any, pipeline: Any, vocab_size: int, context: int = 
     return max(0.0, t1 - step), step
 
 
+class OnlineCost:
+    """The measured curve, corrected by the forwards the decode loop actually runs.
+
+    The load-time curve is timed at one context length, best of a few repeats, and fitted
+    monotone; the forwards of a real generation differ (longer contexts, memory-bound single
+    tokens, and matmul kernels that make some widths cheaper than narrower ones: measured on
+    this CPU, verifying 4 positions cost 1.28x one position in a bench run where the load-time
+    curve said 1.67x, and 3 positions 1.45x). Each observed forward updates a forgetting mean of
+    observed / curve for its width N; a width not seen yet takes the ratio interpolated between
+    the nearest seen widths, so the relative costs start as the curve's and move toward what the
+    generations measure.
+    Cached per runtime (``online_cost_for``), so what one generation learns carries to the next."""
+
+    def __init__(self, base: CostModel, prior_weight: float = 1.0, decay: float = 0.98) -> None:
+        if prior_weight <= 0 or not 0.0 < decay <= 1.0:
+            raise ValueError(f"prior_weight must be > 0 and decay in (0, 1], got {prior_weight}, {decay}")
+        self.base, self.prior_weight, self.decay = base, prior_weight, decay
+        n = base.max_positions
+        self._sum, self._cnt = [0.0] * n, [0.0] * n  # forgetting sums of observed / curve, per N
+
+    @property
+    def max_positions(self) -> int:
+        return self.base.max_positions
+
+    def observe(self, positions: int, seconds: float) -> None:
+        """One verify forward over ``positions`` positions took ``seconds``."""
+        if not 1 <= positions <= self.max_positions or not seconds > 0:
+            return  # beyond the curve (nothing to correct) or a clock glitch
+        r, i, lam = seconds / self.base.target(positions), positions - 1, self.decay
+        self._sum[i] = lam * self._sum[i] + r
+        self._cnt[i] = lam * self._cnt[i] + 1.0
+
+    def ratio(self, positions: int) -> float:
+        """Observed / curve for width N, shrunk toward the ratio interpolated from the nearest
+        observed widths on either side (costs change smoothly between kernel steps; one side
+        only: its ratio; none yet: 1, the curve as measured)."""
+        i = min(max(positions, 1), self.max_positions) - 1
+        w = self.prior_weight
+        return (self._sum[i] + w * self._neighbours(i)) / (self._cnt[i] + w)
+
+    def _neighbours(self, i: int) -> float:
+        seen = lambda j: self._cnt[j] >= 0.5  # noqa: E731
+        lo = next((j for j in range(i - 1, -1, -1) if seen(j)), None)
+        hi = next((j for j in range(i + 1, self.max_positions) if seen(j)), None)
+        mean = lambda j: self._sum[j] / self._cnt[j]  # noqa: E731
+        if lo is None and hi is None:
+            return 1.0
+        if lo is None or hi is None:
+            return mean(hi if lo is None else lo)
+        return mean(lo) + (i - lo) / (hi - lo) * (mean(hi) - mean(lo))
+
+    def target(self, n: float) -> float:
+        """Corrected seconds of a forward over ``n`` positions (fractional n interpolates)."""
+        lo = int(n)
+        t = self.base.target(lo) * self.ratio(lo)
+        if n == lo:
+            return t
+        hi = self.base.target(lo + 1) * self.ratio(lo + 1)
+        return t + (n - lo) * (hi - t)
+
+
 @dataclass
 class _Entry:
     model: CostModel
     drafts: "weakref.WeakKeyDictionary[Any, tuple[float, float]]" = field(
         default_factory=weakref.WeakKeyDictionary)  # proposer -> (per call, per token) seconds
+    online: OnlineCost | None = None  # the curve as corrected by real forwards (``online_cost_for``)
 
 
 _CACHE: "weakref.WeakKeyDictionary[Any, _Entry]" = weakref.WeakKeyDictionary()
@@ -203,6 +274,17 @@ def cost_model_for(runtime: Any, proposer: Any = None, pipeline: Any = None, max
     fixed, step = entry.drafts[proposer]
     return CostModel(model.target_seconds, model.raw_target_seconds, fixed, step, model.context, model.runtime,
                      model.repeats)
+
+
+def online_cost_for(runtime: Any, model: CostModel) -> OnlineCost:
+    """The runtime's online-corrected forward curve over ``model`` (from ``cost_model_for``),
+    shared by every generation and proposer on that runtime (draft costs stay the model's)."""
+    entry = _CACHE.get(runtime)
+    if entry is None:
+        return OnlineCost(model)  # a model not measured through cost_model_for: nothing to share
+    if entry.online is None or entry.online.base.target_seconds != model.target_seconds:
+        entry.online = OnlineCost(model)
+    return entry.online
 
 
 def forget(runtime: Any) -> None:

@@ -167,6 +167,7 @@ def decode(
         out = target.forward(tokens, tree=None if full.is_chain else full, want_hidden=want_hidden)
         stats.time_target_forward += time.perf_counter() - t0
         stats.target_forwards += 1
+        stats.verify_positions += tokens.shape[1]
         # 2c. process logits with per-node prefixes, then accept/reject
         t0 = time.perf_counter()
         z = pipeline.process_tree(out.logits, _seen(seqs, active, processor_prefix, pipeline), tokens, full.parents)

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 @dataclass
 class DecodeStats:
     target_forwards: int = 0  # verify forwards (rounds), prefill excluded
+    verify_positions: int = 0  # positions per row over those forwards (sum of N = 1 + drafted nodes)
     prefill_forwards: int = 0
     draft_tokens: int = 0  # drafted nodes offered to the verifier
     accepted_tokens: int = 0  # drafted nodes accepted

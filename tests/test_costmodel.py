@@ -94,3 +94,63 @@ def test_draft_cost_separates_model_drafter_from_model_free():
     assert cm.draft_step_seconds > 0 and cm.draft_cost_ratio > 0
     with pytest.raises(ValueError, match="k must be >= 2"):
         measure_draft(draft, pipe, 32, k=1)
+
+
+def test_unsmoothed_keeps_cheaper_wider_forwards():
+    cm = CostModel((1.0, 1.6, 1.6, 2.0), raw_target_seconds=(1.0, 1.5, 1.7, 1.6))
+    assert cm.unsmoothed().target_seconds == (1.0, 1.5, 1.7, 1.6)
+    assert CostModel((1.0, 2.0)).unsmoothed().target_seconds == (1.0, 2.0)  # no minima kept: as is
+
+
+def test_online_cost_learns_per_width_and_interpolates_unseen_widths():
+    from spec_plugins.costmodel import OnlineCost
+
+    oc = OnlineCost(CostModel((1.0, 2.0, 3.0, 4.0, 5.0)), prior_weight=1.0, decay=1.0)
+    assert [oc.target(n) for n in (1, 2, 3, 4, 5)] == pytest.approx([1.0, 2.0, 3.0, 4.0, 5.0])  # the curve
+    for _ in range(50):
+        oc.observe(4, 2.0)  # width 4 costs half what the curve says
+    assert oc.target(4) == pytest.approx(2.0, rel=0.03)
+    assert oc.ratio(5) == pytest.approx(0.5)  # seen on one side only: that side's observed mean
+    for _ in range(50):
+        oc.observe(1, 1.0)  # width 1 as the curve says
+    assert oc.ratio(2) == pytest.approx(1.0 - 0.5 / 3)  # between widths 1 (ratio 1) and 4 (0.5): interpolated
+    assert oc.target(3.5) == pytest.approx(0.5 * (oc.target(3) + oc.target(4)))
+    before = oc.ratio(1)
+    oc.observe(9, 1.0)  # beyond the curve, and
+    oc.observe(1, 0.0)  # a clock glitch: ignored
+    assert oc.ratio(1) == before
+    with pytest.raises(ValueError, match="prior_weight"):
+        OnlineCost(CostModel((1.0,)), prior_weight=0.0)
+
+
+def test_auto_shortens_drafts_when_the_loop_measures_expensive_forwards():
+    """A flat load-time curve says drafting is free; the forwards the loop times say each extra
+    position costs 0.9x a single one. Online, auto must come down to short drafts; offline it
+    keeps drafting the maximum. (Rounds where the proposer finds nothing time width 1.)"""
+    import random
+
+    from spec_plugins.adaptive import AutoDraftLength
+    from spec_plugins.stats import DecodeStats
+
+    flat = CostModel(tuple([0.010] * 9))
+
+    def run(online: bool) -> list[int]:
+        pol, stats, rng, ks = AutoDraftLength(flat, max_k=8, online=online), DecodeStats(), random.Random(0), []
+        for i in range(120):
+            k = pol(stats)
+            ks.append(k)
+            d = k if i % 3 else 0  # every third round the proposer finds nothing: a 1-position forward
+            acc = 0
+            while acc < d and rng.random() < 0.6:
+                acc += 1
+            stats.observe_round([1] * d, acc, acc + 1)
+            t = 0.010 * (1 + 0.9 * d)
+            stats.target_forwards += 1
+            stats.verify_positions += 1 + d
+            stats.time_target_forward += t
+            stats.time_total += t
+        return ks
+
+    assert min(run(False)[-40:]) >= 7
+    late = run(True)[-60:]
+    assert max(late) <= 1, late

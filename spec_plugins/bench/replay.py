@@ -64,6 +64,7 @@ def replay_turn(prompt: Sequence[int], output: Sequence[int], max_new: int, prop
         n_emit = min(acc + 1, len(output) - pos)
         stats.observe_round([1] * len(chain), acc, n_emit)
         stats.target_forwards += 1
+        stats.verify_positions += 1 + len(chain)
         t_fwd = cost.target(1 + len(chain))
         t_draft = (cost.draft_round_seconds + cost.draft_step_seconds * len(chain)) if budget > 0 else 0.0
         stats.time_target_forward += t_fwd
@@ -85,9 +86,12 @@ def fixed(k: int) -> PolicyFactory:
 
 
 def auto(cost: CostModel, **kwargs: Any) -> PolicyFactory:
+    """``auto`` as the engine builds it: one online cost correction shared by every turn."""
     from spec_plugins.adaptive import AutoDraftLength
+    from spec_plugins.costmodel import OnlineCost
 
-    return lambda: AutoDraftLength(cost, **kwargs)
+    online = OnlineCost(cost)
+    return lambda: AutoDraftLength(cost, online=online, **kwargs)
 
 
 def replay_report(report: dict, turns: Sequence[tuple[str, list[int], list[int]]], make_proposer: Callable[[], Proposer],
@@ -160,8 +164,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     cfg = SpecConfig.from_file(args.config or report["meta"]["config"])
     dec = SpeculativeDecoder.from_config(cfg)
     cm = report["cost_model"]
-    cost = CostModel(tuple(cm["target_seconds"]), draft_round_seconds=cm["draft_round_seconds"],
-                     draft_step_seconds=cm["draft_step_seconds"])
+    # the per-N minima, as auto sees them (the monotone fit hides widths cheaper than narrower ones)
+    cost = CostModel(tuple(cm.get("raw_target_seconds") or cm["target_seconds"]),
+                     draft_round_seconds=cm["draft_round_seconds"], draft_step_seconds=cm["draft_step_seconds"])
     turns = _turns_from_report(report, args.prompts, dec)
     pcfg = cfg.proposer
     make = lambda: PROPOSERS.get(pcfg.type)(pcfg)  # noqa: E731
