@@ -94,7 +94,9 @@ class AcceptanceEstimate:
 
 
 class AutoDraftLength:
-    """``policy(stats) -> k`` for the decode loop; one instance per generation."""
+    """``policy(stats) -> k`` for the decode loop; one instance per generation. ``online``: an
+    ``OnlineCost`` to price forwards with (shared across generations by ``for_decoder``), True
+    for a fresh one, False to price on ``cost`` as measured."""
 
     # per-key estimates (``per_row``): a key already separates copy phases from free text, so its
     # evidence is kept longer (decay), and a key that stopped drafting is re-probed sooner (idle

@@ -200,6 +200,7 @@ class OnlineCost:
         self.base, self.prior_weight, self.decay = base, prior_weight, decay
         n = base.max_positions
         self._sum, self._cnt = [0.0] * n, [0.0] * n  # forgetting sums of observed / curve, per N
+        self._curve: list[float] | None = None  # corrected seconds per N, rebuilt after observations
 
     @property
     def max_positions(self) -> int:
@@ -212,6 +213,7 @@ class OnlineCost:
         r, i, lam = seconds / self.base.target(positions), positions - 1, self.decay
         self._sum[i] = lam * self._sum[i] + r
         self._cnt[i] = lam * self._cnt[i] + 1.0
+        self._curve = None
 
     def ratio(self, positions: int) -> float:
         """Observed / curve for width N, shrunk toward the ratio interpolated from the nearest
@@ -233,13 +235,18 @@ class OnlineCost:
         return mean(lo) + (i - lo) / (hi - lo) * (mean(hi) - mean(lo))
 
     def target(self, n: float) -> float:
-        """Corrected seconds of a forward over ``n`` positions (fractional n interpolates)."""
-        lo = int(n)
-        t = self.base.target(lo) * self.ratio(lo)
-        if n == lo:
-            return t
-        hi = self.base.target(lo + 1) * self.ratio(lo + 1)
-        return t + (n - lo) * (hi - t)
+        """Corrected seconds of a forward over ``n`` positions (fractional n interpolates; the
+        last width's ratio beyond the curve). O(1) between observations: the policy asks for
+        every draft length of every row each round."""
+        if n < 1:
+            raise ValueError(f"a forward covers at least 1 position, got {n}")
+        if self._curve is None:
+            self._curve = [self.base.target(j + 1) * self.ratio(j + 1) for j in range(self.max_positions)]
+        c, lo = self._curve, int(n)
+        if lo >= len(c):
+            return self.base.target(n) * self.ratio(len(c))
+        t = c[lo - 1]
+        return t if n == lo else t + (n - lo) * (c[lo] - t)
 
 
 @dataclass
