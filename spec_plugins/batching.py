@@ -218,7 +218,7 @@ class ContinuousBatch:
         keys: list[int] | None = None
         if self.proposer is not None and not self.proposer.tree and hasattr(self.draft_length, "observe_rows"):
             t0 = time.perf_counter()
-            keys = self.proposer.draft_keys(seqs)  # per-row class of the coming draft (n-gram match length)
+            keys = self.proposer.draft_keys(seqs)  # per-row class of the coming draft (n-gram: match length, agreement)
             stats.time_draft += time.perf_counter() - t0
         if self.proposer is None:
             k = 0
@@ -448,7 +448,7 @@ class LoadAwareDraftLength:
         return best
 
     def _mean_expected(self, keys: Counter, k: int) -> float:
-        """Mean over rows of E_key(k); keys counted once per distinct key (few: match lengths)."""
+        """Mean over rows of E_key(k); keys counted once per distinct key (few: n-gram match classes)."""
         n = sum(keys.values())
         return sum(c * self.expected_tokens_for_key(key, k) for key, c in keys.items()) / n
 

@@ -98,7 +98,7 @@ class Proposer:
 
     def draft_keys(self, sequences: Sequence[Sequence[int]]) -> list[int] | None:
         """Optional, cheap: a small integer per row classing how promising this round's draft
-        is before it is made (n-gram: the matched suffix length). ``num_draft_tokens: auto``
+        is before it is made (n-gram: the matched suffix length and its agreement). ``num_draft_tokens: auto``
         keeps one acceptance estimate per key and picks each row's draft length from it.
         None (the default): one estimate for all rounds."""
         return None
