@@ -200,7 +200,7 @@ class OnlineCost:
         self.base, self.prior_weight, self.decay = base, prior_weight, decay
         n = base.max_positions
         self._sum, self._cnt = [0.0] * n, [0.0] * n  # forgetting sums of observed / curve, per N
-        self._curve: list[float] | None = None  # corrected seconds per N, rebuilt after observations
+        self._cache: tuple[list[float], list[float]] | None = None  # (seconds, ratio) per N
 
     @property
     def max_positions(self) -> int:
@@ -213,36 +213,45 @@ class OnlineCost:
         r, i, lam = seconds / self.base.target(positions), positions - 1, self.decay
         self._sum[i] = lam * self._sum[i] + r
         self._cnt[i] = lam * self._cnt[i] + 1.0
-        self._curve = None
+        self._cache = None
 
     def ratio(self, positions: int) -> float:
         """Observed / curve for width N, shrunk toward the ratio interpolated from the nearest
         observed widths on either side (costs change smoothly between kernel steps; one side
         only: its ratio; none yet: 1, the curve as measured)."""
-        i = min(max(positions, 1), self.max_positions) - 1
-        w = self.prior_weight
-        return (self._sum[i] + w * self._neighbours(i)) / (self._cnt[i] + w)
+        return self._table()[1][min(max(positions, 1), self.max_positions) - 1]
 
-    def _neighbours(self, i: int) -> float:
-        seen = lambda j: self._cnt[j] >= 0.5  # noqa: E731
-        lo = next((j for j in range(i - 1, -1, -1) if seen(j)), None)
-        hi = next((j for j in range(i + 1, self.max_positions) if seen(j)), None)
-        mean = lambda j: self._sum[j] / self._cnt[j]  # noqa: E731
-        if lo is None and hi is None:
-            return 1.0
-        if lo is None or hi is None:
-            return mean(hi if lo is None else lo)
-        return mean(lo) + (i - lo) / (hi - lo) * (mean(hi) - mean(lo))
+    def _table(self) -> tuple[list[float], list[float]]:
+        """(corrected seconds, ratio) per width, rebuilt in O(max_positions) after observations:
+        the policy prices every draft length of every row each round."""
+        if self._cache is None:
+            n, w = self.max_positions, self.prior_weight
+            mean = [self._sum[j] / self._cnt[j] if self._cnt[j] >= 0.5 else None for j in range(n)]
+            below: list[int | None] = [None] * n  # nearest seen width under each one
+            above: list[int | None] = [None] * n
+            for j in range(1, n):
+                below[j] = j - 1 if mean[j - 1] is not None else below[j - 1]
+            for j in range(n - 2, -1, -1):
+                above[j] = j + 1 if mean[j + 1] is not None else above[j + 1]
+            ratios = []
+            for j in range(n):
+                lo, hi = below[j], above[j]
+                if lo is None and hi is None:
+                    prior = 1.0
+                elif lo is None or hi is None:
+                    prior = mean[hi if lo is None else lo]  # type: ignore[index]
+                else:
+                    prior = mean[lo] + (j - lo) / (hi - lo) * (mean[hi] - mean[lo])  # type: ignore[operator]
+                ratios.append((self._sum[j] + w * prior) / (self._cnt[j] + w))
+            self._cache = ([self.base.target(j + 1) * r for j, r in enumerate(ratios)], ratios)
+        return self._cache
 
     def target(self, n: float) -> float:
         """Corrected seconds of a forward over ``n`` positions (fractional n interpolates; the
-        last width's ratio beyond the curve). O(1) between observations: the policy asks for
-        every draft length of every row each round."""
+        last width's ratio beyond the curve)."""
         if n < 1:
             raise ValueError(f"a forward covers at least 1 position, got {n}")
-        if self._curve is None:
-            self._curve = [self.base.target(j + 1) * self.ratio(j + 1) for j in range(self.max_positions)]
-        c, lo = self._curve, int(n)
+        c, lo = self._table()[0], int(n)
         if lo >= len(c):
             return self.base.target(n) * self.ratio(len(c))
         t = c[lo - 1]
