@@ -56,10 +56,12 @@ class NgramIndex:
         """For the suffix n-gram: 0 if it occurred fewer than twice before, 1 if the two latest
         earlier occurrences were followed by the same token, 2 if by different tokens. Called after
         ``extend`` (the suffix itself is then the latest occurrence)."""
+        if n < 1:
+            return 0
         toks = self.tokens
         key = tuple(toks[len(toks) - n :])
         a, b = self.prev.get(key), self.older.get(key)
-        if n < 1 or a is None or b is None:
+        if a is None or b is None:
             return 0
         return 1 if toks[a] == toks[b] else 2
 
