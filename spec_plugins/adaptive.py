@@ -253,12 +253,7 @@ class AutoDraftLength:
 
     def round_seconds(self, expected_drafted: float, drafts: bool) -> float:
         """The cost model's round, its forward corrected online when ``online`` is on."""
-        if self.online is None:
-            return self.cost.round_seconds(expected_drafted, drafts)
-        t = self.online.target(1.0 + expected_drafted)
-        if drafts:
-            t += self.cost.draft_round_seconds + self.cost.draft_step_seconds * expected_drafted
-        return t
+        return self.cost.round_seconds(expected_drafted, drafts, self.online.target if self.online else None)
 
     def best_k(self, estimate: AcceptanceEstimate | None = None) -> int:
         r = self.rates(estimate)

@@ -14,7 +14,7 @@ import statistics
 import time
 import weakref
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -71,9 +71,11 @@ class CostModel:
         """c in S(gamma): one draft step relative to one single-position target forward."""
         return self.draft_step_seconds / self.target_seconds[0]
 
-    def round_seconds(self, expected_drafted: float, drafts: bool) -> float:
-        """Expected cost of one round that feeds ``expected_drafted`` draft nodes to the target."""
-        t = self.target(1.0 + expected_drafted)
+    def round_seconds(self, expected_drafted: float, drafts: bool,
+                      forward: "Callable[[float], float] | None" = None) -> float:
+        """Expected cost of one round that feeds ``expected_drafted`` draft nodes to the target
+        (``forward``: another forward-time curve, e.g. ``OnlineCost.target``; default this one)."""
+        t = (forward or self.target)(1.0 + expected_drafted)
         if drafts:
             t += self.draft_round_seconds + self.draft_step_seconds * expected_drafted
         return t
