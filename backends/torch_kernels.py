@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import threading
 import time
 import types
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 _ROW_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16)
-_STATE = {"active": 0}
+_LOCAL = threading.local()  # per thread: how deep inside ``active()`` this thread is
 
 
 @dataclass(frozen=True)
@@ -70,12 +71,18 @@ class KernelChoice:
 
 @contextlib.contextmanager
 def active() -> Iterator[None]:
-    """Scope in which patched linears use the measured kernel choice."""
-    _STATE["active"] += 1
+    """Scope in which patched linears use the measured kernel choice. Per thread: another
+    thread running the same model meanwhile (e.g. transformers ``generate()``) keeps F.linear."""
+    _LOCAL.depth = getattr(_LOCAL, "depth", 0) + 1
     try:
         yield
     finally:
-        _STATE["active"] -= 1
+        _LOCAL.depth -= 1
+
+
+def is_active() -> bool:
+    """Whether this thread is inside ``active()``."""
+    return getattr(_LOCAL, "depth", 0) > 0
 
 
 def _rowmajor(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -151,7 +158,7 @@ def install(model: torch.nn.Module, choice: KernelChoice) -> int:
             continue
 
         def forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-            if _STATE["active"] and x.dim() >= 2:
+            if getattr(_LOCAL, "depth", 0) and x.dim() >= 2:
                 rows = x.numel() // x.shape[-1]
                 if rows == 1 and self._weight_t is not None:
                     return _transposed(x, self._weight_t, self.bias)

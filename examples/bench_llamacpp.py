@@ -68,7 +68,7 @@ def compare(model: str, k: int, runs: int, max_new: int, threads: int) -> dict:
                     speeds[m].append(len(res.tokens) / res.seconds)
                 toks[m] = res.tokens
         ref = toks["llama-cpp-python plain"]
-        out[pname] = {m: {"tok_s": statistics.median(v),
+        out[pname] = {m: {"tok_s": statistics.median(v), "tok_s_runs": v,
                           "agree_vs_llama_cpp_plain": sum(a == b for a, b in zip(toks[m], ref)) / max(len(ref), 1),
                           "identical": toks[m] == ref, "tokens": len(toks[m])} for m, v in speeds.items()}
         print(model, pname, json.dumps({m: round(d["tok_s"], 1) for m, d in out[pname].items()}), flush=True)

@@ -243,9 +243,13 @@ class ContinuousBatch:
         # 2. one target forward over every row's root and drafted nodes
         t0 = time.perf_counter()
         out = self.target.forward(tokens, tree=None if full.is_chain else full)
-        stats.time_target_forward += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        stats.time_target_forward += dt
         stats.target_forwards += 1
         stats.verify_positions += tokens.shape[1]
+        observe = getattr(self.draft_length, "observe_forward", None)
+        if observe is not None:
+            observe(len(rows), tokens.shape[1], dt)
         # 3-4. per-row logits processing, then the verifier per group
         t0 = time.perf_counter()
         z = pipes.process_tree(out.logits, seqs, tokens, full.parents)
@@ -359,15 +363,49 @@ class ForwardCost:
         return {f"{b}x{n}": t for (b, n), t in sorted(self.table.items())}
 
 
+class OnlineForwardCost:
+    """A measured ``ForwardCost`` grid, corrected by the forwards the batch actually runs.
+
+    The grid is timed once at startup, on random tokens at one context length; served traffic
+    runs longer contexts on a machine whose speed drifts, and some widths run cheaper kernels
+    than the grid's interpolation implies. Each observed forward updates a forgetting ratio of
+    observed / grid for its tokens per row (``costmodel.OnlineCost``: unseen widths interpolate
+    between seen ones), shared by every batch size: what a width costs relative to the grid
+    follows the kernel and the machine more than the row count."""
+
+    def __init__(self, base: ForwardCost, max_tokens: int, prior_weight: float = 1.0, decay: float = 0.98) -> None:
+        from spec_plugins.costmodel import CostModel, OnlineCost
+
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        self.base = base
+        curve = CostModel(tuple(base(1, n) for n in range(1, max_tokens + 1)))
+        self.online = OnlineCost(curve, prior_weight, decay)
+
+    def observe(self, batch: int, tokens: int, seconds: float) -> None:
+        """One forward over ``batch`` rows x ``tokens`` tokens per row took ``seconds``."""
+        if batch >= 1 and tokens >= 1 and seconds > 0:
+            self.online.observe_ratio(tokens, seconds / self.base(batch, tokens))
+
+    def ratio(self, tokens: int) -> float:
+        return self.online.ratio(tokens)
+
+    def __call__(self, b: int, n: int) -> float:
+        return self.base(b, n) * self.online.ratio(n)
+
+    def to_dict(self) -> dict[str, float]:
+        return self.base.to_dict()
+
+
 @torch.inference_mode()
 def measure_forward_cost(runtime: Any, batch_sizes: Sequence[int], tokens_per_row: Sequence[int],
                          context: int = 64, repeats: int = 5, vocab: int | None = None) -> ForwardCost:
-    """Time ``runtime.forward`` for each (rows, tokens per row) after a ``context``-token prefill.
-    Every shape is warmed up first (runtimes allocate per shape on first use), the lengths are
-    timed in alternating order ``repeats`` times, the median is taken, and each batch size's
-    curve is made nondecreasing in the tokens per row (a longer verify never costs less; noise
-    saying otherwise would make drafting look free). Leaves the runtime with no rows."""
-    from spec_plugins.costmodel import isotonic
+    """Time ``runtime.forward`` for each (rows, tokens per row) after a ``context``-token prefill
+    (``costmodel.time_forwards``: every shape warmed up, lengths in alternating order), take the
+    median of ``repeats``, and make each batch size's curve nondecreasing in the tokens per row
+    (a longer verify never costs less; noise saying otherwise would make drafting look free).
+    Leaves the runtime with no rows."""
+    from spec_plugins.costmodel import isotonic, time_forwards
 
     g = torch.Generator().manual_seed(0)
     v = min(vocab or runtime.vocab_size, runtime.vocab_size)
@@ -375,17 +413,7 @@ def measure_forward_cost(runtime: Any, batch_sizes: Sequence[int], tokens_per_ro
     ns = sorted(set(tokens_per_row))
     for b in batch_sizes:
         rows = torch.randint(0, v, (b, context), generator=g).tolist()
-        runtime.prefill(rows)
-        samples: dict[int, list[float]] = {n: [] for n in ns}
-        for r in range(repeats + 1):
-            for n in ns if r % 2 == 0 else ns[::-1]:
-                toks = torch.randint(0, v, (b, n), generator=g)
-                t0 = time.perf_counter()
-                runtime.forward(toks)
-                dt = time.perf_counter() - t0
-                runtime.rollback([context] * b)
-                if r:  # round 0 warms every shape up
-                    samples[n].append(dt)
+        samples = time_forwards(runtime, rows, torch.randint(0, v, (b, ns[-1]), generator=g), ns, repeats)
         fit = isotonic([statistics.median(samples[n]) for n in ns])
         table.update({(b, n): t for n, t in zip(ns, fit)})
     runtime.select_rows([])
@@ -416,6 +444,13 @@ class LoadAwareDraftLength:
         # per draft key (``Proposer.draft_keys``): rows asked for depth d, drafted it, accepted through it
         self._by_key: dict[int, tuple[list[float], list[float], list[float]]] = {}
         self._recent_keys: deque[int] = deque(maxlen=256)
+
+    def observe_forward(self, batch: int, tokens: int, seconds: float) -> None:
+        """A forward the batch ran: corrects the cost grid when it learns online
+        (``OnlineForwardCost``); a fixed grid ignores it."""
+        observe = getattr(self.cost, "observe", None)
+        if observe is not None:
+            observe(batch, tokens, seconds)
 
     def draft_share(self) -> float:
         """f: drafted row-rounds / asked row-rounds, starting optimistic (1.0) while unmeasured."""

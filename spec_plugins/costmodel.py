@@ -122,6 +122,34 @@ def _sync(x: torch.Tensor) -> None:
     x.reshape(-1)[:1].cpu()
 
 
+def time_forwards(runtime: Any, rows: Sequence[Sequence[int]], new_tokens: torch.Tensor, widths: Sequence[int],
+                  repeats: int, warmup: Sequence[int] | None = None) -> dict[int, list[float]]:
+    """Seconds of ``runtime.forward`` over the first ``n`` columns of ``new_tokens`` [B, >= max
+    width] appended to ``rows`` (prefilled once), ``repeats`` samples per width in ``widths``.
+
+    The one timing loop behind every cost curve (``measure_target``, the server's per-batch
+    ``measure_forward_cost``): warm-up forwards first (runtimes allocate per shape on first
+    use; ``warmup`` = the widths to warm, default all), widths in alternating order per repeat
+    so drift hits all of them alike, the device synchronised before the clock is read, and the
+    cache rolled back to the prompt after each forward."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    runtime.prefill([list(r) for r in rows])
+    base = [len(r) for r in rows]
+    order = sorted(set(int(n) for n in widths))
+    for n in order if warmup is None else warmup:
+        _sync(runtime.forward(new_tokens[:, :n]).logits)
+        runtime.rollback(base)
+    samples: dict[int, list[float]] = {n: [] for n in order}
+    for r in range(repeats):
+        for n in order if r % 2 == 0 else order[::-1]:
+            t0 = time.perf_counter()
+            _sync(runtime.forward(new_tokens[:, :n]).logits)
+            samples[n].append(time.perf_counter() - t0)
+            runtime.rollback(base)
+    return samples
+
+
 def measure_target(runtime: Any, max_positions: int = 32, context: int = 128, repeats: int = 3) -> CostModel:
     """Time one forward over N = 1..max_positions new positions on a warm cache of ``context``
     tokens (minimum of ``repeats``, order alternated to cancel drift). Why the minimum: on a
@@ -134,19 +162,9 @@ def measure_target(runtime: Any, max_positions: int = 32, context: int = 128, re
     if context + max_positions > runtime.max_context:
         raise ValueError(f"context {context} + {max_positions} positions exceeds the runtime's {runtime.max_context}")
     ctx = _context_tokens(runtime.vocab_size, context + max_positions)
-    runtime.prefill([ctx[:context]])
     new = torch.tensor([ctx[context : context + max_positions]], dtype=torch.long)
-    for n in (1, max_positions, 1):  # warm-up: allocator, kernels, lazy init
-        _sync(runtime.forward(new[:, :n]).logits)
-        runtime.rollback([context])
-    samples: dict[int, list[float]] = {n: [] for n in range(1, max_positions + 1)}
     order = list(range(1, max_positions + 1))
-    for r in range(repeats):
-        for n in order if r % 2 == 0 else order[::-1]:
-            t0 = time.perf_counter()
-            _sync(runtime.forward(new[:, :n]).logits)
-            samples[n].append(time.perf_counter() - t0)
-            runtime.rollback([context])
+    samples = time_forwards(runtime, [ctx[:context]], new, order, repeats, warmup=(1, max_positions, 1))
     raw = [min(samples[n]) for n in order]
     name = getattr(getattr(runtime, "capabilities", None), "name", "") or type(runtime).__name__
     return CostModel(tuple(isotonic(raw)), tuple(raw), context=context, runtime=name, repeats=repeats)
@@ -210,9 +228,15 @@ class OnlineCost:
 
     def observe(self, positions: int, seconds: float) -> None:
         """One verify forward over ``positions`` positions took ``seconds``."""
-        if not 1 <= positions <= self.max_positions or not seconds > 0:
+        if 1 <= positions <= self.max_positions and seconds > 0:
+            self.observe_ratio(positions, seconds / self.base.target(positions))
+
+    def observe_ratio(self, positions: int, r: float) -> None:
+        """One forward over ``positions`` positions took ``r`` times what the curve predicts
+        (for callers whose prediction is not ``base``: the server's per-batch-size grid)."""
+        if not 1 <= positions <= self.max_positions or not r > 0:
             return  # beyond the curve (nothing to correct) or a clock glitch
-        r, i, lam = seconds / self.base.target(positions), positions - 1, self.decay
+        i, lam = positions - 1, self.decay
         self._sum[i] = lam * self._sum[i] + r
         self._cnt[i] = lam * self._cnt[i] + 1.0
         self._cache = None

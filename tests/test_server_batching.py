@@ -172,6 +172,42 @@ def test_keyed_policy_in_the_batch_keeps_greedy_outputs():
     assert policy._by_key  # the batch fed per-key evidence back
 
 
+def test_online_forward_cost_shrinks_drafts_when_served_forwards_cost_more():
+    """A startup grid that says verifying is free, then forwards that cost n x one token: the
+    policy learns it from the batch's own forwards and stops drafting long."""
+    from spec_plugins.batching import OnlineForwardCost
+
+    stats = DecodeStats(accepted_by_position=[60, 40, 25, 15], drafted_by_position=[100] * 4)
+    grid = ForwardCost({(b, n): 0.01 * b for b in (1, 8) for n in range(1, 6)})
+    cost = OnlineForwardCost(grid, 5)
+    policy = LoadAwareDraftLength(cost, 4, stats)
+    assert policy(1) == 4  # as measured at startup: free verification, draft the most
+    for _ in range(30):
+        for n in (1, 2, 5):
+            policy.observe_forward(1, n, 0.01 * n)  # real forwards: linear in tokens per row
+    assert cost.ratio(1) == pytest.approx(1.0, abs=0.05) and cost.ratio(5) > 4.5
+    assert 2.5 < cost.ratio(3) < 3.5  # unseen width: between its seen neighbours
+    assert cost(8, 5) > 4 * grid(8, 5)  # one ratio per width, for every batch size
+    assert policy(1) <= 1
+    with pytest.raises(ValueError, match="max_tokens"):
+        OnlineForwardCost(grid, 0)
+
+
+def test_batch_feeds_its_forwards_to_an_online_cost():
+    from spec_plugins.batching import OnlineForwardCost
+
+    model = tiny_llama(seed=3)
+    target = TorchRuntime(model)
+    grid = ForwardCost({(b, n): 1e-9 * b * n for b in (1, 4) for n in range(1, 6)})  # far too cheap
+    cost = OnlineForwardCost(grid, 5)
+    policy = LoadAwareDraftLength(cost, 4, DecodeStats())
+    batch = ContinuousBatch(target, _proposer("ngram", target), ExactVerifier(), draft_length=policy)
+    outs = _drive(batch, {0: [RowRequest(0, PROMPTS[0], 12)]})
+    assert outs[0] == plain_greedy(model, PROMPTS[0], 12)
+    seen = [n for n in range(1, 6) if cost.online._cnt[n - 1] > 0]
+    assert seen and all(cost.ratio(n) > 10 for n in seen)  # real forwards took far longer than the grid
+
+
 def test_measured_forward_cost_grid_is_complete_and_monotone():
     from spec_plugins.batching import measure_forward_cost
 

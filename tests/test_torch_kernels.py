@@ -50,6 +50,36 @@ def test_patch_is_scoped_and_matches_linear(monkeypatch):
     assert calls == [6]
 
 
+def test_scope_is_per_thread(monkeypatch):
+    """A runtime forward in one thread must not switch kernels for another thread's call."""
+    import threading
+
+    lin = torch.nn.Linear(24, 40)
+    torch_kernels.install(lin, ALL)
+    calls = _spy(monkeypatch)
+    inside, done = threading.Event(), threading.Event()
+    seen: dict[str, object] = {}
+
+    def runtime_thread():
+        with torch_kernels.active():
+            inside.set()
+            done.wait(10)
+
+    t = threading.Thread(target=runtime_thread)
+    t.start()
+    assert inside.wait(10)
+    seen["active_here"] = torch_kernels.is_active()
+    lin(torch.randn(3, 24))  # this thread is outside active(): stock F.linear
+    done.set()
+    t.join(10)
+    assert seen["active_here"] is False and calls == []
+    with torch_kernels.active():
+        assert torch_kernels.is_active()
+        lin(torch.randn(3, 24))
+    assert calls == [3] and not torch_kernels.is_active()
+    torch_kernels.uninstall(lin)
+
+
 def test_choice_lookup_uses_next_bucket():
     c = KernelChoice((1, 2, 4, 8), (False, True, True, False), (1, 1, 1, 1), (2, 0.5, 0.5, 2))
     assert [c.rowmajor_for(m) for m in (1, 2, 3, 4, 5, 8, 9, 100)] == [False, True, True, True, False, False,

@@ -22,7 +22,7 @@ def build_state(decoder: Any, max_batch: int = 8, max_input_tokens: int | None =
     ``draft_policy='load'`` measures the target forward cost per (batch size, tokens per row)
     once at startup and shrinks the draft length as the batch grows; ``'fixed'`` always drafts
     the configured length."""
-    from spec_plugins.batching import ContinuousBatch, LoadAwareDraftLength, measure_forward_cost
+    from spec_plugins.batching import ContinuousBatch, LoadAwareDraftLength, OnlineForwardCost, measure_forward_cost
     from spec_plugins.server.app import ServerState
     from spec_plugins.server.scheduler import Scheduler
     from spec_plugins.stats import DecodeStats
@@ -46,8 +46,9 @@ def build_state(decoder: Any, max_batch: int = 8, max_input_tokens: int | None =
         # a coarse grid (bilinear in between) keeps startup short: 3 x 3 points for 16 slots, k = 5
         sizes = sorted({b for b in (1, 4, 16, 64) if b < max_batch} | {max_batch})
         lengths = sorted({1, 2, (k + 2) // 2, k + 1})  # CPU GEMMs jump from 1 to 2 rows: measure both
-        cost = measure_forward_cost(target, sizes, lengths, context=calibrate_context, repeats=5)
-        cost_table = cost.to_dict()
+        grid = measure_forward_cost(target, sizes, lengths, context=calibrate_context, repeats=5)
+        cost_table = grid.to_dict()
+        cost = OnlineForwardCost(grid, k + 1)  # corrected by the forwards served traffic runs
         policy = LoadAwareDraftLength(cost, k, stats)
         draft = policy
     else:
