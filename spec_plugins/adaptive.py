@@ -16,8 +16,9 @@ Forgetting also re-opens drafting after a collapse: rounds without drafts fade t
 slowly (``idle_decay``), the estimate drifts back to the prior and one cheap probe round follows.
 With a proposer that classes its rounds before drafting (``Proposer.draft_keys``; n-gram: the
 matched suffix length and whether its earlier continuations agree), the loop asks ``per_row``
-instead: one estimate per key, one draft length per row. On a CPU where verifying 2 positions already costs ~1.7x one, that is what
-separates "draft 8 after a 3-gram match from the prompt" from "draft nothing after a 1-gram one".
+instead: one estimate per key, one draft length per row. On a CPU where verifying 2 positions
+already costs ~1.7x one, that is what separates "draft 8 after a 3-gram match from the prompt"
+from "draft nothing after a 1-gram one".
 Defaults were chosen by replaying greedy SmolLM2 outputs on the dev prompts (exact acceptance for
 any policy) against CPU-like cost curves. Each call is O(max_k).
 """
