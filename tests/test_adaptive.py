@@ -150,6 +150,7 @@ def test_call_is_cheap():
     (dict(max_k=0), "max_k"),
     (dict(max_k=4, decay=0.0), "decay"),
     (dict(max_k=4, prior_accept=1.5), "prior_accept"),
+    (dict(max_k=4, max_growth=0), "max_growth"),
 ])
 def test_bad_estimate_arguments(kwargs, msg):
     with pytest.raises(ValueError, match=msg):
@@ -207,6 +208,28 @@ def test_per_row_reprobes_a_key_after_it_stopped():
         pol.observe_rows([2], [k], [k], [k])  # ... and the probe is accepted in full
         probed |= k > 0
     assert probed and pol.per_row(stats, [2])[0] >= 4
+
+
+def test_growth_cap_bounds_the_jump_after_short_accepted_drafts():
+    """One fully accepted 3-token draft must not license a 16-token one: with evidence up to
+    position 3, positions past 3 + max_growth are priced as never accepted, so the draft grows
+    by at most max_growth per round, and still reaches max_k while drafts keep being accepted."""
+    est = AcceptanceEstimate(16, decay=0.9, prior_accept=0.6, chain_weight=3.0, max_growth=2)
+    est.update(3, 1, [1, 1, 1], [1, 1, 1])
+    p = est.accept_probs()
+    assert all(x > 0.7 for x in p[:5]) and p[5:] == [0.0] * 11
+    uncapped = AcceptanceEstimate(16, decay=0.9, prior_accept=0.6, chain_weight=3.0)
+    uncapped.update(3, 1, [1, 1, 1], [1, 1, 1])
+    assert min(uncapped.accept_probs()) > 0.7  # what the cap guards against: p borrowed to depth 16
+    pol = AutoDraftLength(FLAT, max_k=16)  # verification free: only the cap holds drafts back
+    stats = DecodeStats()
+    ks = []
+    for _ in range(12):
+        (k,) = pol.per_row(stats, [9])
+        ks.append(k)
+        pol.observe_rows([9], [k], [k], [k])
+    assert ks[0] <= 2 and all(b - a <= 2 for a, b in zip(ks, ks[1:])), ks
+    assert ks[-1] == 16, ks
 
 
 def test_ngram_draft_keys_are_matched_suffix_lengths_and_agreement():
