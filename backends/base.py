@@ -1,9 +1,10 @@
-"""The runtime contract every backend implements.
+"""The runtime contract every backend implements, checked when a backend class registers.
 
-A runtime owns one model and its KV cache for a batch of rows. The decode loop never touches
-cache tensors: it asks for a forward over N new nodes (a chain or a tree), then says which of
-those nodes survive (``commit``) or how far to roll back (``rollback``). Each runtime picks its
-own mechanism (crop, gather, sequence removal, position overwrite).
+A runtime owns one model and its KV cache for a batch of rows that join (``add_rows``) and
+leave (``select_rows``) between rounds. The round never touches cache tensors: it asks for a
+forward over N new nodes (a chain or a tree), then says which of those nodes survive
+(``commit``) or how far to roll back (``rollback``). Each runtime picks its own mechanism (the
+slot layer's crop or tail gather, llama.cpp's sequence removal).
 """
 
 from __future__ import annotations
@@ -18,11 +19,10 @@ from spec_plugins.tree import TreeLayout
 
 @dataclass(frozen=True)
 class RuntimeCapabilities:
-    """What a runtime can do; the loop asks before it builds a draft."""
+    """What a runtime can do; the batch checks it against its proposer once, when it is built."""
 
     tree_mask: bool = False  # can score a token tree in one forward (custom attention mask)
     hidden_states: bool = False  # can return last-layer hidden states (feature-level drafters)
-    batch: bool = False  # can hold more than one row
     name: str = ""
 
 
@@ -30,7 +30,7 @@ class RuntimeCapabilities:
 class StepOutput:
     """Logits for every new node, and optionally the hidden states feeding the LM head."""
 
-    logits: torch.Tensor  # [B, N, V] float32, on CPU or the runtime's device
+    logits: torch.Tensor  # [B, N, V] float32, on the runtime's ``device``
     hidden: torch.Tensor | None = None  # [B, N, H]
 
 
@@ -45,11 +45,18 @@ class Runtime(Protocol):
     capabilities: RuntimeCapabilities
     vocab_size: int  # width of the logits (may exceed the tokenizer's vocabulary: padding)
     max_context: int  # positions the model (or the configured context) can hold
+    device: torch.device  # where logits come out: the round's tensors live there
 
     def prefill(self, rows: Sequence[Sequence[int]], want_hidden: bool = False) -> StepOutput:
         """Start a new batch: run each row's tokens; logits are for the LAST token of each row
         (shape [B, 1, V]); hidden, if asked, for every prompt token of each row, left-padded
         ([B, L, H]), since feature drafters need the whole prompt's features."""
+        ...
+
+    def add_rows(self, rows: Sequence[Sequence[int]], want_hidden: bool = False) -> StepOutput:
+        """Prefill ``rows`` and append them after the running rows (``prefill`` when there are
+        none); output as ``prefill`` for the new rows only. Running rows are unchanged, also when
+        it fails. Never between ``forward`` and ``commit``."""
         ...
 
     def forward(
@@ -71,23 +78,16 @@ class Runtime(Protocol):
         ...
 
     def select_rows(self, rows: Sequence[int]) -> None:
-        """Keep only these batch rows (finished rows stop costing work)."""
+        """Keep only these batch rows, in this order (finished rows stop costing work)."""
         ...
 
 
-@runtime_checkable
-class GrowableRuntime(Runtime, Protocol):
-    """Optional capability (continuous batching): rows can join a running batch between rounds.
-
-    Checked with ``can_add_rows(runtime)``; a runtime without it can only serve fixed batches."""
-
-    def add_rows(self, rows: Sequence[Sequence[int]], want_hidden: bool = False) -> StepOutput:
-        """Prefill ``rows`` and append them after the running rows; output as ``prefill`` for the
-        new rows only. Existing rows' caches and lengths are unchanged. Never between
-        ``forward`` and ``commit``."""
-        ...
+_METHODS = ("prefill", "add_rows", "forward", "commit", "rollback", "lengths", "select_rows")
 
 
-def can_add_rows(runtime: object) -> bool:
-    """Whether ``runtime`` implements the optional ``add_rows`` (continuous batching)."""
-    return callable(getattr(runtime, "add_rows", None))
+def check_runtime_class(cls: type) -> None:
+    """Refuse a backend class that lacks part of the contract (or a ``from_config`` to build it)."""
+    missing = [m for m in (*_METHODS, "from_config") if not callable(getattr(cls, m, None))]
+    if missing:
+        raise TypeError(f"runtime {cls.__name__} does not implement the Runtime contract: missing "
+                        f"{', '.join(missing)}")

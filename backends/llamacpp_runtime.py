@@ -28,6 +28,7 @@ from pydantic import Field
 
 from spec_plugins.backends.base import RuntimeCapabilities, StepOutput
 from spec_plugins.config import RuntimeConfig
+from spec_plugins.models import load_gguf_tokenizer
 from spec_plugins.tree import TreeLayout
 
 INSTALL_HINT = (
@@ -45,43 +46,6 @@ def _llama_cpp() -> Any:
     except ImportError as exc:
         raise ImportError(f"the llamacpp backend needs llama-cpp-python; {INSTALL_HINT}") from exc
     return llama_cpp
-
-
-def load_tokenizer(model: str) -> Any:
-    """An HF tokenizer for a GGUF (or transformers dir), cached: converting one from a GGUF takes
-    ~25 s, so the converted model dir of the torch runtime is reused when present, else the
-    tokenizer alone is saved under ``<cache>/tokenizers``."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoTokenizer
-
-    from spec_plugins.models import cache_root, converted_dir, resolve_model
-
-    src = resolve_model(model)
-    if src.gguf_file is None:
-        return AutoTokenizer.from_pretrained(str(src.directory))
-    conv = converted_dir(src)
-    for d in (conv, cache_root() / "tokenizers" / conv.name):
-        if (d / "tokenizer_config.json").exists():
-            return AutoTokenizer.from_pretrained(str(d))
-    tok = AutoTokenizer.from_pretrained(str(src.directory), gguf_file=src.gguf_file)
-    _save_tokenizer(tok, cache_root() / "tokenizers" / conv.name)
-    return tok
-
-
-def _save_tokenizer(tok: Any, target: Path) -> None:
-    import shutil
-    import tempfile
-    import warnings
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=target.parent, prefix=".tmp-")
-    try:
-        tok.save_pretrained(tmp)
-        os.replace(tmp, target)
-    except OSError as exc:  # caching is an optimisation (or another process won the race)
-        if not (target / "tokenizer_config.json").exists():
-            warnings.warn(f"could not cache the tokenizer in {target}: {exc}")
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 class LlamaCppRuntime:
@@ -119,7 +83,7 @@ class LlamaCppRuntime:
         src = resolve_model(config.model)
         if src.gguf_path is None:
             raise ValueError(f"the llamacpp backend needs a GGUF model; {config.model!r} is a transformers directory")
-        return cls(str(src.gguf_path), config, tokenizer=load_tokenizer(config.model))
+        return cls(str(src.gguf_path), config, tokenizer=load_gguf_tokenizer(config.model))
 
     def __init__(self, gguf_path: str, config: "LlamaCppRuntime.Config | None" = None, tokenizer: Any = None) -> None:
         L = _llama_cpp()
@@ -174,7 +138,8 @@ class LlamaCppRuntime:
         eos = int(L.llama_vocab_eos(vocab))
         self.eos_token_ids = (eos,) if eos >= 0 else ()  # the GGUF's EOS, as the torch runtime's config has
         self.max_context = int(L.llama_n_ctx(self._ctx))
-        self.capabilities = RuntimeCapabilities(tree_mask=True, hidden_states=False, batch=True, name="llamacpp")
+        self.capabilities = RuntimeCapabilities(tree_mask=True, hidden_states=False, name="llamacpp")
+        self.device = torch.device("cpu")  # logits come back in host memory
         self._seq: list[int] = []  # home sequence id per row
         self._len: list[int] = []  # tokens cached per row (= next position)
         self._pending: dict[str, Any] | None = None  # what the last forward wrote, until commit

@@ -7,11 +7,11 @@ input shapes, binds torch CUDA tensors with ``set_tensor_address`` and runs
 gathers) are ordered with it without host syncs.
 
 KV layout and the Runtime contract come from
-:class:`~spec_plugins.backends.slot_engine.SlotEngineRuntime`: the torch runtime's hole-masked
-slot layout (:class:`~spec_plugins.backends.kv_slots.KVSlots`); each call's ``present = past +
-new`` becomes the next call's past; ``commit`` / ``rollback`` / ``select_rows`` apply slot plans
-to those GPU tensors (crop or tail gather, never a re-run of the prefix). This module adds only
-what is TensorRT: loading, the version/GPU check, contexts and the engine call.
+:class:`~spec_plugins.backends.slot_runtime.SlotRuntime`, the hole-masked slot layer shared with
+the torch and ONNX Runtime runtimes; each call's ``present = past + new`` becomes the next call's
+past; ``commit`` / ``rollback`` / ``select_rows`` apply slot plans to those GPU tensors (crop or
+tail gather, never a re-run of the prefix). This module adds only what is TensorRT: loading, the
+version/GPU check, contexts and the engine call.
 
 ``tensorrt`` is imported only when a runtime is built, so configs naming this backend validate
 on machines without it; building one there fails with the install hint.
@@ -25,11 +25,13 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from spec_plugins.backends.slot_engine import SlotEngineRuntime
+from spec_plugins.backends.base import RuntimeCapabilities, StepOutput
+from spec_plugins.backends.slot_runtime import SlotRuntime
+from spec_plugins.backends.slots import KVSlots
 from spec_plugins.config import RuntimeConfig
-from spec_plugins.exporters.tensorrt_manifest import (BuildEnv, EngineEntry, EngineManifest, EngineManifestError,
+from spec_plugins.graphs.engines import (BuildEnv, EngineEntry, EngineManifest, EngineManifestError,
                                                       check_compatible, torch_dtype_name)
-from spec_plugins.exporters.tensorrt_profiles import Limits
+from spec_plugins.graphs.profiles import Limits, bindings
 from spec_plugins.registry import RegistryError, register_backend
 
 INSTALL_HINT = ('Install it with `pip install "spec-plugins[tensorrt]"` (TensorRT 10 wheels for CUDA 12, fetched '
@@ -69,7 +71,7 @@ def load_tokenizer(directory: Path) -> Any:
 
 
 @register_backend("tensorrt")
-class TensorRTRuntime(SlotEngineRuntime):
+class TensorRTRuntime(SlotRuntime):
     """A TensorRT engine of the verify-graph layout with a batched, hole-masked KV on the GPU."""
 
     class Config(RuntimeConfig):
@@ -120,8 +122,25 @@ class TensorRTRuntime(SlotEngineRuntime):
                 ctx.set_optimization_profile_async(i, stream)
                 self.contexts.append(ctx)
         self._scratch = torch.empty(256, dtype=torch.uint8, device=device)  # address for empty tensors
-        self._init_slots(entry.inputs, entry.outputs, profiles, limits, entry.model, dtypes, device, "tensorrt",
-                         max_context)
+        self._init_layout(profiles, limits, entry.model, dtypes, device, max_context)
+
+    def _init_layout(self, profiles: list, limits: Limits, model: dict, dtypes: dict[str, torch.dtype],
+                     device: torch.device, max_context: int | None) -> None:
+        """Sizes and names of the verify-graph layout, from the manifest (no engine calls)."""
+        self.profiles, self.limits, self._dtypes, self.device = profiles, limits, dtypes, device
+        self.vocab_size = int(model["vocab_size"])
+        self.max_context = min(limits.max_context, int(model["max_context"]), max_context or limits.max_context)
+        self.max_slots = limits.max_context  # the engines' past axis P is bounded
+        self.prefill_chunk = max(p.ranges["N"][2] for p in profiles)
+        self.mask_dtype = dtypes["attention_mask"]
+        has_hidden = any(t["name"] == "hidden" for t in self.outputs)
+        self.capabilities = RuntimeCapabilities(tree_mask=True, hidden_states=has_hidden, name="tensorrt")
+        self._past_names = [t["name"] for t in self.inputs if t["name"].startswith("past_")]
+        self._present_names = [n.replace("past_", "present_", 1) for n in self._past_names]  # past i -> present i
+        kv = next(t["shape"] for t in self.inputs if t["name"].startswith("past_"))
+        self._kv_heads, self._head_dim = int(kv[1]), int(kv[3])
+        self.slots = KVSlots()
+        self.kv: list[torch.Tensor] = []  # per layer key, value: [B, H_kv, S, D] on ``device``
 
     def _io_dtypes(self, trt: Any) -> dict[str, torch.dtype]:
         """Torch dtype of every engine I/O tensor; the engine's names must be the manifest's."""
@@ -135,7 +154,37 @@ class TensorRTRuntime(SlotEngineRuntime):
                 raise EngineManifestError(f"engine tensor {t['name']!r} is not an input")
         return {n: getattr(torch, torch_dtype_name(eng.get_tensor_dtype(n).name)) for n in got}
 
-    # ---- one engine call -------------------------------------------------------------------------
+    # ---- the engine call ---------------------------------------------------------------------------
+    def _reset_kv(self, rows: int) -> None:
+        dt = self._dtypes[self._past_names[0]]
+        self.kv = [torch.empty(rows, self._kv_heads, 0, self._head_dim, dtype=dt, device=self.device)
+                   for _ in self._past_names]
+
+    def _call(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, want_hidden: bool,
+              prefill: bool) -> StepOutput:
+        """Pick the profile and exact shapes (``graphs.profiles.bindings``), bind and run; the
+        presents become the next call's past. Engine inputs must be dense, hence ``contiguous``."""
+        B, N = ids.shape
+        P = int(self.kv[0].shape[2])
+        bd = bindings(self.inputs, self.outputs, self.profiles, B, N, P, "prefill" if prefill else "decode")
+        dev, dt = self.device, self._dtypes
+        feeds = {"input_ids": ids.to(dev, dt["input_ids"]).contiguous(),
+                 "position_ids": pos.to(dev, dt["position_ids"]).contiguous(),
+                 "attention_mask": mask.to(dev, dt["attention_mask"]).contiguous(),
+                 **{n: t.contiguous() for n, t in zip(self._past_names, self.kv)}}
+        for name, t in feeds.items():
+            if tuple(t.shape) != bd.inputs[name]:
+                raise RuntimeError(f"internal: input {name} has shape {tuple(t.shape)}, bindings say {bd.inputs[name]}")
+        outs = self._run_engine(bd.profile, feeds, bd.outputs)
+        self.kv = [outs[n] for n in self._present_names]
+        return StepOutput(outs["logits"].float(), outs["hidden"] if want_hidden else None)
+
+    def add_rows(self, rows: Any, want_hidden: bool = False) -> StepOutput:
+        if not self.slots.pending_commit and self.slots.rows + len(rows) > self.limits.max_batch:
+            raise ValueError(f"{self.slots.rows} running + {len(rows)} new rows exceed the engine's max batch "
+                             f"{self.limits.max_batch} (rebuild with a larger --max-batch)")
+        return super().add_rows(rows, want_hidden)
+
     def _addr(self, t: torch.Tensor) -> int:
         return t.data_ptr() if t.numel() else self._scratch.data_ptr()
 

@@ -13,8 +13,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from spec_plugins.exporters.manifest import GraphEntry, Manifest, library_versions
-from spec_plugins.exporters.onnx_verify import OPSET, export_verify_graph
+from spec_plugins.graphs.manifest import GraphEntry, Manifest, library_versions
+from spec_plugins.exporters.onnx_verify import export_verify_graph
+from spec_plugins.graphs.io import OPSET
 
 Log = Callable[[str], None]
 
@@ -106,3 +107,12 @@ def export_config(config: Any, out: str | Path, opset: int = OPSET, log: Log = _
         cls = MedusaHeads if prop.type == "medusa" else EagleDrafter
         heads.append((prop.type, cls.from_pretrained(prop.heads, model), str(prop.heads)))
     return export_models(out, (model, tok, tgt.model), draft, None, opset, log, heads)
+
+
+def export_model(model: str, directory: str | Path) -> Manifest:
+    """Export ``model`` (float32) as a lone verify graph into ``directory``: what
+    ``backend: onnxruntime`` without a ``path`` does on first use (``EXPORTERS['onnx']``)."""
+    from spec_plugins.backends.torch_runtime import load_hf
+
+    hf, tok = load_hf(model, "float32", "cpu")
+    return export_models(directory, (hf, tok, model))

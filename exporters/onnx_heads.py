@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from spec_plugins.exporters.manifest import GraphEntry
-from spec_plugins.exporters.onnx_verify import OPSET
+from spec_plugins.graphs.manifest import GraphEntry
+from spec_plugins.graphs.io import OPSET
 
 
 class _Eagle(torch.nn.Module):

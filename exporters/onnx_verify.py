@@ -1,17 +1,6 @@
-"""The ONNX verify graph: one decoder step over N new nodes with an explicit KV past.
-
-Layout (the same for a target's verify graph and a draft model's graph):
-
-    inputs   input_ids       [B, N]          int64
-             position_ids    [B, N]          int64
-             attention_mask  [B, 1, N, P+N]  float, additive (0 = attend, finfo.min = masked)
-             past_key.i      [B, H_kv, P, D] per layer i (past_value.i likewise)
-    outputs  logits          [B, N, V]       float32
-             hidden          [B, N, H]       last hidden state (feature-level drafters)
-             present_key.i   [B, H_kv, P+N, D] = past + new (present_value.i likewise)
-
-The mask is exactly what ``backends/torch_runtime.py`` builds in ``_mask``, so it carries tree
-masks and holes (left padding, rejected nodes). B, N and P are dynamic axes.
+"""The ONNX verify graph: one decoder step over N new nodes with an explicit KV past, the same
+layout for a target's verify graph and a draft model's graph. The layout (inputs, outputs,
+shapes) is written down once, in ``spec_plugins.graphs.io``, shared with the runtimes.
 """
 
 from __future__ import annotations
@@ -23,7 +12,7 @@ from typing import Any
 
 import torch
 
-OPSET = 17
+from spec_plugins.graphs.io import OPSET, DecoderShape, input_names, io_spec, output_names
 # The dummy input used for tracing. N must be > 1: transformers' SDPA wrapper picks a
 # single-query GQA packing path for N == 1, which the tracer would freeze into the graph.
 _TRACE_B, _TRACE_N, _TRACE_P = 2, 3, 4
@@ -31,59 +20,6 @@ _TRACE_B, _TRACE_N, _TRACE_P = 2, 3, 4
 
 class UnsupportedModel(ValueError):
     """The model cannot be exported with the verify-graph layout (the message says why)."""
-
-
-@dataclass(frozen=True)
-class DecoderShape:
-    """What a runtime needs to know to feed a decoder graph."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_size: int
-    vocab_size: int
-    max_context: int
-
-    @classmethod
-    def of(cls, model: Any) -> "DecoderShape":
-        cfg = model.config.get_text_config(decoder=True)
-        heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        return cls(
-            num_layers=int(cfg.num_hidden_layers),
-            num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
-            head_dim=int(head_dim),
-            hidden_size=int(cfg.hidden_size),
-            vocab_size=int(model.get_output_embeddings().weight.shape[0]),
-            max_context=int(getattr(cfg, "max_position_embeddings", 2048)),
-        )
-
-
-def input_names(num_layers: int) -> list[str]:
-    past = [f"past_{kv}.{i}" for i in range(num_layers) for kv in ("key", "value")]
-    return ["input_ids", "position_ids", "attention_mask", *past]
-
-
-def output_names(num_layers: int) -> list[str]:
-    present = [f"present_{kv}.{i}" for i in range(num_layers) for kv in ("key", "value")]
-    return ["logits", "hidden", *present]
-
-
-def io_spec(shape: DecoderShape, dtype: str) -> tuple[list[dict], list[dict]]:
-    """Manifest description of the graph's inputs and outputs (symbolic dims B, N, P, T=P+N)."""
-    L = shape.num_layers
-    kv_in = ["B", shape.num_kv_heads, "P", shape.head_dim]
-    kv_out = ["B", shape.num_kv_heads, "T", shape.head_dim]
-    ins = [
-        {"name": "input_ids", "dtype": "int64", "shape": ["B", "N"]},
-        {"name": "position_ids", "dtype": "int64", "shape": ["B", "N"]},
-        {"name": "attention_mask", "dtype": dtype, "shape": ["B", 1, "N", "T"]},
-    ] + [{"name": n, "dtype": dtype, "shape": kv_in} for n in input_names(L)[3:]]
-    outs = [
-        {"name": "logits", "dtype": "float32", "shape": ["B", "N", shape.vocab_size]},
-        {"name": "hidden", "dtype": dtype, "shape": ["B", "N", shape.hidden_size]},
-    ] + [{"name": n, "dtype": dtype, "shape": kv_out} for n in output_names(L)[2:]]
-    return ins, outs
 
 
 def check_exportable(model: Any) -> None:

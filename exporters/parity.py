@@ -18,7 +18,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from spec_plugins.exporters.manifest import Manifest
+from spec_plugins.graphs.manifest import Manifest
 
 DEFAULT_RTOL = 1e-4  # fp32: max |diff| <= rtol * max |reference|
 _PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog again, and"
@@ -100,7 +100,8 @@ def random_tree(n: int, gen: torch.Generator) -> tuple[int, ...]:
 def check_random(graph: str, session: Any, model: Any, gamma: int, rtol: float, seed: int = 0,
                  past: int = 7) -> list[ParityCase]:
     """Random ids, random past, chain and tree masks, N = 1..gamma+1, fed to the session directly."""
-    from spec_plugins.exporters.onnx_verify import DecoderShape, VerifyGraph, dummy_inputs, input_names
+    from spec_plugins.exporters.onnx_verify import VerifyGraph, dummy_inputs
+    from spec_plugins.graphs.io import DecoderShape, input_names
     from spec_plugins.tree import layout
 
     wrapper = VerifyGraph(model).eval()
@@ -168,7 +169,8 @@ def check_runtimes(graph: str, torch_rt: Any, ort_rt: Any, ids: list[int], gamma
 def greedy_tokens(runtime: Any, prompt: list[int], max_new: int, draft_runtime: Any = None) -> list[int]:
     """Greedy speculative decoding: n-gram drafts, or a draft model on ``draft_runtime``."""
     from spec_plugins.config import SamplingConfig
-    from spec_plugins.engine import decode, fixed_length
+    from spec_plugins.loop import decode
+    from spec_plugins.policy import FixedLength
     from spec_plugins.proposers.draft_model import DraftModelProposer
     from spec_plugins.proposers.ngram import NgramProposer
     from spec_plugins.sampling import LogitsPipeline
@@ -180,7 +182,7 @@ def greedy_tokens(runtime: Any, prompt: list[int], max_new: int, draft_runtime: 
         prop = NgramProposer(NgramProposer.Config(num_draft_tokens=5))
     toks: list[int] = []
     for step in decode(runtime, prop, ExactVerifier(), LogitsPipeline(SamplingConfig()), [prompt], max_new,
-                       (), None, None, fixed_length(5)):
+                       (), None, None, FixedLength(5)):
         toks.extend(step.emitted.get(0, []))
     return toks
 

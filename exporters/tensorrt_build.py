@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from spec_plugins.exporters.tensorrt_manifest import (HARDWARE_COMPAT, BuildEnv, EngineEntry, EngineManifest,
+from spec_plugins.graphs.engines import (HARDWARE_COMPAT, BuildEnv, EngineEntry, EngineManifest,
                                                       file_sha256)
-from spec_plugins.exporters.tensorrt_profiles import Limits, Profile, ProfileError, check_graph, profiles
+from spec_plugins.graphs.profiles import Limits, Profile, ProfileError, check_graph, profiles
 
 Log = Callable[[str], None]
 
@@ -109,8 +109,8 @@ def build_engines(onnx_dir: str | Path, out: str | Path, precision: str = "fp32"
                   log: Log = _quiet, hardware_compat: str = "none") -> EngineManifest:
     """Build plans for the decoder graphs of ``onnx_dir`` into ``out`` (replaced atomically)."""
     from spec_plugins.backends.tensorrt_runtime import cuda_device, import_tensorrt
-    from spec_plugins.exporters.manifest import MANIFEST_NAME as ONNX_MANIFEST
-    from spec_plugins.exporters.manifest import Manifest
+    from spec_plugins.graphs.manifest import MANIFEST_NAME as ONNX_MANIFEST
+    from spec_plugins.graphs.manifest import Manifest
 
     onnx_dir, out = Path(onnx_dir), Path(out)
     if hardware_compat not in HARDWARE_COMPAT:
@@ -204,7 +204,7 @@ def add_command(export_app: Any) -> None:
     ) -> None:
         """Build TensorRT engines (plans + manifest) from an ONNX export; needs tensorrt and a GPU."""
         from spec_plugins.cli import fail
-        from spec_plugins.exporters.manifest import Manifest, ManifestError
+        from spec_plugins.graphs.manifest import Manifest, ManifestError
         from spec_plugins.registry import RegistryError
 
         try:

@@ -205,7 +205,7 @@ def main() -> int:
         def run(row: Row) -> None:
             from spec_plugins.backends.tensorrt_runtime import TensorRTRuntime
             from spec_plugins.exporters.tensorrt_build import build_engines
-            from spec_plugins.exporters.tensorrt_profiles import Limits
+            from spec_plugins.graphs.profiles import Limits
 
             out = tmp / f"trt-{precision}"
             t0 = time.perf_counter()

@@ -13,8 +13,10 @@ from typing import Any, Iterator, Sequence, Union
 import torch
 
 from spec_plugins.backends import build_runtime
-from spec_plugins.config import SpecConfig
-from spec_plugins.engine import DraftLengthPolicy, decode, fixed_length
+from spec_plugins.config import SamplingConfig, SpecConfig
+from spec_plugins.loop import decode
+from spec_plugins.loop.batch import check_pairing
+from spec_plugins.policy import AutoDraftLength, DraftPolicy, FixedLength
 from spec_plugins.registry import PROPOSERS, VERIFIERS
 from spec_plugins.sampling import LogitsPipeline, LogitsProcessorFn
 from spec_plugins.stats import DecodeStats
@@ -64,12 +66,7 @@ class SpeculativeDecoder:
         if config.proposer is not None:
             cls_ = PROPOSERS.get(config.proposer.type)
             proposer = cls_(config.proposer, target=target, tokenizer=getattr(target, "tokenizer", None))
-            if getattr(proposer, "tree", False) and not target.capabilities.tree_mask:
-                raise ValueError(
-                    f"proposer {config.proposer.type!r} drafts token trees, but the "
-                    f"{target.capabilities.name or config.target.backend} runtime cannot verify a tree mask; "
-                    "use a chain proposer on this runtime"
-                )
+            check_pairing(target, proposer)
         verifier = VERIFIERS.get(config.verifier.type)(config.verifier)
         return cls(target, proposer, verifier, config)
 
@@ -115,13 +112,18 @@ class SpeculativeDecoder:
         ids.update(int(i) for i in getattr(self.target, "eos_token_ids", ()))
         return sorted(ids)
 
-    def _draft_length(self) -> DraftLengthPolicy:
+    def policy(self, pipeline: LogitsPipeline | None = None) -> DraftPolicy:
+        """The draft-length policy of one generation: the configured length, or ``auto`` over the
+        runtime's measured (cached, online-corrected) cost model."""
         k = self.config.proposer.num_draft_tokens if self.config and self.config.proposer else 5
         if k == "auto":
-            from spec_plugins.adaptive import AutoDraftLength
+            return AutoDraftLength.for_runtime(self.target, self.proposer, pipeline)
+        return FixedLength(int(k))
 
-            return AutoDraftLength.for_decoder(self)
-        return fixed_length(int(k))
+    def _generator(self, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        return torch.Generator(device=getattr(self.target, "device", "cpu")).manual_seed(seed)
 
     # ---- generation ------------------------------------------------------------------------
     def stream(
@@ -134,20 +136,21 @@ class SpeculativeDecoder:
         temperature: float | None = None,
         seed: int | None = None,
         stats: DecodeStats | None = None,
+        observers: Sequence[Any] = (),
     ) -> Iterator[StreamEvent]:
         """Yield new tokens/text each round; stops at EOS, max_new_tokens or a stop string."""
         if max_new_tokens < 0:
             raise ValueError("max_new_tokens must be >= 0")
         ids = self.encode(prompt, chat)
         sampling = self._sampling(temperature, seed)
-        gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         pipeline = LogitsPipeline(sampling, processors)
         stats = stats if stats is not None else DecodeStats()
         self.last_stats = stats
         out: list[int] = []
         text_done = ""
         for step in decode(self.target, self.proposer, self.verifier, pipeline, [ids], max_new_tokens,
-                           self.eos_ids(), gen, stats, self._draft_length()):
+                           self.eos_ids(), self._generator(sampling.seed), stats, self.policy(pipeline),
+                           observers=observers):
             new = step.emitted.get(0, [])
             out.extend(new)
             reason = step.finished.get(0)
@@ -166,31 +169,43 @@ class SpeculativeDecoder:
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 128, stop: Sequence[str] = (),
                  processors: Sequence[LogitsProcessorFn] = (), chat: bool | None = None,
-                 temperature: float | None = None, seed: int | None = None) -> GenerationResult:
+                 temperature: float | None = None, seed: int | None = None,
+                 observers: Sequence[Any] = ()) -> GenerationResult:
         ids = self.encode(prompt, chat)
         stats = DecodeStats()
         toks: list[int] = []
         text = ""
         reason = "length"
-        for ev in self.stream(ids, max_new_tokens, stop, processors, temperature=temperature, seed=seed, stats=stats):
+        for ev in self.stream(ids, max_new_tokens, stop, processors, temperature=temperature, seed=seed, stats=stats,
+                              observers=observers):
             toks.extend(ev.token_ids)
             text += ev.text
             reason = ev.finish_reason or reason
         return GenerationResult(text, toks, stats, ids, reason)
 
-    def generate_batch(self, prompts: Sequence[Prompt], max_new_tokens: int = 128,
+    def generate_batch(self, prompts: Sequence[Prompt], max_new_tokens: int | Sequence[int] = 128,
                        processors: Sequence[LogitsProcessorFn] = (), chat: bool | None = None,
-                       temperature: float | None = None, seed: int | None = None) -> list[GenerationResult]:
-        """Decode several prompts as one batch (one target forward per round for all rows)."""
+                       temperature: float | None = None, seed: int | None = None,
+                       sampling: Sequence[SamplingConfig] | None = None, seeds: Sequence[int | None] | None = None,
+                       observers: Sequence[Any] = ()) -> list[GenerationResult]:
+        """Decode several prompts as one batch (one target forward per round for all rows).
+        ``sampling[i]`` / ``seeds[i]``: row i's own sampling and generator (default: the config's
+        sampling, one generator shared by the rows)."""
         ids = [self.encode(p, chat) for p in prompts]
-        sampling = self._sampling(temperature, seed)
-        gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+        base = self._sampling(temperature, seed)
+        if sampling is not None and len(sampling) != len(ids) or seeds is not None and len(seeds) != len(ids):
+            raise ValueError(f"sampling and seeds need one entry per prompt ({len(ids)})")
+        shared = {base: LogitsPipeline(base, processors)}
+        for s in sampling or ():
+            shared.setdefault(s, LogitsPipeline(s, processors))
+        pipes = [shared[s] for s in sampling] if sampling is not None else [shared[base]] * len(ids)
         stats = DecodeStats()
         self.last_stats = stats
         outs: list[list[int]] = [[] for _ in ids]
         reasons = ["length"] * len(ids)
-        for step in decode(self.target, self.proposer, self.verifier, LogitsPipeline(sampling, processors), ids,
-                           max_new_tokens, self.eos_ids(), gen, stats, self._draft_length()):
+        for step in decode(self.target, self.proposer, self.verifier, pipes, ids, max_new_tokens, self.eos_ids(),
+                           self._generator(base.seed), stats, self.policy(pipes[0]), seeds=seeds,
+                           observers=observers):
             for i, t in step.emitted.items():
                 outs[i].extend(t)
             for i, r in step.finished.items():
@@ -198,11 +213,9 @@ class SpeculativeDecoder:
         dec = (lambda t: self.tokenizer.decode(t, skip_special_tokens=True)) if self.tokenizer else (lambda t: "")
         return [GenerationResult(dec(o), o, stats, i, r) for o, i, r in zip(outs, ids, reasons)]
 
-    def _sampling(self, temperature: float | None, seed: int | None):
-        from spec_plugins.config import SamplingConfig
-
+    def _sampling(self, temperature: float | None, seed: int | None) -> SamplingConfig:
         base = self.config.sampling if self.config else SamplingConfig()
-        upd = {}
+        upd: dict[str, Any] = {}
         if temperature is not None:
             upd["temperature"] = temperature
         if seed is not None:

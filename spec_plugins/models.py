@@ -7,8 +7,13 @@ with the list of what is available.
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
+import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 
 @dataclass(frozen=True)
@@ -88,3 +93,38 @@ def converted_dir(src: ModelSource) -> Path:
     """Cache directory for a GGUF dequantised to a transformers directory, keyed by file identity."""
     st = src.gguf_path.stat()
     return cache_root() / "hf" / f"{src.gguf_path.stem}-{st.st_size}-{int(st.st_mtime)}"
+
+
+def write_cache_dir(target: Path, write: Callable[[Path], None]) -> None:
+    """Fill a temporary directory next to ``target`` with ``write`` and move it into place, so a
+    partial directory is never left behind. Caching is an optimisation: a failure (or another
+    process winning the race) warns and never fails the load."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=target.parent, prefix=".tmp-")
+    try:
+        write(Path(tmp))
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, target)
+    except Exception as exc:  # noqa: BLE001
+        if not any(target.glob("*.json")):
+            warnings.warn(f"could not cache {target}: {exc}")
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_gguf_tokenizer(model: str) -> Any:
+    """An HF tokenizer for a GGUF (or transformers dir), cached: converting one from a GGUF takes
+    ~25 s, so the converted model dir of the torch runtime is reused when present, else the
+    tokenizer alone is saved under ``<cache>/tokenizers``."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    src = resolve_model(model)
+    if src.gguf_file is None:
+        return AutoTokenizer.from_pretrained(str(src.directory))
+    conv = converted_dir(src)
+    for d in (conv, cache_root() / "tokenizers" / conv.name):
+        if (d / "tokenizer_config.json").exists():
+            return AutoTokenizer.from_pretrained(str(d))
+    tok = AutoTokenizer.from_pretrained(str(src.directory), gguf_file=src.gguf_file)
+    write_cache_dir(cache_root() / "tokenizers" / conv.name, lambda d: tok.save_pretrained(str(d)))
+    return tok

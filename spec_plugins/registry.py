@@ -1,7 +1,8 @@
 """Name -> plugin registries for proposers, verifiers and runtimes.
 
 Built-ins register with a decorator; third-party packages add entries through the entry-point
-groups ``spec_plugins.proposers``, ``spec_plugins.verifiers`` and ``spec_plugins.backends``
+groups ``spec_plugins.proposers``, ``spec_plugins.verifiers``, ``spec_plugins.backends`` and
+``spec_plugins.exporters``
 (value ``"pkg.module:Class"``), loaded lazily the first time a name is looked up. Every plugin
 class carries a pydantic ``Config`` model whose ``type`` (or ``backend``) field names it.
 """
@@ -23,9 +24,11 @@ class RegistryError(LookupError):
 class Registry(Generic[T]):
     """One kind of plugin. Duplicate names are refused; lookups load entry points on a miss."""
 
-    def __init__(self, kind: str, group: str, builtins: Mapping[str, str] | None = None) -> None:
+    def __init__(self, kind: str, group: str, builtins: Mapping[str, str] | None = None,
+                 check: Callable[[Any], None] | None = None) -> None:
         self.kind = kind
         self.group = group
+        self._check = check  # the contract every entry must meet, checked when it registers or loads
         self._entries: dict[str, T] = {}
         # Lazy built-ins: name -> "module:attr" (imported on first use, e.g. optional runtimes).
         self._lazy: dict[str, str] = dict(builtins or {})
@@ -36,6 +39,8 @@ class Registry(Generic[T]):
         def deco(obj: T) -> T:
             if name in self._entries and self._entries[name] is not obj:
                 raise RegistryError(f"{self.kind} {name!r} is already registered ({self._entries[name]!r})")
+            if self._check is not None:
+                self._check(obj)
             self._entries[name] = obj
             self._lazy.pop(name, None)
             if install_hint:
@@ -82,6 +87,8 @@ class Registry(Generic[T]):
                 ) from exc
             obj: Any = getattr(mod, attr) if attr else mod
             # Importing the module may have registered it already through the decorator.
+            if name not in self._entries and self._check is not None:
+                self._check(obj)
             self._entries.setdefault(name, obj)
             self._lazy.pop(name, None)
             return self._entries[name]
@@ -90,6 +97,18 @@ class Registry(Generic[T]):
     def view(self) -> Mapping[str, T]:
         """Read-only view of the loaded entries."""
         return MappingProxyType(self._entries)
+
+
+def _check_proposer(cls: Any) -> None:
+    from spec_plugins.proposers.base import check_proposer_class
+
+    check_proposer_class(cls)
+
+
+def _check_runtime(cls: Any) -> None:
+    from spec_plugins.backends.base import check_runtime_class
+
+    check_runtime_class(cls)
 
 
 PROPOSERS: Registry[Any] = Registry(
@@ -103,6 +122,7 @@ PROPOSERS: Registry[Any] = Registry(
         "medusa": "spec_plugins.proposers.medusa:MedusaProposer",
         "eagle": "spec_plugins.proposers.eagle:EagleProposer",
     },
+    check=_check_proposer,
 )
 VERIFIERS: Registry[Any] = Registry(
     "verifier", "spec_plugins.verifiers", builtins={"exact": "spec_plugins.verifiers:ExactVerifier",
@@ -110,7 +130,8 @@ VERIFIERS: Registry[Any] = Registry(
 )
 BACKENDS: Registry[Any] = Registry(
     "backend", "spec_plugins.backends", builtins={"torch": "spec_plugins.backends.torch_runtime:TorchRuntime",
-                                                 "onnxruntime": "spec_plugins.backends.onnxruntime_runtime:OnnxRuntime"}
+                                                 "onnxruntime": "spec_plugins.backends.onnxruntime_runtime:OnnxRuntime"},
+    check=_check_runtime,
 )
 BACKENDS._hints["onnxruntime"] = "install the [onnx] extra: pip install 'spec-plugins[onnx]'"
 BACKENDS.add_lazy("llamacpp", "spec_plugins.backends.llamacpp_runtime:LlamaCppRuntime",
@@ -118,6 +139,11 @@ BACKENDS.add_lazy("llamacpp", "spec_plugins.backends.llamacpp_runtime:LlamaCppRu
 # imports tensorrt only when a runtime is built; that step gives the install hint where it is missing
 BACKENDS.add_lazy("tensorrt", "spec_plugins.backends.tensorrt_runtime:TensorRTRuntime",
                   install_hint="install the [tensorrt] extra on a GPU machine: pip install 'spec-plugins[tensorrt]'")
+
+# artifacts a runtime builds on first use (an ONNX export for ``backend: onnxruntime`` without a
+# path), looked up by name so that runtimes never import the exporters package
+EXPORTERS: Registry[Any] = Registry(
+    "exporter", "spec_plugins.exporters", builtins={"onnx": "spec_plugins.exporters.onnx_export:export_model"})
 
 register_proposer = PROPOSERS.register
 register_verifier = VERIFIERS.register

@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 import torch
 
 from spec_plugins.config import SamplingConfig
+from spec_plugins.tree import paths
 
 # transformers-compatible: processor(input_ids [R, L] long, scores [R, V] float) -> scores
 LogitsProcessorFn = Callable[[torch.LongTensor, torch.FloatTensor], torch.FloatTensor]
@@ -99,17 +100,56 @@ class LogitsPipeline:
         if not self.processors:
             return self.warp(logits)
         B, N, V = logits.shape
-        paths = _paths(parents)
+        node_paths = paths(parents)
         tok = tokens.tolist()
-        prefixes = [list(sequences[b]) + [tok[b][i] for i in paths[j][1:]] for b in range(B) for j in range(N)]
+        prefixes = [list(sequences[b]) + [tok[b][i] for i in node_paths[j][1:]] for b in range(B) for j in range(N)]
         return self.process_rows(logits.reshape(B * N, V), prefixes).reshape(B, N, V)
 
 
-def _paths(parents: tuple[int, ...]) -> list[list[int]]:
-    paths: list[list[int]] = []
-    for j, p in enumerate(parents):
-        paths.append((paths[p] if p >= 0 else []) + [j])
-    return paths
+class RowPipelines:
+    """Per-row pipelines seen as one: what the batch processes logits with, and what a proposer's
+    ``ctx.pipeline`` is. Rows sharing a pipeline object are processed together (a fixed batch
+    with one sampling setting is one group).
+
+    ``greedy`` only if every row is greedy; in a mixed batch the greedy rows' logits become a
+    point mass at their argmax, so a sampling drafter drafts exactly what a greedy one would."""
+
+    def __init__(self, pipelines: Sequence[LogitsPipeline]) -> None:
+        self.pipelines = list(pipelines)
+        self.greedy = all(p.greedy for p in self.pipelines)
+        self.needs_prefix = any(p.needs_prefix for p in self.pipelines)
+        self.sampling = self.pipelines[0].sampling if self.pipelines else SamplingConfig()
+        groups: dict[int, list[int]] = {}
+        for r, p in enumerate(self.pipelines):
+            groups.setdefault(id(p), []).append(r)
+        self.groups = list(groups.values())
+
+    def process_rows(self, logits: torch.Tensor, prefixes: Sequence[Sequence[int]]) -> torch.Tensor:
+        if len(self.groups) == 1:
+            return self._point_mass(self.pipelines[0], self.pipelines[0].process_rows(logits, prefixes))
+        out = torch.empty_like(logits)
+        for rows in self.groups:
+            p = self.pipelines[rows[0]]
+            out[rows] = self._point_mass(p, p.process_rows(logits[rows], [prefixes[r] for r in rows]))
+        return out
+
+    def process_tree(self, logits: torch.Tensor, sequences: Sequence[Sequence[int]], tokens: torch.Tensor,
+                     parents: tuple[int, ...]) -> torch.Tensor:
+        if len(self.groups) == 1:
+            return self.pipelines[0].process_tree(logits, sequences, tokens, parents)
+        out = torch.empty_like(logits)
+        for rows in self.groups:
+            out[rows] = self.pipelines[rows[0]].process_tree(logits[rows], [sequences[r] for r in rows],
+                                                             tokens[rows], parents)
+        return out
+
+    def _point_mass(self, p: LogitsPipeline, z: torch.Tensor) -> torch.Tensor:
+        if p.greedy and not self.greedy:
+            return z.masked_fill(z < z.max(-1, keepdim=True).values, float("-inf"))
+        return z
+
+    def probs(self, processed: torch.Tensor) -> torch.Tensor:
+        return processed.float().softmax(-1)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

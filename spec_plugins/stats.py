@@ -1,17 +1,22 @@
-"""One stats record per generation, observed once per round. Reports, plots and /metrics read it.
+"""Decoding stats, an observer of the round's ``RoundRecord``. Reports, plots and /metrics read it.
 
-Convention: ``mean_accepted_tokens`` = tokens emitted by speculative rounds / target forwards
-in those rounds, so it counts the corrected-or-bonus token (plain decoding gives 1.0).
+Conventions (vLLM's): ``mean_accepted_tokens`` is per sequence per round = tokens emitted by
+rounds / row-rounds, so it counts the corrected-or-bonus token (plain decoding gives 1.0) and
+does not grow with the batch; ``tokens_per_forward`` is the batch-level figure = tokens emitted
+by rounds / target forwards (B rows emit up to B x that per forward). Acceptance by position is
+per row-round too: of the rows that drafted depth d, the share that accepted it.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 @dataclass
 class DecodeStats:
     target_forwards: int = 0  # verify forwards (rounds), prefill excluded
+    row_rounds: int = 0  # rows verified over those forwards (a batch of B rows: B per forward)
     verify_positions: int = 0  # positions per row over those forwards (sum of N = 1 + drafted nodes)
     prefill_forwards: int = 0
     draft_tokens: int = 0  # drafted nodes offered to the verifier
@@ -28,6 +33,30 @@ class DecodeStats:
     time_cache: float = 0.0  # KV commit / rollback / compaction of the target cache
     time_total: float = 0.0
     lossy: bool = False
+
+    def observe(self, record: Any) -> None:
+        """One round (``RoundRecord``): every row's drafted nodes by depth, accepted and emitted."""
+        self.target_forwards += 1
+        self.row_rounds += record.rows
+        self.verify_positions += record.positions
+        for drafted, acc, em in zip(record.drafted_by_depth(), record.accepted, record.emitted):
+            self.observe_round(drafted, len(acc), len(em))
+            self.new_tokens += len(em)
+        t = record.times
+        self.time_draft += t.draft
+        self.time_draft_forward += t.draft_forward
+        self.time_target_forward += t.forward
+        self.time_verify += t.verify
+        self.time_cache += t.commit
+        self.time_total += t.total
+        self.lossy = self.lossy or record.lossy
+
+    def observe_admit(self, rows: int, seconds: float) -> None:
+        """Rows joined: one prefill forward emitted their first tokens."""
+        self.prefill_forwards += 1
+        self.new_tokens += rows
+        self.time_prefill += seconds
+        self.time_total += seconds
 
     def observe_round(self, depth_drafted: list[int], accepted_depth: int, emitted: int) -> None:
         """``depth_drafted[d]`` nodes were drafted at depth d; the accepted path has length
@@ -48,6 +77,12 @@ class DecodeStats:
 
     @property
     def mean_accepted_tokens(self) -> float:
+        """Tokens per sequence per round (bonus included)."""
+        return self.emitted_tokens / self.row_rounds if self.row_rounds else 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Tokens the whole batch emitted per target forward."""
         return self.emitted_tokens / self.target_forwards if self.target_forwards else 0.0
 
     @property
@@ -93,6 +128,7 @@ class DecodeStats:
         d = asdict(self)
         d.update(
             mean_accepted_tokens=self.mean_accepted_tokens,
+            tokens_per_forward=self.tokens_per_forward,
             acceptance_rate=self.acceptance_rate,
             acceptance_by_position=self.acceptance_by_position,
             time_other=self.time_other,

@@ -28,28 +28,13 @@ decoding is the temperature-0 limit: accept while x equals the target argmax.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from spec_plugins.sampling import sample
 from spec_plugins.tree import children, layout, path_to
+from spec_plugins.types import Verdict
 
-
-@dataclass
-class Verdict:
-    """Per row: accepted draft nodes (root-to-leaf order) and the token emitted after them."""
-
-    accepted: list[list[int]]
-    next_tokens: list[int]
-
-    def keep(self) -> list[list[int]]:
-        """Forward indices whose KV survives: the root plus every accepted node."""
-        return [[0] + [i + 1 for i in acc] for acc in self.accepted]
-
-
-def _is_chain(parents: tuple[int, ...]) -> bool:
-    return all(p == i - 1 for i, p in enumerate(parents))
+__all__ = ["Verdict", "greedy_verify", "rejection_verify", "typical_verify"]
 
 
 def greedy_verify(
@@ -60,7 +45,7 @@ def greedy_verify(
     B, n = x.shape
     if n == 0:
         return Verdict([[] for _ in range(B)], top[:, 0].tolist())
-    if _is_chain(parents):
+    if layout(parents).is_chain:
         match = x == top[:, :-1]
         if valid is not None:
             match &= valid
@@ -97,7 +82,7 @@ def rejection_verify(
     B, n = x.shape
     if n == 0:
         return Verdict([[] for _ in range(B)], sample(p[:, 0], generator).tolist())
-    if _is_chain(parents):
+    if layout(parents).is_chain:
         return _chain(x, p, q, generator, valid)
     return _tree(x, parents, p, q, generator, valid)
 

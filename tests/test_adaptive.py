@@ -1,45 +1,58 @@
-"""``num_draft_tokens: auto``: the expected-rate math, its choices under known acceptance and
-cost, recovery after a collapse, and greedy equality end to end."""
+"""``num_draft_tokens: auto`` (``AutoDraftLength``): the expected-rate math, its choices under known
+acceptance and cost, recovery after a collapse, per-key estimates, shadow drafts, the load-aware
+behaviour over (rows, positions), and greedy equality end to end."""
 
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 from helpers import plain_greedy
 
 from conftest import tiny_llama
-from spec_plugins.adaptive import AcceptanceEstimate, AutoDraftLength
 from spec_plugins.backends.torch_runtime import TorchRuntime
 from spec_plugins.config import SpecConfig
-from spec_plugins.costmodel import CostModel, cost_model_for
 from spec_plugins.decoder import SpeculativeDecoder
-from spec_plugins.stats import DecodeStats
+from spec_plugins.policy import AutoDraftLength, ForwardCost
+from spec_plugins.policy.acceptance import AcceptanceEstimate
+from spec_plugins.policy.cost import cost_for
+from spec_plugins.types import BatchView, Draft, RoundRecord, RoundTimes
 
-FLAT = CostModel(tuple([0.010] * 17))  # GPU-like: verifying 17 positions costs one forward
-CPU = CostModel(tuple(0.010 * (1 + 0.12 * (n - 1)) for n in range(1, 18)))  # 8 positions ~1.84x
-LINEAR = CostModel(tuple(0.010 * n for n in range(1, 18)))  # verification as dear as decoding
+FLAT = ForwardCost.from_curve([0.010] * 17)  # GPU-like: verifying 17 positions costs one forward
+CPU = ForwardCost.from_curve([0.010 * (1 + 0.12 * (n - 1)) for n in range(1, 18)])  # 8 positions ~1.84x
+LINEAR = ForwardCost.from_curve([0.010 * n for n in range(1, 18)])  # verification as dear as decoding
+STEP = ForwardCost.from_curve([0.010] + [0.017 + 0.0003 * n for n in range(2, 18)])  # this CPU: N=2 ~1.7x N=1
+STEEP = ForwardCost.from_curve([0.010 * (1 + 0.6 * (n - 1)) for n in range(1, 18)])  # llama.cpp-like
 
 
-def drive(policy, rounds: int, accept, offered: int = 64, seed: int = 0, stats: DecodeStats | None = None):
-    """Play rounds like the engine does: policy -> k, draft min(k, offered) tokens, each position
-    accepted while ``accept(j, rng)`` holds; returns (stats, chosen ks, modelled seconds)."""
+def record(budgets, drafted, accepted, keys=None, cost=None) -> RoundRecord:
+    """A round as the batch reports it: each row drafted ``drafted[b]`` chain tokens and the
+    verifier accepted ``accepted[b]``; the forward took what ``cost`` says (no overhead)."""
+    B = len(budgets)
+    draft = Draft.from_chains([[7] * d for d in drafted])
+    n = 1 + max(drafted, default=0)
+    fwd = cost(B, n) if cost is not None else 0.01
+    return RoundRecord(list(range(B)), [[1, 2, 3]] * B, list(budgets), keys, draft,
+                       [list(range(a)) for a in accepted], [[5] * (a + 1) for a in accepted], [], n,
+                       times=RoundTimes(forward=fwd, total=fwd))
+
+
+def drive(policy, rounds: int, accept, offered: int = 64, seed: int = 0, key: int | None = None):
+    """Play rounds like the batch does: choose -> k, draft min(k, offered) tokens, each position
+    accepted while ``accept(j, rng)`` holds; returns (tokens, chosen ks, modelled seconds)."""
     rng = random.Random(seed)
-    stats = stats if stats is not None else DecodeStats()
-    ks, seconds = [], 0.0
+    tokens, ks, seconds = 0, [], 0.0
     for _ in range(rounds):
-        k = policy(stats)
+        (k,) = policy.choose(BatchView([[1, 2, 3]], [10**6], None if key is None else [key]))
         ks.append(k)
         n = min(k, offered)
         a = 0
         while a < n and accept(a, rng):
             a += 1
-        stats.target_forwards += 1
-        stats.observe_round([1] * n, a, a + 1)
-        stats.new_tokens += a + 1
-        seconds += policy.cost.round_seconds(n, k > 0)
-    return stats, ks, seconds
+        policy.observe(record([k], [n], [a], None if key is None else [key]))
+        tokens += a + 1
+        seconds += policy.cost(1, 1 + n)
+    return tokens, ks, seconds
 
 
 def iid(alpha: float):
@@ -50,14 +63,16 @@ def test_rates_follow_expected_tokens_over_cost():
     est = AcceptanceEstimate(3, decay=1.0, prior_weight=1e-9)
     # 1000 rows reach position 0, 800 accept it; of those 400 accept position 1; 100 accept position 2
     est.update(3, 1000, [1000, 1000, 1000], [800, 400, 100])
-    p = est.accept_probs()
-    assert p == pytest.approx([0.8, 0.5, 0.25], abs=1e-6)
+    assert est.accept_probs() == pytest.approx([0.8, 0.5, 0.25], abs=1e-6)
     assert est.offer_probs() == pytest.approx([1.0, 1.0, 1.0], abs=1e-6)
     pol = AutoDraftLength(CPU, max_k=3)
-    pol.estimate = est
     tokens = [1.0, 1.8, 2.2, 2.3]
-    want = [t / CPU.round_seconds(float(k), k > 0) for k, t in enumerate(tokens)]
-    assert pol.rates() == pytest.approx(want, rel=1e-6)
+    want = [t / CPU(1, 1 + k) for k, t in enumerate(tokens)]
+    assert pol.rates(est) == pytest.approx(want, rel=1e-6)
+    # a batch of 4 rows emits 4x the tokens over a forward priced for 4 rows
+    rows4 = ForwardCost({(b, n): 0.01 * b * (1 + 0.1 * (n - 1)) for b in (1, 4) for n in range(1, 5)})
+    pol4 = AutoDraftLength(rows4, max_k=3)
+    assert pol4.rates(est, rows=4) == pytest.approx([4 * t / rows4(4, 1 + k) for k, t in enumerate(tokens)])
 
 
 def test_offer_rate_lowers_expected_verify_cost():
@@ -74,8 +89,7 @@ def test_offer_rate_lowers_expected_verify_cost():
     (LINEAR, 0.9, 0, 0),  # verification as dear as decoding: never worth it
 ])
 def test_settles_on_a_sensible_length(cost, alpha, lo, hi):
-    pol = AutoDraftLength(cost, max_k=16)
-    _, ks, _ = drive(pol, 300, iid(alpha))
+    _, ks, _ = drive(AutoDraftLength(cost, max_k=16), 300, iid(alpha))
     late = sorted(ks[-100:])
     assert lo <= late[len(late) // 2] <= hi, late
 
@@ -88,62 +102,51 @@ def test_shorter_drafts_when_verification_costs_more():
 
 @pytest.mark.parametrize("alpha", [0.5, 0.7, 0.85, 0.95])
 def test_auto_close_to_best_fixed_length_under_iid_acceptance(alpha):
+    from spec_plugins.policy import FixedLength
+
     def rate(policy_factory, seeds=range(3)):
         tok = sec = 0.0
         for s in seeds:
-            st, _, secs = drive(policy_factory(), 400, iid(alpha), seed=s)
-            tok += st.new_tokens
-            sec += secs
+            pol = policy_factory()
+            pol.cost = CPU
+            t, _, secs = drive(pol, 400, iid(alpha), seed=s)
+            tok, sec = tok + t, sec + secs
         return tok / sec
 
-    class Fixed:
-        cost = CPU
-
-        def __init__(self, k):
-            self.k = k
-
-        def __call__(self, stats):
-            return self.k
-
-    best = max(rate(lambda k=k: Fixed(k)) for k in range(0, 17))
+    best = max(rate(lambda k=k: FixedLength(k)) for k in range(0, 17))
     assert rate(lambda: AutoDraftLength(CPU)) >= 0.93 * best
 
 
 def test_stops_drafting_when_acceptance_collapses_and_probes_back():
     pol = AutoDraftLength(CPU)
-    stats, ks, _ = drive(pol, 60, iid(0.95), seed=2)
+    _, ks, _ = drive(pol, 60, iid(0.95), seed=2)
     assert sum(ks[-20:]) / 20 >= 3  # good phase: real drafts
-    stats, ks, _ = drive(pol, 150, lambda j, rng: False, stats=stats)  # collapse: nothing accepted
+    _, ks, _ = drive(pol, 150, lambda j, rng: False)  # collapse: nothing accepted
     assert ks[-50:].count(0) >= 40  # mostly plain decoding
-    stats, ks, _ = drive(pol, 60, iid(0.95), seed=3, stats=stats)  # drafts become good again
+    _, ks, _ = drive(pol, 60, iid(0.95), seed=3)  # drafts become good again
     assert sum(ks[-20:]) / 20 >= 3  # found by probing
 
 
 def test_rows_without_drafts_are_not_counted_as_rejections():
     # an n-gram drafter that only sometimes has a match, but is right when it has one
-    pol = AutoDraftLength(CPU)
-    _, ks, _ = drive(pol, 200, lambda j, rng: True, offered=3)
+    _, ks, _ = drive(AutoDraftLength(CPU), 200, lambda j, rng: True, offered=3)
     assert sorted(ks[-50:])[25] >= 3
 
 
-def test_new_generation_resets_the_round_bookkeeping():
-    pol = AutoDraftLength(CPU)
-    drive(pol, 20, iid(0.9))
-    fresh = DecodeStats()
-    k = pol(fresh)  # a new stats object: no delta against the old one is taken
-    assert 0 <= k <= pol.max_k and pol._stats is fresh
+def test_choose_prices_each_length_once_per_round():
+    """The policy's work per round is O(max_k): one cost-model evaluation per draft length."""
+    calls = []
 
+    class Counting(ForwardCost):
+        def __call__(self, b, n):
+            calls.append((b, n))
+            return super().__call__(b, n)
 
-def test_call_is_cheap():
-    pol = AutoDraftLength(CPU, max_k=16)
-    stats, _, _ = drive(pol, 50, iid(0.8))
-    t0 = time.perf_counter()
-    for _ in range(200):
-        stats.target_forwards += 1
-        stats.observe_round([1] * 4, 2, 3)
-        pol(stats)
-    per_call = (time.perf_counter() - t0) / 200
-    assert per_call < 1e-3, per_call  # a SmolLM2 forward on CPU is ~30 ms
+    pol = AutoDraftLength(Counting(CPU.table), max_k=16)
+    drive(pol, 20, iid(0.8))
+    calls.clear()
+    pol.choose(BatchView([[1, 2, 3]] * 4, [99] * 4, [3, 3, 6, 9]))  # three distinct keys, four rows
+    assert len(calls) == 17 and {b for b, _ in calls} == {4}
 
 
 @pytest.mark.parametrize("kwargs, msg", [
@@ -159,8 +162,10 @@ def test_bad_estimate_arguments(kwargs, msg):
 
 def test_cost_model_too_short_for_auto():
     with pytest.raises(ValueError, match="auto needs >= 2"):
-        AutoDraftLength(CostModel((0.01,)))
-    assert AutoDraftLength(CostModel((0.01, 0.011, 0.012)), max_k=16).max_k == 2  # clamped to the curve
+        AutoDraftLength(ForwardCost.from_curve([0.01]))
+    assert AutoDraftLength(ForwardCost.from_curve([0.01, 0.011, 0.012]), max_k=16).max_k == 2  # clamped
+    with pytest.raises(ValueError, match="min_gain"):
+        AutoDraftLength(CPU, min_gain=0.5)
 
 
 def test_auto_config_end_to_end_greedy_identical():
@@ -172,42 +177,38 @@ def test_auto_config_end_to_end_greedy_identical():
     for prompt in ([1, 2, 3, 1, 2, 3, 1, 2], [5, 9, 5, 9, 5], [7, 3, 11, 4]):
         r = dec.generate(prompt, max_new_tokens=40)
         assert r.token_ids == plain_greedy(model, prompt, 40)
-    assert cost_model_for(rt).max_positions >= 17  # measured once and cached on the runtime
+    assert cost_for(rt).max_positions >= 17  # measured once and cached on the runtime
     assert r.stats.target_forwards >= 1
 
 
 # ---- one estimate per draft key (n-gram: matched suffix length) ---------------------------------
-STEP = CostModel(tuple([0.010] + [0.017 + 0.0003 * n for n in range(2, 18)]))  # this CPU: N=2 ~1.7x N=1
-
-
-def test_per_row_learns_a_length_per_key():
+def test_each_key_learns_its_own_length():
     """Key 3 rows always copy 8 tokens, key 1 rows never: under a cost curve where any draft costs
-    ~1.7x, the policy must draft long for key 3 and nothing for key 1, in the same batch."""
+    ~1.7x, key 3 alone drafts long, key 1 alone drafts nothing, and in one batch the strong row
+    carries the padded verify (every row pays for it anyway)."""
     pol = AutoDraftLength(STEP, max_k=8)
-    stats = DecodeStats()
     for _ in range(40):
-        ks = pol.per_row(stats, [3, 1])
-        acc = [min(ks[0], 8), 0]
-        pol.observe_rows([3, 1], ks, ks, acc)
-        stats.target_forwards += 1
-    ks = pol.per_row(stats, [3, 1, 1])
-    assert ks[0] >= 6 and ks[1] == 0 and ks[2] == 0
-    assert pol.chosen[0] > 0 and sum(pol.chosen) == 40 * 2 + 3
+        for key, acc in ((3, 8), (1, 0)):
+            (k,) = pol.choose(BatchView([[1]], [99], [key]))
+            pol.observe(record([k], [k], [min(k, acc)], [key]))
+    assert pol.choose(BatchView([[1]], [99], [3]))[0] >= 6
+    assert pol.choose(BatchView([[1]], [99], [1])) == [0]
+    assert min(pol.choose(BatchView([[1]] * 2, [99] * 2, [3, 1]))) >= 6
+    assert pol.choose(BatchView([[1]] * 2, [99] * 2, [1, 1])) == [0, 0]
 
 
-def test_per_row_reprobes_a_key_after_it_stopped():
+def test_a_key_is_reprobed_after_it_stopped():
     pol = AutoDraftLength(STEP, max_k=8)
-    stats = DecodeStats()
     for _ in range(10):  # key 2 fails while drafted
-        (k,) = pol.per_row(stats, [2])
-        pol.observe_rows([2], [k], [k], [0])
-    assert pol.per_row(stats, [2]) == [0]
+        (k,) = pol.choose(BatchView([[1]], [99], [2]))
+        pol.observe(record([k], [k], [0], [2]))
+    assert pol.choose(BatchView([[1]], [99], [2])) == [0]
     probed = False
     for _ in range(200):  # while it does not draft, its evidence fades and a probe follows
-        (k,) = pol.per_row(stats, [2])
-        pol.observe_rows([2], [k], [k], [k])  # ... and the probe is accepted in full
+        (k,) = pol.choose(BatchView([[1]], [99], [2]))
+        pol.observe(record([k], [k], [k], [2]))  # ... and the probe is accepted in full
         probed |= k > 0
-    assert probed and pol.per_row(stats, [2])[0] >= 4
+    assert probed and pol.choose(BatchView([[1]], [99], [2]))[0] >= 4
 
 
 def test_growth_cap_bounds_the_jump_after_short_accepted_drafts():
@@ -222,14 +223,27 @@ def test_growth_cap_bounds_the_jump_after_short_accepted_drafts():
     uncapped.update(3, 1, [1, 1, 1], [1, 1, 1])
     assert min(uncapped.accept_probs()) > 0.7  # what the cap guards against: p borrowed to depth 16
     pol = AutoDraftLength(FLAT, max_k=16)  # verification free: only the cap holds drafts back
-    stats = DecodeStats()
     ks = []
     for _ in range(12):
-        (k,) = pol.per_row(stats, [9])
+        (k,) = pol.choose(BatchView([[1]], [99], [9]))
         ks.append(k)
-        pol.observe_rows([9], [k], [k], [k])
+        pol.observe(record([k], [k], [k], [9]))
     assert ks[0] <= 2 and all(b - a <= 2 for a, b in zip(ks, ks[1:])), ks
     assert ks[-1] == 16, ks
+
+
+def test_draft_less_as_the_batch_grows_down_to_none():
+    """The load-aware behaviour is the same formula at a larger batch: where a wide forward over
+    16 rows costs ~2x a narrow one, a key that pays alone stops drafting at 16 rows."""
+    table = {(b, n): 0.01 * (1 + (0.02 if b == 1 else 1.5) * (n - 1)) * (1 if b == 1 else b / 4)
+             for b in (1, 16) for n in range(1, 10)}
+    pol = AutoDraftLength(ForwardCost(table), max_k=8)
+    for _ in range(30):
+        (k,) = pol.choose(BatchView([[1]], [99], [3]))
+        pol.observe(record([k], [k], [min(k, 2)], [3], pol.cost))  # two of every draft accepted
+    assert pol.choose(BatchView([[1]], [99], [3]))[0] >= 2
+    assert pol.choose(BatchView([[1]] * 16, [99] * 16, [3] * 16)) == [0] * 16
+    assert pol.preview(1) >= 2 and pol.preview(16) == 0
 
 
 def test_ngram_draft_keys_are_matched_suffix_lengths_and_agreement():
@@ -241,7 +255,7 @@ def test_ngram_draft_keys_are_matched_suffix_lengths_and_agreement():
     seqs = [[1, 2, 3, 4, 1, 2, 3], [5, 6, 7, 6], [8, 9, 10],
             [7, 1, 2, 7, 1, 2, 7, 1, 2, 7, 1],  # (2, 7, 1) twice before, both followed by 2
             [7, 1, 2, 7, 1, 3, 7, 1, 4, 7, 1]]  # (7, 1) three times before: 3, then 4
-    p.begin(seqs)
+    p.admit(seqs)
     assert p.draft_keys(seqs) == [9, 3, 0, 10, 8]
     seqs[3].append(2)  # the loop goes on: still agreeing, and incremental updates see it
     seqs[4] += [5, 7, 1]
@@ -251,51 +265,42 @@ def test_ngram_draft_keys_are_matched_suffix_lengths_and_agreement():
 def test_shadow_drafts_teach_a_key_without_verifying():
     """A key that does not pay under the prior never drafts, so only counterfactual evidence can
     show it copies perfectly: its free drafts, scored against the emitted tokens, must turn it on."""
-    steep = CostModel(tuple(0.010 * (1 + 0.6 * (n - 1)) for n in range(1, 18)))  # llama.cpp-like curve
-    pol = AutoDraftLength(steep, max_k=8)
-    stats = DecodeStats()
+    pol = AutoDraftLength(STEEP, max_k=8)
     text = list(range(100, 140))
     seq = [1, 2]
-    assert pol.per_row(stats, [3]) == [0]  # the prior alone does not pay on this curve
+    assert pol.choose(BatchView([seq], [99], [3])) == [0]  # the prior alone does not pay on this curve
     ks = []
     for i, t in enumerate(text):
-        (k,) = pol.per_row(stats, [3])
+        (k,) = pol.choose(BatchView([seq], [99], [3], lambda rows, k, i=i: [text[i:i + 8]]))
         ks.append(k)
-        if k == 0:
-            pol.shadow([3], [seq], [text[i:i + 8]])  # the free draft matches what follows
-        pol.observe_rows([3], [k], [k], [k])  # a real draft is accepted in full too
+        pol.observe(record([k], [k], [k], [3]))  # a real draft is accepted in full too
         seq.append(t)
-        stats.target_forwards += 1
     assert max(ks) >= 4, f"perfect counterfactual acceptance must make the key draft long, got {ks}"
-    # ... and a key whose free drafts always miss stays off
-    pol2 = AutoDraftLength(steep, max_k=8)
+    pol2 = AutoDraftLength(STEEP, max_k=8)  # ... and a key whose free drafts always miss stays off
     seq = [1, 2]
     for t in text:
-        assert pol2.per_row(stats, [1]) == [0]
-        pol2.shadow([1], [seq], [[7, 7, 7, 7]])
+        assert pol2.choose(BatchView([seq], [99], [1], lambda rows, k: [[7, 7, 7, 7]])) == [0]
+        pol2.observe(record([0], [0], [0], [1]))
         seq.append(t)
 
 
 def test_shadow_drafts_are_scored_after_the_horizon_not_the_whole_draft():
     """A matching free draft of 12 tokens is scored once the row has emitted ``shadow_horizon``
     tokens (positions beyond it are cut from every shadow alike); a miss is scored at once."""
-    steep = CostModel(tuple(0.010 * (1 + 0.6 * (n - 1)) for n in range(1, 18)))
-    pol = AutoDraftLength(steep, max_k=16, shadow_horizon=4)
-    stats = DecodeStats()
+    pol = AutoDraftLength(STEEP, max_k=16, shadow_horizon=4)
     seq = [1, 2]
-    pol.per_row(stats, [3])
-    pol.shadow([3], [seq], [list(range(100, 112))])
+    assert pol.choose(BatchView([seq], [99], [3], lambda rows, k: [list(range(100, 112))])) == [0]
     for t in range(100, 104):
-        pol.per_row(stats, [3])  # resolves shadows against what the row emitted so far
+        pol.choose(BatchView([seq], [99], [3]))  # resolves shadows against what the row emitted so far
         assert len(pol._shadows) == 1 and pol.by_key[3].reach[0] == 0  # still waiting
         seq.append(t)
-    pol.per_row(stats, [3])
+    pol.choose(BatchView([seq], [99], [3]))
     assert pol._shadows == []
     est = pol.by_key[3]
     assert [round(h, 6) for h in est.hits[:5]] == [1, 1, 1, 1, 0] and est.reach[4] == 0
-    pol.shadow([3], [seq], [[7, 7, 7]])  # the next token is not 7: scored as a miss at position 0
+    pol._shadow([3], [seq], [[7, 7, 7]])  # the next token is not 7: scored as a miss at position 0
     seq.append(104)
-    pol.per_row(stats, [3])
+    pol.choose(BatchView([seq], [99], [3]))
     assert pol._shadows == []
     with pytest.raises(ValueError, match="shadow_horizon"):
-        AutoDraftLength(steep, shadow_horizon=0)
+        AutoDraftLength(STEEP, shadow_horizon=0)

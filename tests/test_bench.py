@@ -317,26 +317,75 @@ def test_compare_runtime_needs_the_same_tokenizer():
 
 # ---- replaying policies over recorded greedy outputs -------------------------------------------
 def test_replay_reproduces_the_real_rounds_for_fixed_gammas():
-    """The replay is exact for greedy n-gram decoding: same rounds, drafts and acceptances as the
-    real engine, for every fixed draft length (what makes offline policy tuning trustworthy)."""
+    """The replay runs the real round over a runtime that replays recorded greedy outputs: same
+    rounds, drafts and acceptances as with the model, for every fixed draft length, and every
+    round pays the cost model for its width (what makes offline policy tuning trustworthy)."""
     from spec_plugins.bench.replay import fixed, replay_turn
-    from spec_plugins.costmodel import CostModel
+    from spec_plugins.policy import ForwardCost
     from spec_plugins.proposers.ngram import NgramProposer
 
     dec, _ = tiny_decoder(k=1)
     ids = dec.encode([{"role": "user", "content": PROMPTS[0].turns[0]}])
-    cost = CostModel((0.01, 0.011, 0.012, 0.013, 0.014, 0.015, 0.016, 0.017, 0.018))
+    cost = ForwardCost.from_curve([0.01, 0.011, 0.012, 0.013, 0.014, 0.015, 0.016, 0.017, 0.018])
     plain = dec.without_speculation().generate_batch([ids], max_new_tokens=40)[0].token_ids
     for k in (1, 2, 3, 5, 8):
         cfg = dec.config.model_copy(update={"proposer": dec.config.proposer.model_copy(update={"num_draft_tokens": k})})
         real = SpeculativeDecoder(dec.target, dec.proposer, dec.verifier, cfg, dec.tokenizer)
         r = real.generate_batch([ids], max_new_tokens=40)[0]
         assert r.token_ids == plain
-        sim = replay_turn(ids, plain, 40, NgramProposer(cfg.proposer), fixed(k)(), cost, 0.0)
-        assert sim.rounds == r.stats.target_forwards
-        assert sim.stats.accepted_by_position == r.stats.accepted_by_position
-        assert sim.stats.drafted_by_position == r.stats.drafted_by_position
-        # every round pays T(1 + its drafted tokens): the total lies between rounds x T(1) and that plus
-        # the drafted tokens' share of the slope
-        lo = sim.rounds * cost.target(1)
-        assert lo <= sim.seconds <= lo + 0.001 * sim.stats.draft_tokens + 1e-9
+        sim = replay_turn(ids, plain, NgramProposer(cfg.proposer), fixed(k)(), cost, 0.0, max_new=40)
+        assert sim.target_forwards == r.stats.target_forwards
+        assert sim.accepted_by_position == r.stats.accepted_by_position
+        assert sim.drafted_by_position == r.stats.drafted_by_position
+        want = sum(cost(1, n) for n in _widths(real, ids))
+        assert sim.time_total == pytest.approx(want)
+
+
+def _widths(decoder, ids):
+    """Forward widths of a real generation (an observer of its rounds)."""
+    seen = []
+
+    class Widths:
+        def observe(self, record):
+            seen.append(record.positions)
+
+    decoder.generate_batch([ids], max_new_tokens=40, observers=[Widths()])
+    return seen
+
+
+def test_replay_reproduces_the_decisions_of_auto_exactly():
+    """``auto`` decides from acceptance and from the clock (forward costs, overhead). Recording
+    every clock reading of a real generation and playing it back through a replay of its output
+    must reproduce every decision of the round: per-round draft lengths and budgets."""
+    from spec_plugins.bench.replay import ReplayRuntime, TapeClock
+    from spec_plugins.loop import decode
+    from spec_plugins.policy import AutoDraftLength, ForwardCost, OnlineCost
+    from spec_plugins.proposers.ngram import NgramProposer
+    from spec_plugins.sampling import LogitsPipeline
+
+    dec, _ = tiny_decoder()
+    cost = ForwardCost.from_curve([0.01 * (1 + 0.1 * n) for n in range(17)])
+    pipe = LogitsPipeline(dec.config.sampling)
+    for turn in ("w1 w2 w3 w4 w1 w2 w3 w4 w1", "w7 w8 w9 w7 w8 w9 w7"):
+        ids = dec.encode([{"role": "user", "content": turn}])
+
+        def run(runtime, clock):
+            decisions, out = [], []
+
+            class Decisions:
+                def observe(self, record):
+                    decisions.append((record.budgets, record.positions, record.draft_keys))
+
+            policy = AutoDraftLength(OnlineCost(cost))
+            for step in decode(runtime, NgramProposer(dec.config.proposer), dec.verifier, pipe, [ids], 60,
+                               dec.eos_ids(), None, None, policy, observers=[Decisions()], clock=clock):
+                out += step.emitted.get(0, [])
+            return decisions, out, policy
+
+        tape = TapeClock()
+        real, out, pol = run(dec.target, tape)
+        assert len({b[0][0] for b in real}) > 1  # auto changed its mind during the generation
+        replay = ReplayRuntime({tuple(ids): out}, dec.target.vocab_size)
+        again, out2, pol2 = run(replay, TapeClock(tape.tape))
+        assert out2 == out and again == real
+        assert pol2.chosen == pol.chosen and pol2.overhead == pol.overhead

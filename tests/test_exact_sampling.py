@@ -11,7 +11,8 @@ from helpers import chi_square_pvalue, exact_joint
 from conftest import tiny_llama
 from spec_plugins.backends.torch_runtime import TorchRuntime
 from spec_plugins.config import SamplingConfig
-from spec_plugins.engine import decode, fixed_length
+from spec_plugins.loop import decode
+from spec_plugins.policy import FixedLength
 from spec_plugins.proposers.draft_model import DraftModelProposer
 from spec_plugins.proposers.ngram import NgramProposer
 from spec_plugins.sampling import LogitsPipeline
@@ -64,7 +65,7 @@ def speculative_samples(target_model, proposer_factory, pipeline, verifier, k, s
     gen = torch.Generator().manual_seed(seed)
     outs = [[] for _ in range(N_SAMPLES)]
     prompts = [PROMPT] * N_SAMPLES
-    for step in decode(target, proposer, verifier, pipeline, prompts, 3, (), gen, None, fixed_length(k)):
+    for step in decode(target, proposer, verifier, pipeline, prompts, 3, (), gen, None, FixedLength(k)):
         for i, t in step.emitted.items():
             outs[i].extend(t)
     return [tuple(o) for o in outs]

@@ -10,7 +10,8 @@ from conftest import tiny_llama
 from spec_plugins.backends.torch_runtime import TorchRuntime
 from spec_plugins.config import SamplingConfig
 from spec_plugins.decoder import SpeculativeDecoder
-from spec_plugins.engine import decode, fixed_length
+from spec_plugins.loop import decode
+from spec_plugins.policy import FixedLength
 from spec_plugins.proposers.draft_model import DraftModelProposer
 from spec_plugins.proposers.ngram import NgramProposer
 from spec_plugins.sampling import LogitsPipeline
@@ -23,7 +24,7 @@ GREEDY = LogitsPipeline(SamplingConfig(temperature=0.0))
 def run(target, proposer, prompts, n, k, eos=()):
     outs = [[] for _ in prompts]
     stats = DecodeStats()
-    for step in decode(target, proposer, ExactVerifier(), GREEDY, prompts, n, eos, None, stats, fixed_length(k)):
+    for step in decode(target, proposer, ExactVerifier(), GREEDY, prompts, n, eos, None, stats, FixedLength(k)):
         for i, t in step.emitted.items():
             outs[i].extend(t)
     return outs, stats

@@ -12,9 +12,10 @@ from helpers import plain_greedy
 from conftest import tiny_llama
 from spec_plugins.backends.torch_runtime import TorchRuntime
 from spec_plugins.config import SamplingConfig
-from spec_plugins.engine import decode, fixed_length
+from spec_plugins.loop import decode
+from spec_plugins.policy import FixedLength
 from spec_plugins.heads import EagleConfig, EagleDrafter, MedusaConfig, MedusaHeads, save_head, target_lm_parts
-from spec_plugins.heads.shapes import merge_rows, parents_of, static_tree
+from spec_plugins.tree import best_static_tree, static_tree
 from spec_plugins.proposers.eagle import EagleProposer
 from spec_plugins.proposers.medusa import MedusaProposer
 from spec_plugins.sampling import LogitsPipeline
@@ -29,7 +30,7 @@ VOCAB_IDS = torch.arange(2, 30)  # a draft vocabulary smaller than the target's 
 def run(target, proposer, prompts, n, k):
     outs = [[] for _ in prompts]
     stats = DecodeStats()
-    for step in decode(target, proposer, ExactVerifier(), GREEDY, prompts, n, (), None, stats, fixed_length(k)):
+    for step in decode(target, proposer, ExactVerifier(), GREEDY, prompts, n, (), None, stats, FixedLength(k)):
         for i, t in step.emitted.items():
             outs[i].extend(t)
     return outs, stats
@@ -109,7 +110,7 @@ def test_eagle_cache_matches_full_recompute(mode):
     outs, _ = run(target, prop, ps, [20, 14], 3)
     d = prop.drafter
     for b, (p, o) in enumerate(zip(ps, outs)):
-        if b >= prop.slot_pos.shape[0]:
+        if b >= prop.slots.rows:
             break  # finished rows leave the cache
         seq = p + o
         fed = prop.fed[b]
@@ -118,9 +119,10 @@ def test_eagle_cache_matches_full_recompute(mode):
         mask = torch.zeros(1, 1, T, T).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
         k0, v0 = d.empty_past(1)
         _, k_ref, _ = d(feats[None], torch.tensor([seq[1: fed + 1]]), torch.arange(T)[None], k0, v0, mask)
-        live = prop.slot_pos[b] >= 0
-        assert prop.slot_pos[b][live].tolist() == list(range(fed))
-        torch.testing.assert_close(prop.k[b][:, live], k_ref[0], atol=1e-4, rtol=1e-4)
+        live = prop.slots.pos[b] >= 0
+        assert sorted(prop.slots.pos[b][live].tolist()) == list(range(fed))
+        order = prop.slots.pos[b][live].argsort()
+        torch.testing.assert_close(prop.k[b][:, live][:, order], k_ref[0], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
@@ -160,16 +162,13 @@ def test_tree_draft_shapes_and_budgets(kind):
 
 def test_static_tree_best_first_and_closed():
     acc = [[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.05]]
-    paths = static_tree(acc, 6)
+    tree = best_static_tree(acc, 6, max_depth=3)
     # products: (0,) .6, (0,0) .24, (1,) .2, (0,1) .12, (2,) .1, (1,0) .08 > (0,0,0) .072
-    assert paths == [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)]
-    assert static_tree(acc, 7)[-1] == (0, 0, 0)
-    par = parents_of(paths)
-    assert all(p < i for i, p in enumerate(par))
-    union, used = merge_rows([[(0,), (0, 1)], [(1,), (0,)]])
-    assert union == [(0,), (1,), (0, 1)] and used == [[0, 2], [1, 0]]
+    assert tree.paths == ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0))
+    assert best_static_tree(acc, 7, max_depth=3).paths[-1] == (0, 0, 0)
+    assert all(p < i for i, p in enumerate(tree.parents))
     with pytest.raises(ValueError, match="no parent"):
-        parents_of([(0, 1)])
+        static_tree([(0, 1)])
 
 
 def test_head_save_load_roundtrip(tmp_path):
@@ -210,17 +209,17 @@ def test_eagle_auto_tree_size_follows_the_cost_curve_and_calibration():
     """Flat cost curve (GPU-like): keep every candidate with probability mass; steep curve (each
     position costs a full forward): keep none unless a node is near-certain. Calibration that
     says the drafter over-predicts shrinks the tree."""
-    from spec_plugins.costmodel import CostModel
+    from spec_plugins.policy import ForwardCost
 
     model = tiny_llama(seed=5)
     prop = eagle_auto(model, TorchRuntime(model))
     scores = torch.tensor([[-0.1, -0.3, -0.7, -1.2, -2.0, -3.0, float("-inf")]])
     prop._t0 = time.perf_counter()
-    prop.cost = CostModel(tuple([0.01] * 40))
+    prop.cost = ForwardCost.from_curve([0.01] * 40)
     assert prop._auto_counts(scores) == [6]
-    prop.cost = CostModel(tuple(0.01 * n for n in range(1, 41)))
+    prop.cost = ForwardCost.from_curve([0.01 * n for n in range(1, 41)])
     assert prop._auto_counts(scores) == [0]
-    prop.cost = CostModel(tuple(0.01 * (1 + 0.2 * (n - 1)) for n in range(1, 41)))
+    prop.cost = ForwardCost.from_curve([0.01 * (1 + 0.2 * (n - 1)) for n in range(1, 41)])
     prop.calib = [2.0, 2.0]
     mid = prop._auto_counts(scores)[0]
     prop.calib = [0.5, 2.0]  # only a quarter of the predicted nodes were accepted

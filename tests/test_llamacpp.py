@@ -258,8 +258,8 @@ def test_tree_proposer_and_sampling_run_on_llamacpp(decoder):
     assert getattr(tree.proposer, "tree", False)
     r = tree.generate(CHAT, max_new_tokens=32)
     ref = decoder.without_speculation().generate(CHAT, max_new_tokens=32)
-    agree = sum(a == b for a, b in zip(r.token_ids, ref.token_ids)) / len(ref.token_ids)
-    assert agree >= 0.5 and r.stats.target_forwards < len(r.token_ids)
+    assert r.token_ids == ref.token_ids  # SmolLM2 with flash attention: tree scoring is exact too
+    assert r.stats.draft_tokens > 0
     a = decoder.generate("Once upon a time", max_new_tokens=16, temperature=0.8, seed=3)
     b = decoder.generate("Once upon a time", max_new_tokens=16, temperature=0.8, seed=3)
     assert a.token_ids == b.token_ids and len(a.token_ids) == 16

@@ -11,7 +11,7 @@ pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
 from conftest import tiny_llama  # noqa: E402
-from spec_plugins.exporters.manifest import Manifest, ManifestError  # noqa: E402
+from spec_plugins.graphs.manifest import Manifest, ManifestError  # noqa: E402
 from spec_plugins.exporters.onnx_export import export_models  # noqa: E402
 from spec_plugins.exporters.parity import check_export  # noqa: E402
 

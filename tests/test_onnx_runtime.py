@@ -13,8 +13,9 @@ from conftest import tiny_llama  # noqa: E402
 from spec_plugins.backends.onnxruntime_runtime import OnnxRuntime, create_session, providers_for  # noqa: E402
 from spec_plugins.backends.torch_runtime import TorchRuntime  # noqa: E402
 from spec_plugins.config import SamplingConfig, SpecConfig  # noqa: E402
-from spec_plugins.engine import decode, fixed_length  # noqa: E402
-from spec_plugins.exporters.manifest import Manifest  # noqa: E402
+from spec_plugins.loop import decode
+from spec_plugins.policy import FixedLength  # noqa: E402
+from spec_plugins.graphs.manifest import Manifest  # noqa: E402
 from spec_plugins.exporters.onnx_export import export_models  # noqa: E402
 from spec_plugins.proposers.draft_model import DraftModelProposer  # noqa: E402
 from spec_plugins.sampling import LogitsPipeline  # noqa: E402
@@ -65,7 +66,7 @@ def test_bookkeeping_matches_torch_runtime(exported):
     fresh.prefill([[1, 2, 3, 4, 5, 6, 1, 2]])
     rt.select_rows([0])
     assert rt.lengths() == [8]
-    live = rt.pos[0] >= 0
+    live = rt.slots.pos[0] >= 0
     for k_live, k_fresh in zip(rt.kv, fresh.kv):
         torch.testing.assert_close(k_live[0][:, live], k_fresh[0], atol=1e-4, rtol=1e-4)
 
@@ -74,7 +75,7 @@ def _greedy(target, draft_rt, prompts, n=24):
     prop = DraftModelProposer(None, target=target, runtime=draft_rt)
     outs = [[] for _ in prompts]
     for step in decode(target, prop, ExactVerifier(), LogitsPipeline(SamplingConfig()), prompts, n, (), None, None,
-                       fixed_length(4)):
+                       FixedLength(4)):
         for i, t in step.emitted.items():
             outs[i].extend(t)
     return outs

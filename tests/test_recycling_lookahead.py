@@ -14,14 +14,15 @@ from conftest import tiny_llama
 from spec_plugins.backends.torch_runtime import TorchRuntime
 from spec_plugins.config import SamplingConfig, SpecConfig
 from spec_plugins.decoder import SpeculativeDecoder
-from spec_plugins.engine import decode, fixed_length
+from spec_plugins.loop import decode
+from spec_plugins.policy import FixedLength
 from spec_plugins.proposers.base import ProposeContext
 from spec_plugins.proposers.lookahead import LookaheadProposer, _RowState
 from spec_plugins.proposers.recycling import RecyclingProposer
 from spec_plugins.registry import PROPOSERS, VERIFIERS
 from spec_plugins.sampling import LogitsPipeline
 from spec_plugins.stats import DecodeStats
-from spec_plugins.trees import chain_tree, topk_tree
+from spec_plugins.tree import chain_tree, topk_tree
 from spec_plugins.verifiers import ExactVerifier, TypicalVerifier
 from spec_plugins.verify import greedy_verify, typical_verify
 
@@ -32,7 +33,7 @@ def run(target, proposer, prompts, n, k=8, eos=(), verifier=None, pipeline=GREED
     outs = [[] for _ in prompts]
     stats = DecodeStats()
     for step in decode(target, proposer, verifier or ExactVerifier(), pipeline, prompts, n, eos, gen, stats,
-                       fixed_length(k)):
+                       FixedLength(k)):
         for i, t in step.emitted.items():
             outs[i].extend(t)
     return outs, stats
@@ -170,7 +171,7 @@ def test_lookahead_pool_from_sequence_and_diagonals():
 def test_lookahead_draft_is_trie_of_window_and_candidates():
     prop = LookaheadProposer(LookaheadProposer.Config(window=3, ngram=3, candidates=2))
     seq = [5, 6, 7, 5, 6, 8, 5]
-    prop.begin([seq])
+    prop.admit([seq])
     d = prop.propose(ProposeContext([seq], [8], GREEDY, tree_ok=True))
     toks, par = d.tokens[0].tolist(), d.parents
     paths = set()
@@ -253,7 +254,7 @@ def test_decoder_builds_tree_proposers_and_refuses_chain_runtimes():
         r = dec.generate([4, 5, 6, 4, 5], max_new_tokens=20)
         assert r.token_ids == plain_greedy(model, [4, 5, 6, 4, 5], 20)
         chain_rt = TorchRuntime(model)
-        chain_rt.capabilities = type(chain_rt.capabilities)(tree_mask=False, batch=True, name="chain-only")
+        chain_rt.capabilities = type(chain_rt.capabilities)(tree_mask=False, name="chain-only")
         with pytest.raises(ValueError, match="token trees"):
             SpeculativeDecoder.from_config(cfg, target=chain_rt)
 
@@ -324,15 +325,15 @@ def test_typical_accepts_more_than_exact_at_high_temperature():
 
 
 def test_auto_tree_size_follows_the_cost_curve(monkeypatch):
-    import spec_plugins.costmodel as cm
+    import spec_plugins.policy.cost as cm
     from spec_plugins.proposers.recycling import auto_tree_size
 
-    flat = cm.CostModel(tuple([0.05] * 40))  # GPU-like: extra positions are free -> the largest tree
-    steep = cm.CostModel(tuple(0.05 * n for n in range(1, 41)))  # cost linear in positions -> tiny tree
-    curved = cm.CostModel(tuple(0.05 * (1 + 0.12 * (n - 1)) for n in range(1, 41)))  # in between
+    flat = cm.ForwardCost.from_curve([0.05] * 40)  # GPU-like: extra positions are free -> the largest tree
+    steep = cm.ForwardCost.from_curve([0.05 * n for n in range(1, 41)])  # cost linear in positions -> tiny tree
+    curved = cm.ForwardCost.from_curve([0.05 * (1 + 0.12 * (n - 1)) for n in range(1, 41)])  # in between
     sizes = {}
     for name, model in (("flat", flat), ("steep", steep), ("curved", curved)):
-        monkeypatch.setattr(cm, "cost_model_for", lambda rt, max_positions=17, _m=model, **kw: _m)
+        monkeypatch.setattr(cm, "cost_for", lambda rt, max_positions=17, _m=model, **kw: _m)
         sizes[name] = auto_tree_size(object())
     assert sizes["flat"] == 32 and sizes["steep"] == 1 and 1 < sizes["curved"] < 32, sizes
     with pytest.raises(ValueError, match="needs the target"):

@@ -7,7 +7,8 @@ import torch
 from conftest import tiny_llama
 from spec_plugins.backends.torch_runtime import TorchRuntime
 from spec_plugins.config import SamplingConfig
-from spec_plugins.engine import decode, fixed_length
+from spec_plugins.loop import decode
+from spec_plugins.policy import FixedLength
 from spec_plugins.proposers.draft_model import DraftModelProposer
 from spec_plugins.sampling import LogitsPipeline
 from spec_plugins.tree import layout, with_root
@@ -16,8 +17,8 @@ from spec_plugins.verifiers import ExactVerifier
 
 def _live_kv(rt: TorchRuntime, row: int):
     """Keys/values of the row's non-hole slots, in position order, per layer."""
-    ok = rt.pos[row] >= 0
-    order = rt.pos[row][ok].argsort()
+    ok = rt.slots.pos[row] >= 0
+    order = rt.slots.pos[row][ok].argsort()
     return [(l.keys[row][:, ok][:, order], l.values[row][:, ok][:, order]) for l in rt.cache.layers]
 
 
@@ -29,7 +30,7 @@ def test_cache_after_many_rounds_equals_fresh_prefill():
     gen = torch.Generator().manual_seed(0)
     prompts = [[1, 2, 3, 4, 5], [7, 8], [9, 9, 9, 1]]
     outs = [list(p) for p in prompts]
-    for step in decode(target, prop, ExactVerifier(), pipe, prompts, 40, (), gen, None, fixed_length(4)):
+    for step in decode(target, prop, ExactVerifier(), pipe, prompts, 40, (), gen, None, FixedLength(4)):
         for i, t in step.emitted.items():
             outs[i].extend(t)
         if len(outs[0]) > 25:

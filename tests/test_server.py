@@ -45,10 +45,10 @@ class LiveServer:
     """uvicorn in a thread on a free loopback port."""
 
     def __init__(self, model, tokenizer, max_batch: int = 4, policy: str = "load", max_total: int = 128,
-                 max_input: int = 48, shutdown_timeout: float = 30.0) -> None:
+                 max_input: int = 48, shutdown_timeout: float = 30.0, proposer=None) -> None:
         rt = TorchRuntime(model, tokenizer)
-        self.decoder = SpeculativeDecoder(rt, NgramProposer(NgramProposer.Config()), ExactVerifier(),
-                                          tokenizer=tokenizer)
+        proposer = proposer if proposer is not None else NgramProposer(NgramProposer.Config())
+        self.decoder = SpeculativeDecoder(rt, proposer, ExactVerifier(), tokenizer=tokenizer)
         self.state = build_state(self.decoder, max_batch, max_input, max_total, policy, model_id="tiny")
         self.state.shutdown_timeout = shutdown_timeout
         with socket.socket() as s:
@@ -136,6 +136,28 @@ def test_async_client_concurrent_requests_equal_solo(live, model, tok):
     outs = asyncio.run(main())
     for (p, n, _), got in zip(jobs, outs):
         assert got == solo(model, tok, p, n), p
+    assert live.state.policy.by_key  # per-row auto: the n-gram keys' estimates, learnt in the server
+
+
+@pytest.mark.parametrize("kind", ["eagle-tree", "eagle-chain", "medusa-tree"])
+def test_hidden_state_heads_serve_concurrent_requests_equal_solo(model, tok, kind):
+    """Feature drafters in the server: 8 concurrent greedy requests through 4 slots, each equal to
+    its solo output (rows join and leave with their target features)."""
+    from test_heads import MAKERS
+
+    srv = LiveServer(model, tok, max_batch=4, proposer=MAKERS[kind](model), policy="fixed")  # random heads: auto would stop drafting
+    try:
+        client = text_generation.AsyncClient(srv.url, timeout=120)
+        jobs = list(zip(PROMPTS + PROMPTS[:3], [25, 9, 31, 14, 20, 7, 18, 11]))
+
+        async def main():
+            return await asyncio.gather(*(client.generate(p, max_new_tokens=n) for p, n in jobs))
+
+        for (p, n), r in zip(jobs, asyncio.run(main())):
+            assert [t.id for t in r.details.tokens] == solo(model, tok, p, n), (kind, p)
+        assert srv.metric("spec_draft_tokens_total") > 0
+    finally:
+        srv.stop()
 
 
 def test_seeded_sampling_is_reproducible(live):
@@ -230,7 +252,8 @@ def test_client_sees_validation_error(live):
 def test_info_health_metrics(live):
     info = httpx.get(live.url + "/info").json()
     assert info["max_total_tokens"] == 128 and info["max_input_tokens"] == 48 and info["max_batch_size"] == 4
-    assert info["speculation"]["proposer"] is None or "max_draft_length" in info["speculation"]
+    assert info["speculation"]["proposer"] == "ngram" and info["speculation"]["max_draft_length"] == 5
+    assert info["speculation"]["lossy"] is False
     assert httpx.get(live.url + "/health").status_code == 200
     httpx.post(live.url + "/generate", json={"inputs": "w2 w3 w2 w3", "parameters": {"max_new_tokens": 8}})
     text = httpx.get(live.url + "/metrics").text
@@ -240,6 +263,11 @@ def test_info_health_metrics(live):
                  "spec_draft_length ", 'spec_policy_draft_length{batch="1"}'):
         assert name in text, name
     assert live.metric("spec_target_forwards_total") > 0
+    # per sequence per round (vLLM's mean acceptance length), the batch figure under its own name
+    mean, per_forward = live.metric("spec_mean_accepted_tokens"), live.metric("spec_tokens_per_forward")
+    assert 1.0 <= mean <= 6.0 and per_forward >= mean
+    assert live.metric("spec_row_rounds_total") >= live.metric("spec_target_forwards_total")
+    assert live.metric("spec_lossy") == 0
 
 
 def test_disconnect_mid_stream_frees_slot(model):
@@ -291,18 +319,29 @@ def test_graceful_shutdown_finishes_in_flight_stream(model):
         httpx.post(srv.url + "/generate", json={"inputs": "w2"})
 
 
-def test_scheduler_stop_cancels_what_cannot_finish(model, tok):
-    from spec_plugins.batching import RowRequest
+def test_scheduler_stop_cancels_what_cannot_finish():
+    """A job in flight when the scheduler stops with no time left gets a clear error after the
+    tokens it already had, and nothing new is accepted."""
     from spec_plugins.server.scheduler import Job
+    from spec_plugins.types import RowRequest
 
-    srv = LiveServer(model, tok, max_total=128, policy="fixed")
+    srv = LiveServer(tiny_llama(seed=3, max_pos=4096), tiny_tokenizer(eos=False), max_total=4000, max_input=16,
+                     policy="fixed")
     sched = srv.state.scheduler
     loop = asyncio.new_event_loop()
     try:
-        job = Job(RowRequest(sched.new_key(), [2, 3], 120), loop)
+        job = Job(RowRequest(sched.new_key(), [2, 3], 3900), loop)
+        sched.submit(job)
+        first = loop.run_until_complete(asyncio.wait_for(job.queue.get(), 30))
+        assert first[0] == "tokens"  # in flight
         sched.stop(timeout=0.0)  # nothing may finish
+        events = [first]
+        while events[-1][0] == "tokens" and events[-1][3] is None:
+            events.append(loop.run_until_complete(asyncio.wait_for(job.queue.get(), 30)))
+        assert events[-1] == ("error", "the server shut down before this request finished")
+        assert sum(len(e[1]) for e in events[:-1]) < 3900
         with pytest.raises(RuntimeError, match="shutting down"):
-            sched.submit(job)
+            sched.submit(Job(RowRequest(sched.new_key(), [2, 3], 5), loop))
         assert not sched.alive
     finally:
         loop.close()

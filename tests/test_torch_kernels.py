@@ -10,7 +10,8 @@ from spec_plugins.backends import torch_kernels
 from spec_plugins.backends.torch_kernels import KernelChoice
 from spec_plugins.backends.torch_runtime import TorchRuntime
 from spec_plugins.config import SamplingConfig
-from spec_plugins.engine import decode, fixed_length
+from spec_plugins.loop import decode
+from spec_plugins.policy import FixedLength
 from spec_plugins.proposers.ngram import NgramProposer
 from spec_plugins.sampling import LogitsPipeline
 from spec_plugins.verifiers import ExactVerifier
@@ -110,7 +111,7 @@ def test_runtime_option_and_exact_greedy_with_rowmajor(monkeypatch):
     def run(rt, k):
         out: list[int] = []
         prop = NgramProposer(NgramProposer.Config()) if k else None
-        for step in decode(rt, prop, ExactVerifier(), pipe, prompt, 30, (), torch.Generator(), None, fixed_length(k)):
+        for step in decode(rt, prop, ExactVerifier(), pipe, prompt, 30, (), torch.Generator(), None, FixedLength(k)):
             out.extend(step.emitted.get(0, []))
         return out
 

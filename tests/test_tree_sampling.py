@@ -15,7 +15,8 @@ from helpers import chi_square_pvalue, exact_joint, full_logits
 from conftest import tiny_llama
 from spec_plugins.backends.torch_runtime import TorchRuntime
 from spec_plugins.config import SamplingConfig
-from spec_plugins.engine import decode, fixed_length
+from spec_plugins.loop import decode
+from spec_plugins.policy import FixedLength
 from spec_plugins.proposers.base import Draft, ProposeContext, Proposer
 from spec_plugins.proposers.recycling import RecyclingProposer
 from spec_plugins.sampling import LogitsPipeline, sample
@@ -113,7 +114,7 @@ def tree_samples(model, proposer, pipeline, verifier, seed=0, n_samples=N_SAMPLE
     target = TorchRuntime(model)
     gen = torch.Generator().manual_seed(seed)
     outs = [[] for _ in range(n_samples)]
-    for step in decode(target, proposer, verifier, pipeline, [PROMPT] * n_samples, 4, (), gen, None, fixed_length(2)):
+    for step in decode(target, proposer, verifier, pipeline, [PROMPT] * n_samples, 4, (), gen, None, FixedLength(2)):
         for i, t in step.emitted.items():
             outs[i].extend(t)
         if min(len(o) for o in outs) >= 3:  # the 4th token is not tested; skip its round
@@ -175,7 +176,7 @@ def test_tree_draft_differs_from_target_and_uses_depth_two():
 
     target = TorchRuntime(model)
     for _ in decode(target, TreeSampler(draft, MIXED), Spy(), pipe, [PROMPT] * 2000, 4, (),
-                    torch.Generator().manual_seed(0), None, fixed_length(2)):
+                    torch.Generator().manual_seed(0), None, FixedLength(2)):
         pass
     firsts = {acc[0] for acc in seen if acc}
     assert {0, 1} <= firsts, firsts  # a later sibling is accepted after an earlier one was rejected

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from spec_plugins.registry import Registry
 from spec_plugins.stats import DecodeStats
@@ -50,10 +50,11 @@ BASELINES: Registry[BaselineFactory] = Registry("baseline", "spec_plugins.baseli
 register_baseline = BASELINES.register
 
 
-def time_decoder(decoder: "SpeculativeDecoder", prompt_ids: list[int], max_new_tokens: int) -> TurnRun:
-    """Run our engine on one prompt (token ids in, no per-round detokenisation) and time it."""
+def time_decoder(decoder: "SpeculativeDecoder", prompt_ids: list[int], max_new_tokens: int,
+                 observers: Sequence[Any] = ()) -> TurnRun:
+    """Run our decode loop on one prompt (token ids in, no per-round detokenisation) and time it."""
     t0 = time.perf_counter()
-    r = decoder.generate_batch([prompt_ids], max_new_tokens=max_new_tokens)[0]
+    r = decoder.generate_batch([prompt_ids], max_new_tokens=max_new_tokens, observers=observers)[0]
     return TurnRun(r.token_ids, time.perf_counter() - t0, r.stats)
 
 

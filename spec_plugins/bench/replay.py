@@ -1,12 +1,14 @@
-"""Replay draft-length policies over recorded greedy outputs, without running the model.
+"""Replay draft-length policies over recorded greedy outputs, through the real round.
 
-Under greedy decoding every method emits the same tokens (the bench checks it), and a chain
-proposer that only reads the sequence (n-gram) drafts the same tokens whatever the model
-computes. So for any draft-length policy the rounds are fully determined by the recorded output:
-each round accepts the longest prefix of the draft that the output continues with. Charging each
-round the measured cost curve (``CostModel``) plus a measured per-round overhead predicts the
-policy's time. This is how ``auto`` is tuned and checked against every fixed gamma in seconds of
-CPU instead of a full bench per setting; the bench itself remains the measurement.
+Under greedy decoding every method emits the same tokens (the bench checks it), and a proposer
+that only reads the sequence (n-gram) drafts the same tokens whatever the model computes. So a
+runtime whose logits put all mass on the recorded next token (``ReplayRuntime``) makes the real
+round (``loop.round.run_round``: the same policy calls, budgets, drafts, verifier and commits)
+take exactly the decisions it took with the model, in microseconds per round. Time comes from a
+clock: ``SimClock`` charges each forward the measured cost model plus a per-round overhead (how
+``auto`` is tuned against every fixed gamma without a full bench per setting); ``TapeClock``
+plays back the clock readings of a recorded run, so the replay must reproduce its decisions
+exactly (a test checks it). The bench itself remains the measurement.
 
     python -m spec_plugins.bench.replay --report bench-out/report.json --prompts examples/prompts/dev.jsonl
 """
@@ -15,103 +17,160 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
+import time
 from typing import Any, Callable, Sequence
 
-from spec_plugins.costmodel import CostModel
-from spec_plugins.proposers.base import Draft, ProposeContext, Proposer, RoundResult
+import torch
+
+from spec_plugins.backends.base import RuntimeCapabilities, StepOutput
+from spec_plugins.config import SamplingConfig
+from spec_plugins.loop import decode
+from spec_plugins.policy import AutoDraftLength, DraftCost, FixedLength, ForwardCost, OnlineCost
+from spec_plugins.sampling import LogitsPipeline
 from spec_plugins.stats import DecodeStats
-
-PolicyFactory = Callable[[], Callable[[DecodeStats], int]]
-
-
-@dataclass
-class ReplayResult:
-    seconds: float
-    tokens: int
-    rounds: int
-    stats: DecodeStats
+from spec_plugins.tree import TreeLayout
+from spec_plugins.verifiers import ExactVerifier
 
 
-def replay_turn(prompt: Sequence[int], output: Sequence[int], max_new: int, proposer: Proposer,
-                policy: Callable[[DecodeStats], int], cost: CostModel, overhead: float,
-                pipeline: Any = None) -> ReplayResult:
-    """Simulate the decode loop of ``engine.decode`` for one row whose greedy output is known."""
+class SimClock:
+    """Simulated seconds: advanced by the replay runtime, read by the round."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class TapeClock:
+    """Records every reading of the real clock, or plays a recording back in order."""
+
+    def __init__(self, tape: Sequence[float] | None = None) -> None:
+        self.tape = list(tape) if tape is not None else []
+        self.recording = tape is None
+        self._i = 0
+
+    def __call__(self) -> float:
+        if self.recording:
+            self.tape.append(time.perf_counter())
+            return self.tape[-1]
+        t = self.tape[min(self._i, len(self.tape) - 1)]
+        self._i += 1
+        return t
+
+
+class ReplayRuntime:
+    """A runtime whose logits are a point mass at each row's recorded next token.
+
+    ``outputs`` maps a prompt (token tuple) to the tokens recorded after it. A forward's node at
+    depth d predicts the recorded token at the row's next position + d (nodes off the recorded
+    path are never reached by greedy verification). ``clock``, if given, is charged
+    ``cost(rows, N)`` per forward and ``overhead + draft(nodes)`` per commit."""
+
+    def __init__(self, outputs: dict[tuple[int, ...], Sequence[int]], vocab_size: int, max_context: int = 1 << 20,
+                 clock: SimClock | None = None, cost: ForwardCost | None = None, overhead: float = 0.0,
+                 draft: DraftCost = DraftCost()) -> None:
+        self.outputs = {k: list(v) for k, v in outputs.items()}
+        self.vocab_size, self.max_context = vocab_size, max_context
+        self.capabilities = RuntimeCapabilities(tree_mask=True, hidden_states=False, name="replay")
+        self.device = torch.device("cpu")
+        self.clock, self.cost, self.overhead, self.draft = clock, cost, overhead, draft
+        self.seqs: list[list[int]] = []  # per row: prompt + recorded output (the oracle)
+        self.held: list[int] = []  # per row: tokens in the "cache"
+        self._last = 0
+
+    def _logits(self, rows: Sequence[int], depth: torch.Tensor) -> torch.Tensor:
+        N = int(depth.numel())
+        out = torch.full((len(rows), N, self.vocab_size), -1e4)
+        for i, b in enumerate(rows):
+            seq, at = self.seqs[b], self.held[b]
+            for j, d in enumerate(depth.tolist()):
+                p = at + d + 1
+                out[i, j, seq[p] if p < len(seq) else 0] = 0.0
+        return out
+
+    def add_rows(self, rows: Sequence[Sequence[int]], want_hidden: bool = False) -> StepOutput:
+        first = len(self.seqs)
+        for r in rows:
+            if tuple(r) not in self.outputs:
+                raise KeyError(f"no recorded output for a prompt of {len(r)} tokens")
+            self.seqs.append(list(r) + self.outputs[tuple(r)])
+            self.held.append(len(r) - 1)  # the prefill's logits come from the last prompt token
+        out = self._logits(range(first, len(self.seqs)), torch.zeros(1, dtype=torch.long))
+        self.held[first:] = [len(r) for r in rows]
+        return StepOutput(out)
+
+    def prefill(self, rows: Sequence[Sequence[int]], want_hidden: bool = False) -> StepOutput:
+        self.seqs, self.held = [], []
+        return self.add_rows(rows)
+
+    def forward(self, tokens: torch.Tensor, tree: TreeLayout | None = None, want_hidden: bool = False) -> StepOutput:
+        B, N = tokens.shape
+        depth = tree.depth if tree is not None else torch.arange(N)
+        out = self._logits(range(B), depth)
+        if self.clock is not None and self.cost is not None:
+            self.clock.now += self.cost(B, N)
+        self._last = N - 1
+        return StepOutput(out)
+
+    def commit(self, keep: Sequence[Sequence[int]]) -> None:
+        self.held = [h + len(k) for h, k in zip(self.held, keep)]
+        if self.clock is not None:
+            self.clock.now += self.overhead + (self.draft(self._last) if self._last else 0.0)
+
+    def rollback(self, lengths: Sequence[int]) -> None:
+        self.held = [min(h, int(n)) for h, n in zip(self.held, lengths)]
+
+    def lengths(self) -> list[int]:
+        return list(self.held)
+
+    def select_rows(self, rows: Sequence[int]) -> None:
+        self.seqs = [self.seqs[r] for r in rows]
+        self.held = [self.held[r] for r in rows]
+
+    @classmethod
+    def from_config(cls, config: Any) -> "ReplayRuntime":
+        raise TypeError("a ReplayRuntime is built from recorded outputs, not from a config")
+
+
+def replay_turn(prompt: Sequence[int], output: Sequence[int], proposer: Any, policy: Any, cost: ForwardCost,
+                overhead: float, draft: DraftCost = DraftCost(), max_new: int | None = None,
+                eos_ids: Sequence[int] = (), vocab_size: int | None = None) -> DecodeStats:
+    """Decode one recorded greedy turn again through the real round (``max_new``/``eos_ids`` as the
+    recording had them; default: the output's length); stats carry simulated time."""
+    clock = SimClock()
+    rt = ReplayRuntime({tuple(prompt): output}, vocab_size or max(max(prompt), max(output)) + 1, clock=clock,
+                       cost=cost, overhead=overhead, draft=draft)
     stats = DecodeStats()
-    seq = list(prompt)
-    proposer.begin([seq])
-    seq.append(output[0])  # the prefill emits the first token
-    pos, seconds, rounds = 1, 0.0, 0
-    per_row = hasattr(policy, "per_row") and not proposer.tree
-    while pos < len(output):
-        keys = proposer.draft_keys([seq]) if per_row else None
-        k = policy.per_row(stats, keys)[0] if keys is not None else policy(stats)  # type: ignore[attr-defined]
-        if keys is not None and k == 0 and hasattr(policy, "shadow"):
-            free = proposer.free_drafts([seq], policy.max_k)  # type: ignore[attr-defined]
-            if free is not None:
-                policy.shadow(keys, [seq], free)  # type: ignore[attr-defined]
-        budget = max(0, min(k, max_new - pos - 1))
-        chain: list[int] = []
-        draft: Draft | None = None
-        if budget > 0:
-            draft = proposer.propose(ProposeContext([seq], [budget], pipeline))
-            if draft is not None:
-                n = int(draft.valid[0].sum()) if draft.valid is not None else draft.size
-                chain = draft.tokens[0, :n].tolist()
-        acc = 0
-        while acc < len(chain) and pos + acc < len(output) and chain[acc] == output[pos + acc]:
-            acc += 1
-        n_emit = min(acc + 1, len(output) - pos)
-        stats.observe_round([1] * len(chain), acc, n_emit)
-        stats.target_forwards += 1
-        stats.verify_positions += 1 + len(chain)
-        t_fwd = cost.target(1 + len(chain))
-        t_draft = (cost.draft_round_seconds + cost.draft_step_seconds * len(chain)) if budget > 0 else 0.0
-        stats.time_target_forward += t_fwd
-        stats.time_draft += t_draft
-        stats.time_total += t_fwd + t_draft + overhead
-        seconds += t_fwd + t_draft + overhead
-        if keys is not None:
-            policy.observe_rows(keys, [budget], [len(chain)], [acc])  # type: ignore[attr-defined]
-        emitted = list(output[pos : pos + n_emit])
-        seq.extend(emitted)
-        proposer.observe(RoundResult(draft, [list(range(acc))], [emitted], [seq], None))
-        pos += n_emit
-        rounds += 1
-    return ReplayResult(seconds, len(output), rounds, stats)
+    for _ in decode(rt, proposer, ExactVerifier(), LogitsPipeline(SamplingConfig()), [list(prompt)],
+                    max_new or len(output), eos_ids, None, stats, policy, clock=clock):
+        pass
+    return stats
 
 
-def fixed(k: int) -> PolicyFactory:
-    return lambda: (lambda stats: k)
+def fixed(k: int) -> Callable[[], Any]:
+    return lambda: FixedLength(k)
 
 
-def auto(cost: CostModel, **kwargs: Any) -> PolicyFactory:
-    """``auto`` as the engine builds it: one online cost correction shared by every turn."""
-    from spec_plugins.adaptive import AutoDraftLength
-    from spec_plugins.costmodel import OnlineCost
-
+def auto(cost: ForwardCost, draft: DraftCost = DraftCost(), **kwargs: Any) -> Callable[[], Any]:
+    """``auto`` as the decoder builds it: one online cost correction shared by every turn."""
     online = OnlineCost(cost)
-    return lambda: AutoDraftLength(cost, online=online, **kwargs)
+    return lambda: AutoDraftLength(online, draft, **kwargs)
 
 
-def replay_report(report: dict, turns: Sequence[tuple[str, list[int], list[int]]], make_proposer: Callable[[], Proposer],
-                  policies: dict[str, PolicyFactory], cost: CostModel, overhead: float) -> dict[str, dict[str, float]]:
+def replay_report(turns: Sequence[tuple[str, list[int], list[int]]], make_proposer: Callable[[], Any],
+                  policies: dict[str, Callable[[], Any]], cost: ForwardCost, overhead: float,
+                  draft: DraftCost = DraftCost()) -> dict[str, dict[str, float]]:
     """tokens/s per policy and category (plus "all") over ``turns`` = (category, prompt ids, output)."""
-    max_new = int(report["meta"]["max_new_tokens"])
-    plain_round = cost.target(1) + overhead
     sums: dict[str, dict[str, list[float]]] = {}
     for name, factory in {"plain": fixed(0), **policies}.items():
         acc = sums.setdefault(name, {})
         for cat, prompt, out in turns:
-            if name == "plain":
-                secs, n = plain_round * (len(out) - 1), len(out)
-            else:
-                r = replay_turn(prompt, out, max_new, make_proposer(), factory(), cost, overhead)
-                secs, n = r.seconds, r.tokens
+            st = replay_turn(prompt, out, make_proposer(), factory(), cost, overhead, draft)
             for c in (cat, "all"):
                 t = acc.setdefault(c, [0.0, 0.0])
-                t[0] += n
-                t[1] += secs
+                t[0] += st.new_tokens
+                t[1] += st.time_total - st.time_prefill
     return {name: {c: n / s for c, (n, s) in cats.items()} for name, cats in sums.items()}
 
 
@@ -142,8 +201,7 @@ def _overhead(report: dict) -> float:
         s = report["summary"][m["name"]]["all"]
         st = s["stats"]
         share = st["time_share"]
-        outside = share["verify"] + share["cache"] + share["other"]
-        spent += outside * s["seconds"]
+        spent += (share["verify"] + share["cache"] + share["other"]) * s["seconds"]
         rounds += st["target_forwards"]
     return spent / rounds if rounds else 0.0
 
@@ -164,16 +222,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     cfg = SpecConfig.from_file(args.config or report["meta"]["config"])
     dec = SpeculativeDecoder.from_config(cfg)
     cm = report["cost_model"]
-    # the per-N minima, as auto sees them (the monotone fit hides widths cheaper than narrower ones)
-    cost = CostModel(tuple(cm.get("raw_target_seconds") or cm["target_seconds"]),
-                     draft_round_seconds=cm["draft_round_seconds"], draft_step_seconds=cm["draft_step_seconds"])
+    cost = ForwardCost.from_curve(cm.get("raw_target_seconds") or cm["target_seconds"])
+    draft = DraftCost(cm["draft_round_seconds"], cm["draft_step_seconds"])
     turns = _turns_from_report(report, args.prompts, dec)
     pcfg = cfg.proposer
     make = lambda: PROPOSERS.get(pcfg.type)(pcfg)  # noqa: E731
-    policies: dict[str, PolicyFactory] = {f"k{g}": fixed(g) for g in parse_gammas(args.gammas)}
-    policies["auto"] = auto(cost)
+    policies: dict[str, Callable[[], Any]] = {f"k{g}": fixed(g) for g in parse_gammas(args.gammas)}
+    policies["auto"] = auto(cost, draft)
     over = _overhead(report)
-    sim = replay_report(report, turns, make, policies, cost, over)
+    sim = replay_report(turns, make, policies, cost, over, draft)
     measured = {("plain" if m["name"] == "plain" else m["name"].replace("ours_", "")): report["summary"][m["name"]]
                 for m in report["methods"] if m["kind"] in ("ours",) or m["name"] == "plain"}
     cats = list(dict.fromkeys(c for c, _, _ in turns)) + ["all"]

@@ -133,8 +133,8 @@ def build_report(raw: dict, meta: dict[str, Any], tokenizer: Any = None) -> dict
     drafted = sum(summary[m.name]["all"]["stats"]["draft_tokens"] for m in ours_fixed)
     accepted = sum(summary[m.name]["all"]["stats"]["accepted_tokens"] for m in ours_fixed)
     alpha = accepted / drafted if drafted else 0.0
-    c = cost.draft_cost_ratio
-    rel = cost.relative()
+    c = cost["draft_cost_ratio"]
+    rel = cost["target_relative"]
     gammas = sorted({int(m.gamma) for m in ours_fixed} | set(range(1, 9)))
     theory = {
         "alpha": alpha,
@@ -162,7 +162,7 @@ def build_report(raw: dict, meta: dict[str, Any], tokenizer: Any = None) -> dict
         "summary": summary,
         "auto_vs_best_fixed": auto_vs_best,
         "auto_chosen_gamma": chosen,
-        "cost_model": cost.to_dict(),
+        "cost_model": cost,
         "target_kernels": ({"choice": k.describe(), **k.to_dict()} if (k := raw.get("kernels")) is not None else None),
         "theory": theory,
         "greedy_mismatches": raw["mismatches"],

@@ -25,8 +25,8 @@ from spec_plugins.bench.baselines import (
 )
 from spec_plugins.bench.prompts import BenchPrompt
 from spec_plugins.decoder import SpeculativeDecoder
-from spec_plugins.engine import DraftLengthPolicy
-from spec_plugins.proposers.base import Draft, ProposeContext, Proposer, RoundResult
+from spec_plugins.policy import DraftPolicy
+from spec_plugins.types import RoundRecord
 from spec_plugins.stats import DecodeStats
 
 
@@ -59,49 +59,20 @@ class BenchOptions:
             raise ValueError(f"cost_positions must be >= 2, got {self.cost_positions}")
 
 
-class RejectionRecorder(Proposer):
-    """Wraps a chain proposer and counts which drafted tokens the verifier rejected."""
+class RejectionCounter:
+    """A round observer: which drafted tokens the verifier rejected (chains only)."""
 
-    def __init__(self, inner: Proposer) -> None:
-        self.inner = inner
-        self.needs_hidden = inner.needs_hidden  # type: ignore[misc]
-        self.tree = inner.tree  # type: ignore[misc]
+    def __init__(self) -> None:
         self.rejected: Counter[int] = Counter()
 
-    def begin(self, prompts: Sequence[Sequence[int]]) -> None:
-        self.inner.begin(prompts)
-
-    def propose(self, ctx: ProposeContext) -> Draft | None:
-        return self.inner.propose(ctx)
-
-    def draft_keys(self, sequences: Sequence[Sequence[int]]) -> list[int] | None:
-        return self.inner.draft_keys(sequences)
-
-    def free_drafts(self, sequences: Sequence[Sequence[int]], k: int) -> list[list[int]] | None:
-        return self.inner.free_drafts(sequences, k)
-
-    def observe(self, result: RoundResult) -> None:
-        self.inner.observe(result)
-        d = result.draft
+    def observe(self, record: RoundRecord) -> None:
+        d = record.draft
         if d is None or any(p != i - 1 for i, p in enumerate(d.parents)):
             return  # nothing drafted, or a tree (no single rejected token)
         toks = d.tokens.tolist()
-        lens = d.valid.sum(1).tolist() if d.valid is not None else [d.size] * len(toks)
-        for b, acc in enumerate(result.accepted):
-            if len(acc) < lens[b]:
+        for b, (acc, n) in enumerate(zip(record.accepted, record.drafted())):
+            if len(acc) < n:
                 self.rejected[toks[b][len(acc)]] += 1
-
-    def select_rows(self, rows: Sequence[int]) -> None:
-        self.inner.select_rows(rows)
-
-    @property
-    def draft_forward_time(self) -> float:
-        return self.inner.draft_forward_time
-
-    def __getattr__(self, name: str) -> Any:  # any other hook (e.g. admitting rows) goes to the wrapped one
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
 
 class _TracedDecoder(SpeculativeDecoder):
@@ -109,8 +80,8 @@ class _TracedDecoder(SpeculativeDecoder):
 
     last_policy: Any = None
 
-    def _draft_length(self) -> DraftLengthPolicy:
-        self.last_policy = super()._draft_length()
+    def policy(self, pipeline: Any = None) -> DraftPolicy:
+        self.last_policy = super().policy(pipeline)
         return self.last_policy
 
 
@@ -120,7 +91,7 @@ class Method:
     kind: str  # "baseline", "ours", or "compare" (plain / ours on another runtime)
     gamma: int | str | None
     run_turn: TurnFn
-    recorder: RejectionRecorder | None = None
+    recorder: RejectionCounter | None = None
     decoder: _TracedDecoder | None = None
     chosen_k: Counter = field(default_factory=Counter)  # auto: how often each gamma was picked
     group: str = ""  # runtime label for "compare" methods; "" = the primary runtime
@@ -189,9 +160,9 @@ class Bench:
         for g in variants:
             cfg = dec.config.model_copy(
                 update={"proposer": dec.config.proposer.model_copy(update={"num_draft_tokens": g})})
-            rec = RejectionRecorder(dec.proposer)
-            traced = _TracedDecoder(dec.target, rec, dec.verifier, cfg, dec.tokenizer)
-            methods.append(Method(ours_name(g), "ours", g, _bind(traced), rec, traced))
+            rec = RejectionCounter()
+            traced = _TracedDecoder(dec.target, dec.proposer, dec.verifier, cfg, dec.tokenizer)
+            methods.append(Method(ours_name(g), "ours", g, _bind(traced, rec), rec, traced))
         for label, other in opts.compare:
             methods += self._compare_methods(label, other)
         return methods
@@ -206,11 +177,11 @@ class Bench:
                              "the bench feeds every method the same token ids")
         g = other.config.proposer.num_draft_tokens
         plain_dec = other.without_speculation()
-        rec = RejectionRecorder(other.proposer)
-        traced = _TracedDecoder(other.target, rec, other.verifier, other.config, other.tokenizer)
+        rec = RejectionCounter()
+        traced = _TracedDecoder(other.target, other.proposer, other.verifier, other.config, other.tokenizer)
         return [Method(f"plain@{label}", "compare", None, lambda ids, n: time_decoder(plain_dec, ids, n),
                        group=label),
-                Method(f"{ours_name(g)}@{label}", "compare", g, _bind(traced), rec, traced, group=label)]
+                Method(f"{ours_name(g)}@{label}", "compare", g, _bind(traced, rec), rec, traced, group=label)]
 
     # ---- prompts -----------------------------------------------------------------------------
     def _encode(self, history: list[dict]) -> list[int]:
@@ -246,15 +217,18 @@ class Bench:
         import json
         from tqdm import tqdm
 
-        from spec_plugins.costmodel import cost_model_for
+        from spec_plugins.policy.cost import cost_for, draft_cost_for
         from spec_plugins.sampling import LogitsPipeline
 
         opts = self.options
         t_start = time.perf_counter()
         pipeline = LogitsPipeline(self.decoder._sampling(None, None))
         self.log(f"measuring the cost model (target forward over 1..{opts.cost_positions} positions) ...")
-        cost = cost_model_for(self.decoder.target, self.decoder.proposer, pipeline,
-                              max_positions=opts.cost_positions)
+        model = cost_for(self.decoder.target, max_positions=opts.cost_positions)
+        draft = draft_cost_for(self.decoder.target, self.decoder.proposer, pipeline)
+        t1 = model(1, 1)
+        cost = {**model.to_dict(), "draft_round_seconds": draft.per_call, "draft_step_seconds": draft.per_token,
+                "draft_cost_ratio": draft.per_token / t1}
         if opts.warmup:
             for m in self.methods:  # first calls pay one-off setup (allocator, HF generate init)
                 self._run_prompt(m, BenchPrompt("warmup", "warmup", prompts[0].turns[:1]), min(16, opts.max_new_tokens))
@@ -307,8 +281,8 @@ class Bench:
         }
 
 
-def _bind(decoder: SpeculativeDecoder) -> TurnFn:
-    return lambda ids, n: time_decoder(decoder, ids, n)
+def _bind(decoder: SpeculativeDecoder, counter: RejectionCounter) -> TurnFn:
+    return lambda ids, n: time_decoder(decoder, ids, n, observers=(counter,))
 
 
 def _mismatch(p: BenchPrompt, method: str, ref: list[list[int]], got: list[list[int]]) -> dict:

@@ -32,7 +32,7 @@ import torch
 from spec_plugins.backends.torch_runtime import TorchRuntime
 from spec_plugins.config import SamplingConfig, SpecConfig, default_config
 from spec_plugins.decoder import SpeculativeDecoder
-from spec_plugins.engine import decode
+from spec_plugins.loop import decode
 from spec_plugins.proposers.base import Proposer
 from spec_plugins.proposers.draft_model import DraftModelProposer
 from spec_plugins.registry import PROPOSERS, VERIFIERS
@@ -83,12 +83,12 @@ def speculative_generate(
     target = TorchRuntime(model, tokenizer=None)
     prop = proposer if proposer is not None else _build_proposer(cfg, target, draft_model, spec_config is None)
     verifier = VERIFIERS.get(cfg.verifier.type)(cfg.verifier)
-    draft_length = SpeculativeDecoder(target, prop, verifier, cfg)._draft_length()
     # transformers' processor list already holds its warpers (temperature, top-k, top-p, ...):
     # sample from the processed scores as they are (temperature 1), or take their argmax.
     sampling = SamplingConfig(temperature=1.0 if gc.do_sample else 0.0, seed=None)
     pipeline = LogitsPipeline(sampling, _adapt_processors(logits_processor or [], rows, pads, pad_id))
     stop = _stop_fn(stopping_criteria or [], gc, pads, eos, input_ids.device)
+    draft_length = SpeculativeDecoder(target, prop, verifier, cfg).policy(pipeline)
 
     # 3. decode, streaming as we go (global torch RNG, like plain generate)
     stats = spec_stats if spec_stats is not None else DecodeStats()

@@ -13,7 +13,7 @@ import torch
 from pydantic import Field
 
 from spec_plugins.config import ProposerConfig, TargetField
-from spec_plugins.proposers.base import Draft, ProposeContext, Proposer, RoundResult
+from spec_plugins.proposers.base import Draft, ProposeContext, Proposer, RoundRecord
 from spec_plugins.registry import register_proposer
 from spec_plugins.sampling import sample
 from spec_plugins.vocab import check_vocab_compatible, fit_vocab
@@ -48,19 +48,15 @@ class DraftModelProposer(Proposer):
         self._forward_time += time.perf_counter() - t0
         return fit_vocab(logits.float(), self.vocab_size)
 
-    def begin(self, prompts: Sequence[Sequence[int]]) -> None:
-        # Cache all but the last prompt token; propose() feeds the rest with the pending token.
-        t0 = time.perf_counter()
+    def _start(self, prompts: Sequence[Sequence[int]]) -> None:
+        """A fresh batch: cache all but the last prompt token; propose() feeds the rest with the
+        pending token (one-token prompts: nothing to hold back)."""
         heads = [list(p[:-1]) for p in prompts]
-        if all(heads):
-            self.runtime.prefill(heads)
-            self._fed = heads
-            self._base = []
-        else:  # one-token prompts: nothing to cache yet
-            self.runtime.prefill([list(p) for p in prompts])
-            self._fed = [list(p) for p in prompts]
-            self._base = []
-        self._forward_time += time.perf_counter() - t0
+        if not all(heads):
+            heads = [list(p) for p in prompts]
+        self.runtime.prefill(heads)
+        self._fed = heads
+        self._base = []
 
     def propose(self, ctx: ProposeContext) -> Draft | None:
         k = max(ctx.budgets, default=0)
@@ -78,8 +74,8 @@ class DraftModelProposer(Proposer):
         self._fed = [list(s) for s in seqs]
         self._base = [len(s) for s in seqs]
         B = len(seqs)
-        toks = torch.zeros(B, k, dtype=torch.long)
-        probs = None if ctx.pipeline.greedy else torch.zeros(B, k, self.vocab_size)
+        toks = torch.zeros(B, k, dtype=torch.long, device=logits.device)
+        probs = None if ctx.pipeline.greedy else torch.zeros(B, k, self.vocab_size, device=logits.device)
         prefix = [list(s) for s in seqs]
         # 2. draft k tokens autoregressively, each from the processed draft distribution q
         for i in range(k):
@@ -100,7 +96,7 @@ class DraftModelProposer(Proposer):
         valid = torch.arange(k)[None, :] < torch.tensor(list(ctx.budgets))[:, None]
         return Draft(toks, tuple(range(-1, k - 1)), probs, None if bool(valid.all()) else valid)
 
-    def observe(self, result: RoundResult) -> None:
+    def observe(self, result: RoundRecord) -> None:
         # Keep the longest prefix the draft cache shares with each row's new sequence; only the
         # part fed since propose() started (from self._base) can differ.
         lengths = []
@@ -115,19 +111,17 @@ class DraftModelProposer(Proposer):
         self.runtime.rollback(lengths)
 
     def admit(self, prompts: Sequence[Sequence[int]]) -> None:
-        # Like begin(): cache all but the last prompt token (a one-token prompt is cached whole);
-        # propose() feeds each row whatever its cache lacks.
-        if not self._fed:
-            self.begin(prompts)
-            return
-        if not callable(getattr(self.runtime, "add_rows", None)):
-            raise NotImplementedError(f"the draft model's runtime {type(self.runtime).__name__} has no add_rows()")
+        # cache all but the last prompt token (a one-token prompt is cached whole); propose()
+        # feeds each row whatever its cache lacks
         t0 = time.perf_counter()
-        heads = [list(p[:-1]) if len(p) > 1 else list(p) for p in prompts]
-        self.runtime.add_rows(heads)
-        self._fed += heads
-        if self._base:
-            self._base += [len(h) for h in heads]
+        if not self._fed:
+            self._start(prompts)
+        else:
+            heads = [list(p[:-1]) if len(p) > 1 else list(p) for p in prompts]
+            self.runtime.add_rows(heads)
+            self._fed += heads
+            if self._base:
+                self._base += [len(h) for h in heads]
         self._forward_time += time.perf_counter() - t0
 
     def select_rows(self, rows: Sequence[int]) -> None:

@@ -21,12 +21,13 @@ from typing import Any, Literal, Sequence
 import torch
 from pydantic import Field, model_validator
 
+from spec_plugins.backends.slots import KVSlots, additive, pad_slots
 from spec_plugins.config import ProposerConfig
 from spec_plugins.heads.eagle import EagleDrafter
-from spec_plugins.heads.shapes import merge_rows, parents_of
-from spec_plugins.proposers.base import Draft, ProposeContext, Proposer, RoundResult
+from spec_plugins.proposers.base import Draft, ProposeContext, Proposer, RoundRecord
 from spec_plugins.proposers.medusa import resolve_head_dir
 from spec_plugins.registry import register_proposer
+from spec_plugins.tree import merge_trees
 
 NEG = float("-inf")
 AUTO_MAX_NODES = 32  # 'auto' tree sizes stay within the measured cost curve (N <= 33 positions)
@@ -63,51 +64,43 @@ class EagleProposer(Proposer):
         self.drafter = drafter.eval()
         self.tree = config.mode == "tree"
         self.dtype = drafter.lm_weight.dtype
-        self.k = self.v = torch.empty(0)
-        self.slot_pos = torch.empty(0, 0, dtype=torch.long)  # [B, S] position of each cached pair, -1 = hole
+        self.k, self.v = drafter.empty_past(0, self.dtype)  # [B, H, S, D] over the slot layer's slots
+        self.slots = KVSlots()  # position of each cached pair, -1 = hole (``backends/slots.py``)
         self.fed: list[int] = []  # per row: pairs (f_j, x_{j+1}) cached for j < fed
         self.cost = None
         if config.tree_nodes == "auto":
             if target is None or not hasattr(target, "forward"):
                 raise ValueError("tree_nodes='auto' needs the target runtime to measure its cost curve")
-            from spec_plugins.costmodel import cost_model_for
+            from spec_plugins.policy.cost import cost_for
 
-            self.cost = cost_model_for(target, max_positions=AUTO_MAX_NODES + 1)
+            self.cost = cost_for(target, max_positions=AUTO_MAX_NODES + 1)
         # calibration of 'auto': accepted nodes vs the drafter's predicted sum of path probabilities
         self._predicted: list[float] = []
         self._t0 = 0.0  # start of the current propose(): its drafting time so far is a sunk cost of the round
         self.calib = [2.0, 2.0]  # [accepted, predicted], prior: calibrated
 
-    # ---- cache -------------------------------------------------------------------------------
-    def begin(self, prompts: Sequence[Sequence[int]]) -> None:
-        self.k, self.v = self.drafter.empty_past(len(prompts), self.dtype)
-        self.slot_pos = torch.empty(len(prompts), 0, dtype=torch.long)
-        self.fed = [0] * len(prompts)
+    # ---- cache: the shared slot layer, one drafter layer ------------------------------------------
+    def admit(self, prompts: Sequence[Sequence[int]]) -> None:
+        """New rows start with an empty drafter cache; their prompt pairs are fed by the next
+        ``propose`` (catch-up), from the target features of their prefill."""
+        new = KVSlots.empty(len(prompts))
+        pad_old, pad_new = self.slots.append_rows(new)
+        k, v = self.drafter.empty_past(len(prompts), self.dtype)
+        self.k = torch.cat([pad_slots(self.k, pad_old), pad_slots(k, pad_new)], 0)
+        self.v = torch.cat([pad_slots(self.v, pad_old), pad_slots(v, pad_new)], 0)
+        self.fed += [0] * len(prompts)
 
     def select_rows(self, rows: Sequence[int]) -> None:
-        idx = torch.as_tensor(list(rows), dtype=torch.long)
-        self.k, self.v, self.slot_pos = self.k[idx], self.v[idx], self.slot_pos[idx]
+        idx, plan = self.slots.select_rows(rows)
+        self.k, self.v = plan.apply(self.k[idx]), plan.apply(self.v[idx])
         self.fed = [self.fed[r] for r in rows]
         self._compact()
 
     def _compact(self) -> None:
-        """Move each row's live slots to the front once holes are the majority (batches only)."""
-        live = self.slot_pos >= 0
-        S = live.shape[1]
-        n = int(live.sum(1).max()) if S else 0
-        if S == 0 or n * 2 > S:
-            return
-        order = torch.sort((~live).long(), dim=1, stable=True).indices[:, :n]  # live slots first, in order
-        g = order[:, None, :, None].expand(-1, self.k.shape[1], -1, self.k.shape[3])
-        self.k, self.v = self.k.gather(2, g), self.v.gather(2, g)
-        self.slot_pos = self.slot_pos.gather(1, order)
-
-    def _past_mask(self, B: int, T: int) -> torch.Tensor:
-        return (self.slot_pos >= 0)[:, None, None, :].expand(B, 1, T, self.slot_pos.shape[1])
-
-    @staticmethod
-    def _additive(ok: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return torch.zeros(ok.shape, dtype=dtype).masked_fill_(~ok, NEG)
+        """Squeeze out holes once they are the majority (rows accept different counts)."""
+        if self.slots.mostly_holes():
+            plan = self.slots.compact()
+            self.k, self.v = plan.apply(self.k), plan.apply(self.v)
 
     def _catch_up(self, ctx: ProposeContext) -> torch.Tensor:
         """Feed last round's committed pairs; returns the predicted feature at each row's
@@ -133,10 +126,10 @@ class EagleProposer(Proposer):
                 pos[b, N - m:] = torch.arange(start, start + m)
         new_ok = (pos >= 0)[:, None, :] & torch.ones(N, N, dtype=torch.bool).tril()[None]
         new_ok |= torch.eye(N, dtype=torch.bool)[None]  # padding queries see themselves
-        ok = torch.cat([self._past_mask(B, N), new_ok[:, None]], -1)
-        out, k, v = self.drafter(feat, tok, pos.clamp_min(0), self.k, self.v, self._additive(ok, self.dtype))
+        ok = torch.cat([self.slots.past_ok(N), new_ok[:, None]], -1)
+        out, k, v = self.drafter(feat, tok, pos.clamp_min(0), self.k, self.v, additive(ok, self.dtype))
         self.k, self.v = torch.cat([self.k, k], 2), torch.cat([self.v, v], 2)
-        self.slot_pos = torch.cat([self.slot_pos, pos], 1)
+        self.slots.append(pos)
         self._compact()
         return out[:, -1]
 
@@ -161,9 +154,9 @@ class EagleProposer(Proposer):
         """One drafter call for F new nodes per row [B, F]; ``anc`` [B, F, E] marks which of the
         E earlier draft slots (dk, dv) each new node may see (its ancestors)."""
         B, F = tok.shape
-        ok = torch.cat([self._past_mask(B, F), anc[:, None], torch.eye(F, dtype=torch.bool).expand(B, 1, F, F)], -1)
+        ok = torch.cat([self.slots.past_ok(F), anc[:, None], torch.eye(F, dtype=torch.bool).expand(B, 1, F, F)], -1)
         out, k, v = self.drafter(feat, tok, pos, torch.cat([self.k, dk], 2), torch.cat([self.v, dv], 2),
-                                 self._additive(ok, self.dtype))
+                                 additive(ok, self.dtype))
         return out, k, v
 
     def _chain(self, f: torch.Tensor, base: torch.Tensor, budgets: list[int], depth: int) -> Draft:
@@ -237,7 +230,7 @@ class EagleProposer(Proposer):
         if auto and max(counts) == 0:
             return None
         par_l, rank_l, tok_l = parent.tolist(), rank.tolist(), tok.tolist()
-        row_paths, row_tok = [], []
+        rows = []
         for b in range(B):
             paths: dict[int, tuple[int, ...]] = {}
 
@@ -248,16 +241,9 @@ class EagleProposer(Proposer):
                 return paths[n]
 
             sel = [n for n, s in zip(keep.indices[b].tolist()[: counts[b]], keep.values[b].tolist()) if s != NEG]
-            row_paths.append([path(n) for n in sel])
-            row_tok.append({path(n): tok_l[b][n] for n in sel})
-        union, used = merge_rows(row_paths)
-        toks = torch.zeros(B, len(union), dtype=torch.long)
-        valid = torch.zeros(B, len(union), dtype=torch.bool)
-        for b in range(B):
-            for i in used[b]:
-                toks[b, i] = row_tok[b][union[i]]
-                valid[b, i] = True
-        return Draft(toks, parents_of(union), None, None if bool(valid.all()) else valid)
+            rows.append(([tok_l[b][n] for n in sel], [path(n) for n in sel]))
+        merged = merge_trees(rows)
+        return Draft(merged.tokens, merged.parents, None, merged.valid)
 
     # ---- tree_nodes: auto ----------------------------------------------------------------------
     def _auto_counts(self, scores: torch.Tensor) -> list[int]:
@@ -274,19 +260,19 @@ class EagleProposer(Proposer):
         p = (raw * scale).clamp(max=1.0)
         counts = []
         for row, raw_row in zip(p.tolist(), raw.tolist()):
-            best_n, best, total = 0, 1.0 / (cost.target(1) + spent), 1.0
+            best_n, best, total = 0, 1.0 / (cost(1, 1) + spent), 1.0
             for n, pn in enumerate(row, start=1):
                 if pn <= 0.0:
                     break
                 total += pn
-                rate = total / (cost.target(n + 1) + spent)
+                rate = total / (cost(1, n + 1) + spent)
                 if rate > best:
                     best_n, best = n, rate
             counts.append(best_n)
             self._predicted.append(sum(raw_row[:best_n]))
         return counts
 
-    def observe(self, result: RoundResult) -> None:
+    def observe(self, result: RoundRecord) -> None:
         """Calibrate 'auto': accepted nodes against the drafter's (unscaled) predicted sum."""
         if self.cost is None or not self._predicted or result.draft is None:
             return

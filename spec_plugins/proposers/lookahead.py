@@ -32,9 +32,9 @@ from typing import Any, Literal, Sequence
 from pydantic import Field
 
 from spec_plugins.config import ProposerConfig
-from spec_plugins.proposers.base import Draft, ProposeContext, Proposer, RoundResult
+from spec_plugins.proposers.base import Draft, ProposeContext, Proposer, RoundRecord
 from spec_plugins.registry import register_proposer
-from spec_plugins.trees import merge_rows_indexed
+from spec_plugins.tree import merge_trees, ordinal_paths
 
 
 class _RowState:
@@ -122,9 +122,6 @@ class LookaheadProposer(Proposer):
         st.scan(prompt)
         return st
 
-    def begin(self, prompts: Sequence[Sequence[int]]) -> None:
-        self.rows = [self._new_row(p, i) for i, p in enumerate(prompts)]
-
     def admit(self, prompts: Sequence[Sequence[int]]) -> None:
         base = len(self.rows)
         self.rows.extend(self._new_row(p, base + i) for i, p in enumerate(prompts))
@@ -148,13 +145,14 @@ class LookaheadProposer(Proposer):
             else:
                 toks, par, ends = _trie([st.window] + chains, [budget] * (1 + len(chains)))
                 st.window_nodes = ends[0]
-            trees.append((toks, par))
-        tokens, parents, valid, self._node_maps = merge_rows_indexed(trees)
-        if tokens.shape[1] == 0:
+            trees.append((toks, ordinal_paths(par)))
+        merged = merge_trees(trees)
+        self._node_maps = merged.index
+        if merged.tokens.shape[1] == 0:
             return None
-        return Draft(tokens, parents, None, valid)
+        return Draft(merged.tokens, merged.parents, None, merged.valid)
 
-    def observe(self, result: RoundResult) -> None:
+    def observe(self, result: RoundRecord) -> None:
         z = result.target_logits
         if z is None or result.draft is None:
             return

@@ -10,16 +10,16 @@ point-mass rules keep sampling exact, and sibling tokens (distinct ranks of one 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
 
 from spec_plugins.config import ProposerConfig
 from spec_plugins.heads.medusa import MedusaHeads
-from spec_plugins.heads.shapes import default_accuracy, parents_of, static_tree
 from spec_plugins.proposers.base import Draft, ProposeContext, Proposer
 from spec_plugins.registry import register_proposer
+from spec_plugins.tree import best_static_tree
 
 
 def resolve_head_dir(path: str) -> Path:
@@ -57,10 +57,9 @@ class MedusaProposer(Proposer):
         acc = [heads.calibration.get(f"head{d}", [])[: config.top_k] for d in range(K)]
         if not all(len(a) == config.top_k for a in acc):
             acc = default_accuracy(K, config.top_k)
-        self._paths = static_tree(acc, config.tree_nodes)
-        self._depth = torch.tensor([len(p) - 1 for p in self._paths], dtype=torch.long)
-        self._head = torch.tensor([len(p) - 1 for p in self._paths], dtype=torch.long)
-        self._rank = torch.tensor([p[-1] for p in self._paths], dtype=torch.long)
+        self._tree = best_static_tree(acc, config.tree_nodes, max_depth=K)
+        self._depth = torch.tensor(self._tree.depths, dtype=torch.long)  # = the head that drafts each node
+        self._rank = torch.tensor(self._tree.ranks, dtype=torch.long)
 
     @torch.inference_mode()
     def propose(self, ctx: ProposeContext) -> Draft | None:
@@ -73,15 +72,17 @@ class MedusaProposer(Proposer):
             k = min(int(budgets.max()), logits.shape[1])
             if k <= 0:
                 return None
-            toks = self.heads.vocab_ids[logits[:, :k].argmax(-1)].cpu()  # [B, k]
+            toks = self.heads.vocab_ids[logits[:, :k].argmax(-1)]  # [B, k]
             valid = torch.arange(k)[None, :] < budgets[:, None]
             return Draft(toks, tuple(range(-1, k - 1)), None, None if bool(valid.all()) else valid)
         top = logits.topk(self.config.top_k, -1).indices  # [B, K, k]
-        toks = self.heads.vocab_ids[top[:, self._head, self._rank]].cpu()  # [B, n]
+        toks = self.heads.vocab_ids[top[:, self._depth, self._rank]]  # [B, n]
         valid = self._depth[None, :] < budgets[:, None]
         if not bool(valid.any()):
             return None
-        return Draft(toks, parents_of(self._paths), None, None if bool(valid.all()) else valid)
+        return Draft(toks, self._tree.parents, None, None if bool(valid.all()) else valid)
 
-    def select_rows(self, rows: Sequence[int]) -> None:
-        """Stateless between rounds: the hidden states arrive with every context."""
+
+def default_accuracy(depth: int, top_k: int) -> list[list[float]]:
+    """Uncalibrated rank accuracies (used when a head has no holdout measurements)."""
+    return [[0.6 * 0.85 ** d * 0.35 ** r for r in range(top_k)] for d in range(depth)]

@@ -85,9 +85,6 @@ class NgramProposer(Proposer):
         self.config = config
         self._index: list[NgramIndex] = []
 
-    def begin(self, prompts: Sequence[Sequence[int]]) -> None:
-        self._index = [NgramIndex(self.config.min_ngram, self.config.max_ngram) for _ in prompts]
-
     def propose(self, ctx: ProposeContext) -> Draft | None:
         return Draft.from_chains(self._chains(ctx.sequences, ctx.budgets))
 

@@ -20,9 +20,9 @@ import torch
 from pydantic import Field, model_validator
 
 from spec_plugins.config import ProposerConfig
-from spec_plugins.proposers.base import Draft, ProposeContext, Proposer, RoundResult
+from spec_plugins.proposers.base import Draft, ProposeContext, Proposer, RoundRecord
 from spec_plugins.registry import register_proposer
-from spec_plugins.trees import StaticTree, best_static_tree, expected_accepted, static_tree
+from spec_plugins.tree import StaticTree, best_static_tree, expected_accepted, static_tree
 
 # P(rank-r successor is the target's token | parent accepted), per depth, for shaping and sizing
 # the static tree. Measured with ``rank_stats`` on SmolLM2-135M-Instruct, greedy, 6 varied chat
@@ -63,6 +63,7 @@ class RecyclingProposer(Proposer):
 
     def __init__(self, config: "RecyclingProposer.Config | None" = None, target: Any = None, **_: object) -> None:
         self.config = config or self.Config()
+        self._rows = 0  # rows in the batch (the table is shared by all)
         self.vocab_size: int | None = getattr(target, "vocab_size", None)
         self.table: torch.Tensor | None = None  # [V, k] long, -1 = unknown
         self.shape = self._shape(target)
@@ -97,12 +98,15 @@ class RecyclingProposer(Proposer):
             toks, idx = toks.reshape(-1), idx.reshape(-1, k)
         table[toks, :k] = idx
 
-    def begin(self, prompts: Sequence[Sequence[int]]) -> None:
-        if not self.config.keep_table:
-            self.table = None
-
     def admit(self, prompts: Sequence[Sequence[int]]) -> None:
-        """New rows need no state of their own: the table is shared by all rows."""
+        """Rows need no state of their own (the table is shared); a batch that starts empty is a
+        new generation, which drops the table unless ``keep_table``."""
+        if self._rows == 0 and not self.config.keep_table:
+            self.table = None
+        self._rows += len(prompts)
+
+    def select_rows(self, rows: Sequence[int]) -> None:
+        self._rows = len(rows)
 
     # ---- draft --------------------------------------------------------------------------------
     def propose(self, ctx: ProposeContext) -> Draft | None:
@@ -125,7 +129,7 @@ class RecyclingProposer(Proposer):
             return None
         return Draft(toks, self.shape.parents, None, None if bool(ok.all()) else ok)
 
-    def observe(self, result: RoundResult) -> None:
+    def observe(self, result: RoundRecord) -> None:
         z = result.target_logits
         if z is None:
             return
@@ -172,18 +176,18 @@ def _layers(tree: StaticTree) -> list[tuple[torch.Tensor, torch.Tensor | None, t
 
 
 def auto_tree_size(target: Any, max_size: int = 32, max_depth: int = 6) -> int:
-    """Tree size from the runtime's measured forward-cost curve (``spec_plugins.costmodel``): the
+    """Tree size from the runtime's measured forward-cost curve (``spec_plugins.policy.cost``): the
     size maximising expected tokens per second, (1 + E[accepted]) / T(size + 1), under
     DEFAULT_ACCEPT. The curve is measured once per runtime (a few seconds) and cached."""
     if target is None:
         raise ValueError("tree_size='auto' needs the target runtime to measure its cost curve")
-    from spec_plugins.costmodel import cost_model_for
+    from spec_plugins.policy.cost import cost_for
 
-    cost = cost_model_for(target, max_positions=max_size + 1)
+    cost = cost_for(target, max_positions=max_size + 1)
     best, best_rate = 1, 0.0
     for size in range(1, max_size + 1):
         tree = best_static_tree(DEFAULT_ACCEPT, size, max_depth)
-        rate = (1.0 + expected_accepted(tree, DEFAULT_ACCEPT)) / cost.target(size + 1)
+        rate = (1.0 + expected_accepted(tree, DEFAULT_ACCEPT)) / cost(1, size + 1)
         if rate > best_rate:
             best, best_rate = size, rate
     return best

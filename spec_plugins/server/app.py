@@ -8,7 +8,6 @@ streaming or not); GET /info, /health, /metrics. Bad requests get TGI's error bo
 from __future__ import annotations
 
 import json
-import random
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -18,19 +17,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from spec_plugins.batching import ContinuousBatch, RowRequest
-from spec_plugins.config import SamplingConfig
+from spec_plugins.loop import Batch
 from spec_plugins.server.metrics import Metrics
+from spec_plugins.server.requests import Prepared, _parse, encode_chat, encode_text, prepare
 from spec_plugins.server.scheduler import Job, Scheduler
 from spec_plugins.server.schemas import (
     ApiError,
     ChatRequest,
-    GenerateParameters,
     GenerateRequest,
     validation_message,
 )
 
-DEFAULT_MAX_NEW_TOKENS = 256
 
 
 @dataclass
@@ -44,7 +41,7 @@ class ServerState:
     max_total_tokens: int
     metrics: Metrics = field(default_factory=Metrics)
     info_extra: dict[str, Any] = field(default_factory=dict)
-    policy: Any = None  # LoadAwareDraftLength or None
+    policy: Any = None  # the scheduler's draft-length policy (AutoDraftLength or FixedLength), None: no proposer
     max_draft_length: int = 0
     shutdown_timeout: float = 30.0
 
@@ -55,7 +52,7 @@ class ServerState:
         self.special_ids = set(getattr(self.tokenizer, "all_special_ids", []) or [])
 
     @property
-    def batch(self) -> ContinuousBatch:
+    def batch(self) -> Batch:
         return self.scheduler.batch
 
     def policy_view(self) -> dict[str, Any]:
@@ -64,68 +61,8 @@ class ServerState:
         if self.policy is not None:
             snap.update({k: v for k, v in self.policy.last.items() if k == "expected_tokens"})
             sizes = sorted({1, 2, 4, 8, 16, self.scheduler.max_batch} & set(range(1, self.scheduler.max_batch + 1)))
-            snap["draft_length_by_batch"] = {b: self.policy.choose(b) for b in sizes}
+            snap["draft_length_by_batch"] = {b: self.policy.preview(b) for b in sizes}
         return snap
-
-
-# ---- request preparation -----------------------------------------------------------------------
-def _parse(model: type, body: bytes) -> Any:
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"Failed to parse the request body as JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ApiError(422, f"Failed to deserialize the JSON body: expected an object, got {type(data).__name__}")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise ApiError(422, validation_message(exc)) from None
-
-
-@dataclass
-class Prepared:
-    ids: list[int]
-    params: GenerateParameters
-    row: RowRequest
-    seed: int | None
-
-
-def prepare(state: ServerState, ids: list[int], params: GenerateParameters, key: int) -> Prepared:
-    """Token limits and sampling, with TGI's messages."""
-    if params.truncate is not None:
-        ids = ids[-params.truncate:]
-    n_in = len(ids)
-    if n_in == 0:
-        raise ApiError(422, "`inputs` cannot be empty")
-    if n_in > state.max_input_tokens:
-        raise ApiError(422, f"`inputs` tokens must be <= {state.max_input_tokens} (--max-input-tokens). "
-                            f"Given: {n_in}")
-    room = state.max_total_tokens - n_in
-    max_new = params.max_new_tokens if params.max_new_tokens is not None else min(room, DEFAULT_MAX_NEW_TOKENS)
-    if n_in + max_new > state.max_total_tokens:
-        raise ApiError(422, f"`inputs` tokens + `max_new_tokens` must be <= {state.max_total_tokens}. "
-                            f"Given: {n_in} `inputs` tokens and {max_new} `max_new_tokens`")
-    seed = None
-    if params.sampling:
-        seed = params.seed if params.seed is not None else random.randrange(2**63)
-        sampling = SamplingConfig(temperature=params.temperature or 1.0, top_k=params.top_k, top_p=params.top_p,
-                                  repetition_penalty=params.repetition_penalty, seed=seed)
-    else:
-        sampling = SamplingConfig(temperature=0.0, repetition_penalty=params.repetition_penalty, seed=None)
-    return Prepared(ids, params, RowRequest(key, ids, max_new, sampling, seed), seed)
-
-
-def encode_text(state: ServerState, text: str) -> list[int]:
-    return list(state.tokenizer(text, add_special_tokens=True)["input_ids"])
-
-
-def encode_chat(state: ServerState, req: ChatRequest) -> list[int]:
-    tok = state.tokenizer
-    msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
-    if getattr(tok, "chat_template", None):
-        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    raise ApiError(422, "this model's tokenizer has no chat template; use /generate")
 
 
 # ---- one request, as a stream of tokens --------------------------------------------------------
@@ -393,8 +330,8 @@ def create_app(state: ServerState) -> FastAPI:
 
         return JSONResponse({
             "model_id": state.model_id, "model_sha": None, "model_pipeline_tag": "text-generation",
-            "model_dtype": str(getattr(state.batch.target, "dtype", "")).replace("torch.", ""),
-            "model_device_type": str(getattr(state.batch.target, "device", "cpu")),
+            "model_dtype": str(getattr(state.batch.runtime, "dtype", "")).replace("torch.", ""),
+            "model_device_type": str(getattr(state.batch.runtime, "device", "cpu")),
             "max_concurrent_requests": state.scheduler.max_queue + state.scheduler.max_batch,
             "max_best_of": 1, "max_stop_sequences": 4,
             "max_input_tokens": state.max_input_tokens, "max_input_length": state.max_input_tokens,

@@ -106,10 +106,17 @@ class Metrics:
                    [({"position": d}, n) for d, n in enumerate(stats.drafted_by_position)])
             metric("spec_accepted_by_position_total", "counter", "Draft tokens accepted at each depth.",
                    [({"position": d}, n) for d, n in enumerate(stats.accepted_by_position)])
-            metric("spec_acceptance_rate", "gauge", "Accepted / drafted tokens at each depth.",
+            metric("spec_acceptance_rate", "gauge", "Accepted / drafted tokens at each depth (per sequence).",
                    [({"position": d}, r) for d, r in enumerate(stats.acceptance_by_position)])
-            metric("spec_mean_accepted_tokens", "gauge", "Tokens emitted per row per round (bonus included).",
+            metric("spec_row_rounds_total", "counter", "Sequences verified, summed over target forwards.",
+                   [({}, stats.row_rounds)])
+            metric("spec_mean_accepted_tokens", "gauge",
+                   "Mean acceptance length: tokens emitted per sequence per round (bonus included; 1 = no gain).",
                    [({}, stats.mean_accepted_tokens)])
+            metric("spec_tokens_per_forward", "gauge", "Tokens the whole batch emitted per target forward.",
+                   [({}, stats.tokens_per_forward)])
+            metric("spec_lossy", "gauge", "1 if the verifier changes the output distribution (e.g. typical).",
+                   [({}, int(stats.lossy))])
         if policy is not None:
             metric("spec_batch_size", "gauge", "Requests in the running batch.", [({}, policy.get("batch", 0))])
             metric("spec_queue_size", "gauge", "Requests waiting for a slot.", [({}, policy.get("queue", 0))])

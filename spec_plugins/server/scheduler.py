@@ -16,7 +16,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from spec_plugins.batching import ContinuousBatch, Emission, RowRequest
+from spec_plugins.loop import Batch, run_round
+from spec_plugins.policy import DraftPolicy, FixedLength
+from spec_plugins.types import Emission, RowRequest
 
 log = logging.getLogger("spec_plugins.server")
 
@@ -42,12 +44,13 @@ class Job:
 
 
 class Scheduler:
-    """Owns a ContinuousBatch; ``submit`` / ``cancel`` are safe from any thread."""
+    """Owns a Batch and its draft-length policy; ``submit`` / ``cancel`` are safe from any thread."""
 
-    def __init__(self, batch: ContinuousBatch, max_batch: int, max_queue: int = 1024) -> None:
+    def __init__(self, batch: Batch, max_batch: int, max_queue: int = 1024, policy: DraftPolicy | None = None) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.batch, self.max_batch, self.max_queue = batch, max_batch, max_queue
+        self.policy = policy if policy is not None else FixedLength(0)
         self._cv = threading.Condition()
         self._waiting: list[Job] = []
         self._jobs: dict[int, Job] = {}  # running, by row key
@@ -82,7 +85,7 @@ class Scheduler:
     def snapshot(self) -> dict[str, Any]:
         with self._cv:
             return {"batch": len(self._jobs), "queue": len(self._waiting), "max_batch": self.max_batch,
-                    "draft_length": self.batch.last_k}
+                    "draft_length": int(getattr(self.policy, "last", {}).get("draft_length", 0))}
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -136,8 +139,9 @@ class Scheduler:
                     for j in admit:
                         self._jobs[j.row.key] = j
                     self._dispatch(self.batch.add([j.row for j in admit]))
-                if len(self.batch):
-                    self._dispatch(self.batch.step())
+                record = run_round(self.batch, self.policy)
+                if record is not None:
+                    self._dispatch(record.emissions)
             except Exception as exc:  # noqa: BLE001 - a failed round must not kill the server
                 log.exception("decode round failed")
                 self._fail_all(f"generation failed: {type(exc).__name__}: {exc}")

@@ -1,11 +1,12 @@
-"""Slot bookkeeping of the hole-masked KV layout, without any model or device.
+"""The hole-masked KV slot layer: positions per slot, plans for the KV tensors, attention masks.
 
-The torch runtime keeps its cache as a shared slot axis for the whole batch plus ``pos [B, S]``,
+Every runtime whose KV lives in tensors we hold (torch, ONNX Runtime, TensorRT) and the EAGLE
+drafter's own cache keep the same layout: one slot axis shared by the batch plus ``pos [B, S]``,
 the position held by each slot (-1 = a hole: left padding, a rejected tree node, or a token
-another row did not keep). Runtimes whose KV lives in engine-owned tensors (TensorRT, ...) need
-the same decisions (new positions, which slots survive a commit, where to crop) but apply them
-to their own buffers, so the decisions live here as plans, and ``apply`` executes a plan on any
-``[B, H, S, D]`` tensor. Behaviour equals ``backends/torch_runtime.py`` step for step (tested).
+another row did not keep). Holes are masked out, so rows can accept different numbers of
+tokens without moving the cache. The decisions (new positions, which slots survive a commit,
+where to crop) live here once, as :class:`SlotPlan` s; ``SlotPlan.apply`` executes one on any
+``[B, H, S, D]`` tensor, on any device. ``pos`` stays on the host (bookkeeping only).
 """
 
 from __future__ import annotations
@@ -18,24 +19,30 @@ import torch
 
 @dataclass(frozen=True)
 class SlotPlan:
-    """How to turn the KV tensors ``[B, H, S_old, D]`` into the new slot layout.
+    """How to turn KV tensors ``[B, H, S_old, D]`` into the new slot layout.
 
     ``gather is None``: keep the first ``slots`` slots (a crop; a no-op when nothing is cut).
-    Otherwise the new layout is ``kv[:, :, :start]`` followed by ``kv[b, :, start + gather[b]]``
-    (tail compaction after a commit; ``start = 0`` for a full compaction)."""
+    Otherwise ``kv[:, :, :start]`` stays and is followed by ``kv[b, :, start + gather[b]]``
+    (tail compaction after a commit, O(tail); ``start = 0`` for a full compaction)."""
 
     slots: int
     start: int = 0
     gather: torch.Tensor | None = None  # [B, slots - start] long, indices relative to ``start``
 
+    @torch.inference_mode()
     def apply(self, kv: torch.Tensor) -> torch.Tensor:
-        """Execute the plan on one ``[B, H, S, D]`` tensor (keys or values of one layer)."""
+        """Execute the plan on one ``[B, H, S, D]`` tensor (keys or values of one layer); the
+        tail is written in place where it fits (runtime caches are inference tensors)."""
         if self.gather is None:
             return kv if kv.shape[2] == self.slots else kv[:, :, : self.slots]
         B, H, _, D = kv.shape
         m = self.gather.shape[1]
         g = self.gather.to(kv.device)[:, None, :, None].expand(B, H, m, D)
-        tail = kv[:, :, self.start :].gather(2, g)
+        tail = kv[:, :, self.start :].gather(2, g)  # a copy, so writing it back in place is safe
+        if self.start + m <= kv.shape[2]:
+            out = kv[:, :, : self.start + m]
+            out[:, :, self.start :] = tail
+            return out
         return torch.cat([kv[:, :, : self.start], tail], dim=2)
 
 
@@ -48,6 +55,18 @@ class KVSlots:
         self._tail: tuple[int, int] | None = None  # (slots before the last forward, its size)
         self._before: list[int] = []  # per-row lengths before the last forward
 
+    @classmethod
+    def empty(cls, rows: int) -> "KVSlots":
+        """``rows`` rows holding nothing yet (a drafter cache before its first catch-up)."""
+        out = cls()
+        out.pos = torch.empty(rows, 0, dtype=torch.long)
+        out.next = [0] * rows
+        return out
+
+    @property
+    def rows(self) -> int:
+        return len(self.next)
+
     @property
     def slots(self) -> int:
         return int(self.pos.shape[1])
@@ -59,6 +78,7 @@ class KVSlots:
 
     @property
     def holes(self) -> bool:
+        """Any hole in the layout: then every forward needs a mask (the torch runtime skips it otherwise)."""
         return bool((self.pos < 0).any())
 
     # ---- the runtime contract, as bookkeeping -------------------------------------------------
@@ -75,12 +95,16 @@ class KVSlots:
         self._tail = None
         return pos
 
+    def append(self, pos: torch.Tensor) -> None:
+        """Append slots holding ``pos [B, N]`` (-1 = hole), e.g. a drafter's right-aligned catch-up."""
+        self.pos = torch.cat([self.pos, pos], dim=1) if self.pos.numel() else pos.clone()
+
     def forward(self, depth: torch.Tensor) -> torch.Tensor:
         """Append N nodes at ``next[b] + depth``; returns their positions ``[B, N]``."""
         new_pos = torch.tensor(self.next, dtype=torch.long)[:, None] + depth[None, :]
         self._tail = (self.slots, int(depth.numel()))
         self._before = list(self.next)
-        self.pos = torch.cat([self.pos, new_pos], dim=1)
+        self.append(new_pos)
         self.next = [n + int(depth.max()) + 1 for n in self.next]
         return new_pos
 
@@ -89,7 +113,7 @@ class KVSlots:
         leading nodes, otherwise a gather of the tail (the prefix is never touched)."""
         if self._tail is None:
             raise RuntimeError("commit() without a preceding forward()")
-        S, N = self._tail
+        S, _ = self._tail
         self._tail = None
         counts = [len(k) for k in keep]
         m = max(counts)
@@ -109,12 +133,13 @@ class KVSlots:
         return self._crop(self._last_live())
 
     def select_rows(self, rows: Sequence[int]) -> tuple[torch.Tensor, SlotPlan]:
-        """Keep these rows; returns the row index to apply first, then the crop plan."""
+        """Keep these rows; returns the row index to apply first, then the crop plan. Nodes of an
+        uncommitted forward stay cached (as after a forward without commit: a drafter's own cache)."""
+        self._tail = None
         idx = torch.as_tensor(list(rows), dtype=torch.long)
         self.pos = self.pos[idx]
         self.next = [self.next[r] for r in rows]
-        live = self._last_live()
-        return idx, self._crop(live if live and live < self.slots else self.slots)
+        return idx, self._crop(self._last_live())
 
     def append_rows(self, other: "KVSlots") -> tuple[int, int]:
         """Append ``other``'s rows after these (continuous batching). Both sides are left-padded
@@ -136,7 +161,8 @@ class KVSlots:
         """Squeeze out every hole: each row's live slots, in order, right-aligned (left padding).
 
         Rows that accept different counts leave holes behind; the slot axis can then outgrow
-        every row's length. Engines with a bounded past length call this before they overflow."""
+        every row's length. Engines with a bounded past length and caches that are mostly holes
+        call this."""
         live = self.pos >= 0
         S2 = int(live.sum(1).max()) if self.pos.numel() else 0
         B = self.pos.shape[0]
@@ -151,7 +177,16 @@ class KVSlots:
         self._tail = None
         return SlotPlan(S2, 0, idx)
 
+    def mostly_holes(self) -> bool:
+        """More than half of the slot axis is holes for every row (time to ``compact``)."""
+        return self.slots > 0 and 2 * int((self.pos >= 0).sum(1).max()) <= self.slots
+
     # ---- masks ---------------------------------------------------------------------------------
+    def past_ok(self, queries: int, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """``[B, 1, queries, end - start]`` bool: which cached slots each new query may attend to."""
+        pos = self.pos[:, start:end]
+        return (pos >= 0)[:, None, None, :].expand(pos.shape[0], 1, queries, pos.shape[1])
+
     def forward_mask(self, ancestors: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Additive mask ``[B, 1, N, S+N]`` for the last forward: non-hole past + tree ancestors.
 
@@ -160,9 +195,8 @@ class KVSlots:
             raise RuntimeError("forward_mask() needs a preceding forward()")
         S, N = self._tail
         B = self.pos.shape[0]
-        past_ok = (self.pos[:, :S] >= 0)[:, None, None, :].expand(B, 1, N, S)
         new_ok = ancestors[None, None].expand(B, 1, N, N)
-        return additive(torch.cat([past_ok, new_ok], dim=-1), dtype)
+        return additive(torch.cat([self.past_ok(N, 0, S), new_ok], dim=-1), dtype)
 
     def prefill_mask(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
         """Additive mask ``[B, 1, n, end]`` for prompt slots ``start:end`` run as one chunk over the
@@ -185,6 +219,12 @@ class KVSlots:
         return SlotPlan(slots)
 
 
+def pad_slots(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``n`` hole slots (zeros) in front of the slot axis of a ``[B, H, S, D]`` cache tensor, as
+    ``KVSlots.append_rows`` asks before two batches are concatenated."""
+    return t if n == 0 else torch.cat([t.new_zeros(t.shape[0], t.shape[1], n, t.shape[3]), t], dim=2)
+
+
 def additive(ok: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Bool "may attend" -> additive float mask (0 or the dtype's most negative value)."""
     return torch.zeros(ok.shape, dtype=dtype).masked_fill_(~ok, torch.finfo(dtype).min)
@@ -192,8 +232,7 @@ def additive(ok: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def keep_index(keep: Sequence[Sequence[int]], tail_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather plan for a commit: ``idx [B, m]`` (the kept nodes of each row, left-aligned,
-    padded with 0) and the positions of the compacted tail, -1 where a row kept fewer nodes.
-    Shared by every runtime that keeps a hole-masked slot layout."""
+    padded with 0) and the positions of the compacted tail, -1 where a row kept fewer nodes."""
     m = max(len(k) for k in keep)
     idx = torch.zeros(len(keep), m, dtype=torch.long)
     ok = torch.zeros(len(keep), m, dtype=torch.bool)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "spec-plugins-onnx"
@@ -68,15 +68,8 @@ class Manifest:
 
     @classmethod
     def read(cls, directory: str | Path) -> "Manifest":
-        d = Path(directory)
-        path = d / MANIFEST_NAME
-        if not path.is_file():
-            raise ManifestError(f"{d} is not an ONNX export: {MANIFEST_NAME} not found "
-                                "(create one with `spec-plugins export onnx --config FILE --out DIR`)")
-        try:
-            data: dict[str, Any] = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ManifestError(f"{path} is not valid JSON: {exc}") from None
+        path, data = read_json(Path(directory), MANIFEST_NAME, ManifestError, "is not an ONNX export",
+                               "create one with `spec-plugins export onnx --config FILE --out DIR`")
         if data.get("format") != FORMAT:
             raise ManifestError(f"{path}: format {data.get('format')!r} is not {FORMAT!r}")
         if data.get("exporter_version") != EXPORTER_VERSION:
@@ -88,7 +81,7 @@ class Manifest:
         except (TypeError, KeyError) as exc:
             raise ManifestError(f"{path}: malformed manifest ({exc})") from None
         for g in man.graphs:
-            if not (d / g.file).is_file():
+            if not (path.parent / g.file).is_file():
                 raise ManifestError(f"{path}: graph {g.name!r} names {g.file}, which does not exist")
         return man
 
@@ -103,3 +96,17 @@ def library_versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             pass
     return out
+
+
+def read_json(directory: Path, name: str, error: type[Exception], what: str, hint: str) -> tuple[Path, dict]:
+    """A manifest file's path and JSON object, or ``error`` naming the file and what to do."""
+    path = directory / name
+    if not path.is_file():
+        raise error(f"{directory} {what}: {name} not found ({hint})")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise error(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise error(f"{path} is not a manifest: expected a JSON object, got {type(data).__name__}")
+    return path, data

@@ -13,9 +13,10 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Mapping
 
-from spec_plugins.exporters.tensorrt_profiles import Limits, Profile
+from spec_plugins.graphs.manifest import read_json
+from spec_plugins.graphs.profiles import Limits, Profile
 
 MANIFEST_NAME = "tensorrt_manifest.json"
 FORMAT = "spec-plugins-tensorrt"
@@ -116,15 +117,8 @@ class EngineManifest:
 
     @classmethod
     def read(cls, directory: str | Path) -> "EngineManifest":
-        d = Path(directory)
-        path = d / MANIFEST_NAME
-        if not path.is_file():
-            raise EngineManifestError(f"{d} holds no TensorRT engines: {MANIFEST_NAME} not found (build them with "
-                                      "`spec-plugins export tensorrt --onnx ONNX_DIR --out DIR`)")
-        try:
-            data: dict[str, Any] = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise EngineManifestError(f"{path} is not valid JSON: {exc}") from None
+        path, data = read_json(Path(directory), MANIFEST_NAME, EngineManifestError, "holds no TensorRT engines",
+                               "build them with `spec-plugins export tensorrt --onnx ONNX_DIR --out DIR`")
         if data.get("format") != FORMAT or data.get("manifest_version") != MANIFEST_VERSION:
             raise EngineManifestError(f"{path}: format {data.get('format')!r} v{data.get('manifest_version')} is not "
                                       f"{FORMAT!r} v{MANIFEST_VERSION}; rebuild the engines")

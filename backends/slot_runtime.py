@@ -1,0 +1,129 @@
+"""The runtime contract over the hole-masked slot layer, written once for every engine whose KV
+lives in tensors we hold (torch, ONNX Runtime, TensorRT).
+
+Everything around the engine call is the same for those engines: positions and masks from
+:class:`~spec_plugins.backends.slots.KVSlots`, (chunked) prefill, rows joining a running batch
+(prefill them alone, left-pad both sides with holes, concatenate), and commit / rollback /
+row selection / compaction as slot plans applied to the KV tensors. A runtime is an adapter
+that supplies ``_call`` (one engine call; the presents replace ``self.kv``), ``kv`` (its KV
+tensors, ``[B, H_kv, S, D]`` per layer key and value) and ``_reset_kv``.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Sequence
+
+import torch
+
+from spec_plugins.backends.base import StepOutput
+from spec_plugins.backends.slots import KVSlots, SlotPlan, pad_slots
+from spec_plugins.tree import TreeLayout
+
+
+class SlotRuntime:
+    """Base of slot-layout runtimes; subclasses implement the three engine hooks below."""
+
+    always_mask: ClassVar[bool] = True  # False: no mask when nothing is masked (the model's causal path)
+    prefill_chunk: int | None = None  # longest prompt slice one engine call takes (None: any)
+    max_slots: int | None = None  # engines with a bounded past compact holes before exceeding it
+    mask_dtype: torch.dtype = torch.float32
+    max_context: int
+    slots: KVSlots
+
+    # ---- engine hooks ----------------------------------------------------------------------------
+    kv: list[torch.Tensor]
+
+    def _call(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, want_hidden: bool,
+              prefill: bool) -> StepOutput:
+        """One engine call over ``ids`` [B, n] at ``pos`` [B, n] (mask [B, 1, n, S+n] additive or
+        None); replaces ``self.kv`` with the presents. ``prefill``: a prompt chunk, of whose
+        logits only the last position's is read."""
+        raise NotImplementedError
+
+    def _reset_kv(self, rows: int) -> None:
+        """An empty past for ``rows`` rows (before a prefill)."""
+        raise NotImplementedError
+
+    # ---- plans -----------------------------------------------------------------------------------
+    def _apply(self, plan: SlotPlan) -> None:
+        self.kv = [plan.apply(t) for t in self.kv]
+
+    # ---- Runtime contract --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, rows: Sequence[Sequence[int]], want_hidden: bool = False) -> StepOutput:
+        if not rows or any(len(r) == 0 for r in rows):
+            raise ValueError("prefill needs at least one token per row")
+        longest = max(len(r) for r in rows)
+        if longest > self.max_context:
+            raise ValueError(f"prompt of {longest} tokens exceeds the context of {self.max_context}")
+        self.slots = KVSlots()
+        pos = self.slots.prefill([len(r) for r in rows])
+        ids = torch.zeros(len(rows), longest, dtype=torch.long)
+        for b, r in enumerate(rows):
+            ids[b, longest - len(r):] = torch.as_tensor(list(r), dtype=torch.long)
+        self._reset_kv(len(rows))
+        chunk = self.prefill_chunk or longest
+        hidden = []
+        for start in range(0, longest, chunk):
+            end = min(longest, start + chunk)
+            masked = self.always_mask or self.slots.holes or start > 0
+            mask = self.slots.prefill_mask(start, end, self.mask_dtype) if masked else None
+            out = self._call(ids[:, start:end], pos[:, start:end].clamp_min(0), mask, want_hidden, prefill=True)
+            if want_hidden:
+                hidden.append(out.hidden)
+        return StepOutput(out.logits[:, -1:], torch.cat(hidden, 1) if want_hidden else None)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, tree: TreeLayout | None = None, want_hidden: bool = False) -> StepOutput:
+        B, N = tokens.shape
+        depth = tree.depth if tree is not None else torch.arange(N)
+        top = max(self.slots.next) + int(depth.max())
+        if top >= self.max_context:
+            raise ValueError(f"position {top} exceeds the context of {self.max_context}")
+        if self.max_slots is not None and self.slots.slots > self.max_slots:
+            self._apply(self.slots.compact())  # holes grew the slot axis past the engine's bound
+        masked = self.always_mask or self.slots.holes or not (tree is None or tree.is_chain)
+        new_pos = self.slots.forward(depth)
+        mask = None
+        if masked:
+            anc = tree.ancestors if tree is not None else torch.ones(N, N, dtype=torch.bool).tril()
+            mask = self.slots.forward_mask(anc, self.mask_dtype)
+        return self._call(tokens, new_pos, mask, want_hidden, prefill=False)
+
+    @torch.inference_mode()
+    def commit(self, keep: Sequence[Sequence[int]]) -> None:
+        self._apply(self.slots.commit(keep))
+
+    @torch.inference_mode()
+    def rollback(self, lengths: Sequence[int]) -> None:
+        self._apply(self.slots.rollback(lengths))
+
+    def lengths(self) -> list[int]:
+        return list(self.slots.next)
+
+    @torch.inference_mode()
+    def select_rows(self, rows: Sequence[int]) -> None:
+        idx, plan = self.slots.select_rows(rows)
+        if self.kv:
+            dev_idx = idx.to(self.kv[0].device)
+            self.kv = [plan.apply(t[dev_idx]) for t in self.kv]
+
+    @torch.inference_mode()
+    def add_rows(self, rows: Sequence[Sequence[int]], want_hidden: bool = False) -> StepOutput:
+        """Prefill ``rows`` and append them after the running rows; output as ``prefill`` for the
+        new rows only. Running rows' caches and lengths are unchanged; on an error nothing is."""
+        if not self.slots.rows:
+            return self.prefill(rows, want_hidden)
+        if self.slots.pending_commit:
+            raise RuntimeError("add_rows() between forward() and commit()")
+        old_slots, old_kv = self.slots, self.kv
+        try:
+            out = self.prefill(rows, want_hidden)
+        except BaseException:
+            self.slots, self.kv = old_slots, old_kv
+            raise
+        new_kv = self.kv
+        pad_old, pad_new = old_slots.append_rows(self.slots)
+        self.slots = old_slots
+        self.kv = [torch.cat([pad_slots(a, pad_old), pad_slots(b, pad_new)], dim=0) for a, b in zip(old_kv, new_kv)]
+        return out

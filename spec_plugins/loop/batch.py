@@ -1,0 +1,287 @@
+"""The one batch: rows that join and leave between rounds, over one runtime and one proposer.
+
+A fixed batch (``generate``, ``generate_batch``, the transformers plugin) is a batch with no
+arrivals; the server adds and removes rows between rounds. Each row carries its own sampling
+pipeline and generator, its processor prefix, stop rule, limit and (for feature drafters) the
+target hidden states its proposer has not consumed yet. The round (``loop.round``) calls the
+steps below in order; they hold the mechanics, the round holds the order.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Sequence
+
+import torch
+
+from spec_plugins.config import SamplingConfig
+from spec_plugins.proposers.base import ProposerTraits
+from spec_plugins.sampling import LogitsPipeline, RowPipelines
+from spec_plugins.stats import DecodeStats
+from spec_plugins.tree import TreeLayout, layout, with_root
+from spec_plugins.types import (BatchView, Draft, Emission, ProposeContext, RoundRecord, RowRequest, RowStop,
+                                Verdict)
+
+GREEDY = SamplingConfig()
+
+
+@dataclass
+class Row:
+    """One sequence being decoded. ``tokens[-1]`` is pending (emitted, not yet cached)."""
+
+    key: Hashable
+    tokens: list[int]
+    prompt_len: int
+    max_new: int
+    pipeline: LogitsPipeline
+    generator: torch.Generator | None
+    prefix: tuple[int, ...] = ()
+    stop: RowStop | None = None
+    logprobs: bool = False
+    hidden: torch.Tensor | None = None  # [T, H] target features the proposer has not consumed
+    done: bool = False
+    finish_reason: str | None = None
+
+    @property
+    def n_new(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+def check_pairing(runtime: Any, proposer: Any) -> ProposerTraits:
+    """The proposer's traits, refused where the runtime cannot serve them (checked once)."""
+    traits = ProposerTraits.of(proposer)
+    caps = runtime.capabilities
+    if traits.tree and not caps.tree_mask:
+        raise ValueError(f"proposer {type(proposer).__name__} drafts token trees, but the {caps.name or 'target'} "
+                         "runtime cannot verify a tree mask; use a chain proposer on this runtime")
+    if traits.needs_hidden and not caps.hidden_states:
+        raise ValueError(f"proposer {type(proposer).__name__} needs the target's hidden states, which the "
+                         f"{caps.name or 'target'} runtime does not return")
+    return traits
+
+
+class Batch:
+    """Rows decoded together: one target forward per round for all of them."""
+
+    def __init__(self, runtime: Any, proposer: Any, verifier: Callable, eos_ids: Sequence[int] = (),
+                 seed: int | None = 0, generator: torch.Generator | None = None, stats: DecodeStats | None = None,
+                 observers: Sequence[Any] = (), clock: Callable[[], float] = time.perf_counter) -> None:
+        self.runtime, self.proposer, self.verifier = runtime, proposer, verifier
+        self.traits = check_pairing(runtime, proposer)
+        self.device = torch.device(getattr(runtime, "device", "cpu"))
+        self.eos = {int(e) for e in eos_ids}
+        self.lossy = bool(getattr(verifier, "lossy", False))
+        self.generator = generator if generator is not None else (
+            torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None)
+        self.stats = stats if stats is not None else DecodeStats()
+        self.stats.lossy = self.stats.lossy or self.lossy
+        self.observers = list(observers)
+        self.clock = clock
+        self.rows: list[Row] = []
+        self._pipes: dict[tuple, LogitsPipeline] = {}
+        self._select([])  # the runtime and proposer start with no rows (a previous batch may have left some)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def keys(self) -> list[Hashable]:
+        return [r.key for r in self.rows]
+
+    # ---- rows join --------------------------------------------------------------------------------
+    def add(self, requests: Sequence[RowRequest]) -> list[Emission]:
+        """Prefill new rows into the batch; returns each one's first token (a row asking for no
+        tokens finishes at once, without touching the runtime)."""
+        for r in requests:
+            self._check_request(r)
+        out = [Emission(r.key, [], [], "length") for r in requests if r.max_new_tokens == 0]
+        live = [r for r in requests if r.max_new_tokens > 0]
+        if not live:
+            return out
+        t0 = self.clock()
+        new = [self._row(r) for r in live]
+        n0 = len(self.rows)
+        step = self.runtime.add_rows([r.prompt for r in live], want_hidden=self.traits.needs_hidden)
+        try:
+            if self.traits.row_aware:
+                self.proposer.admit([r.prompt for r in live])
+            pipes = RowPipelines([r.pipeline for r in new])
+            pending = torch.tensor([[r.tokens[-1]] for r in new], device=self.device)
+            z = pipes.process_tree(step.logits[:, -1:], self._seen(new), pending, (-1,))
+            verdict = self._verify(new, None, z)
+        except BaseException:
+            self._select(list(range(n0)))  # admission is atomic: the running rows as before
+            raise
+        for b, r in enumerate(new):
+            r.hidden = step.hidden[b] if step.hidden is not None else None
+        self.rows += new
+        out += [self._emit(r, [verdict.next_tokens[b]], z[b], [0]) for b, r in enumerate(new)]
+        self.stats.observe_admit(len(new), self.clock() - t0)
+        return out
+
+    def _check_request(self, r: RowRequest) -> None:
+        if not r.prompt:
+            raise ValueError(f"request {r.key!r}: prompt is empty")
+        if len(r.prompt) >= self.runtime.max_context:
+            raise ValueError(f"request {r.key!r}: prompt has {len(r.prompt)} tokens; the context holds "
+                             f"{self.runtime.max_context}")
+        if r.max_new_tokens < 0:
+            raise ValueError(f"request {r.key!r}: max_new_tokens must be >= 0")
+
+    def _row(self, r: RowRequest) -> Row:
+        pipeline = r.pipeline
+        if pipeline is None:
+            sampling = r.sampling or GREEDY
+            key = (sampling, tuple(id(p) for p in r.processors))
+            if key not in self._pipes:  # rows with equal settings share one pipeline: one group
+                self._pipes[key] = LogitsPipeline(sampling, r.processors)
+            pipeline = self._pipes[key]
+        gen = self.generator
+        if r.seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(r.seed)
+        limit = min(r.max_new_tokens, self.runtime.max_context - len(r.prompt))
+        return Row(r.key, list(r.prompt), len(r.prompt), limit, pipeline, gen, tuple(r.prefix), r.stop,
+                   r.logprobs)
+
+    # ---- rows leave -------------------------------------------------------------------------------
+    def remove(self, keys: Sequence[Hashable]) -> None:
+        """Drop rows (finished or cancelled) from the runtime and proposer at once."""
+        gone = set(keys)
+        keep = [b for b, r in enumerate(self.rows) if r.key not in gone]
+        if len(keep) < len(self.rows):
+            self._select(keep)
+            self.rows = [self.rows[b] for b in keep]
+
+    def drop_finished(self) -> None:
+        self.remove([r.key for r in self.rows if r.done])
+
+    def close(self) -> None:
+        """Release every row (the runtime then holds nothing of this batch)."""
+        self._select([])
+        self.rows = []
+
+    def _select(self, keep: list[int]) -> None:
+        self.runtime.select_rows(keep)
+        if self.traits.row_aware:
+            self.proposer.select_rows(keep)
+
+    # ---- the steps of a round -----------------------------------------------------------------------
+    def view(self) -> BatchView:
+        """What the draft-length policy sees: sequences, room under each row's limit, draft keys."""
+        seqs = [r.tokens for r in self.rows]
+        room = [max(0, r.max_new - r.n_new - 1) for r in self.rows]
+        if not self.traits.keyed:
+            return BatchView(seqs, room)
+        free = lambda rows, k: self.proposer.free_drafts([seqs[b] for b in rows], k)  # noqa: E731
+        return BatchView(seqs, room, self.proposer.draft_keys(seqs), free)
+
+    def draft(self, view: BatchView, ks: Sequence[int]) -> tuple[list[int], Draft | None]:
+        """Per-row budgets (lengths within each row's room) and the proposer's draft, or None."""
+        budgets = [max(0, min(int(k), room)) for k, room in zip(ks, view.room)]
+        if self.proposer is None or max(budgets, default=0) == 0:
+            return budgets, None
+        hidden = [r.hidden for r in self.rows] if self.traits.needs_hidden else None
+        ctx = ProposeContext(view.sequences, budgets, RowPipelines([r.pipeline for r in self.rows]),
+                             self.generator, self.runtime.capabilities.tree_mask, hidden)
+        draft = self.proposer.propose(ctx)
+        return budgets, draft.to(self.device) if draft is not None else None
+
+    def verify_input(self, draft: Draft | None) -> tuple[torch.Tensor, TreeLayout]:
+        """The forward's input [B, 1 + n] (pending token + drafted nodes) on the runtime's device,
+        and the layout of root + nodes."""
+        pending = torch.tensor([[r.tokens[-1]] for r in self.rows], dtype=torch.long, device=self.device)
+        if draft is None:
+            return pending, layout((-1,))
+        return torch.cat([pending, draft.tokens.to(torch.long)], 1), layout(with_root(draft.parents))
+
+    def process(self, logits: torch.Tensor, tokens: torch.Tensor, tree: TreeLayout) -> torch.Tensor:
+        """Each row's sampling pipeline over every node, with the prefix that node would have."""
+        pipes = RowPipelines([r.pipeline for r in self.rows])
+        return pipes.process_tree(logits, self._seen(self.rows), tokens, tree.parents)
+
+    def verify(self, draft: Draft | None, z: torch.Tensor) -> Verdict:
+        return self._verify(self.rows, draft, z)
+
+    def emit(self, verdict: Verdict, tokens: torch.Tensor, z: torch.Tensor,
+             hidden: torch.Tensor | None) -> list[Emission]:
+        """Append each row's accepted tokens and its next token, stopping at EOS, its limit or its
+        stop rule; keep the target features of the committed path for the proposer."""
+        host = tokens.tolist()
+        keep = verdict.keep()
+        out = []
+        for b, r in enumerate(self.rows):
+            toks = [host[b][j + 1] for j in verdict.accepted[b]] + [verdict.next_tokens[b]]
+            out.append(self._emit(r, toks, z[b], keep[b]))
+            if hidden is not None:
+                r.hidden = hidden[b, keep[b]]
+        return out
+
+    def observe(self, record: RoundRecord) -> None:
+        """The proposer learns (and rolls back its own cache) first, then stats and observers."""
+        if self.proposer is not None:
+            t0, f0 = self.clock(), self.proposer.draft_forward_time
+            self.proposer.observe(record)
+            record.times.draft += self.clock() - t0
+            record.times.draft_forward += self.proposer.draft_forward_time - f0
+        self.stats.observe(record)
+        for o in self.observers:
+            o.observe(record)
+
+    # ---- mechanics ----------------------------------------------------------------------------------
+    def _seen(self, rows: Sequence[Row]) -> list[list[int]]:
+        """The sequences the rows' user processors see: the row's prefix + its tokens."""
+        return [list(r.prefix) + r.tokens if r.prefix else r.tokens for r in rows]
+
+    def _verify(self, rows: Sequence[Row], draft: Draft | None, z: torch.Tensor) -> Verdict:
+        """The registered verifier on row groups: greedy rows together, sampled rows by generator."""
+        B = len(rows)
+        x = draft.tokens if draft is not None else torch.zeros(B, 0, dtype=torch.long, device=z.device)
+        parents = draft.parents if draft is not None else ()
+        groups: dict[Hashable, list[int]] = {}
+        for b, r in enumerate(rows):
+            groups.setdefault("greedy" if r.pipeline.greedy else id(r.generator), []).append(b)
+        if len(groups) == 1:
+            r0 = rows[0]
+            q = draft.probs if draft is not None else None
+            valid = draft.valid if draft is not None else None
+            return self.verifier(x, parents, z, q, r0.pipeline, r0.generator, valid)
+        accepted: list[list[int]] = [[] for _ in range(B)]
+        nxt = [0] * B
+        for idx in groups.values():
+            r0 = rows[idx[0]]
+            q = draft.probs[idx] if draft is not None and draft.probs is not None else None
+            valid = draft.valid[idx] if draft is not None and draft.valid is not None else None
+            v = self.verifier(x[idx], parents, z[idx], q, r0.pipeline, r0.generator, valid)
+            for j, b in enumerate(idx):
+                accepted[b], nxt[b] = list(v.accepted[j]), int(v.next_tokens[j])
+        return Verdict(accepted, nxt)
+
+    def _emit(self, row: Row, toks: list[int], z_row: torch.Tensor, at: Sequence[int]) -> Emission:
+        """Append tokens to a row, stopping at EOS, its limit or its stop rule."""
+        out: list[int] = []
+        for t in toks[: row.max_new - row.n_new]:
+            out.append(t)
+            if t in self.eos:
+                row.finish_reason = "eos_token"
+                break
+        row.tokens.extend(out)
+        if row.stop is not None and out:
+            keep = row.stop(row.tokens, len(out))
+            if keep is not None:
+                del row.tokens[len(row.tokens) - len(out) + keep:]
+                out, row.finish_reason = out[:keep], "stop"
+        if row.finish_reason is None and row.n_new >= row.max_new:
+            row.finish_reason = "length"
+        row.done = row.finish_reason is not None
+        lps = _logprobs(z_row, at, out) if row.logprobs else []
+        return Emission(row.key, out, lps, row.finish_reason)
+
+
+def _logprobs(z_row: torch.Tensor, at: Sequence[int], toks: Sequence[int]) -> list[float]:
+    """log p(token) under the processed logits it was emitted from (``z_row`` [N, V])."""
+    n = min(len(at), len(toks))
+    if n == 0:
+        return []
+    lp = z_row[list(at[:n])].float().log_softmax(-1)
+    idx = torch.tensor(list(toks[:n]), device=lp.device)[:, None]
+    return lp.gather(-1, idx).squeeze(-1).tolist()

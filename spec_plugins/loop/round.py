@@ -1,0 +1,113 @@
+"""The round: one function, read top to bottom, that every caller runs.
+
+``generate``, ``stream``, ``generate_batch``, the transformers plugin, the parity check and the
+bench run it over a fixed batch (``decode``); the server runs it over a batch that rows join
+and leave between rounds; the replay drives it over a runtime that replays recorded outputs.
+Timing is the batch's clock read between steps; stats, the policy, the proposer and any
+observer learn from the ``RoundRecord`` it returns.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from spec_plugins.loop.batch import Batch
+from spec_plugins.policy.draft_length import DraftPolicy, FixedLength
+from spec_plugins.sampling import LogitsPipeline
+from spec_plugins.stats import DecodeStats
+from spec_plugins.types import Emission, RoundRecord, RoundTimes, RowRequest
+
+
+def run_round(batch: Batch, policy: DraftPolicy) -> RoundRecord | None:
+    """One round for every live row: draft, one target forward, verify, commit, emit, observe."""
+    batch.drop_finished()
+    if not batch.rows:
+        return None
+    clock = batch.clock
+    t0 = clock()
+    view = batch.view()
+    ks = policy.choose(view)                                     # 1. per-row draft lengths (0 = none)
+    budgets, draft = batch.draft(view, ks)                       # 2. chain or tree per row, on the device
+    t1 = clock()
+    tokens, tree = batch.verify_input(draft)                     # 3. pending token + drafted nodes
+    out = batch.runtime.forward(tokens, None if tree.is_chain else tree, want_hidden=batch.traits.needs_hidden)
+    t2 = clock()
+    z = batch.process(out.logits, tokens, tree)                  # 4. sampling + processors per node
+    verdict = batch.verify(draft, z)                             # 5. the only accept/reject code
+    t3 = clock()
+    batch.runtime.commit(verdict.keep())                         # 6. KV of the accepted paths
+    t4 = clock()
+    emissions = batch.emit(verdict, tokens, z, out.hidden)       # 7. EOS, limits, stop rules, logprobs
+    times = RoundTimes(draft=t1 - t0, forward=t2 - t1, verify=t3 - t2, commit=t4 - t3, total=clock() - t0)
+    record = RoundRecord(batch.keys(), [r.tokens for r in batch.rows], budgets, view.keys, draft,
+                         verdict.accepted, [e.tokens for e in emissions], emissions, int(tokens.shape[1]), z,
+                         times, batch.lossy)
+    batch.observe(record)                                        # 8. proposer, stats, observers learn
+    policy.observe(record)
+    return record
+
+
+@dataclass
+class Step:
+    """Tokens emitted in one prefill/round, per original row index."""
+
+    emitted: dict[int, list[int]] = field(default_factory=dict)
+    finished: dict[int, str] = field(default_factory=dict)
+
+    @staticmethod
+    def of(emissions: Sequence[Emission]) -> "Step":
+        step = Step()
+        for e in emissions:
+            step.emitted[int(e.key)] = e.tokens  # type: ignore[call-overload]
+            if e.finish_reason is not None:
+                step.finished[int(e.key)] = e.finish_reason  # type: ignore[call-overload]
+        return step
+
+
+# stop(row_index, row_tokens, n_new) -> None to go on, or how many of the row's n_new newest tokens
+# to keep (the row then finishes with reason "stop"); external stopping criteria (transformers')
+StopFn = Callable[[int, Sequence[int], int], "int | None"]
+
+
+def decode(
+    target: Any,
+    proposer: Any,
+    verifier: Callable,
+    pipeline: LogitsPipeline | Sequence[LogitsPipeline],
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int | Sequence[int],
+    eos_ids: Sequence[int] = (),
+    generator: torch.Generator | None = None,
+    stats: DecodeStats | None = None,
+    draft_length: DraftPolicy | None = None,
+    processor_prefix: Sequence[Sequence[int]] | None = None,
+    stop: StopFn | None = None,
+    seeds: Sequence[int | None] | None = None,
+    observers: Sequence[Any] = (),
+    clock: Callable[[], float] = time.perf_counter,
+) -> Iterator[Step]:
+    """A fixed batch: add every prompt, run rounds until no row is left; yields a Step per
+    prefill/round. ``pipeline``: one for all rows or one per row; ``seeds[i]``: row i's own
+    generator (None: the shared ``generator``); ``processor_prefix[i]``: tokens prepended to row
+    i's sequence where its user processors see it (transformers' left pads)."""
+    n = len(prompts)
+    limits = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    pipes = [pipeline] * n if isinstance(pipeline, LogitsPipeline) else list(pipeline)
+    batch = Batch(target, proposer, verifier, eos_ids, seed=None, generator=generator, stats=stats,
+                  observers=observers, clock=clock)  # generator None: torch's global RNG, as plain generate()
+    requests = [RowRequest(i, list(p), limits[i], seed=seeds[i] if seeds else None, pipeline=pipes[i],
+                           prefix=processor_prefix[i] if processor_prefix else (), stop=_row_stop(stop, i))
+                for i, p in enumerate(prompts)]
+    policy = draft_length if draft_length is not None else FixedLength(5)
+    yield Step.of(batch.add(requests))
+    while any(not r.done for r in batch.rows) and (record := run_round(batch, policy)) is not None:
+        yield Step.of(record.emissions)
+    # the runtime keeps the last rows (inspectable) until the next batch on it starts, which drops them
+
+
+def _row_stop(stop: StopFn | None, i: int) -> Any:
+    return None if stop is None else (lambda tokens, n, i=i: stop(i, tokens, n))

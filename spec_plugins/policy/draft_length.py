@@ -1,0 +1,221 @@
+"""Draft-length policies: ``choose(view) -> per-row lengths`` before a round, ``observe(record)`` after.
+
+``FixedLength`` drafts the configured length. ``AutoDraftLength`` (``num_draft_tokens: auto``
+and the server) picks the length with the most expected tokens per second:
+
+    rate(k) = sum_rows E_row(k) / (T(B, 1 + max_rows D_row(k)) + draft(D) + overhead)
+
+E(k) = 1 + sum_{j<k} prod_{i<=j} p_i is a row's expected emitted tokens, D(k) = sum_{j<k} q_j its
+expected drafted nodes (p, q: ``AcceptanceEstimate``), T the forward-cost model over (rows,
+positions) corrected online (``policy.cost``), and overhead the measured seconds per round
+outside forwards and drafting. Every row pays for the batch's padded verify, so one strong row
+(a 3-gram copy) can carry the batch; as the batch grows T(B, n) grows with n, and the length
+shrinks, down to 0 (plain decoding) when verifying stops being cheap: the load-aware behaviour
+is the same formula at a larger B. With one row it is argmax_k E(k) / cost(k).
+
+With a ``Keyed`` proposer (n-gram: the matched suffix length and agreement) each row's E and D
+come from the estimate of its own key; rows that did not draft learn from free shadow drafts.
+Defaults were chosen by replaying greedy SmolLM2 outputs on the dev prompts (exact acceptance for
+any policy) against measured CPU cost curves (``spec_plugins.bench.replay``), then checked with
+the bench. Each call is O(max_k x distinct keys).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from typing import Any, Protocol, Sequence
+
+from spec_plugins.policy.acceptance import AcceptanceEstimate
+from spec_plugins.policy.cost import DraftCost, ForwardCost, OnlineCost, cost_for, draft_cost_for, online_for
+from spec_plugins.types import BatchView, RoundRecord
+
+
+class DraftPolicy(Protocol):
+    def choose(self, view: BatchView) -> list[int]:
+        """Draft length per row for the coming round (0 = no draft)."""
+        ...
+
+    def observe(self, record: RoundRecord) -> None:
+        """Learn from the round just run."""
+        ...
+
+
+class FixedLength:
+    """The same draft length every round."""
+
+    def __init__(self, k: int) -> None:
+        if k < 0:
+            raise ValueError(f"a draft length must be >= 0, got {k}")
+        self.k = k
+        self.last: dict[str, float] = {"draft_length": k}
+
+    def choose(self, view: BatchView) -> list[int]:
+        return [self.k] * view.rows
+
+    def observe(self, record: RoundRecord) -> None:
+        pass
+
+    def preview(self, rows: int) -> int:
+        return self.k
+
+
+class AutoDraftLength:
+    """The length with the most expected tokens per second (module docstring)."""
+
+    # per-key estimates: a key already separates copy phases from free text, so its evidence is
+    # kept longer, and a key that stopped drafting is re-probed sooner. From replays of 8 bench
+    # runs (recorded outputs and cost curves): the growth cap and decay 0.9 took the worst run's
+    # auto / best fixed gamma from 0.90 to 0.97 (translation), 0.96 to 1.00 (RAG).
+    KEYED = {"decay": 0.9, "prior_accept": 0.6, "prior_weight": 1.0, "idle_decay": 0.9, "chain_weight": 3.0,
+             "max_growth": 2}
+
+    def __init__(self, cost: ForwardCost | OnlineCost, draft: DraftCost = DraftCost(), max_k: int = 16,
+                 decay: float = 0.8, prior_accept: float = 0.5, prior_weight: float = 1.0, idle_decay: float = 0.97,
+                 chain_weight: float | None = 3.0, overhead_decay: float = 0.9, keyed: dict[str, Any] | None = None,
+                 shadow_horizon: int = 4, min_gain: float = 1.0) -> None:
+        max_k = min(max_k, cost.max_positions - 1)  # never extrapolate the cost model silently
+        if max_k < 1:
+            raise ValueError(f"the cost model covers {cost.max_positions} position(s); auto needs >= 2")
+        if shadow_horizon < 1 or min_gain < 1.0:
+            raise ValueError(f"shadow_horizon must be >= 1 and min_gain >= 1, got {shadow_horizon}, {min_gain}")
+        self.cost, self.draft, self.max_k = cost, draft, max_k
+        self.online = cost if isinstance(cost, OnlineCost) else None
+        self.shadow_horizon, self.min_gain = shadow_horizon, min_gain
+        self.estimate = AcceptanceEstimate(max_k, decay, prior_accept, prior_weight, idle_decay, chain_weight)
+        kp = {**self.KEYED, **(keyed or {})}
+        self._keyed_args = tuple(kp[n] for n in ("decay", "prior_accept", "prior_weight", "idle_decay",
+                                                 "chain_weight", "max_growth"))
+        self.by_key: dict[int, AcceptanceEstimate] = {}
+        self._shadows: list[tuple[int, list[int], int, list[int]]] = []  # (key, row tokens, start, draft)
+        self._shadowing = False
+        self._recent: deque[int] = deque(maxlen=256)  # recent row keys (``preview``)
+        self.overhead = 0.0  # seconds per round outside forwards and drafting (verify, commit, Python)
+        self._overhead_decay = overhead_decay
+        self.chosen = [0] * (max_k + 1)  # rounds per chosen length
+        self.last: dict[str, float] = {}
+
+    @classmethod
+    def for_runtime(cls, runtime: Any, proposer: Any = None, pipeline: Any = None, rows: Sequence[int] = (1,),
+                    **kwargs: Any) -> "AutoDraftLength":
+        """Over the runtime's measured cost model (once per runtime, cached), corrected online by
+        every generation on it, with the proposer's measured drafting cost."""
+        base = cost_for(runtime, rows, max_positions=int(kwargs.get("max_k", 16)) + 1)
+        draft = draft_cost_for(runtime, proposer, pipeline) if proposer is not None else DraftCost()
+        return cls(online_for(runtime, base), draft, **kwargs)
+
+    # ---- choose -------------------------------------------------------------------------------
+    def choose(self, view: BatchView) -> list[int]:
+        if view.keys is not None:
+            self._resolve_shadows()
+            self._recent.extend(view.keys)
+            mix = Counter(view.keys)
+            ests = {key: self._keyed(key) for key in mix}
+        else:
+            mix, ests = Counter({None: view.rows}), {None: self.estimate}
+        k, rates = self._best(view.rows, mix, ests)
+        if k == 0 and view.keys is not None and view.free_drafts is not None:
+            rows = list(range(view.rows))
+            self._shadow(view.keys, view.sequences, view.free_drafts(rows, self.max_k))
+        self.chosen[k] += 1
+        self.last = {"batch": view.rows, "draft_length": k, "expected_tokens": rates[k][0] / view.rows}
+        return [k] * view.rows
+
+    def preview(self, rows: int) -> int:
+        """The length ``choose`` would pick now for ``rows`` rows of the recent key mix (/metrics)."""
+        if self._recent:
+            counts = Counter(self._recent)
+            total = sum(counts.values())
+            mix = Counter({key: c * rows / total for key, c in counts.items()})
+            return self._best(rows, mix, {key: self._keyed(key) for key in counts})[0]
+        return self._best(rows, Counter({None: rows}), {None: self.estimate})[0]
+
+    def _best(self, rows: int, mix: Counter, ests: dict[Any, AcceptanceEstimate]
+              ) -> tuple[int, list[tuple[float, float]]]:
+        """argmax_k of tokens(k) / seconds(k); a draft must beat no draft by ``min_gain``.
+        Returns k and (expected tokens, seconds) per k."""
+        curves = {key: _curves(est) for key, est in ests.items()}  # E(k), D(k) per key
+        out, best, best_rate = [], 0, float("-inf")
+        for k in range(self.max_k + 1):
+            tokens = sum(c * curves[key][0][k] for key, c in mix.items())
+            drafted = max(curves[key][1][k] for key in mix)
+            secs = self.cost(rows, 1.0 + drafted) + self.overhead + (self.draft(drafted) if k else 0.0)
+            out.append((tokens, secs))
+            if tokens / secs > best_rate * (self.min_gain if best == 0 and k > 0 else 1.0):
+                best, best_rate = k, tokens / secs
+        return best, out
+
+    def rates(self, estimate: AcceptanceEstimate | None = None, rows: int = 1) -> list[float]:
+        """Expected tokens per second for k = 0..max_k of ``rows`` rows under one estimate."""
+        _, out = self._best(rows, Counter({None: rows}), {None: estimate or self.estimate})
+        return [t / s for t, s in out]
+
+    # ---- observe ------------------------------------------------------------------------------
+    def observe(self, record: RoundRecord) -> None:
+        t = record.times
+        spent = max(0.0, t.total - t.forward - t.draft)
+        lam = self._overhead_decay
+        self.overhead = spent if self.overhead == 0.0 else lam * self.overhead + (1 - lam) * spent
+        if self.online is not None:
+            self.online.observe(record.rows, record.positions, t.forward)
+        drafted, accepted = record.drafted(), [len(a) for a in record.accepted]
+        if record.draft_keys is not None:
+            for key, k, d, a in zip(record.draft_keys, record.budgets, drafted, accepted):
+                if not (k == 0 and self._shadowing):  # a shadow brings its evidence; no idle fading
+                    self._keyed(key).update(k, 1, [1] * d, [1] * a)
+            return
+        by_depth, reached = [0] * self.max_k, [0] * self.max_k
+        for row, a in zip(record.drafted_by_depth(), accepted):
+            for j, n in enumerate(row[: self.max_k]):
+                by_depth[j] += n
+            for j in range(min(a, self.max_k)):
+                reached[j] += 1
+        self.estimate.update(max(record.budgets, default=0), record.rows, by_depth, reached)
+
+    # ---- shadow drafts ------------------------------------------------------------------------
+    def _shadow(self, keys: Sequence[int], sequences: Sequence[list[int]], drafts: Sequence[Sequence[int]]) -> None:
+        """Counterfactual evidence for rows that did not draft: remember the free point-mass draft
+        each would have made; it is scored against the tokens the row emits next. Under greedy
+        decoding that is exactly what verification would have accepted; under sampling, token t
+        is emitted with probability p(t), its acceptance probability min(1, p(t)/1), so the
+        estimate stays unbiased. The row's token list is held by reference (the batch extends it)."""
+        self._shadowing = True
+        for key, seq, d in zip(keys, sequences, drafts):
+            if d:
+                self._shadows.append((key, seq, len(seq), list(d)))
+
+    def _resolve_shadows(self) -> None:
+        """Score each shadow on its first ``shadow_horizon`` positions once the row has emitted
+        that many tokens (or missed earlier). Waiting for the whole draft kept a row that stopped
+        drafting blind for up to max_k rounds exactly when its drafts started to match (replays:
+        a repetitive translation sat 12 rounds at k=0 with every shadow matching). Every shadow is
+        cut at the same horizon, so positions < horizon stay unbiased."""
+        keep = []
+        for key, seq, start, d in self._shadows:
+            d = d[: self.shadow_horizon]
+            seen = seq[start: start + len(d)]
+            a = 0
+            while a < len(seen) and seen[a] == d[a]:
+                a += 1
+            if a < len(seen) or len(seen) == len(d):  # a mismatch decided it, or all of it matched
+                self._keyed(key).update(len(d), 1, [1] * len(d), [1] * a)
+            else:
+                keep.append((key, seq, start, d))
+        self._shadows = keep[-256:]
+
+    def _keyed(self, key: int) -> AcceptanceEstimate:
+        est = self.by_key.get(key)
+        if est is None:
+            est = self.by_key[key] = AcceptanceEstimate(self.max_k, *self._keyed_args)
+        return est
+
+
+def _curves(est: AcceptanceEstimate) -> tuple[list[float], list[float]]:
+    """E(k) and D(k) for k = 0..max_k: expected emitted tokens and drafted nodes of one row."""
+    p, q = est.accept_probs(), est.offer_probs()
+    tokens, drafted = [1.0], [0.0]
+    run = 1.0
+    for pj, qj in zip(p, q):
+        run *= pj
+        tokens.append(tokens[-1] + run)
+        drafted.append(drafted[-1] + qj)
+    return tokens, drafted

@@ -1,0 +1,76 @@
+"""Request preparation for the HTTP routes: body parsing, token limits and sampling parameters,
+with TGI's messages and status codes."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from spec_plugins.config import SamplingConfig
+from spec_plugins.server.schemas import ApiError, ChatRequest, GenerateParameters, validation_message
+from spec_plugins.types import RowRequest
+
+DEFAULT_MAX_NEW_TOKENS = 256
+
+
+def _parse(model: type, body: bytes) -> Any:
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"Failed to parse the request body as JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ApiError(422, f"Failed to deserialize the JSON body: expected an object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise ApiError(422, validation_message(exc)) from None
+
+
+@dataclass
+class Prepared:
+    ids: list[int]
+    params: GenerateParameters
+    row: RowRequest
+    seed: int | None
+
+
+def prepare(state: Any, ids: list[int], params: GenerateParameters, key: int) -> Prepared:
+    """Token limits and sampling, with TGI's messages."""
+    if params.truncate is not None:
+        ids = ids[-params.truncate:]
+    n_in = len(ids)
+    if n_in == 0:
+        raise ApiError(422, "`inputs` cannot be empty")
+    if n_in > state.max_input_tokens:
+        raise ApiError(422, f"`inputs` tokens must be <= {state.max_input_tokens} (--max-input-tokens). "
+                            f"Given: {n_in}")
+    room = state.max_total_tokens - n_in
+    max_new = params.max_new_tokens if params.max_new_tokens is not None else min(room, DEFAULT_MAX_NEW_TOKENS)
+    if n_in + max_new > state.max_total_tokens:
+        raise ApiError(422, f"`inputs` tokens + `max_new_tokens` must be <= {state.max_total_tokens}. "
+                            f"Given: {n_in} `inputs` tokens and {max_new} `max_new_tokens`")
+    seed = None
+    if params.sampling:
+        seed = params.seed if params.seed is not None else random.randrange(2**63)
+        sampling = SamplingConfig(temperature=params.temperature or 1.0, top_k=params.top_k, top_p=params.top_p,
+                                  repetition_penalty=params.repetition_penalty, seed=seed)
+    else:
+        sampling = SamplingConfig(temperature=0.0, repetition_penalty=params.repetition_penalty, seed=None)
+    return Prepared(ids, params, RowRequest(key, ids, max_new, sampling, seed, logprobs=True), seed)
+
+
+def encode_text(state: Any, text: str) -> list[int]:
+    return list(state.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def encode_chat(state: Any, req: ChatRequest) -> list[int]:
+    tok = state.tokenizer
+    msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+    if getattr(tok, "chat_template", None):
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    raise ApiError(422, "this model's tokenizer has no chat template; use /generate")

@@ -1,0 +1,195 @@
+"""The data that travels between the steps of a round, as small dataclasses with shape comments.
+
+Where each tensor lives (one place, so the round is device-correct by construction):
+
+| tensor | device | why |
+|---|---|---|
+| ``Draft.tokens/probs/valid`` as a proposer returns them | any | drafters run where they like |
+| forward input ``tokens`` [B, N] (root + drafted nodes) | the runtime's ``device`` | ``Batch.verify_input`` moves the draft once |
+| ``StepOutput.logits`` [B, N, V], ``hidden`` [B, N, H] | the runtime's ``device`` | the logits' device is the round's device |
+| processed logits ``z``, probabilities, uniforms, residuals | the logits' device | the verifier and sampler never move them |
+| generators | the logits' device | ``torch.rand``/``multinomial`` need the generator on the tensor's device |
+| ``Verdict.accepted/next_tokens`` | host lists | what acceptance needs: the round emits, stops and commits from them |
+| KV slot positions ``pos`` [B, S] | host | bookkeeping only; masks are moved to the engine's device when built |
+
+The only device -> host transfers of a round: the drafted tokens and the verifier's decisions
+(both O(nodes)), plus the logprobs of emitted tokens for rows that ask for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Sequence
+
+import torch
+
+if TYPE_CHECKING:
+    from spec_plugins.config import SamplingConfig
+    from spec_plugins.sampling import LogitsPipeline, LogitsProcessorFn
+
+
+@dataclass(frozen=True)
+class Draft:
+    """One round's draft for a batch: a chain or a tree shared by all rows.
+
+    tokens  [B, n] long
+    parents tuple of n ints, -1 = child of the pending token (chain: -1, 0, 1, ...)
+    probs   [B, n, V] the distribution each node's token was drawn from, or None (point mass)
+    valid   [B, n] bool, rows may draft fewer nodes (None = all valid)
+    """
+
+    tokens: torch.Tensor
+    parents: tuple[int, ...]
+    probs: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.parents)
+
+    def row_sizes(self) -> list[int]:
+        """Nodes each row actually drafted (its valid ones)."""
+        if self.valid is None:
+            return [self.size] * int(self.tokens.shape[0])
+        return self.valid.sum(1).tolist()
+
+    def to(self, device: torch.device) -> "Draft":
+        """The same draft with every tensor on ``device`` (a no-op where they already are)."""
+        move = lambda t: t if t is None or t.device == device else t.to(device)  # noqa: E731
+        return Draft(move(self.tokens), self.parents, move(self.probs), move(self.valid))
+
+    @staticmethod
+    def from_chains(chains: Sequence[Sequence[int]], device: torch.device | str = "cpu") -> "Draft | None":
+        """Pad per-row token chains of different lengths into one draft (None if all empty)."""
+        n = max((len(c) for c in chains), default=0)
+        if n == 0:
+            return None
+        toks = torch.zeros(len(chains), n, dtype=torch.long)
+        valid = torch.zeros(len(chains), n, dtype=torch.bool)
+        for b, c in enumerate(chains):
+            if c:
+                toks[b, : len(c)] = torch.as_tensor(list(c), dtype=torch.long)
+                valid[b, : len(c)] = True
+        return Draft(toks.to(device), tuple(range(-1, n - 1)), None, None if bool(valid.all()) else valid.to(device))
+
+
+@dataclass(frozen=True)
+class ProposeContext:
+    """What a proposer may look at. ``sequences[b]`` is row b's prompt + output so far; its
+    last token is the pending one (emitted, not yet in the target's cache)."""
+
+    sequences: Sequence[Sequence[int]]
+    budgets: Sequence[int]  # max draft depth per row this round (0 = this row drafts nothing)
+    pipeline: "LogitsPipeline | Any"  # the rows' sampling (``RowPipelines``: one per row)
+    generator: torch.Generator | None = None
+    tree_ok: bool = False  # the target runtime can verify a tree in one forward
+    hidden: Sequence[torch.Tensor] | None = None  # per row: target hidden states not yet consumed
+
+
+@dataclass
+class Verdict:
+    """Per row: accepted draft nodes (root-to-leaf order) and the token emitted after them."""
+
+    accepted: list[list[int]]
+    next_tokens: list[int]
+
+    def keep(self) -> list[list[int]]:
+        """Forward indices whose KV survives: the root plus every accepted node."""
+        return [[0] + [i + 1 for i in acc] for acc in self.accepted]
+
+
+# stop(row_tokens, n_new) -> None to go on, or how many of the row's n_new newest tokens to keep
+# (the row then finishes with reason "stop"): external stopping criteria (transformers')
+RowStop = Callable[[Sequence[int], int], "int | None"]
+
+
+@dataclass
+class RowRequest:
+    """A sequence to decode: prompt token ids, a limit, its own sampling and seed."""
+
+    key: Hashable
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: "SamplingConfig | None" = None  # None: greedy
+    seed: int | None = None  # own generator (reproducible per request); None = the batch's
+    processors: "Sequence[LogitsProcessorFn]" = ()  # user logits processors for this row
+    prefix: Sequence[int] = ()  # tokens the processors see before the prompt (transformers' left pads)
+    stop: RowStop | None = None
+    logprobs: bool = False  # report log p of each emitted token
+    pipeline: "LogitsPipeline | None" = None  # a ready pipeline to use as is (overrides sampling, processors)
+
+
+@dataclass
+class Emission:
+    """Tokens one row emitted in one prefill/round (with their log-probabilities if asked)."""
+
+    key: Hashable
+    tokens: list[int]
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None  # "eos_token" | "length" | "stop" when the row finished
+
+
+@dataclass(frozen=True)
+class BatchView:
+    """What a draft-length policy sees before a round (rows in batch order)."""
+
+    sequences: list[list[int]]
+    room: list[int]  # per row: the most draft tokens its limits allow this round
+    keys: list[int] | None = None  # the Keyed proposer's class of each row's coming draft
+    # (rows, k) -> the point-mass chains those rows would draft, free (a Keyed proposer's lookup)
+    free_drafts: Callable[[list[int], int], list[list[int]]] | None = None
+
+    @property
+    def rows(self) -> int:
+        return len(self.sequences)
+
+
+@dataclass
+class RoundTimes:
+    """Seconds of one round's steps (wall clock of the round's ``clock``)."""
+
+    draft: float = 0.0  # policy + propose + the proposer's observe (a draft model's forwards included)
+    forward: float = 0.0  # the one target forward
+    verify: float = 0.0  # logits processing + accept/reject
+    commit: float = 0.0  # KV commit of the target cache
+    total: float = 0.0
+    draft_forward: float = 0.0  # of ``draft``: draft-model forwards
+
+
+@dataclass
+class RoundRecord:
+    """What one round did, per row; observers (stats, policy, proposer, metrics) read it.
+
+    Row lists are in batch order; ``sequences`` are the rows' token lists after the round
+    (held by reference: they keep growing), ``target_logits`` [B, N, V] the processed logits."""
+
+    keys: list[Hashable]
+    sequences: list[list[int]]
+    budgets: list[int]  # draft depth each row was allowed
+    draft_keys: list[int] | None  # the Keyed proposer's class of each row's draft, or None
+    draft: Draft | None  # on the runtime's device
+    accepted: list[list[int]]  # accepted node indices per row
+    emitted: list[list[int]]  # tokens appended to each row this round
+    emissions: list[Emission]
+    positions: int  # N: positions per row in the forward (1 + drafted nodes)
+    target_logits: torch.Tensor | None = None
+    times: RoundTimes = field(default_factory=RoundTimes)
+    lossy: bool = False
+
+    @property
+    def rows(self) -> int:
+        return len(self.keys)
+
+    def drafted(self) -> list[int]:
+        """Nodes each row drafted."""
+        return self.draft.row_sizes() if self.draft is not None else [0] * self.rows
+
+    def drafted_by_depth(self) -> list[list[int]]:
+        """Per row: how many nodes it drafted at each depth."""
+        from spec_plugins.tree import depth_counts
+
+        if self.draft is None:
+            return [[] for _ in range(self.rows)]
+        if self.draft.valid is None:
+            return [depth_counts(self.draft.parents)] * self.rows
+        return [depth_counts(self.draft.parents, self.draft.valid[b]) for b in range(self.rows)]
