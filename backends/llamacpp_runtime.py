@@ -358,7 +358,12 @@ class LlamaCppRuntime:
                              f"{self.config.max_sequences} of the llamacpp runtime")
         ids = free[: len(rows)]
         items = [(int(t), p, (s,), p == len(r) - 1) for s, r in zip(ids, rows) for p, t in enumerate(r)]
-        logits = self._decode(items)
+        try:
+            logits = self._decode(items)
+        except BaseException:
+            for s in ids:  # cells a partial decode wrote: the running rows stay as they were
+                self._seq_rm(s, -1, -1)
+            raise
         self._seq += ids
         self._len += [len(r) for r in rows]
         return StepOutput(logits.view(len(rows), 1, self.vocab_size))

@@ -26,6 +26,11 @@ class SlotRuntime:
     always_mask: ClassVar[bool] = True  # False: no mask when nothing is masked (the model's causal path)
     prefill_chunk: int | None = None  # longest prompt slice one engine call takes (None: any)
     max_slots: int | None = None  # engines with a bounded past compact holes before exceeding it
+    # compact the slot axis once holes are this share of it: rows of a batch accept different
+    # counts, and every forward attends over every slot. Measured on ONNX Runtime with 16 rows
+    # kept full: without compaction a 1-position forward took 92 ms in a drafting server and 77 ms
+    # in a plain one (holes), and drafting lost 15 % of throughput.
+    compact_holes: float = 0.25
     mask_dtype: torch.dtype = torch.float32
     max_context: int
     slots: KVSlots
@@ -93,6 +98,8 @@ class SlotRuntime:
     @torch.inference_mode()
     def commit(self, keep: Sequence[Sequence[int]]) -> None:
         self._apply(self.slots.commit(keep))
+        if self.slots.hole_share() > self.compact_holes:
+            self._apply(self.slots.compact())
 
     @torch.inference_mode()
     def rollback(self, lengths: Sequence[int]) -> None:
@@ -107,6 +114,8 @@ class SlotRuntime:
         if self.kv:
             dev_idx = idx.to(self.kv[0].device)
             self.kv = [plan.apply(t[dev_idx]) for t in self.kv]
+            if self.slots.hole_share() > self.compact_holes:  # the longest row may have left
+                self._apply(self.slots.compact())
 
     @torch.inference_mode()
     def add_rows(self, rows: Sequence[Sequence[int]], want_hidden: bool = False) -> StepOutput:

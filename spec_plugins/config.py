@@ -62,18 +62,31 @@ class VerifierConfig(PluginConfig):
     type: str = Field("exact", description="Verifier name: exact (lossless) or a registered plugin.")
 
 
+# Temperatures below this are greedy: the T -> 0 limit of sampling, as vLLM does (its
+# _SAMPLING_EPS). Dividing logits by a smaller T overflows float32 (1e-40 gave inf and NaN
+# probabilities, which failed whole server batches), while a point mass at the argmax is what
+# sampling at such a T means.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+# A CTRL penalty divides (or multiplies) a seen token's logit; outside this range float32 logits
+# overflow or vanish (1e-40 gave inf), so it is refused rather than run.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+MAX_SEED = 2**63 - 1
+
+
 class SamplingConfig(PluginConfig):
     """Target sampling; the speculative output follows exactly this distribution."""
 
-    temperature: float = Field(0.0, ge=0.0, description="0 = greedy (argmax).")
+    temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False,
+                               description=f"0 = greedy (argmax); below {GREEDY_BELOW_TEMPERATURE:g} also greedy.")
     top_k: int | None = Field(None, ge=1, description="Keep the k most likely tokens.")
-    top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    repetition_penalty: float | None = Field(None, gt=0.0, description="CTRL-style penalty (1 = none).")
-    seed: int | None = Field(0, description="Seed of the sampling generator (reproducible runs).")
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False, description="Nucleus sampling mass.")
+    repetition_penalty: float | None = Field(None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1],
+                                             allow_inf_nan=False, description="CTRL-style penalty (1 = none).")
+    seed: int | None = Field(0, ge=0, le=MAX_SEED, description="Seed of the sampling generator (reproducible runs).")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 def _dispatch(registry: Registry[Any], key: str, default: str | None = None):
@@ -128,8 +141,18 @@ class SpecConfig(PluginConfig):
         path = Path(path)
         if not path.exists():
             raise ConfigError(f"config file not found: {path}")
-        text = path.read_text()
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        if not path.is_file():
+            raise ConfigError(f"config {path} is a directory, not a YAML/JSON file")
+        try:
+            text = path.read_text()
+            data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError) as exc:
+            where = getattr(exc, "problem_mark", None)
+            at = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""
+            reason = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ConfigError(f"config {path} cannot be read{at}: {reason}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config {path} must be a mapping with a `target` section, got {type(data).__name__}")
         return cls.parse(data, source=str(path))
 
     @classmethod

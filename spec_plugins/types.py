@@ -126,7 +126,8 @@ class Emission:
     key: Hashable
     tokens: list[int]
     logprobs: list[float] = field(default_factory=list)
-    finish_reason: str | None = None  # "eos_token" | "length" | "stop" when the row finished
+    finish_reason: str | None = None  # "eos_token" | "length" | "stop" | "error" when the row finished
+    error: str | None = None  # why this row failed (alone: the other rows of the round carry on)
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,7 @@ class RoundRecord:
     target_logits: torch.Tensor | None = None
     times: RoundTimes = field(default_factory=RoundTimes)
     lossy: bool = False
+    _by_depth: list[list[int]] | None = field(default=None, init=False, repr=False)
 
     @property
     def rows(self) -> int:
@@ -185,11 +187,16 @@ class RoundRecord:
         return self.draft.row_sizes() if self.draft is not None else [0] * self.rows
 
     def drafted_by_depth(self) -> list[list[int]]:
-        """Per row: how many nodes it drafted at each depth."""
-        from spec_plugins.tree import depth_counts
+        """Per row: how many nodes it drafted at each depth (computed once; stats and policy read it)."""
+        if self._by_depth is None:
+            from spec_plugins.tree import depth_counts
 
-        if self.draft is None:
-            return [[] for _ in range(self.rows)]
-        if self.draft.valid is None:
-            return [depth_counts(self.draft.parents)] * self.rows
-        return [depth_counts(self.draft.parents, self.draft.valid[b]) for b in range(self.rows)]
+            d = self.draft
+            if d is None:
+                self._by_depth = [[] for _ in range(self.rows)]
+            elif d.valid is None:
+                self._by_depth = [depth_counts(d.parents)] * self.rows
+            else:
+                valid = d.valid.cpu()
+                self._by_depth = [depth_counts(d.parents, valid[b]) for b in range(self.rows)]
+        return self._by_depth

@@ -180,6 +180,9 @@ def test_contracts_are_checked_once_when_built():
         def admit(self, prompts):
             pass
 
+        def num_rows(self):
+            return 0
+
     with pytest.raises(TypeError, match="RowAware partly"):
         check_proposer_class(Half)
     with pytest.raises(TypeError, match="RowAware partly"):

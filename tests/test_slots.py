@@ -132,3 +132,23 @@ def test_failed_add_rows_leaves_the_running_rows_as_they_were():
     assert all(torch.equal(a, b) for a, b in zip(rt.kv, before_kv))
     got = rt.forward(torch.tensor([[6], [7]])).logits[:, -1]
     torch.testing.assert_close(got[1], fresh_logits(model, [4, 5, 7]), atol=1e-4, rtol=1e-4)
+
+
+def test_runtimes_compact_holes_past_a_quarter_of_the_slot_axis():
+    """Rows that accept different counts leave holes every forward attends over; the slot runtime
+    squeezes them out once they pass ``compact_holes`` of the axis, outputs unchanged."""
+    model = tiny_llama(vocab=32, seed=5)
+    rt = TorchRuntime(model)
+    seqs = [[1, 2, 3, 4], [4, 3, 2, 1]]
+    rt.prefill(seqs)
+    toks = [[7, 8, 9, 10, 11, 12]] * 2
+    for i in range(8):
+        keep = [[0], list(range(6))] if i % 2 else [list(range(6)), [0]]
+        rt.forward(torch.tensor(toks))
+        rt.commit(keep)
+        seqs = [s + [toks[b][j] for j in k] for b, (s, k) in enumerate(zip(seqs, keep))]
+        assert rt.slots.hole_share() <= rt.compact_holes
+    got = rt.forward(torch.tensor([[5], [6]])).logits[:, -1]
+    for b, s in enumerate(seqs):
+        torch.testing.assert_close(got[b], fresh_logits(model, s + [5 + b]), atol=1e-4, rtol=1e-4)
+

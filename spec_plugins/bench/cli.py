@@ -12,7 +12,7 @@ from typing import Optional
 
 import typer
 
-from spec_plugins.cli import app, fail, load_config
+from spec_plugins.cli import app, check_output_dir, fail, load_config
 
 
 def parse_gammas(text: str) -> list[int]:
@@ -64,6 +64,7 @@ def bench(
     from spec_plugins.config import ConfigError
     from spec_plugins.decoder import SpeculativeDecoder
 
+    check_output_dir(out)
     t0 = time.perf_counter()
     try:
         cfg = load_config(config)

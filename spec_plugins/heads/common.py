@@ -93,4 +93,25 @@ def load_head(directory: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     if not files.exists():
         raise FileNotFoundError(f"no trained head in {files.directory} (need head.safetensors and config.json); "
                                 "train one with `spec-plugins train {medusa,eagle} --target MODEL --out DIR`")
-    return json.loads(files.config.read_text()), load_file(str(files.weights))
+    try:
+        cfg = json.loads(files.config.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{files.config} is not a head config: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{files.config} is not a head config: expected a JSON object")
+    try:
+        state = load_file(str(files.weights))
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types for a corrupt file
+        raise ValueError(f"{files.weights} cannot be read as safetensors ({type(exc).__name__}: {exc}); "
+                         "retrain or copy the head again") from None
+    return cfg, state
+
+
+def build_head(kind: str, directory: str | Path, build: Any) -> Any:
+    """``build()`` a head from a saved directory; a head of the other kind (or of another model)
+    fails with one line naming the directory instead of a deep KeyError / size mismatch."""
+    try:
+        return build()
+    except (KeyError, TypeError, RuntimeError) as exc:
+        raise ValueError(f"{directory} does not hold a {kind} head for this model "
+                         f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None

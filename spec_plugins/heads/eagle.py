@@ -76,16 +76,20 @@ class EagleDrafter(nn.Module):
         """Load a trained drafter and attach the target's (frozen) LM head and embeddings."""
         from dataclasses import fields
 
-        from spec_plugins.heads.common import load_head, target_lm_parts
+        from spec_plugins.heads.common import build_head, load_head, target_lm_parts
 
         cfg, state = load_head(directory)
-        names = {f.name for f in fields(EagleConfig)}
-        lm, emb = target_lm_parts(model)
-        drafter = cls(EagleConfig(**{k: v for k, v in cfg.items() if k in names}), lm.float(), emb.float(),
-                      state["vocab_ids"])
-        drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()},
-                                strict=True)
-        return drafter.eval()
+
+        def build() -> "EagleDrafter":
+            names = {f.name for f in fields(EagleConfig)}
+            lm, emb = target_lm_parts(model)
+            drafter = cls(EagleConfig(**{k: v for k, v in cfg.items() if k in names}), lm.float(), emb.float(),
+                          state["vocab_ids"])
+            drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()},
+                                    strict=True)
+            return drafter.eval()
+
+        return build_head("eagle", directory, build)
 
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                 past_k: torch.Tensor, past_v: torch.Tensor, mask: torch.Tensor

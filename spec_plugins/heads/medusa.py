@@ -53,15 +53,20 @@ class MedusaHeads(nn.Module):
     @classmethod
     def from_pretrained(cls, directory: str, model: Any) -> "MedusaHeads":
         """Load a trained head and attach the target's (frozen) LM head."""
-        from spec_plugins.heads.common import load_head, target_lm_parts
+        from spec_plugins.heads.common import build_head, load_head, target_lm_parts
 
         cfg, state = load_head(directory)
-        fields = {k: cfg[k] for k in ("hidden_size", "num_heads", "num_layers", "draft_vocab_size")}
-        lm, _ = target_lm_parts(model)
-        heads = cls(MedusaConfig(**fields), lm.float(), state["vocab_ids"])
-        heads.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=True)
-        heads.calibration = cfg.get("holdout_topk_accuracy") or {}
-        return heads.eval()
+
+        def build() -> "MedusaHeads":
+            fields = {k: cfg[k] for k in ("hidden_size", "num_heads", "num_layers", "draft_vocab_size")}
+            lm, _ = target_lm_parts(model)
+            heads = cls(MedusaConfig(**fields), lm.float(), state["vocab_ids"])
+            heads.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()},
+                                  strict=True)
+            heads.calibration = cfg.get("holdout_topk_accuracy") or {}
+            return heads.eval()
+
+        return build_head("medusa", directory, build)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         hs = torch.stack([blk(hidden) for blk in self.blocks], dim=-2)  # [B, K, H]

@@ -9,6 +9,7 @@ steps below in order; they hold the mechanics, the round holds the order.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Sequence
@@ -42,6 +43,7 @@ class Row:
     hidden: torch.Tensor | None = None  # [T, H] target features the proposer has not consumed
     done: bool = False
     finish_reason: str | None = None
+    error: str | None = None  # set when this row's sampling failed; it leaves at the next round
 
     @property
     def n_new(self) -> int:
@@ -105,9 +107,8 @@ class Batch:
         try:
             if self.traits.row_aware:
                 self.proposer.admit([r.prompt for r in live])
-            pipes = RowPipelines([r.pipeline for r in new])
             pending = torch.tensor([[r.tokens[-1]] for r in new], device=self.device)
-            z = pipes.process_tree(step.logits[:, -1:], self._seen(new), pending, (-1,))
+            z = self._process(new, step.logits[:, -1:], pending, (-1,))
             verdict = self._verify(new, None, z)
         except BaseException:
             self._select(list(range(n0)))  # admission is atomic: the running rows as before
@@ -115,7 +116,8 @@ class Batch:
         for b, r in enumerate(new):
             r.hidden = step.hidden[b] if step.hidden is not None else None
         self.rows += new
-        out += [self._emit(r, [verdict.next_tokens[b]], z[b], [0]) for b, r in enumerate(new)]
+        out += [Emission(r.key, [], [], "error", r.error) if r.error else self._emit(r, [verdict.next_tokens[b]], z[b], [0])
+                for b, r in enumerate(new)]
         self.stats.observe_admit(len(new), self.clock() - t0)
         return out
 
@@ -196,11 +198,49 @@ class Batch:
 
     def process(self, logits: torch.Tensor, tokens: torch.Tensor, tree: TreeLayout) -> torch.Tensor:
         """Each row's sampling pipeline over every node, with the prefix that node would have."""
-        pipes = RowPipelines([r.pipeline for r in self.rows])
-        return pipes.process_tree(logits, self._seen(self.rows), tokens, tree.parents)
+        return self._process(self.rows, logits, tokens, tree.parents)
+
+    def _process(self, rows: Sequence[Row], logits: torch.Tensor, tokens: torch.Tensor,
+                 parents: tuple[int, ...]) -> torch.Tensor:
+        """Processed logits of ``rows``; a row whose processing raises or yields no finite
+        distribution fails alone (``_fail``) and gets a harmless placeholder."""
+        seen = self._seen(rows)
+        try:
+            z = RowPipelines([r.pipeline for r in rows]).process_tree(logits, seen, tokens, parents)
+        except Exception:  # noqa: BLE001 - find the rows it fails for, one at a time
+            z = torch.zeros_like(logits)
+            for b, r in enumerate(rows):
+                try:
+                    z[b] = r.pipeline.process_tree(logits[b:b + 1], [seen[b]], tokens[b:b + 1], parents)[0]
+                except Exception as exc:  # noqa: BLE001
+                    self._fail(r, f"logits processing failed: {type(exc).__name__}: {exc}")
+        bad = (~torch.isfinite(z.amax(-1)).all(-1)).nonzero().flatten().tolist()  # NaN, +inf or nothing allowed
+        for b in bad:
+            if rows[b].error is None:
+                self._fail(rows[b], "sampling failed: the processed logits are not finite (NaN, inf, or every "
+                                    "token masked)")
+        for b, r in enumerate(rows):
+            if r.error is not None:
+                z[b] = 0.0  # the verifier sees a valid distribution; the row emits nothing
+        return z
 
     def verify(self, draft: Draft | None, z: torch.Tensor) -> Verdict:
         return self._verify(self.rows, draft, z)
+
+    def _fail(self, row: Row, message: str) -> None:
+        row.error, row.done, row.finish_reason = message, True, "error"
+
+    def check(self) -> None:
+        """The batch's invariants: the runtime holds exactly its rows, each live row's cache is its
+        sequence minus the pending token, and a RowAware proposer follows the same rows."""
+        lengths = self.runtime.lengths()
+        if len(lengths) != len(self.rows):
+            raise AssertionError(f"the runtime holds {len(lengths)} rows, the batch {len(self.rows)}")
+        for n, r in zip(lengths, self.rows):
+            if not r.done and n != len(r.tokens) - 1:
+                raise AssertionError(f"row {r.key!r}: the runtime caches {n} tokens, the row has {len(r.tokens) - 1}")
+        if self.traits.row_aware and self.proposer.num_rows() != len(self.rows):
+            raise AssertionError(f"the proposer follows {self.proposer.num_rows()} rows, the batch {len(self.rows)}")
 
     def emit(self, verdict: Verdict, tokens: torch.Tensor, z: torch.Tensor,
              hidden: torch.Tensor | None) -> list[Emission]:
@@ -210,6 +250,9 @@ class Batch:
         keep = verdict.keep()
         out = []
         for b, r in enumerate(self.rows):
+            if r.error is not None:
+                out.append(Emission(r.key, [], [], "error", r.error))
+                continue
             toks = [host[b][j + 1] for j in verdict.accepted[b]] + [verdict.next_tokens[b]]
             out.append(self._emit(r, toks, z[b], keep[b]))
             if hidden is not None:
@@ -284,4 +327,6 @@ def _logprobs(z_row: torch.Tensor, at: Sequence[int], toks: Sequence[int]) -> li
         return []
     lp = z_row[list(at[:n])].float().log_softmax(-1)
     idx = torch.tensor(list(toks[:n]), device=lp.device)[:, None]
-    return lp.gather(-1, idx).squeeze(-1).tolist()
+    # a finite float for JSON: an emitted token always has a finite log-probability under the
+    # logits it came from; the floor only guards the serialisation
+    return [x if math.isfinite(x) else -1e30 for x in lp.gather(-1, idx).squeeze(-1).tolist()]

@@ -53,6 +53,10 @@ class RowAware(Protocol):
         """Keep only these rows, in this order (others finished or left)."""
         ...
 
+    def num_rows(self) -> int:
+        """Rows followed now (the batch checks it against its own after every change)."""
+        ...
+
 
 @runtime_checkable
 class Keyed(Protocol):
@@ -69,7 +73,7 @@ class Keyed(Protocol):
         ...
 
 
-_GROUPS = {"RowAware": ("admit", "select_rows"), "Keyed": ("draft_keys", "free_drafts")}
+_GROUPS = {"RowAware": ("admit", "select_rows", "num_rows"), "Keyed": ("draft_keys", "free_drafts")}
 
 
 def check_proposer_class(cls: type) -> None:

@@ -128,3 +128,6 @@ class DraftModelProposer(Proposer):
         self.runtime.select_rows(rows)
         self._fed = [self._fed[r] for r in rows]
         self._base = [self._base[r] for r in rows if r < len(self._base)]
+
+    def num_rows(self) -> int:
+        return len(self._fed)

@@ -96,6 +96,9 @@ class EagleProposer(Proposer):
         self.fed = [self.fed[r] for r in rows]
         self._compact()
 
+    def num_rows(self) -> int:
+        return self.slots.rows
+
     def _compact(self) -> None:
         """Squeeze out holes once they are the majority (rows accept different counts)."""
         if self.slots.mostly_holes():

@@ -129,6 +129,9 @@ class LookaheadProposer(Proposer):
     def select_rows(self, rows: Sequence[int]) -> None:
         self.rows = [self.rows[r] for r in rows]
 
+    def num_rows(self) -> int:
+        return len(self.rows)
+
     def propose(self, ctx: ProposeContext) -> Draft | None:
         c = self.config
         if max(ctx.budgets, default=0) <= 0:

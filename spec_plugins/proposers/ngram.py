@@ -117,5 +117,8 @@ class NgramProposer(Proposer):
     def select_rows(self, rows: Sequence[int]) -> None:
         self._index = [self._index[r] for r in rows]
 
+    def num_rows(self) -> int:
+        return len(self._index)
+
     def admit(self, prompts: Sequence[Sequence[int]]) -> None:
         self._index += [NgramIndex(self.config.min_ngram, self.config.max_ngram) for _ in prompts]

@@ -108,6 +108,9 @@ class RecyclingProposer(Proposer):
     def select_rows(self, rows: Sequence[int]) -> None:
         self._rows = len(rows)
 
+    def num_rows(self) -> int:
+        return self._rows
+
     # ---- draft --------------------------------------------------------------------------------
     def propose(self, ctx: ProposeContext) -> Draft | None:
         if self.table is None or max(ctx.budgets, default=0) <= 0 or self.shape.size == 0:

@@ -8,6 +8,7 @@ streaming or not); GET /info, /health, /metrics. Bad requests get TGI's error bo
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import ValidationError
 
 from spec_plugins.loop import Batch
@@ -28,6 +30,8 @@ from spec_plugins.server.schemas import (
     validation_message,
 )
 
+
+log = logging.getLogger("spec_plugins.server")
 
 
 @dataclass
@@ -118,13 +122,20 @@ async def run_job(state: ServerState, prep: Prepared, request: Request) -> Async
     out_text = ""
     stops = prep.params.stop
     done = False
+    checked = time.perf_counter()
     try:
         while True:
             try:
-                item = await asyncio.wait_for(job.queue.get(), timeout=1.0)
+                item = await asyncio.wait_for(job.queue.get(), timeout=0.25)
             except asyncio.TimeoutError:
+                item = None
+            # a client that hung up (also on a non-streaming route, where nothing else notices)
+            # leaves the batch within a round: at most every 0.1 s a cheap receive() check
+            if item is None or time.perf_counter() - checked > 0.1:
+                checked = time.perf_counter()
                 if await request.is_disconnected():
                     return
+            if item is None:
                 continue
             if item[0] == "error":
                 raise ApiError(500, item[1], "generation")
@@ -173,6 +184,13 @@ def create_app(state: ServerState) -> FastAPI:
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """404, 405 ... in TGI's error shape, not FastAPI's ``{"detail": ...}``."""
+        text = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+        return JSONResponse({"error": text.get(exc.status_code, str(exc.detail)), "error_type": "http"},
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
     def timed(route: str) -> Callable:
         """Count the request and its latency in /metrics, errors included."""
 
@@ -184,6 +202,12 @@ def create_app(state: ServerState) -> FastAPI:
                 except ApiError as exc:
                     state.metrics.request_done(route, exc.status)
                     return JSONResponse(exc.body(), status_code=exc.status)
+                except Exception:  # noqa: BLE001 - the details go to the log, never to the client
+                    rid = uuid.uuid4().hex[:12]
+                    log.exception("request failed (request id %s)", rid)
+                    state.metrics.request_done(route, 500)
+                    return JSONResponse({"error": f"internal error (request id {rid}); the server log has the details",
+                                         "error_type": "internal"}, status_code=500)
                 if not isinstance(resp, StreamingResponse):
                     state.metrics.request_done(route, resp.status_code, time.perf_counter() - t0)
                 return resp

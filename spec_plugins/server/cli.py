@@ -61,6 +61,18 @@ def build_state(decoder: Any, max_batch: int = 8, max_input_tokens: int | None =
                        max_draft_length=k, info_extra=info)
 
 
+def _check_port(host: str, port: int) -> None:
+    """Fail at once, naming the address, when the port cannot be bound (busy, or not ours)."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as exc:
+        fail(f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})")
+
+
 def _proposer_name(proposer: Any) -> str | None:
     """The registered ``type`` of a proposer object (from its Config), configured or built by hand."""
     if proposer is None:
@@ -92,6 +104,7 @@ def serve(
         fail(f"--draft-policy must be 'load' or 'fixed', got {draft_policy!r}")
     if max_input_tokens is not None and max_total_tokens is not None and max_input_tokens >= max_total_tokens:
         fail(f"--max-input-tokens ({max_input_tokens}) must be < --max-total-tokens ({max_total_tokens})")
+    _check_port(host, port)  # before the model loads (tens of seconds)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         import uvicorn

@@ -17,13 +17,62 @@ from spec_plugins.types import RowRequest
 DEFAULT_MAX_NEW_TOKENS = 256
 
 
+MAX_BODY_BYTES = 4 << 20  # a prompt of a 32k-token context is ~130 KB of text; refuse more before parsing
+MAX_JSON_DEPTH = 32  # TGI's bodies nest 4 deep; refuse deeper before the parser recurses
+
+
+def _nesting(body: bytes, cap: int) -> int:
+    """JSON nesting depth of ``body`` (brackets outside strings), stopping once past ``cap``."""
+    if body.count(b"[") + body.count(b"{") <= cap:  # the common case: no deeper than its brackets
+        return cap
+    depth = deepest = 0
+    in_str = esc = False
+    for c in body:
+        if in_str:
+            esc, in_str = (False, in_str) if esc else (c == 0x5C, c != 0x22)
+        elif c == 0x22:
+            in_str = True
+        elif c in (0x5B, 0x7B):
+            depth += 1
+            deepest = max(deepest, depth)
+            if deepest > cap:
+                return deepest
+        elif c in (0x5D, 0x7D):
+            depth -= 1
+    return deepest
+
+
+def _strings(obj: Any) -> Any:
+    """Every string (keys included) in a parsed JSON value."""
+    if isinstance(obj, str):
+        yield obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield k
+            yield from _strings(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _strings(v)
+
+
 def _parse(model: type, body: bytes) -> Any:
+    """Body -> validated request: size and depth caps before parsing, valid Unicode after."""
+    if len(body) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the request body has {len(body)} bytes; at most {MAX_BODY_BYTES} are accepted")
+    if _nesting(body, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        raise ApiError(422, f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels")
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"Failed to parse the request body as JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ApiError(422, f"Failed to deserialize the JSON body: expected an object, got {type(data).__name__}")
+    for text in _strings(data):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate ("\\ud800") is valid JSON, not valid text
+            raise ApiError(422, f"the request holds invalid Unicode: {exc.reason} at character {exc.start} of a "
+                                "string") from None
     try:
         return model.model_validate(data)
     except ValidationError as exc:

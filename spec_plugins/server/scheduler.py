@@ -13,6 +13,7 @@ import itertools
 import logging
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,15 +137,31 @@ class Scheduler:
                     self._jobs.pop(k, None)
                 self.batch.remove(gone)
                 if admit:
-                    for j in admit:
-                        self._jobs[j.row.key] = j
-                    self._dispatch(self.batch.add([j.row for j in admit]))
+                    self._admit(admit)
                 record = run_round(self.batch, self.policy)
                 if record is not None:
                     self._dispatch(record.emissions)
-            except Exception as exc:  # noqa: BLE001 - a failed round must not kill the server
-                log.exception("decode round failed")
-                self._fail_all(f"generation failed: {type(exc).__name__}: {exc}")
+            except Exception:  # noqa: BLE001 - a failed round must not kill the server
+                rid = uuid.uuid4().hex[:12]
+                log.exception("decode round failed (request id %s)", rid)
+                self._fail_all(f"generation failed (request id {rid}); the server log has the details")
+
+    def _admit(self, jobs: list[Job]) -> None:
+        """Admission is atomic (``Batch.add``): if it fails, only these jobs fail, with the reason,
+        and the running rows carry on."""
+        try:
+            ems = self.batch.add([j.row for j in jobs])
+        except Exception as exc:  # noqa: BLE001
+            rid = uuid.uuid4().hex[:12]
+            log.exception("admission failed (request id %s)", rid)
+            for j in jobs:
+                j.finished = True
+                j.push(("error", f"could not start this request (request id {rid}): {type(exc).__name__}"))
+            self.batch.check()  # atomic admission: the running rows exactly as before
+            return
+        for j in jobs:
+            self._jobs[j.row.key] = j
+        self._dispatch(ems)
 
     def _dispatch(self, ems: list[Emission]) -> None:
         done = []
@@ -152,7 +169,9 @@ class Scheduler:
             job = self._jobs.get(em.key)
             if job is None:
                 continue
-            if not job.cancelled:
+            if em.error is not None:
+                job.push(("error", em.error))
+            elif not job.cancelled:
                 job.push(("tokens", em.tokens, em.logprobs, em.finish_reason))
             if em.finish_reason is not None:
                 job.finished = True
@@ -163,6 +182,8 @@ class Scheduler:
             self.batch.remove(done)
 
     def _fail_all(self, message: str) -> None:
+        """A round failed for every row (not a row's own sampling, which fails alone): every running
+        job gets the error and the batch starts empty (runtime and proposer hold no rows)."""
         with self._cv:
             jobs = list(self._jobs.values())
             self._jobs.clear()
@@ -170,7 +191,7 @@ class Scheduler:
             j.finished = True
             j.push(("error", message))
         try:
-            self.batch.remove(self.batch.keys())
-        except Exception:  # noqa: BLE001
-            log.exception("could not reset the batch; rebuilding on next admission")
-            self.batch.rows = []
+            self.batch.close()
+            self.batch.check()  # holds by construction; a violation here is a bug worth a loud log
+        except Exception:  # noqa: BLE001 - the decode thread must survive to serve the next request
+            log.exception("could not reset the batch after a failed round")

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import math
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from spec_plugins.config import MAX_SEED, REPETITION_PENALTY_RANGE
 
 MAX_STOP_SEQUENCES = 4
 
@@ -33,9 +37,10 @@ def _neutral(name: str, value: Any, neutral: tuple = (None,)) -> Any:
 
 
 class GenerateParameters(BaseModel):
-    """TGI ``parameters``; unknown names are refused."""
+    """TGI ``parameters``; unknown names are refused, types are strict (``"3"`` is not an integer,
+    ``"yes"`` not a boolean), as TGI's deserializer has them; ranges are ``SamplingConfig``'s."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     max_new_tokens: int | None = Field(None, description="Tokens to generate (default: what fits, capped).")
     do_sample: bool = Field(False, description="Sample instead of greedy (also implied by temperature/top_k/top_p).")
@@ -68,7 +73,7 @@ class GenerateParameters(BaseModel):
     @field_validator("temperature")
     @classmethod
     def _temp(cls, v: float | None) -> float | None:
-        if v is not None and not v > 0:
+        if v is not None and not (v > 0 and math.isfinite(v)):
             raise ValueError("`temperature` must be strictly positive")
         return v
 
@@ -82,21 +87,22 @@ class GenerateParameters(BaseModel):
     @field_validator("top_p")
     @classmethod
     def _top_p(cls, v: float | None) -> float | None:
-        if v is not None and not (0.0 < v < 1.0):
+        if v is not None and not (0.0 < v < 1.0):  # NaN fails both comparisons
             raise ValueError("`top_p` must be > 0.0 and < 1.0")
         return v
 
     @field_validator("repetition_penalty")
     @classmethod
     def _rep(cls, v: float | None) -> float | None:
-        if v is not None and not v > 0:
-            raise ValueError("`repetition_penalty` must be strictly positive")
+        lo, hi = REPETITION_PENALTY_RANGE
+        if v is not None and not (lo <= v <= hi):
+            raise ValueError(f"`repetition_penalty` must be between {lo:g} and {hi:g}")
         return v
 
     @field_validator("seed")
     @classmethod
     def _seed(cls, v: int | None) -> int | None:
-        if v is not None and not (0 <= v < 2**63):
+        if v is not None and not (0 <= v <= MAX_SEED):
             raise ValueError("`seed` must be a non-negative 64-bit integer")
         return v
 
@@ -136,7 +142,7 @@ class GenerateParameters(BaseModel):
 
 
 class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     inputs: str
     parameters: GenerateParameters = Field(default_factory=GenerateParameters)
@@ -155,22 +161,31 @@ class GenerateRequest(BaseModel):
         return {} if v is None else v
 
 
+class ContentPart(BaseModel):
+    """An OpenAI content part; this text-only server takes ``{"type": "text", "text": str}``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, list):  # OpenAI content parts: keep the text ones
-            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
         return self.content or ""
 
 
 class ChatRequest(BaseModel):
     """OpenAI chat completions, as TGI serves them."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     messages: list[ChatMessage]
     model: str | None = None

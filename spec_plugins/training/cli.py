@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 
 import typer
 
-from spec_plugins.cli import app, fail
+from spec_plugins.cli import app, check_output_dir, fail
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "examples" / "prompts" / "train.jsonl"
 
@@ -124,6 +124,7 @@ def train(
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if kind not in ("medusa", "eagle"):
         fail(f"unknown head {kind!r}; allowed values: medusa, eagle")
+    check_output_dir(out)
     import json
 
     import torch
@@ -134,9 +135,10 @@ def train(
 
     torch.set_num_threads(threads)
     try:
+        texts = load_prompts(prompts)[:max_prompts]  # before the model loads: a bad file fails fast
         model, tok = load_hf(target, "float32", "cpu")
-        prompt_ids = encode_chat(tok, load_prompts(prompts)[:max_prompts])
-    except (FileNotFoundError, ValueError) as exc:
+        prompt_ids = encode_chat(tok, texts)
+    except (FileNotFoundError, ValueError, LookupError) as exc:
         fail(str(exc))
         return
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []

@@ -68,9 +68,16 @@ class FeatureSet:
 def load_prompts(path: str | Path) -> list[str]:
     """One JSON object per line with a ``prompt`` field."""
     out = []
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
-            out.append(json.loads(line)["prompt"])
+    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} line {n}: not JSON ({exc.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
+            raise ValueError(f"{path} line {n}: expected an object with a non-empty string `prompt`, got {line[:80]!r}")
+        out.append(row["prompt"])
     if not out:
         raise ValueError(f"no prompts in {path}")
     return out

@@ -1,0 +1,239 @@
+"""The server under hostile and careless clients: no 500 for bad input, TGI's error shapes, one
+request never hurting another, cancellation of abandoned requests, and a seeded fuzz run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+import time
+
+import pytest
+from test_server import PROMPTS, LiveServer, solo, tiny_tokenizer
+
+from conftest import tiny_llama
+
+httpx = pytest.importorskip("httpx")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(seed=3)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+def settled_check(srv) -> None:
+    """The batch's invariants, once the decode thread has nothing left to do (it owns the batch)."""
+    deadline = time.time() + 10
+    while srv.state.scheduler.snapshot()["batch"] or srv.state.scheduler.snapshot()["queue"]:
+        assert time.time() < deadline
+        time.sleep(0.02)
+    time.sleep(0.1)
+    srv.state.batch.check()
+
+
+@pytest.fixture(scope="module")
+def live(model, tok):
+    srv = LiveServer(model, tok, max_batch=8)
+    yield srv
+    srv.stop()
+
+
+async def _post_all(url: str, bodies: list, route: str = "/generate") -> list[httpx.Response]:
+    async with httpx.AsyncClient(timeout=120) as c:
+        return await asyncio.gather(*(c.post(url + route, content=b if isinstance(b, bytes) else json.dumps(b),
+                                             headers={"content-type": "application/json"}) for b in bodies))
+
+
+def test_a_burst_with_extreme_temperatures_hurts_no_one(live, model, tok):
+    """10 normal + 10 ``temperature: 1e-40`` requests at once: all answered; an underflowing
+    temperature is greedy (documented), the normal ones equal their solo outputs; then the next
+    request is served normally."""
+    normal = [{"inputs": PROMPTS[i % 5], "parameters": {"max_new_tokens": 12, "details": True}} for i in range(10)]
+    extreme = [{"inputs": PROMPTS[i % 5], "parameters": {"max_new_tokens": 12, "details": True,
+                                                         "temperature": 1e-40, "do_sample": True}} for i in range(10)]
+    res = asyncio.run(_post_all(live.url, [x for pair in zip(normal, extreme) for x in pair]))
+    assert [r.status_code for r in res] == [200] * 20, [r.text for r in res if r.status_code != 200]
+    for i, r in enumerate(res):
+        ids = [t["id"] for t in r.json()["details"]["tokens"]]
+        assert ids == solo(model, tok, PROMPTS[(i // 2) % 5], 12)
+        assert all(isinstance(t["logprob"], float) for t in r.json()["details"]["tokens"])
+    r = httpx.post(live.url + "/generate", json={"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 5}})
+    assert r.status_code == 200
+    settled_check(live)
+
+
+BAD = [
+    (b"[" * 100_000, 422, "nests deeper than 32"),
+    (b'{"inputs": "\\ud800 w2"}', 422, "invalid Unicode"),
+    (b'{"inputs": "w2", "parameters": {"max_new_tokens": "3"}}', 422, "valid integer"),
+    (b'{"inputs": "w2", "parameters": {"do_sample": "yes"}}', 422, "valid boolean"),
+    (b'{"inputs": "w2", "parameters": {"repetition_penalty": 1e-40, "details": true}}', 422,
+     "`repetition_penalty` must be between 0.01 and 100"),
+    (b'{"inputs": "w2", "parameters": {"temperature": NaN}}', 422, "temperature"),
+    (b'{"inputs": 5}', 422, "valid string"),
+    (b'{"inputs": "w2", "parameters": {"seed": -1}}', 422, "seed"),
+    (b'{"inputs": "' + b"w3 " * 2_000_000 + b'"}', 413, "at most"),
+]
+
+
+@pytest.mark.parametrize("route", ["/generate", "/generate_stream"])
+def test_bad_bodies_get_4xx_not_500(live, route):
+    for body, status, msg in BAD:
+        r = httpx.post(live.url + route, content=body, headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == status, (body[:60], r.status_code, r.text[:200])
+        assert msg in r.json()["error"], (body[:60], r.text[:300])
+    assert httpx.post(live.url + route, json={"inputs": "w2 w3", "parameters": {"max_new_tokens": 2}}).status_code == 200
+
+
+def test_bad_chat_content_parts_and_unicode(live):
+    for content, msg in (([{"type": "text", "text": 3}], "valid string"), ([{"type": "text", "text": None}], "valid string"),
+                         ([{"type": "image_url", "image_url": "x"}], "text"), ("\ud800", "invalid Unicode")):
+        body = json.dumps({"messages": [{"role": "user", "content": content}]}).encode()
+        r = httpx.post(live.url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 422 and msg in r.json()["error"], (content, r.text)
+
+
+def test_unknown_routes_and_methods_in_tgi_shape(live):
+    r = httpx.get(live.url + "/nope")
+    assert r.status_code == 404 and r.json() == {"error": "no route /nope", "error_type": "http"}
+    r = httpx.get(live.url + "/generate")
+    assert r.status_code == 405 and r.json()["error_type"] == "http" and "GET" in r.json()["error"]
+
+
+def test_internal_errors_show_a_request_id_and_no_internals(live, monkeypatch, caplog):
+    def broken(job):
+        raise ValueError("secret internal state 0xdeadbeef")
+
+    monkeypatch.setattr(live.state.scheduler, "submit", broken)
+    r = httpx.post(live.url + "/generate", json={"inputs": "w2"})
+    body = r.json()
+    assert r.status_code == 500 and body["error_type"] == "internal" and "secret" not in r.text
+    rid = body["error"].split("request id ")[1].split(")")[0]
+    assert any(rid in rec.getMessage() for rec in caplog.records)  # ... and the log has it, with the details
+
+
+def test_a_non_streaming_client_that_hangs_up_leaves_the_batch(model):
+    tok = tiny_tokenizer(eos=False)
+    big = LiveServer(tiny_llama(seed=3, max_pos=4096), tok, max_total=4000, max_input=32, policy="fixed")
+    try:
+        body = json.dumps({"inputs": "w2 w3", "parameters": {"max_new_tokens": 3900}}).encode()
+        s = socket.create_connection(("127.0.0.1", big.port))
+        s.sendall(b"POST /generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"content-length: %d\r\n\r\n" % len(body) + body)
+        deadline = time.time() + 20
+        while big.metric("spec_batch_size") < 1:
+            assert time.time() < deadline
+            time.sleep(0.02)
+        s.close()  # hang up before the answer
+        deadline = time.time() + 20
+        while big.metric("spec_batch_size") != 0:
+            assert time.time() < deadline, "the abandoned row was not cancelled"
+            time.sleep(0.05)
+        assert big.metric("spec_decoded_tokens_total") < 3900 and big.metric("spec_requests_cancelled_total") >= 1
+    finally:
+        big.stop()
+
+
+# ---- a seeded, bounded fuzz run -----------------------------------------------------------------
+def _fuzz_cases(rng: random.Random, n: int) -> list[tuple[str, str, bytes, dict | None]]:
+    """(class, route, body, expected greedy request or None) for ``n`` generated requests."""
+    junk = [3, -1, 0, 1e-40, 1e40, "3", "yes", None, [], {}, True, float("inf"), 2**70, "\ud800", "w2" * 50]
+    fields = ["max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "do_sample",
+              "truncate", "stop", "details", "best_of", "typical_p", "unknown"]
+    out = []
+    for _ in range(n):
+        kind = rng.choice(["good", "good", "good", "type", "range", "unicode", "nesting", "size", "extreme", "chat",
+                           "json"])
+        p = rng.choice(PROMPTS)
+        body: object = {"inputs": p, "parameters": {"max_new_tokens": rng.randint(1, 10)}}
+        expect = None
+        if kind == "good":
+            expect = {"prompt": p, "n": body["parameters"]["max_new_tokens"]}
+        elif kind in ("type", "range"):
+            body["parameters"][rng.choice(fields)] = rng.choice(junk)
+        elif kind == "unicode":
+            body["inputs"] = rng.choice(["\ud800", "w2 \udfff w3", "\x00", "w2 \u202e w3", "😀" * 10, ""])
+        elif kind == "nesting":
+            d = rng.choice([40, 1000, 50_000])
+            body = b'{"inputs": ' + b"[" * d + b"]" * d + b"}"
+        elif kind == "size":
+            body = {"inputs": "w2 " * rng.choice([100, 5000, 3_000_000])}
+        elif kind == "extreme":
+            body["parameters"].update({"do_sample": True, "temperature": rng.choice([1e-40, 1e-6, 50.0, 1e30]),
+                                       "top_k": rng.choice([None, 1, 10**9]), "top_p": rng.choice([None, 1e-9, 0.999]),
+                                       "repetition_penalty": rng.choice([None, 0.01, 100.0])})
+        elif kind == "json":
+            body = rng.choice([b"", b"{", b"null", b'"str"', b"[1,2]", b'{"inputs": "w2",}', b"\xff\xfe"])
+        route = "/v1/chat/completions" if kind == "chat" else rng.choice(["/generate", "/generate_stream", "/"])
+        if kind == "chat":
+            body = {"messages": [{"role": rng.choice(["user", "bogus"]),
+                                  "content": rng.choice(["w2 w3", [{"type": "text", "text": "w2"}], 5, None])}],
+                    "max_tokens": rng.choice([3, -1, "3"])}
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        out.append((kind, route, raw, expect))
+    return out
+
+
+def test_fuzz_no_500_good_requests_exact_and_serving_afterwards(live, model, tok, capsys):
+    rng = random.Random(1234)
+    cases = _fuzz_cases(rng, 240)
+    statuses: dict[str, dict[int, int]] = {}
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as c:
+            sem = asyncio.Semaphore(12)
+
+            async def one(route: str, raw: bytes) -> httpx.Response:
+                async with sem:
+                    return await c.post(live.url + route, content=raw, headers={"content-type": "application/json"})
+
+            return await asyncio.gather(*(one(r, b) for _, r, b, _ in cases))
+
+    res = asyncio.run(run())
+    for (kind, route, raw, expect), r in zip(cases, res):
+        statuses.setdefault(kind, {}).setdefault(r.status_code, 0)
+        statuses[kind][r.status_code] += 1
+        assert r.status_code != 500, (kind, raw[:120], r.text[:300])
+        assert r.status_code < 500 or r.status_code == 503, (kind, r.status_code)
+        if expect is not None and route == "/generate":
+            assert r.status_code == 200, (raw[:120], r.text[:200])
+            assert r.json()["generated_text"] == tok.decode(solo(model, tok, expect["prompt"], expect["n"]),
+                                                            skip_special_tokens=True)
+    with capsys.disabled():
+        print(f"\nfuzz: {len(cases)} requests; statuses by class: {json.dumps(statuses, sort_keys=True)}")
+    r = httpx.post(live.url + "/generate", json={"inputs": PROMPTS[1], "parameters": {"max_new_tokens": 9,
+                                                                                       "details": True}})
+    assert [t["id"] for t in r.json()["details"]["tokens"]] == solo(model, tok, PROMPTS[1], 9)
+    assert httpx.get(live.url + "/health").status_code == 200
+    settled_check(live)
+
+
+def test_a_failed_round_fails_its_rows_resets_the_batch_and_serves_on(live, model, tok, monkeypatch):
+    """A round that fails for every row (here: the policy raises once) answers each running request
+    with an error carrying a request id, leaves no row behind, and the next request is exact."""
+    policy = live.state.scheduler.policy
+    real = policy.choose
+    calls = {"n": 0}
+
+    def flaky(view):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("policy blew up")
+        return real(view)
+
+    monkeypatch.setattr(policy, "choose", flaky)
+    res = asyncio.run(_post_all(live.url, [{"inputs": p, "parameters": {"max_new_tokens": 30}} for p in PROMPTS[:3]]))
+    failed = [r for r in res if r.status_code == 500]
+    assert failed and all("request id" in r.json()["error"] and "blew up" not in r.text for r in failed)
+    settled_check(live)
+    assert live.state.batch.runtime.lengths() == [] or all(r.done for r in live.state.batch.rows)
+    monkeypatch.setattr(policy, "choose", real)
+    r = httpx.post(live.url + "/generate", json={"inputs": PROMPTS[2], "parameters": {"max_new_tokens": 7,
+                                                                                       "details": True}})
+    assert [t["id"] for t in r.json()["details"]["tokens"]] == solo(model, tok, PROMPTS[2], 7)
