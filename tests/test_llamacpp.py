@@ -335,3 +335,27 @@ def test_gemma_batched_logits_differ_yet_every_token_is_verify_argmax():
     if first is not None and first >= 1:
         z = seen_plain[first - 1][1][0, -1]  # plain's logits for output position `first`
         assert float(z.max() - z[spec.token_ids[first]]) < 4.0, "diverged where plain had a clear choice"
+
+
+@_model_test
+def test_failed_admission_leaves_the_running_rows_as_they_were(rt):
+    """Atomic admission on llama.cpp's sequence bookkeeping: a decode of new rows that fails
+    removes the cells it wrote; the running rows decode on, exactly."""
+    prompt = _ids(rt, "The quick brown fox jumps over the lazy dog.")
+    rt.prefill([prompt])
+    lengths = rt.lengths()
+    inner = rt._decode
+    rt._decode = lambda items: (_ for _ in ()).throw(RuntimeError("decode failed"))
+    try:
+        with pytest.raises(RuntimeError, match="decode failed"):
+            rt.add_rows([_ids(rt, "Hello there")])
+    finally:
+        rt._decode = inner
+    assert rt.lengths() == lengths
+    nxt = rt.forward(torch.tensor([[prompt[-1]]])).logits[0, -1]
+    rt.rollback(lengths)
+    fresh = rt.forward(torch.tensor([[prompt[-1]]])).logits[0, -1]
+    assert torch.equal(nxt, fresh)
+    added = rt.add_rows([_ids(rt, "Hello there")])  # and rows can join again
+    assert added.logits.shape[0] == 1 and len(rt.lengths()) == 2
+

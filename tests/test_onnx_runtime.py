@@ -217,3 +217,36 @@ def test_export_config_with_medusa_heads(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="medusa_heads graph; the onnxruntime backend runs decoder graphs"):
         OnnxRuntime.from_config(OnnxRuntime.Config(model=str(tiny_model_dir), path=str(tmp_path / "exp"),
                                                    graph="medusa"))
+
+
+def test_failed_admission_leaves_the_running_rows_as_they_were(exported):
+    """Atomic admission on ONNX Runtime's bookkeeping: the graph call for the new rows fails after
+    the runtime started their prefill; the running rows' cache and positions are untouched."""
+    from spec_plugins.loop import Batch, run_round
+    from spec_plugins.proposers.ngram import NgramProposer
+    from spec_plugins.types import RowRequest
+
+    from helpers import plain_greedy
+
+    out, target, _ = exported
+    rt = ort_runtime(out)
+    batch = Batch(rt, NgramProposer(NgramProposer.Config()), ExactVerifier())
+    got = list(batch.add([RowRequest(0, [1, 2, 3, 1, 2], 20)])[0].tokens)
+    got += run_round(batch, FixedLength(3)).emitted[0]
+    pos, lengths = rt.slots.pos.clone(), rt.lengths()
+    inner = rt._call
+
+    def failing(ids, pos_, mask, want_hidden, prefill):
+        if prefill:
+            raise RuntimeError("graph call failed")
+        return inner(ids, pos_, mask, want_hidden, prefill)
+
+    rt._call = failing
+    with pytest.raises(RuntimeError, match="graph call failed"):
+        batch.add([RowRequest(1, [4, 5, 6], 5)])
+    rt._call = inner
+    assert rt.lengths() == lengths and torch.equal(rt.slots.pos, pos)
+    batch.check()
+    while (rec := run_round(batch, FixedLength(3))) is not None:
+        got += rec.emitted[0]
+    assert got == plain_greedy(target, [1, 2, 3, 1, 2], 20)

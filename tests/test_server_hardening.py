@@ -10,21 +10,11 @@ import socket
 import time
 
 import pytest
-from test_server import PROMPTS, LiveServer, solo, tiny_tokenizer
+from test_server import PROMPTS, LiveServer, model, solo, tiny_tokenizer, tok  # noqa: F401 (fixtures)
 
 from conftest import tiny_llama
 
 httpx = pytest.importorskip("httpx")
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_llama(seed=3)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
 
 
 def settled_check(srv) -> None:

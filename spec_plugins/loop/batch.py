@@ -116,8 +116,8 @@ class Batch:
         for b, r in enumerate(new):
             r.hidden = step.hidden[b] if step.hidden is not None else None
         self.rows += new
-        out += [Emission(r.key, [], [], "error", r.error) if r.error else self._emit(r, [verdict.next_tokens[b]], z[b], [0])
-                for b, r in enumerate(new)]
+        out += [Emission(r.key, [], [], "error", r.error) if r.error
+                else self._emit(r, [verdict.next_tokens[b]], z[b], [0]) for b, r in enumerate(new)]
         self.stats.observe_admit(len(new), self.clock() - t0)
         return out
 
@@ -134,8 +134,13 @@ class Batch:
         pipeline = r.pipeline
         if pipeline is None:
             sampling = r.sampling or GREEDY
-            key = (sampling, tuple(id(p) for p in r.processors))
-            if key not in self._pipes:  # rows with equal settings share one pipeline: one group
+            # rows with equal settings share one pipeline, hence one processing group (the seed is
+            # the generator's, not the pipeline's); the cache stays bounded in a long-lived server
+            key = (sampling.temperature, sampling.top_k, sampling.top_p, sampling.repetition_penalty,
+                   tuple(id(p) for p in r.processors))
+            if key not in self._pipes:
+                if len(self._pipes) >= 1024:
+                    self._pipes.clear()  # rows hold their pipelines; only sharing restarts
                 self._pipes[key] = LogitsPipeline(sampling, r.processors)
             pipeline = self._pipes[key]
         gen = self.generator
