@@ -68,13 +68,6 @@ class LogitsPipeline:
             logits = self.apply_user(prefix, logits)
         return self.warp(logits)
 
-    def probs(self, processed: torch.Tensor) -> torch.Tensor:
-        """Processed logits -> probabilities (float32); greedy gives a point mass at argmax."""
-        if self.greedy:
-            out = torch.zeros_like(processed, dtype=torch.float32)
-            return out.scatter_(-1, processed.argmax(-1, keepdim=True), 1.0)
-        return processed.float().softmax(-1)
-
     def process_rows(self, logits: torch.Tensor, prefixes: Sequence[Sequence[int]]) -> torch.Tensor:
         """Logits [R, V], row r continuing ``prefixes[r]`` (ragged) -> processed logits.
         Rows with equal prefix length go through each user processor in one call."""
@@ -147,9 +140,6 @@ class RowPipelines:
         if p.greedy and not self.greedy:
             return z.masked_fill(z < z.max(-1, keepdim=True).values, float("-inf"))
         return z
-
-    def probs(self, processed: torch.Tensor) -> torch.Tensor:
-        return processed.float().softmax(-1)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

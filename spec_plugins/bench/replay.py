@@ -128,10 +128,6 @@ class ReplayRuntime:
         self.seqs = [self.seqs[r] for r in rows]
         self.held = [self.held[r] for r in rows]
 
-    @classmethod
-    def from_config(cls, config: Any) -> "ReplayRuntime":
-        raise TypeError("a ReplayRuntime is built from recorded outputs, not from a config")
-
 
 def replay_turn(prompt: Sequence[int], output: Sequence[int], proposer: Any, policy: Any, cost: ForwardCost,
                 overhead: float, draft: DraftCost = DraftCost(), max_new: int | None = None,
