@@ -10,11 +10,15 @@ slot layer's crop or tail gather, llama.cpp's sequence removal).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Protocol, Sequence, Tuple, Union, runtime_checkable
 
 import torch
 
 from spec_plugins.tree import TreeLayout
+
+# what a forward returns besides logits: nothing (False), the last hidden state after the final
+# norm (True), or the outputs of these decoder layers (1-based) concatenated on the last axis
+Want = Union[bool, Tuple[int, ...]]
 
 
 @dataclass(frozen=True)
@@ -23,7 +27,19 @@ class RuntimeCapabilities:
 
     tree_mask: bool = False  # can score a token tree in one forward (custom attention mask)
     hidden_states: bool = False  # can return last-layer hidden states (feature-level drafters)
+    # decoder-layer outputs it can return instead (EAGLE-3's fused features): None = any layer,
+    # () = none, else exactly this tuple (an exported graph returns the layers it was exported with)
+    feature_layers: tuple[int, ...] | None = ()
     name: str = ""
+
+    def serves(self, want: "Want") -> bool:
+        """Whether ``forward(..., want_hidden=want)`` is possible."""
+        if want is False:
+            return True
+        if want is True:
+            return self.hidden_states
+        return self.feature_layers is None or tuple(want) == self.feature_layers
+
 
 
 @dataclass
@@ -31,7 +47,7 @@ class StepOutput:
     """Logits for every new node, and optionally the hidden states feeding the LM head."""
 
     logits: torch.Tensor  # [B, N, V] float32, on the runtime's ``device``
-    hidden: torch.Tensor | None = None  # [B, N, H]
+    hidden: torch.Tensor | None = None  # [B, N, H], or [B, N, L*H] for L feature layers
 
 
 @runtime_checkable
@@ -47,20 +63,20 @@ class Runtime(Protocol):
     max_context: int  # positions the model (or the configured context) can hold
     device: torch.device  # where logits come out: the round's tensors live there
 
-    def prefill(self, rows: Sequence[Sequence[int]], want_hidden: bool = False) -> StepOutput:
+    def prefill(self, rows: Sequence[Sequence[int]], want_hidden: Want = False) -> StepOutput:
         """Start a new batch: run each row's tokens; logits are for the LAST token of each row
         (shape [B, 1, V]); hidden, if asked, for every prompt token of each row, left-padded
         ([B, L, H]), since feature drafters need the whole prompt's features."""
         ...
 
-    def add_rows(self, rows: Sequence[Sequence[int]], want_hidden: bool = False) -> StepOutput:
+    def add_rows(self, rows: Sequence[Sequence[int]], want_hidden: Want = False) -> StepOutput:
         """Prefill ``rows`` and append them after the running rows (``prefill`` when there are
         none); output as ``prefill`` for the new rows only. Running rows are unchanged, also when
         it fails. Never between ``forward`` and ``commit``."""
         ...
 
     def forward(
-        self, tokens: torch.Tensor, tree: TreeLayout | None = None, want_hidden: bool = False
+        self, tokens: torch.Tensor, tree: TreeLayout | None = None, want_hidden: Want = False
     ) -> StepOutput:
         """Score ``tokens`` [B, N] appended to each row; the cache keeps all N until commit."""
         ...

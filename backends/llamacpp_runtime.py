@@ -26,7 +26,7 @@ from typing import Any, Literal, Sequence
 import torch
 from pydantic import Field
 
-from spec_plugins.backends.base import RuntimeCapabilities, StepOutput
+from spec_plugins.backends.base import RuntimeCapabilities, StepOutput, Want
 from spec_plugins.config import RuntimeConfig
 from spec_plugins.models import load_gguf_tokenizer
 from spec_plugins.tree import TreeLayout
@@ -207,7 +207,7 @@ class LlamaCppRuntime:
             )
 
     # ---- Runtime contract ----------------------------------------------------------------
-    def prefill(self, rows: Sequence[Sequence[int]], want_hidden: bool = False) -> StepOutput:
+    def prefill(self, rows: Sequence[Sequence[int]], want_hidden: Want = False) -> StepOutput:
         if want_hidden:
             raise ValueError("the llamacpp runtime does not return hidden states (capabilities.hidden_states=False)")
         if not rows or any(len(r) == 0 for r in rows):
@@ -227,7 +227,7 @@ class LlamaCppRuntime:
         self._len = [len(r) for r in rows]
         return StepOutput(logits.view(len(rows), 1, self.vocab_size))
 
-    def forward(self, tokens: torch.Tensor, tree: TreeLayout | None = None, want_hidden: bool = False) -> StepOutput:
+    def forward(self, tokens: torch.Tensor, tree: TreeLayout | None = None, want_hidden: Want = False) -> StepOutput:
         if want_hidden:
             raise ValueError("the llamacpp runtime does not return hidden states (capabilities.hidden_states=False)")
         if self._pending is not None:
@@ -341,7 +341,7 @@ class LlamaCppRuntime:
             self._seq_rm(s, n)
             self._len[b] = n
 
-    def add_rows(self, rows: Sequence[Sequence[int]], want_hidden: bool = False) -> StepOutput:
+    def add_rows(self, rows: Sequence[Sequence[int]], want_hidden: Want = False) -> StepOutput:
         """Continuous batching: prefill ``rows`` on unused sequence ids and append them after
         the running rows (whose cache is untouched). Output as ``prefill``, new rows only."""
         if not self._seq:

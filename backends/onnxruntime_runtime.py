@@ -22,7 +22,7 @@ from typing import Any, Literal, Sequence
 import torch
 from pydantic import Field
 
-from spec_plugins.backends.base import RuntimeCapabilities, StepOutput
+from spec_plugins.backends.base import RuntimeCapabilities, StepOutput, Want
 from spec_plugins.backends.slot_runtime import SlotRuntime
 from spec_plugins.backends.slots import KVSlots
 from spec_plugins.config import RuntimeConfig
@@ -134,13 +134,14 @@ class OnnxRuntime(SlotRuntime):
 
     def __init__(self, session: Any, entry: Any, tokenizer: Any = None, max_context: int | None = None,
                  eos_token_ids: Sequence[int] = (), device_id: int = 0) -> None:
-        from spec_plugins.graphs.io import input_names, output_names
+        from spec_plugins.graphs.io import input_names, present_names
 
         if entry.kind != "decoder_with_past":
             raise ValueError(f"graph {entry.name!r} is a {entry.kind} graph; the onnxruntime backend runs decoder "
                              "graphs (verify, draft)")
         self.session = session
         self.entry = entry
+        self.source_model = entry.source_model  # trained heads load the LM head and embeddings from it
         self.tokenizer = tokenizer
         self.eos_token_ids = list(eos_token_ids)
         on_cuda = session.get_providers()[0] == "CUDAExecutionProvider"
@@ -154,9 +155,10 @@ class OnnxRuntime(SlotRuntime):
         self.dtype = self.mask_dtype = _TORCH_DTYPES[entry.dtype]
         self.vocab_size = int(entry.vocab_size)
         self.max_context = int(max_context or entry.max_context)
-        self.capabilities = RuntimeCapabilities(tree_mask=True, hidden_states=True, name="onnxruntime")
+        self.capabilities = RuntimeCapabilities(tree_mask=True, hidden_states=True,
+                                                feature_layers=tuple(entry.feature_layers), name="onnxruntime")
         self._in = input_names(entry.num_layers)
-        self._out = output_names(entry.num_layers)
+        self._presents = present_names(entry.num_layers)
         self._scratch = torch.empty(16, dtype=torch.float32, device=self.device)
         self.kv: list[torch.Tensor] = []  # past_key.0, past_value.0, past_key.1, ... [B, H_kv, S, D]
         self.slots = KVSlots()
@@ -174,7 +176,7 @@ class OnnxRuntime(SlotRuntime):
         self.kv = [torch.empty(rows, e.num_kv_heads, 0, e.head_dim, dtype=self.dtype, device=self.device)
                    for _ in range(2 * e.num_layers)]
 
-    def _call(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, want_hidden: bool,
+    def _call(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, want_hidden: Want,
               prefill: bool) -> StepOutput:
         """One graph call (the graph always takes a mask: ``always_mask``); the presents
         replace ``self.kv``."""
@@ -184,7 +186,12 @@ class OnnxRuntime(SlotRuntime):
         feeds = [ids.to(dev, torch.long).contiguous(), pos.to(dev, torch.long).contiguous(),
                  mask.to(dev, self.dtype).contiguous()] + [t.contiguous() for t in self.kv]
         logits = torch.empty(B, N, self.vocab_size, dtype=torch.float32, device=dev)
-        hidden = torch.empty(B, N, e.hidden_size, dtype=self.dtype, device=dev) if want_hidden else None
+        layers = want_hidden if isinstance(want_hidden, tuple) else ()
+        if layers and layers != self.capabilities.feature_layers:
+            raise ValueError(f"the drafter needs decoder layers {list(layers)}, but graph {e.name!r} returns "
+                             f"{list(e.feature_layers) or 'none'}; export again with those --feature-layers")
+        width = e.hidden_size * (len(layers) or 1)
+        hidden = torch.empty(B, N, width, dtype=self.dtype, device=dev) if want_hidden else None
         presents = [torch.empty(B, e.num_kv_heads, S + N, e.head_dim, dtype=self.dtype, device=dev)
                     for _ in range(2 * e.num_layers)]
         io = self.session.io_binding()
@@ -192,8 +199,8 @@ class OnnxRuntime(SlotRuntime):
             self._bind(io, name, t, output=False)
         self._bind(io, "logits", logits, output=True)
         if hidden is not None:
-            self._bind(io, "hidden", hidden, output=True)
-        for name, t in zip(self._out[2:], presents):
+            self._bind(io, "features" if layers else "hidden", hidden, output=True)
+        for name, t in zip(self._presents, presents):
             self._bind(io, name, t, output=True)
         self.session.run_with_iobinding(io)
         self.kv = presents

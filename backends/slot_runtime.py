@@ -15,7 +15,7 @@ from typing import ClassVar, Sequence
 
 import torch
 
-from spec_plugins.backends.base import StepOutput
+from spec_plugins.backends.base import StepOutput, Want
 from spec_plugins.backends.slots import KVSlots, SlotPlan, pad_slots
 from spec_plugins.tree import TreeLayout
 
@@ -38,7 +38,7 @@ class SlotRuntime:
     # ---- engine hooks ----------------------------------------------------------------------------
     kv: list[torch.Tensor]
 
-    def _call(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, want_hidden: bool,
+    def _call(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, want_hidden: Want,
               prefill: bool) -> StepOutput:
         """One engine call over ``ids`` [B, n] at ``pos`` [B, n] (mask [B, 1, n, S+n] additive or
         None); replaces ``self.kv`` with the presents. ``prefill``: a prompt chunk, of whose
@@ -55,7 +55,7 @@ class SlotRuntime:
 
     # ---- Runtime contract --------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, rows: Sequence[Sequence[int]], want_hidden: bool = False) -> StepOutput:
+    def prefill(self, rows: Sequence[Sequence[int]], want_hidden: Want = False) -> StepOutput:
         if not rows or any(len(r) == 0 for r in rows):
             raise ValueError("prefill needs at least one token per row")
         longest = max(len(r) for r in rows)
@@ -79,7 +79,7 @@ class SlotRuntime:
         return StepOutput(out.logits[:, -1:], torch.cat(hidden, 1) if want_hidden else None)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, tree: TreeLayout | None = None, want_hidden: bool = False) -> StepOutput:
+    def forward(self, tokens: torch.Tensor, tree: TreeLayout | None = None, want_hidden: Want = False) -> StepOutput:
         B, N = tokens.shape
         depth = tree.depth if tree is not None else torch.arange(N)
         top = max(self.slots.next) + int(depth.max())
@@ -118,7 +118,7 @@ class SlotRuntime:
                 self._apply(self.slots.compact())
 
     @torch.inference_mode()
-    def add_rows(self, rows: Sequence[Sequence[int]], want_hidden: bool = False) -> StepOutput:
+    def add_rows(self, rows: Sequence[Sequence[int]], want_hidden: Want = False) -> StepOutput:
         """Prefill ``rows`` and append them after the running rows; output as ``prefill`` for the
         new rows only. Running rows' caches and lengths are unchanged; on an error nothing is."""
         if not self.slots.rows:

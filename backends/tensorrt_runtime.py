@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from spec_plugins.backends.base import RuntimeCapabilities, StepOutput
+from spec_plugins.backends.base import RuntimeCapabilities, StepOutput, Want
 from spec_plugins.backends.slot_runtime import SlotRuntime
 from spec_plugins.backends.slots import KVSlots
 from spec_plugins.config import RuntimeConfig
@@ -134,7 +134,9 @@ class TensorRTRuntime(SlotRuntime):
         self.prefill_chunk = max(p.ranges["N"][2] for p in profiles)
         self.mask_dtype = dtypes["attention_mask"]
         has_hidden = any(t["name"] == "hidden" for t in self.outputs)
-        self.capabilities = RuntimeCapabilities(tree_mask=True, hidden_states=has_hidden, name="tensorrt")
+        layers = tuple(model.get("feature_layers") or ()) if any(t["name"] == "features" for t in self.outputs) else ()
+        self.capabilities = RuntimeCapabilities(tree_mask=True, hidden_states=has_hidden, feature_layers=layers,
+                                                name="tensorrt")
         self._past_names = [t["name"] for t in self.inputs if t["name"].startswith("past_")]
         self._present_names = [n.replace("past_", "present_", 1) for n in self._past_names]  # past i -> present i
         kv = next(t["shape"] for t in self.inputs if t["name"].startswith("past_"))
@@ -160,7 +162,7 @@ class TensorRTRuntime(SlotRuntime):
         self.kv = [torch.empty(rows, self._kv_heads, 0, self._head_dim, dtype=dt, device=self.device)
                    for _ in self._past_names]
 
-    def _call(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, want_hidden: bool,
+    def _call(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, want_hidden: Want,
               prefill: bool) -> StepOutput:
         """Pick the profile and exact shapes (``graphs.profiles.bindings``), bind and run; the
         presents become the next call's past. Engine inputs must be dense, hence ``contiguous``."""
@@ -177,9 +179,10 @@ class TensorRTRuntime(SlotRuntime):
                 raise RuntimeError(f"internal: input {name} has shape {tuple(t.shape)}, bindings say {bd.inputs[name]}")
         outs = self._run_engine(bd.profile, feeds, bd.outputs)
         self.kv = [outs[n] for n in self._present_names]
-        return StepOutput(outs["logits"].float(), outs["hidden"] if want_hidden else None)
+        name = "features" if isinstance(want_hidden, tuple) and want_hidden else "hidden"
+        return StepOutput(outs["logits"].float(), outs[name] if want_hidden else None)
 
-    def add_rows(self, rows: Any, want_hidden: bool = False) -> StepOutput:
+    def add_rows(self, rows: Any, want_hidden: Want = False) -> StepOutput:
         if not self.slots.pending_commit and self.slots.rows + len(rows) > self.limits.max_batch:
             raise ValueError(f"{self.slots.rows} running + {len(rows)} new rows exceed the engine's max batch "
                              f"{self.limits.max_batch} (rebuild with a larger --max-batch)")

@@ -17,7 +17,7 @@ import torch
 from pydantic import Field
 
 from spec_plugins.backends import torch_kernels
-from spec_plugins.backends.base import RuntimeCapabilities, StepOutput
+from spec_plugins.backends.base import RuntimeCapabilities, StepOutput, Want
 from spec_plugins.backends.slot_runtime import SlotRuntime
 from spec_plugins.backends.slots import KVSlots
 from spec_plugins.config import RuntimeConfig
@@ -115,7 +115,8 @@ class TorchRuntime(SlotRuntime):
         cfg = model.config
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_context = int(max_context or getattr(cfg, "max_position_embeddings", 2048))
-        self.capabilities = RuntimeCapabilities(tree_mask=True, hidden_states=True, name="torch")
+        self.capabilities = RuntimeCapabilities(tree_mask=True, hidden_states=True, feature_layers=None,
+                                                name="torch")
         self._softcap = getattr(cfg, "final_logit_softcapping", None)
         self.cache: Any = None  # a transformers DynamicCache over the slot axis
         self.slots = KVSlots()
@@ -145,7 +146,7 @@ class TorchRuntime(SlotRuntime):
         self.cache = None
 
     # ---- the engine call -------------------------------------------------------------------------
-    def _call(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, want_hidden: bool,
+    def _call(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, want_hidden: Want,
               prefill: bool) -> StepOutput:
         from transformers import DynamicCache
 
@@ -160,8 +161,11 @@ class TorchRuntime(SlotRuntime):
                 if prefill:
                     kwargs["logits_to_keep"] = 1
                 return StepOutput(self.model(**kwargs).logits.float())
-            h = self.model.get_decoder()(**kwargs).last_hidden_state
+            layers = want_hidden if isinstance(want_hidden, tuple) else ()
+            out = self.model.get_decoder()(**kwargs, output_hidden_states=bool(layers))
+            h = out.last_hidden_state
             logits = self.model.get_output_embeddings()(h[:, -1:] if prefill else h).float()
+            feats = torch.cat([out.hidden_states[i] for i in layers], -1) if layers else h
         if self._softcap:
             logits = torch.tanh(logits / self._softcap) * self._softcap
-        return StepOutput(logits, h)
+        return StepOutput(logits, feats)

@@ -26,6 +26,9 @@ def export_onnx(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML/JSON SpecConfig (default: built-in)."),
     out: Path = typer.Option(..., "--out", "-o", help="Directory to write (replaced if it exists)."),
     opset: int = typer.Option(17, "--opset", min=14, help="ONNX opset."),
+    feature_layers: str = typer.Option("auto", "--feature-layers",
+                                       help="Decoder-layer outputs the verify graph also returns for EAGLE-3 "
+                                            "drafters: auto (the drafter's, else low/mid/high), none, or e.g. 3,15,28."),
 ) -> None:
     """Write the verify graph of the target, the draft graphs and manifest.json to DIR."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -35,7 +38,7 @@ def export_onnx(
     check_output_dir(out)
     t0 = time.perf_counter()
     try:
-        man = export_config(load_config(config), out, opset, log=_log)
+        man = export_config(load_config(config), out, opset, log=_log, feature_layers=feature_layers)
     except (ConfigError, ValueError, FileNotFoundError, LookupError, ImportError) as exc:
         fail(str(exc))
         return

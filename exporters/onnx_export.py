@@ -24,15 +24,16 @@ def _quiet(_: str) -> None:
     pass
 
 
-def graph_entry(name: str, model: Any, source: str, path: Path, opset: int = OPSET) -> GraphEntry:
+def graph_entry(name: str, model: Any, source: str, path: Path, opset: int = OPSET,
+                feature_layers: tuple[int, ...] = ()) -> GraphEntry:
     """Export one decoder (target or draft model) in the verify-graph layout."""
-    res = export_verify_graph(model, path, opset)
+    res = export_verify_graph(model, path, opset, feature_layers)
     s = res.shape
     return GraphEntry(name=name, kind="decoder_with_past", file=path.name, source_model=source, dtype=res.dtype,
                       num_layers=s.num_layers, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                       hidden_size=s.hidden_size, vocab_size=s.vocab_size, max_context=s.max_context,
                       inputs=res.inputs, outputs=res.outputs, size_bytes=res.size_bytes,
-                      export_seconds=round(res.seconds, 3))
+                      export_seconds=round(res.seconds, 3), feature_layers=list(res.feature_layers))
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
@@ -47,18 +48,24 @@ def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
 
 def export_models(out: str | Path, target: tuple[Any, Any, str], draft: tuple[Any, str] | None = None,
                   pending: list[str] | None = None, opset: int = OPSET, log: Log = _quiet,
-                  heads: list[tuple[str, Any, str]] | None = None) -> Manifest:
+                  heads: list[tuple[str, Any, str]] | None = None,
+                  feature_layers: tuple[int, ...] | None = None) -> Manifest:
     """Write ``verify.onnx`` (+ ``draft.onnx``, head graphs), the tokenizer and ``manifest.json``.
 
     ``target`` is (model, tokenizer, source name); ``draft`` is (model, source name); ``heads``
-    are (graph name, MedusaHeads or EagleDrafter, trained head directory)."""
+    are (graph name, MedusaHeads or EagleDrafter, trained head directory). The verify graph
+    also returns ``feature_layers`` (default: EAGLE-3's low/mid/high layers; () for none)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
         model, tok, source = target
         log(f"exporting verify graph of {source} ...")
-        graphs = [graph_entry("verify", model, source, tmp / "verify.onnx", opset)]
+        if feature_layers is None:
+            from spec_plugins.heads.eagle import default_feature_layers
+
+            feature_layers = default_feature_layers(int(model.config.get_text_config(decoder=True).num_hidden_layers))
+        graphs = [graph_entry("verify", model, source, tmp / "verify.onnx", opset, tuple(feature_layers))]
         log(f"  verify.onnx: {graphs[0].size_bytes / 2**20:.1f} MiB in {graphs[0].export_seconds:.1f} s")
         if draft is not None:
             dmodel, dsource = draft
@@ -87,8 +94,12 @@ def export_models(out: str | Path, target: tuple[Any, Any, str], draft: tuple[An
         raise
 
 
-def export_config(config: Any, out: str | Path, opset: int = OPSET, log: Log = _quiet) -> Manifest:
-    """Export the target (and the draft model or heads, if the proposer has them) of a SpecConfig."""
+def export_config(config: Any, out: str | Path, opset: int = OPSET, log: Log = _quiet,
+                  feature_layers: str = "auto") -> Manifest:
+    """Export the target (and the draft model or heads, if the proposer has them) of a SpecConfig.
+    ``feature_layers``: ``auto`` (an EAGLE-3 drafter's layers, else low/mid/high), ``none`` or a list."""
+    from spec_plugins.heads.eagle import parse_feature_layers
+
     from spec_plugins.backends.torch_runtime import load_hf
 
     tgt = config.target
@@ -106,7 +117,11 @@ def export_config(config: Any, out: str | Path, opset: int = OPSET, log: Log = _
 
         cls = MedusaHeads if prop.type == "medusa" else EagleDrafter
         heads.append((prop.type, cls.from_pretrained(prop.heads, model), str(prop.heads)))
-    return export_models(out, (model, tok, tgt.model), draft, None, opset, log, heads)
+    layers = parse_feature_layers(feature_layers, int(model.config.get_text_config(decoder=True).num_hidden_layers))
+    drafter_layers = tuple(getattr(heads[0][1].config, "feature_layers", ())) if heads else ()
+    if feature_layers == "auto" and drafter_layers:
+        layers = drafter_layers
+    return export_models(out, (model, tok, tgt.model), draft, None, opset, log, heads, layers)
 
 
 def export_model(model: str, directory: str | Path) -> Manifest:

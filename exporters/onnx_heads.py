@@ -3,11 +3,15 @@
     medusa  hidden [B, H]                                 -> logits [B, K, Vd]
     eagle   features [B, T, H], tokens [B, T], positions [B, T],
             past_key / past_value [B, kv, S, d], attention_mask [B, 1, T, S+T] (additive)
-                                                          -> features [B, T, H], logits [B, T, Vd],
+                                                          -> features [B, T, H],
                                                              new_key / new_value [B, kv, T, d]
 
-Logits are over the head's draft vocabulary (``vocab_ids`` in the head directory). The heads
-are plain modules without caches, so the tracer sees every shape; B, T and S are dynamic.
+Medusa logits are over the head's draft vocabulary (``vocab_ids`` in the head directory). The
+EAGLE graph is the drafter's layer alone: its input features are already in the drafter's
+space (``EagleDrafter.project``) and the draft-vocabulary LM head on its output is one matmul
+the proposer does where it needs it (the last catch-up position, the expanded nodes), rather
+than on every position in the graph. The heads are plain modules without caches, so the tracer
+sees every shape; B, T and S are dynamic.
 """
 
 from __future__ import annotations
@@ -23,18 +27,6 @@ from spec_plugins.graphs.manifest import GraphEntry
 from spec_plugins.graphs.io import OPSET
 
 
-class _Eagle(torch.nn.Module):
-    """Adds the draft-vocabulary logits to the drafter's outputs."""
-
-    def __init__(self, drafter: Any) -> None:
-        super().__init__()
-        self.drafter = drafter
-
-    def forward(self, features, tokens, positions, past_key, past_value, attention_mask):
-        f, k, v = self.drafter(features, tokens, positions, past_key, past_value, attention_mask)
-        return f, self.drafter.logits(f), k, v
-
-
 def _io(kind: str, c: Any, vd: int) -> tuple[list[dict], list[dict], dict]:
     if kind == "medusa_heads":
         ins = [{"name": "hidden", "dtype": "float32", "shape": ["B", c.hidden_size]}]
@@ -48,12 +40,11 @@ def _io(kind: str, c: Any, vd: int) -> tuple[list[dict], list[dict], dict]:
            {"name": "past_value", "dtype": "float32", "shape": kv_in},
            {"name": "attention_mask", "dtype": "float32", "shape": ["B", 1, "T", "S+T"]}]
     outs = [{"name": "features_out", "dtype": "float32", "shape": ["B", "T", c.hidden_size]},
-            {"name": "logits", "dtype": "float32", "shape": ["B", "T", vd]},
             {"name": "new_key", "dtype": "float32", "shape": kv_new},
             {"name": "new_value", "dtype": "float32", "shape": kv_new}]
     axes = {"features": {0: "B", 1: "T"}, "tokens": {0: "B", 1: "T"}, "positions": {0: "B", 1: "T"},
             "past_key": {0: "B", 2: "S"}, "past_value": {0: "B", 2: "S"}, "attention_mask": {0: "B", 2: "T", 3: "ST"},
-            "features_out": {0: "B", 1: "T"}, "logits": {0: "B", 1: "T"}, "new_key": {0: "B", 2: "T"},
+            "features_out": {0: "B", 1: "T"}, "new_key": {0: "B", 2: "T"},
             "new_value": {0: "B", 2: "T"}}
     return ins, outs, axes
 
@@ -91,14 +82,13 @@ def export_head(module: Any, path: str | Path, name: str, source_model: str, sou
 
     kind = _kind(module)
     module = module.float().eval()
-    wrapped = module if kind == "medusa_heads" else _Eagle(module)
     vd = int(module.vocab_ids.numel())
     ins, outs, axes = _io(kind, module.config, vd)
     path = Path(path)
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(wrapped, head_inputs(kind, module), str(path), input_names=[i["name"] for i in ins],
+        torch.onnx.export(module, head_inputs(kind, module), str(path), input_names=[i["name"] for i in ins],
                           output_names=[o["name"] for o in outs], dynamic_axes=axes, opset_version=opset,
                           dynamo=False)
     drop_noop_casts(path)
@@ -107,6 +97,24 @@ def export_head(module: Any, path: str | Path, name: str, source_model: str, sou
                       outputs=outs, size_bytes=path.stat().st_size,
                       export_seconds=round(time.perf_counter() - t0, 3), hidden_size=module.config.hidden_size,
                       vocab_size=vd, source_heads=source_heads)
+
+
+def export_head_file(module: Any, path: str | Path) -> Path:
+    """Export a head graph to ``path`` atomically (a proposer's export on first use)."""
+    import os
+    import tempfile
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-"))
+    try:
+        export_head(module, tmp / path.name, path.stem, "", None)
+        os.replace(tmp / path.name, path)
+    finally:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
 
 
 def drop_noop_casts(path: Path) -> int:
@@ -149,20 +157,20 @@ def load_head_module(entry: GraphEntry, model: Any) -> Any:
 
 @torch.no_grad()
 def check_head(directory: str | Path, entry: GraphEntry, model: Any, rtol: float, module: Any = None) -> list:
-    """ORT vs the PyTorch head on random inputs of a few shapes (logits compared)."""
+    """ORT vs the PyTorch head on random inputs of a few shapes (Medusa: logits; EAGLE: the
+    drafter's output features, which its LM head reads)."""
     from spec_plugins.backends.onnxruntime_runtime import create_session
     from spec_plugins.exporters.parity import compare
 
     module = (module if module is not None else load_head_module(entry, model)).float().eval()
-    wrapped = module if entry.kind == "medusa_heads" else _Eagle(module)
     session = create_session(Path(directory) / entry.file, "cpu")
     names = [i["name"] for i in entry.inputs]
     cases = []
     for B, T, S in ((1, 1, 0), (2, 3, 5), (3, 6, 9)):
         args = head_inputs(entry.kind, module, B, T, S, seed=B + T + S)
-        want = wrapped(*args)
-        want = want if entry.kind == "medusa_heads" else want[1]
-        got = session.run(["logits"], {n: a.numpy() for n, a in zip(names, args)})[0]
+        want = module(*args) if entry.kind == "medusa_heads" else module(*args)[0]
+        out = "logits" if entry.kind == "medusa_heads" else "features_out"
+        got = session.run([out], {n: a.numpy() for n, a in zip(names, args)})[0]
         label = f"random B={B}" if entry.kind == "medusa_heads" else f"random B={B} T={T} S={S}"
         cases.append(compare(entry.name, label, got, want, rtol))
     return cases

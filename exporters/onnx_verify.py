@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from spec_plugins.graphs.io import OPSET, DecoderShape, input_names, io_spec, output_names
+from spec_plugins.graphs.io import OPSET, DecoderShape, input_names, io_spec, output_names, present_names
 # The dummy input used for tracing. N must be > 1: transformers' SDPA wrapper picks a
 # single-query GQA packing path for N == 1, which the tracer would freeze into the graph.
 _TRACE_B, _TRACE_N, _TRACE_P = 2, 3, 4
@@ -36,14 +36,16 @@ def check_exportable(model: Any) -> None:
 
 
 class VerifyGraph(torch.nn.Module):
-    """Wraps a transformers causal LM: past tensors in, (logits, hidden, presents) out.
+    """Wraps a transformers causal LM: past tensors in, (logits, hidden, [features], presents) out.
 
     The past is put into a DynamicCache whose ``update`` concatenates the new keys/values, so
-    the presents are past + new, as the graph layout promises."""
+    the presents are past + new, as the graph layout promises. ``feature_layers`` adds the
+    outputs of those decoder layers (EAGLE-3 drafters read them)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, feature_layers: tuple[int, ...] = ()) -> None:
         super().__init__()
         self.model = model
+        self.feature_layers = tuple(feature_layers)
         self.shape = DecoderShape.of(model)
         self.softcap = getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
 
@@ -55,13 +57,15 @@ class VerifyGraph(torch.nn.Module):
             k, v = past[2 * i], past[2 * i + 1]
             layer.lazy_initialization(k, v)
             layer.keys, layer.values = k, v
-        h = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
-                                     attention_mask=attention_mask, cache=cache, use_cache=True).last_hidden_state
+        out = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                                       cache=cache, use_cache=True, output_hidden_states=bool(self.feature_layers))
+        h = out.last_hidden_state
         logits = self.model.get_output_embeddings()(h).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         presents = [t for layer in cache.layers for t in (layer.keys, layer.values)]
-        return (logits, h, *presents)
+        feats = [torch.cat([out.hidden_states[i] for i in self.feature_layers], -1)] if self.feature_layers else []
+        return (logits, h, *feats, *presents)
 
 
 def dummy_inputs(shape: DecoderShape, B: int, N: int, P: int, dtype: torch.dtype = torch.float32,
@@ -89,10 +93,12 @@ class ExportResult:
     outputs: list[dict]
     shape: DecoderShape
     dtype: str
+    feature_layers: tuple[int, ...] = ()
 
 
 @torch.no_grad()
-def export_verify_graph(model: Any, path: str | Path, opset: int = OPSET) -> ExportResult:
+def export_verify_graph(model: Any, path: str | Path, opset: int = OPSET, feature_layers: tuple[int, ...] = ()
+                        ) -> ExportResult:
     """Trace ``model`` into ``path`` (legacy TorchScript exporter) and validate with onnx.checker.
 
     The TorchScript exporter is used because it handles transformers' Python-side cache and
@@ -104,20 +110,20 @@ def export_verify_graph(model: Any, path: str | Path, opset: int = OPSET) -> Exp
     check_exportable(model)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    wrapper = VerifyGraph(model).eval()
+    wrapper = VerifyGraph(model, feature_layers).eval()
     shape = wrapper.shape
     p0 = next(model.parameters())
     dtype = p0.dtype
     dname = str(dtype).removeprefix("torch.")
     args = tuple(a.to(p0.device) for a in dummy_inputs(shape, _TRACE_B, _TRACE_N, _TRACE_P, dtype))
     L = shape.num_layers
-    ins, outs = input_names(L), output_names(L)
+    ins, outs = input_names(L), output_names(L, bool(feature_layers))
     axes: dict[str, dict[int, str]] = {
-        "input_ids": {0: "B", 1: "N"}, "position_ids": {0: "B", 1: "N"},
-        "attention_mask": {0: "B", 2: "N", 3: "T"}, "logits": {0: "B", 1: "N"}, "hidden": {0: "B", 1: "N"},
+        "input_ids": {0: "B", 1: "N"}, "position_ids": {0: "B", 1: "N"}, "attention_mask": {0: "B", 2: "N", 3: "T"},
+        "logits": {0: "B", 1: "N"}, "hidden": {0: "B", 1: "N"}, "features": {0: "B", 1: "N"},
     }
     axes.update({n: {0: "B", 2: "P"} for n in ins[3:]})
-    axes.update({n: {0: "B", 2: "T"} for n in outs[2:]})
+    axes.update({n: {0: "B", 2: "T"} for n in present_names(L)})
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # tracer warnings about transformers' shape checks
@@ -126,5 +132,5 @@ def export_verify_graph(model: Any, path: str | Path, opset: int = OPSET) -> Exp
     onnx.checker.check_model(str(path))  # by path: works above the 2 GB protobuf limit too
     seconds = time.perf_counter() - t0
     size = path.stat().st_size + sum(f.stat().st_size for f in path.parent.glob(path.stem + ".onnx.data"))
-    spec_in, spec_out = io_spec(shape, dname)
-    return ExportResult(path, seconds, size, spec_in, spec_out, shape, dname)
+    spec_in, spec_out = io_spec(shape, dname, tuple(feature_layers))
+    return ExportResult(path, seconds, size, spec_in, spec_out, shape, dname, tuple(feature_layers))

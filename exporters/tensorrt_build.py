@@ -149,7 +149,8 @@ def build_engines(onnx_dir: str | Path, out: str | Path, precision: str = "fp32"
             secs = time.perf_counter() - t0
             log(f"  {name}: {len(plan) / 2**20:.1f} MiB in {secs:.1f} s")
             model = {k: getattr(g, k) for k in ("num_layers", "num_kv_heads", "head_dim", "hidden_size",
-                                                "vocab_size", "max_context", "dtype", "source_model")}
+                                                "vocab_size", "max_context", "dtype", "source_model",
+                                                "feature_layers")}
             entries.append(EngineEntry(name=g.name, plan=name, onnx_file=g.file, sha256=file_sha256(tmp / name),
                                        size_bytes=len(plan), build_seconds=round(secs, 3),
                                        profiles=[p.to_dict() for p in profs], inputs=g.inputs, outputs=g.outputs,

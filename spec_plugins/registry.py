@@ -143,7 +143,8 @@ BACKENDS.add_lazy("tensorrt", "spec_plugins.backends.tensorrt_runtime:TensorRTRu
 # artifacts a runtime builds on first use (an ONNX export for ``backend: onnxruntime`` without a
 # path), looked up by name so that runtimes never import the exporters package
 EXPORTERS: Registry[Any] = Registry(
-    "exporter", "spec_plugins.exporters", builtins={"onnx": "spec_plugins.exporters.onnx_export:export_model"})
+    "exporter", "spec_plugins.exporters", builtins={"onnx": "spec_plugins.exporters.onnx_export:export_model",
+                                                "onnx_head": "spec_plugins.exporters.onnx_heads:export_head_file"})
 
 register_proposer = PROPOSERS.register
 register_verifier = VERIFIERS.register

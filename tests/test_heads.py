@@ -20,7 +20,7 @@ from spec_plugins.proposers.eagle import EagleProposer
 from spec_plugins.proposers.medusa import MedusaProposer
 from spec_plugins.sampling import LogitsPipeline
 from spec_plugins.stats import DecodeStats
-from spec_plugins.training.data import target_features
+from spec_plugins.training.features import target_outputs
 from spec_plugins.verifiers import ExactVerifier
 
 GREEDY = LogitsPipeline(SamplingConfig(temperature=0.0))
@@ -49,10 +49,11 @@ def medusa(model, num_heads=3, seed=0):
                        VOCAB_IDS, zero_init=False)
 
 
-def eagle(model, seed=0):
+def eagle(model, seed=0, layers=()):
     torch.manual_seed(seed)
     lm, emb = target_lm_parts(model)
-    cfg = EagleConfig(lm.shape[1], num_heads=4, num_kv_heads=2, intermediate_size=64, draft_vocab_size=len(VOCAB_IDS))
+    cfg = EagleConfig(lm.shape[1], num_heads=4, num_kv_heads=2, intermediate_size=64, draft_vocab_size=len(VOCAB_IDS),
+                      feature_layers=layers)
     return EagleDrafter(cfg, lm, emb, VOCAB_IDS)
 
 
@@ -61,15 +62,16 @@ def medusa_prop(model, mode, nodes=10, top_k=3, **kw):
     return MedusaProposer(cfg, heads=medusa(model, **kw))
 
 
-def eagle_prop(model, mode, nodes=10, top_k=3, seed=0):
+def eagle_prop(model, mode, nodes=10, top_k=3, seed=0, layers=()):
     cfg = EagleProposer.Config(heads="unused", mode=mode, tree_nodes=nodes, top_k=top_k)
-    return EagleProposer(cfg, drafter=eagle(model, seed))
+    return EagleProposer(cfg, drafter=eagle(model, seed, layers))
 
 
 MAKERS = {
     "medusa-tree": lambda m: medusa_prop(m, "tree"),
     "medusa-chain": lambda m: medusa_prop(m, "chain"),
     "eagle-chain": lambda m: eagle_prop(m, "chain"),
+    "eagle3-tree": lambda m: eagle_prop(m, "tree", layers=(1, 2)),
     "eagle-tree": lambda m: eagle_prop(m, "tree"),
 }
 
@@ -99,13 +101,14 @@ def test_greedy_identical_batch(kind):
     assert stats.draft_tokens > 0
 
 
-@pytest.mark.parametrize("mode", ["chain", "tree"])
-def test_eagle_cache_matches_full_recompute(mode):
+@pytest.mark.parametrize("mode,layers", [("chain", ()), ("tree", ()), ("tree", (1, 2))])
+def test_eagle_cache_matches_full_recompute(mode, layers):
     """After decoding, the drafter's cached keys equal the drafter run on the full committed
-    sequence with the target's true features: the catch-up feeds exactly the right pairs."""
+    sequence with the target's true features (the last hidden state, or the fused outputs of
+    decoder layers 1 and 2: EAGLE-3): the catch-up feeds exactly the right pairs."""
     model = tiny_llama(seed=3)
     target = TorchRuntime(model)
-    prop = eagle_prop(model, mode)
+    prop = eagle_prop(model, mode, layers=layers)
     ps = [[1, 2, 3, 4, 5], [7, 8]]
     outs, _ = run(target, prop, ps, [20, 14], 3)
     d = prop.drafter
@@ -114,7 +117,8 @@ def test_eagle_cache_matches_full_recompute(mode):
             break  # finished rows leave the cache
         seq = p + o
         fed = prop.fed[b]
-        feats = target_features(model, [seq])[0][:fed]
+        outs_t = target_outputs(model, torch.tensor([seq]), layers)
+        feats = d.project(outs_t["layers"].flatten(1) if layers else outs_t["hidden"])[:fed]
         T = fed
         mask = torch.zeros(1, 1, T, T).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
         k0, v0 = d.empty_past(1)

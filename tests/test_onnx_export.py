@@ -40,7 +40,11 @@ def test_manifest_and_dynamic_axes(tiny_export):
     assert dims["attention_mask"] == ["B", 1, "N", "T"]
     assert dims["past_key.0"] == ["B", 2, "P", 8]
     outs = [o.name for o in model.graph.output]
-    assert outs[:3] == ["logits", "hidden", "present_key.0"] and len(outs) == 2 + 2 * 2
+    # the target's graph also returns EAGLE-3's low/mid/high decoder-layer outputs; the draft's not
+    assert outs[:4] == ["logits", "hidden", "features", "present_key.0"] and len(outs) == 3 + 2 * 2
+    assert g.feature_layers == [2, 1, 1] and read.graph("draft").feature_layers == []
+    spec = next(o for o in g.outputs if o["name"] == "features")
+    assert spec["shape"] == ["B", "N", 3 * 32]
 
 
 def test_parity_passes_for_each_graph(tiny_export):

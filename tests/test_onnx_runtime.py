@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("onnxruntime")
 
 from conftest import tiny_llama  # noqa: E402
+from helpers import plain_greedy  # noqa: E402
 from spec_plugins.backends.onnxruntime_runtime import OnnxRuntime, create_session, providers_for  # noqa: E402
 from spec_plugins.backends.torch_runtime import TorchRuntime  # noqa: E402
 from spec_plugins.config import SamplingConfig, SpecConfig  # noqa: E402
@@ -250,3 +251,55 @@ def test_failed_admission_leaves_the_running_rows_as_they_were(exported):
     while (rec := run_round(batch, FixedLength(3))) is not None:
         got += rec.emitted[0]
     assert got == plain_greedy(target, [1, 2, 3, 1, 2], 20)
+
+
+@pytest.mark.parametrize("layers", [(), (2, 1, 1)])
+def test_eagle_drafts_on_onnxruntime_with_greedy_identity(exported, layers, tmp_path, monkeypatch):
+    """With an ONNX Runtime target the drafter runs in ONNX Runtime too (its head graph exported
+    on first use), reading the verify graph's hidden state or fused layer outputs (EAGLE-3);
+    greedy output is identical to plain decoding and the drafter's features are the torch
+    runtime's."""
+    from spec_plugins.heads import EagleConfig, EagleDrafter, target_lm_parts
+    from spec_plugins.heads.runner import OrtEagleLayer
+    from spec_plugins.proposers.eagle import EagleProposer
+    from spec_plugins.stats import DecodeStats
+
+    monkeypatch.setenv("SPEC_PLUGINS_CACHE", str(tmp_path))
+    out, target, _ = exported
+    rt = ort_runtime(out)
+    torch.manual_seed(0)
+    lm, emb = target_lm_parts(target)
+    drafter = EagleDrafter(EagleConfig(32, num_heads=4, num_kv_heads=2, intermediate_size=64, draft_vocab_size=32,
+                                       feature_layers=layers), lm, emb, torch.arange(32))
+    prop = EagleProposer(EagleProposer.Config(heads="unused", mode="tree", tree_nodes=6, top_k=2), target=rt,
+                         drafter=drafter)
+    assert isinstance(prop.layer, OrtEagleLayer) and list((tmp_path / "onnx-heads").glob("*/head.onnx"))
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
+    want = rt.capabilities.feature_layers if layers else True
+    ref = TorchRuntime(target)
+    torch.testing.assert_close(rt.prefill(prompts, want_hidden=want).hidden,
+                               ref.prefill(prompts, want_hidden=want).hidden, atol=1e-4, rtol=1e-4)
+    stats = DecodeStats()
+    outs = [[] for _ in prompts]
+    for step in decode(rt, prop, ExactVerifier(), LogitsPipeline(SamplingConfig()), prompts, 16, (), None, stats,
+                       FixedLength(3)):
+        for i, t in step.emitted.items():
+            outs[i].extend(t)
+    for p, o in zip(prompts, outs):
+        assert o == plain_greedy(target, p, 16)
+    assert stats.draft_tokens > 0
+
+
+def test_feature_layers_the_graph_lacks_are_refused_at_pairing(exported):
+    from spec_plugins.heads import EagleConfig, EagleDrafter, target_lm_parts
+    from spec_plugins.loop.batch import check_pairing
+    from spec_plugins.proposers.eagle import EagleProposer
+
+    out, target, _ = exported
+    rt = ort_runtime(out)
+    lm, emb = target_lm_parts(target)
+    drafter = EagleDrafter(EagleConfig(32, num_heads=4, num_kv_heads=2, intermediate_size=64, draft_vocab_size=32,
+                                       feature_layers=(1, 2)), lm, emb, torch.arange(32))
+    prop = EagleProposer(EagleProposer.Config(heads="unused", engine="torch"), target=rt, drafter=drafter)
+    with pytest.raises(ValueError, match=r"reads decoder layers \[1, 2\].*returns \[2, 1, 1\].*--feature-layers 1,2"):
+        check_pairing(rt, prop)

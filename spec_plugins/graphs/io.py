@@ -6,6 +6,8 @@
              past_key.i      [B, H_kv, P, D] per layer i (past_value.i likewise)
     outputs  logits          [B, N, V]       float32
              hidden          [B, N, H]       last hidden state (feature-level drafters)
+             features        [B, N, L*H]     outputs of L decoder layers (EAGLE-3), only when the
+                                             graph was exported with ``feature_layers``
              present_key.i   [B, H_kv, P+N, D] = past + new (present_value.i likewise)
 
 The mask is what ``backends/slots.py`` builds, so it carries tree masks and holes (left padding,
@@ -51,12 +53,15 @@ def input_names(num_layers: int) -> list[str]:
     return ["input_ids", "position_ids", "attention_mask", *past]
 
 
-def output_names(num_layers: int) -> list[str]:
-    present = [f"present_{kv}.{i}" for i in range(num_layers) for kv in ("key", "value")]
-    return ["logits", "hidden", *present]
+def present_names(num_layers: int) -> list[str]:
+    return [f"present_{kv}.{i}" for i in range(num_layers) for kv in ("key", "value")]
 
 
-def io_spec(shape: DecoderShape, dtype: str) -> tuple[list[dict], list[dict]]:
+def output_names(num_layers: int, features: bool = False) -> list[str]:
+    return ["logits", "hidden", *(["features"] if features else []), *present_names(num_layers)]
+
+
+def io_spec(shape: DecoderShape, dtype: str, feature_layers: tuple[int, ...] = ()) -> tuple[list[dict], list[dict]]:
     """Manifest description of the graph's inputs and outputs (symbolic dims B, N, P, T=P+N)."""
     L = shape.num_layers
     kv_in = ["B", shape.num_kv_heads, "P", shape.head_dim]
@@ -69,5 +74,6 @@ def io_spec(shape: DecoderShape, dtype: str) -> tuple[list[dict], list[dict]]:
     outs = [
         {"name": "logits", "dtype": "float32", "shape": ["B", "N", shape.vocab_size]},
         {"name": "hidden", "dtype": dtype, "shape": ["B", "N", shape.hidden_size]},
-    ] + [{"name": n, "dtype": dtype, "shape": kv_out} for n in output_names(L)[2:]]
+    ] + ([{"name": "features", "dtype": dtype, "shape": ["B", "N", shape.hidden_size * len(feature_layers)]}]
+         if feature_layers else []) + [{"name": n, "dtype": dtype, "shape": kv_out} for n in present_names(L)]
     return ins, outs

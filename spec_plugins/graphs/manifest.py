@@ -14,7 +14,7 @@ from pathlib import Path
 MANIFEST_NAME = "manifest.json"
 FORMAT = "spec-plugins-onnx"
 MANIFEST_VERSION = 1
-EXPORTER_VERSION = "1"  # bump when the graph layout changes; runtimes refuse other versions
+EXPORTER_VERSION = "2"  # bump when the graph layout changes; runtimes refuse other versions
 
 
 class ManifestError(ValueError):
@@ -41,6 +41,7 @@ class GraphEntry:
     vocab_size: int = 0
     max_context: int = 0
     source_heads: str | None = None  # head graphs: the trained head directory
+    feature_layers: list[int] = field(default_factory=list)  # decoder graphs: layers of the `features` output
 
 
 @dataclass

@@ -29,11 +29,22 @@ class RMSNorm(nn.Module):
         return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
 
 
-def target_lm_parts(model: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """(LM head weight [V, H], input embedding weight [V, H]) of a transformers causal LM, detached."""
-    lm = model.get_output_embeddings().weight.detach()
-    emb = model.get_input_embeddings().weight.detach()
-    return lm, emb
+def target_lm_parts(target: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(LM head weight [V, H], input embedding weight [V, H]), detached, of a transformers causal
+    LM, of a runtime that holds one (``.model``), or of a runtime without one (an exported
+    graph) through the model it was exported from (``.source_model``), loaded once here."""
+    if isinstance(target, tuple):
+        return target
+    model = target if hasattr(target, "get_output_embeddings") else getattr(target, "model", None)
+    if model is None:
+        source = getattr(target, "source_model", None)
+        if source is None:
+            raise ValueError(f"a trained head shares the target's LM head and embeddings, but the "
+                             f"{type(target).__name__} target has neither a transformers model nor a source model")
+        from spec_plugins.backends.torch_runtime import load_hf
+
+        model, _ = load_hf(source, "float32", "cpu")
+    return model.get_output_embeddings().weight.detach(), model.get_input_embeddings().weight.detach()
 
 
 def draft_vocab(token_counts: torch.Tensor, size: int) -> torch.Tensor:

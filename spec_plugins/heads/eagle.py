@@ -1,10 +1,15 @@
-"""EAGLE drafter: one decoder layer over (target feature f_t, embedding of token x_{t+1}),
-predicting the next feature f_{t+1}; the target's frozen LM head decodes it into x_{t+2}.
+"""EAGLE drafter: one decoder layer over (feature f_t, embedding of token x_{t+1}), predicting
+the next feature f_{t+1}; the target's frozen LM head decodes it into x_{t+2}.
 
-Features are the target's last-layer hidden states after its final norm (what the LM head
-reads), so the layer ends with an RMSNorm and its output can be fed back as the next input
-feature when drafting several tokens ahead. The module keeps no cache: callers pass past
-keys/values and an additive attention mask, so every shape is explicit (exportable).
+Two input kinds, one module:
+- EAGLE-1/2 (``feature_layers`` empty): f_t is the target's last hidden state after its final
+  norm (what the LM head reads);
+- EAGLE-3 (``feature_layers`` = low, mid and high decoder layers): the target's outputs of those
+  layers, each RMS-normalised and fused by one linear map (``fc``) into a hidden-sized feature.
+Either way the layer ends with an RMSNorm and its output is fed back as the next input feature
+when drafting several tokens ahead (``project`` maps target features; the drafter's own outputs
+are already hidden-sized). The module keeps no cache: callers pass past keys/values and an
+additive attention mask, so every shape is explicit (exportable).
 """
 
 from __future__ import annotations
@@ -18,6 +23,27 @@ from torch import nn
 from spec_plugins.heads.common import RMSNorm
 
 
+def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
+    """Low, mid and high decoder-layer outputs (1-based) as EAGLE-3 fuses them."""
+    return (min(3, num_layers), max(1, num_layers // 2), max(1, num_layers - 2))
+
+
+def parse_feature_layers(spec: str, num_layers: int) -> tuple[int, ...]:
+    """``auto`` (low/mid/high, as EAGLE-3), ``none``, or comma-separated 1-based layer outputs."""
+    if spec == "auto":
+        return default_feature_layers(num_layers)
+    if spec == "none":
+        return ()
+    try:
+        layers = tuple(int(x) for x in spec.split(","))
+    except ValueError:
+        raise ValueError(f"feature layers {spec!r}: expected auto, none or comma-separated integers") from None
+    bad = [x for x in layers if not 1 <= x <= num_layers]
+    if bad:
+        raise ValueError(f"feature layers {spec!r}: layer outputs are numbered 1..{num_layers}, got {bad}")
+    return layers
+
+
 @dataclass(frozen=True)
 class EagleConfig:
     hidden_size: int
@@ -27,6 +53,15 @@ class EagleConfig:
     rope_theta: float = 100000.0
     rms_norm_eps: float = 1e-5
     draft_vocab_size: int = 8192
+    feature_layers: tuple[int, ...] = ()  # target decoder-layer outputs fused as input (EAGLE-3); () = last hidden
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "feature_layers", tuple(int(x) for x in self.feature_layers))
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the target features ``project`` takes."""
+        return self.hidden_size * max(1, len(self.feature_layers))
 
     @property
     def head_dim(self) -> int:
@@ -55,6 +90,7 @@ class EagleDrafter(nn.Module):
         super().__init__()
         c = self.config = config
         H, d = c.hidden_size, c.head_dim
+        self.fc = nn.Linear(c.feature_size, H, bias=False) if c.feature_layers else None
         self.fuse = nn.Linear(2 * H, H)
         self.in_norm = RMSNorm(H, c.rms_norm_eps)
         self.q = nn.Linear(H, c.num_heads * d, bias=False)
@@ -73,16 +109,17 @@ class EagleDrafter(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str, model: Any) -> "EagleDrafter":
-        """Load a trained drafter and attach the target's (frozen) LM head and embeddings."""
+        """Load a trained drafter and attach the target's (frozen) LM head and embeddings
+        (``model``: a transformers model, a runtime, or the (LM head, embeddings) pair)."""
         from dataclasses import fields
 
         from spec_plugins.heads.common import build_head, load_head, target_lm_parts
 
         cfg, state = load_head(directory)
+        lm, emb = target_lm_parts(model)
 
         def build() -> "EagleDrafter":
             names = {f.name for f in fields(EagleConfig)}
-            lm, emb = target_lm_parts(model)
             drafter = cls(EagleConfig(**{k: v for k, v in cfg.items() if k in names}), lm.float(), emb.float(),
                           state["vocab_ids"])
             drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()},
@@ -90,6 +127,15 @@ class EagleDrafter(nn.Module):
             return drafter.eval()
 
         return build_head("eagle", directory, build)
+
+    def project(self, target_features: torch.Tensor) -> torch.Tensor:
+        """Target features [..., feature_size] -> the drafter's feature space [..., H]."""
+        if self.fc is None:
+            return target_features
+        H = self.config.hidden_size
+        parts = target_features.unflatten(-1, (len(self.config.feature_layers), H)).float()
+        parts = parts * torch.rsqrt(parts.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return self.fc(parts.flatten(-2).to(target_features.dtype))
 
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                 past_k: torch.Tensor, past_v: torch.Tensor, mask: torch.Tensor

@@ -56,10 +56,10 @@ class MedusaHeads(nn.Module):
         from spec_plugins.heads.common import build_head, load_head, target_lm_parts
 
         cfg, state = load_head(directory)
+        lm, _ = target_lm_parts(model)
 
         def build() -> "MedusaHeads":
             fields = {k: cfg[k] for k in ("hidden_size", "num_heads", "num_layers", "draft_vocab_size")}
-            lm, _ = target_lm_parts(model)
             heads = cls(MedusaConfig(**fields), lm.float(), state["vocab_ids"])
             heads.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()},
                                   strict=True)

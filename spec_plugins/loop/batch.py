@@ -60,6 +60,11 @@ def check_pairing(runtime: Any, proposer: Any) -> ProposerTraits:
     if traits.needs_hidden and not caps.hidden_states:
         raise ValueError(f"proposer {type(proposer).__name__} needs the target's hidden states, which the "
                          f"{caps.name or 'target'} runtime does not return")
+    if traits.feature_layers and not caps.serves(traits.feature_layers):
+        have = "none" if not caps.feature_layers else list(caps.feature_layers)
+        raise ValueError(f"proposer {type(proposer).__name__} reads decoder layers {list(traits.feature_layers)}, "
+                         f"but the {caps.name or 'target'} runtime returns {have}; export the target again with "
+                         f"--feature-layers {','.join(map(str, traits.feature_layers))}")
     return traits
 
 
@@ -103,7 +108,7 @@ class Batch:
         t0 = self.clock()
         new = [self._row(r) for r in live]
         n0 = len(self.rows)
-        step = self.runtime.add_rows([r.prompt for r in live], want_hidden=self.traits.needs_hidden)
+        step = self.runtime.add_rows([r.prompt for r in live], want_hidden=self.traits.want_hidden)
         try:
             if self.traits.row_aware:
                 self.proposer.admit([r.prompt for r in live])

@@ -34,7 +34,7 @@ def run_round(batch: Batch, policy: DraftPolicy) -> RoundRecord | None:
     budgets, draft = batch.draft(view, ks)                       # 2. chain or tree per row, on the device
     t1 = clock()
     tokens, tree = batch.verify_input(draft)                     # 3. pending token + drafted nodes
-    out = batch.runtime.forward(tokens, None if tree.is_chain else tree, want_hidden=batch.traits.needs_hidden)
+    out = batch.runtime.forward(tokens, None if tree.is_chain else tree, want_hidden=batch.traits.want_hidden)
     t2 = clock()
     z = batch.process(out.logits, tokens, tree)                  # 4. sampling + processors per node
     verdict = batch.verify(draft, z)                             # 5. the only accept/reject code

@@ -252,15 +252,16 @@ def measure_draft(proposer: Any, pipeline: Any, runtime: Any, context: int = 128
     """Per ``propose`` call and per drafted token, from budgets 1 and k on a repetitive context
     (medians of at least 5 interleaved pairs: a call is cheap, one outlier would read as free).
     A feature drafter gets the runtime's real hidden states of that context."""
-    from spec_plugins.proposers.base import RowAware
+    from spec_plugins.proposers.base import ProposerTraits, RowAware
     from spec_plugins.types import ProposeContext
 
     if k < 2:
         raise ValueError(f"k must be >= 2 to separate the per-token cost, got {k}")
     seq = _context_tokens(runtime.vocab_size, context)
     hidden = None
-    if getattr(proposer, "needs_hidden", False):
-        hidden = [runtime.prefill([seq[:-1]], want_hidden=True).hidden[0]]
+    want = ProposerTraits.of(proposer).want_hidden
+    if want:
+        hidden = [runtime.prefill([seq[:-1]], want_hidden=want).hidden[0]]
         runtime.select_rows([])
 
     def once(budget: int) -> float:

@@ -10,6 +10,8 @@ class registers (``check_proposer_class``) and when a batch is built (``Proposer
 - ``Keyed``: cheap per-row classes of the coming draft and free point-mass drafts, which the
   ``auto`` draft-length policy learns from (n-gram).
 - ``needs_hidden`` / ``tree`` class flags: target features are carried per row; drafts are trees.
+  A feature drafter that reads decoder-layer outputs rather than the last hidden state names
+  them in ``feature_layers`` (EAGLE-3).
 """
 
 from __future__ import annotations
@@ -98,6 +100,12 @@ class ProposerTraits:
     keyed: bool = False
     needs_hidden: bool = False
     tree: bool = False
+    feature_layers: tuple[int, ...] = ()  # decoder-layer outputs instead of the last hidden state (EAGLE-3)
+
+    @property
+    def want_hidden(self) -> "bool | tuple[int, ...]":
+        """What the batch asks the runtime for besides logits (``backends.base.Want``)."""
+        return self.feature_layers or self.needs_hidden
 
     @staticmethod
     def of(proposer: Any) -> "ProposerTraits":
@@ -105,4 +113,5 @@ class ProposerTraits:
             return ProposerTraits()
         check_proposer_class(type(proposer))
         return ProposerTraits(isinstance(proposer, RowAware), isinstance(proposer, Keyed),
-                              bool(getattr(proposer, "needs_hidden", False)), bool(getattr(proposer, "tree", False)))
+                              bool(getattr(proposer, "needs_hidden", False)), bool(getattr(proposer, "tree", False)),
+                              tuple(getattr(proposer, "feature_layers", ()) or ()))

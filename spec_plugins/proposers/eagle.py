@@ -24,6 +24,7 @@ from pydantic import Field, model_validator
 from spec_plugins.backends.slots import KVSlots, additive, pad_slots
 from spec_plugins.config import ProposerConfig
 from spec_plugins.heads.eagle import EagleDrafter
+from spec_plugins.heads.runner import OrtEagleLayer, head_session, pick_engine
 from spec_plugins.proposers.base import Draft, ProposeContext, Proposer, RoundRecord
 from spec_plugins.proposers.medusa import resolve_head_dir
 from spec_plugins.registry import register_proposer
@@ -47,6 +48,8 @@ class EagleProposer(Proposer):
             "count with the most expected tokens per second from the drafter's own path probabilities "
             "(calibrated online) and the runtime's measured forward-cost curve.")
         top_k: int = Field(4, ge=1, le=16, description="Tree mode: children per expanded node and nodes expanded per depth.")
+        engine: Literal["auto", "torch", "onnxruntime"] = Field(
+            "auto", description="Where the drafter runs; auto = ONNX Runtime when the target runs there, else PyTorch.")
 
         @model_validator(mode="after")
         def _check(self) -> "EagleProposer.Config":
@@ -58,10 +61,14 @@ class EagleProposer(Proposer):
                  **_: object) -> None:
         self.config = config
         if drafter is None:
-            if target is None or getattr(target, "model", None) is None:
-                raise ValueError("eagle needs a transformers target (its LM head and embeddings are shared)")
-            drafter = EagleDrafter.from_pretrained(str(resolve_head_dir(config.heads)), target.model)
+            if target is None:
+                raise ValueError("eagle needs the target (its LM head and embeddings are shared with the drafter)")
+            drafter = EagleDrafter.from_pretrained(str(resolve_head_dir(config.heads)), target)
         self.drafter = drafter.eval()
+        self.feature_layers = drafter.config.feature_layers  # () = the target's last hidden state
+        self.layer: Any = self.drafter  # the drafter's layer, in PyTorch or ONNX Runtime
+        if pick_engine(config.engine, target) == "onnxruntime":
+            self.layer = OrtEagleLayer(head_session(self.drafter))
         self.tree = config.mode == "tree"
         self.dtype = drafter.lm_weight.dtype
         self.k, self.v = drafter.empty_past(0, self.dtype)  # [B, H, S, D] over the slot layer's slots
@@ -118,8 +125,8 @@ class EagleProposer(Proposer):
             rows.append((hid[hid.shape[0] - m:], list(seq[start + 1: len(seq)]), start, m))
             self.fed[b] = len(seq) - 1
         N = max(1, max(r[3] for r in rows))
-        H = self.drafter.config.hidden_size
-        feat = torch.zeros(B, N, H, dtype=self.dtype)
+        F = self.drafter.config.feature_size  # target features: last hidden, or the fused layers
+        feat = torch.zeros(B, N, F, dtype=self.dtype)
         tok = torch.zeros(B, N, dtype=torch.long)
         pos = torch.full((B, N), -1, dtype=torch.long)
         for b, (hid, nxt, start, m) in enumerate(rows):  # right-aligned: the last pair sits at N-1
@@ -130,7 +137,8 @@ class EagleProposer(Proposer):
         new_ok = (pos >= 0)[:, None, :] & torch.ones(N, N, dtype=torch.bool).tril()[None]
         new_ok |= torch.eye(N, dtype=torch.bool)[None]  # padding queries see themselves
         ok = torch.cat([self.slots.past_ok(N), new_ok[:, None]], -1)
-        out, k, v = self.drafter(feat, tok, pos.clamp_min(0), self.k, self.v, additive(ok, self.dtype))
+        out, k, v = self.layer(self.drafter.project(feat), tok, pos.clamp_min(0), self.k, self.v,
+                               additive(ok, self.dtype))
         self.k, self.v = torch.cat([self.k, k], 2), torch.cat([self.v, v], 2)
         self.slots.append(pos)
         self._compact()
@@ -158,8 +166,8 @@ class EagleProposer(Proposer):
         E earlier draft slots (dk, dv) each new node may see (its ancestors)."""
         B, F = tok.shape
         ok = torch.cat([self.slots.past_ok(F), anc[:, None], torch.eye(F, dtype=torch.bool).expand(B, 1, F, F)], -1)
-        out, k, v = self.drafter(feat, tok, pos, torch.cat([self.k, dk], 2), torch.cat([self.v, dv], 2),
-                                 additive(ok, self.dtype))
+        out, k, v = self.layer(feat, tok, pos, torch.cat([self.k, dk], 2), torch.cat([self.v, dv], 2),
+                               additive(ok, self.dtype))
         return out, k, v
 
     def _chain(self, f: torch.Tensor, base: torch.Tensor, budgets: list[int], depth: int) -> Draft:

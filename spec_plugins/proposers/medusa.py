@@ -17,6 +17,7 @@ from pydantic import Field
 
 from spec_plugins.config import ProposerConfig
 from spec_plugins.heads.medusa import MedusaHeads
+from spec_plugins.heads.runner import OrtMedusaHeads, head_session, pick_engine
 from spec_plugins.proposers.base import Draft, ProposeContext, Proposer
 from spec_plugins.registry import register_proposer
 from spec_plugins.tree import best_static_tree
@@ -43,15 +44,20 @@ class MedusaProposer(Proposer):
         mode: Literal["tree", "chain"] = Field("tree", description="Static top-k tree, or each head's top-1 chain.")
         tree_nodes: int = Field(16, ge=1, le=256, description="Tree mode: draft nodes per round.")
         top_k: int = Field(4, ge=1, le=32, description="Tree mode: candidates considered per head.")
+        engine: Literal["auto", "torch", "onnxruntime"] = Field(
+            "auto", description="Where the heads run; auto = ONNX Runtime when the target runs there, else PyTorch.")
 
     def __init__(self, config: "MedusaProposer.Config", target: Any = None, heads: MedusaHeads | None = None,
                  **_: object) -> None:
         self.config = config
         if heads is None:
-            if target is None or getattr(target, "model", None) is None:
-                raise ValueError("medusa needs a transformers target (its LM head is shared with the heads)")
-            heads = MedusaHeads.from_pretrained(str(resolve_head_dir(config.heads)), target.model)
+            if target is None:
+                raise ValueError("medusa needs the target (its LM head is shared with the heads)")
+            heads = MedusaHeads.from_pretrained(str(resolve_head_dir(config.heads)), target)
         self.heads = heads.eval()
+        self.run_heads: Any = self.heads  # the heads' forward, in PyTorch or ONNX Runtime
+        if pick_engine(config.engine, target) == "onnxruntime":
+            self.run_heads = OrtMedusaHeads(head_session(self.heads))
         self.tree = config.mode == "tree"  # the decoder checks this against the runtime's tree support
         K = heads.config.num_heads
         acc = [heads.calibration.get(f"head{d}", [])[: config.top_k] for d in range(K)]
@@ -67,7 +73,7 @@ class MedusaProposer(Proposer):
             raise RuntimeError("medusa needs target hidden states (needs_hidden) but the loop passed none")
         budgets = torch.tensor(list(ctx.budgets), dtype=torch.long)
         h = torch.stack([hb[-1] for hb in ctx.hidden]).to(self.heads.lm_weight)  # [B, H] at the last committed token
-        logits = self.heads(h)  # [B, K, Vd]
+        logits = self.run_heads(h)  # [B, K, Vd]
         if not (self.tree and ctx.tree_ok):
             k = min(int(budgets.max()), logits.shape[1])
             if k <= 0:

@@ -1,150 +1,225 @@
-"""``spec-plugins train {medusa,eagle} --target MODEL --out DIR``: self-distillation on this CPU.
+"""``spec-plugins train {features,eagle,medusa}``: drafter training on this machine, resumable.
 
-Recipe: (1) the target greedily answers the shipped prompts (examples/prompts/train.jsonl)
-and its features for every position are cached (shared by both heads); (2) the head trains on
-those features with a progress bar; (3) ``DIR/head.safetensors`` (fp16) + ``DIR/config.json``
-are written. Rerunning the same command resumes from ``DIR/checkpoint.pt``.
+1. ``train features`` runs the target over training conversations once and writes fp16 feature
+   shards (``spec_plugins.training.features``): ShareGPT as written (``--responses fixed``) or
+   answers the target regenerates (``--responses self``), or the shipped template prompts.
+2. ``train eagle`` / ``train medusa`` stream those shards into a head (``DIR/head.safetensors``,
+   fp16, + ``config.json`` + ``train_report.json``); a rerun resumes from ``DIR/checkpoint.pt``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import typer
 
 from spec_plugins.cli import app, check_output_dir, fail
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "examples" / "prompts" / "train.jsonl"
+train_app = typer.Typer(no_args_is_help=True, help="Train drafters: extract target features, then train heads.")
+app.add_typer(train_app, name="train")
 
 
-def prepare_features(model: Any, prompt_ids: Sequence[Sequence[int]], target_name: str, max_new_tokens: int,
-                     eos: Sequence[int], features: Optional[Path], gen_batch: int, progress: bool):
-    """Load or build the cached self-distillation features; returns (FeatureSet, path, seconds, cached)."""
-    from spec_plugins.models import cache_root
-    from spec_plugins.training.data import build_features, cache_key, cached_features
-
-    key = cache_key(target_name, prompt_ids, max_new_tokens)
-    path = features or cache_root() / "features" / f"{Path(target_name).name}-{key}.safetensors"
-    t0 = time.perf_counter()
-    bar = None
-    if progress and not path.is_file():
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=1, desc="greedy responses (decode steps)", dynamic_ncols=True)
-
-    def tick(done: int, total: int) -> None:
-        if bar is not None:
-            bar.total, bar.n = total, done
-            bar.refresh()
-
-    fs, cached = cached_features(
-        path, lambda: build_features(model, prompt_ids, max_new_tokens, eos, gen_batch, tick),
-        {"target": target_name, "prompts": len(prompt_ids), "max_new_tokens": max_new_tokens})
-    if bar is not None:
-        bar.close()
-    return fs, path, time.perf_counter() - t0, cached
-
-
-def train_head(kind: str, model: Any, prompt_ids: Sequence[Sequence[int]], out: Path, target_name: str,
-               max_new_tokens: int = 128, eos: Sequence[int] = (), features: Optional[Path] = None,
-               gen_batch: int = 32, draft_vocab: int = 4096, num_heads: int = 4, train_cfg: Any = None,
-               progress: bool = True) -> dict:
-    """Features (cached) -> trained head in ``out``; returns the report written to train_report.json."""
-    from spec_plugins.heads.common import draft_vocab as pick_vocab
-    from spec_plugins.heads.common import target_lm_parts
-    from spec_plugins.heads.eagle import EagleConfig
-    from spec_plugins.heads.medusa import MedusaConfig
-    from spec_plugins.training.trainer import TrainConfig, train_eagle, train_medusa, write_report
-
-    cfg = train_cfg or TrainConfig()
-    fs, fpath, f_secs, cached = prepare_features(model, prompt_ids, target_name, max_new_tokens, eos, features,
-                                                 gen_batch, progress)
-    lm, emb = target_lm_parts(model)
-    vocab_ids = pick_vocab(fs.token_counts(lm.shape[0]), draft_vocab)
-    H = lm.shape[1]
-    mcfg = model.config
-    if kind == "medusa":
-        hcfg = MedusaConfig(H, num_heads=num_heads, draft_vocab_size=int(vocab_ids.numel()))
-        _, res = train_medusa(fs, lm, vocab_ids, hcfg, cfg, out, progress)
-    else:
-        heads = getattr(mcfg, "num_attention_heads", 4)
-        kv = getattr(mcfg, "num_key_value_heads", heads) or heads
-        rope = (getattr(mcfg, "rope_parameters", None) or {}).get("rope_theta") or getattr(mcfg, "rope_theta", 1e4)
-        hcfg = EagleConfig(H, num_heads=heads, num_kv_heads=kv, intermediate_size=2 * H, rope_theta=float(rope),
-                           draft_vocab_size=int(vocab_ids.numel()))
-        _, res = train_eagle(fs, lm, emb, vocab_ids, hcfg, cfg, out, progress)
-    if not res.finished:
-        return {"kind": kind, "finished": False, "steps_done": res.steps, "steps": res.scheduled,
-                "checkpoint": str(out / "checkpoint.pt")}
-    report = {
-        "kind": kind, "finished": True, "target": target_name, "features": str(fpath), "features_cached": cached,
-        "feature_seconds": round(f_secs, 1), "sequences": len(fs), "tokens": int(fs.tokens.numel()),
-        "response_tokens": fs.response_tokens, "feature_bytes": int(fs.hidden.numel() * 2),
-        "train_seconds": round(res.seconds, 1), "steps": res.steps, "scheduled_steps": res.scheduled,
-        "resumed_from": res.resumed_from,
-        "first_losses": res.losses[:5], "last_losses": res.losses[-5:], "accuracy": res.accuracy,
-        "head_bytes": (out / "head.safetensors").stat().st_size, "draft_vocab": int(vocab_ids.numel()),
-    }
-    write_report(out, report)
-    return report
-
-
-@app.command()
-def train(
-    kind: str = typer.Argument(..., help="Which head: medusa or eagle."),
+@train_app.command("features")
+def features_cmd(
+    out: Path = typer.Option(..., "--out", help="Directory for the shards and progress.json (resumable)."),
     target: str = typer.Option("smollm2-135m-instruct", "--target", help="Target model (built-in name, .gguf, dir)."),
-    out: Path = typer.Option(..., "--out", help="Output directory (head.safetensors, config.json, checkpoint)."),
-    prompts: Path = typer.Option(DEFAULT_PROMPTS, "--prompts", help="JSONL file with a 'prompt' field per line."),
-    max_prompts: Optional[int] = typer.Option(None, "--max-prompts", min=1, help="Use only the first N prompts."),
-    max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1, help="Length of each greedy response."),
-    features: Optional[Path] = typer.Option(None, "--features", help="Feature cache file (default: in the cache dir)."),
-    epochs: float = typer.Option(3.0, "--epochs", min=0.0),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Positions (medusa, 256) or sequences (eagle, 8)."),
-    lr: Optional[float] = typer.Option(None, "--lr", help="Learning rate (1e-3 for both heads)."),
-    max_steps: Optional[int] = typer.Option(None, "--max-steps", min=1, help="Shorten the schedule to N steps."),
-    stop_after: Optional[int] = typer.Option(None, "--stop-after", min=1,
-                                             help="Leave after N steps (checkpointed); rerun to resume."),
-    num_heads: int = typer.Option(4, "--num-heads", min=1, help="Medusa heads."),
-    unroll: int = typer.Option(3, "--unroll", min=1, help="EAGLE training-time unroll steps."),
-    ce_weight: float = typer.Option(1.0, "--ce-weight", min=0.0,
-                                    help="EAGLE: weight of the token cross-entropy next to the feature regression."),
-    draft_vocab: int = typer.Option(4096, "--draft-vocab", min=16,
-                                    help="Draft vocabulary size (tokens seen in the responses, then the lowest ids)."),
+    source: str = typer.Option("sharegpt", "--source", help="sharegpt (the [train] extra) or prompts (a JSONL file)."),
+    responses: str = typer.Option("fixed", "--responses",
+                                  help="fixed: answers as written; self: the target regenerates them (greedy)."),
+    split: str = typer.Option("train", "--split", help="ShareGPT split by conversation id: train or heldout."),
+    max_tokens: int = typer.Option(1_000_000, "--max-tokens", min=1, help="Stop after this many tokens in all."),
+    max_seq: int = typer.Option(1024, "--max-seq", min=16, help="Cut each conversation to this many tokens."),
+    layers: str = typer.Option("auto", "--layers", help="Decoder layer outputs to keep: auto (low/mid/high), "
+                                                        "none, or e.g. 3,15,28."),
+    language: str = typer.Option("en", "--language", help="en (mostly Latin script) or any."),
+    heldout_share: float = typer.Option(0.02, "--heldout-share", min=0.0, max=0.5),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="--source prompts: JSONL with a `prompt` field "
+                                                                   "(default: examples/prompts/train.jsonl)."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1, help="--responses self: answer length."),
+    gen_backend: str = typer.Option("onnxruntime", "--gen-backend", help="--responses self: runtime that answers."),
+    gen_batch: int = typer.Option(16, "--gen-batch", min=1, help="--responses self: rows per target forward."),
+    shard_tokens: int = typer.Option(32768, "--shard-tokens", min=256),
     threads: int = typer.Option(2, "--threads", min=1, help="torch threads."),
-    gen_batch: int = typer.Option(32, "--gen-batch", min=1, help="Rows per batch when generating responses."),
-    seed: int = typer.Option(0, "--seed"),
-    finalize: bool = typer.Option(False, "--finalize", help="Write the head from the last checkpoint now "
-                                                            "(same options as the run), skipping the remaining steps."),
-    no_progress: bool = typer.Option(False, "--no-progress", help="Hide progress bars."),
+    no_progress: bool = typer.Option(False, "--no-progress"),
 ) -> None:
-    """Train a Medusa or EAGLE head on the target's own greedy responses (resumable)."""
+    """Run the target once over training conversations and write feature shards."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if kind not in ("medusa", "eagle"):
-        fail(f"unknown head {kind!r}; allowed values: medusa, eagle")
+    for name, val, allowed in (("--source", source, ("sharegpt", "prompts")), ("--responses", responses, ("fixed", "self")),
+                               ("--split", split, ("train", "heldout")), ("--language", language, ("en", "any"))):
+        if val not in allowed:
+            fail(f"{name} {val!r}; allowed values: {', '.join(allowed)}")
+    if source == "prompts" and responses == "fixed":
+        fail("--source prompts has no written answers; use --responses self")
     check_output_dir(out)
-    import json
-
     import torch
 
     from spec_plugins.backends.torch_runtime import load_hf
-    from spec_plugins.training.data import encode_chat, load_prompts
-    from spec_plugins.training.trainer import TrainConfig
+    from spec_plugins.heads.eagle import parse_feature_layers
+    from spec_plugins.training.features import extract
+    from spec_plugins.training.sharegpt import DataFilter, FilterCounts
 
     torch.set_num_threads(threads)
     try:
-        texts = load_prompts(prompts)[:max_prompts]  # before the model loads: a bad file fails fast
+        if source == "sharegpt":
+            from spec_plugins.training.sharegpt import dataset_file
+
+            dataset_file()  # fail fast with the install hint
+        texts = None
+        if source == "prompts":
+            from spec_plugins.training.sources import DEFAULT_PROMPTS, load_prompts
+
+            texts = load_prompts(prompts or DEFAULT_PROMPTS)
         model, tok = load_hf(target, "float32", "cpu")
-        prompt_ids = encode_chat(tok, texts)
+        keep = parse_feature_layers(layers, int(model.config.num_hidden_layers))
     except (FileNotFoundError, ValueError, LookupError) as exc:
         fail(str(exc))
         return
-    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
-    cfg = TrainConfig(epochs=epochs, batch_size=batch_size or (256 if kind == "medusa" else 8),
-                      lr=lr or 1e-3, max_steps=max_steps, stop_after=stop_after, finalize=finalize,
-                      unroll=unroll, ce_weight=ce_weight, seed=seed)
-    report = train_head(kind, model, prompt_ids, out, target, max_new_tokens, eos, features, gen_batch,
-                        draft_vocab, num_heads, cfg, not no_progress)
+    flt = DataFilter(language=language)  # type: ignore[arg-type]
+    counts = FilterCounts()
+    meta = {"target": target, "source": source, "responses": responses, "split": split, "max_seq": max_seq,
+            "layers": list(keep), "language": language, "heldout_share": heldout_share,
+            "prompts": str(prompts) if prompts else None, "max_new_tokens": max_new_tokens if responses == "self" else None}
+    examples = _examples(source, responses, split, tok, max_seq, flt, heldout_share, counts, texts, target,
+                         gen_backend, max_new_tokens, gen_batch, not no_progress)
+    t0 = time.perf_counter()
+    state = extract(model, examples, out, meta, keep, max_tokens, shard_tokens, progress=not no_progress)
+    state = {**state, "filter_counts_this_run": counts.as_dict(), "wall_seconds_this_run": round(time.perf_counter() - t0, 1)}
+    typer.echo(json.dumps({k: v for k, v in state.items() if k != "shards"} | {"shards": len(state["shards"])}, indent=1))
+
+
+def _examples(source: str, responses: str, split: str, tok: Any, max_seq: int, flt: Any, heldout_share: float,
+              counts: Any, texts: Any, target: str, gen_backend: str, max_new_tokens: int, gen_batch: int,
+              progress: bool):
+    """The (ids, trained) stream of the chosen source, lazily (extraction stops at its budget)."""
+    from spec_plugins.training.sources import first_turns, self_distilled, sharegpt_examples
+
+    if responses == "fixed":
+        return sharegpt_examples(tok, split, max_seq, flt, heldout_share, counts)  # type: ignore[arg-type]
+
+    def generated():
+        from spec_plugins.config import SpecConfig
+        from spec_plugins.decoder import SpeculativeDecoder
+
+        dec = SpeculativeDecoder.from_config(SpecConfig.parse(
+            {"target": {"backend": gen_backend, "model": target}, "proposer": None}))
+        heads = texts if texts is not None else first_turns(split, flt, heldout_share)  # type: ignore[arg-type]
+        it = iter(heads)
+        while True:  # in chunks, so a token budget never waits for the whole corpus to be answered
+            chunk = [next(it, None) for _ in range(gen_batch * 4)]
+            chunk = [c for c in chunk if c is not None]
+            if not chunk:
+                return
+            for ids, trained in self_distilled(dec, chunk, max_new_tokens, gen_batch, progress=False):
+                yield ids[:max_seq], trained[:max_seq]
+
+    return generated()
+
+
+def _train_cfg(**kw: Any):
+    from spec_plugins.training.trainer import TrainConfig
+
+    return TrainConfig(**{k: v for k, v in kw.items() if v is not None})
+
+
+def _load(features: Path, heldout: Optional[Path], target: Optional[str]):
+    from spec_plugins.backends.torch_runtime import load_hf
+    from spec_plugins.training.features import FeatureStore
+
+    store = FeatureStore(features)
+    held = FeatureStore(heldout) if heldout else None
+    name = target or store.meta["target"]
+    if name != store.meta["target"]:
+        raise ValueError(f"{features} holds features of {store.meta['target']!r}, not {name!r}")
+    model, _ = load_hf(name, "float32", "cpu")
+    return store, held, model
+
+
+@train_app.command("eagle")
+def eagle_cmd(
+    features: Path = typer.Option(..., "--features", help="Feature shards from `spec-plugins train features`."),
+    out: Path = typer.Option(..., "--out", help="Head directory (head.safetensors, config.json, checkpoint.pt)."),
+    heldout: Optional[Path] = typer.Option(None, "--heldout", help="Held-out feature shards for the report."),
+    fused: bool = typer.Option(True, "--fused/--no-fused", help="EAGLE-3 fused low/mid/high layers, or the last hidden."),
+    unroll: int = typer.Option(3, "--unroll", min=1, help="Training-time test steps (1 = none)."),
+    loss: str = typer.Option("soft", "--loss", help="soft (target distribution), top1 (target greedy), data."),
+    reg_weight: float = typer.Option(0.0, "--reg-weight", min=0.0, help="Feature regression (EAGLE-1: 1.0)."),
+    draft_vocab: int = typer.Option(8192, "--draft-vocab", min=16, help="Most frequent answer tokens drafted."),
+    intermediate: Optional[int] = typer.Option(None, "--intermediate", min=1, help="MLP width (default 2 x hidden)."),
+    epochs: float = typer.Option(1.0, "--epochs", min=0.0),
+    batch_size: int = typer.Option(4, "--batch-size", min=1, help="Windows per step."),
+    window: int = typer.Option(512, "--window", min=8, help="Positions per window."),
+    lr: float = typer.Option(1e-3, "--lr"),
+    max_train_tokens: Optional[int] = typer.Option(None, "--max-train-tokens", min=1,
+                                                   help="Train on the first N tokens only (data-size sweep)."),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps", min=1),
+    stop_after: Optional[int] = typer.Option(None, "--stop-after", min=1, help="Leave after N steps; rerun to resume."),
+    finalize: bool = typer.Option(False, "--finalize", help="Write the head from the last checkpoint now."),
+    threads: int = typer.Option(2, "--threads", min=1),
+    seed: int = typer.Option(0, "--seed"),
+    no_progress: bool = typer.Option(False, "--no-progress"),
+) -> None:
+    """Train an EAGLE drafter (EAGLE-3 elements switchable) on feature shards; resumable."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if loss not in ("soft", "top1", "data"):
+        fail(f"--loss {loss!r}; allowed values: soft, top1, data")
+    check_output_dir(out)
+    import torch
+
+    from spec_plugins.training.eagle_train import train_eagle
+
+    torch.set_num_threads(threads)
+    cfg = _train_cfg(epochs=epochs, batch_size=batch_size, window=window, lr=lr, max_steps=max_steps,
+                     stop_after=stop_after, finalize=finalize, seed=seed, max_train_tokens=max_train_tokens,
+                     loss=loss, unroll=unroll, reg_weight=reg_weight)
+    try:
+        store, held, model = _load(features, heldout, None)
+        report = train_eagle(store, model, cfg, out, fused, draft_vocab, intermediate, held, not no_progress)
+    except (FileNotFoundError, ValueError) as exc:
+        fail(str(exc))
+        return
+    typer.echo(json.dumps(report, indent=2))
+
+
+@train_app.command("medusa")
+def medusa_cmd(
+    features: Path = typer.Option(..., "--features", help="Feature shards from `spec-plugins train features`."),
+    out: Path = typer.Option(..., "--out", help="Head directory (head.safetensors, config.json, checkpoint.pt)."),
+    heldout: Optional[Path] = typer.Option(None, "--heldout", help="Held-out feature shards for the report."),
+    num_heads: int = typer.Option(4, "--num-heads", min=1),
+    loss: str = typer.Option("soft", "--loss", help="soft (target distribution), top1 (target greedy), data."),
+    draft_vocab: int = typer.Option(8192, "--draft-vocab", min=16),
+    epochs: float = typer.Option(1.0, "--epochs", min=0.0),
+    batch_size: int = typer.Option(8, "--batch-size", min=1, help="Windows per step."),
+    window: int = typer.Option(512, "--window", min=8),
+    lr: float = typer.Option(1e-3, "--lr"),
+    max_train_tokens: Optional[int] = typer.Option(None, "--max-train-tokens", min=1),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps", min=1),
+    stop_after: Optional[int] = typer.Option(None, "--stop-after", min=1),
+    finalize: bool = typer.Option(False, "--finalize"),
+    threads: int = typer.Option(2, "--threads", min=1),
+    seed: int = typer.Option(0, "--seed"),
+    no_progress: bool = typer.Option(False, "--no-progress"),
+) -> None:
+    """Train Medusa heads on feature shards; resumable."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if loss not in ("soft", "top1", "data"):
+        fail(f"--loss {loss!r}; allowed values: soft, top1, data")
+    check_output_dir(out)
+    import torch
+
+    from spec_plugins.training.medusa_train import train_medusa
+
+    torch.set_num_threads(threads)
+    cfg = _train_cfg(epochs=epochs, batch_size=batch_size, window=window, lr=lr, max_steps=max_steps,
+                     stop_after=stop_after, finalize=finalize, seed=seed, max_train_tokens=max_train_tokens, loss=loss)
+    try:
+        store, held, model = _load(features, heldout, None)
+        report = train_medusa(store, model, cfg, out, num_heads, draft_vocab, held, not no_progress)
+    except (FileNotFoundError, ValueError) as exc:
+        fail(str(exc))
+        return
     typer.echo(json.dumps(report, indent=2))

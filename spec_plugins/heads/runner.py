@@ -1,0 +1,74 @@
+"""Where a trained head runs: in PyTorch, or in ONNX Runtime next to an ONNX Runtime target.
+
+The proposers call a head through one signature whichever engine runs it, so ``backend:
+onnxruntime`` in the target section is the only change a config needs. The ONNX graph of a head
+is exported on first use (``EXPORTERS['onnx_head']``) into the cache, keyed by the head's
+weights, and reused afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Literal
+
+import torch
+
+Engine = Literal["auto", "torch", "onnxruntime"]
+
+
+def pick_engine(engine: Engine, target: Any) -> str:
+    """``auto``: the head runs on ONNX Runtime when the target does, else in PyTorch."""
+    if engine != "auto":
+        return engine
+    name = getattr(getattr(target, "capabilities", None), "name", "")
+    return "onnxruntime" if name == "onnxruntime" else "torch"
+
+
+def weights_key(module: torch.nn.Module) -> str:
+    """A digest of a head's weights and config (the export cache key)."""
+    h = hashlib.sha1(repr(getattr(module, "config", None)).encode())
+    for name, t in sorted(module.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def head_session(module: torch.nn.Module, threads: int | None = None) -> Any:
+    """An ONNX Runtime session of ``module``'s head graph, exported on first use."""
+    from spec_plugins.backends.onnxruntime_runtime import create_session, import_ort
+    from spec_plugins.graphs.manifest import EXPORTER_VERSION
+    from spec_plugins.models import cache_root
+    from spec_plugins.registry import EXPORTERS
+
+    import_ort()
+    kind = type(module).__name__.lower()
+    directory = cache_root() / "onnx-heads" / f"{kind}-{weights_key(module)}-v{EXPORTER_VERSION}"
+    path = directory / "head.onnx"
+    if not path.is_file():
+        EXPORTERS.get("onnx_head")(module, path)
+    return create_session(path, "cpu", threads=threads)
+
+
+class OrtEagleLayer:
+    """The EAGLE drafter's layer in ONNX Runtime, called like ``EagleDrafter.forward``."""
+
+    def __init__(self, session: Any) -> None:
+        self.session = session
+        self.names = [i.name for i in session.get_inputs()]
+
+    def __call__(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, past_k: torch.Tensor,
+                 past_v: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        args = (features.float(), tokens.long(), positions.long(), past_k.float(), past_v.float(), mask.float())
+        feeds = {n: a.contiguous().numpy() for n, a in zip(self.names, args)}
+        out, k, v = self.session.run(["features_out", "new_key", "new_value"], feeds)
+        return torch.from_numpy(out), torch.from_numpy(k), torch.from_numpy(v)
+
+
+class OrtMedusaHeads:
+    """Medusa heads in ONNX Runtime, called like ``MedusaHeads.forward``."""
+
+    def __init__(self, session: Any) -> None:
+        self.session = session
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(self.session.run(["logits"], {"hidden": hidden.float().contiguous().numpy()})[0])

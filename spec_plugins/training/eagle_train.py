@@ -1,0 +1,216 @@
+"""EAGLE drafter training on streamed feature shards, with the EAGLE-3 elements as switches so
+each one's effect can be measured (the README's ablation table):
+
+- training-time test (``unroll`` > 1): step s reads the features the drafter itself predicted at
+  step s-1 and attends exactly as when drafting (real keys up to j-s, then its own draft path);
+- fused low/mid/high target layers as input (``EagleConfig.feature_layers``) instead of the last
+  hidden state;
+- a draft vocabulary of the most frequent assistant tokens (``draft_vocab``), with id maps;
+- the loss on the target's own next-token distribution (``loss: soft``), rebuilt from the stored
+  last hidden state and logsumexp, instead of its greedy token or the data's token.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from spec_plugins.heads.common import save_head
+from spec_plugins.heads.eagle import EagleConfig, EagleDrafter
+from spec_plugins.training.batches import (EagleBatch, ShardCache, Window, batches_for_steps, eagle_batch,
+                                           epoch_batches, plan_windows, soft_labels, token_counts)
+from spec_plugins.training.features import FeatureStore
+from spec_plugins.training.trainer import IGNORE, Loop, TrainConfig, TrainResult, map_vocab
+
+
+def unroll_masks(valid: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Additive masks for unroll step s over keys [step0 | step1 | ... | step s], each T long:
+    query j sees step-0 keys i <= j-s and the step-r key at exactly i = j-s+r (its draft path)."""
+    B, T = valid.shape
+    j = torch.arange(T)[:, None]
+    i = torch.arange(T)[None, :]
+    out = []
+    for s in range(steps):
+        parts = [(i <= j - s)] + [(i == j - s + r) for r in range(1, s + 1)]
+        ok = torch.cat(parts, 1)[None] & valid.repeat(1, s + 1)[:, None, :]
+        ok = ok | torch.cat([torch.zeros(T, T * s, dtype=torch.bool), torch.eye(T, dtype=torch.bool)], 1)[None]
+        out.append(torch.zeros(B, 1, T, T * (s + 1)).masked_fill(~ok[:, None], float("-inf")))
+    return out
+
+
+def unrolled(model: EagleDrafter, b: EagleBatch, steps: int, noise: float = 0.0) -> list[torch.Tensor]:
+    """The drafter's output features [B, T, H] at each unroll step. Step s at query j continues
+    the draft that started from the real feature at j - s."""
+    B, T, _ = b.feat.shape
+    x0 = model.project(b.feat)
+    x = x0 + noise * x0.detach().std() * torch.randn_like(x0) if noise else x0
+    ks: list[torch.Tensor] = []
+    vs: list[torch.Tensor] = []
+    outs = []
+    for s, mask in enumerate(unroll_masks(b.valid, steps)):
+        k0 = torch.cat(ks, 2) if ks else x.new_zeros(B, model.config.num_kv_heads, 0, model.config.head_dim)
+        v0 = torch.cat(vs, 2) if vs else k0
+        out, k, v = model(x, b.tok, b.pos, k0, v0, mask)
+        ks.append(k)
+        vs.append(v)
+        outs.append(out)
+        x = torch.cat([x0[:, :1], out[:, :-1]], 1)  # next step's input at j: this step's output at j-1
+    return outs
+
+
+def step_mask(b: EagleBatch, s: int) -> torch.Tensor:
+    """Queries whose step-s prediction is scored: real, with s earlier queries, answer token."""
+    ok = b.valid & b.label_ok
+    ok[:, :s] = False
+    return ok
+
+
+def eagle_loss(model: EagleDrafter, b: EagleBatch, cfg: TrainConfig, vmap: torch.Tensor) -> torch.Tensor:
+    outs = unrolled(model, b, cfg.unroll, cfg.noise)
+    p = soft_labels(b.next_hidden, b.next_lse, model.lm_weight) if cfg.loss == "soft" else None
+    hard = vmap[b.top1 if cfg.loss == "top1" else b.data_next]
+    total = b.feat.new_zeros(())
+    for s, out in enumerate(outs):
+        ok = step_mask(b, s)
+        n = ok.sum().clamp_min(1)
+        logq = model.logits(out).float().log_softmax(-1)
+        if p is not None:
+            ce = -(p * logq).sum(-1)
+        else:
+            lab = torch.where(ok, hard, torch.full_like(hard, IGNORE))
+            ce = nn.functional.nll_loss(logq.flatten(0, 1), lab.flatten(), ignore_index=IGNORE,
+                                        reduction="none").view_as(lab)
+        loss = (ce * ok).sum() / n
+        if cfg.reg_weight:
+            reg = nn.functional.smooth_l1_loss(out, b.next_hidden, reduction="none").mean(-1)
+            loss = loss + cfg.reg_weight * (reg * ok).sum() / n
+        total = total + cfg.step_decay ** s * loss
+    return total
+
+
+@torch.no_grad()
+def evaluate(model: EagleDrafter, store: FeatureStore, window: int = 512, steps: int = 5, batch: int = 4,
+             max_windows: int | None = None) -> dict[str, Any]:
+    """Held-out top-1 (the drafter's token == the target's greedy token) per unroll step, and
+    the chain length the drafter would get accepted along the held-out text: 1 + sum over depth
+    d of P(steps 0..d all right), a draft from position i being right at depth s when the
+    step-s prediction at query i + s is."""
+    model.eval()
+    fused = bool(model.config.feature_layers)
+    windows = plan_windows(store, window)[:max_windows]
+    cache = ShardCache(store)
+    hit = [[0, 0] for _ in range(steps)]
+    chain = [0] * steps
+    starts = 0
+    for bw in epoch_batches(windows, batch, seed=0, epoch=0):
+        b = eagle_batch(cache.get(bw[0].shard), bw, fused)
+        right = []
+        for s, out in enumerate(unrolled(model, b, steps)):
+            ok = step_mask(b, s)
+            pred = model.vocab_ids[model.logits(out).argmax(-1)]
+            r = (pred == b.top1) & ok
+            hit[s][0] += int(r.sum())
+            hit[s][1] += int(ok.sum())
+            right.append(r)
+        start_ok = step_mask(b, 0)
+        starts += int(start_ok.sum())
+        chain = [a + c for a, c in zip(chain, chain_lengths(right, start_ok))]
+    top1 = [round(a / max(n, 1), 4) for a, n in hit]
+    return {"top1_by_step": top1, "accepted_along_text": round(1 + sum(c / max(starts, 1) for c in chain), 3),
+            "positions": starts, "windows": len(windows)}
+
+
+def chain_lengths(right: list[torch.Tensor], start: torch.Tensor) -> list[int]:
+    """Per depth s: how many drafts (one per starting query i in ``start``) are right at every
+    depth up to s, where depth s of the draft from i is the step-s prediction at query i + s."""
+    alive = start.clone()
+    out = []
+    for s, r in enumerate(right):
+        shifted = torch.zeros_like(r)
+        shifted[:, : r.shape[1] - s] = r[:, s:]
+        alive &= shifted
+        out.append(int(alive.sum()))
+    return out
+
+
+def build_drafter(target_model: Any, vocab_ids: torch.Tensor, feature_layers: tuple[int, ...],
+                  intermediate: int | None = None) -> EagleDrafter:
+    """A fresh drafter sized from the target's config."""
+    from spec_plugins.heads.common import target_lm_parts
+
+    mc = target_model.config
+    lm, emb = target_lm_parts(target_model)
+    heads = int(getattr(mc, "num_attention_heads", 4))
+    kv = int(getattr(mc, "num_key_value_heads", heads) or heads)
+    rope = (getattr(mc, "rope_parameters", None) or {}).get("rope_theta") or getattr(mc, "rope_theta", 1e4)
+    H = lm.shape[1]
+    hcfg = EagleConfig(H, num_heads=heads, num_kv_heads=kv, intermediate_size=intermediate or 2 * H,
+                       rope_theta=float(rope), draft_vocab_size=int(vocab_ids.numel()), feature_layers=feature_layers)
+    return EagleDrafter(hcfg, lm.float(), emb.float(), vocab_ids)
+
+
+def draft_vocab(store: FeatureStore, windows: list[Window], size: int, vocab: int) -> tuple[torch.Tensor, float]:
+    """The ``size`` most frequent assistant tokens of the training data (ascending ids), and the
+    share of assistant tokens they cover."""
+    from spec_plugins.heads.common import draft_vocab as pick
+
+    counts = token_counts(store, vocab, windows)
+    ids = pick(counts, size)
+    return ids, float(counts[ids].sum()) / max(1, int(counts.sum()))
+
+
+def train_eagle(store: FeatureStore, target_model: Any, cfg: TrainConfig, out: str | Path, fused: bool = True,
+                vocab_size: int = 8192, intermediate: int | None = None, heldout: FeatureStore | None = None,
+                progress: bool = True) -> dict[str, Any]:
+    """Train (or resume) a drafter on ``store``; returns the report written to train_report.json."""
+    out = Path(out)
+    torch.manual_seed(cfg.seed)
+    layers = tuple(store.meta["layers"]) if fused else ()
+    if fused and not layers:
+        raise ValueError(f"{store.directory} holds no layer outputs (extracted with --layers none); use --no-fused")
+    windows = plan_windows(store, cfg.window, cfg.max_train_tokens)
+    if not windows:
+        raise ValueError(f"no training windows in {store.directory}")
+    V = target_model.get_output_embeddings().weight.shape[0]
+    vocab_ids, coverage = draft_vocab(store, windows, vocab_size, V)
+    model = build_drafter(target_model, vocab_ids, layers, intermediate)
+    vmap = map_vocab(vocab_ids, V)
+    per_epoch = -(-len(windows) // cfg.batch_size)
+    loop = Loop(model, cfg, out, per_epoch, "eagle", model.config.to_dict(), progress)
+    plan = dict(batches_for_steps(windows, cfg.batch_size, cfg.seed, loop.total))
+    cache = ShardCache(store)
+
+    def loss_at(step: int) -> torch.Tensor:
+        bw = plan[step]
+        torch.manual_seed(cfg.seed * 7919 + step)  # noise reproducible across resume
+        return eagle_loss(model, eagle_batch(cache.get(bw[0].shard), bw, fused), cfg, vmap)
+
+    res = loop.run(loss_at)
+    return _finish(model, res, cfg, out, store, windows, coverage, heldout)
+
+
+def _finish(model: EagleDrafter, res: TrainResult, cfg: TrainConfig, out: Path, store: FeatureStore,
+            windows: list[Window], coverage: float, heldout: FeatureStore | None) -> dict[str, Any]:
+    if not res.finished:
+        return {"kind": "eagle", "finished": False, "steps_done": res.steps, "steps": res.scheduled,
+                "checkpoint": str(out / "checkpoint.pt")}
+    tokens = sum(w.length for w in windows)
+    report: dict[str, Any] = {
+        "kind": "eagle", "finished": True, "target": store.meta["target"], "features": store.meta,
+        "train_tokens": tokens, "train_windows": len(windows), "draft_vocab": int(model.vocab_ids.numel()),
+        "draft_vocab_coverage": round(coverage, 4), "train_seconds": round(res.seconds, 1), "steps": res.steps,
+        "scheduled_steps": res.scheduled, "resumed_from": res.resumed_from, "train": asdict(cfg),
+        "first_losses": [round(x, 4) for x in res.losses[:5]], "last_losses": [round(x, 4) for x in res.losses[-5:]],
+    }
+    if heldout is not None:
+        report["heldout"] = evaluate(model, heldout, cfg.window)
+    save_head(model, {**model.config.to_dict(), "train": asdict(cfg), "train_seconds": report["train_seconds"],
+                      "steps": res.steps, "train_tokens": tokens, "heldout": report.get("heldout")}, out)
+    report["head_bytes"] = (out / "head.safetensors").stat().st_size
+    (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report

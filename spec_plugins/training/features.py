@@ -1,0 +1,231 @@
+"""Target features for drafter training, written in resumable fp16 shards.
+
+One target forward over each whole conversation (prefill speed, no generation) gives, for every
+position j:
+- ``hidden``  [N, H]    the last hidden state after the final norm (what the LM head reads);
+- ``layers``  [N, L, H] the outputs of a few decoder layers (low, mid, high: EAGLE-3's fused input);
+- ``lse``     [N]       logsumexp of the target's full-vocabulary logits, so the trainer can
+                        rebuild the target's exact next-token probabilities over any draft
+                        vocabulary from ``hidden`` alone: p(v) = exp(w_v . h - lse) (soft labels
+                        without storing 49k floats per position);
+- ``top1``    [N]       the target's greedy next token (for top-1 accuracy).
+``tokens``, ``trained`` (the assistant wrote the token) and ``offsets`` delimit the conversations.
+
+The extraction is resumable: ``progress.json`` records the shards written and the conversations
+consumed, each shard is written atomically, and a rerun continues where the last one stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+
+FORMAT = "spec-plugins-features/1"
+
+
+@dataclass
+class Shard:
+    """One shard: conversations flattened, row i spans offsets[i]:offsets[i+1]."""
+
+    tokens: torch.Tensor  # [N] long
+    trained: torch.Tensor  # [N] bool
+    offsets: torch.Tensor  # [S+1] long
+    hidden: torch.Tensor  # [N, H] fp16
+    layers: torch.Tensor  # [N, L, H] fp16 (L may be 0)
+    lse: torch.Tensor  # [N] fp32
+    top1: torch.Tensor  # [N] long
+
+    def __len__(self) -> int:
+        return int(self.offsets.numel()) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.numel())
+
+    def span(self, i: int) -> slice:
+        return slice(int(self.offsets[i]), int(self.offsets[i + 1]))
+
+    def save(self, path: Path) -> None:
+        from safetensors.torch import save_file
+
+        tmp = path.with_suffix(".tmp")
+        save_file({"tokens": self.tokens, "trained": self.trained.to(torch.uint8), "offsets": self.offsets,
+                   "hidden": self.hidden.contiguous(), "layers": self.layers.contiguous(), "lse": self.lse,
+                   "top1": self.top1}, str(tmp), metadata={"format": FORMAT})
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> "Shard":
+        from safetensors.torch import load_file
+
+        t = load_file(str(path))
+        return cls(t["tokens"].long(), t["trained"].bool(), t["offsets"].long(), t["hidden"], t["layers"],
+                   t["lse"].float(), t["top1"].long())
+
+    @staticmethod
+    def concat(parts: Sequence["Shard"]) -> "Shard":
+        offs, base = [torch.zeros(1, dtype=torch.long)], 0
+        for p in parts:
+            offs.append(p.offsets[1:] + base)
+            base += p.num_tokens
+        cat = lambda name: torch.cat([getattr(p, name) for p in parts])  # noqa: E731
+        return Shard(cat("tokens"), cat("trained"), torch.cat(offs), cat("hidden"), cat("layers"), cat("lse"),
+                     cat("top1"))
+
+
+@torch.inference_mode()
+def target_outputs(model: Any, ids: torch.Tensor, layers: Sequence[int]) -> dict[str, torch.Tensor]:
+    """One forward over ``ids`` [1, T]: final-normed hidden, the chosen layer outputs (float32),
+    lse and top-1."""
+    out = model.get_decoder()(input_ids=ids, output_hidden_states=bool(layers))
+    h = out.last_hidden_state[0]  # [T, H]
+    logits = model.get_output_embeddings()(h).float()
+    sel = (torch.stack([out.hidden_states[i][0] for i in layers], 1) if layers
+           else h.new_zeros(h.shape[0], 0, h.shape[1]))
+    return {"hidden": h.float(), "layers": sel.float(), "lse": torch.logsumexp(logits, -1), "top1": logits.argmax(-1)}
+
+
+class ShardWriter:
+    """Accumulates conversations and writes a shard every ``shard_tokens`` tokens; progress is
+    checkpointed with each shard so an interrupted run resumes after the last shard."""
+
+    def __init__(self, out: Path, meta: dict, shard_tokens: int) -> None:
+        self.out, self.shard_tokens = out, shard_tokens
+        out.mkdir(parents=True, exist_ok=True)
+        self.progress_path = out / "progress.json"
+        state = json.loads(self.progress_path.read_text()) if self.progress_path.is_file() else None
+        if state is not None and state["meta"] != meta:
+            raise ValueError(f"{out} holds features made with other settings ({state['meta']}); "
+                             "use a new --out directory")
+        self.state = state or {"meta": meta, "shards": [], "consumed": 0, "tokens": 0, "trained_tokens": 0,
+                               "conversations": 0, "seconds": 0.0, "exhausted": False}
+        self._parts: list[Shard] = []
+        self._pending_consumed = self.state["consumed"]
+
+    @property
+    def tokens(self) -> int:
+        return self.state["tokens"] + sum(p.num_tokens for p in self._parts)
+
+    def add(self, tokens: Sequence[int], trained: Sequence[bool], outs: dict[str, torch.Tensor], consumed: int) -> None:
+        n = len(tokens)
+        self._parts.append(Shard(torch.tensor(tokens, dtype=torch.long), torch.tensor(trained, dtype=torch.bool),
+                                 torch.tensor([0, n], dtype=torch.long), outs["hidden"].half(),
+                                 outs["layers"].half(), outs["lse"], outs["top1"]))
+        self._pending_consumed = consumed
+        if sum(p.num_tokens for p in self._parts) >= self.shard_tokens:
+            self.flush()
+
+    def skip(self, consumed: int) -> None:
+        """Conversations read but not kept still advance the resume point."""
+        self._pending_consumed = consumed
+
+    def flush(self, seconds: float = 0.0, exhausted: bool = False) -> None:
+        st = self.state
+        if self._parts:
+            shard = Shard.concat(self._parts)
+            name = f"shard-{len(st['shards']):05d}.safetensors"
+            shard.save(self.out / name)
+            st["shards"].append(name)
+            st["tokens"] += shard.num_tokens
+            st["trained_tokens"] += int(shard.trained.sum())
+            st["conversations"] += len(shard)
+            self._parts = []
+        st["consumed"] = self._pending_consumed
+        st["seconds"] = round(st["seconds"] + seconds, 1)
+        st["exhausted"] = exhausted  # every example was read: a bigger budget adds nothing
+        tmp = self.progress_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(st, indent=1) + "\n")
+        tmp.replace(self.progress_path)
+
+
+def extract(model: Any, examples: Iterable[tuple[list[int], list[bool]]], out: Path, meta: dict,
+            layers: Sequence[int], max_tokens: int, shard_tokens: int = 32768, progress: bool = True) -> dict:
+    """Run the target over ``examples`` ((ids, trained mask) per conversation, in a fixed order)
+    until ``max_tokens`` tokens are written; resumes from ``out/progress.json`` (an interrupted
+    run, or a finished one given a bigger budget)."""
+    from tqdm.auto import tqdm
+
+    writer = ShardWriter(Path(out), meta, shard_tokens)
+    if writer.state.get("exhausted") or writer.tokens >= max_tokens:
+        return writer.state
+    start_consumed = writer.state["consumed"]
+    bar = tqdm(total=max_tokens, initial=writer.tokens, unit="tok", desc="target features", disable=not progress,
+               dynamic_ncols=True)
+    t_last = time.perf_counter()
+    dev = next(model.parameters()).device
+    consumed = 0
+    exhausted = True
+    for consumed, (ids, trained) in enumerate(examples, start=1):
+        if consumed <= start_consumed:
+            continue
+        if writer.tokens >= max_tokens:
+            exhausted = False
+            consumed -= 1
+            break
+        cut = writer.tokens + len(ids) > max_tokens
+        ids = ids[: max_tokens - writer.tokens] if cut else ids
+        trained = trained[: len(ids)]
+        if len(ids) < 2 or not any(trained):
+            if cut:  # the budget's remainder holds no answer token: the budget is spent
+                exhausted = False
+                consumed -= 1
+                break
+            writer.skip(consumed)
+            continue
+        before = len(writer.state["shards"])
+        outs = target_outputs(model, torch.tensor([ids], device=dev), layers)
+        writer.add(ids, trained, {k: v.cpu() for k, v in outs.items()}, consumed)
+        if len(writer.state["shards"]) > before:  # a shard was written: account its time
+            now = time.perf_counter()
+            writer.state["seconds"] = round(writer.state["seconds"] + now - t_last, 1)
+            t_last = now
+        bar.update(len(ids))
+    now = time.perf_counter()
+    writer.skip(consumed)
+    writer.flush(now - t_last, exhausted=exhausted)
+    bar.close()
+    return writer.state
+
+
+class FeatureStore:
+    """The shards of one extraction, read one at a time (the trainer streams them)."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        prog = self.directory / "progress.json"
+        if not prog.is_file():
+            raise FileNotFoundError(f"no features in {self.directory} (no progress.json); run "
+                                    "`spec-plugins train features` first")
+        self.state = json.loads(prog.read_text())
+        self.shards = [self.directory / s for s in self.state["shards"]]
+        if not self.shards:
+            raise ValueError(f"{self.directory} has no feature shards yet")
+
+    @property
+    def meta(self) -> dict:
+        return self.state["meta"]
+
+    @property
+    def tokens(self) -> int:
+        return int(self.state["tokens"])
+
+    def load(self, i: int) -> Shard:
+        return Shard.load(self.shards[i])
+
+    def iter_shards(self, order: Sequence[int] | None = None) -> Iterator[Shard]:
+        for i in order if order is not None else range(len(self.shards)):
+            yield self.load(i)
+
+    def limit_shards(self, max_tokens: int | None) -> list[int]:
+        """Shard indices covering the first ``max_tokens`` tokens (all if None): a data-size
+        sweep trains on prefixes of one extraction."""
+        if max_tokens is None:
+            return list(range(len(self.shards)))
+        per = max(1, self.tokens // len(self.shards))
+        return list(range(min(len(self.shards), max(1, math.ceil(max_tokens / per)))))

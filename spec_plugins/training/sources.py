@@ -1,0 +1,76 @@
+"""Training examples for drafters: (token ids, which ids the assistant wrote) per conversation.
+
+Two ways to get the assistant's text, compared on held-out acceptance in the README:
+- ``fixed``: the conversations as written (ShareGPT), every turn kept; features and soft labels
+  then come from one target forward over each whole conversation (prefill speed).
+- ``self``: the target regenerates the answers (self-distillation), batched greedy decoding on
+  the project's fastest runtime; only the first user turn is kept, since later user turns were
+  written in reply to another model's answers.
+
+Sources: ``sharegpt`` (the ``[train]`` extra) or the shipped template prompts
+(``examples/prompts/train.jsonl``, prompts without answers, so ``self`` only).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator, Literal, Sequence
+
+from spec_plugins.training.sharegpt import DataFilter, FilterCounts, conversations, dataset_file, encode_conversation
+
+Example = tuple[list[int], list[bool]]
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "examples" / "prompts" / "train.jsonl"
+
+
+def load_prompts(path: str | Path) -> list[str]:
+    """One JSON object per line with a ``prompt`` field."""
+    out = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} line {n}: not JSON ({exc.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
+            raise ValueError(f"{path} line {n}: expected an object with a non-empty string `prompt`, got {line[:80]!r}")
+        out.append(row["prompt"])
+    if not out:
+        raise ValueError(f"no prompts in {path}")
+    return out
+
+
+def sharegpt_examples(tokenizer: Any, split: Literal["train", "heldout"], max_seq: int,
+                      flt: DataFilter = DataFilter(), heldout_share: float = 0.02,
+                      counts: FilterCounts | None = None) -> Iterator[Example]:
+    """ShareGPT conversations as written, in the chat template, cut at ``max_seq`` tokens."""
+    for _, msgs in conversations(dataset_file(), flt, split, heldout_share, counts):
+        enc = encode_conversation(tokenizer, msgs, max_seq)
+        if enc is not None:
+            yield enc.ids, enc.assistant
+
+
+def first_turns(split: Literal["train", "heldout"], flt: DataFilter = DataFilter(), heldout_share: float = 0.02
+                ) -> Iterator[list[dict[str, str]]]:
+    """The opening user turn (with any system message) of each kept ShareGPT conversation."""
+    for _, msgs in conversations(dataset_file(), flt, split, heldout_share):
+        head = msgs[: 2 if msgs[0]["role"] == "system" else 1]
+        yield head
+
+
+def self_distilled(decoder: Any, prompts: Sequence[Sequence[dict[str, str]] | str], max_new_tokens: int,
+                   batch: int = 16, progress: bool = True) -> Iterator[Example]:
+    """The target's own greedy answers (plain decoding, ``batch`` rows per target forward)."""
+    from tqdm.auto import tqdm
+
+    plain = decoder.without_speculation()
+    bar = tqdm(total=len(prompts), desc="self-distillation (answers)", disable=not progress, dynamic_ncols=True)
+    for s in range(0, len(prompts), batch):
+        chunk = [p if isinstance(p, str) else list(p) for p in prompts[s: s + batch]]
+        ids = [plain.encode([{"role": "user", "content": p}] if isinstance(p, str) else p) for p in chunk]
+        results = plain.generate_batch(ids, max_new_tokens=max_new_tokens)
+        for p, r in zip(ids, results):
+            yield list(p) + list(r.token_ids), [False] * len(p) + [True] * len(r.token_ids)
+        bar.update(len(chunk))
+    bar.close()
