@@ -84,6 +84,7 @@ class ProposeContext:
     generator: torch.Generator | None = None
     tree_ok: bool = False  # the target runtime can verify a tree in one forward
     hidden: Sequence[torch.Tensor] | None = None  # per row: target hidden states not yet consumed
+    tenants: Sequence[Hashable] | None = None  # per row: whose traffic it is (cross-request memory scope)
 
 
 @dataclass
@@ -117,6 +118,7 @@ class RowRequest:
     stop: RowStop | None = None
     logprobs: bool = False  # report log p of each emitted token
     pipeline: "LogitsPipeline | None" = None  # a ready pipeline to use as is (overrides sampling, processors)
+    tenant: Hashable = None  # whose traffic this is: proposers with cross-request memory keep tenants apart
 
 
 @dataclass
@@ -176,6 +178,7 @@ class RoundRecord:
     target_logits: torch.Tensor | None = None
     times: RoundTimes = field(default_factory=RoundTimes)
     lossy: bool = False
+    tenants: list[Hashable] | None = None  # per row (``RowRequest.tenant``)
     _by_depth: list[list[int]] | None = field(default=None, init=False, repr=False)
 
     @property

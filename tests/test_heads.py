@@ -206,27 +206,25 @@ def test_eagle_auto_tree_greedy_identical_batch():
     outs, stats = run(target, prop, ps, limits, 5)
     for p, o, n in zip(ps, outs, limits):
         assert o == plain_greedy(model, p, n)
-    assert prop.calib[1] > 2.0  # rounds were predicted and observed
+    assert prop.sizer.calib[1] > 2.0  # rounds were predicted and observed
 
 
-def test_eagle_auto_tree_size_follows_the_cost_curve_and_calibration():
+def test_auto_tree_size_follows_the_cost_curve_and_calibration():
     """Flat cost curve (GPU-like): keep every candidate with probability mass; steep curve (each
     position costs a full forward): keep none unless a node is near-certain. Calibration that
-    says the drafter over-predicts shrinks the tree."""
+    says the drafter over-predicts shrinks the tree; observed rounds move the calibration."""
     from spec_plugins.policy import ForwardCost
+    from spec_plugins.policy.tree_size import TreeSizer
 
-    model = tiny_llama(seed=5)
-    prop = eagle_auto(model, TorchRuntime(model))
-    scores = torch.tensor([[-0.1, -0.3, -0.7, -1.2, -2.0, -3.0, float("-inf")]])
-    prop._t0 = time.perf_counter()
-    prop.cost = ForwardCost.from_curve([0.01] * 40)
-    assert prop._auto_counts(scores) == [6]
-    prop.cost = ForwardCost.from_curve([0.01 * n for n in range(1, 41)])
-    assert prop._auto_counts(scores) == [0]
-    prop.cost = ForwardCost.from_curve([0.01 * (1 + 0.2 * (n - 1)) for n in range(1, 41)])
-    prop.calib = [2.0, 2.0]
-    mid = prop._auto_counts(scores)[0]
-    prop.calib = [0.5, 2.0]  # only a quarter of the predicted nodes were accepted
-    assert 0 < mid and prop._auto_counts(scores)[0] < mid
+    probs = [torch.tensor([-0.1, -0.3, -0.7, -1.2, -2.0, -3.0, float("-inf")]).exp().tolist()]
+    assert TreeSizer(ForwardCost.from_curve([0.01] * 40)).counts(probs) == [6]
+    assert TreeSizer(ForwardCost.from_curve([0.01 * n for n in range(1, 41)])).counts(probs) == [0]
+    sizer = TreeSizer(ForwardCost.from_curve([0.01 * (1 + 0.2 * (n - 1)) for n in range(1, 41)]))
+    mid = sizer.counts(probs)[0]
+    sizer.calib = [0.5, 2.0]  # only a quarter of the predicted nodes were accepted
+    assert 0 < mid and sizer.counts(probs)[0] < mid
+    before = sizer.scale
+    sizer.observe(0)  # the round just sized accepted nothing
+    assert sizer.scale < before
     with pytest.raises(ValueError, match="tree_nodes"):
         EagleProposer.Config(heads="unused", tree_nodes=0)

@@ -40,6 +40,7 @@ class Row:
     prefix: tuple[int, ...] = ()
     stop: RowStop | None = None
     logprobs: bool = False
+    tenant: Hashable = None
     hidden: torch.Tensor | None = None  # [T, H] target features the proposer has not consumed
     done: bool = False
     finish_reason: str | None = None
@@ -153,7 +154,7 @@ class Batch:
             gen = torch.Generator(device=self.device).manual_seed(r.seed)
         limit = min(r.max_new_tokens, self.runtime.max_context - len(r.prompt))
         return Row(r.key, list(r.prompt), len(r.prompt), limit, pipeline, gen, tuple(r.prefix), r.stop,
-                   r.logprobs)
+                   r.logprobs, r.tenant)
 
     # ---- rows leave -------------------------------------------------------------------------------
     def remove(self, keys: Sequence[Hashable]) -> None:
@@ -194,7 +195,8 @@ class Batch:
             return budgets, None
         hidden = [r.hidden for r in self.rows] if self.traits.needs_hidden else None
         ctx = ProposeContext(view.sequences, budgets, RowPipelines([r.pipeline for r in self.rows]),
-                             self.generator, self.runtime.capabilities.tree_mask, hidden)
+                             self.generator, self.runtime.capabilities.tree_mask, hidden,
+                             [r.tenant for r in self.rows])
         draft = self.proposer.propose(ctx)
         return budgets, draft.to(self.device) if draft is not None else None
 

@@ -45,7 +45,7 @@ def run_round(batch: Batch, policy: DraftPolicy) -> RoundRecord | None:
     times = RoundTimes(draft=t1 - t0, forward=t2 - t1, verify=t3 - t2, commit=t4 - t3, total=clock() - t0)
     record = RoundRecord(batch.keys(), [r.tokens for r in batch.rows], budgets, view.keys, draft,
                          verdict.accepted, [e.tokens for e in emissions], emissions, int(tokens.shape[1]), z,
-                         times, batch.lossy)
+                         times, batch.lossy, [r.tenant for r in batch.rows])
     batch.observe(record)                                        # 8. proposer, stats, observers learn
     policy.observe(record)
     return record

@@ -25,6 +25,7 @@ from spec_plugins.backends.slots import KVSlots, additive, pad_slots
 from spec_plugins.config import ProposerConfig
 from spec_plugins.heads.eagle import EagleDrafter
 from spec_plugins.heads.runner import OrtEagleLayer, head_session, pick_engine
+from spec_plugins.policy.tree_size import TreeSizer
 from spec_plugins.proposers.base import Draft, ProposeContext, Proposer, RoundRecord
 from spec_plugins.proposers.medusa import resolve_head_dir
 from spec_plugins.registry import register_proposer
@@ -74,17 +75,14 @@ class EagleProposer(Proposer):
         self.k, self.v = drafter.empty_past(0, self.dtype)  # [B, H, S, D] over the slot layer's slots
         self.slots = KVSlots()  # position of each cached pair, -1 = hole (``backends/slots.py``)
         self.fed: list[int] = []  # per row: pairs (f_j, x_{j+1}) cached for j < fed
-        self.cost = None
+        self.sizer: TreeSizer | None = None  # tree_nodes: auto
         if config.tree_nodes == "auto":
             if target is None or not hasattr(target, "forward"):
                 raise ValueError("tree_nodes='auto' needs the target runtime to measure its cost curve")
             from spec_plugins.policy.cost import cost_for
 
-            self.cost = cost_for(target, max_positions=AUTO_MAX_NODES + 1)
-        # calibration of 'auto': accepted nodes vs the drafter's predicted sum of path probabilities
-        self._predicted: list[float] = []
+            self.sizer = TreeSizer(cost_for(target, max_positions=AUTO_MAX_NODES + 1))
         self._t0 = 0.0  # start of the current propose(): its drafting time so far is a sunk cost of the round
-        self.calib = [2.0, 2.0]  # [accepted, predicted], prior: calibrated
 
     # ---- cache: the shared slot layer, one drafter layer ------------------------------------------
     def admit(self, prompts: Sequence[Sequence[int]]) -> None:
@@ -150,7 +148,6 @@ class EagleProposer(Proposer):
         if ctx.hidden is None:
             raise RuntimeError("eagle needs target hidden states (needs_hidden) but the loop passed none")
         self._t0 = time.perf_counter()
-        self._predicted = []
         f = self._catch_up(ctx)
         depth = max(ctx.budgets, default=0)
         if depth <= 0:
@@ -237,7 +234,8 @@ class EagleProposer(Proposer):
         key = key.masked_fill(dep_t[None] >= torch.tensor(budgets)[:, None], NEG)
         auto = self.config.tree_nodes == "auto"
         keep = key.topk(min(AUTO_MAX_NODES if auto else self.config.tree_nodes, key.shape[1]), -1)
-        counts = self._auto_counts(keep.values) if auto else [keep.values.shape[1]] * B
+        counts = ([keep.values.shape[1]] * B if self.sizer is None else
+                  self.sizer.counts(keep.values.float().exp().clamp(max=1.0).tolist(), time.perf_counter() - self._t0))
         if auto and max(counts) == 0:
             return None
         par_l, rank_l, tok_l = parent.tolist(), rank.tolist(), tok.tolist()
@@ -256,40 +254,7 @@ class EagleProposer(Proposer):
         merged = merge_trees(rows)
         return Draft(merged.tokens, merged.parents, None, merged.valid)
 
-    # ---- tree_nodes: auto ----------------------------------------------------------------------
-    def _auto_counts(self, scores: torch.Tensor) -> list[int]:
-        """Nodes to keep per row: the prefix n of the best-first candidates maximising
-        (1 + sum of their acceptance estimates) / (T(n + 1) + this round's drafting time).
-        A node is accepted iff the target follows its whole path, so its draft path probability
-        exp(score) estimates P(accepted) and the sum over kept nodes the accepted length; a
-        prefix of the best-first list is a valid tree (a child never scores above its parent).
-        The estimates are scaled by the measured accepted / predicted ratio of recent rounds."""
-        cost = self.cost
-        spent = time.perf_counter() - self._t0
-        scale = self.calib[0] / self.calib[1]
-        raw = scores.float().exp().clamp(max=1.0)  # NEG -> 0
-        p = (raw * scale).clamp(max=1.0)
-        counts = []
-        for row, raw_row in zip(p.tolist(), raw.tolist()):
-            best_n, best, total = 0, 1.0 / (cost(1, 1) + spent), 1.0
-            for n, pn in enumerate(row, start=1):
-                if pn <= 0.0:
-                    break
-                total += pn
-                rate = total / (cost(1, n + 1) + spent)
-                if rate > best:
-                    best_n, best = n, rate
-            counts.append(best_n)
-            self._predicted.append(sum(raw_row[:best_n]))
-        return counts
-
     def observe(self, result: RoundRecord) -> None:
-        """Calibrate 'auto': accepted nodes against the drafter's (unscaled) predicted sum."""
-        if self.cost is None or not self._predicted or result.draft is None:
-            return
-        got = sum(len(a) for a in result.accepted)
-        pred = sum(self._predicted)
-        self._predicted = []
-        lam = 0.9
-        self.calib = [lam * self.calib[0] + got, lam * self.calib[1] + pred]
-        self.calib[0] = min(max(self.calib[0], 0.05 * self.calib[1]), 2.0 * self.calib[1])  # scale in [0.05, 2]
+        """Calibrate ``tree_nodes: auto``: accepted nodes against the drafter's path probabilities."""
+        if self.sizer is not None and result.draft is not None:
+            self.sizer.observe(sum(len(a) for a in result.accepted))

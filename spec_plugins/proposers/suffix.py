@@ -1,0 +1,183 @@
+"""Suffix decoding (Oliaro et al., NeurIPS 2025): tree drafts from this request's own text and
+from the text of every request seen before, no model, no training.
+
+Each row keeps a suffix index over its prompt and output (``RequestIndex``); finished requests
+go into a global index (``GlobalIndex``) shared by every row of the proposer, under a token cap
+that evicts the oldest request first. Each round, per row:
+1. the longest suffix of the context that was seen before with a continuation is matched in
+   both indexes (at most ``max_match`` tokens, so the index depth leaves room to continue);
+2. from each match a tree grows best-first by empirical continuation frequency
+   (``suffix_index.speculate``), at most ``max_spec_factor`` x match length nodes (longer
+   matches are trusted with bigger trees), none below ``min_token_prob``;
+3. the tree with the higher expected accepted length is drafted, trimmed by the cost model
+   (``tree_nodes: auto``) or to ``tree_nodes``.
+Drafts are point masses, so greedy output is plain greedy and sampling stays exact.
+
+Scope of the cross-request memory (``scope``): ``request`` (none: only the row's own text),
+``global`` (every request), or ``tenant`` (requests with the same tenant key only). A shared
+index leaks timing: a request runs faster when similar text was seen before, so a multi-tenant
+deployment should keep ``request`` (the default) or ``tenant``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Hashable, Literal, Sequence
+
+from pydantic import Field, model_validator
+
+from spec_plugins.config import ProposerConfig
+from spec_plugins.proposers.base import Draft, ProposeContext, Proposer, RoundRecord
+from spec_plugins.registry import register_proposer
+from spec_plugins.suffix_index import EMPTY, Cursor, GlobalIndex, RequestIndex, Speculation, speculate
+from spec_plugins.tree import merge_trees, ordinal_paths
+
+AUTO_MAX_NODES = 32  # 'auto' tree sizes stay within the measured cost curve (N <= 33 positions)
+FINISHED = ("eos_token", "length", "stop")  # rows that end so go into the global index
+
+
+@register_proposer("suffix")
+class SuffixProposer(Proposer):
+    """Point-mass draft trees from suffix indexes over this request and earlier ones."""
+
+    tree = True
+
+    class Config(ProposerConfig):
+        type: Literal["suffix"] = "suffix"
+        num_draft_tokens: int | Literal["auto"] = Field(16, description="Depth limit of the draft tree.")
+        tree_nodes: int | Literal["auto"] = Field(
+            "auto", description="Most draft nodes per row and round; 'auto' keeps the count with the most expected "
+                                "tokens per second under the runtime's measured cost curve.")
+        scope: Literal["request", "global", "tenant"] = Field(
+            "request", description="Cross-request memory: none, every request, or requests of the same tenant.")
+        max_spec_factor: float = Field(1.0, gt=0.0, le=16.0,
+                                       description="At most this x match length nodes per tree (SuffixDecoding's alpha).")
+        min_token_prob: float = Field(0.1, ge=0.0, le=1.0,
+                                      description="Nodes whose estimated acceptance probability is lower are not drafted.")
+        depth: int = Field(32, ge=2, le=128, description="Longest substring the indexes hold (work per token).")
+        max_match: int = Field(12, ge=1, le=127, description="Longest suffix matched (the rest of depth is for drafts).")
+        global_max_tokens: int = Field(200_000, ge=1, description="Token cap of the global index (oldest evicted).")
+
+        @model_validator(mode="after")
+        def _check(self) -> "SuffixProposer.Config":
+            if self.tree_nodes != "auto" and not (1 <= self.tree_nodes <= 256):
+                raise ValueError(f"tree_nodes must be 'auto' or 1..256, got {self.tree_nodes}")
+            if self.max_match >= self.depth:
+                raise ValueError(f"max_match ({self.max_match}) must be < depth ({self.depth})")
+            return self
+
+    def __init__(self, config: "SuffixProposer.Config | None" = None, target: Any = None, **_: object) -> None:
+        self.config = c = config or self.Config()
+        self.index = GlobalIndex(c.depth, c.global_max_tokens)
+        self.rows: list[RequestIndex] = []
+        self.cursors: list[Cursor | None] = []  # per row: its context in the global trie of its scope key
+        self.keys: list[Hashable] = []
+        self.epochs: list[int] = []  # the global index's epoch each cursor is in sync with
+        self.sizer = None
+        if c.tree_nodes == "auto":
+            if target is None or not hasattr(target, "forward"):
+                raise ValueError("tree_nodes='auto' needs the target runtime to measure its cost curve")
+            from spec_plugins.policy.cost import cost_for
+            from spec_plugins.policy.tree_size import TreeSizer
+
+            self.sizer = TreeSizer(cost_for(target, max_positions=AUTO_MAX_NODES + 1))
+        self.last: list[Speculation] = []  # per row: what the last propose drafted (for stats)
+
+    # ---- rows -----------------------------------------------------------------------------------
+    def admit(self, prompts: Sequence[Sequence[int]]) -> None:
+        for p in prompts:
+            idx = RequestIndex(self.config.depth)
+            idx.extend(list(p))
+            self.rows.append(idx)
+            self.cursors.append(None)
+            self.keys.append(None)
+            self.epochs.append(-1)
+
+    def select_rows(self, rows: Sequence[int]) -> None:
+        for name in ("rows", "cursors", "keys", "epochs"):
+            old = getattr(self, name)
+            setattr(self, name, [old[r] for r in rows])
+
+    def num_rows(self) -> int:
+        return len(self.rows)
+
+    def _scope_key(self, tenant: Hashable) -> Hashable | None:
+        scope = self.config.scope
+        return None if scope == "request" else ("*" if scope == "global" else ("tenant", tenant))
+
+    # ---- drafting -------------------------------------------------------------------------------
+    def _sync(self, b: int, seq: Sequence[int], tenant: Hashable) -> None:
+        """Catch row b's indexes up with the tokens emitted since the last round."""
+        idx = self.rows[b]
+        new = list(seq[idx.length:])
+        idx.extend(new)
+        key = self._scope_key(tenant)
+        if key is None:
+            return
+        cur = self.cursors[b]
+        if cur is None or self.keys[b] != key or self.epochs[b] != self.index.epoch:
+            cur = self.cursors[b] = Cursor(self.index.trie(key))
+            cur.resync(seq)
+            self.keys[b], self.epochs[b] = key, self.index.epoch
+        else:
+            for t in new:
+                cur.follow(t)
+
+    def speculations(self, ctx: ProposeContext) -> list[Speculation]:
+        """Per row: the better of the own-text and the cross-request tree (not yet sized)."""
+        c = self.config
+        tenants = ctx.tenants or [None] * len(ctx.sequences)
+        out = []
+        for b, (seq, budget, tenant) in enumerate(zip(ctx.sequences, ctx.budgets, tenants)):
+            self._sync(b, seq, tenant)
+            if budget <= 0:
+                out.append(EMPTY)
+                continue
+            cap = AUTO_MAX_NODES if c.tree_nodes == "auto" else c.tree_nodes
+            best = EMPTY
+            for n, node in (self.rows[b].match(c.max_match), self._global_match(b)):
+                if node is None:
+                    continue
+                nodes = min(cap, max(1, int(c.max_spec_factor * n)))
+                spec = speculate(node, n, nodes, min(budget, c.depth - n), c.min_token_prob)
+                if spec.score > best.score:
+                    best = spec
+            out.append(best)
+        return out
+
+    def _global_match(self, b: int) -> tuple[int, Any]:
+        cur = self.cursors[b]
+        if cur is None:
+            return 0, None
+        n, node = cur.match(self.config.max_match)
+        self.index.stats.lookups += 1
+        self.index.stats.hits += node is not None
+        return n, node
+
+    def propose(self, ctx: ProposeContext) -> Draft | None:
+        t0 = time.perf_counter()
+        specs = self.speculations(ctx)
+        if self.sizer is not None:
+            counts = self.sizer.counts([list(s.probs) for s in specs], time.perf_counter() - t0)
+            specs = [_prefix(s, n) for s, n in zip(specs, counts)]
+        self.last = specs
+        if not any(s.tokens for s in specs):
+            return None
+        merged = merge_trees([(s.tokens, ordinal_paths(s.parents)) for s in specs])
+        return Draft(merged.tokens, merged.parents, None, merged.valid)
+
+    def observe(self, record: RoundRecord) -> None:
+        """Calibrate the tree sizes; finished rows go into the global index of their scope."""
+        if self.sizer is not None and record.draft is not None:
+            self.sizer.observe(sum(len(a) for a in record.accepted))
+        if self.config.scope == "request":
+            return
+        tenants = record.tenants or [None] * record.rows
+        for e, seq, tenant in zip(record.emissions, record.sequences, tenants):
+            if e.finish_reason in FINISHED:
+                self.index.add(self._scope_key(tenant), seq)
+
+
+def _prefix(spec: Speculation, n: int) -> Speculation:
+    """The first n nodes (best-first order: a valid tree)."""
+    return Speculation(spec.tokens[:n], spec.parents[:n], spec.probs[:n], spec.match_length)

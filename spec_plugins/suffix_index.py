@@ -1,0 +1,268 @@
+"""Suffix indexes for suffix decoding: depth-bounded suffix tries with occurrence counts.
+
+A trie of depth D holds every substring of up to D tokens of the sequences added to it; a node's
+``count`` is how many times its string occurs. The continuation frequencies of a matched string
+are its children's counts, which is what SuffixDecoding scores candidates by.
+
+Work per token is O(D) with D fixed (24 by default), independent of the context length:
+- appending a token to a sequence extends the D open suffixes that end at it (``Cursor``);
+- the longest earlier-seen suffix of a row's context is tracked the same way against any trie
+  (``Cursor.follow``), so a round never re-scans the context.
+
+``GlobalIndex`` holds finished requests under a token cap, evicting the oldest first; removing a
+request decrements the counts along its suffixes and drops nodes that reach zero, so memory
+follows the cap.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass
+from typing import Hashable, Iterable, Sequence
+
+
+class Node:
+    __slots__ = ("count", "children")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.children: dict[int, Node] | None = None
+
+    def child(self, token: int) -> "Node | None":
+        return self.children.get(token) if self.children else None
+
+
+class Trie:
+    """Substrings of up to ``depth`` tokens with occurrence counts."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self.root = Node()
+        self.nodes = 0
+        self.version = 0  # bumped on every removal: cursors re-sync (nodes they hold may be gone)
+
+    def _step(self, node: Node, token: int) -> Node:
+        if node.children is None:
+            node.children = {}
+        nxt = node.children.get(token)
+        if nxt is None:
+            nxt = node.children[token] = Node()
+            self.nodes += 1
+        nxt.count += 1
+        return nxt
+
+    def extend(self, open_: list[Node], token: int) -> list[Node]:
+        """Add one token after the open suffixes ``open_`` (deepest first, at most depth-1 of
+        them); returns the new open suffixes (deepest first)."""
+        out = [self._step(n, token) for n in open_[max(0, len(open_) - self.depth + 1):]]
+        out.append(self._step(self.root, token))
+        return out
+
+    def add(self, tokens: Iterable[int]) -> None:
+        open_: list[Node] = []
+        for t in tokens:
+            open_ = self.extend(open_, t)
+
+    def remove(self, tokens: Sequence[int]) -> None:
+        """Undo ``add(tokens)``: decrement every suffix path, drop nodes that reach zero."""
+        self.version += 1
+        toks = list(tokens)
+        for i in range(len(toks)):
+            node = self.root
+            path = []
+            for t in toks[i: i + self.depth]:
+                nxt = node.child(t)
+                if nxt is None:  # already gone (a shorter path reached zero first)
+                    break
+                path.append((node, t, nxt))
+                node = nxt
+            for parent, t, n in path:
+                n.count -= 1
+            for parent, t, n in reversed(path):
+                if n.count <= 0 and parent.children is not None and parent.children.get(t) is n:
+                    self.nodes -= _size(n)
+                    del parent.children[t]
+
+    def walk(self, tokens: Sequence[int]) -> Node | None:
+        node: Node | None = self.root
+        for t in tokens:
+            node = node.child(t) if node is not None else None
+        return node
+
+
+def _size(n: Node) -> int:
+    stack, total = [n], 0
+    while stack:
+        x = stack.pop()
+        total += 1
+        if x.children:
+            stack.extend(x.children.values())
+    return total
+
+
+class Cursor:
+    """The suffixes of one row's context that a trie holds, deepest first, as (length, node).
+
+    ``follow(token)`` advances every tracked suffix by the new token in O(depth); ``resync``
+    re-walks the last ``depth`` tokens (after the trie lost nodes or gained longer paths)."""
+
+    def __init__(self, trie: Trie) -> None:
+        self.trie = trie
+        self.active: list[tuple[int, Node]] = []
+        self.version = trie.version
+
+    def follow(self, token: int) -> None:
+        nxt = []
+        for n, node in self.active:
+            c = node.child(token)
+            if c is not None and n + 1 <= self.trie.depth:
+                nxt.append((n + 1, c))
+        c = self.trie.root.child(token)
+        if c is not None:
+            nxt.append((1, c))
+        self.active = nxt
+
+    def resync(self, context: Sequence[int]) -> None:
+        tail = list(context[-self.trie.depth:])
+        self.active = []
+        for i in range(len(tail)):
+            node = self.trie.walk(tail[i:])
+            if node is not None and node.count > 0:
+                self.active.append((len(tail) - i, node))
+        self.version = self.trie.version
+
+    def match(self, max_length: int) -> tuple[int, Node | None]:
+        """The longest tracked suffix of at most ``max_length`` tokens that has been followed
+        by something (nodes of evicted requests have count 0 and no longer match)."""
+        for n, node in self.active:
+            if n <= max_length and node.children and node.count > 0:
+                return n, node
+        return 0, None
+
+
+class RequestIndex:
+    """One row's own trie over its prompt and output, and where its context ends in it."""
+
+    def __init__(self, depth: int) -> None:
+        self.trie = Trie(depth)
+        self.open: list[Node] = []
+        self.length = 0
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for t in tokens:
+            self.open = self.trie.extend(self.open, t)
+        self.length += len(tokens)
+
+    def match(self, max_length: int) -> tuple[int, Node | None]:
+        """Longest suffix of the context, at most ``max_length`` tokens, seen earlier with a
+        continuation: its current occurrence has no child yet, so any child is an earlier one's."""
+        n = len(self.open)
+        for i in range(max(0, n - max_length), n):  # deepest first
+            if self.open[i].children:
+                return n - i, self.open[i]
+        return 0, None
+
+
+@dataclass
+class IndexStats:
+    requests: int = 0
+    tokens: int = 0
+    nodes: int = 0
+    evicted_requests: int = 0
+    lookups: int = 0
+    hits: int = 0  # lookups that matched a suffix with a continuation
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+
+class GlobalIndex:
+    """Tries over finished requests, one per scope key (one key for ``global``; the tenant for
+    ``tenant``), under one token cap shared by all keys: the oldest request goes first."""
+
+    def __init__(self, depth: int, max_tokens: int) -> None:
+        self.depth, self.max_tokens = depth, max_tokens
+        self.tries: dict[Hashable, Trie] = {}
+        self.fifo: deque[tuple[Hashable, tuple[int, ...]]] = deque()
+        self.stats = IndexStats()
+        self.epoch = 0  # bumped on every change: row cursors re-sync to find the new matches
+
+    def trie(self, key: Hashable) -> Trie:
+        t = self.tries.get(key)
+        if t is None:
+            t = self.tries[key] = Trie(self.depth)
+        return t
+
+    def add(self, key: Hashable, tokens: Sequence[int]) -> None:
+        toks = tuple(tokens)[-self.max_tokens:]
+        if not toks:
+            return
+        self.trie(key).add(toks)
+        self.epoch += 1
+        self.fifo.append((key, toks))
+        self.stats.requests += 1
+        self.stats.tokens += len(toks)
+        while self.stats.tokens > self.max_tokens:
+            old_key, old = self.fifo.popleft()
+            self.tries[old_key].remove(old)
+            self.stats.requests -= 1
+            self.stats.tokens -= len(old)
+            self.stats.evicted_requests += 1
+        self.stats.nodes = sum(t.nodes for t in self.tries.values())
+
+
+# ---- speculation trees ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Speculation:
+    """A draft tree from one matched node: tokens, parents (-1 = child of the pending token) and
+    each node's estimated probability of being accepted (product of continuation frequencies)."""
+
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]
+    probs: tuple[float, ...]
+    match_length: int
+
+    @property
+    def score(self) -> float:
+        """Expected accepted tokens under the frequency estimates."""
+        return sum(self.probs)
+
+
+EMPTY = Speculation((), (), (), 0)
+
+
+def speculate(node: Node | None, match_length: int, max_nodes: int, max_depth: int, min_prob: float) -> Speculation:
+    """Best-first growth from ``node``: a candidate's probability is its parent's times its
+    count over its siblings' total; the most probable candidate joins next, until ``max_nodes``
+    nodes or no candidate reaches ``min_prob``. A child never scores above its parent, so the
+    result is closed under ancestors and each prefix of it is the best tree of that size."""
+    if node is None or max_nodes <= 0 or max_depth <= 0:
+        return EMPTY
+    heap: list[tuple[float, int, int, int, Node, int]] = []  # (-p, tie, parent index, depth, node, token)
+    tie = 0
+
+    def push(parent_node: Node, p: float, parent: int, depth: int) -> None:
+        nonlocal tie
+        kids = parent_node.children
+        if not kids or depth >= max_depth:
+            return
+        total = sum(c.count for c in kids.values())
+        for tok, c in kids.items():
+            q = p * c.count / total
+            if q >= min_prob:
+                heapq.heappush(heap, (-q, tie, parent, depth, c, tok))
+                tie += 1
+
+    toks: list[int] = []
+    parents: list[int] = []
+    probs: list[float] = []
+    push(node, 1.0, -1, 0)
+    while heap and len(toks) < max_nodes:
+        negp, _, parent, depth, c, tok = heapq.heappop(heap)
+        toks.append(tok)
+        parents.append(parent)
+        probs.append(-negp)
+        push(c, -negp, len(toks) - 1, depth + 1)
+    return Speculation(tuple(toks), tuple(parents), tuple(probs), match_length)
