@@ -122,6 +122,7 @@ PROPOSERS: Registry[Any] = Registry(
         "medusa": "spec_plugins.proposers.medusa:MedusaProposer",
         "eagle": "spec_plugins.proposers.eagle:EagleProposer",
         "suffix": "spec_plugins.proposers.suffix:SuffixProposer",
+        "hybrid": "spec_plugins.proposers.hybrid:HybridProposer",
     },
     check=_check_proposer,
 )

@@ -346,3 +346,32 @@ def test_scheduler_stop_cancels_what_cannot_finish():
     finally:
         loop.close()
         srv.stop()
+
+
+def test_suffix_global_index_in_the_server_per_tenant(model, tok):
+    """One index shared by all requests of a tenant (X-Tenant header), updated as requests
+    finish; /metrics shows its size and hits; outputs equal solo greedy; the cap holds."""
+    from spec_plugins.proposers.suffix import SuffixProposer
+
+    prop = SuffixProposer(SuffixProposer.Config(scope="tenant", tree_nodes=8, min_token_prob=0.0,
+                                                global_max_tokens=200))
+    srv = LiveServer(model, tok, max_batch=4, proposer=prop, policy="fixed")
+    try:
+        jobs = list(zip(PROMPTS * 2, [25, 9, 31, 14, 20] * 2))
+        for tenant in ("a", "b"):
+            client = text_generation.AsyncClient(srv.url, timeout=120, headers={"X-Tenant": tenant})
+
+            async def main():
+                return await asyncio.gather(*(client.generate(p, max_new_tokens=n) for p, n in jobs))
+
+            for (p, n), r in zip(jobs, asyncio.run(main())):
+                assert [t.id for t in r.details.tokens] == solo(model, tok, p, n), p
+        assert set(prop.index.tries) == {("tenant", "a"), ("tenant", "b")}
+        assert srv.metric("spec_suffix_index_requests") >= 1 and srv.metric("spec_suffix_index_hits_total") > 0
+        assert srv.metric("spec_suffix_index_tokens") <= 200 == srv.metric("spec_suffix_index_max_tokens")
+        assert srv.metric("spec_suffix_index_evicted_requests_total") > 0
+        r = httpx.post(srv.url + "/generate", json={"inputs": "w2", "parameters": {"max_new_tokens": 2}},
+                       headers={"X-Tenant": "x" * 200})
+        assert r.status_code == 422 and "X-Tenant" in r.json()["error"]
+    finally:
+        srv.stop()

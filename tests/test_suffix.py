@@ -204,3 +204,33 @@ def test_suffix_tree_sampling_is_exact_and_a_wrong_rule_fails():
     wrong = SuffixProposer(cfg)
     _warm(wrong, model)
     assert chi_square_pvalue(_sampled(model, wrong, NoResidualTree(), 6000), exact) < 1e-6
+
+
+def test_hybrid_picks_per_row_and_keeps_greedy_identity():
+    """Suffix + EAGLE (a random drafter): outputs equal plain greedy; on repeated requests the
+    suffix drafts win rows, on fresh text EAGLE's do; each child's calibration is its own."""
+    from test_heads import eagle
+
+    from spec_plugins.proposers.eagle import EagleProposer
+    from spec_plugins.proposers.hybrid import HybridProposer
+
+    model = tiny_llama(seed=7, sharpness=6.0)
+    target = TorchRuntime(model)
+    suffix = SuffixProposer(SuffixProposer.Config(scope="global", tree_nodes=8, min_token_prob=0.0,
+                                                  max_spec_factor=4))
+    eag = EagleProposer(EagleProposer.Config(heads="unused", mode="tree", tree_nodes=6, top_k=2), drafter=eagle(model))
+    hyb = HybridProposer(HybridProposer.Config(proposers=[{"type": "suffix"}, {"type": "eagle", "heads": "x"}]),
+                         target=target, children=[suffix, eag])
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8]]
+    first, _ = run(target, hyb, prompts, 24)
+    for p, o in zip(prompts, first):
+        assert o == plain_greedy(model, p, 24)
+    assert hyb.used[1] > 0  # fresh text: the model drafter had rows
+    before = list(hyb.used)
+    again, _ = run(target, hyb, prompts, 24)
+    assert again == first
+    assert hyb.used[0] - before[0] > hyb.used[1] - before[1]  # repeated text: mostly suffix
+    with pytest.raises(ValueError, match="exactly two"):
+        HybridProposer.Config(proposers=[{"type": "suffix"}])
+    with pytest.raises(ValueError, match="tree_nodes must be a number"):
+        HybridProposer.Config(proposers=[{"type": "suffix", "tree_nodes": "auto"}, {"type": "ngram"}])

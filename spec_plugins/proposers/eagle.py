@@ -15,6 +15,7 @@ hence point masses (``probs=None``) for the exact verifier.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Literal, Sequence
 
@@ -83,6 +84,7 @@ class EagleProposer(Proposer):
 
             self.sizer = TreeSizer(cost_for(target, max_positions=AUTO_MAX_NODES + 1))
         self._t0 = 0.0  # start of the current propose(): its drafting time so far is a sunk cost of the round
+        self.expected: list[float] = []  # per row: accepted nodes the last draft expects (path probabilities)
 
     # ---- cache: the shared slot layer, one drafter layer ------------------------------------------
     def admit(self, prompts: Sequence[Sequence[int]]) -> None:
@@ -150,6 +152,7 @@ class EagleProposer(Proposer):
         self._t0 = time.perf_counter()
         f = self._catch_up(ctx)
         depth = max(ctx.budgets, default=0)
+        self.expected = [0.0] * len(ctx.sequences)
         if depth <= 0:
             return None
         base = torch.tensor([len(s) - 1 for s in ctx.sequences], dtype=torch.long)  # pending position
@@ -171,15 +174,21 @@ class EagleProposer(Proposer):
         B = f.shape[0]
         vocab = self.drafter.vocab_ids
         toks = torch.zeros(B, depth, dtype=torch.long)
+        path_p = torch.zeros(B, depth)  # probability of the path up to each node, by the drafter
+        run = torch.ones(B)
         dk, dv = self.drafter.empty_past(B, self.dtype)
         for d in range(depth):
-            toks[:, d] = vocab[self.drafter.logits(f).argmax(-1)]
+            top = self.drafter.logits(f).float().softmax(-1).max(-1)
+            toks[:, d] = vocab[top.indices]
+            run = run * top.values
+            path_p[:, d] = run
             if d + 1 == depth:
                 break
             anc = torch.ones(B, 1, d, dtype=torch.bool)
             out, k, v = self._step(f[:, None], toks[:, d: d + 1], (base + d)[:, None], dk, dv, anc)
             dk, dv, f = torch.cat([dk, k], 2), torch.cat([dv, v], 2), out[:, 0]
         valid = torch.arange(depth)[None, :] < torch.tensor(budgets)[:, None]
+        self.expected = (path_p * valid).sum(1).tolist()
         return Draft(toks, tuple(range(-1, depth - 1)), None, None if bool(valid.all()) else valid)
 
     def _tree(self, f: torch.Tensor, base: torch.Tensor, budgets: list[int], depth: int) -> Draft:
@@ -238,8 +247,9 @@ class EagleProposer(Proposer):
                   self.sizer.counts(keep.values.float().exp().clamp(max=1.0).tolist(), time.perf_counter() - self._t0))
         if auto and max(counts) == 0:
             return None
-        par_l, rank_l, tok_l = parent.tolist(), rank.tolist(), tok.tolist()
+        par_l, rank_l, tok_l, score_l = parent.tolist(), rank.tolist(), tok.tolist(), score.tolist()
         rows = []
+        self.expected = []
         for b in range(B):
             paths: dict[int, tuple[int, ...]] = {}
 
@@ -250,6 +260,7 @@ class EagleProposer(Proposer):
                 return paths[n]
 
             sel = [n for n, s in zip(keep.indices[b].tolist()[: counts[b]], keep.values[b].tolist()) if s != NEG]
+            self.expected.append(sum(min(1.0, math.exp(score_l[b][n])) for n in sel))
             rows.append(([tok_l[b][n] for n in sel], [path(n) for n in sel]))
         merged = merge_trees(rows)
         return Draft(merged.tokens, merged.parents, None, merged.valid)

@@ -166,6 +166,11 @@ class SuffixProposer(Proposer):
         merged = merge_trees([(s.tokens, ordinal_paths(s.parents)) for s in specs])
         return Draft(merged.tokens, merged.parents, None, merged.valid)
 
+    @property
+    def expected(self) -> list[float]:
+        """Per row: accepted nodes the last draft expects (sum of its frequency estimates)."""
+        return [s.score for s in self.last]
+
     def observe(self, record: RoundRecord) -> None:
         """Calibrate the tree sizes; finished rows go into the global index of their scope."""
         if self.sizer is not None and record.draft is not None:

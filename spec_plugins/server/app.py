@@ -20,8 +20,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import ValidationError
 
 from spec_plugins.loop import Batch
-from spec_plugins.server.metrics import Metrics
-from spec_plugins.server.requests import Prepared, _parse, encode_chat, encode_text, prepare
+from spec_plugins.server.metrics import Metrics, proposer_metrics
+from spec_plugins.server.requests import Prepared, _parse, encode_chat, encode_text, prepare, tenant_of
 from spec_plugins.server.scheduler import Job, Scheduler
 from spec_plugins.server.schemas import (
     ApiError,
@@ -222,7 +222,8 @@ def create_app(state: ServerState) -> FastAPI:
                 "tokens": [t.to_json() for t in fin.tokens], "top_tokens": None, "best_of_sequences": None}
 
     async def generate_body(request: Request, req: GenerateRequest, t0: float, route: str) -> dict[str, Any]:
-        prep = prepare(state, encode_text(state, req.inputs), req.parameters, state.scheduler.new_key())
+        prep = prepare(state, encode_text(state, req.inputs), req.parameters, state.scheduler.new_key(),
+                       tenant_of(request))
         fin: Finished | None = None
         first = None
         async for ev in run_job(state, prep, request):
@@ -243,7 +244,8 @@ def create_app(state: ServerState) -> FastAPI:
         return f"data:{json.dumps(data)}\n\n".encode()
 
     def stream_tgi(request: Request, req: GenerateRequest, t0: float, route: str) -> StreamingResponse:
-        prep = prepare(state, encode_text(state, req.inputs), req.parameters, state.scheduler.new_key())
+        prep = prepare(state, encode_text(state, req.inputs), req.parameters, state.scheduler.new_key(),
+                       tenant_of(request))
 
         async def events() -> AsyncIterator[bytes]:
             status, n, first = "200", 0, None
@@ -302,7 +304,7 @@ def create_app(state: ServerState) -> FastAPI:
             params = req.to_parameters()
         except ValidationError as exc:
             raise ApiError(422, validation_message(exc)) from None
-        prep = prepare(state, encode_chat(state, req), params, state.scheduler.new_key())
+        prep = prepare(state, encode_chat(state, req), params, state.scheduler.new_key(), tenant_of(request))
         cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         model = state.model_id
         finish = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
@@ -374,7 +376,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        text = state.metrics.render(state.batch.stats, state.policy_view())
+        text = state.metrics.render(state.batch.stats, state.policy_view(), proposer_metrics(state.batch.proposer))
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     return app

@@ -66,7 +66,8 @@ class Metrics:
         with self._lock:
             self.cancelled += 1
 
-    def render(self, stats: Any = None, policy: dict[str, Any] | None = None) -> str:
+    def render(self, stats: Any = None, policy: dict[str, Any] | None = None,
+               proposer: Iterable[tuple[str, str, str, float]] = ()) -> str:
         out: list[str] = []
 
         def metric(name: str, kind: str, help_: str, samples: Iterable[tuple[dict[str, Any], float]]) -> None:
@@ -132,4 +133,26 @@ class Metrics:
             table = policy.get("draft_length_by_batch") or {}
             metric("spec_policy_draft_length", "gauge", "Draft length the policy picks per batch size, now.",
                    [({"batch": b}, k) for b, k in sorted(table.items())])
+        for name, kind, help_, value in proposer:
+            metric(name, kind, help_, [({}, value)])
         return "\n".join(out) + "\n"
+
+
+def proposer_metrics(proposer: Any) -> list[tuple[str, str, str, float]]:
+    """What a proposer with cross-request memory reports (suffix decoding's global index)."""
+    index = getattr(proposer, "index", None)
+    st = getattr(index, "stats", None)
+    if st is None:
+        return []
+    return [
+        ("spec_suffix_index_requests", "gauge", "Finished requests held by the global suffix index.", st.requests),
+        ("spec_suffix_index_tokens", "gauge", "Tokens held by the global suffix index.", st.tokens),
+        ("spec_suffix_index_max_tokens", "gauge", "Token cap of the global suffix index.", index.max_tokens),
+        ("spec_suffix_index_nodes", "gauge", "Trie nodes of the global suffix index.", st.nodes),
+        ("spec_suffix_index_evicted_requests_total", "counter", "Requests evicted from the global suffix index.",
+         st.evicted_requests),
+        ("spec_suffix_index_lookups_total", "counter", "Global suffix index lookups (one per row and round).",
+         st.lookups),
+        ("spec_suffix_index_hits_total", "counter", "Lookups that matched a suffix with a continuation.", st.hits),
+        ("spec_suffix_index_hit_rate", "gauge", "Hits / lookups of the global suffix index.", st.hit_rate),
+    ]

@@ -87,7 +87,20 @@ class Prepared:
     seed: int | None
 
 
-def prepare(state: Any, ids: list[int], params: GenerateParameters, key: int) -> Prepared:
+TENANT_HEADER = "x-tenant"
+MAX_TENANT_CHARS = 128
+
+
+def tenant_of(request: Any) -> str | None:
+    """The request's tenant (header ``X-Tenant``): proposers with cross-request memory
+    (``suffix`` with ``scope: tenant``) only reuse text of requests with the same tenant."""
+    t = request.headers.get(TENANT_HEADER)
+    if t is not None and len(t) > MAX_TENANT_CHARS:
+        raise ApiError(422, f"the X-Tenant header has {len(t)} characters; at most {MAX_TENANT_CHARS} are accepted")
+    return t
+
+
+def prepare(state: Any, ids: list[int], params: GenerateParameters, key: int, tenant: str | None = None) -> Prepared:
     """Token limits and sampling, with TGI's messages."""
     if params.truncate is not None:
         ids = ids[-params.truncate:]
@@ -109,7 +122,7 @@ def prepare(state: Any, ids: list[int], params: GenerateParameters, key: int) ->
                                   repetition_penalty=params.repetition_penalty, seed=seed)
     else:
         sampling = SamplingConfig(temperature=0.0, repetition_penalty=params.repetition_penalty, seed=None)
-    return Prepared(ids, params, RowRequest(key, ids, max_new, sampling, seed, logprobs=True), seed)
+    return Prepared(ids, params, RowRequest(key, ids, max_new, sampling, seed, logprobs=True, tenant=tenant), seed)
 
 
 def encode_text(state: Any, text: str) -> list[int]:

@@ -1,0 +1,140 @@
+"""Hybrid drafting: two proposers, and per row and round the draft with the most expected
+accepted tokens per unit of verify cost (SuffixDecoding's pairing with a model drafter).
+
+Both children draft every round (a feature drafter must catch up on its cache anyway; suffix
+lookups cost microseconds), each reporting per row the accepted nodes its draft expects
+(``expected``: suffix frequencies, EAGLE path probabilities). Those estimates are calibrated
+online per child, as accepted / predicted over the rows that used it, and a row takes
+
+    argmax_c (1 + scale_c x expected_c) / T(1, 1 + nodes_c)
+
+with T the runtime's measured forward-cost curve: a long suffix match wins with a big tree, and
+free text goes to the model drafter. The chosen per-row trees are merged into one batch draft.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Sequence
+
+from pydantic import Field, model_validator
+
+from spec_plugins.config import ProposerConfig
+from spec_plugins.proposers.base import Draft, ProposeContext, Proposer, RoundRecord, RowAware
+from spec_plugins.registry import PROPOSERS, register_proposer
+from spec_plugins.tree import merge_trees, row_trees
+
+
+DEFAULT_NODES = 16  # a child's tree size inside a hybrid, where its own default is 'auto'
+
+
+@register_proposer("hybrid")
+class HybridProposer(Proposer):
+    """Per row, the better of two proposers' drafts (module docstring)."""
+
+    tree = True
+
+    class Config(ProposerConfig):
+        type: Literal["hybrid"] = "hybrid"
+        proposers: list[dict[str, Any]] = Field(
+            description="The two proposer sections, e.g. [{type: suffix, scope: global}, {type: eagle, heads: DIR}]; "
+                        "each must report `expected` (suffix, eagle) and use a fixed tree_nodes.")
+        decay: float = Field(0.95, gt=0.0, lt=1.0, description="Memory of the per-child calibration.")
+
+        @model_validator(mode="after")
+        def _two(self) -> "HybridProposer.Config":
+            if len(self.proposers) != 2:
+                raise ValueError(f"hybrid takes exactly two proposers, got {len(self.proposers)}")
+            for p in self.proposers:
+                if p.get("type") == "hybrid":
+                    raise ValueError("a hybrid cannot contain a hybrid")
+                if p.get("tree_nodes") == "auto":
+                    raise ValueError(f"{p.get('type')}: tree_nodes must be a number inside a hybrid "
+                                     "(the hybrid sizes by choosing between the drafts)")
+            return self
+
+    def __init__(self, config: "HybridProposer.Config", target: Any = None, children: Sequence[Any] | None = None,
+                 **kw: Any) -> None:
+        self.config = config
+        if children is None:
+            children = []
+            for section in config.proposers:
+                cls = PROPOSERS.get(section.get("type", ""))
+                sub = cls.Config.model_validate({"num_draft_tokens": config.num_draft_tokens, **section})
+                if getattr(sub, "tree_nodes", None) == "auto":  # a default 'auto': the hybrid does the sizing
+                    sub = sub.model_copy(update={"tree_nodes": DEFAULT_NODES})
+                children.append(cls(sub, target=target, **kw))
+        self.children = list(children)
+        for c in self.children:
+            if not hasattr(c, "expected"):
+                raise ValueError(f"hybrid: proposer {type(c).__name__} does not report `expected` accepted tokens")
+        self.needs_hidden = any(getattr(c, "needs_hidden", False) for c in self.children)
+        self.feature_layers = next((c.feature_layers for c in self.children if getattr(c, "feature_layers", ())), ())
+        self.cost = None
+        if target is not None and hasattr(target, "forward"):
+            from spec_plugins.policy.cost import cost_for
+
+            self.cost = cost_for(target, max_positions=33)
+        self.calib = [[2.0, 2.0] for _ in self.children]  # per child [accepted, predicted]
+        self.choice: list[int] = []  # per row: the child whose draft went to the verifier
+        self._pred: list[float] = []
+        self.used = [0] * len(self.children)  # rows drafted by each child, in all
+
+    # ---- rows: every child follows the batch ---------------------------------------------------------
+    def admit(self, prompts: Sequence[Sequence[int]]) -> None:
+        for c in self.children:
+            if isinstance(c, RowAware):
+                c.admit(prompts)
+
+    def select_rows(self, rows: Sequence[int]) -> None:
+        for c in self.children:
+            if isinstance(c, RowAware):
+                c.select_rows(rows)
+
+    def num_rows(self) -> int:
+        return next((c.num_rows() for c in self.children if isinstance(c, RowAware)), 0)
+
+    # ---- drafting ---------------------------------------------------------------------------------
+    def _T(self, n: int) -> float:
+        return self.cost(1, min(n, self.cost.max_positions)) if self.cost is not None else float(n)
+
+    def propose(self, ctx: ProposeContext) -> Draft | None:
+        drafts = [c.propose(ctx) for c in self.children]
+        per_child = [row_trees(d.tokens.cpu(), d.parents, None if d.valid is None else d.valid.cpu())
+                     if d is not None else [([], [])] * len(ctx.sequences) for d in drafts]
+        rows, self.choice, self._pred = [], [], []
+        for b in range(len(ctx.sequences)):
+            best, best_rate, best_pred = 0, -1.0, 0.0
+            for i, c in enumerate(self.children):
+                toks = per_child[i][b][0]
+                exp = c.expected[b] if b < len(c.expected) else 0.0
+                scale = self.calib[i][0] / self.calib[i][1]
+                rate = (1.0 + scale * exp) / self._T(1 + len(toks))
+                if rate > best_rate:
+                    best, best_rate, best_pred = i, rate, exp
+            rows.append(per_child[best][b])
+            self.choice.append(best)
+            self._pred.append(best_pred if per_child[best][b][0] else 0.0)
+            self.used[best] += bool(per_child[best][b][0])
+        if not any(toks for toks, _ in rows):
+            return None
+        merged = merge_trees(rows)
+        return Draft(merged.tokens, merged.parents, None, merged.valid)
+
+    def observe(self, record: RoundRecord) -> None:
+        """Each child learns from the round (suffix: finished rows enter its index); each
+        child's calibration from the rows that used its draft."""
+        for c in self.children:
+            c.observe(record)
+        if record.draft is None or len(self.choice) != record.rows:
+            return
+        d = self.config.decay
+        for i in range(len(self.children)):
+            acc = sum(len(a) for a, ch in zip(record.accepted, self.choice) if ch == i)
+            pred = sum(p for p, ch in zip(self._pred, self.choice) if ch == i)
+            if pred > 0:
+                a, p = d * self.calib[i][0] + acc, d * self.calib[i][1] + pred
+                self.calib[i] = [min(max(a, 0.05 * p), 2.0 * p), p]
+
+    @property
+    def expected(self) -> list[float]:
+        return list(self._pred)
