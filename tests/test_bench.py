@@ -389,3 +389,30 @@ def test_replay_reproduces_the_decisions_of_auto_exactly():
         again, out2, pol2 = run(replay, TapeClock(tape.tape))
         assert out2 == out and again == real
         assert pol2.chosen == pol.chosen and pol2.overhead == pol.overhead
+
+
+@pytest.mark.parametrize("memory", ["independent", "sequence"])
+def test_extra_methods_and_cross_request_memory(tmp_path, memory):
+    """``--methods`` adds proposers on the same runtime; suffix's global index sees earlier
+    prompts only in ``sequence`` mode (the second identical prompt then drafts from the first),
+    and never another method's requests."""
+    dec, _ = tiny_decoder()
+    same = ("w3 w9 w1 w4 w1 w5 w9 w2 w6",)
+    prompts = [BenchPrompt("p1", "rep", same), BenchPrompt("p2", "rep", same)]
+    suffix = {"type": "suffix", "scope": "global", "num_draft_tokens": 8, "tree_nodes": 8, "min_token_prob": 0.0,
+              "max_spec_factor": 4}
+    opts = BenchOptions(max_new_tokens=24, runs=2, gammas=[], auto=False, progress=False, cost_positions=4,
+                        baselines=[], methods=[("suffix-global", suffix), ("suffix-own", {**suffix, "scope": "request"})],
+                        memory=memory)
+    rep = run_bench(dec, prompts, opts, meta={"config": "test"})
+    assert [m["name"] for m in rep["methods"]] == ["plain", "ours_auto", "suffix-global", "suffix-own"]
+    assert rep["greedy_mismatches"] == []
+    acc = {p["question_id"]: p["methods"]["suffix-global"]["stats"]["mean_accepted_tokens"] for p in rep["prompts"]}
+    own = {p["question_id"]: p["methods"]["suffix-own"]["stats"]["mean_accepted_tokens"] for p in rep["prompts"]}
+    assert own["p1"] == pytest.approx(own["p2"])  # no memory: both prompts alike
+    if memory == "sequence":
+        assert acc["p2"] > acc["p1"] + 1.0
+    else:
+        assert acc["p2"] == pytest.approx(acc["p1"])
+    with pytest.raises(ValueError, match="memory"):
+        BenchOptions(memory="forever")

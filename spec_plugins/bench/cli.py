@@ -34,6 +34,25 @@ def parse_gammas(text: str) -> list[int]:
     return sorted(out)
 
 
+def load_methods(path: Optional[Path]) -> list[tuple[str, dict]]:
+    """``--methods`` file: a mapping of method label -> proposer section."""
+    if path is None:
+        return []
+    import yaml
+
+    if not path.is_file():
+        raise FileNotFoundError(f"--methods: file not found: {path}")
+    data = yaml.safe_load(path.read_text())
+    if not isinstance(data, dict) or not data:
+        raise ValueError(f"--methods {path}: expected a mapping of label -> proposer section")
+    out = []
+    for label, section in data.items():
+        if not isinstance(section, dict) or "type" not in section:
+            raise ValueError(f"--methods {path}: {label!r} must be a proposer section with a `type`")
+        out.append((str(label), section))
+    return out
+
+
 @app.command("bench")
 def bench(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML/JSON SpecConfig with a proposer."),
@@ -53,6 +72,12 @@ def bench(
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
     strict: bool = typer.Option(False, "--strict", help="Exit 1 if any greedy output differs from plain."),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
+    methods: Optional[Path] = typer.Option(
+        None, "--methods", help="YAML/JSON mapping label -> proposer section: more proposers measured on the "
+                                "same runtime in the same run (one method each, with its own draft length)."),
+    memory: str = typer.Option("independent", "--memory",
+                               help="Cross-request memory (suffix's global index): independent (cleared before every "
+                                    "prompt) or sequence (kept across the prompts of a run, in file order)."),
     compare_config: Optional[list[Path]] = typer.Option(
         None, "--compare-config",
         help="Another config (e.g. the same one with another backend) measured in the same run: adds "
@@ -75,7 +100,7 @@ def bench(
         opts = BenchOptions(max_new_tokens=max_new_tokens, runs=runs,
                             baselines=[b.strip() for b in baselines.split(",") if b.strip()],
                             gammas=parse_gammas(gammas), auto=auto, baseline_gamma=baseline_gamma,
-                            chat=not raw, progress=progress)
+                            chat=not raw, progress=progress, methods=load_methods(methods), memory=memory)
         dec = SpeculativeDecoder.from_config(cfg)
         compare: list[tuple[str, SpeculativeDecoder]] = []
         for path in compare_config or []:
@@ -97,7 +122,8 @@ def bench(
                 "torch": torch.__version__, "transformers": transformers.__version__,
                 "torch_threads": torch.get_num_threads(), "machine": platform.machine(),
                 "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "model_load_s": load_s,
-                "compare_configs": {lab: str(p) for (lab, _), p in zip(compare, compare_config or [])}}
+                "compare_configs": {lab: str(p) for (lab, _), p in zip(compare, compare_config or [])},
+                "methods": dict(opts.methods), "memory": memory}
         report = run_bench(dec, plist, opts, out, meta)
     except (ConfigError, ValueError, FileNotFoundError, LookupError) as exc:
         fail(str(exc))

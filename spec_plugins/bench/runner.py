@@ -46,6 +46,12 @@ class BenchOptions:
     # other runtimes measured in the same run: (label, decoder) pairs, each adds plain@label and
     # ours@label (its config's draft length); their outputs are checked against their own plain
     compare: Sequence[tuple[str, Any]] = ()
+    # other proposers on the primary runtime: (label, proposer section) pairs, one method each
+    methods: Sequence[tuple[str, dict]] = ()
+    # cross-request memory of proposers that have one (suffix's global index): "independent"
+    # clears it before every prompt; "sequence" keeps it across the prompts of a run, in file
+    # order (runs then go outermost), so each request sees the ones before it
+    memory: str = "independent"
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -57,6 +63,8 @@ class BenchOptions:
             raise ValueError(f"gammas must be integers in 1..64, got {bad}")
         if self.cost_positions < 2:
             raise ValueError(f"cost_positions must be >= 2, got {self.cost_positions}")
+        if self.memory not in ("independent", "sequence"):
+            raise ValueError(f"memory must be independent or sequence, got {self.memory!r}")
 
 
 class RejectionCounter:
@@ -161,11 +169,38 @@ class Bench:
             cfg = dec.config.model_copy(
                 update={"proposer": dec.config.proposer.model_copy(update={"num_draft_tokens": g})})
             rec = RejectionCounter()
-            traced = _TracedDecoder(dec.target, dec.proposer, dec.verifier, cfg, dec.tokenizer)
+            # a proposer with cross-request memory is not shared: one method must not see another's requests
+            prop = self._proposer(cfg.proposer) if hasattr(dec.proposer, "forget") else dec.proposer
+            traced = _TracedDecoder(dec.target, prop, dec.verifier, cfg, dec.tokenizer)
             methods.append(Method(ours_name(g), "ours", g, _bind(traced, rec), rec, traced))
+        for label, section in opts.methods:
+            methods.append(self._extra_method(label, section))
         for label, other in opts.compare:
             methods += self._compare_methods(label, other)
         return methods
+
+    def _proposer(self, section: Any) -> Any:
+        from spec_plugins.registry import PROPOSERS
+
+        dec = self.decoder
+        return PROPOSERS.get(section.type)(section, target=dec.target, tokenizer=dec.tokenizer)
+
+    def _extra_method(self, label: str, section: dict) -> Method:
+        """Another proposer on the primary runtime, with its own draft length (``--methods``)."""
+        from spec_plugins.config import SpecConfig
+
+        dec = self.decoder
+        cfg = SpecConfig.parse({**dec.config.model_dump(mode="json", exclude={"proposer"}), "proposer": section})
+        rec = RejectionCounter()
+        traced = _TracedDecoder(dec.target, self._proposer(cfg.proposer), dec.verifier, cfg, dec.tokenizer)
+        return Method(label, "method", cfg.proposer.num_draft_tokens, _bind(traced, rec), rec, traced)
+
+    def _forget(self) -> None:
+        """Clear every method's cross-request memory."""
+        for m in self.methods:
+            prop = m.decoder.proposer if m.decoder is not None else None
+            if hasattr(prop, "forget"):
+                prop.forget()
 
     def _compare_methods(self, label: str, other: SpeculativeDecoder) -> list[Method]:
         """plain@label and ours@label on another loaded runtime (same tokenizer required)."""
@@ -240,13 +275,19 @@ class Bench:
                    disable=not opts.progress, file=sys.stderr, dynamic_ncols=True)
         mismatches: list[dict] = []
         greedy = pipeline.greedy
-        for i, p in enumerate(prompts):
-            for r in range(opts.runs):
-                shift = r % len(self.methods)
-                for m in self.methods[shift:] + self.methods[:shift]:
-                    bar.set_postfix_str(f"{p.question_id} {m.name}", refresh=False)
-                    results[m.name][i].append(self._run_prompt(m, p, opts.max_new_tokens))
-                    bar.update(1)
+        order = ([(i, r) for r in range(opts.runs) for i in range(len(prompts))] if opts.memory == "sequence"
+                 else [(i, r) for i in range(len(prompts)) for r in range(opts.runs)])
+        for i, r in order:
+            p = prompts[i]
+            if opts.memory == "independent" or i == 0:
+                self._forget()
+            shift = r % len(self.methods)
+            for m in self.methods[shift:] + self.methods[:shift]:
+                bar.set_postfix_str(f"{p.question_id} {m.name}", refresh=False)
+                results[m.name][i].append(self._run_prompt(m, p, opts.max_new_tokens))
+                bar.update(1)
+            if r != opts.runs - 1:
+                continue
             if partial is not None:
                 line = {"question_id": p.question_id, "category": p.category,
                         "methods": {m.name: {"seconds": [r.seconds for r in results[m.name][i]],
@@ -268,6 +309,7 @@ class Bench:
                         bar.write(f"GREEDY MISMATCH: {m.name} differs from {ref_name} on {p.question_id} "
                                   f"(turn {mm['turn']}, token {mm['index']})", file=sys.stderr)
         bar.close()
+        mismatches.sort(key=lambda mm: [q.question_id for q in prompts].index(mm["question_id"]))
         return {
             "prompts": list(prompts),
             "methods": self.methods,

@@ -79,6 +79,12 @@ class HybridProposer(Proposer):
         self._pred: list[float] = []
         self.used = [0] * len(self.children)  # rows drafted by each child, in all
 
+    def forget(self) -> None:
+        """Drop the children's cross-request memory."""
+        for c in self.children:
+            if hasattr(c, "forget"):
+                c.forget()
+
     # ---- rows: every child follows the batch ---------------------------------------------------------
     def admit(self, prompts: Sequence[Sequence[int]]) -> None:
         for c in self.children:

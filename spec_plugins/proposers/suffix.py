@@ -83,6 +83,12 @@ class SuffixProposer(Proposer):
             self.sizer = TreeSizer(cost_for(target, max_positions=AUTO_MAX_NODES + 1))
         self.last: list[Speculation] = []  # per row: what the last propose drafted (for stats)
 
+    def forget(self) -> None:
+        """Drop the cross-request memory (the bench's independent requests; a tenant's reset)."""
+        c = self.config
+        self.index = GlobalIndex(c.depth, c.global_max_tokens)
+        self.cursors = [None] * len(self.rows)
+
     # ---- rows -----------------------------------------------------------------------------------
     def admit(self, prompts: Sequence[Sequence[int]]) -> None:
         for p in prompts:
