@@ -55,8 +55,9 @@ def providers_for(device: str, available: Sequence[str]) -> list[str]:
 
 
 def create_session(file: str | Path, device: str = "cpu", device_id: int = 0, graph_optimization: str = "all",
-                   threads: int | None = None) -> Any:
-    """An InferenceSession with the configured providers, optimisation level and threads."""
+                   threads: int | None = None, arena: bool = True, spinning: bool = True) -> Any:
+    """An InferenceSession with the configured providers, optimisation level, threads, CPU memory
+    arena and intra-op spinning (idle threads spin-wait for the next parallel section)."""
     ort = import_ort()
     providers = providers_for(device, ort.get_available_providers())
     so = ort.SessionOptions()
@@ -68,12 +69,15 @@ def create_session(file: str | Path, device: str = "cpu", device_id: int = 0, gr
     if threads:
         so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
+    so.enable_cpu_mem_arena = arena
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     opts = [{"device_id": device_id} if p == "CUDAExecutionProvider" else {} for p in providers]
     return ort.InferenceSession(str(file), so, providers=providers, provider_options=opts)
 
 
-def export_cache_dir(model: str) -> Path:
-    """Where export-on-first-use puts a model's graphs, keyed by the source files' identity."""
+def export_cache_dir(model: str, quantize: str = "none") -> Path:
+    """Where export-on-first-use puts a model's graphs, keyed by the source files' identity and
+    the quantization scheme's name."""
     from spec_plugins.graphs.io import OPSET
     from spec_plugins.graphs.manifest import EXPORTER_VERSION
     from spec_plugins.models import cache_root, resolve_model
@@ -81,8 +85,9 @@ def export_cache_dir(model: str) -> Path:
     src = resolve_model(model)
     f = src.gguf_path or (src.directory / "config.json")
     st = f.stat()
-    key = f"{f.resolve()}:{st.st_size}:{int(st.st_mtime)}:{EXPORTER_VERSION}:{OPSET}"
-    return cache_root() / "onnx" / f"{src.name}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+    key = f"{f.resolve()}:{st.st_size}:{int(st.st_mtime)}:{EXPORTER_VERSION}:{OPSET}:{quantize}"
+    suffix = "" if quantize == "none" else f"-{quantize}"
+    return cache_root() / "onnx" / f"{src.name}-{hashlib.sha1(key.encode()).hexdigest()[:12]}{suffix}"
 
 
 @register_backend("onnxruntime", install_hint=INSTALL_HINT)
@@ -101,30 +106,55 @@ class OnnxRuntime(SlotRuntime):
         graph_optimization: Literal["disable", "basic", "extended", "all"] = Field(
             "all", description="ONNX Runtime graph optimisation level.")
         threads: int | None = Field(None, ge=1, description="Intra-op threads (None = onnxruntime's default).")
+        arena: bool = Field(True, description="ONNX Runtime's CPU memory arena (buffers reused between calls).")
+        spinning: bool = Field(True, description="Idle intra-op threads spin-wait instead of sleeping.")
         max_context: int | None = Field(None, ge=1, description="Override the model's context length.")
+        quantize: Literal["none", "int4", "int8"] = Field(
+            "none", description="Weight-only quantization of the graph exported on first use (MatMulNBits); "
+                                "with `path`, the export must have been made with the same scheme.")
+        quant_block_size: int = Field(32, ge=16, description="Weights sharing one scale (a power of two).")
+        quant_symmetric: bool = Field(True, description="Symmetric blocks (no zero points).")
+        quant_accuracy_level: int = Field(4, ge=0, le=4, description="ORT's compute accuracy (4 = int8 activations).")
+        quant_lm_head: bool = Field(True, description="Quantize the LM head too (else it stays fp32).")
+
+        def scheme(self) -> dict | None:
+            """The ``QuantScheme`` fields of ``quantize``, or None."""
+            if self.quantize == "none":
+                return None
+            return {"bits": int(self.quantize[3:]), "block_size": self.quant_block_size,
+                    "symmetric": self.quant_symmetric, "accuracy_level": self.quant_accuracy_level,
+                    "lm_head": self.quant_lm_head}
 
     @classmethod
     def from_config(cls, config: "OnnxRuntime.Config") -> "OnnxRuntime":
         from spec_plugins.graphs.manifest import Manifest
 
         import_ort()  # fail early with the install hint, before any export work
+        from spec_plugins.graphs.quant import scheme_name
+
+        scheme = config.scheme()
         if config.path is not None:
             directory = Path(config.path).expanduser()
         else:
-            directory = export_cache_dir(config.model)
+            directory = export_cache_dir(config.model, scheme_name(scheme))
             if not (directory / "manifest.json").is_file():
                 from spec_plugins.registry import EXPORTERS
 
-                EXPORTERS.get("onnx")(config.model, directory)  # the exporters package, looked up by name
+                # the exporters package, looked up by name
+                EXPORTERS.get("onnx")(config.model, directory, quantize=scheme)
         man = Manifest.read(directory)
         entry = man.graph(config.graph)
+        have = (entry.quantization or {}).get("name", "none")
+        if config.path is not None and have != scheme_name(scheme):
+            raise ValueError(f"target.path {directory} holds graph {config.graph!r} quantized as {have!r}, but the "
+                             f"config asks for {scheme_name(scheme)!r}; set quantize to match or export again")
         if config.path is not None and entry.source_model != config.model:
             raise ValueError(
                 f"target.path {directory} holds graph {config.graph!r} exported from model {entry.source_model!r}, "
                 f"but the config says model: {config.model!r}; set model: {entry.source_model!r} or export again"
             )
         session = create_session(directory / entry.file, config.device, config.device_id,
-                                 config.graph_optimization, config.threads)
+                                 config.graph_optimization, config.threads, config.arena, config.spinning)
         tok = None
         if man.tokenizer and (directory / man.tokenizer).is_dir():
             from transformers import AutoTokenizer

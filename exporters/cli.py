@@ -29,6 +29,13 @@ def export_onnx(
     feature_layers: str = typer.Option("auto", "--feature-layers",
                                        help="Decoder-layer outputs the verify graph also returns for EAGLE-3 "
                                             "drafters: auto (the drafter's, else low/mid/high), none, or e.g. 3,15,28."),
+    quantize: str = typer.Option("none", "--quantize", help="Weight-only quantization: none, int4 or int8 "
+                                                            "(ONNX Runtime MatMulNBits)."),
+    block_size: int = typer.Option(32, "--block-size", help="Quantization block (weights sharing one scale)."),
+    asymmetric: bool = typer.Option(False, "--asymmetric", help="Blocks with zero points (default symmetric)."),
+    accuracy_level: int = typer.Option(4, "--accuracy-level", min=0, max=4,
+                                       help="ORT compute accuracy of quantized MatMuls (4 = int8 activations)."),
+    fp32_lm_head: bool = typer.Option(False, "--fp32-lm-head", help="Keep the LM head in fp32."),
 ) -> None:
     """Write the verify graph of the target, the draft graphs and manifest.json to DIR."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -38,7 +45,15 @@ def export_onnx(
     check_output_dir(out)
     t0 = time.perf_counter()
     try:
-        man = export_config(load_config(config), out, opset, log=_log, feature_layers=feature_layers)
+        scheme = None
+        if quantize not in ("none", "int4", "int8"):
+            raise ValueError(f"--quantize {quantize!r}; allowed values: none, int4, int8")
+        if quantize != "none":
+            from spec_plugins.graphs.quant import QuantScheme
+
+            scheme = QuantScheme(int(quantize[3:]), block_size, not asymmetric, accuracy_level, not fp32_lm_head)
+        man = export_config(load_config(config), out, opset, log=_log, feature_layers=feature_layers,
+                            quantize=scheme)
     except (ConfigError, ValueError, FileNotFoundError, LookupError, ImportError) as exc:
         fail(str(exc))
         return

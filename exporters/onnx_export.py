@@ -49,12 +49,13 @@ def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
 def export_models(out: str | Path, target: tuple[Any, Any, str], draft: tuple[Any, str] | None = None,
                   pending: list[str] | None = None, opset: int = OPSET, log: Log = _quiet,
                   heads: list[tuple[str, Any, str]] | None = None,
-                  feature_layers: tuple[int, ...] | None = None) -> Manifest:
+                  feature_layers: tuple[int, ...] | None = None, quantize: Any = None) -> Manifest:
     """Write ``verify.onnx`` (+ ``draft.onnx``, head graphs), the tokenizer and ``manifest.json``.
 
     ``target`` is (model, tokenizer, source name); ``draft`` is (model, source name); ``heads``
     are (graph name, MedusaHeads or EagleDrafter, trained head directory). The verify graph
-    also returns ``feature_layers`` (default: EAGLE-3's low/mid/high layers; () for none)."""
+    also returns ``feature_layers`` (default: EAGLE-3's low/mid/high layers; () for none).
+    ``quantize`` (an ``onnx_quantize.QuantScheme``) quantizes every graph's weights."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
@@ -78,6 +79,9 @@ def export_models(out: str | Path, target: tuple[Any, Any, str], draft: tuple[An
             log(f"exporting {name} head graph from {head_dir} ...")
             graphs.append(export_head(module, tmp / f"{name}.onnx", name, source, head_dir, opset))
             log(f"  {name}.onnx: {graphs[-1].size_bytes / 2**20:.1f} MiB in {graphs[-1].export_seconds:.1f} s")
+        if quantize is not None:
+            for g in graphs:
+                _quantize_entry(tmp, g, quantize, log)
         if tok is not None:
             tok.save_pretrained(str(tmp / "tokenizer"))
         man = Manifest(graphs=graphs, opset=opset, versions=library_versions(),
@@ -94,8 +98,23 @@ def export_models(out: str | Path, target: tuple[Any, Any, str], draft: tuple[An
         raise
 
 
+def _quantize_entry(directory: Path, g: GraphEntry, scheme: Any, log: Log) -> None:
+    """Replace graph ``g``'s file by its quantized version and record the scheme."""
+    from spec_plugins.exporters.onnx_quantize import quantize_graph
+
+    src = directory / g.file
+    dst = directory / f"{src.stem}.{scheme.name}.onnx"
+    log(f"quantizing {g.name} ({scheme.name}) ...")
+    info = quantize_graph(src, dst, scheme)
+    for f in (src, directory / (src.name + ".data")):
+        f.unlink(missing_ok=True)
+    g.file, g.size_bytes, g.quantization = dst.name, info["size_bytes"], info
+    log(f"  {dst.name}: {info['size_bytes'] / 2**20:.1f} MiB in {info['seconds']:.1f} s "
+        f"({info['quantized_matmuls']} MatMuls quantized)")
+
+
 def export_config(config: Any, out: str | Path, opset: int = OPSET, log: Log = _quiet,
-                  feature_layers: str = "auto") -> Manifest:
+                  feature_layers: str = "auto", quantize: Any = None) -> Manifest:
     """Export the target (and the draft model or heads, if the proposer has them) of a SpecConfig.
     ``feature_layers``: ``auto`` (an EAGLE-3 drafter's layers, else low/mid/high), ``none`` or a list."""
     from spec_plugins.heads.eagle import parse_feature_layers
@@ -121,13 +140,15 @@ def export_config(config: Any, out: str | Path, opset: int = OPSET, log: Log = _
     drafter_layers = tuple(getattr(heads[0][1].config, "feature_layers", ())) if heads else ()
     if feature_layers == "auto" and drafter_layers:
         layers = drafter_layers
-    return export_models(out, (model, tok, tgt.model), draft, None, opset, log, heads, layers)
+    return export_models(out, (model, tok, tgt.model), draft, None, opset, log, heads, layers, quantize)
 
 
-def export_model(model: str, directory: str | Path) -> Manifest:
-    """Export ``model`` (float32) as a lone verify graph into ``directory``: what
-    ``backend: onnxruntime`` without a ``path`` does on first use (``EXPORTERS['onnx']``)."""
+def export_model(model: str, directory: str | Path, quantize: dict | None = None) -> Manifest:
+    """Export ``model`` (float32) as a lone verify graph into ``directory``, quantized with the
+    scheme ``quantize`` (``QuantScheme`` fields) if given: what ``backend: onnxruntime`` without
+    a ``path`` does on first use (``EXPORTERS['onnx']``)."""
     from spec_plugins.backends.torch_runtime import load_hf
+    from spec_plugins.exporters.onnx_quantize import QuantScheme
 
     hf, tok = load_hf(model, "float32", "cpu")
-    return export_models(directory, (hf, tok, model))
+    return export_models(directory, (hf, tok, model), quantize=QuantScheme(**quantize) if quantize else None)

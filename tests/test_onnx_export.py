@@ -113,3 +113,28 @@ def test_heads_export_and_parity(tmp_path):
         with torch.no_grad():
             next(p for p in head.parameters() if p.dim() == 2).add_(0.5)
         assert not all(c.ok for c in check_head(out, entry, None, 1e-4, module=head))
+
+
+@pytest.mark.parametrize("bits,lm_head", [(4, True), (8, False)])
+def test_quantized_export_is_exact_to_itself_and_reports_its_error(tmp_path, bits, lm_head):
+    """--quantize: the graph's MatMuls become MatMulNBits (the LM head too unless kept fp32), the
+    manifest records the scheme, the check reports the logit error against fp32 and requires the
+    quantized graph's speculative greedy output to equal its own plain greedy output."""
+    import onnx
+
+    from spec_plugins.graphs.quant import QuantScheme
+
+    target = tiny_llama(vocab=32, seed=2, sharpness=4.0)
+    scheme = QuantScheme(bits=bits, block_size=16, lm_head=lm_head)
+    man = export_models(tmp_path / "q", (target, None, "tiny-target"), quantize=scheme)
+    g = man.graph("verify")
+    assert g.quantization["name"] == scheme.name and g.file == f"verify.{scheme.name}.onnx"
+    assert not (tmp_path / "q" / "verify.onnx").exists()
+    kinds = [n.op_type for n in onnx.load(str(tmp_path / "q" / g.file)).graph.node]
+    assert kinds.count("MatMulNBits") == 2 * 7 + int(lm_head)  # q k v o gate up down per layer (+ LM head)
+    rep = check_export(tmp_path / "q", gamma=3, max_new_tokens=16, models={"tiny-target": target})
+    assert rep.ok, rep.format()
+    assert all(c.reported for c in rep.cases) and rep.to_dict()["quantized_max_rel"] > 0
+    assert rep.greedy and rep.greedy[0].identical
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        QuantScheme(bits=3)

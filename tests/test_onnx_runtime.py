@@ -303,3 +303,28 @@ def test_feature_layers_the_graph_lacks_are_refused_at_pairing(exported):
     prop = EagleProposer(EagleProposer.Config(heads="unused", engine="torch"), target=rt, drafter=drafter)
     with pytest.raises(ValueError, match=r"reads decoder layers \[1, 2\].*returns \[2, 1, 1\].*--feature-layers 1,2"):
         check_pairing(rt, prop)
+
+
+def test_quantize_in_the_config_exports_on_first_use_per_scheme(tiny_model_dir, tmp_path, monkeypatch):
+    from spec_plugins.backends.onnxruntime_runtime import export_cache_dir
+
+    monkeypatch.setenv("SPEC_PLUGINS_CACHE", str(tmp_path))
+    cfg = OnnxRuntime.Config(model=str(tiny_model_dir), quantize="int4", quant_block_size=16, threads=1,
+                             spinning=False, arena=False)
+    rt = OnnxRuntime.from_config(cfg)
+    assert rt.entry.quantization["name"] == "int4-b16-sym-acc4"
+    where = export_cache_dir(str(tiny_model_dir), "int4-b16-sym-acc4")
+    assert where.name.endswith("-int4-b16-sym-acc4") and where != export_cache_dir(str(tiny_model_dir))
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+    outs = {}
+    from spec_plugins.proposers.ngram import NgramProposer
+
+    for name, prop in (("plain", None), ("ngram", NgramProposer(NgramProposer.Config()))):
+        toks = []
+        for step in decode(rt, prop, ExactVerifier(), LogitsPipeline(SamplingConfig()), [prompt], 20, (), None, None,
+                           FixedLength(4)):
+            toks += step.emitted.get(0, [])
+        outs[name] = toks
+    assert outs["plain"] == outs["ngram"]  # exact relative to the quantized model itself
+    with pytest.raises(ValueError, match="quantized as 'int4-b16-sym-acc4'.*asks for 'none'"):
+        OnnxRuntime.from_config(OnnxRuntime.Config(model=str(tiny_model_dir), path=str(where)))

@@ -42,6 +42,7 @@ class GraphEntry:
     max_context: int = 0
     source_heads: str | None = None  # head graphs: the trained head directory
     feature_layers: list[int] = field(default_factory=list)  # decoder graphs: layers of the `features` output
+    quantization: dict | None = None  # weight-only scheme (``exporters.onnx_quantize``), None = as exported
 
 
 @dataclass

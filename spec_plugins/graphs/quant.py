@@ -1,0 +1,37 @@
+"""The weight quantization scheme of an exported graph: what the manifest records, what the
+export cache is keyed by, and what the quantizer (``exporters/onnx_quantize.py``) applies."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    bits: int = 4  # 4 or 8
+    block_size: int = 32
+    symmetric: bool = True
+    accuracy_level: int = 4  # ORT's: 0 = unset, 1 fp32, 2 fp16, 3 bf16, 4 int8 activations
+    lm_head: bool = True  # quantize the LM head too
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise ValueError(f"quantization bits must be 4 or 8, got {self.bits}")
+        if self.block_size < 16 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 16, got {self.block_size}")
+        if self.accuracy_level not in (0, 1, 2, 3, 4):
+            raise ValueError(f"accuracy_level must be 0..4, got {self.accuracy_level}")
+
+    @property
+    def name(self) -> str:
+        """A short stable name (cache keys, labels): int4-b32-sym-acc4[-fp32head]."""
+        return (f"int{self.bits}-b{self.block_size}-{'sym' if self.symmetric else 'asym'}-acc{self.accuracy_level}"
+                + ("" if self.lm_head else "-fp32head"))
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "name": self.name, "method": "onnxruntime MatMulNBits (weight-only)"}
+
+
+def scheme_name(fields: dict | None) -> str:
+    """The name of a scheme given as ``QuantScheme`` fields, ``none`` for no quantization."""
+    return QuantScheme(**fields).name if fields else "none"
