@@ -116,6 +116,9 @@ class OnnxRuntime(SlotRuntime):
         quant_symmetric: bool = Field(True, description="Symmetric blocks (no zero points).")
         quant_accuracy_level: int = Field(4, ge=0, le=4, description="ORT's compute accuracy (4 = int8 activations).")
         quant_lm_head: bool = Field(True, description="Quantize the LM head too (else it stays fp32).")
+        quant_grid: Literal["rtn", "gguf"] = Field(
+            "rtn", description="rtn: ONNX Runtime's round-to-nearest blocks; gguf: the source GGUF's own Q4_1/Q8_0 "
+                               "blocks carried over (its weights exactly).")
 
         def scheme(self) -> dict | None:
             """The ``QuantScheme`` fields of ``quantize``, or None."""
@@ -123,7 +126,7 @@ class OnnxRuntime(SlotRuntime):
                 return None
             return {"bits": int(self.quantize[3:]), "block_size": self.quant_block_size,
                     "symmetric": self.quant_symmetric, "accuracy_level": self.quant_accuracy_level,
-                    "lm_head": self.quant_lm_head}
+                    "lm_head": self.quant_lm_head, "grid": self.quant_grid}
 
     @classmethod
     def from_config(cls, config: "OnnxRuntime.Config") -> "OnnxRuntime":

@@ -36,6 +36,8 @@ def export_onnx(
     accuracy_level: int = typer.Option(4, "--accuracy-level", min=0, max=4,
                                        help="ORT compute accuracy of quantized MatMuls (4 = int8 activations)."),
     fp32_lm_head: bool = typer.Option(False, "--fp32-lm-head", help="Keep the LM head in fp32."),
+    gguf_grid: bool = typer.Option(False, "--gguf-grid", help="Carry the source GGUF's own Q4_1/Q8_0 blocks "
+                                                              "instead of re-quantizing (GGUF models only)."),
 ) -> None:
     """Write the verify graph of the target, the draft graphs and manifest.json to DIR."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -51,7 +53,8 @@ def export_onnx(
         if quantize != "none":
             from spec_plugins.graphs.quant import QuantScheme
 
-            scheme = QuantScheme(int(quantize[3:]), block_size, not asymmetric, accuracy_level, not fp32_lm_head)
+            scheme = QuantScheme(int(quantize[3:]), block_size, not asymmetric, accuracy_level, not fp32_lm_head,
+                                 "gguf" if gguf_grid else "rtn")
         man = export_config(load_config(config), out, opset, log=_log, feature_layers=feature_layers,
                             quantize=scheme)
     except (ConfigError, ValueError, FileNotFoundError, LookupError, ImportError) as exc:

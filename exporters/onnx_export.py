@@ -102,10 +102,16 @@ def _quantize_entry(directory: Path, g: GraphEntry, scheme: Any, log: Log) -> No
     """Replace graph ``g``'s file by its quantized version and record the scheme."""
     from spec_plugins.exporters.onnx_quantize import quantize_graph
 
+    from spec_plugins.models import ModelNotFound, resolve_model
+
     src = directory / g.file
     dst = directory / f"{src.stem}.{scheme.name}.onnx"
     log(f"quantizing {g.name} ({scheme.name}) ...")
-    info = quantize_graph(src, dst, scheme)
+    try:
+        gguf = resolve_model(g.source_model).gguf_path
+    except ModelNotFound:
+        gguf = None  # a head graph or a model given otherwise: only the rtn grid applies
+    info = quantize_graph(src, dst, scheme, gguf)
     for f in (src, directory / (src.name + ".data")):
         f.unlink(missing_ok=True)
     g.file, g.size_bytes, g.quantization = dst.name, info["size_bytes"], info

@@ -138,3 +138,46 @@ def test_quantized_export_is_exact_to_itself_and_reports_its_error(tmp_path, bit
     assert rep.greedy and rep.greedy[0].identical
     with pytest.raises(ValueError, match="bits must be 4 or 8"):
         QuantScheme(bits=3)
+
+
+def test_gguf_grid_carries_q4_1_and_q8_0_blocks_exactly(tmp_path):
+    """grid: gguf turns MatMuls over dequantized GGUF tensors into MatMulNBits over the same
+    blocks (rows matched even when permuted): with fp32 compute the graph equals the original."""
+    import gguf
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from gguf.quants import dequantize, quantize
+    from onnx import TensorProto, helper, numpy_helper
+
+    from spec_plugins.exporters.onnx_quantize import carry_gguf_grid
+
+    rng = np.random.default_rng(0)
+    K, N1, N2 = 64, 48, 40
+    Q = gguf.GGMLQuantizationType
+    raw1 = quantize(rng.standard_normal((N1, K)).astype(np.float32), Q.Q4_1)
+    raw2 = quantize(rng.standard_normal((N2, K)).astype(np.float32), Q.Q8_0)
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    w.add_tensor("a.weight", raw1, raw_shape=raw1.shape, raw_dtype=Q.Q4_1)
+    w.add_tensor("b.weight", raw2, raw_shape=raw2.shape, raw_dtype=Q.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    W1 = dequantize(raw1, Q.Q4_1)[rng.permutation(N1)]  # rows permuted, as a loader may do
+    W2 = dequantize(raw2, Q.Q8_0)
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w1"], ["h"], name="/a/MatMul"),
+         helper.make_node("MatMul", ["x", "w2"], ["y2"], name="/b/MatMul")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, None, K])],
+        [helper.make_tensor_value_info("h", TensorProto.FLOAT, [1, None, N1]),
+         helper.make_tensor_value_info("y2", TensorProto.FLOAT, [1, None, N2])],
+        initializer=[numpy_helper.from_array(W1.T.copy(), "w1"), numpy_helper.from_array(W2.T.copy(), "w2")])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "f.onnx"))
+    info = carry_gguf_grid(tmp_path / "f.onnx", tmp_path / "q.onnx", tmp_path / "m.gguf", accuracy_level=1)
+    assert info["carried"] == 2 and info["quantized_matmuls"] == 2
+    x = rng.standard_normal((1, 5, K)).astype(np.float32)
+    want = ort.InferenceSession(str(tmp_path / "f.onnx")).run(None, {"x": x})
+    got = ort.InferenceSession(str(tmp_path / "q.onnx")).run(None, {"x": x})
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)

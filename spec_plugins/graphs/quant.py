@@ -13,6 +13,7 @@ class QuantScheme:
     symmetric: bool = True
     accuracy_level: int = 4  # ORT's: 0 = unset, 1 fp32, 2 fp16, 3 bf16, 4 int8 activations
     lm_head: bool = True  # quantize the LM head too
+    grid: str = "rtn"  # rtn: round to nearest on a new grid; gguf: the source GGUF's own blocks (Q4_1, Q8_0)
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
@@ -21,10 +22,14 @@ class QuantScheme:
             raise ValueError(f"block_size must be a power of two >= 16, got {self.block_size}")
         if self.accuracy_level not in (0, 1, 2, 3, 4):
             raise ValueError(f"accuracy_level must be 0..4, got {self.accuracy_level}")
+        if self.grid not in ("rtn", "gguf"):
+            raise ValueError(f"grid must be rtn or gguf, got {self.grid!r}")
 
     @property
     def name(self) -> str:
-        """A short stable name (cache keys, labels): int4-b32-sym-acc4[-fp32head]."""
+        """A short stable name (cache keys, labels): int4-b32-sym-acc4[-fp32head], int4-gguf-acc4."""
+        if self.grid == "gguf":
+            return f"int{self.bits}-gguf-acc{self.accuracy_level}"
         return (f"int{self.bits}-b{self.block_size}-{'sym' if self.symmetric else 'asym'}-acc{self.accuracy_level}"
                 + ("" if self.lm_head else "-fp32head"))
 

@@ -1,0 +1,135 @@
+"""Quantized ONNX Runtime graphs measured side by side in one process (issue 21): export and
+quantization time, graph size, the verify-cost curve N = 1..16, perplexity on held-out ShareGPT
+answers, and greedy agreement with fp32 on the dev prompts; llama.cpp's own Q4_1 GGUF measured
+the same way. Picks the default scheme: the fastest (one-position forward) whose perplexity is
+within 2 % of fp32's, else int8.
+
+    python scripts/quant_report.py --out docs/reports/quantization.json
+
+Run it alone on the machine (it times forwards).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMES = {  # label -> ONNX Runtime config fields
+    "fp32": {},
+    "int8": {"quantize": "int8"},
+    "int8-fp32head": {"quantize": "int8", "quant_lm_head": False},
+    "int4": {"quantize": "int4"},
+    "int4-fp32head": {"quantize": "int4", "quant_lm_head": False},
+    "int4-b16": {"quantize": "int4", "quant_block_size": 16},
+    "int4-asym": {"quantize": "int4", "quant_symmetric": False},
+    "int4-gguf": {"quantize": "int4", "quant_grid": "gguf"},
+}
+
+
+def dev_first_turns(n: int) -> list[str]:
+    rows = []
+    for f in ("dev.jsonl", "dev-extended.jsonl"):
+        rows += [json.loads(x) for x in (ROOT / "examples" / "prompts" / f).read_text().splitlines() if x.strip()]
+    return [r["turns"][0] for r in rows][:n]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--schemes", default=",".join(SCHEMES))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--heldout", type=int, default=16, help="held-out ShareGPT conversations for perplexity")
+    ap.add_argument("--max-seq", type=int, default=512)
+    ap.add_argument("--prompts", type=int, default=10, help="dev prompts for greedy agreement")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--llamacpp", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+
+    import torch
+
+    from spec_plugins.bench.quality import greedy_agreement, perplexity
+    from spec_plugins.config import SamplingConfig
+    from spec_plugins.loop import decode
+    from spec_plugins.models import load_gguf_tokenizer
+    from spec_plugins.policy.cost import cost_for
+    from spec_plugins.registry import BACKENDS
+    from spec_plugins.sampling import LogitsPipeline
+    from spec_plugins.training.sources import sharegpt_examples
+    from spec_plugins.verifiers import ExactVerifier
+
+    torch.set_num_threads(args.threads)
+    tok = load_gguf_tokenizer(args.model)
+    held = []
+    for ids, trained in sharegpt_examples(tok, "heldout", args.max_seq):
+        held.append((ids, trained))
+        if len(held) >= args.heldout:
+            break
+    prompts = [list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                            tokenize=True)["input_ids"]) for p in dev_first_turns(args.prompts)]
+
+    def greedy(rt) -> list[list[int]]:
+        outs = []
+        for p in prompts:
+            toks: list[int] = []
+            for step in decode(rt, None, ExactVerifier(), LogitsPipeline(SamplingConfig()), [p], args.new_tokens,
+                               [tok.eos_token_id]):
+                toks += step.emitted.get(0, [])
+            outs.append(toks)
+        return outs
+
+    results: dict[str, dict] = {}
+    reference = None
+    runtimes = [(label, {"backend": "onnxruntime", "model": args.model, "threads": args.threads, **SCHEMES[label]})
+                for label in args.schemes.split(",")]
+    if args.llamacpp:
+        runtimes.append(("llamacpp-Q4_1", {"backend": "llamacpp", "model": args.model, "threads": args.threads}))
+    for label, section in runtimes:
+        print(f"== {label}", flush=True)
+        t0 = time.perf_counter()
+        cls = BACKENDS.get(section["backend"])
+        rt = cls.from_config(cls.Config(**section))
+        load = time.perf_counter() - t0
+        entry = getattr(rt, "entry", None)
+        cost = cost_for(rt, max_positions=16, repeats=5)
+        ppl = perplexity(rt, [h[0] for h in held], [h[1] for h in held])
+        outs = greedy(rt)
+        if label == "fp32":
+            reference = outs
+        results[label] = {
+            "config": section, "load_or_export_seconds": round(load, 1),
+            "graph_bytes": entry.size_bytes if entry is not None else None,
+            "quantization": entry.quantization if entry is not None else None,
+            "t1_ms": round(cost(1, 1) * 1e3, 2),
+            "cost_relative": [round(cost(1, n) / cost(1, 1), 3) for n in range(1, 17)],
+            "perplexity": round(ppl.ppl, 4), "perplexity_tokens": ppl.tokens,
+            "greedy": outs,
+        }
+        print(json.dumps({k: v for k, v in results[label].items() if k != "greedy"}), flush=True)
+        del rt
+    base = results["fp32"]["perplexity"]
+    for r in results.values():
+        r["perplexity_vs_fp32"] = round(r["perplexity"] / base - 1, 4)
+        r["agreement_with_fp32"] = greedy_agreement(r["greedy"], reference)
+    ok = [k for k, r in results.items() if k.startswith("int") and r["perplexity_vs_fp32"] <= 0.02]
+    default = min(ok, key=lambda k: results[k]["t1_ms"]) if ok else "int8"
+    report = {"machine": platform.processor() or platform.machine(), "threads": args.threads,
+              "date": time.strftime("%Y-%m-%d"), "command": "python scripts/quant_report.py " + " ".join(
+                  a for a in os.sys.argv[1:]), "heldout_conversations": len(held), "dev_prompts": len(prompts),
+              "new_tokens": args.new_tokens, "results": results, "default_scheme": default,
+              "within_2pct": ok}
+    print(f"default scheme: {default} (within 2 % of fp32 perplexity: {ok or 'none'})")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
