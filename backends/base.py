@@ -30,6 +30,9 @@ class RuntimeCapabilities:
     # decoder-layer outputs it can return instead (EAGLE-3's fused features): None = any layer,
     # () = none, else exactly this tuple (an exported graph returns the layers it was exported with)
     feature_layers: tuple[int, ...] | None = ()
+    # a position's logits do not depend on how many positions the forward holds; speculation
+    # needs it (verify forwards hold many, plain decoding one), or its output leaves plain's
+    batch_invariant: bool = True
     name: str = ""
 
     def serves(self, want: "Want") -> bool:

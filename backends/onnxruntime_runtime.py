@@ -16,6 +16,7 @@ the prefix is never re-run.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
@@ -107,6 +108,10 @@ class OnnxRuntime(SlotRuntime):
             "all", description="ONNX Runtime graph optimisation level.")
         threads: int | None = Field(None, ge=1, description="Intra-op threads (None = onnxruntime's default).")
         arena: bool = Field(True, description="ONNX Runtime's CPU memory arena (buffers reused between calls).")
+        pad_single: bool | Literal["auto"] = Field(
+            "auto", description="Run one-position forwards as two positions. auto: where the graph's quantized "
+                                "MatMuls quantize activations (accuracy level >= 2), whose one-row kernel computes "
+                                "a position differently from wider forwards; speculation needs them to agree.")
         spinning: bool = Field(True, description="Idle intra-op threads spin-wait instead of sleeping.")
         max_context: int | None = Field(None, ge=1, description="Override the model's context length.")
         quantize: Literal["none", "int4", "int8"] = Field(
@@ -163,7 +168,10 @@ class OnnxRuntime(SlotRuntime):
             from transformers import AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(str(directory / man.tokenizer))
-        return cls(session, entry, tok, config.max_context, man.eos_token_ids, config.device_id)
+        rt = cls(session, entry, tok, config.max_context, man.eos_token_ids, config.device_id)
+        rt.pad_single = rt.pad_single if config.pad_single == "auto" else bool(config.pad_single)
+        rt.capabilities = replace(rt.capabilities, batch_invariant=not rt.single_differs or rt.pad_single)
+        return rt
 
     def __init__(self, session: Any, entry: Any, tokenizer: Any = None, max_context: int | None = None,
                  eos_token_ids: Sequence[int] = (), device_id: int = 0) -> None:
@@ -188,6 +196,10 @@ class OnnxRuntime(SlotRuntime):
         self.dtype = self.mask_dtype = _TORCH_DTYPES[entry.dtype]
         self.vocab_size = int(entry.vocab_size)
         self.max_context = int(max_context or entry.max_context)
+        q = entry.quantization or {}
+        # int8 activations (accuracy level >= 2): the one-row kernel differs from the wider ones
+        self.single_differs = bool(q) and int(q.get("accuracy_level", 0)) >= 2
+        self.pad_single = self.single_differs
         self.capabilities = RuntimeCapabilities(tree_mask=True, hidden_states=True,
                                                 feature_layers=tuple(entry.feature_layers), name="onnxruntime")
         self._in = input_names(entry.num_layers)
@@ -212,7 +224,10 @@ class OnnxRuntime(SlotRuntime):
     def _call(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, want_hidden: Want,
               prefill: bool) -> StepOutput:
         """One graph call (the graph always takes a mask: ``always_mask``); the presents
-        replace ``self.kv``."""
+        replace ``self.kv``. One position is padded to two where the graph's kernels compute a
+        lone position differently (``pad_single``)."""
+        if self.pad_single and ids.shape[1] == 1:
+            return self._call_padded(ids, pos, mask, want_hidden, prefill)
         B, N = ids.shape
         S = self.kv[0].shape[2]
         e, dev = self.entry, self.device
@@ -238,6 +253,25 @@ class OnnxRuntime(SlotRuntime):
         self.session.run_with_iobinding(io)
         self.kv = presents
         return StepOutput(logits, hidden)
+
+    def _call_padded(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, want_hidden: Want,
+                     prefill: bool) -> StepOutput:
+        """A one-position forward as a two-position one whose second position attends only to
+        itself: the first position's result is the one a wider forward computes for it (ONNX
+        Runtime's one-row MatMulNBits kernel quantizes activations differently: measured up to
+        0.67 logits apart, while rows of 2..16-row forwards agree exactly)."""
+        S = self.kv[0].shape[2]
+        B = ids.shape[0]
+        wide = torch.full((B, 1, 2, S + 2), torch.finfo(self.dtype).min, dtype=self.dtype, device=mask.device)
+        wide[:, :, 0, : S + 1] = mask[:, :, 0, : S + 1]
+        wide[:, :, 1, S + 1] = 0.0
+        self.pad_single = False  # one real call, then back
+        try:
+            out = self._call(torch.cat([ids, ids], 1), torch.cat([pos, pos], 1), wide, want_hidden, prefill)
+        finally:
+            self.pad_single = True
+        self.kv = [t[:, :, : S + 1] for t in self.kv]  # the padding position leaves no KV
+        return StepOutput(out.logits[:, :1], out.hidden[:, :1] if out.hidden is not None else None)
 
 
 def _np(dtype: torch.dtype) -> Any:

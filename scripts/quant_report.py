@@ -51,7 +51,12 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--llamacpp", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--out", default="")
+    ap.add_argument("--markdown", default="", help="also write the tables as a section of this page")
+    ap.add_argument("--from-json", default="", help="render --markdown from a saved report, measure nothing")
     args = ap.parse_args()
+    if args.from_json:
+        write_markdown(json.loads(Path(args.from_json).read_text()), Path(args.markdown))
+        return
 
     import torch
 
@@ -129,6 +134,35 @@ def main() -> None:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    if args.markdown:
+        write_markdown(report, Path(args.markdown))
+
+
+def write_markdown(report: dict, doc: Path) -> None:
+    """The quantization tables as a section of ``doc`` (``spec_plugins.bench.docs``)."""
+    from spec_plugins.bench.docs import machine, update
+
+    res = report["results"]
+    lines = ["## Quantized ONNX Runtime graphs: speed and quality", "",
+             f"- machine: {machine()}, {report['threads']} threads", f"- date: {report['date']}",
+             f"- command: `{report['command']}`", "",
+             f"Perplexity on {report['heldout_conversations']} held-out ShareGPT conversations (assistant tokens, "
+             f"{next(iter(res.values()))['perplexity_tokens']} tokens); greedy agreement with fp32 on "
+             f"{report['dev_prompts']} dev prompts ({report['new_tokens']} new tokens); T(N) = one forward over N "
+             "new positions.", "",
+             "| runtime / scheme | graph MB | T(1) ms | T(4)/T(1) | T(8)/T(1) | T(16)/T(1) | perplexity | vs fp32 | "
+             "identical to fp32 | first divergence |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for label, r in res.items():
+        rel = r["cost_relative"]
+        agree = r["agreement_with_fp32"]
+        firsts = [f for f in agree["first_difference"] if f is not None]
+        size = f"{r['graph_bytes'] / 2**20:.0f}" if r.get("graph_bytes") else "–"
+        lines.append(f"| {label} | {size} | {r['t1_ms']:.1f} | {rel[3]:.2f} | {rel[7]:.2f} | {rel[15]:.2f} | "
+                     f"{r['perplexity']:.3f} | {r['perplexity_vs_fp32']:+.1%} | {agree['identical']}/{agree['of']} | "
+                     f"{f'{min(firsts)}-{max(firsts)}' if firsts else 'none'} |")
+    lines += ["", f"Default scheme (the fastest one-position forward within 2 % of fp32's perplexity): "
+                  f"**{report['default_scheme']}**; within 2 %: {', '.join(report['within_2pct']) or 'none'}.", ""]
+    update(doc, "Quantized ONNX Runtime graphs", "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -84,6 +84,7 @@ def generate(
     if as_json:
         print(json.dumps({"text": text, "token_ids": toks, "finish_reason": reason, "stats": stats.to_dict()}))
     else:
+        _tune_hint(config)
         s = stats
         sys.stdout.write("\n")
         typer.secho(
@@ -92,12 +93,28 @@ def generate(
             err=True, fg=typer.colors.CYAN)
 
 
+def _tune_hint(config: Optional[Path]) -> None:
+    """Once per machine (a marker in the cache directory), on stderr: where a faster setup is found."""
+    from spec_plugins.models import cache_root
+
+    marker = cache_root() / ".tune-hint-shown"
+    if config is not None or marker.exists():
+        return
+    typer.secho("hint: `spec-plugins tune --out tuned.yaml` measures this machine and writes the fastest exact "
+                "config for it; then `spec-plugins generate --config tuned.yaml`", err=True, fg=typer.colors.YELLOW)
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    except OSError:
+        pass  # a read-only cache only means the hint shows again
+
+
 def _register_subcommands() -> None:
     """Optional subcommand modules (bench, train, export, serve) add themselves to ``app``."""
     import importlib
 
     for mod in ("spec_plugins.bench.cli", "spec_plugins.training.cli", "spec_plugins.exporters.cli",
-                "spec_plugins.server.cli"):
+                "spec_plugins.server.cli", "spec_plugins.tune_cli"):
         try:
             importlib.import_module(mod)
         except ModuleNotFoundError as exc:

@@ -47,7 +47,8 @@ class ProposerConfig(PluginConfig):
 
     type: str = Field(description="Proposer name: ngram, draft_model or a registered plugin.")
     num_draft_tokens: int | Literal["auto"] = Field(
-        5, description="Draft length per round (gamma), or 'auto' to pick it from the cost model each round."
+        "auto", description="Draft length per round (gamma), or 'auto' (the default) to pick it each round from "
+                            "the runtime's measured cost model, so drafting never costs more than it saves."
     )
 
     @model_validator(mode="after")
@@ -174,7 +175,7 @@ def default_config() -> SpecConfig:
     return SpecConfig.parse(
         {
             "target": {"backend": "torch", "model": "smollm2-135m-instruct", "dtype": "float32"},
-            "proposer": {"type": "ngram", "num_draft_tokens": 5, "max_ngram": 3},
+            "proposer": {"type": "ngram", "num_draft_tokens": "auto", "max_ngram": 3},
             "verifier": {"type": "exact"},
             "sampling": {"temperature": 0.0, "seed": 0},
         },

@@ -328,3 +328,30 @@ def test_quantize_in_the_config_exports_on_first_use_per_scheme(tiny_model_dir, 
     assert outs["plain"] == outs["ngram"]  # exact relative to the quantized model itself
     with pytest.raises(ValueError, match="quantized as 'int4-b16-sym-acc4'.*asks for 'none'"):
         OnnxRuntime.from_config(OnnxRuntime.Config(model=str(tiny_model_dir), path=str(where)))
+
+
+def test_quantized_graphs_pad_lone_positions_so_speculation_stays_exact(tiny_model_dir, tmp_path, monkeypatch):
+    """int8 activations: ONNX Runtime's one-row kernel computes a position differently from wider
+    forwards, so one-position forwards run as two (pad_single: auto); a position's logits are
+    then the same whatever the forward's width, and without the padding speculation is refused."""
+    from spec_plugins.loop.batch import check_pairing
+    from spec_plugins.proposers.ngram import NgramProposer
+
+    monkeypatch.setenv("SPEC_PLUGINS_CACHE", str(tmp_path))
+    base = dict(model=str(tiny_model_dir), quantize="int8", quant_block_size=16, threads=1)
+    rt = OnnxRuntime.from_config(OnnxRuntime.Config(**base))
+    assert rt.pad_single and rt.capabilities.batch_invariant
+    ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    rt.prefill([ids[:-4]])
+    wide = rt.forward(torch.tensor([ids[-4:]])).logits[0]
+    rt.rollback([len(ids) - 4])
+    one = []
+    for t in ids[-4:]:
+        one.append(rt.forward(torch.tensor([[t]])).logits[0, 0])
+        rt.commit([[0]])
+    torch.testing.assert_close(torch.stack(one), wide, atol=0, rtol=0)
+    assert rt.lengths() == [len(ids)]  # the padding position left no KV behind
+    raw = OnnxRuntime.from_config(OnnxRuntime.Config(**base, pad_single=False))
+    assert not raw.capabilities.batch_invariant
+    with pytest.raises(ValueError, match="pad_single"):
+        check_pairing(raw, NgramProposer(NgramProposer.Config()))

@@ -78,6 +78,10 @@ def bench(
     memory: str = typer.Option("independent", "--memory",
                                help="Cross-request memory (suffix's global index): independent (cleared before every "
                                     "prompt) or sequence (kept across the prompts of a run, in file order)."),
+    markdown_doc: Optional[Path] = typer.Option(None, "--markdown", help="Also write this run as a section of a "
+                                                                         "Markdown page (e.g. docs/benchmarks.md)."),
+    title: Optional[str] = typer.Option(None, "--title", help="--markdown: the section's title (a rerun with the "
+                                                              "same title replaces it)."),
     compare_config: Optional[list[Path]] = typer.Option(
         None, "--compare-config",
         help="Another config (e.g. the same one with another backend) measured in the same run: adds "
@@ -105,11 +109,13 @@ def bench(
         compare: list[tuple[str, SpeculativeDecoder]] = []
         for path in compare_config or []:
             other_cfg = load_config(path)
-            label = other_cfg.target.backend
+            quant = getattr(other_cfg.target, "quantize", "none")
+            base = other_cfg.target.backend + (f"-{quant}" if quant != "none" else "")
+            label = base
             taken = {lab for lab, _ in compare} | {cfg.target.backend}
             n = 2
             while label in taken:
-                label, n = f"{other_cfg.target.backend}-{n}", n + 1
+                label, n = f"{base}-{n}", n + 1
             compare.append((label, SpeculativeDecoder.from_config(other_cfg)))
         opts.compare = compare
         load_s = time.perf_counter() - t0
@@ -131,6 +137,14 @@ def bench(
     total = time.perf_counter() - t0
     report["meta"]["wall_s_including_load"] = total
     (out / "report.json").write_text(json.dumps(report, indent=1))
+    if markdown_doc is not None:
+        from spec_plugins.bench.docs import section, update
+
+        name = title or f"{Path(prompts).stem} on {report['meta'].get('backend')}"
+        import shlex
+
+        command = "spec-plugins bench " + shlex.join(sys.argv[2:])
+        update(markdown_doc, name, section(report, name, command, out, markdown_doc))
     if as_json:
         print(json.dumps(report))
     else:

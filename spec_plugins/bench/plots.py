@@ -11,7 +11,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def _ours(report: dict) -> list[dict]:
-    return [m for m in report["methods"] if m["kind"] == "ours"]
+    """Our methods: fixed draft lengths, auto, and other proposers (``--methods``)."""
+    return [m for m in report["methods"] if m["kind"] in ("ours", "method")]
 
 
 def acceptance_by_position(report: dict, path: Path) -> None:
@@ -28,7 +29,8 @@ def acceptance_by_position(report: dict, path: Path) -> None:
         if m["gamma"] == "auto":
             ax.plot(xs, rates, "k--o", label="auto", markersize=4)
         else:
-            ax.plot(xs, rates, "-o", color=cmap(i / max(1, len(fixed) - 1)), label=f"γ = {m['gamma']}", markersize=4)
+            label = f"γ = {m['gamma']}" if m["kind"] == "ours" else m["name"]
+            ax.plot(xs, rates, "-o", color=cmap(i / max(1, len(fixed) - 1)), label=label, markersize=4)
     ax.set_xlabel("draft position (1 = first drafted token)")
     ax.set_ylabel("acceptance rate (accepted / drafted at that position)")
     ax.set_ylim(0, 1.02)

@@ -97,6 +97,17 @@ def serve(
     no_speculation: bool = typer.Option(False, "--no-speculation", help="Plain decoding (same batching)."),
     shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout", min=0.0,
                                            help="Seconds in-flight requests may finish after SIGTERM/SIGINT."),
+    ray: bool = typer.Option(False, "--ray", help="Serve as a Ray Serve deployment (replicas behind Ray's proxy)."),
+    replicas: int = typer.Option(1, "--replicas", min=1, help="--ray: replicas, each with its model and batch."),
+    autoscale: Optional[str] = typer.Option(None, "--autoscale", help="--ray: MIN:MAX replicas, scaled on "
+                                                                      "ongoing requests (instead of --replicas)."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="--ray: a running cluster (default: "
+                                                                          "start a local Ray)."),
+    num_cpus: float = typer.Option(1.0, "--num-cpus", min=0.0, help="--ray: CPUs per replica."),
+    num_gpus: float = typer.Option(0.0, "--num-gpus", min=0.0, help="--ray: GPUs per replica."),
+    write_config: Optional[Path] = typer.Option(None, "--write-config",
+                                                help="--ray: write a Ray Serve config file for `serve deploy` "
+                                                     "and exit."),
 ) -> None:
     """Serve the text-generation-inference HTTP API with continuous batching and speculation."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -104,6 +115,10 @@ def serve(
         fail(f"--draft-policy must be 'load' or 'fixed', got {draft_policy!r}")
     if max_input_tokens is not None and max_total_tokens is not None and max_input_tokens >= max_total_tokens:
         fail(f"--max-input-tokens ({max_input_tokens}) must be < --max-total-tokens ({max_total_tokens})")
+    if ray or write_config is not None:
+        _serve_ray(config, host, port, max_batch, max_input_tokens, max_total_tokens, draft_policy, no_speculation,
+                   shutdown_timeout, replicas, autoscale, ray_address, num_cpus, num_gpus, write_config)
+        return
     _check_port(host, port)  # before the model loads (tens of seconds)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -131,3 +146,59 @@ def serve(
         log.warning("binding %s: the server has no authentication", host)
     uvicorn.run(create_app(state), host=host, port=port, log_level="info",
                 timeout_graceful_shutdown=int(shutdown_timeout) or None)
+
+
+def _serve_ray(config: Optional[Path], host: str, port: int, max_batch: int, max_input_tokens: Optional[int],
+               max_total_tokens: Optional[int], draft_policy: str, no_speculation: bool, shutdown_timeout: float,
+               replicas: int, autoscale: Optional[str], ray_address: Optional[str], num_cpus: float, num_gpus: float,
+               write_config: Optional[Path]) -> None:
+    """``serve --ray``: the same app on Ray Serve replicas (``spec_plugins.server.ray_serve``)."""
+    import json
+    import signal
+
+    from spec_plugins.config import ConfigError
+    from spec_plugins.server.ray_serve import (INSTALL_HINT, RayServeConfig, ReplicaOptions, Scaling, application,
+                                               parse_autoscale)
+
+    try:
+        cfg = load_config(config)
+        if no_speculation:
+            cfg = cfg.model_copy(update={"proposer": None})
+        opts = ReplicaOptions(cfg.model_dump(mode="json"), max_batch, max_input_tokens, max_total_tokens, draft_policy,
+                              shutdown_timeout, max(1, int(num_cpus)) if num_cpus >= 1 else None)
+        scaling = Scaling(replicas, parse_autoscale(autoscale) if autoscale else None, num_cpus, num_gpus,
+                          max_ongoing_requests=max(2 * max_batch, 8))
+    except (ConfigError, ValueError, FileNotFoundError, LookupError) as exc:
+        fail(str(exc))
+        return
+    if write_config is not None:
+        import yaml
+
+        write_config.write_text(yaml.safe_dump(RayServeConfig(opts, scaling, host, port).to_dict(), sort_keys=False))
+        typer.echo(f"wrote {write_config}: deploy it with `serve deploy {write_config}` on the cluster")
+        return
+    try:
+        import ray as ray_mod
+        from ray import serve
+    except ImportError:
+        fail(INSTALL_HINT)
+        return
+    ray_mod.init(address=ray_address, include_dashboard=False) if ray_address else ray_mod.init(include_dashboard=False)
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(application(opts, scaling), name="spec-plugins", route_prefix="/")
+    typer.secho(f"serving on http://{host}:{port} via Ray Serve "
+                f"({'autoscale ' + autoscale if autoscale else f'{replicas} replica(s)'}); Ctrl-C to stop",
+                err=True, fg=typer.colors.CYAN)
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    try:
+        import time
+
+        while not stop:
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()  # replicas drain: each app's lifespan waits up to --shutdown-timeout
+        ray_mod.shutdown()
+    typer.echo(json.dumps({"stopped": True}))

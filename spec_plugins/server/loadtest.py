@@ -96,6 +96,17 @@ async def _level(url: str, inputs: list[str], n_requests: int, clients: int, max
             "tokens": tokens, "tokens_per_s": tokens / wall, "p50_s": q(0.5), "p95_s": q(0.95), "results": results}
 
 
+def rss_mib(pid: int) -> float | None:
+    """Resident memory of a process (Linux), MiB."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
 def _metrics(url: str) -> dict[str, float]:
     import httpx
 
@@ -104,7 +115,7 @@ def _metrics(url: str) -> dict[str, float]:
         if line and not line.startswith("#") and (line.startswith("spec_policy_draft_length")
                                                   or line.split("{")[0].split(" ")[0] in (
                 "spec_target_forwards_total", "spec_draft_tokens_total", "spec_accepted_tokens_total",
-                "spec_mean_accepted_tokens")):
+                "spec_mean_accepted_tokens") or line.startswith("spec_suffix_index")):
             k, v = line.rsplit(" ", 1)
             out[k] = float(v)
     return out
@@ -119,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--out", default="loadtest.json")
     ap.add_argument("--logs", default="/tmp")
+    ap.add_argument("--prompts", default=None, help="a bench prompt file (first turns) instead of the built-in prompts")
     a = ap.parse_args(argv)
     levels = [int(x) for x in a.levels.split(",")]
     counts = [int(x) for x in a.requests.split(",")]
@@ -139,8 +151,13 @@ def main(argv: list[str] | None = None) -> int:
 
         dec = SpeculativeDecoder.from_config(SpecConfig.from_file(a.config)).without_speculation()
         tok = dec.tokenizer
+        texts = PROMPTS
+        if a.prompts:
+            from spec_plugins.bench.prompts import load_prompts
+
+            texts = [p.turns[0] for p in load_prompts(a.prompts)]
         inputs = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                          tokenize=False) for p in PROMPTS]
+                                          tokenize=False) for p in texts]
         refs = []
         for text in inputs:
             ids = list(tok(text, add_special_tokens=True)["input_ids"])
@@ -165,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         report["metrics_on"] = _metrics(servers["on"][1])
         report["metrics_off"] = _metrics(servers["off"][1])
         report["info_on"] = __import__("httpx").get(servers["on"][1] + "/info").json()
+        report["rss_mib_at_end"] = {mode: rss_mib(proc.pid) for mode, (proc, _) in servers.items()}
         Path(a.out).write_text(json.dumps(report, indent=2))
         print(json.dumps(report["metrics_on"], indent=1))
         return 0

@@ -50,6 +50,7 @@ class Metrics:
         self.ttft: dict[str, _Histogram] = {}
         self.generated_tokens = 0
         self.cancelled = 0
+        self.labels: dict[str, str] = {}  # on every sample (a Ray replica's id)
 
     def request_done(self, route: str, status: int | str, seconds: float | None = None,
                      generated: int = 0, first_token: float | None = None) -> None:
@@ -74,7 +75,7 @@ class Metrics:
             out.append(f"# HELP {name} {help_}")
             out.append(f"# TYPE {name} {kind}")
             for labels, v in samples:
-                out.append(f"{name}{_labels(labels)} {float(v):.9g}")
+                out.append(f"{name}{_labels({**self.labels, **labels})} {float(v):.9g}")
 
         with self._lock:
             metric("spec_requests_total", "counter", "HTTP requests by route and status code.",
@@ -89,10 +90,10 @@ class Metrics:
                 out.append(f"# TYPE {name} histogram")
                 for route, h in sorted(hists.items()):
                     for b, c in zip(h.buckets, h.counts):
-                        out.append(f"{name}_bucket{_labels({'route': route, 'le': b})} {c}")
-                    out.append(f"{name}_bucket{_labels({'route': route, 'le': '+Inf'})} {h.n}")
-                    out.append(f"{name}_sum{_labels({'route': route})} {h.total:.9g}")
-                    out.append(f"{name}_count{_labels({'route': route})} {h.n}")
+                        out.append(f"{name}_bucket{_labels({**self.labels, 'route': route, 'le': b})} {c}")
+                    out.append(f"{name}_bucket{_labels({**self.labels, 'route': route, 'le': '+Inf'})} {h.n}")
+                    out.append(f"{name}_sum{_labels({**self.labels, 'route': route})} {h.total:.9g}")
+                    out.append(f"{name}_count{_labels({**self.labels, 'route': route})} {h.n}")
         if stats is not None:
             metric("spec_target_forwards_total", "counter", "Target verify forwards (rounds), prefill excluded.",
                    [({}, stats.target_forwards)])

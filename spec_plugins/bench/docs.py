@@ -1,0 +1,68 @@
+"""Bench reports into ``docs/benchmarks.md``: one section per run, with the machine, the date,
+the command and the plots, replaced in place when the same title is written again, so the page
+is regenerated from reports and never edited by hand."""
+
+from __future__ import annotations
+
+import platform
+import re
+import shutil
+from pathlib import Path
+
+from spec_plugins.bench.report import markdown
+
+START, END = "<!-- bench:{} -->", "<!-- /bench:{} -->"
+
+
+def local(text: str) -> str:
+    """Absolute paths of this machine shortened to their last component (committed pages hold none)."""
+    return re.sub(r"(?<![\w.])/(?:[\w.+-]+/)+([\w.+-]+)", r"\1", text)
+
+
+def slug(title: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-") or "run"
+
+
+def machine() -> str:
+    """The CPU model and core count, as the report's readers need it."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import os
+
+    return f"{model}, {os.cpu_count()} cores, {platform.system()}"
+
+
+def section(report: dict, title: str, command: str, out_dir: Path, doc: Path) -> str:
+    """The Markdown of one run: header lines, the summary tables and the plots (copied next to
+    the document so the page is self-contained)."""
+    meta = report["meta"]
+    img = doc.parent / "img" / slug(title)
+    img.mkdir(parents=True, exist_ok=True)
+    pngs = sorted(Path(out_dir).glob("*.png"))
+    for p in pngs:
+        shutil.copy(p, img / p.name)
+    body = markdown(report).split("\n", 1)[1].lstrip()  # drop the page title
+    body = body.replace("\n## ", "\n#### ")
+    lines = [f"## {title}", "", f"- machine: {meta.get('machine_detail') or machine()}",
+             f"- date: {meta.get('started_utc', '')[:10]}", f"- command: `{local(command)}`", "", local(body)]
+    lines += [f"![{p.stem}](img/{slug(title)}/{p.name})" for p in pngs]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def update(doc: Path, title: str, text: str) -> None:
+    """Replace the section of ``title`` in ``doc`` (or append it)."""
+    s, e = START.format(slug(title)), END.format(slug(title))
+    block = f"{s}\n{text}{e}\n"
+    old = doc.read_text() if doc.exists() else "# Benchmarks\n\nGenerated from bench reports by `spec-plugins bench ... --markdown docs/benchmarks.md --title ...`; do not edit by hand.\n\n"
+    if s in old and e in old:
+        new = old[: old.index(s)] + block + old[old.index(e) + len(e) + 1:]
+    else:
+        new = old.rstrip() + "\n\n" + block
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(new)

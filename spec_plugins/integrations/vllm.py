@@ -1,0 +1,218 @@
+"""Our model-free proposers inside vLLM, as vLLM v1 ``custom_class`` proposers.
+
+vLLM (0.22 to 0.33; removed in 0.34) loads a third-party drafter when the speculative config
+names a class by its dotted path, ``speculative_config={"method": "custom_class", "model":
+"spec_plugins.integrations.vllm.NgramDrafter", "num_speculative_tokens": k}``, builds it as
+``cls(vllm_config)`` and, after every step, calls
+
+    propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None)
+        -> list[list[int]]
+
+with ``sampled_token_ids[i]`` the tokens row i accepted this step (empty for a row still in
+prefill), ``num_tokens_no_spec`` an int array (row i's history length) and ``token_ids_cpu`` a
+[max_num_reqs, max_model_len] int array (row i's history in ``[i, :num_tokens_no_spec[i]]``).
+Drafts are returned by row position; vLLM's own rejection sampler verifies them. The call
+carries no request ids, so a row's index is recognised by its history (``RowIndexes``), and an
+index no row continues any more is a finished request (it enters suffix decoding's global
+index).
+
+Proposer settings come from our own YAML proposer section, in the environment variable
+``SPEC_PLUGINS_VLLM_PROPOSER`` (a path or inline YAML), so vLLM's config carries only the class.
+``register()`` is the ``vllm.general_plugins`` entry point: it checks the installed vLLM has
+this interface and is idempotent, as vLLM loads plugins in every process.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+ENV = "SPEC_PLUGINS_VLLM_PROPOSER"
+KEY_TOKENS = 32  # a row is recognised by the first tokens of its history
+_REGISTERED = False
+
+
+def proposer_section(default_type: str) -> dict[str, Any]:
+    """Our proposer section from ``SPEC_PLUGINS_VLLM_PROPOSER`` (file path or inline YAML)."""
+    import yaml
+
+    raw = os.environ.get(ENV)
+    if not raw:
+        return {"type": default_type}
+    text = open(raw).read() if os.path.isfile(raw) else raw
+    data = yaml.safe_load(text)
+    if isinstance(data, dict) and "proposer" in data:
+        data = data["proposer"]
+    if not isinstance(data, dict) or data.get("type", default_type) != default_type:
+        raise ValueError(f"{ENV} must hold a `{default_type}` proposer section, got {str(data)[:120]!r}")
+    return {"type": default_type, **data}
+
+
+class RowIndexes:
+    """The index of each live request, recognised by its history (vLLM passes no request ids and
+    moves rows when others leave): an index held from the last step whose tokens begin this
+    row's history (first and last held tokens compared) is the same request's, extended by the
+    new tokens; an unclaimed one belongs to a finished request."""
+
+    def __init__(self, make: Any) -> None:
+        self.make = make
+        self.held: list[Any] = []
+
+    def step(self, histories: Sequence[Sequence[int] | None]) -> tuple[list[Any], list[Any]]:
+        free = list(self.held)
+        out: list[Any] = []
+        for h in histories:
+            if h is None:  # a row still in prefill drafts nothing yet
+                out.append(None)
+                continue
+            idx = next((x for x in free if _continues(x.tokens, h)), None)
+            if idx is None:
+                idx = _Sized(self.make())
+            else:
+                free.remove(idx)
+            idx.extend(list(h[idx.length:]))
+            out.append(idx)
+        self.held = [x for x in out if x is not None]
+        return out, free
+
+
+def _continues(held: Sequence[int], history: Sequence[int]) -> bool:
+    n = len(held)
+    return 0 < n <= len(history) and list(held[:KEY_TOKENS]) == list(history[:KEY_TOKENS]) and \
+        list(held[-KEY_TOKENS:]) == list(history[max(0, n - KEY_TOKENS):n])
+
+
+class _Drafter:
+    """Common part of the vLLM adapters: config, budget, rows."""
+
+    TYPE = ""
+
+    def __init__(self, vllm_config: Any = None, section: dict[str, Any] | None = None) -> None:
+        from spec_plugins.registry import PROPOSERS
+
+        spec = getattr(vllm_config, "speculative_config", None)
+        self.k = int(getattr(spec, "num_speculative_tokens", None) or 5)
+        section = section if section is not None else proposer_section(self.TYPE)
+        cls = PROPOSERS.get(section["type"])
+        self.config = cls.Config.model_validate(section)
+
+    def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: Any, token_ids_cpu: Any,
+                slot_mappings: Any = None) -> list[list[int]]:
+        hist = [None if not sampled_token_ids[i] else  # a row still in prefill: no draft
+                [int(t) for t in token_ids_cpu[i, : int(num_tokens_no_spec[i])]] for i in range(len(sampled_token_ids))]
+        indexes, finished = self.rows.step(hist)
+        self.finished(finished)
+        return [self.draft_row(idx)[: self.k] if idx is not None else [] for idx in indexes]
+
+    def draft_row(self, idx: Any) -> list[int]:
+        raise NotImplementedError
+
+    def finished(self, indexes: list[Any]) -> None:
+        """Requests that left the batch since the last step."""
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        """No model to load (vLLM calls this when present)."""
+
+
+class NgramDrafter(_Drafter):
+    """Prompt lookup (our ``ngram``) as a vLLM custom-class proposer."""
+
+    TYPE = "ngram"
+
+    def __init__(self, vllm_config: Any = None, section: dict[str, Any] | None = None) -> None:
+        super().__init__(vllm_config, section)
+        from spec_plugins.proposers.ngram import NgramIndex
+
+        c = self.config
+        self.rows = RowIndexes(lambda: NgramIndex(c.min_ngram, c.max_ngram))
+
+    def draft_row(self, idx: Any) -> list[int]:
+        return idx.inner.lookup(self.k)
+
+
+class SuffixDrafter(_Drafter):
+    """Suffix decoding (our ``suffix``) as a vLLM custom-class proposer: vLLM verifies chains,
+    so each row drafts the most probable path of its speculation tree; finished requests enter
+    the global index when ``scope`` is ``global``."""
+
+    TYPE = "suffix"
+
+    def __init__(self, vllm_config: Any = None, section: dict[str, Any] | None = None) -> None:
+        super().__init__(vllm_config, section)
+        from spec_plugins.suffix_index import Cursor, GlobalIndex, RequestIndex
+
+        c = self.config
+        self.index = GlobalIndex(c.depth, c.global_max_tokens)
+        self.rows = RowIndexes(lambda: RequestIndex(c.depth))
+        self._Cursor = Cursor
+
+    def draft_row(self, idx: Any) -> list[int]:
+        from spec_plugins.suffix_index import speculate
+
+        c = self.config
+        best: list[int] = []
+        best_score = 0.0
+        matches = [idx.inner.match(c.max_match)]
+        if c.scope == "global":
+            cur = self._Cursor(self.index.trie("*"))
+            cur.resync(idx.tokens)
+            matches.append(cur.match(c.max_match))
+        for n, node in matches:
+            if node is None:
+                continue
+            spec = speculate(node, n, max(1, int(c.max_spec_factor * n)), min(self.k, c.depth - n), c.min_token_prob)
+            chain = _top_path(spec)
+            score = sum(p for _, p in chain)
+            if score > best_score:
+                best, best_score = [t for t, _ in chain], score
+        return best
+
+    def finished(self, indexes: list[Any]) -> None:
+        if self.config.scope == "global":
+            for gone in indexes:
+                self.index.add("*", gone.tokens)
+
+
+class _Sized:
+    """An index plus how many history tokens it holds and the tokens themselves."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.tokens = inner, []
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, new: list[int]) -> None:
+        self.tokens += new
+        self.inner.extend(new)
+
+
+def _top_path(spec: Any) -> list[tuple[int, float]]:
+    """The chain of most probable children from the root of a speculation tree."""
+    best: dict[int, int] = {}
+    for j, (p, prob) in enumerate(zip(spec.parents, spec.probs)):
+        if p not in best or prob > spec.probs[best[p]]:
+            best[p] = j
+    out, node = [], -1
+    while node in best:
+        node = best[node]
+        out.append((spec.tokens[node], spec.probs[node]))
+    return out
+
+
+def register() -> None:
+    """``vllm.general_plugins`` entry point: check the installed vLLM offers ``custom_class``
+    (re-entrant: vLLM calls it in every process, maybe several times)."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("vllm.v1.spec_decode.custom_class_proposer") is None:
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "spec-plugins: this vLLM has no v1 custom_class proposer (vLLM 0.22-0.33 have it); "
+            "NgramDrafter / SuffixDrafter cannot be loaded")
+    _REGISTERED = True

@@ -1,0 +1,155 @@
+"""The TGI-compatible server as a Ray Serve deployment: replicas behind Ray's HTTP proxy.
+
+Each replica builds the same FastAPI app as ``spec-plugins serve`` (``create_app``: routes, TGI
+error bodies, streaming, ``/v1/chat/completions``) around its own model and continuous batch, so
+nothing of the HTTP behaviour is written twice. Ray Serve builds the app on the replica
+(``serve.ingress`` with a builder function), runs its lifespan (the decode thread starts, and on
+shutdown drains in-flight requests for ``shutdown_timeout`` seconds), routes requests to
+replicas, restarts dead ones and scales on ongoing requests (``autoscale``).
+
+``ray`` is imported only here (the ``[ray]`` extra); the single-machine server never needs it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+INSTALL_HINT = "Ray Serve needs the [ray] extra: pip install -e '.[ray]' (or pip install 'ray[serve]')"
+_REPLICA: dict[str, Any] = {}  # this process's replica state (one replica per Ray actor process)
+
+
+@dataclass(frozen=True)
+class ReplicaOptions:
+    """What every replica builds: the SpecConfig (as a dict) and the server's options."""
+
+    config: dict[str, Any]
+    max_batch: int = 8
+    max_input_tokens: int | None = None
+    max_total_tokens: int | None = None
+    draft_policy: str = "load"
+    shutdown_timeout: float = 30.0
+    threads: int | None = None  # torch threads per replica (None: its num_cpus)
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """Replica count or autoscaling range, and each replica's resources."""
+
+    replicas: int = 1
+    autoscale: tuple[int, int] | None = None  # (min, max) replicas, scaled on ongoing requests
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    target_ongoing_requests: float = 4.0  # per replica, for the autoscaler
+    max_ongoing_requests: int = 32  # per replica: the proxy queues beyond this
+
+    def deployment_options(self) -> dict[str, Any]:
+        opts: dict[str, Any] = {"ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus},
+                                "max_ongoing_requests": self.max_ongoing_requests}
+        if self.autoscale is not None:
+            lo, hi = self.autoscale
+            opts["autoscaling_config"] = {"min_replicas": lo, "max_replicas": hi, "initial_replicas": lo,
+                                          "target_ongoing_requests": self.target_ongoing_requests}
+        else:
+            opts["num_replicas"] = self.replicas
+        return opts
+
+
+def parse_autoscale(text: str) -> tuple[int, int]:
+    """``MIN:MAX`` -> (min, max), 0 <= min <= max, max >= 1."""
+    try:
+        lo, hi = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"--autoscale {text!r}: expected MIN:MAX, e.g. 1:4") from None
+    if lo < 0 or hi < 1 or lo > hi:
+        raise ValueError(f"--autoscale {text!r}: need 0 <= MIN <= MAX and MAX >= 1")
+    return lo, hi
+
+
+def build_replica_app(options: ReplicaOptions) -> Any:
+    """On a replica: the decoder, its batch and scheduler, and the HTTP app around them."""
+    import torch
+
+    from spec_plugins.config import SpecConfig
+    from spec_plugins.decoder import SpeculativeDecoder
+    from spec_plugins.server.app import create_app
+    from spec_plugins.server.cli import build_state
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    cfg = SpecConfig.parse(options.config)
+    dec = SpeculativeDecoder.from_config(cfg)
+    state = build_state(dec, options.max_batch, options.max_input_tokens, options.max_total_tokens,
+                        options.draft_policy, model_id=cfg.target.model)
+    state.shutdown_timeout = options.shutdown_timeout
+    replica = _replica_id()
+    state.info_extra["replica"] = replica
+    state.metrics.labels = {"replica": replica}
+    _REPLICA["state"] = state
+    return create_app(state)
+
+
+def _replica_id() -> str:
+    try:
+        from ray import serve
+
+        ctx = serve.get_replica_context()
+    except Exception:  # noqa: BLE001 - outside a Ray replica (the builder called directly)
+        return f"pid-{os.getpid()}"
+    rid = getattr(ctx, "replica_id", None)
+    return str(getattr(rid, "unique_id", None) or getattr(ctx, "replica_tag", "") or os.getpid())
+
+
+class SpecReplica:
+    """The deployment class: Ray's health check asks whether this replica's decode thread lives."""
+
+    def check_health(self) -> None:
+        state = _REPLICA.get("state")
+        if state is not None and not state.scheduler.alive:
+            raise RuntimeError("the decode thread of this replica is not running")
+
+
+def application(options: ReplicaOptions, scaling: Scaling = Scaling(), name: str = "spec-plugins") -> Any:
+    """The Ray Serve application (``serve.run(application(...))``)."""
+    try:
+        from ray import serve
+    except ImportError as exc:
+        raise ImportError(INSTALL_HINT) from exc
+
+    def build() -> Any:  # evaluated on each replica when it starts
+        return build_replica_app(options)
+
+    ingress = serve.ingress(build)(SpecReplica)
+    dep = serve.deployment(ingress, name=name, graceful_shutdown_timeout_s=options.shutdown_timeout + 5,
+                           health_check_period_s=5.0, **scaling.deployment_options())
+    return dep.bind()
+
+
+@dataclass
+class RayServeConfig:
+    """What ``spec-plugins serve --ray`` writes as a Ray Serve config file (``--write-config``)
+    for ``serve deploy`` on a cluster."""
+
+    options: ReplicaOptions
+    scaling: Scaling
+    host: str = "0.0.0.0"
+    port: int = 8000
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        dep = {"name": "spec-plugins", **self.scaling.deployment_options()}
+        return {"proxy_location": "EveryNode", "http_options": {"host": self.host, "port": self.port},
+                "applications": [{"name": "spec-plugins", "route_prefix": "/",
+                                  "import_path": "spec_plugins.server.ray_serve:app_from_args",
+                                  "args": {"options": asdict(self.options), "scaling": asdict(self.scaling)},
+                                  "deployments": [dep]}]}
+
+
+def app_from_args(args: dict[str, Any]) -> Any:
+    """Entry point for a Ray Serve config file (``import_path``): args are the dataclass fields."""
+    sc = dict(args.get("scaling") or {})
+    if sc.get("autoscale") is not None:
+        sc["autoscale"] = tuple(sc["autoscale"])
+    return application(ReplicaOptions(**args["options"]), Scaling(**sc))

@@ -1,0 +1,290 @@
+"""``spec-plugins tune``: the fastest exact configuration for this machine, model and prompts.
+
+1. Each runtime is built once: its verify-cost curve T(N) is measured (``policy.cost``) and it
+   decodes the user's prompts plainly (greedy, short answers), timed: its plain speed, and the
+   outputs each proposer will be scored against.
+2. Model-free proposers (n-gram, suffix) are scored without decoding again: the real round
+   replays each runtime's recorded outputs (``bench.replay``), charging the runtime's measured
+   costs, for ``auto`` and every fixed draft length. Feature drafters (EAGLE, Medusa) need the
+   target's hidden states, so they run for real, briefly, on runtimes that return them.
+3. The predicted best few are confirmed by a short interleaved run against plain decoding on the
+   fastest runtime; the fastest measured one wins if it beats plain by more than ``noise``,
+   otherwise the plain configuration is written. A lossy verifier is never chosen.
+
+The written YAML carries the measured numbers and the command in its comments.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+RUNTIMES = {  # label -> target section fields (besides the model)
+    "torch": {"backend": "torch", "dtype": "float32"},
+    "onnxruntime": {"backend": "onnxruntime"},
+    "onnxruntime-int8": {"backend": "onnxruntime", "quantize": "int8"},
+    "llamacpp": {"backend": "llamacpp"},
+}
+PROPOSERS = {  # label -> proposer section
+    "ngram": {"type": "ngram", "num_draft_tokens": "auto", "max_ngram": 3},
+    "suffix": {"type": "suffix", "num_draft_tokens": 16, "tree_nodes": "auto", "scope": "request"},
+    "eagle": {"type": "eagle", "heads": "examples/heads/smollm2-135m-instruct/eagle", "mode": "tree",
+              "num_draft_tokens": 6, "tree_nodes": "auto"},
+}
+REPLAYABLE = {"ngram", "suffix", "recycling", "lookahead"}  # drafts read only the sequence
+INSTALL = {"onnxruntime": ("onnxruntime", "pip install -e '.[onnx]'"),
+           "llamacpp": ("llama_cpp", "pip install -e '.[llamacpp]' (see the README for the CPU build flags)")}
+
+
+class TuneError(ValueError):
+    """Bad input to tune (the message names it)."""
+
+
+@dataclass
+class Budget:
+    seconds: float
+    start: float = field(default_factory=time.perf_counter)
+
+    @property
+    def left(self) -> float:
+        return self.seconds - (time.perf_counter() - self.start)
+
+
+@dataclass
+class Measured:
+    label: str
+    runtime: str
+    proposer: str | None
+    draft: int | str | None
+    tokens_per_s: float
+    predicted: float | None = None
+    mean_accepted: float | None = None
+
+
+def parse_budget(text: str) -> float:
+    """'5m', '90s', '1h', '300' -> seconds."""
+    unit = {"s": 1, "m": 60, "h": 3600}.get(text[-1:].lower(), None)
+    try:
+        value = float(text[:-1] if unit else text)
+    except ValueError:
+        raise TuneError(f"--budget {text!r}: use e.g. 5m, 90s or 1h") from None
+    if value <= 0:
+        raise TuneError(f"--budget {text!r} must be positive")
+    return value * (unit or 1)
+
+
+def installed_runtimes() -> list[str]:
+    import importlib.util
+
+    out = []
+    for name in RUNTIMES:
+        mod = INSTALL.get(name.split("-")[0], (None,))[0]
+        if mod is None or importlib.util.find_spec(mod) is not None:
+            out.append(name)
+    return out
+
+
+def check_choices(runtimes: Sequence[str], proposers: Sequence[str]) -> None:
+    """Unknown names and runtimes that are not installed fail before any model loads."""
+    import importlib.util
+
+    for r in runtimes:
+        if r not in RUNTIMES:
+            raise TuneError(f"unknown runtime {r!r}; allowed values: {', '.join(RUNTIMES)}")
+        mod, hint = INSTALL.get(r.split("-")[0], (None, ""))
+        if mod is not None and importlib.util.find_spec(mod) is None:
+            raise TuneError(f"runtime {r!r} is not installed: {hint}")
+    for p in proposers:
+        if p not in PROPOSERS:
+            raise TuneError(f"unknown proposer {p!r}; allowed values: {', '.join(PROPOSERS)}")
+    if not runtimes or not proposers:
+        raise TuneError("tune needs at least one runtime and one proposer")
+
+
+def _decoder(model: str, runtime: str, proposer: str | None, target: Any = None) -> Any:
+    from spec_plugins.config import SpecConfig
+    from spec_plugins.decoder import SpeculativeDecoder
+
+    cfg = SpecConfig.parse({"target": {**RUNTIMES[runtime], "model": model},
+                            "proposer": PROPOSERS[proposer] if proposer else None})
+    return SpeculativeDecoder.from_config(cfg, target=target)
+
+
+def _plain_outputs(dec: Any, prompts: Sequence[list[int]], max_new: int) -> tuple[list[list[int]], float]:
+    """Greedy outputs and plain tokens/s on this runtime."""
+    from spec_plugins.bench.baselines import time_decoder
+
+    plain = dec.without_speculation()
+    time_decoder(plain, prompts[0], 8)  # warm-up
+    outs, secs, n = [], 0.0, 0
+    for p in prompts:
+        r = time_decoder(plain, p, max_new)
+        outs.append(r.tokens)
+        secs += r.seconds
+        n += len(r.tokens)
+    return outs, n / secs
+
+
+def _replay(prompts: Sequence[list[int]], outputs: Sequence[list[int]], make: Callable[[], Any], cost: Any,
+            overhead: float, vocab: int) -> dict[str, float]:
+    """Simulated tokens/s of plain, fixed draft lengths 1..8 and auto over the recorded outputs."""
+    from spec_plugins.bench.replay import auto, fixed, replay_turn
+
+    policies = {"plain": fixed(0), **{str(k): fixed(k) for k in range(1, 9)}, "auto": auto(cost)}
+    out = {}
+    for name, factory in policies.items():
+        n = secs = 0.0
+        for p, o in zip(prompts, outputs):
+            st = replay_turn(p, o, make(), factory(), cost, overhead, vocab_size=vocab)
+            n += st.new_tokens
+            secs += st.time_total - st.time_prefill
+        out[name] = n / secs if secs else 0.0
+    return out
+
+
+def _interleaved(decoders: dict[str, Any], prompts: Sequence[list[int]], max_new: int, rounds: int = 2
+                 ) -> dict[str, tuple[float, float | None]]:
+    """tokens/s and mean accepted tokens of each decoder, runs interleaved (A B C, B C A, ...)."""
+    from spec_plugins.bench.baselines import time_decoder
+
+    names = list(decoders)
+    acc = {k: [0, 0.0, 0, 0] for k in names}  # tokens, seconds, emitted, forwards
+    for r in range(rounds):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for p in prompts:
+            for k in order:
+                run = time_decoder(decoders[k], p, max_new)
+                a = acc[k]
+                a[0] += len(run.tokens)
+                a[1] += run.seconds
+                if run.stats is not None:
+                    a[2] += run.stats.emitted_tokens
+                    a[3] += run.stats.target_forwards
+    return {k: (a[0] / a[1], a[2] / a[3] if a[3] else None) for k, a in acc.items()}
+
+
+@dataclass
+class TuneResult:
+    chosen: Measured
+    plain: Measured
+    measured: list[Measured]
+    runtimes: dict[str, dict[str, Any]]  # label -> plain tok/s, cost curve
+    config: dict[str, Any]
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+
+def tune(model: str, prompts: Sequence[str], runtimes: Sequence[str], proposers: Sequence[str], budget: Budget,
+         max_new: int = 64, confirm: int = 3, noise: float = 0.03, log: Callable[[str], None] = print) -> TuneResult:
+    """Measure, predict, confirm (module docstring); returns what to write."""
+    from spec_plugins.policy.cost import cost_for
+    from spec_plugins.registry import PROPOSERS as REGISTRY
+
+    check_choices(runtimes, proposers)
+    if not prompts:
+        raise TuneError("no prompts to tune on")
+    t0 = time.perf_counter()
+    built: dict[str, Any] = {}
+    info: dict[str, dict[str, Any]] = {}
+    candidates: list[Measured] = []
+    notes: list[str] = []
+    for rt in runtimes:  # 1. each runtime: cost curve, plain speed, outputs
+        if budget.left <= 0 and built:
+            notes.append(f"runtime {rt} skipped: budget spent")
+            continue
+        log(f"[tune] {rt}: loading, measuring the verify cost and plain decoding ...")
+        dec = _decoder(model, rt, None)
+        ids = [dec.encode([{"role": "user", "content": p}]) if dec.has_chat_template else dec.encode(p)
+               for p in prompts]
+        cost = cost_for(dec.target, max_positions=17)
+        outs, plain_tps = _plain_outputs(dec, ids, max_new)
+        built[rt] = (dec, ids, outs, cost)
+        info[rt] = {"plain_tokens_per_s": round(plain_tps, 2), "t1_ms": round(cost(1, 1) * 1e3, 2),
+                    "cost_relative": [round(x, 3) for x in cost.relative()[:17]]}
+        # 2. model-free proposers: replay this runtime's outputs at its measured costs
+        for p in proposers:
+            if p not in REPLAYABLE:
+                continue
+            section = PROPOSERS[p]
+            pcls = REGISTRY.get(section["type"])
+            cfg = pcls.Config.model_validate({k: v for k, v in section.items() if k != "tree_nodes"}
+                                             | ({"tree_nodes": 16} if "tree_nodes" in section else {}))
+            sim = _replay(ids, outs, lambda: pcls(cfg), cost, overhead=0.3e-3, vocab=dec.target.vocab_size)
+            best = max((k for k in sim if k != "plain"), key=lambda k: sim[k])
+            ratio = sim[best] / sim["plain"]
+            candidates.append(Measured(f"{rt}+{p}", rt, p, best if best == "auto" else int(best), 0.0,
+                                       predicted=plain_tps * ratio))
+            log(f"[tune]   {p}: predicted {plain_tps * ratio:.1f} tok/s ({ratio:.2f}x plain, draft {best})")
+    fastest = max(info, key=lambda r: info[r]["plain_tokens_per_s"])
+    for p in proposers:  # feature drafters: a short real run where hidden states exist
+        if p in REPLAYABLE:
+            continue
+        for rt, (dec, ids, outs, cost) in built.items():
+            if not dec.target.capabilities.hidden_states or budget.left <= 0:
+                continue
+            try:
+                d = _decoder(model, rt, p, target=dec.target)
+            except (ValueError, FileNotFoundError) as exc:
+                notes.append(f"{p} on {rt} not measured: {exc}")
+                continue
+            tps, mean = _interleaved({"x": d}, ids[:2], max_new, rounds=1)["x"]
+            candidates.append(Measured(f"{rt}+{p}", rt, p, PROPOSERS[p]["num_draft_tokens"], 0.0, predicted=tps,
+                                       mean_accepted=mean))
+            log(f"[tune]   {p} on {rt}: {tps:.1f} tok/s measured briefly")
+    # 3. confirm the best predictions against plain decoding on the fastest runtime
+    candidates.sort(key=lambda m: m.predicted or 0.0, reverse=True)
+    top = candidates[:confirm]
+    dec_f, ids_f = built[fastest][0], built[fastest][1]
+    decs = {"plain@" + fastest: dec_f.without_speculation()}
+    for m in top:
+        dec = built[m.runtime][0]
+        decs[m.label] = _decoder(model, m.runtime, m.proposer, target=dec.target)
+        if m.proposer in REPLAYABLE and m.draft != "auto" and hasattr(decs[m.label].config.proposer, "num_draft_tokens"):
+            cfg = decs[m.label].config
+            decs[m.label].config = cfg.model_copy(update={"proposer": cfg.proposer.model_copy(
+                update={"num_draft_tokens": m.draft})})
+    log(f"[tune] confirming {', '.join(decs)} (interleaved) ...")
+    got = _interleaved(decs, ids_f[: max(2, min(4, len(ids_f)))], max_new)
+    plain = Measured("plain@" + fastest, fastest, None, None, got["plain@" + fastest][0])
+    for m in top:
+        m.tokens_per_s, m.mean_accepted = got[m.label]
+    best = max(top, key=lambda m: m.tokens_per_s) if top else plain
+    chosen = best if best.tokens_per_s > plain.tokens_per_s * (1 + noise) else plain
+    if chosen is plain:
+        notes.append(f"no speculative configuration beat plain decoding by more than {noise:.0%}: writing plain")
+    section = {**RUNTIMES[chosen.runtime], "model": model}
+    prop = None
+    if chosen.proposer is not None:
+        prop = dict(PROPOSERS[chosen.proposer])
+        if "num_draft_tokens" in prop and chosen.draft is not None:
+            prop["num_draft_tokens"] = chosen.draft
+    config = {"target": section, "proposer": prop, "verifier": {"type": "exact"},
+              "sampling": {"temperature": 0.0, "seed": 0}}
+    return TuneResult(chosen, plain, candidates, info, config, time.perf_counter() - t0, notes)
+
+
+def render_yaml(res: TuneResult, command: str) -> str:
+    """The config, with the measurements that chose it as comments."""
+    import yaml
+
+    c = res.chosen
+    lines = [f"# written by: {command}", f"# tuned in {res.seconds:.0f} s on {time.strftime('%Y-%m-%d')}",
+             "# plain decoding per runtime (tok/s, one-position forward, T(N)/T(1) for N = 1, 2, 4, 8, 16):"]
+    for rt, d in res.runtimes.items():
+        rel = d["cost_relative"]
+        pick = [rel[i] for i in (0, 1, 3, 7, 15) if i < len(rel)]
+        lines.append(f"#   {rt}: {d['plain_tokens_per_s']} tok/s, T(1) {d['t1_ms']} ms, T(N)/T(1) {pick}")
+    lines.append("# candidates (predicted tok/s; measured in the confirmation run where one took place):")
+    for m in res.measured:
+        meas = f", measured {m.tokens_per_s:.1f}" if m.tokens_per_s else ""
+        lines.append(f"#   {m.label} (draft {m.draft}): predicted {m.predicted or 0:.1f}{meas}")
+    lines.append(f"# plain on the fastest runtime in the confirmation run: {res.plain.tokens_per_s:.1f} tok/s")
+    if c is res.plain:
+        lines.append("# chosen: plain decoding (no speculative configuration was faster by more than noise)")
+    else:
+        lines.append(f"# chosen: {c.label}, measured {c.tokens_per_s:.1f} tok/s = "
+                     f"{c.tokens_per_s / res.plain.tokens_per_s:.2f}x plain (predicted "
+                     f"{(c.predicted or 0) / res.plain.tokens_per_s:.2f}x)")
+    lines += [f"# note: {n}" for n in res.notes]
+    return "\n".join(lines) + "\n" + yaml.safe_dump(res.config, sort_keys=False)

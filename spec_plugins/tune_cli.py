@@ -1,0 +1,51 @@
+"""``spec-plugins tune``: measure this machine and write the fastest exact config (``spec_plugins.tune``)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from spec_plugins.cli import app, fail
+
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "examples" / "prompts" / "dev.jsonl"
+
+
+@app.command("tune")
+def tune_cmd(
+    model: str = typer.Option("smollm2-135m-instruct", "--model", help="Built-in name, .gguf path or local dir."),
+    prompts: Path = typer.Option(DEFAULT_PROMPTS, "--prompts", help="JSONL prompts like yours (bench layout)."),
+    runtimes: Optional[str] = typer.Option(None, "--runtimes", help="Comma-separated (default: those installed)."),
+    proposers: str = typer.Option("ngram,suffix,eagle", "--proposers", help="Comma-separated proposers to try."),
+    budget: str = typer.Option("10m", "--budget", help="Time budget, e.g. 5m, 90s."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=8, help="Answer length while measuring."),
+    limit: int = typer.Option(8, "--limit", min=1, help="Use at most this many prompts (first turns)."),
+    out: Path = typer.Option(Path("tuned.yaml"), "--out", "-o", help="Where to write the chosen config."),
+) -> None:
+    """Measure runtimes and proposers on your prompts; write the fastest exact config."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from spec_plugins.bench.prompts import load_prompts
+    from spec_plugins.tune import Budget, TuneError, installed_runtimes, parse_budget, render_yaml, tune
+
+    try:
+        seconds = parse_budget(budget)
+        rts = [r.strip() for r in runtimes.split(",") if r.strip()] if runtimes else installed_runtimes()
+        props = [p.strip() for p in proposers.split(",") if p.strip()]
+        plist = load_prompts(prompts)
+        if not plist:
+            raise TuneError(f"{prompts} holds no prompts")
+        texts = [p.turns[0] for p in plist[:limit]]
+        res = tune(model, texts, rts, props, Budget(seconds), max_new_tokens,
+                   log=lambda m: typer.secho(m, err=True, fg=typer.colors.CYAN))
+    except (TuneError, ValueError, FileNotFoundError, LookupError, ImportError) as exc:
+        fail(str(exc))
+        return
+    command = "spec-plugins tune " + " ".join(sys.argv[2:])
+    out.write_text(render_yaml(res, command))
+    c = res.chosen
+    speed = f"{c.tokens_per_s:.1f} tok/s, {c.tokens_per_s / res.plain.tokens_per_s:.2f}x plain"
+    typer.echo(f"wrote {out}: {c.label} ({speed}) in {res.seconds:.0f} s; run it with "
+               f"`spec-plugins generate --config {out} --prompt ...`")

@@ -1,0 +1,73 @@
+"""``spec-plugins tune`` on a tiny model: it measures, predicts by replay, confirms, and writes a
+config that loads; bad input fails with the problem named, before any model loads."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from conftest import tiny_llama
+from spec_plugins.config import SpecConfig
+from spec_plugins.tune import Budget, TuneError, check_choices, parse_budget, render_yaml, tune
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel({f"w{i}": i for i in range(32)}, unk_token="w0"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    d = tmp_path_factory.mktemp("tune") / "tiny-model"
+    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="w0", eos_token="w31").save_pretrained(str(d))
+    tiny_llama(vocab=32, seed=4, sharpness=4.0).save_pretrained(str(d))
+    return d
+
+
+def test_tune_writes_a_config_that_loads(tiny_dir, tmp_path):
+    prompts = ["w1 w2 w3 w4 w1 w2 w3 w4 w1 w2", "w5 w6 w7 w5 w6 w7 w5", "w9 w8 w9 w8 w9 w8 w9"]
+    logs = []
+    res = tune(str(tiny_dir), prompts, ["torch"], ["ngram", "suffix"], Budget(600), max_new=16, log=logs.append)
+    assert {m.proposer for m in res.measured} == {"ngram", "suffix"}
+    assert all(m.predicted and m.predicted > 0 for m in res.measured)
+    assert res.plain.tokens_per_s > 0 and res.runtimes["torch"]["plain_tokens_per_s"] > 0
+    confirmed = [m for m in res.measured if m.tokens_per_s]
+    assert confirmed  # the top candidates ran against plain
+    cfg = SpecConfig.parse(res.config)
+    assert cfg.target.backend == "torch" and cfg.verifier.type == "exact"
+    if res.chosen is res.plain:
+        assert cfg.proposer is None and any("beat plain" in n for n in res.notes)
+    else:
+        assert res.chosen.tokens_per_s > res.plain.tokens_per_s and cfg.proposer.type == res.chosen.proposer
+    text = render_yaml(res, "spec-plugins tune --model tiny")
+    assert text.startswith("# written by: spec-plugins tune --model tiny") and "# chosen:" in text
+    assert yaml.safe_load(text) == res.config
+
+
+def test_bad_input_is_named():
+    with pytest.raises(TuneError, match="unknown runtime 'tpu'"):
+        check_choices(["tpu"], ["ngram"])
+    with pytest.raises(TuneError, match="unknown proposer 'magic'"):
+        check_choices(["torch"], ["magic"])
+    with pytest.raises(TuneError, match="at least one"):
+        check_choices([], ["ngram"])
+    assert parse_budget("5m") == 300 and parse_budget("90s") == 90 and parse_budget("2") == 2
+    with pytest.raises(TuneError, match="--budget"):
+        parse_budget("soon")
+
+
+def test_cli_errors_before_loading(tmp_path, monkeypatch):
+    import importlib.util
+
+    from typer.testing import CliRunner
+
+    from spec_plugins.cli import app
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    r = CliRunner().invoke(app, ["tune", "--prompts", str(empty), "--runtimes", "torch", "--out", str(tmp_path / "t")])
+    assert r.exit_code == 2 and "prompt" in r.output
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    r = CliRunner().invoke(app, ["tune", "--runtimes", "llamacpp", "--out", str(tmp_path / "t")])
+    assert r.exit_code == 2 and "not installed" in r.output and "[llamacpp]" in r.output

@@ -1,0 +1,95 @@
+"""Our proposers as vLLM v1 ``custom_class`` proposers, called exactly as vLLM 0.22-0.33 calls
+them (``cls(vllm_config)``, then ``propose(sampled_token_ids, num_tokens_no_spec,
+token_ids_cpu, slot_mappings=...)`` with numpy arrays, drafts returned by row position). When
+vLLM is installed the test also reads its source, so the adapter fails loudly if vLLM's call
+drifts; the end-to-end engine run is skipped here (no vLLM in this environment) with the reason."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from spec_plugins.integrations.vllm import ENV, NgramDrafter, SuffixDrafter, register
+from spec_plugins.proposers.ngram import NgramProposer
+
+K = 4
+
+
+def vllm_config(k=K):
+    return SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k))
+
+
+def call(drafter, histories, sampled):
+    """vLLM's call: a [max_num_reqs, max_model_len] int32 array and per-row lengths."""
+    ids = np.zeros((8, 256), dtype=np.int32)
+    lens = np.zeros(8, dtype=np.int32)
+    for i, h in enumerate(histories):
+        ids[i, : len(h)] = h
+        lens[i] = len(h)
+    return drafter.propose(sampled, lens, ids, slot_mappings=None)
+
+
+def test_ngram_drafter_drafts_what_our_ngram_drafts_as_rows_move():
+    d = NgramDrafter(vllm_config(), {"type": "ngram", "max_ngram": 3})
+    ref = NgramProposer(NgramProposer.Config(max_ngram=3))
+    a = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+    b = [7, 8, 9, 7, 8, 9, 7]
+    ref.admit([a, b])
+    assert call(d, [a, b], [[2], [7]]) == ref.free_drafts([a, b], K)
+    a2, b2 = a + [3, 4], b + [8]
+    # b moved to position 0 (a row before it left), a is at 1, a prefill row at 2
+    got = call(d, [b2, a2, [5, 5, 5]], [[8], [3, 4], []])
+    assert got == [ref.free_drafts([b2], K)[0], ref.free_drafts([a2], K)[0], []]
+
+
+def test_suffix_drafter_learns_finished_requests_in_global_scope():
+    sec = {"type": "suffix", "scope": "global", "min_token_prob": 0.0, "max_spec_factor": 4}
+    d = SuffixDrafter(vllm_config(), sec)
+    first = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]
+    call(d, [first], [[7]])
+    call(d, [], [])  # the request finished: it leaves the batch
+    assert d.index.stats.requests == 1
+    again = first[:6]  # a new request repeating the first one's text
+    assert call(d, [again], [[9]]) == [first[6: 6 + K]]
+    own = SuffixDrafter(vllm_config(), {**sec, "scope": "request"})
+    call(own, [first], [[7]])
+    call(own, [], [])
+    assert call(own, [again], [[9]]) == [[]] and own.index.stats.requests == 0
+
+
+def test_settings_come_from_our_yaml(monkeypatch, tmp_path):
+    f = tmp_path / "p.yaml"
+    f.write_text("proposer: {type: ngram, max_ngram: 2, min_ngram: 2}\n")
+    monkeypatch.setenv(ENV, str(f))
+    d = NgramDrafter(vllm_config(3))
+    assert d.config.max_ngram == 2 and d.k == 3
+    monkeypatch.setenv(ENV, "{type: suffix}")
+    with pytest.raises(ValueError, match="must hold a `ngram` proposer section"):
+        NgramDrafter(vllm_config())
+    register()
+    register()  # re-entrant, as vLLM requires of general plugins
+
+
+def test_entry_point_is_declared():
+    import tomllib
+    from pathlib import Path
+
+    proj = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    eps = proj["project"]["entry-points"]["vllm.general_plugins"]
+    assert eps == {"spec_plugins": "spec_plugins.integrations.vllm:register"}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                    reason="vLLM is not installed here (CPU wheels need their own torch); the adapter is checked "
+                           "against vLLM's documented call above")
+def test_installed_vllm_calls_the_adapter_as_we_assume():
+    runner = importlib.import_module("vllm.v1.worker.gpu_model_runner")
+    src = inspect.getsource(runner)
+    assert 'method == "custom_class"' in src
+    assert "self.input_batch.num_tokens_no_spec" in src and "self.input_batch.token_ids_cpu" in src
+    factory = importlib.import_module("vllm.v1.spec_decode.custom_class_proposer")
+    assert "user_class(vllm_config)" in inspect.getsource(factory)
