@@ -77,7 +77,7 @@ def reference(model_dir):
     return AutoModelForCausalLM.from_pretrained(str(model_dir)).eval(), _tokenizer()
 
 
-def test_concurrent_requests_equal_solo_through_both_clients(deployed, reference):
+def test_concurrent_requests_equal_solo_through_both_clients(deployed, reference, monkeypatch):
     url, startup = deployed
     model, tok = reference
     client = text_generation.AsyncClient(url, timeout=120)
@@ -90,11 +90,15 @@ def test_concurrent_requests_equal_solo_through_both_clients(deployed, reference
         assert [t.id for t in r.details.tokens] == solo(model, tok, p, n), p
     streamed = [r.token.id for r in text_generation.Client(url, timeout=60).generate_stream(PROMPTS[1], max_new_tokens=12)]
     assert streamed == solo(model, tok, PROMPTS[1], 12)
+    import huggingface_hub.constants
     from huggingface_hub import InferenceClient
 
-    hf = InferenceClient(url, timeout=60)
-    text = "".join(hf.text_generation(PROMPTS[0], max_new_tokens=10, stream=True))
-    assert text == tok.decode(solo(model, tok, PROMPTS[0], 10), skip_special_tokens=True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # the client talks to loopback only
+    hf = InferenceClient(base_url=url, timeout=60)
+    for p in PROMPTS[:3]:
+        events = list(hf.text_generation(p, max_new_tokens=10, stream=True, details=True))
+        assert [e.token.id for e in events] == solo(model, tok, p, 10)
+        assert events[-1].details is not None and events[-1].details.generated_tokens == len(events)
     seen = {httpx.get(url + "/info").json()["replica"] for _ in range(30)}
     assert len(seen) == 2  # both replicas answer, each with its own id
     assert 'replica="' in httpx.get(url + "/metrics").text
