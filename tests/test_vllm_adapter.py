@@ -33,17 +33,23 @@ def call(drafter, histories, sampled):
     return drafter.propose(sampled, lens, ids, slot_mappings=None)
 
 
+def ours(seq):
+    """What our own ngram proposer drafts for this sequence."""
+    ref = NgramProposer(NgramProposer.Config(max_ngram=3))
+    ref.admit([seq])
+    return ref.free_drafts([seq], K)[0]
+
+
 def test_ngram_drafter_drafts_what_our_ngram_drafts_as_rows_move():
     d = NgramDrafter(vllm_config(), {"type": "ngram", "max_ngram": 3})
-    ref = NgramProposer(NgramProposer.Config(max_ngram=3))
     a = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
     b = [7, 8, 9, 7, 8, 9, 7]
-    ref.admit([a, b])
-    assert call(d, [a, b], [[2], [7]]) == ref.free_drafts([a, b], K)
+    assert call(d, [a, b], [[2], [7]]) == [ours(a), ours(b)]
     a2, b2 = a + [3, 4], b + [8]
     # b moved to position 0 (a row before it left), a is at 1, a prefill row at 2
     got = call(d, [b2, a2, [5, 5, 5]], [[8], [3, 4], []])
-    assert got == [ref.free_drafts([b2], K)[0], ref.free_drafts([a2], K)[0], []]
+    assert got == [ours(b2), ours(a2), []]
+    assert d.rows.held[0].length == len(b2)  # b's index was extended, not rebuilt
 
 
 def test_suffix_drafter_learns_finished_requests_in_global_scope():

@@ -209,7 +209,11 @@ def register() -> None:
         return
     import importlib.util
 
-    if importlib.util.find_spec("vllm.v1.spec_decode.custom_class_proposer") is None:
+    try:
+        found = importlib.util.find_spec("vllm.v1.spec_decode.custom_class_proposer") is not None
+    except ModuleNotFoundError:  # no vllm at all
+        found = False
+    if not found:
         import logging
 
         logging.getLogger(__name__).warning(

@@ -44,6 +44,8 @@ def _free_port() -> int:
 
 
 def _start(config: str, extra: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    """``spec-plugins serve`` in a subprocess on a free loopback port (``--ray ...`` in ``extra``
+    serves it through Ray Serve)."""
     port = _free_port()
     cmd = [sys.executable, "-c", "from spec_plugins.cli import app; app()", "serve", "--config", config, "--port", str(port), *extra]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ,
@@ -131,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="loadtest.json")
     ap.add_argument("--logs", default="/tmp")
     ap.add_argument("--prompts", default=None, help="a bench prompt file (first turns) instead of the built-in prompts")
+    ap.add_argument("--ray-replicas", default="", help="instead of spec off/on: the config served by Ray Serve with "
+                                                       "these replica counts, e.g. 1,2")
     a = ap.parse_args(argv)
     levels = [int(x) for x in a.levels.split(",")]
     counts = [int(x) for x in a.requests.split(",")]
@@ -141,7 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     servers = {}
     common = ["--max-batch", str(a.max_batch), "--max-total-tokens", "1024", "--max-input-tokens", "512"]
     try:
-        for mode, extra in (("off", ["--no-speculation"]), ("on", [])):
+        modes = [("off", ["--no-speculation"]), ("on", [])]
+        if a.ray_replicas:
+            cpus = max(1, (os.cpu_count() or 2) // max(int(r) for r in a.ray_replicas.split(",")))
+            modes = [(f"ray{r}", ["--ray", "--replicas", r, "--num-cpus", str(cpus)]) for r in a.ray_replicas.split(",")]
+        for mode, extra in modes:
             servers[mode] = _start(a.config, common + extra, Path(a.logs) / f"spec-loadtest-{mode}.log")
         for mode, (proc, url) in servers.items():
             _wait_healthy(url, proc)
@@ -167,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         report: dict[str, Any] = {"max_new_tokens": a.max_new_tokens, "max_batch": a.max_batch, "levels": []}
         for clients, n in zip(levels, counts):
             row: dict[str, Any] = {"clients": clients}
-            for mode in ("off", "on"):
+            for mode in servers:
                 proc, url = servers[mode]
                 res = asyncio.run(_level(url, inputs, n, clients, a.max_new_tokens))
                 mism = [r["prompt"] for r in res["results"] if r["ok"] and r["ids"] != refs[r["prompt"]]]
@@ -179,12 +187,11 @@ def main(argv: list[str] | None = None) -> int:
                       f"mismatches={len(mism)} tokens/s={res['tokens_per_s']:.1f} p50={res['p50_s']:.2f}s "
                       f"p95={res['p95_s']:.2f}s", flush=True)
             report["levels"].append(row)
-        report["metrics_on"] = _metrics(servers["on"][1])
-        report["metrics_off"] = _metrics(servers["off"][1])
-        report["info_on"] = __import__("httpx").get(servers["on"][1] + "/info").json()
+        report["metrics"] = {mode: _metrics(url) for mode, (_, url) in servers.items()}
+        report["info"] = {mode: __import__("httpx").get(url + "/info").json() for mode, (_, url) in servers.items()}
         report["rss_mib_at_end"] = {mode: rss_mib(proc.pid) for mode, (proc, _) in servers.items()}
         Path(a.out).write_text(json.dumps(report, indent=2))
-        print(json.dumps(report["metrics_on"], indent=1))
+        print(json.dumps(report["metrics"], indent=1))
         return 0
     finally:
         for proc, _ in servers.values():
