@@ -43,17 +43,20 @@ def quantize_graph(src: str | Path, dst: str | Path, scheme: QuantScheme, gguf_p
     q = MatMulNBitsQuantizer(model, bits=scheme.bits, block_size=scheme.block_size, is_symmetric=scheme.symmetric,
                              accuracy_level=scheme.accuracy_level, nodes_to_exclude=exclude)
     q.process()
-    out = q.model.model
-    kinds = [n.op_type for n in out.graph.node]
-    dst = Path(dst)
+    return {**scheme.to_dict(), **_save(q.model.model, Path(dst)), "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _save(model: Any, dst: Path) -> dict[str, Any]:
+    """Write ``model`` to ``dst`` with its weights in ``dst.data``; what it holds."""
+    import onnx
+
     dst.parent.mkdir(parents=True, exist_ok=True)
     for old in (dst, dst.with_name(dst.name + ".data")):
         old.unlink(missing_ok=True)
-    onnx.save(out, str(dst), save_as_external_data=True, location=dst.name + ".data")
-    size = dst.stat().st_size + dst.with_name(dst.name + ".data").stat().st_size
-    return {**scheme.to_dict(), "quantized_matmuls": kinds.count("MatMulNBits"),
-            "float_matmuls": kinds.count("MatMul"), "seconds": round(time.perf_counter() - t0, 1),
-            "size_bytes": size}
+    onnx.save(model, str(dst), save_as_external_data=True, location=dst.name + ".data")
+    kinds = [n.op_type for n in model.graph.node]
+    return {"quantized_matmuls": kinds.count("MatMulNBits"), "float_matmuls": kinds.count("MatMul"),
+            "size_bytes": dst.stat().st_size + dst.with_name(dst.name + ".data").stat().st_size}
 
 
 # ---- the GGUF's own grid ------------------------------------------------------------------------------
@@ -160,15 +163,7 @@ def carry_gguf_grid(src: str | Path, dst: str | Path, gguf_path: str | Path, acc
     g.initializer.extend(keep)
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    dst = Path(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    for old in (dst, dst.with_name(dst.name + ".data")):
-        old.unlink(missing_ok=True)
-    onnx.save(model, str(dst), save_as_external_data=True, location=dst.name + ".data")
-    size = dst.stat().st_size + dst.with_name(dst.name + ".data").stat().st_size
-    kinds = [n.op_type for n in g.node]
-    return {"quantized_matmuls": kinds.count("MatMulNBits"), "float_matmuls": kinds.count("MatMul"),
-            "carried": done, "seconds": round(time.perf_counter() - t0, 1), "size_bytes": size}
+    return {**_save(model, Path(dst)), "carried": done, "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def _match(W: Any, candidates: list[Any], dequantize: Any) -> tuple[Any, Any] | None:

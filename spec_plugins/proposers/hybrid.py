@@ -14,6 +14,7 @@ free text goes to the model drafter. The chosen per-row trees are merged into on
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Literal, Sequence
 
 from pydantic import Field, model_validator
@@ -104,7 +105,7 @@ class HybridProposer(Proposer):
         return self.cost(1, min(n, self.cost.max_positions)) if self.cost is not None else float(n)
 
     def propose(self, ctx: ProposeContext) -> Draft | None:
-        drafts = [c.propose(ctx) for c in self.children]
+        drafts = [c.propose(self._capped(c, ctx)) for c in self.children]
         per_child = [row_trees(d.tokens.cpu(), d.parents, None if d.valid is None else d.valid.cpu())
                      if d is not None else [([], [])] * len(ctx.sequences) for d in drafts]
         rows, self.choice, self._pred = [], [], []
@@ -125,6 +126,15 @@ class HybridProposer(Proposer):
             return None
         merged = merge_trees(rows)
         return Draft(merged.tokens, merged.parents, None, merged.valid)
+
+    @staticmethod
+    def _capped(child: Any, ctx: ProposeContext) -> ProposeContext:
+        """The round's budgets within the child's own depth limit (an EAGLE drafter of depth 6
+        inside a hybrid whose suffix side drafts 16 deep)."""
+        cap = getattr(getattr(child, "config", None), "num_draft_tokens", None)
+        if not isinstance(cap, int):
+            return ctx
+        return replace(ctx, budgets=[min(b, cap) for b in ctx.budgets])
 
     def observe(self, record: RoundRecord) -> None:
         """Each child learns from the round (suffix: finished rows enter its index); each

@@ -163,25 +163,16 @@ def eagle_cmd(
     no_progress: bool = typer.Option(False, "--no-progress"),
 ) -> None:
     """Train an EAGLE drafter (EAGLE-3 elements switchable) on feature shards; resumable."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if loss not in ("soft", "top1", "data"):
-        fail(f"--loss {loss!r}; allowed values: soft, top1, data")
-    check_output_dir(out)
-    import torch
+    cfg = dict(epochs=epochs, batch_size=batch_size, window=window, lr=lr, max_steps=max_steps, stop_after=stop_after,
+               finalize=finalize, seed=seed, max_train_tokens=max_train_tokens, loss=loss, unroll=unroll,
+               reg_weight=reg_weight)
 
-    from spec_plugins.training.eagle_train import train_eagle
+    def go(store, model, tcfg, held):
+        from spec_plugins.training.eagle_train import train_eagle
 
-    torch.set_num_threads(threads)
-    cfg = _train_cfg(epochs=epochs, batch_size=batch_size, window=window, lr=lr, max_steps=max_steps,
-                     stop_after=stop_after, finalize=finalize, seed=seed, max_train_tokens=max_train_tokens,
-                     loss=loss, unroll=unroll, reg_weight=reg_weight)
-    try:
-        store, held, model = _load(features, heldout, None)
-        report = train_eagle(store, model, cfg, out, fused, draft_vocab, intermediate, held, not no_progress)
-    except (FileNotFoundError, ValueError) as exc:
-        fail(str(exc))
-        return
-    typer.echo(json.dumps(report, indent=2))
+        return train_eagle(store, model, tcfg, out, fused, draft_vocab, intermediate, held, not no_progress)
+
+    _run_training(features, heldout, out, threads, cfg, go)
 
 
 @train_app.command("medusa")
@@ -205,20 +196,29 @@ def medusa_cmd(
     no_progress: bool = typer.Option(False, "--no-progress"),
 ) -> None:
     """Train Medusa heads on feature shards; resumable."""
+    cfg = dict(epochs=epochs, batch_size=batch_size, window=window, lr=lr, max_steps=max_steps, stop_after=stop_after,
+               finalize=finalize, seed=seed, max_train_tokens=max_train_tokens, loss=loss)
+
+    def go(store, model, tcfg, held):
+        from spec_plugins.training.medusa_train import train_medusa
+
+        return train_medusa(store, model, tcfg, out, num_heads, draft_vocab, held, not no_progress)
+
+    _run_training(features, heldout, out, threads, cfg, go)
+
+
+def _run_training(features: Path, heldout: Optional[Path], out: Path, threads: int, cfg: dict, go: Any) -> None:
+    """The part every head command shares: validate, load the shards and the target, train, report."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if loss not in ("soft", "top1", "data"):
-        fail(f"--loss {loss!r}; allowed values: soft, top1, data")
+    if cfg["loss"] not in ("soft", "top1", "data"):
+        fail(f"--loss {cfg['loss']!r}; allowed values: soft, top1, data")
     check_output_dir(out)
     import torch
 
-    from spec_plugins.training.medusa_train import train_medusa
-
     torch.set_num_threads(threads)
-    cfg = _train_cfg(epochs=epochs, batch_size=batch_size, window=window, lr=lr, max_steps=max_steps,
-                     stop_after=stop_after, finalize=finalize, seed=seed, max_train_tokens=max_train_tokens, loss=loss)
     try:
         store, held, model = _load(features, heldout, None)
-        report = train_medusa(store, model, cfg, out, num_heads, draft_vocab, held, not no_progress)
+        report = go(store, model, _train_cfg(**cfg), held)
     except (FileNotFoundError, ValueError) as exc:
         fail(str(exc))
         return

@@ -1,0 +1,145 @@
+"""The data curve and the ablation of the trained drafters (issue 20), from finished training runs.
+
+For each run directory (``train_report.json`` + the head): the training data size and time and
+the held-out numbers from its report, and accepted tokens per target forward measured in the
+real loop: the dev prompts' first turns, greedy, 128 new tokens, EAGLE tree (16 nodes) and chain
+on ONNX Runtime. Acceptance does not depend on timing, so this may run beside other work.
+Writes a JSON file, a plot and a section of docs/benchmarks.md.
+
+    python scripts/data_curve.py --runs runs --curve eagle-32k,eagle-100k,eagle-300k,eagle-full \
+        --ablation eagle-100k,abl-no-ttt,abl-no-fused,abl-top1,eagle-self-100k --out docs/reports/drafters.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def dev_turns(n: int = 7) -> list[str]:
+    rows = [json.loads(x) for x in (ROOT / "examples/prompts/dev.jsonl").read_text().splitlines() if x.strip()]
+    return [r["turns"][0] for r in rows][:n]
+
+
+def accepted(target, head: Path, kind: str, mode: str, prompts: list[list[int]], new: int) -> float:
+    from spec_plugins.config import SpecConfig
+    from spec_plugins.decoder import SpeculativeDecoder
+
+    section = {"type": kind, "heads": str(head), "mode": mode, "num_draft_tokens": 6 if kind == "eagle" else 4}
+    if mode == "tree":
+        section.update(tree_nodes=16 if kind == "eagle" else 12, top_k=4)
+    cfg = SpecConfig.parse({"target": {"backend": "onnxruntime", "model": "smollm2-135m-instruct"},
+                            "proposer": section})
+    dec = SpeculativeDecoder.from_config(cfg, target=target)
+    emitted = forwards = 0
+    for p in prompts:
+        r = dec.generate(p, new)
+        emitted += r.stats.emitted_tokens
+        forwards += r.stats.target_forwards
+    return round(emitted / forwards, 3)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", default="runs")
+    ap.add_argument("--curve", default="eagle-32k,eagle-100k,eagle-300k,eagle-full")
+    ap.add_argument("--ablation", default="eagle-100k,abl-no-ttt,abl-no-fused,abl-top1,eagle-self-100k")
+    ap.add_argument("--medusa", default="medusa-full")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--out", default="docs/reports/drafters.json")
+    ap.add_argument("--plot", default="docs/img/data_curve.png")
+    ap.add_argument("--markdown", default="docs/benchmarks.md")
+    args = ap.parse_args()
+
+    from spec_plugins.backends.onnxruntime_runtime import OnnxRuntime
+
+    target = OnnxRuntime.from_config(OnnxRuntime.Config(model="smollm2-135m-instruct"))
+    tok = target.tokenizer
+    prompts = [list(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                            tokenize=True)["input_ids"]) for t in dev_turns()]
+    runs = Path(args.runs)
+    rows: dict[str, dict] = {}
+    names = dict.fromkeys([*args.curve.split(","), *args.ablation.split(","), *args.medusa.split(",")])
+    for name in names:
+        d = runs / name
+        if not (d / "train_report.json").is_file():
+            print(f"{name}: no finished run, skipped")
+            continue
+        rep = json.loads((d / "train_report.json").read_text())
+        kind = rep["kind"]
+        row = {"kind": kind, "train_tokens": rep["train_tokens"], "train_seconds": rep["train_seconds"],
+               "steps": rep["steps"], "draft_vocab": rep["draft_vocab"], "coverage": rep["draft_vocab_coverage"],
+               "heldout": rep.get("heldout"), "head_bytes": rep["head_bytes"], "train": rep["train"],
+               "features": rep["features"].get("responses")}
+        modes = ("tree", "chain")
+        for mode in modes:
+            row[f"accepted_{mode}"] = accepted(target, d, kind, mode, prompts, args.new_tokens)
+        rows[name] = row
+        print(name, json.dumps({k: v for k, v in row.items() if k not in ("train",)}), flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
+    curve = [rows[n] for n in args.curve.split(",") if n in rows]
+    plot(curve, Path(args.plot))
+    write_markdown(rows, args, Path(args.markdown))
+
+
+def plot(curve: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not curve:
+        return
+    xs = [r["train_tokens"] for r in curve]
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4.2))
+    ax[0].plot(xs, [r["heldout"]["top1_by_step"][0] for r in curve], "o-", label="step 1")
+    ax[0].plot(xs, [r["heldout"]["top1_by_step"][2] for r in curve], "s--", label="step 3 (own features)")
+    ax[0].set_ylabel("held-out top-1 (= the target's greedy token)")
+    ax[1].plot(xs, [r["accepted_tree"] for r in curve], "o-", label="EAGLE tree (16 nodes)")
+    ax[1].plot(xs, [r["accepted_chain"] for r in curve], "s--", label="EAGLE chain")
+    ax[1].plot(xs, [r["heldout"]["accepted_along_text"] for r in curve], "^:", label="chain along held-out text")
+    ax[1].set_ylabel("accepted tokens per target forward")
+    for a in ax:
+        a.set_xscale("log")
+        a.set_xlabel("training tokens (ShareGPT, fixed responses)")
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
+    fig.suptitle("EAGLE-3-style drafter for SmolLM2-135M: data curve")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def write_markdown(rows: dict[str, dict], args: argparse.Namespace, doc: Path) -> None:
+    from spec_plugins.bench.docs import machine, update
+
+    head = ("| run | labels / input / TTT | train tokens | train time | held-out top-1 (steps 1, 2, 3) | "
+            "chain along held-out text | accepted / forward: tree | chain |")
+    lines = ["## Trained drafters: data curve and ablation", "", f"- machine: {machine()}",
+             "- command: `bash scripts/train_heads.sh && python scripts/data_curve.py`",
+             f"- accepted tokens per forward: dev prompts' first turns, greedy, {args.new_tokens} new tokens, "
+             "ONNX Runtime fp32, EAGLE tree of 16 nodes (top-4, depth 6) and chain of 5; Medusa tree of 12 and chain of 4",
+             "", head, "|---|---|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        t = r["train"]
+        desc = (f"{t.get('loss')} / {'fused' if r['kind'] == 'eagle' and 'no-fused' not in name else 'last hidden'} / "
+                f"{t.get('unroll')}" if r["kind"] == "eagle" else f"{t.get('loss')} / medusa heads / –")
+        if r["features"] == "self":
+            desc += " (self-distilled)"
+        h = r["heldout"] or {}
+        top = h.get("top1_by_step") or h.get("top1_by_head") or []
+        lines.append(f"| {name} | {desc} | {r['train_tokens']:,} | {r['train_seconds'] / 60:.1f} min | "
+                     f"{', '.join(f'{x:.3f}' for x in top[:3])} | {h.get('accepted_along_text', '–')} | "
+                     f"{r['accepted_tree']} | {r['accepted_chain']} |")
+    lines += ["", "![data curve](img/data_curve.png)", ""]
+    update(doc, "Trained drafters: data curve and ablation", "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
