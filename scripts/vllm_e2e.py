@@ -11,6 +11,7 @@ greedy outputs without speculation, on SmolLM2 dequantised to a transformers dir
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import subprocess
 import sys
@@ -36,7 +37,8 @@ def run_mode(model_dir: str, mode: str, k: int, max_tokens: int) -> dict:
     kw = {}
     if mode != "plain":
         kw["speculative_config"] = {"method": "custom_class", "model": DRAFTERS[mode], "num_speculative_tokens": k}
-    llm = LLM(model=model_dir, dtype="float32", max_model_len=1024, enforce_eager=True, seed=0, **kw)
+    llm = LLM(model=model_dir, dtype=os.environ.get("VLLM_DTYPE", "float32"), max_model_len=1024, enforce_eager=True, seed=0,
+              gpu_memory_utilization=0.2, **kw)  # on CPU: the share of RAM for the KV cache
     t0 = time.perf_counter()
     outs = llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
     secs = time.perf_counter() - t0

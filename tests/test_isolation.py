@@ -180,7 +180,8 @@ def test_cli_output_paths_and_ports_are_checked_before_the_model_loads(tmp_path)
     f = tmp_path / "taken"
     f.write_text("x")
     one_line_error(cli("bench", "--prompts", "examples/prompts/dev.jsonl", "--out", str(f)), "is an existing file")
-    one_line_error(cli("train", "medusa", "--out", str(f)), "is an existing file")
+    one_line_error(cli("train", "medusa", "--features", str(tmp_path), "--out", str(f)), "is an existing file")
+    one_line_error(cli("train", "features", "--out", str(f)), "is an existing file")
     one_line_error(cli("export", "onnx", "--out", str(f)), "is an existing file")
     import socket
 
@@ -193,10 +194,10 @@ def test_cli_output_paths_and_ports_are_checked_before_the_model_loads(tmp_path)
 def test_cli_bad_prompt_files_and_manifests(tmp_path):
     rows = tmp_path / "p.jsonl"
     rows.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
-    one_line_error(cli("train", "medusa", "--out", str(tmp_path / "h"), "--prompts", str(rows)),
-                   "line 2: expected an object with a non-empty string `prompt`")
+    gen = ("train", "features", "--source", "prompts", "--responses", "self", "--out", str(tmp_path / "h"))
+    one_line_error(cli(*gen, "--prompts", str(rows)), "line 2: expected an object with a non-empty string `prompt`")
     rows.write_text('{"prompt": 3}\n')
-    one_line_error(cli("train", "eagle", "--out", str(tmp_path / "h"), "--prompts", str(rows)), "line 1")
+    one_line_error(cli(*gen, "--prompts", str(rows)), "line 1")
     d = tmp_path / "export"
     d.mkdir()
     (d / "manifest.json").write_text("[1, 2]")

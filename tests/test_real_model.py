@@ -44,5 +44,10 @@ def test_greedy_identical_to_plain_and_hf(decoder):
 
 
 def test_copying_prompt_gets_accepted_drafts(decoder):
-    r = decoder.generate(PROMPTS[0], max_new_tokens=40)
+    """A fixed draft length: ``auto`` (the default) decides from timings, which a test must not."""
+    from spec_plugins import SpeculativeDecoder, default_config
+
+    cfg = default_config()
+    cfg = cfg.model_copy(update={"proposer": cfg.proposer.model_copy(update={"num_draft_tokens": 5})})
+    r = SpeculativeDecoder.from_config(cfg, target=decoder.target).generate(PROMPTS[0], max_new_tokens=40)
     assert r.stats.mean_accepted_tokens > 1.2, r.stats.to_dict()

@@ -34,6 +34,7 @@ from spec_plugins.config import SamplingConfig, SpecConfig, default_config
 from spec_plugins.decoder import SpeculativeDecoder
 from spec_plugins.loop import decode
 from spec_plugins.proposers.base import Proposer
+from spec_plugins.policy import FixedLength
 from spec_plugins.proposers.draft_model import DraftModelProposer
 from spec_plugins.registry import PROPOSERS, VERIFIERS
 from spec_plugins.sampling import LogitsPipeline
@@ -89,6 +90,8 @@ def speculative_generate(
     pipeline = LogitsPipeline(sampling, _adapt_processors(logits_processor or [], rows, pads, pad_id))
     stop = _stop_fn(stopping_criteria or [], gc, pads, eos, input_ids.device)
     draft_length = SpeculativeDecoder(target, prop, verifier, cfg).policy(pipeline)
+    if spec_config is None and draft_model is not None:
+        draft_length = FixedLength(5)  # a model given alone: 5 draft tokens per round, as before
 
     # 3. decode, streaming as we go (global torch RNG, like plain generate)
     stats = spec_stats if spec_stats is not None else DecodeStats()
