@@ -113,7 +113,8 @@ def _examples(source: str, responses: str, split: str, tok: Any, max_seq: int, f
             chunk = [c for c in chunk if c is not None]
             if not chunk:
                 return
-            for ids, trained in self_distilled(dec, chunk, max_new_tokens, gen_batch, progress=False):
+            for ids, trained in self_distilled(dec, chunk, max_new_tokens, gen_batch, progress=False,
+                                               max_prompt=max(16, max_seq - max_new_tokens)):
                 yield ids[:max_seq], trained[:max_seq]
 
     return generated()

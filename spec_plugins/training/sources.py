@@ -60,17 +60,21 @@ def first_turns(split: Literal["train", "heldout"], flt: DataFilter = DataFilter
 
 
 def self_distilled(decoder: Any, prompts: Sequence[Sequence[dict[str, str]] | str], max_new_tokens: int,
-                   batch: int = 16, progress: bool = True) -> Iterator[Example]:
-    """The target's own greedy answers (plain decoding, ``batch`` rows per target forward)."""
+                   batch: int = 16, progress: bool = True, max_prompt: int | None = None) -> Iterator[Example]:
+    """The target's own greedy answers (plain decoding, ``batch`` rows per target forward).
+    Prompts longer than ``max_prompt`` tokens are skipped: a batch of long prompts prefills all
+    their positions at once (a 15k-token ShareGPT question exhausted 24 GB here)."""
     from tqdm.auto import tqdm
 
     plain = decoder.without_speculation()
     bar = tqdm(total=len(prompts), desc="self-distillation (answers)", disable=not progress, dynamic_ncols=True)
-    for s in range(0, len(prompts), batch):
-        chunk = [p if isinstance(p, str) else list(p) for p in prompts[s: s + batch]]
-        ids = [plain.encode([{"role": "user", "content": p}] if isinstance(p, str) else p) for p in chunk]
+    encoded = [plain.encode([{"role": "user", "content": p}] if isinstance(p, str) else list(p)) for p in prompts]
+    if max_prompt is not None:
+        encoded = [e for e in encoded if len(e) <= max_prompt]
+    for s in range(0, len(encoded), batch):
+        ids = encoded[s: s + batch]
         results = plain.generate_batch(ids, max_new_tokens=max_new_tokens)
         for p, r in zip(ids, results):
             yield list(p) + list(r.token_ids), [False] * len(p) + [True] * len(r.token_ids)
-        bar.update(len(chunk))
+        bar.update(len(ids))
     bar.close()
