@@ -17,17 +17,18 @@ run() {  # run NAME ARGS...: one training run unless its report exists
   echo "$name: $(( $(date +%s) - t0 )) s" | tee -a "$R/times.txt"
 }
 mkdir -p "$R"
-# data curve (full EAGLE-3 recipe: fused layers, 3 training-time-test steps, soft labels, 8192-token vocab)
-run eagle-32k  spec-plugins train eagle --features "$F" --heldout "$H" --max-train-tokens 32000 --epochs 4
-run eagle-100k spec-plugins train eagle --features "$F" --heldout "$H" --max-train-tokens 100000 --epochs 2
-# ablation at 100k tokens: each element removed once
-run abl-no-ttt   spec-plugins train eagle --features "$F" --heldout "$H" --max-train-tokens 100000 --epochs 2 --unroll 1
-run abl-no-fused spec-plugins train eagle --features "$F" --heldout "$H" --max-train-tokens 100000 --epochs 2 --no-fused
-run abl-top1     spec-plugins train eagle --features "$F" --heldout "$H" --max-train-tokens 100000 --epochs 2 --loss top1
-# fixed responses against self-distilled ones, same size and recipe
-if [ -d "$SELF" ]; then
-  run eagle-self-100k spec-plugins train eagle --features "$SELF" --heldout "$H" --max-train-tokens 100000 --epochs 2
-fi
-run eagle-300k spec-plugins train eagle --features "$F" --heldout "$H" --max-train-tokens 300000 --epochs 1.5
-run eagle-full spec-plugins train eagle --features "$F" --heldout "$H" --epochs 1
+# the shipped heads first: every training token, one epoch (full EAGLE-3 recipe: fused layers,
+# 3 training-time-test steps, soft labels, 8192-token draft vocabulary)
+run eagle-full  spec-plugins train eagle  --features "$F" --heldout "$H" --epochs 1
 run medusa-full spec-plugins train medusa --features "$F" --heldout "$H" --epochs 1
+# data curve: the same recipe on the first 32k and 100k tokens
+run eagle-32k  spec-plugins train eagle --features "$F" --heldout "$H" --max-train-tokens 32000 --epochs 2
+run eagle-100k spec-plugins train eagle --features "$F" --heldout "$H" --max-train-tokens 100000 --epochs 1
+# ablation at 100k tokens: each element removed once
+run abl-no-ttt   spec-plugins train eagle --features "$F" --heldout "$H" --max-train-tokens 100000 --epochs 1 --unroll 1
+run abl-no-fused spec-plugins train eagle --features "$F" --heldout "$H" --max-train-tokens 100000 --epochs 1 --no-fused
+run abl-top1     spec-plugins train eagle --features "$F" --heldout "$H" --max-train-tokens 100000 --epochs 1 --loss top1
+# fixed responses against self-distilled ones, same size and recipe as eagle-32k
+if [ -d "$SELF" ]; then
+  run eagle-self-32k spec-plugins train eagle --features "$SELF" --heldout "$H" --max-train-tokens 32000 --epochs 2
+fi
