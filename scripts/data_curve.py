@@ -7,7 +7,7 @@ on ONNX Runtime. Acceptance does not depend on timing, so this may run beside ot
 Writes a JSON file, a plot and a section of docs/benchmarks.md.
 
     python scripts/data_curve.py --runs runs --curve eagle-32k,eagle-100k,eagle-full \
-        --ablation eagle-100k,abl-no-ttt,abl-no-fused,abl-top1,eagle-32k,eagle-self-32k --out docs/reports/drafters.json
+        --ablation eagle-32k,abl-no-ttt,abl-no-fused,abl-top1,eagle-self-32k --out docs/reports/drafters.json
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", default="runs")
     ap.add_argument("--curve", default="eagle-32k,eagle-100k,eagle-full")
-    ap.add_argument("--ablation", default="eagle-100k,abl-no-ttt,abl-no-fused,abl-top1,eagle-self-32k")
+    ap.add_argument("--ablation", default="eagle-32k,abl-no-ttt,abl-no-fused,abl-top1,eagle-self-32k")
     ap.add_argument("--medusa", default="medusa-full")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--out", default="docs/reports/drafters.json")

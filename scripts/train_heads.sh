@@ -21,14 +21,13 @@ mkdir -p "$R"
 # 3 training-time-test steps, soft labels, 8192-token draft vocabulary)
 run eagle-full  spec-plugins train eagle  --features "$F" --heldout "$H" --epochs 1
 run medusa-full spec-plugins train medusa --features "$F" --heldout "$H" --epochs 1
-# data curve: the same recipe on the first 32k and 100k tokens
-run eagle-32k  spec-plugins train eagle --features "$F" --heldout "$H" --max-train-tokens 32000 --epochs 2
-run eagle-100k spec-plugins train eagle --features "$F" --heldout "$H" --max-train-tokens 100000 --epochs 1
-# ablation at 100k tokens: each element removed once
-run abl-no-ttt   spec-plugins train eagle --features "$F" --heldout "$H" --max-train-tokens 100000 --epochs 1 --unroll 1
-run abl-no-fused spec-plugins train eagle --features "$F" --heldout "$H" --max-train-tokens 100000 --epochs 1 --no-fused
-run abl-top1     spec-plugins train eagle --features "$F" --heldout "$H" --max-train-tokens 100000 --epochs 1 --loss top1
-# fixed responses against self-distilled ones, same size and recipe as eagle-32k
+# ablation and the start of the data curve at 32k tokens, one epoch each (the full recipe, then
+# each element removed once, then self-distilled targets instead of the fixed responses)
+run eagle-32k    spec-plugins train eagle --features "$F" --heldout "$H" --max-train-tokens 32000 --epochs 1
+run abl-no-ttt   spec-plugins train eagle --features "$F" --heldout "$H" --max-train-tokens 32000 --epochs 1 --unroll 1
+run abl-no-fused spec-plugins train eagle --features "$F" --heldout "$H" --max-train-tokens 32000 --epochs 1 --no-fused
+run abl-top1     spec-plugins train eagle --features "$F" --heldout "$H" --max-train-tokens 32000 --epochs 1 --loss top1
 if [ -d "$SELF" ]; then
-  run eagle-self-32k spec-plugins train eagle --features "$SELF" --heldout "$H" --max-train-tokens 32000 --epochs 2
+  run eagle-self-32k spec-plugins train eagle --features "$SELF" --heldout "$H" --max-train-tokens 32000 --epochs 1
 fi
+run eagle-100k spec-plugins train eagle --features "$F" --heldout "$H" --max-train-tokens 100000 --epochs 1

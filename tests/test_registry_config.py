@@ -117,3 +117,12 @@ def test_yaml_and_json_configs(tmp_path):
 def test_invalid_configs_name_the_field(data, needle):
     with pytest.raises(ConfigError, match=needle):
         SpecConfig.parse(data)
+
+
+def test_default_config_file_matches_built_in_default() -> None:
+    """examples/configs/smollm2-default.yaml is what benches use as 'the built-in default'."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples/configs/smollm2-default.yaml"
+    written = SpecConfig.from_file(path).model_dump(exclude={"source"})
+    assert written == default_config().model_dump(exclude={"source"})
