@@ -196,6 +196,15 @@ def test_greedy_mismatch_is_counted_loudly(tmp_path, capsys):
     assert "GREEDY MISMATCH" in capsys.readouterr().err
 
 
+def test_no_fixed_gamma_run_means_no_theory_section(tmp_path):
+    """Without fixed-γ runs there is no pooled α: no theory table, no theory plot."""
+    dec, _ = tiny_decoder()
+    opts = BenchOptions(max_new_tokens=8, runs=1, gammas=[], auto=True, progress=False, cost_positions=4)
+    run_bench(dec, PROMPTS, opts, out=tmp_path)
+    assert "against theory" not in (tmp_path / "summary.md").read_text()
+    assert not (tmp_path / "speedup_vs_theory.png").exists() and (tmp_path / "cost_model.png").is_file()
+
+
 def test_unavailable_baseline_is_reported_not_fatal(tmp_path):
     from spec_plugins.bench.baselines import BaselineUnavailable
 

@@ -234,3 +234,30 @@ def test_hybrid_picks_per_row_and_keeps_greedy_identity():
         HybridProposer.Config(proposers=[{"type": "suffix"}])
     with pytest.raises(ValueError, match="tree_nodes must be a number"):
         HybridProposer.Config(proposers=[{"type": "suffix", "tree_nodes": "auto"}, {"type": "ngram"}])
+
+
+def test_hybrid_skips_a_child_whose_drafting_costs_more_than_it_gains():
+    """A child measured as dear (here: 100 s per propose) is asked only on probe rounds; the
+    rounds it sits out leave gaps in its drafter cache, and output still equals plain greedy."""
+    from test_heads import eagle
+
+    from spec_plugins.proposers.eagle import EagleProposer
+    from spec_plugins.proposers.hybrid import HybridProposer
+
+    model = tiny_llama(seed=7, sharpness=6.0)
+    target = TorchRuntime(model)
+    suffix = SuffixProposer(SuffixProposer.Config(scope="global", tree_nodes=8, min_token_prob=0.0,
+                                                  max_spec_factor=4))
+    eag = EagleProposer(EagleProposer.Config(heads="unused", mode="tree", tree_nodes=6, top_k=2), drafter=eagle(model))
+    calls: list[int] = []
+    propose = eag.propose
+    eag.propose = lambda ctx: (calls.append(1), propose(ctx))[1]  # type: ignore[method-assign]
+    hyb = HybridProposer(HybridProposer.Config(proposers=[{"type": "suffix"}, {"type": "eagle", "heads": "x"}],
+                                               probe_every=8), target=target, children=[suffix, eag])
+    hyb.draft_s = [1e-6, 100.0]
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8]]
+    out, _ = run(target, hyb, prompts, 24)
+    for p, o in zip(prompts, out):
+        assert o == plain_greedy(model, p, 24)
+    assert 1 <= len(calls) <= -(-hyb._round // 8) and hyb.skipped[1] == hyb._round - len(calls)
+    assert hyb.skipped[0] == 0  # the cheap child drafts every round

@@ -140,7 +140,11 @@ PLOTS = {
 
 def write_plots(report: dict, out: Path) -> list[Path]:
     paths = []
+    from spec_plugins.bench.report import has_theory
+
     for name, fn in PLOTS.items():
+        if fn is speedup_vs_theory and not has_theory(report):
+            continue
         fn(report, out / name)
         paths.append(out / name)
     return paths

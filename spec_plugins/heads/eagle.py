@@ -160,7 +160,22 @@ class EagleDrafter(nn.Module):
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """Predicted features [..., H] -> logits over the draft vocabulary [..., Vd]."""
+        lm = self.__dict__.get("_lm_linear")
+        if lm is not None and lm.weight.dtype == features.dtype:
+            return lm(features)
         return features @ self.lm_weight.T.to(features.dtype)
+
+    def use_measured_kernels(self) -> Any:
+        """Drafting runs the layer and the LM head over 1-16 rows, where this CPU's ``F.linear``
+        is slowest (``backends/torch_kernels.py``): measure and install the faster kernel for
+        every linear here, the LM head included, as the torch runtime does for the target.
+        Effective inside ``torch_kernels.active()``; returns the choice (None off CPU)."""
+        from spec_plugins.backends import torch_kernels
+
+        lm = nn.Linear(self.config.hidden_size, self.lm_weight.shape[0], bias=False)
+        lm.weight = nn.Parameter(self.lm_weight, requires_grad=False)  # shared storage, not a submodule: never saved
+        self.__dict__["_lm_linear"] = lm
+        return torch_kernels.tune(nn.ModuleList([self, lm]), transposed=True)
 
     def empty_past(self, batch: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config

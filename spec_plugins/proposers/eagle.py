@@ -22,6 +22,7 @@ from typing import Any, Literal, Sequence
 import torch
 from pydantic import Field, model_validator
 
+from spec_plugins.backends import torch_kernels
 from spec_plugins.backends.slots import KVSlots, additive, pad_slots
 from spec_plugins.config import ProposerConfig
 from spec_plugins.heads.eagle import EagleDrafter
@@ -69,6 +70,7 @@ class EagleProposer(Proposer):
         self.drafter = drafter.eval()
         self.feature_layers = drafter.config.feature_layers  # () = the target's last hidden state
         self.layer: Any = self.drafter  # the drafter's layer, in PyTorch or ONNX Runtime
+        self.kernels = self.drafter.use_measured_kernels()  # few-row matmuls (the LM head runs in PyTorch always)
         if pick_engine(config.engine, target) == "onnxruntime":
             self.layer = OrtEagleLayer(head_session(self.drafter))
         self.tree = config.mode == "tree"
@@ -149,6 +151,10 @@ class EagleProposer(Proposer):
     def propose(self, ctx: ProposeContext) -> Draft | None:
         if ctx.hidden is None:
             raise RuntimeError("eagle needs target hidden states (needs_hidden) but the loop passed none")
+        with torch_kernels.active():
+            return self._propose(ctx)
+
+    def _propose(self, ctx: ProposeContext) -> Draft | None:
         self._t0 = time.perf_counter()
         f = self._catch_up(ctx)
         depth = max(ctx.budgets, default=0)

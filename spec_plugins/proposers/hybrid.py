@@ -10,10 +10,20 @@ online per child, as accepted / predicted over the rows that used it, and a row 
 
 with T the runtime's measured forward-cost curve: a long suffix match wins with a big tree, and
 free text goes to the model drafter. The chosen per-row trees are merged into one batch draft.
+
+Drafting is not free either: a model drafter's propose() can cost as much as a target forward on
+a CPU. Children are therefore asked cheapest first (their measured propose time), and a dearer
+child is skipped in a round when, for every row, the draft already in hand beats what the dearer
+child has delivered on average, its own drafting time included:
+
+    (1 + scale_c x mean expected_c) / (T(1, 1 + mean nodes_c) + draft seconds_c)
+
+Every ``probe_every`` rounds all children draft, so a skipped child's estimates stay current.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from typing import Any, Literal, Sequence
 
@@ -40,6 +50,8 @@ class HybridProposer(Proposer):
             description="The two proposer sections, e.g. [{type: suffix, scope: global}, {type: eagle, heads: DIR}]; "
                         "each must report `expected` (suffix, eagle) and use a fixed tree_nodes.")
         decay: float = Field(0.95, gt=0.0, lt=1.0, description="Memory of the per-child calibration.")
+        probe_every: int = Field(16, ge=1, description="Every this many rounds all children draft (a child "
+                                                         "skipped as too dear for its gain is re-measured).")
 
         @model_validator(mode="after")
         def _two(self) -> "HybridProposer.Config":
@@ -79,6 +91,12 @@ class HybridProposer(Proposer):
         self.choice: list[int] = []  # per row: the child whose draft went to the verifier
         self._pred: list[float] = []
         self.used = [0] * len(self.children)  # rows drafted by each child, in all
+        n = len(self.children)
+        self.draft_s = [0.0] * n  # per child: smoothed seconds of one propose() (0 = not measured yet)
+        self.mean_exp = [1.0] * n  # per child: smoothed expected accepted nodes of its non-empty row drafts
+        self.mean_nodes = [1.0] * n  # per child: smoothed nodes of its non-empty row drafts
+        self.skipped = [0] * n  # rounds in which each child was not asked to draft
+        self._round = 0
 
     def forget(self) -> None:
         """Drop the children's cross-request memory."""
@@ -105,27 +123,52 @@ class HybridProposer(Proposer):
         return self.cost(1, min(n, self.cost.max_positions)) if self.cost is not None else float(n)
 
     def propose(self, ctx: ProposeContext) -> Draft | None:
-        drafts = [c.propose(self._capped(c, ctx)) for c in self.children]
-        per_child = [row_trees(d.tokens.cpu(), d.parents, None if d.valid is None else d.valid.cpu())
-                     if d is not None else [([], [])] * len(ctx.sequences) for d in drafts]
+        B = len(ctx.sequences)
+        probe = self._round % self.config.probe_every == 0
+        self._round += 1
+        empty: list[tuple[list[int], list[tuple[int, ...]]]] = [([], [])] * B
+        per_child = [empty] * len(self.children)
+        best = [-1] * B  # per row: the child whose draft is kept so far
+        best_rate = [0.0] * B  # its rate, drafting cost sunk: (1 + scale x expected) / T(1 + nodes)
+        for i in sorted(range(len(self.children)), key=lambda c: self.draft_s[c]):
+            if not probe and best[0] >= 0 and min(best_rate) >= self._prospect(i):
+                self.skipped[i] += 1
+                continue
+            c = self.children[i]
+            t0 = time.perf_counter()
+            d = c.propose(self._capped(c, ctx))
+            dt = time.perf_counter() - t0
+            self.draft_s[i] = dt if self.draft_s[i] == 0.0 else 0.8 * self.draft_s[i] + 0.2 * dt
+            if d is not None:
+                per_child[i] = row_trees(d.tokens.cpu(), d.parents, None if d.valid is None else d.valid.cpu())
+            for b in range(B):
+                n_nodes = len(per_child[i][b][0])
+                exp = c.expected[b] if d is not None and b < len(c.expected) else 0.0
+                if n_nodes:
+                    self.mean_exp[i] = 0.9 * self.mean_exp[i] + 0.1 * exp
+                    self.mean_nodes[i] = 0.9 * self.mean_nodes[i] + 0.1 * n_nodes
+                rate = (1.0 + self._scale(i) * exp) / self._T(1 + n_nodes)
+                if rate > best_rate[b]:
+                    best[b], best_rate[b] = i, rate
         rows, self.choice, self._pred = [], [], []
-        for b in range(len(ctx.sequences)):
-            best, best_rate, best_pred = 0, -1.0, 0.0
-            for i, c in enumerate(self.children):
-                toks = per_child[i][b][0]
-                exp = c.expected[b] if b < len(c.expected) else 0.0
-                scale = self.calib[i][0] / self.calib[i][1]
-                rate = (1.0 + scale * exp) / self._T(1 + len(toks))
-                if rate > best_rate:
-                    best, best_rate, best_pred = i, rate, exp
-            rows.append(per_child[best][b])
-            self.choice.append(best)
-            self._pred.append(best_pred if per_child[best][b][0] else 0.0)
-            self.used[best] += bool(per_child[best][b][0])
+        for b in range(B):
+            i = max(best[b], 0)
+            rows.append(per_child[i][b])
+            self.choice.append(i)
+            exp = self.children[i].expected[b] if rows[-1][0] and b < len(self.children[i].expected) else 0.0
+            self._pred.append(exp)
+            self.used[i] += bool(rows[-1][0])
         if not any(toks for toks, _ in rows):
             return None
         merged = merge_trees(rows)
         return Draft(merged.tokens, merged.parents, None, merged.valid)
+
+    def _scale(self, i: int) -> float:
+        return self.calib[i][0] / self.calib[i][1]
+
+    def _prospect(self, i: int) -> float:
+        """Child ``i``'s average rate with its own drafting time counted (the skip test)."""
+        return (1.0 + self._scale(i) * self.mean_exp[i]) / (self._T(1 + round(self.mean_nodes[i])) + self.draft_s[i])
 
     @staticmethod
     def _capped(child: Any, ctx: ProposeContext) -> ProposeContext:
