@@ -6,8 +6,8 @@ real loop: the dev prompts' first turns, greedy, 128 new tokens, EAGLE tree (16 
 on ONNX Runtime. Acceptance does not depend on timing, so this may run beside other work.
 Writes a JSON file, a plot and a section of docs/benchmarks.md.
 
-    python scripts/data_curve.py --runs runs --curve eagle-32k,eagle-100k,eagle-full \
-        --ablation eagle-32k,abl-no-ttt,abl-no-fused,abl-top1,eagle-self-32k --out docs/reports/drafters.json
+    python scripts/data_curve.py --runs runs --curve eagle-16000,eagle-48000,eagle-128000,eagle-full \
+        --ablation eagle-48000,abl-no-ttt,abl-no-fused,abl-top1 --new-tokens 64
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ def accepted(target, head: Path, kind: str, mode: str, prompts: list[list[int]],
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", default="runs")
-    ap.add_argument("--curve", default="eagle-32k,eagle-100k,eagle-full")
-    ap.add_argument("--ablation", default="eagle-32k,abl-no-ttt,abl-no-fused,abl-top1,eagle-self-32k")
+    ap.add_argument("--curve", default="eagle-16000,eagle-48000,eagle-128000,eagle-full")
+    ap.add_argument("--ablation", default="eagle-48000,abl-no-ttt,abl-no-fused,abl-top1")
     ap.add_argument("--medusa", default="medusa-full")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--out", default="docs/reports/drafters.json")

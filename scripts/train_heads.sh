@@ -7,7 +7,6 @@ set -euo pipefail
 F=${FEATURES:-data/feat-train}
 H=${HELDOUT:-data/feat-heldout}
 R=${RUNS:-runs}
-SELF=${SELF_FEATURES:-data/feat-self}
 
 run() {  # run NAME ARGS...: one training run unless its report exists
   local name=$1; shift
@@ -21,13 +20,15 @@ mkdir -p "$R"
 # 3 training-time-test steps, soft labels, 8192-token draft vocabulary)
 run eagle-full  spec-plugins train eagle  --features "$F" --heldout "$H" --epochs 1
 run medusa-full spec-plugins train medusa --features "$F" --heldout "$H" --epochs 1
-# ablation and the start of the data curve at 32k tokens, one epoch each (the full recipe, then
-# each element removed once, then self-distilled targets instead of the fixed responses)
-run eagle-32k    spec-plugins train eagle --features "$F" --heldout "$H" --max-train-tokens 32000 --epochs 1
-run abl-no-ttt   spec-plugins train eagle --features "$F" --heldout "$H" --max-train-tokens 32000 --epochs 1 --unroll 1
-run abl-no-fused spec-plugins train eagle --features "$F" --heldout "$H" --max-train-tokens 32000 --epochs 1 --no-fused
-run abl-top1     spec-plugins train eagle --features "$F" --heldout "$H" --max-train-tokens 32000 --epochs 1 --loss top1
-if [ -d "$SELF" ]; then
-  run eagle-self-32k spec-plugins train eagle --features "$SELF" --heldout "$H" --max-train-tokens 32000 --epochs 1
-fi
-run eagle-100k spec-plugins train eagle --features "$F" --heldout "$H" --max-train-tokens 100000 --epochs 1
+# the data curve: the same recipe on the first 16k / 48k / 128k training tokens (prefixes of the
+# one deterministic extraction; 1 epoch each, so the small runs also take fewer optimizer steps)
+for n in 16000 48000 128000; do
+  run eagle-$n spec-plugins train eagle --features "$F" --heldout "$H" --max-train-tokens $n --epochs 1
+done
+# the ablation at 48k tokens: the full recipe (eagle-48000), then each element removed once
+run abl-no-ttt   spec-plugins train eagle --features "$F" --heldout "$H" --max-train-tokens 48000 --epochs 1 --unroll 1
+run abl-no-fused spec-plugins train eagle --features "$F" --heldout "$H" --max-train-tokens 48000 --epochs 1 --no-fused
+run abl-top1     spec-plugins train eagle --features "$F" --heldout "$H" --max-train-tokens 48000 --epochs 1 --loss top1
+# then: ln -s the shipped heads as $R/eagle-full and $R/medusa-full (or train them above) and
+#   python scripts/data_curve.py --runs "$R" --curve eagle-16000,eagle-48000,eagle-128000,eagle-full \
+#     --ablation eagle-48000,abl-no-ttt,abl-no-fused,abl-top1 --medusa medusa-full --new-tokens 64
