@@ -74,6 +74,20 @@ def test_extraction_resumes_where_it_stopped(model, features, tmp_path):
         extract(model, examples(), tmp_path, {"target": "other"}, LAYERS, 10_000, progress=False)
 
 
+def test_an_interrupted_extraction_checkpoint_holds_its_time(model, tmp_path):
+    """Each shard's checkpoint carries the time spent so far, so a killed run still reports it."""
+    def dies_after_two_shards():
+        for n, ex in enumerate(examples()):
+            if n == 12:
+                raise KeyboardInterrupt
+            yield ex
+    with pytest.raises(KeyboardInterrupt):
+        extract(model, dies_after_two_shards(), tmp_path, {"target": "tiny", "layers": list(LAYERS)}, LAYERS, 10_000,
+                shard_tokens=128, progress=False)
+    state = json.loads((tmp_path / "progress.json").read_text())
+    assert state["shards"] and state["seconds"] > 0
+
+
 @pytest.mark.parametrize("kind,fused", [("eagle", True), ("eagle", False), ("medusa", False)])
 def test_train_loss_falls_and_resume_roundtrips(kind, fused, model, features, tmp_path):
     from spec_plugins.training.eagle_train import train_eagle

@@ -107,6 +107,7 @@ class ShardWriter:
                                "conversations": 0, "seconds": 0.0, "exhausted": False}
         self._parts: list[Shard] = []
         self._pending_consumed = self.state["consumed"]
+        self._t_last = time.perf_counter()  # each checkpoint carries the time spent since the last
 
     @property
     def tokens(self) -> int:
@@ -125,8 +126,9 @@ class ShardWriter:
         """Conversations read but not kept still advance the resume point."""
         self._pending_consumed = consumed
 
-    def flush(self, seconds: float = 0.0, exhausted: bool = False) -> None:
+    def flush(self, exhausted: bool = False) -> None:
         st = self.state
+        now = time.perf_counter()
         if self._parts:
             shard = Shard.concat(self._parts)
             name = f"shard-{len(st['shards']):05d}.safetensors"
@@ -137,7 +139,8 @@ class ShardWriter:
             st["conversations"] += len(shard)
             self._parts = []
         st["consumed"] = self._pending_consumed
-        st["seconds"] = round(st["seconds"] + seconds, 1)
+        st["seconds"] = round(st["seconds"] + now - self._t_last, 3)
+        self._t_last = now
         st["exhausted"] = exhausted  # every example was read: a bigger budget adds nothing
         tmp = self.progress_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(st, indent=1) + "\n")
@@ -157,7 +160,6 @@ def extract(model: Any, examples: Iterable[tuple[list[int], list[bool]]], out: P
     start_consumed = writer.state["consumed"]
     bar = tqdm(total=max_tokens, initial=writer.tokens, unit="tok", desc="target features", disable=not progress,
                dynamic_ncols=True)
-    t_last = time.perf_counter()
     dev = next(model.parameters()).device
     consumed = 0
     exhausted = True
@@ -178,17 +180,11 @@ def extract(model: Any, examples: Iterable[tuple[list[int], list[bool]]], out: P
                 break
             writer.skip(consumed)
             continue
-        before = len(writer.state["shards"])
         outs = target_outputs(model, torch.tensor([ids], device=dev), layers)
         writer.add(ids, trained, {k: v.cpu() for k, v in outs.items()}, consumed)
-        if len(writer.state["shards"]) > before:  # a shard was written: account its time
-            now = time.perf_counter()
-            writer.state["seconds"] = round(writer.state["seconds"] + now - t_last, 1)
-            t_last = now
         bar.update(len(ids))
-    now = time.perf_counter()
     writer.skip(consumed)
-    writer.flush(now - t_last, exhausted=exhausted)
+    writer.flush(exhausted=exhausted)
     bar.close()
     return writer.state
 
