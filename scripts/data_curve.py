@@ -2,12 +2,11 @@
 
 For each run directory (``train_report.json`` + the head): the training data size and time and
 the held-out numbers from its report, and accepted tokens per target forward measured in the
-real loop: the dev prompts' first turns, greedy, 128 new tokens, EAGLE tree (16 nodes) and chain
+real loop: the dev prompts' first turns, greedy, 64 new tokens (by default), EAGLE tree (16 nodes) and chain
 on ONNX Runtime. Acceptance does not depend on timing, so this may run beside other work.
 Writes a JSON file, a plot and a section of docs/benchmarks.md.
 
-    python scripts/data_curve.py --runs runs --curve eagle-16000,eagle-48000,eagle-128000,eagle-full \
-        --ablation eagle-48000,abl-no-ttt,abl-no-fused,abl-top1 --new-tokens 64
+    python scripts/data_curve.py --runs runs   # the runs of scripts/train_heads.sh
 """
 
 from __future__ import annotations
@@ -48,9 +47,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", default="runs")
     ap.add_argument("--curve", default="eagle-16000,eagle-48000,eagle-128000,eagle-full")
-    ap.add_argument("--ablation", default="eagle-48000,abl-no-ttt,abl-no-fused,abl-top1")
+    ap.add_argument("--ablation", default="abl-b1-full,abl-b1-no-ttt,abl-b1-no-fused,abl-b1-top1,abl-b1-self")
     ap.add_argument("--medusa", default="medusa-full")
-    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--out", default="docs/reports/drafters.json")
     ap.add_argument("--plot", default="docs/img/data_curve.png")
     ap.add_argument("--markdown", default="docs/benchmarks.md")

@@ -25,10 +25,19 @@ run medusa-full spec-plugins train medusa --features "$F" --heldout "$H" --epoch
 for n in 16000 48000 128000; do
   run eagle-$n spec-plugins train eagle --features "$F" --heldout "$H" --max-train-tokens $n --epochs 1
 done
-# the ablation at 48k tokens: the full recipe (eagle-48000), then each element removed once
-run abl-no-ttt   spec-plugins train eagle --features "$F" --heldout "$H" --max-train-tokens 48000 --epochs 1 --unroll 1
-run abl-no-fused spec-plugins train eagle --features "$F" --heldout "$H" --max-train-tokens 48000 --epochs 1 --no-fused
-run abl-top1     spec-plugins train eagle --features "$F" --heldout "$H" --max-train-tokens 48000 --epochs 1 --loss top1
-# then: ln -s the shipped heads as $R/eagle-full and $R/medusa-full (or train them above) and
-#   python scripts/data_curve.py --runs "$R" --curve eagle-16000,eagle-48000,eagle-128000,eagle-full \
-#     --ablation eagle-48000,abl-no-ttt,abl-no-fused,abl-top1 --medusa medusa-full --new-tokens 64
+# the ablation at 48k tokens, batch 1 (4x the optimizer steps of eagle-48000, so each element's
+# effect is not drowned by too few updates): the full recipe, then each element removed once
+B1="--max-train-tokens 48000 --epochs 1 --batch-size 1"
+run abl-b1-full    spec-plugins train eagle --features "$F" --heldout "$H" $B1
+run abl-b1-no-ttt  spec-plugins train eagle --features "$F" --heldout "$H" $B1 --unroll 1
+run abl-b1-no-fused spec-plugins train eagle --features "$F" --heldout "$H" $B1 --no-fused
+run abl-b1-top1    spec-plugins train eagle --features "$F" --heldout "$H" $B1 --loss top1
+# fixed responses vs self-distillation: the target regenerates 200 first turns (ORT, batch 16)
+S=${SELF_FEATURES:-data/feat-self}
+[ -f "$S/DONE" ] || { t0=$(date +%s)
+  spec-plugins train features --responses self --split train --max-tokens 66000 --gen-batch 16 \
+    --max-new-tokens 256 --out "$S" && touch "$S/DONE"
+  echo "feat-self: $(( $(date +%s) - t0 )) s" | tee -a "$R/times.txt"; }
+run abl-b1-self    spec-plugins train eagle --features "$S" --heldout "$H" $B1
+# then the table, the plot and the in-loop acceptance:
+#   python scripts/data_curve.py --runs "$R"
