@@ -17,6 +17,7 @@ from spec_plugins.backends.torch_runtime import TorchRuntime
 from spec_plugins.config import SamplingConfig
 from spec_plugins.loop import decode
 from spec_plugins.policy import FixedLength
+from spec_plugins.policy.cost import ForwardCost
 from spec_plugins.proposers.suffix import SuffixProposer
 from spec_plugins.sampling import LogitsPipeline
 from spec_plugins.stats import DecodeStats
@@ -221,6 +222,9 @@ def test_hybrid_picks_per_row_and_keeps_greedy_identity():
     eag = EagleProposer(EagleProposer.Config(heads="unused", mode="tree", tree_nodes=6, top_k=2), drafter=eagle(model))
     hyb = HybridProposer(HybridProposer.Config(proposers=[{"type": "suffix"}, {"type": "eagle", "heads": "x"}]),
                          target=target, children=[suffix, eag])
+    # A fixed, flat verify cost of 1 s per forward: the choice then rests on the drafts alone, not
+    # on how this machine times a tiny model (a measured curve made EAGLE lose every row on CI).
+    hyb.cost = ForwardCost.from_curve([1.0] * 33)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8]]
     first, _ = run(target, hyb, prompts, 24)
     for p, o in zip(prompts, first):
