@@ -14,7 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
+import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -52,10 +53,12 @@ def main() -> None:
     ap.add_argument("--llamacpp", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--out", default="")
     ap.add_argument("--markdown", default="", help="also write the tables as a section of this page")
+    ap.add_argument("--title", default="Quantized ONNX Runtime graphs: speed and quality",
+                    help="the section's title (a section per machine: sections are replaced by title)")
     ap.add_argument("--from-json", default="", help="render --markdown from a saved report, measure nothing")
     args = ap.parse_args()
     if args.from_json:
-        write_markdown(json.loads(Path(args.from_json).read_text()), Path(args.markdown))
+        write_markdown(json.loads(Path(args.from_json).read_text()), Path(args.markdown), args.title)
         return
 
     import torch
@@ -125,9 +128,11 @@ def main() -> None:
         r["agreement_with_fp32"] = greedy_agreement(r["greedy"], reference)
     ok = [k for k, r in results.items() if k.startswith("int") and r["perplexity_vs_fp32"] <= 0.02]
     default = min(ok, key=lambda k: results[k]["t1_ms"]) if ok else "int8"
-    report = {"machine": platform.processor() or platform.machine(), "threads": args.threads,
-              "date": time.strftime("%Y-%m-%d"), "command": "python scripts/quant_report.py " + " ".join(
-                  a for a in os.sys.argv[1:]), "heldout_conversations": len(held), "dev_prompts": len(prompts),
+    from spec_plugins.bench.docs import machine
+
+    report = {"machine": machine(), "threads": args.threads, "date": time.strftime("%Y-%m-%d"),
+              "command": shlex.join(["python", "scripts/quant_report.py", *sys.argv[1:]]),
+              "heldout_conversations": len(held), "dev_prompts": len(prompts),
               "new_tokens": args.new_tokens, "results": results, "default_scheme": default,
               "within_2pct": ok}
     print(f"default scheme: {default} (within 2 % of fp32 perplexity: {ok or 'none'})")
@@ -135,16 +140,16 @@ def main() -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     if args.markdown:
-        write_markdown(report, Path(args.markdown))
+        write_markdown(report, Path(args.markdown), args.title)
 
 
-def write_markdown(report: dict, doc: Path) -> None:
+def write_markdown(report: dict, doc: Path, title: str) -> None:
     """The quantization tables as a section of ``doc`` (``spec_plugins.bench.docs``)."""
-    from spec_plugins.bench.docs import machine, update
+    from spec_plugins.bench.docs import update
 
     res = report["results"]
-    lines = ["## Quantized ONNX Runtime graphs: speed and quality", "",
-             f"- machine: {machine()}, {report['threads']} threads", f"- date: {report['date']}",
+    lines = [f"## {title}", "",
+             f"- machine: {report['machine']}, {report['threads']} threads", f"- date: {report['date']}",
              f"- command: `{report['command']}`", "",
              f"Perplexity on {report['heldout_conversations']} held-out ShareGPT conversations (assistant tokens, "
              f"{next(iter(res.values()))['perplexity_tokens']} tokens); greedy agreement with fp32 on "
@@ -162,7 +167,7 @@ def write_markdown(report: dict, doc: Path) -> None:
                      f"{f'{min(firsts)}-{max(firsts)}' if firsts else 'none'} |")
     lines += ["", f"Default scheme (the fastest one-position forward within 2 % of fp32's perplexity): "
                   f"**{report['default_scheme']}**; within 2 %: {', '.join(report['within_2pct']) or 'none'}.", ""]
-    update(doc, "Quantized ONNX Runtime graphs", "\n".join(lines))
+    update(doc, title, "\n".join(lines))
 
 
 if __name__ == "__main__":

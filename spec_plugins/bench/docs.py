@@ -23,19 +23,28 @@ def slug(title: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-") or "run"
 
 
+# CPU features that decide which kernels run (int8 dot products, AMX tiles): two CPUs with the
+# same model string can differ in them, and quantized timings depend on them.
+_ISA = (("avx2", "AVX2"), ("avx512f", "AVX-512"), ("avx512_vnni", "VNNI"), ("avx_vnni", "AVX-VNNI"),
+        ("amx_int8", "AMX-INT8"))
+
+
 def machine() -> str:
-    """The CPU model and core count, as the report's readers need it."""
-    model = platform.processor() or platform.machine()
+    """The CPU model, its vector extensions and core count, as the report's readers need it."""
+    model, flags = "", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and not model:
                 model = line.split(":", 1)[1].strip()
-                break
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
+    model = model or platform.processor() or platform.machine()
     import os
 
-    return f"{model}, {os.cpu_count()} cores, {platform.system()}"
+    isa = " ".join(name for flag, name in _ISA if flag in flags)
+    return f"{model}{f' ({isa})' if isa else ''}, {os.cpu_count()} cores, {platform.system()}"
 
 
 def section(report: dict, title: str, command: str, out_dir: Path, doc: Path) -> str:
