@@ -131,6 +131,7 @@ def test_killing_a_replica_mid_flight_fails_visibly_and_recovers(deployed, refer
     model, tok = reference
     outcomes = {"completed": 0, "errored": 0, "wrong": 0}
     lock = threading.Lock()
+    streaming = threading.Event()  # set at the first streamed token: requests are being served
 
     def one(i: int) -> None:
         p, n = PROMPTS[i % len(PROMPTS)], 300
@@ -139,6 +140,7 @@ def test_killing_a_replica_mid_flight_fails_visibly_and_recovers(deployed, refer
             if stream:
                 toks, final = [], None
                 for ev in text_generation.Client(url, timeout=120).generate_stream(p, max_new_tokens=n):
+                    streaming.set()
                     toks.append(ev.token.id)
                     final = ev.details
                 ok = final is not None  # the last event carries the finish reason; without it: cut off
@@ -159,10 +161,14 @@ def test_killing_a_replica_mid_flight_fails_visibly_and_recovers(deployed, refer
     threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
-    time.sleep(1.0)  # requests are in flight on both replicas
+    # Kill at the first streamed token rather than after a fixed sleep: on a fast CPU the tiny
+    # model can finish all 8 requests within a second, and the kill would then hit an idle replica.
+    assert streaming.wait(60), "no request started streaming"
     victim = _replica_handles()[0]
     t_kill = time.perf_counter()
     ray.kill(victim, no_restart=True)
+    with lock:
+        in_flight = 8 - sum(outcomes.values())
     for t in threads:
         t.join(timeout=180)
     deadline = time.time() + 120
@@ -174,4 +180,5 @@ def test_killing_a_replica_mid_flight_fails_visibly_and_recovers(deployed, refer
     assert outcomes["completed"] + outcomes["errored"] == 8
     r = text_generation.Client(url, timeout=60).generate(PROMPTS[2], max_new_tokens=6)
     assert [t.id for t in r.details.tokens] == solo(model, tok, PROMPTS[2], 6)
-    print(f"fault test: {outcomes}, back to 2 replicas {recovery:.1f} s after the kill")
+    print(f"fault test: {in_flight} of 8 in flight at the kill, {outcomes}, "
+          f"back to 2 replicas {recovery:.1f} s after the kill")
