@@ -21,17 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-from spec_plugins.bench.replay import ReplayRuntime, SimClock, _overhead, _turns_from_report, auto
-from spec_plugins.config import SamplingConfig, SpecConfig
-from spec_plugins.loop import decode
+from spec_plugins.bench.replay import auto, replay_sequence, round_overhead, turns_from_report
+from spec_plugins.config import SpecConfig
 from spec_plugins.policy import DraftCost, FixedLength, ForwardCost
-from spec_plugins.policy import cost as cost_mod
 from spec_plugins.registry import PROPOSERS
-from spec_plugins.sampling import LogitsPipeline
-from spec_plugins.stats import DecodeStats
-from spec_plugins.verifiers import ExactVerifier
 
 BASE = {"type": "suffix", "scope": "global", "num_draft_tokens": 16, "tree_nodes": "auto"}
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -47,29 +42,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "nodes-8": {"tree_nodes": 8},
     "nodes-16": {"tree_nodes": 16},
 }
-
-
-def replay_sequence(turns: Sequence[tuple[str, list[int], list[int]]], make_proposer: Callable[[Any], Any],
-                    make_policy: Callable[[], Any], cost: ForwardCost, overhead: float, draft: DraftCost,
-                    vocab: int) -> dict[str, dict[str, float]]:
-    """Per category (and "all"): tokens/s, accepted tokens per forward; one proposer for all turns."""
-    clock = SimClock()
-    rt = ReplayRuntime({tuple(p): o for _, p, o in turns}, vocab, clock=clock, cost=cost, overhead=overhead,
-                       draft=draft)
-    cost_mod._CACHE[rt] = cost_mod._Entry(cost)  # the recorded curve, not a timing of the replay runtime
-    proposer = make_proposer(rt)
-    acc: dict[str, list[float]] = {}
-    for cat, prompt, out in turns:
-        stats = DecodeStats()
-        for _ in decode(rt, proposer, ExactVerifier(), LogitsPipeline(SamplingConfig()), [list(prompt)], len(out),
-                        (), None, stats, make_policy(), clock=clock):
-            pass
-        for c in (cat, "all"):
-            t = acc.setdefault(c, [0.0, 0.0, 0.0])
-            t[0] += stats.new_tokens
-            t[1] += stats.time_total - stats.time_prefill
-            t[2] += stats.target_forwards
-    return {c: {"tokens_per_s": n / s, "accepted": n / f} for c, (n, s, f) in acc.items()}
 
 
 def copy_oracle(turns: Sequence[tuple[str, list[int], list[int]]], cost: ForwardCost, overhead: float,
@@ -119,19 +91,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     cm = report["cost_model"]
     cost = ForwardCost.from_curve(cm.get("raw_target_seconds") or cm["target_seconds"])
     draft = DraftCost(cm["draft_round_seconds"], cm["draft_step_seconds"])
-    turns = _turns_from_report(report, args.prompts, dec)
-    vocab = max(max(max(p), max(o)) for _, p, o in turns) + 1
-    over = _overhead(report)
+    turns = turns_from_report(report, args.prompts, dec)
+    over = round_overhead(report)
     runs: dict[str, dict[str, dict[str, float]]] = {}
     runs["plain"] = replay_sequence(turns, lambda rt: PROPOSERS.get("ngram")(PROPOSERS.get("ngram").Config()),
-                                    lambda: FixedLength(0), cost, over, draft, vocab)
+                                    lambda: FixedLength(0), cost, over, draft)
     ngram = cfg.proposer
     runs["ngram-auto"] = replay_sequence(turns, lambda rt: PROPOSERS.get(ngram.type)(ngram), auto(cost, draft),
-                                         cost, over, draft, vocab)
+                                         cost, over, draft)
     for name, change in VARIANTS.items():
         pcfg = PROPOSERS.get("suffix").Config(**{**BASE, **change})
         runs[name] = replay_sequence(turns, lambda rt, c=pcfg: PROPOSERS.get("suffix")(c, target=rt),
-                                     lambda c=pcfg: FixedLength(int(c.num_draft_tokens)), cost, over, draft, vocab)
+                                     lambda c=pcfg: FixedLength(int(c.num_draft_tokens)), cost, over, draft)
     for m in (1, 2, 3):
         runs[f"oracle-copy-m{m}"] = copy_oracle(turns, cost, over, m)
     cats = list(dict.fromkeys(c for c, _, _ in turns)) + ["all"]

@@ -350,6 +350,34 @@ def test_replay_reproduces_the_real_rounds_for_fixed_gammas():
         assert sim.time_total == pytest.approx(want)
 
 
+def test_replay_sequence_carries_cross_request_memory_and_prices_by_the_recorded_curve():
+    """One proposer decodes the turns in order on one replay runtime: a global suffix index that
+    saw a turn drafts it whole the second time, a per-request one does not; the runtime hands the
+    recorded cost curve to proposers that size by cost (never a timing of the replay)."""
+    from spec_plugins.bench.replay import ReplayRuntime, replay_sequence
+    from spec_plugins.policy import FixedLength, ForwardCost
+    from spec_plugins.policy.cost import cost_for
+    from spec_plugins.proposers.suffix import SuffixProposer
+
+    cost = ForwardCost.from_curve([0.01 * (1 + 0.05 * n) for n in range(33)])
+    assert cost_for(ReplayRuntime({(1,): [2]}, 4, cost=cost)) is cost
+    out = [(7 * i) % 50 + 3 for i in range(40)]
+    turns = [("a", [1, 2], out), ("b", [1, 2], out)]
+
+    def run(scope):
+        cfg = SuffixProposer.Config(scope=scope, num_draft_tokens=16, tree_nodes="auto")
+        return replay_sequence(turns, lambda rt: SuffixProposer(cfg, target=rt), lambda: FixedLength(16), cost, 0.0)
+
+    glob, own = run("global"), run("request")
+    assert glob["b"]["accepted"] > 2 * own["b"]["accepted"]
+    assert glob["a"]["accepted"] == pytest.approx(own["a"]["accepted"])  # nothing to remember yet
+    plain = replay_sequence(turns, lambda rt: SuffixProposer(SuffixProposer.Config(tree_nodes=8)),
+                            lambda: FixedLength(0), cost, 0.0)
+    forwards = len(out) - 1  # plain: the first new token comes from prefill, then one per forward
+    assert plain["all"]["accepted"] == pytest.approx(len(out) / forwards)
+    assert plain["all"]["tokens_per_s"] == pytest.approx(len(out) / (forwards * cost(1, 1)))
+
+
 def _widths(decoder, ids):
     """Forward widths of a real generation (an observer of its rounds)."""
     seen = []

@@ -26,6 +26,7 @@ from spec_plugins.backends.base import RuntimeCapabilities, StepOutput
 from spec_plugins.config import SamplingConfig
 from spec_plugins.loop import decode
 from spec_plugins.policy import AutoDraftLength, DraftCost, FixedLength, ForwardCost, OnlineCost
+from spec_plugins.policy.cost import remember
 from spec_plugins.sampling import LogitsPipeline
 from spec_plugins.stats import DecodeStats
 from spec_plugins.tree import TreeLayout
@@ -75,6 +76,8 @@ class ReplayRuntime:
         self.capabilities = RuntimeCapabilities(tree_mask=True, hidden_states=False, name="replay")
         self.device = torch.device("cpu")
         self.clock, self.cost, self.overhead, self.draft = clock, cost, overhead, draft
+        if cost is not None:  # proposers that size drafts by the cost curve read the recorded one
+            remember(self, cost)
         self.seqs: list[list[int]] = []  # per row: prompt + recorded output (the oracle)
         self.held: list[int] = []  # per row: tokens in the "cache"
         self._last = 0
@@ -137,11 +140,38 @@ def replay_turn(prompt: Sequence[int], output: Sequence[int], proposer: Any, pol
     clock = SimClock()
     rt = ReplayRuntime({tuple(prompt): output}, vocab_size or max(max(prompt), max(output)) + 1, clock=clock,
                        cost=cost, overhead=overhead, draft=draft)
+    return _decode_recorded(rt, clock, proposer, policy, prompt, max_new or len(output), eos_ids)
+
+
+def _decode_recorded(rt: ReplayRuntime, clock: SimClock, proposer: Any, policy: Any, prompt: Sequence[int],
+                     max_new: int, eos_ids: Sequence[int] = ()) -> DecodeStats:
+    """One greedy generation through the real round on a replay runtime."""
     stats = DecodeStats()
     for _ in decode(rt, proposer, ExactVerifier(), LogitsPipeline(SamplingConfig()), [list(prompt)],
-                    max_new or len(output), eos_ids, None, stats, policy, clock=clock):
+                    max_new, eos_ids, None, stats, policy, clock=clock):
         pass
     return stats
+
+
+def replay_sequence(turns: Sequence[tuple[str, list[int], list[int]]], make_proposer: Callable[[Any], Any],
+                    make_policy: Callable[[], Any], cost: ForwardCost, overhead: float,
+                    draft: DraftCost = DraftCost()) -> dict[str, dict[str, float]]:
+    """Per category (and "all"): tokens/s and accepted tokens per forward, the turns decoded in
+    order by ONE proposer on one runtime, so cross-request memory (suffix) carries between them."""
+    clock = SimClock()
+    vocab = max(max(max(p), max(o)) for _, p, o in turns) + 1
+    rt = ReplayRuntime({tuple(p): o for _, p, o in turns}, vocab, clock=clock, cost=cost, overhead=overhead,
+                       draft=draft)
+    prop = make_proposer(rt)  # given the runtime: proposers that size by its cost curve read it
+    acc: dict[str, list[float]] = {}
+    for cat, prompt, out in turns:
+        stats = _decode_recorded(rt, clock, prop, make_policy(), prompt, len(out))
+        for c in (cat, "all"):
+            t = acc.setdefault(c, [0.0, 0.0, 0.0])
+            t[0] += stats.new_tokens
+            t[1] += stats.time_total - stats.time_prefill
+            t[2] += stats.target_forwards
+    return {c: {"tokens_per_s": n / s, "accepted": n / f} for c, (n, s, f) in acc.items()}
 
 
 def fixed(k: int) -> Callable[[], Any]:
@@ -170,7 +200,7 @@ def replay_report(turns: Sequence[tuple[str, list[int], list[int]]], make_propos
     return {name: {c: n / s for c, (n, s) in cats.items()} for name, cats in sums.items()}
 
 
-def _turns_from_report(report: dict, prompts_file: str, decoder: Any) -> list[tuple[str, list[int], list[int]]]:
+def turns_from_report(report: dict, prompts_file: str, decoder: Any) -> list[tuple[str, list[int], list[int]]]:
     """(category, prompt ids, plain output) per turn, re-encoding multi-turn histories as the bench did."""
     from spec_plugins.bench.prompts import load_prompts
 
@@ -188,7 +218,7 @@ def _turns_from_report(report: dict, prompts_file: str, decoder: Any) -> list[tu
     return out
 
 
-def _overhead(report: dict) -> float:
+def round_overhead(report: dict) -> float:
     """Seconds per round outside target forwards and drafting, pooled over our runs on the primary runtime."""
     spent = rounds = 0.0
     for m in report["methods"]:
@@ -220,12 +250,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     cm = report["cost_model"]
     cost = ForwardCost.from_curve(cm.get("raw_target_seconds") or cm["target_seconds"])
     draft = DraftCost(cm["draft_round_seconds"], cm["draft_step_seconds"])
-    turns = _turns_from_report(report, args.prompts, dec)
+    turns = turns_from_report(report, args.prompts, dec)
     pcfg = cfg.proposer
     make = lambda: PROPOSERS.get(pcfg.type)(pcfg)  # noqa: E731
     policies: dict[str, Callable[[], Any]] = {f"k{g}": fixed(g) for g in parse_gammas(args.gammas)}
     policies["auto"] = auto(cost, draft)
-    over = _overhead(report)
+    over = round_overhead(report)
     sim = replay_report(turns, make, policies, cost, over, draft)
     measured = {("plain" if m["name"] == "plain" else m["name"].replace("ours_", "")): report["summary"][m["name"]]
                 for m in report["methods"] if m["kind"] in ("ours",) or m["name"] == "plain"}

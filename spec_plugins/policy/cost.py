@@ -312,6 +312,12 @@ def cost_for(runtime: Any, rows: Sequence[int] = (1,), max_positions: int = 17, 
     return _CACHE[runtime].model
 
 
+def remember(runtime: Any, model: ForwardCost) -> None:
+    """Use ``model`` as ``runtime``'s forward costs instead of timing it (a replay runtime, whose
+    forwards cost simulated time, not the wall-clock time a measurement would see)."""
+    _CACHE[runtime] = _Entry(model)
+
+
 def online_for(runtime: Any, model: ForwardCost) -> OnlineCost:
     """The runtime's online-corrected model over ``model``, shared by every generation on it."""
     entry = _CACHE.get(runtime)
