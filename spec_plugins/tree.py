@@ -30,6 +30,7 @@ from typing import Sequence
 import torch
 
 RankPath = tuple[int, ...]
+RowTree = tuple[list[int], list[RankPath], list[float]]  # one row's draft, best-first: tokens, rank paths, acceptance estimates
 
 
 # ---- topology ---------------------------------------------------------------------------------

@@ -228,3 +228,43 @@ def test_auto_tree_size_follows_the_cost_curve_and_calibration():
     assert sizer.scale < before
     with pytest.raises(ValueError, match="tree_nodes"):
         EagleProposer.Config(heads="unused", tree_nodes=0)
+
+
+def test_auto_tree_size_prices_the_batch_padded_width():
+    """Rows of a batch share one forward padded to the widest tree, so the sizer picks one width
+    against T(B, w+1): on a curve where 4 rows pay steeply per position (as a CPU server batch
+    does) the 4-row width is narrower than each row's one-row choice; a row with fewer nodes
+    keeps its own; a runtime's re-measured model (a server measures its batch sizes after the
+    proposers are built) is what the next round reads."""
+    from spec_plugins.policy import ForwardCost
+    from spec_plugins.policy.cost import forget, remember
+    from spec_plugins.policy.tree_size import TreeSizer
+
+    probs = [0.9, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1]
+    table = {(1, n): 0.030 + 0.002 * (n - 1) for n in range(1, 34)}
+    table.update({(4, n): 0.040 + 0.014 * (n - 1) for n in range(1, 34)})
+    sizer = TreeSizer(ForwardCost(table))
+    one = sizer.counts([probs])[0]
+    four = sizer.counts([probs] * 4)
+    assert (one, four) == (6, [3] * 4)  # one row: 8 positions cost 1.5x one; four rows: 4.2x
+    assert sizer.counts([probs] * 3 + [probs[:1]]) == [2, 2, 2, 1]  # a short row keeps its one node
+    assert sizer.counts([probs[:1]] * 3 + [probs]) == [1] * 4  # one long row does not carry three short
+    # the verify width is the union of the rows' paths: four identical chains share 3 positions,
+    # four disjoint branches would need 4 x w positions: not worth one
+    chain = [(0,) * (i + 1) for i in range(len(probs))]
+    assert sizer.counts([probs] * 4, paths=[chain] * 4) == [3] * 4
+    apart = [[(r,) + (0,) * i for i in range(len(probs))] for r in range(4)]
+    assert sizer.counts([probs] * 4, paths=apart) == [0] * 4
+
+    class Runtime:  # stands for a runtime object: the cost cache is keyed by identity
+        pass
+
+    rt = Runtime()
+    remember(rt, ForwardCost({k: v for k, v in table.items() if k[0] == 1}))
+    try:
+        live = TreeSizer.for_runtime(rt, 33)
+        assert live.counts([probs] * 4) == [6] * 4  # a one-row model prices every batch as one row
+        remember(rt, ForwardCost(table))  # re-measured for the batch
+        assert live.counts([probs] * 4) == [3] * 4
+    finally:
+        forget(rt)

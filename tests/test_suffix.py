@@ -17,7 +17,7 @@ from spec_plugins.backends.torch_runtime import TorchRuntime
 from spec_plugins.config import SamplingConfig
 from spec_plugins.loop import decode
 from spec_plugins.policy import FixedLength
-from spec_plugins.policy.cost import ForwardCost
+from spec_plugins.policy.cost import ForwardCost, remember
 from spec_plugins.proposers.suffix import SuffixProposer
 from spec_plugins.sampling import LogitsPipeline
 from spec_plugins.stats import DecodeStats
@@ -220,11 +220,11 @@ def test_hybrid_picks_per_row_and_keeps_greedy_identity():
     suffix = SuffixProposer(SuffixProposer.Config(scope="global", tree_nodes=8, min_token_prob=0.0,
                                                   max_spec_factor=4))
     eag = EagleProposer(EagleProposer.Config(heads="unused", mode="tree", tree_nodes=6, top_k=2), drafter=eagle(model))
-    hyb = HybridProposer(HybridProposer.Config(proposers=[{"type": "suffix"}, {"type": "eagle", "heads": "x"}]),
-                         target=target, children=[suffix, eag])
     # A fixed, flat verify cost of 1 s per forward: the choice then rests on the drafts alone, not
     # on how this machine times a tiny model (a measured curve made EAGLE lose every row on CI).
-    hyb.cost = ForwardCost.from_curve([1.0] * 33)
+    remember(target, ForwardCost.from_curve([1.0] * 33))
+    hyb = HybridProposer(HybridProposer.Config(proposers=[{"type": "suffix"}, {"type": "eagle", "heads": "x"}]),
+                         target=target, children=[suffix, eag])
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8]]
     first, _ = run(target, hyb, prompts, 24)
     for p, o in zip(prompts, first):
@@ -256,6 +256,7 @@ def test_hybrid_skips_a_child_whose_drafting_costs_more_than_it_gains():
     calls: list[int] = []
     propose = eag.propose
     eag.propose = lambda ctx: (calls.append(1), propose(ctx))[1]  # type: ignore[method-assign]
+    remember(target, ForwardCost.from_curve([1.0] * 33))  # flat: the sizer keeps every node, whatever the machine
     hyb = HybridProposer(HybridProposer.Config(proposers=[{"type": "suffix"}, {"type": "eagle", "heads": "x"}],
                                                probe_every=8), target=target, children=[suffix, eag])
     hyb.draft_s = [1e-6, 100.0]
@@ -265,3 +266,42 @@ def test_hybrid_skips_a_child_whose_drafting_costs_more_than_it_gains():
         assert o == plain_greedy(model, p, 24)
     assert 1 <= len(calls) <= -(-hyb._round // 8) and hyb.skipped[1] == hyb._round - len(calls)
     assert hyb.skipped[0] == 0  # the cheap child drafts every round
+
+
+def test_hybrid_cuts_the_chosen_trees_for_the_batch():
+    """The chosen trees go through the one tree sizer: where two rows verifying together pay two
+    forwards per drafted position (even a certain node of both rows does not pay), no two-row
+    round drafts; one row on a flat curve keeps its tree.
+    Output equals plain greedy either way."""
+    from test_heads import eagle
+
+    from spec_plugins.proposers.eagle import EagleProposer
+    from spec_plugins.proposers.hybrid import HybridProposer
+
+    model = tiny_llama(seed=7, sharpness=6.0)
+    target = TorchRuntime(model)
+    table = {(1, n): 1.0 for n in range(1, 34)}
+    table.update({(2, n): 2.0 * n - 1.0 for n in range(1, 34)})
+    remember(target, ForwardCost(table))
+    suffix = SuffixProposer(SuffixProposer.Config(scope="global", tree_nodes=8, min_token_prob=0.0, max_spec_factor=4))
+    eag = EagleProposer(EagleProposer.Config(heads="unused", mode="tree", tree_nodes=6, top_k=2), drafter=eagle(model))
+    hyb = HybridProposer(HybridProposer.Config(proposers=[{"type": "suffix"}, {"type": "eagle", "heads": "x"}]),
+                         target=target, children=[suffix, eag])
+    widths: list[tuple[int, int]] = []  # (rows, drafted positions) per round
+    propose = hyb.propose
+
+    def spy(ctx):
+        d = propose(ctx)
+        widths.append((len(ctx.sequences), 0 if d is None else d.tokens.shape[1]))
+        return d
+
+    hyb.propose = spy  # type: ignore[method-assign]
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8]]
+    for _ in range(2):  # the second pass repeats text: long suffix matches
+        out, _ = run(target, hyb, prompts, 24)
+        assert out == [plain_greedy(model, p, 24) for p in prompts]
+    two = [w for r, w in widths if r == 2]
+    assert two and max(two) == 0
+    out, _ = run(target, hyb, prompts[:1], 24)
+    assert out[0] == plain_greedy(model, prompts[0], 24)
+    assert max(w for r, w in widths if r == 1) > 0

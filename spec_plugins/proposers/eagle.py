@@ -31,7 +31,7 @@ from spec_plugins.policy.tree_size import TreeSizer
 from spec_plugins.proposers.base import Draft, ProposeContext, Proposer, RoundRecord
 from spec_plugins.proposers.medusa import resolve_head_dir
 from spec_plugins.registry import register_proposer
-from spec_plugins.tree import merge_trees
+from spec_plugins.tree import RowTree, merge_trees
 
 NEG = float("-inf")
 AUTO_MAX_NODES = 32  # 'auto' tree sizes stay within the measured cost curve (N <= 33 positions)
@@ -82,11 +82,9 @@ class EagleProposer(Proposer):
         if config.tree_nodes == "auto":
             if target is None or not hasattr(target, "forward"):
                 raise ValueError("tree_nodes='auto' needs the target runtime to measure its cost curve")
-            from spec_plugins.policy.cost import cost_for
-
-            self.sizer = TreeSizer(cost_for(target, max_positions=AUTO_MAX_NODES + 1))
+            self.sizer = TreeSizer.for_runtime(target, AUTO_MAX_NODES + 1)
         self._t0 = 0.0  # start of the current propose(): its drafting time so far is a sunk cost of the round
-        self.expected: list[float] = []  # per row: accepted nodes the last draft expects (path probabilities)
+        self.row_drafts: list[RowTree] = []  # per row, best-first: the last draft's nodes and path probabilities
 
     # ---- cache: the shared slot layer, one drafter layer ------------------------------------------
     def admit(self, prompts: Sequence[Sequence[int]]) -> None:
@@ -158,7 +156,7 @@ class EagleProposer(Proposer):
         self._t0 = time.perf_counter()
         f = self._catch_up(ctx)
         depth = max(ctx.budgets, default=0)
-        self.expected = [0.0] * len(ctx.sequences)
+        self.row_drafts = [([], [], [])] * len(ctx.sequences)
         if depth <= 0:
             return None
         base = torch.tensor([len(s) - 1 for s in ctx.sequences], dtype=torch.long)  # pending position
@@ -194,7 +192,8 @@ class EagleProposer(Proposer):
             out, k, v = self._step(f[:, None], toks[:, d: d + 1], (base + d)[:, None], dk, dv, anc)
             dk, dv, f = torch.cat([dk, k], 2), torch.cat([dv, v], 2), out[:, 0]
         valid = torch.arange(depth)[None, :] < torch.tensor(budgets)[:, None]
-        self.expected = (path_p * valid).sum(1).tolist()
+        chain = [(0,) * (d + 1) for d in range(depth)]
+        self.row_drafts = [(t[:n], chain[:n], p[:n]) for t, p, n in zip(toks.tolist(), path_p.tolist(), budgets)]
         return Draft(toks, tuple(range(-1, depth - 1)), None, None if bool(valid.all()) else valid)
 
     def _tree(self, f: torch.Tensor, base: torch.Tensor, budgets: list[int], depth: int) -> Draft:
@@ -249,29 +248,42 @@ class EagleProposer(Proposer):
         key = key.masked_fill(dep_t[None] >= torch.tensor(budgets)[:, None], NEG)
         auto = self.config.tree_nodes == "auto"
         keep = key.topk(min(AUTO_MAX_NODES if auto else self.config.tree_nodes, key.shape[1]), -1)
-        counts = ([keep.values.shape[1]] * B if self.sizer is None else
-                  self.sizer.counts(keep.values.float().exp().clamp(max=1.0).tolist(), time.perf_counter() - self._t0))
+        par_l, rank_l, tok_l, score_l = parent.tolist(), rank.tolist(), tok.tolist(), score.tolist()
+        cand = [[n for n, s in zip(idx, val) if s != NEG] for idx, val in zip(keep.indices.tolist(), keep.values.tolist())]
+        paths = [rank_paths(par_l[b], rank_l[b], cand[b]) for b in range(B)]  # best-first, per row
+        counts = ([len(c) for c in cand] if self.sizer is None else
+                  self.sizer.counts(keep.values.float().exp().clamp(max=1.0).tolist(), time.perf_counter() - self._t0,
+                                    paths))
         if auto and max(counts) == 0:
             return None
-        par_l, rank_l, tok_l, score_l = parent.tolist(), rank.tolist(), tok.tolist(), score.tolist()
-        rows = []
-        self.expected = []
+        self.row_drafts = []
         for b in range(B):
-            paths: dict[int, tuple[int, ...]] = {}
-
-            def path(n: int) -> tuple[int, ...]:
-                if n not in paths:
-                    p = par_l[b][n]
-                    paths[n] = (path(p) if p >= 0 else ()) + (rank_l[b][n],)
-                return paths[n]
-
-            sel = [n for n, s in zip(keep.indices[b].tolist()[: counts[b]], keep.values[b].tolist()) if s != NEG]
-            self.expected.append(sum(min(1.0, math.exp(score_l[b][n])) for n in sel))
-            rows.append(([tok_l[b][n] for n in sel], [path(n) for n in sel]))
-        merged = merge_trees(rows)
+            sel = cand[b][: counts[b]]
+            self.row_drafts.append(([tok_l[b][n] for n in sel], paths[b][: counts[b]],
+                                    [min(1.0, math.exp(score_l[b][n])) for n in sel]))
+        merged = merge_trees([(toks, ps) for toks, ps, _ in self.row_drafts])
         return Draft(merged.tokens, merged.parents, None, merged.valid)
+
+    @property
+    def expected(self) -> list[float]:
+        """Per row: accepted nodes the last draft expects (sum of its path probabilities)."""
+        return [sum(p) for _, _, p in self.row_drafts]
 
     def observe(self, result: RoundRecord) -> None:
         """Calibrate ``tree_nodes: auto``: accepted nodes against the drafter's path probabilities."""
         if self.sizer is not None and result.draft is not None:
             self.sizer.observe(sum(len(a) for a in result.accepted))
+
+
+def rank_paths(parents: list[int], ranks: list[int], nodes: list[int]) -> list[tuple[int, ...]]:
+    """The rank path (rank among its parent's candidates, from the root) of each of ``nodes``:
+    the key ``merge_trees`` places a node by, so rows with the same shape share positions."""
+    memo: dict[int, tuple[int, ...]] = {}
+
+    def path(n: int) -> tuple[int, ...]:
+        if n not in memo:
+            p = parents[n]
+            memo[n] = (path(p) if p >= 0 else ()) + (ranks[n],)
+        return memo[n]
+
+    return [path(n) for n in nodes]

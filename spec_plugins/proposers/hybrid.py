@@ -3,13 +3,17 @@ accepted tokens per unit of verify cost (SuffixDecoding's pairing with a model d
 
 Both children draft every round (a feature drafter must catch up on its cache anyway; suffix
 lookups cost microseconds), each reporting per row the accepted nodes its draft expects
-(``expected``: suffix frequencies, EAGLE path probabilities). Those estimates are calibrated
-online per child, as accepted / predicted over the rows that used it, and a row takes
+(``row_drafts``: best-first nodes with suffix frequencies or EAGLE path probabilities; their sum
+is ``expected``). Those estimates are calibrated online per child, as accepted / predicted over
+the rows that used it, and a row takes
 
     argmax_c (1 + scale_c x expected_c) / T(1, 1 + nodes_c)
 
 with T the runtime's measured forward-cost curve: a long suffix match wins with a big tree, and
-free text goes to the model drafter. The chosen per-row trees are merged into one batch draft.
+free text goes to the model drafter. The chosen per-row trees are then cut for the batch by the
+one tree sizer (``policy/tree_size.py``: one cut per round against the forward over all rows and
+the union of their trees, each node's estimate scaled by its child's calibration) and merged
+into one batch draft.
 
 Drafting is not free either: a model drafter's propose() can cost as much as a target forward on
 a CPU. Children are therefore asked cheapest first (their measured propose time), and a dearer
@@ -32,7 +36,7 @@ from pydantic import Field, model_validator
 from spec_plugins.config import ProposerConfig
 from spec_plugins.proposers.base import Draft, ProposeContext, Proposer, RoundRecord, RowAware
 from spec_plugins.registry import PROPOSERS, register_proposer
-from spec_plugins.tree import merge_trees, row_trees
+from spec_plugins.tree import RowTree, merge_trees
 
 
 DEFAULT_NODES = 16  # a child's tree size inside a hybrid, where its own default is 'auto'
@@ -48,7 +52,7 @@ class HybridProposer(Proposer):
         type: Literal["hybrid"] = "hybrid"
         proposers: list[dict[str, Any]] = Field(
             description="The two proposer sections, e.g. [{type: suffix, scope: global}, {type: eagle, heads: DIR}]; "
-                        "each must report `expected` (suffix, eagle) and use a fixed tree_nodes.")
+                        "each must report `row_drafts` (suffix, eagle) and use a fixed tree_nodes.")
         decay: float = Field(0.95, gt=0.0, lt=1.0, description="Memory of the per-child calibration.")
         probe_every: int = Field(16, ge=1, description="Every this many rounds all children draft (a child "
                                                          "skipped as too dear for its gain is re-measured).")
@@ -78,15 +82,18 @@ class HybridProposer(Proposer):
                 children.append(cls(sub, target=target, **kw))
         self.children = list(children)
         for c in self.children:
-            if not hasattr(c, "expected"):
-                raise ValueError(f"hybrid: proposer {type(c).__name__} does not report `expected` accepted tokens")
+            if not hasattr(c, "row_drafts"):
+                raise ValueError(f"hybrid: proposer {type(c).__name__} does not report its `row_drafts` "
+                                 "(best-first nodes with acceptance estimates)")
         self.needs_hidden = any(getattr(c, "needs_hidden", False) for c in self.children)
         self.feature_layers = next((c.feature_layers for c in self.children if getattr(c, "feature_layers", ())), ())
-        self.cost = None
+        self.cost = self.sizer = None
         if target is not None and hasattr(target, "forward"):
             from spec_plugins.policy.cost import cost_for
+            from spec_plugins.policy.tree_size import TreeSizer
 
             self.cost = cost_for(target, max_positions=33)
+            self.sizer = TreeSizer.for_runtime(target, 33)  # never observes: the children's calibration scales
         self.calib = [[2.0, 2.0] for _ in self.children]  # per child [accepted, predicted]
         self.choice: list[int] = []  # per row: the child whose draft went to the verifier
         self._pred: list[float] = []
@@ -126,8 +133,9 @@ class HybridProposer(Proposer):
         B = len(ctx.sequences)
         probe = self._round % self.config.probe_every == 0
         self._round += 1
-        empty: list[tuple[list[int], list[tuple[int, ...]]]] = [([], [])] * B
+        empty: list[RowTree] = [([], [], [])] * B
         per_child = [empty] * len(self.children)
+        t_start = time.perf_counter()
         best = [-1] * B  # per row: the child whose draft is kept so far
         best_rate = [0.0] * B  # its rate, drafting cost sunk: (1 + scale x expected) / T(1 + nodes)
         for i in sorted(range(len(self.children)), key=lambda c: self.draft_s[c]):
@@ -140,27 +148,28 @@ class HybridProposer(Proposer):
             dt = time.perf_counter() - t0
             self.draft_s[i] = dt if self.draft_s[i] == 0.0 else 0.8 * self.draft_s[i] + 0.2 * dt
             if d is not None:
-                per_child[i] = row_trees(d.tokens.cpu(), d.parents, None if d.valid is None else d.valid.cpu())
+                per_child[i] = list(c.row_drafts)
             for b in range(B):
                 n_nodes = len(per_child[i][b][0])
-                exp = c.expected[b] if d is not None and b < len(c.expected) else 0.0
+                exp = sum(per_child[i][b][2])
                 if n_nodes:
                     self.mean_exp[i] = 0.9 * self.mean_exp[i] + 0.1 * exp
                     self.mean_nodes[i] = 0.9 * self.mean_nodes[i] + 0.1 * n_nodes
                 rate = (1.0 + self._scale(i) * exp) / self._T(1 + n_nodes)
                 if rate > best_rate[b]:
                     best[b], best_rate[b] = i, rate
-        rows, self.choice, self._pred = [], [], []
-        for b in range(B):
-            i = max(best[b], 0)
-            rows.append(per_child[i][b])
-            self.choice.append(i)
-            exp = self.children[i].expected[b] if rows[-1][0] and b < len(self.children[i].expected) else 0.0
-            self._pred.append(exp)
-            self.used[i] += bool(rows[-1][0])
-        if not any(toks for toks, _ in rows):
+        self.choice = [max(i, 0) for i in best]
+        chosen = [per_child[i][b] for b, i in enumerate(self.choice)]
+        if self.sizer is not None:
+            counts = self.sizer.counts([[p * self._scale(i) for p in probs] for i, (_, _, probs) in zip(self.choice, chosen)],
+                                       time.perf_counter() - t_start, [paths for _, paths, _ in chosen])
+            chosen = [(t[:n], ps[:n], pr[:n]) for (t, ps, pr), n in zip(chosen, counts)]
+        self._pred = [sum(probs) for _, _, probs in chosen]
+        for i, (toks, _, _) in zip(self.choice, chosen):
+            self.used[i] += bool(toks)
+        if not any(toks for toks, _, _ in chosen):
             return None
-        merged = merge_trees(rows)
+        merged = merge_trees([(toks, paths) for toks, paths, _ in chosen])
         return Draft(merged.tokens, merged.parents, None, merged.valid)
 
     def _scale(self, i: int) -> float:

@@ -30,7 +30,7 @@ from spec_plugins.config import ProposerConfig
 from spec_plugins.proposers.base import Draft, ProposeContext, Proposer, RoundRecord
 from spec_plugins.registry import register_proposer
 from spec_plugins.suffix_index import EMPTY, Cursor, GlobalIndex, RequestIndex, Speculation, speculate
-from spec_plugins.tree import merge_trees, ordinal_paths
+from spec_plugins.tree import RowTree, merge_trees, ordinal_paths
 
 AUTO_MAX_NODES = 32  # 'auto' tree sizes stay within the measured cost curve (N <= 33 positions)
 FINISHED = ("eos_token", "length", "stop")  # rows that end so go into the global index
@@ -78,10 +78,9 @@ class SuffixProposer(Proposer):
         if c.tree_nodes == "auto":
             if target is None or not hasattr(target, "forward"):
                 raise ValueError("tree_nodes='auto' needs the target runtime to measure its cost curve")
-            from spec_plugins.policy.cost import cost_for
             from spec_plugins.policy.tree_size import TreeSizer
 
-            self.sizer = TreeSizer(cost_for(target, max_positions=AUTO_MAX_NODES + 1))
+            self.sizer = TreeSizer.for_runtime(target, AUTO_MAX_NODES + 1)
         self.last: list[Speculation] = []  # per row: what the last propose drafted (for stats)
 
     def forget(self) -> None:
@@ -165,7 +164,8 @@ class SuffixProposer(Proposer):
         t0 = time.perf_counter()
         specs = self.speculations(ctx)
         if self.sizer is not None:
-            counts = self.sizer.counts([list(s.probs) for s in specs], time.perf_counter() - t0)
+            counts = self.sizer.counts([list(s.probs) for s in specs], time.perf_counter() - t0,
+                                       [ordinal_paths(s.parents) for s in specs])
             specs = [_prefix(s, n) for s, n in zip(specs, counts)]
         self.last = specs
         if not any(s.tokens for s in specs):
@@ -177,6 +177,11 @@ class SuffixProposer(Proposer):
     def expected(self) -> list[float]:
         """Per row: accepted nodes the last draft expects (sum of its frequency estimates)."""
         return [s.score for s in self.last]
+
+    @property
+    def row_drafts(self) -> list[RowTree]:
+        """Per row, best-first: the last draft's nodes and their frequency estimates."""
+        return [(list(s.tokens), ordinal_paths(s.parents), list(s.probs)) for s in self.last]
 
     def observe(self, record: RoundRecord) -> None:
         """Calibrate the tree sizes; finished rows go into the global index of their scope."""

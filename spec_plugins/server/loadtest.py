@@ -172,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
             refs.append(dec.generate(ids, max_new_tokens=a.max_new_tokens).token_ids)
         print(f"prompt lengths (tokens): {[len(tok(t)['input_ids']) for t in inputs]}", flush=True)
 
-        report: dict[str, Any] = {"max_new_tokens": a.max_new_tokens, "max_batch": a.max_batch, "levels": []}
+        from spec_plugins.bench.docs import machine
+
+        report: dict[str, Any] = {"machine": machine(), "max_new_tokens": a.max_new_tokens, "max_batch": a.max_batch,
+                                  "levels": []}
         for clients, n in zip(levels, counts):
             row: dict[str, Any] = {"clients": clients}
             for mode in servers:
