@@ -7,6 +7,10 @@ on ONNX Runtime. Acceptance does not depend on timing, so this may run beside ot
 Writes a JSON file, a plot and a section of docs/benchmarks.md.
 
     python scripts/data_curve.py --runs runs   # the runs of scripts/train_heads.sh
+    python scripts/data_curve.py --runs runs --only eagle-b1-e2,eagle-1.5M-b1 --merge   # add runs
+
+Each row names the machine it was trained on: held-out top-1 and accepted tokens per forward do
+not depend on the machine, training time does.
 """
 
 from __future__ import annotations
@@ -49,6 +53,10 @@ def main() -> None:
     ap.add_argument("--curve", default="eagle-16000,eagle-48000,eagle-128000,eagle-full")
     ap.add_argument("--ablation", default="abl-b1-full,abl-b1-no-ttt,abl-b1-no-fused,abl-b1-top1,abl-b1-self")
     ap.add_argument("--medusa", default="medusa-full")
+    ap.add_argument("--longer", default="eagle-b1-e2,eagle-1.5M-b1",
+                    help="the full recipe trained longer (batch 1, several epochs, more data): the next rungs")
+    ap.add_argument("--only", default=None, help="measure only these runs (comma list)")
+    ap.add_argument("--merge", action="store_true", help="keep the rows of --out that are not measured again")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--out", default="docs/reports/drafters.json")
     ap.add_argument("--plot", default="docs/img/data_curve.png")
@@ -61,10 +69,18 @@ def main() -> None:
     tok = target.tokenizer
     prompts = [list(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                             tokenize=True)["input_ids"]) for t in dev_turns()]
+    from spec_plugins.bench.docs import machine
+
     runs = Path(args.runs)
     rows: dict[str, dict] = {}
-    names = dict.fromkeys([*args.curve.split(","), *args.ablation.split(","), *args.medusa.split(",")])
-    for name in names:
+    old = json.loads(Path(args.out).read_text()) if args.merge and Path(args.out).is_file() else {}
+    order = [*args.curve.split(","), *args.longer.split(","), *args.ablation.split(","), *args.medusa.split(",")]
+    names = args.only.split(",") if args.only else order
+    for name in dict.fromkeys(order + names):
+        if name not in names:
+            if name in old:
+                rows[name] = old[name]
+            continue
         d = runs / name
         if not (d / "train_report.json").is_file():
             print(f"{name}: no finished run, skipped")
@@ -74,7 +90,7 @@ def main() -> None:
         row = {"kind": kind, "train_tokens": rep["train_tokens"], "train_seconds": rep["train_seconds"],
                "steps": rep["steps"], "draft_vocab": rep["draft_vocab"], "coverage": rep["draft_vocab_coverage"],
                "heldout": rep.get("heldout"), "head_bytes": rep["head_bytes"], "train": rep["train"],
-               "features": rep["features"].get("responses")}
+               "features": rep["features"].get("responses"), "machine": machine()}
         modes = ("tree", "chain")
         for mode in modes:
             row[f"accepted_{mode}"] = accepted(target, d, kind, mode, prompts, args.new_tokens)
@@ -83,11 +99,11 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
     curve = [rows[n] for n in args.curve.split(",") if n in rows]
-    plot(curve, Path(args.plot))
+    plot(curve, [rows[n] for n in args.longer.split(",") if n in rows], Path(args.plot))
     write_markdown(rows, args, Path(args.markdown))
 
 
-def plot(curve: list[dict], path: Path) -> None:
+def plot(curve: list[dict], longer: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -103,6 +119,11 @@ def plot(curve: list[dict], path: Path) -> None:
     ax[1].plot(xs, [r["accepted_tree"] for r in curve], "o-", label="EAGLE tree (16 nodes)")
     ax[1].plot(xs, [r["accepted_chain"] for r in curve], "s--", label="EAGLE chain")
     ax[1].plot(xs, [r["heldout"]["accepted_along_text"] for r in curve], "^:", label="chain along held-out text")
+    if longer:  # the same recipe at batch 1 over several epochs: more optimizer steps per token
+        lx = [r["train_tokens"] for r in longer]
+        ax[0].plot(lx, [r["heldout"]["top1_by_step"][0] for r in longer], "D-", color="C3",
+                   label="step 1, batch 1, several epochs")
+        ax[1].plot(lx, [r["accepted_tree"] for r in longer], "D-", color="C3", label="tree, batch 1, several epochs")
     ax[1].set_ylabel("accepted tokens per target forward")
     for a in ax:
         a.set_xscale("log")
@@ -116,15 +137,18 @@ def plot(curve: list[dict], path: Path) -> None:
 
 
 def write_markdown(rows: dict[str, dict], args: argparse.Namespace, doc: Path) -> None:
-    from spec_plugins.bench.docs import machine, update
+    from spec_plugins.bench.docs import update
 
-    head = ("| run | labels / input / TTT | train tokens | train time | held-out top-1 (steps 1, 2, 3) | "
-            "chain along held-out text | accepted / forward: tree | chain |")
-    lines = ["## Trained drafters: data curve and ablation", "", f"- machine: {machine()}",
+    machines = list(dict.fromkeys(r.get("machine", "") for r in rows.values()))
+    head = ("| run | labels / input / TTT | train tokens | batch x epochs (steps) | train time | machine | "
+            "held-out top-1 (steps 1, 2, 3) | chain along held-out text | accepted / forward: tree | chain |")
+    lines = ["## Trained drafters: data curve and ablation", "",
+             *[f"- machine {chr(65 + i)}: {m or 'not recorded'}" for i, m in enumerate(machines)],
              "- command: `bash scripts/train_heads.sh && python scripts/data_curve.py`",
              f"- accepted tokens per forward: dev prompts' first turns, greedy, {args.new_tokens} new tokens, "
              "ONNX Runtime fp32, EAGLE tree of 16 nodes (top-4, depth 6) and chain of 5; Medusa tree of 12 and chain of 4",
-             "", head, "|---|---|---|---|---|---|---|---|"]
+             "- held-out top-1 and accepted tokens do not depend on the machine; training time does",
+             "", head, "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
         t = r["train"]
         desc = (f"{t.get('loss')} / {'fused' if r['kind'] == 'eagle' and 'no-fused' not in name else 'last hidden'} / "
@@ -133,12 +157,13 @@ def write_markdown(rows: dict[str, dict], args: argparse.Namespace, doc: Path) -
             desc += " (self-distilled)"
         h = r["heldout"] or {}
         top = h.get("top1_by_step") or h.get("top1_by_head") or []
-        lines.append(f"| {name} | {desc} | {r['train_tokens']:,} | {r['train_seconds'] / 60:.1f} min | "
+        lines.append(f"| {name} | {desc} | {r['train_tokens']:,} | {t.get('batch_size')} x {t.get('epochs'):g} "
+                     f"({r['steps']:,}) | {r['train_seconds'] / 60:.1f} min | "
+                     f"{chr(65 + machines.index(r.get('machine', '')))} | "
                      f"{', '.join(f'{x:.3f}' for x in top[:3])} | {h.get('accepted_along_text', '–')} | "
                      f"{r['accepted_tree']} | {r['accepted_chain']} |")
     lines += ["", "![data curve](img/data_curve.png)", ""]
     update(doc, "Trained drafters: data curve and ablation", "\n".join(lines))
-
 
 if __name__ == "__main__":
     main()

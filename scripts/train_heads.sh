@@ -39,5 +39,14 @@ S=${SELF_FEATURES:-data/feat-self}
     --max-new-tokens 256 --out "$S" && touch "$S/DONE"
   echo "feat-self: $(( $(date +%s) - t0 )) s" | tee -a "$R/times.txt"; }
 run abl-b1-self    spec-plugins train eagle --features "$S" --heldout "$H" $B1
+# the next rungs: the full recipe trained longer. Two epochs at batch 1 over the same 0.5M-token
+# extraction (8x the optimizer steps of eagle-full), then the extraction extended to 1.5M tokens
+# (`train features` with a larger --max-tokens continues after its last shard) and 1.5 epochs at
+# batch 1 over all of it. The runs above read all of $F, so they come first on a fresh machine.
+run eagle-b1-e2   spec-plugins train eagle --features "$F" --heldout "$H" --epochs 2 --batch-size 1
+[ -f "$F/DONE-1.5M" ] || { t0=$(date +%s)
+  spec-plugins train features --split train --max-tokens 1500000 --out "$F" --no-progress && touch "$F/DONE-1.5M"
+  echo "feat-train-to-1.5M: $(( $(date +%s) - t0 )) s" | tee -a "$R/times.txt"; }
+run eagle-1.5M-b1 spec-plugins train eagle --features "$F" --heldout "$H" --epochs 1.5 --batch-size 1
 # then the table, the plot and the in-loop acceptance:
 #   python scripts/data_curve.py --runs "$R"

@@ -262,13 +262,3 @@ def ordinal_paths(parents: Sequence[int]) -> list[RankPath]:
         seen[p] = o + 1
         out.append((out[p] if p >= 0 else ()) + (o,))
     return out
-
-
-def row_trees(tokens: torch.Tensor, parents: tuple[int, ...], valid: torch.Tensor | None
-              ) -> list[tuple[list[int], list[RankPath]]]:
-    """A batch draft split back into each row's own tree (its valid nodes, which are closed
-    under ancestors), as ``merge_trees`` takes them: (tokens, ordinal rank paths)."""
-    paths = ordinal_paths(parents)
-    toks = tokens.tolist()
-    ok = valid.tolist() if valid is not None else [[True] * len(parents)] * len(toks)
-    return [([t for t, v in zip(row, keep) if v], [p for p, v in zip(paths, keep) if v]) for row, keep in zip(toks, ok)]
