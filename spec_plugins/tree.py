@@ -262,3 +262,17 @@ def ordinal_paths(parents: Sequence[int]) -> list[RankPath]:
         seen[p] = o + 1
         out.append((out[p] if p >= 0 else ()) + (o,))
     return out
+
+
+def rank_paths(parents: Sequence[int], ranks: Sequence[int], nodes: Sequence[int]) -> list[RankPath]:
+    """The rank path (rank among its parent's candidates, from the root) of each of ``nodes``:
+    the key ``merge_trees`` places a node by, so rows with the same shape share positions."""
+    memo: dict[int, RankPath] = {}
+
+    def path(n: int) -> RankPath:
+        if n not in memo:
+            p = parents[n]
+            memo[n] = (path(p) if p >= 0 else ()) + (ranks[n],)
+        return memo[n]
+
+    return [path(n) for n in nodes]

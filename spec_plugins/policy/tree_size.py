@@ -49,6 +49,10 @@ class TreeSizer:
         sizer._model = lambda: online_for(runtime, cost_for(runtime, max_positions=max_positions))
         return sizer
 
+    def model(self) -> Any:
+        """The cost model sizing this round (for callers that price drafts the same way)."""
+        return self._model()
+
     @property
     def scale(self) -> float:
         return self.calib[0] / self.calib[1]
@@ -60,7 +64,7 @@ class TreeSizer:
         B = len(estimates)
         if B == 0:
             return []
-        cost, scale = self._model(), self.scale
+        cost, scale = self.model(), self.scale
         gains = []  # per row: expected accepted nodes when keeping its first n nodes, n = 0..
         for row in estimates:
             g = [0.0]

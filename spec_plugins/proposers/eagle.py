@@ -31,7 +31,7 @@ from spec_plugins.policy.tree_size import TreeSizer
 from spec_plugins.proposers.base import Draft, ProposeContext, Proposer, RoundRecord
 from spec_plugins.proposers.medusa import resolve_head_dir
 from spec_plugins.registry import register_proposer
-from spec_plugins.tree import RowTree, merge_trees
+from spec_plugins.tree import RowTree, merge_trees, rank_paths
 
 NEG = float("-inf")
 AUTO_MAX_NODES = 32  # 'auto' tree sizes stay within the measured cost curve (N <= 33 positions)
@@ -273,17 +273,3 @@ class EagleProposer(Proposer):
         """Calibrate ``tree_nodes: auto``: accepted nodes against the drafter's path probabilities."""
         if self.sizer is not None and result.draft is not None:
             self.sizer.observe(sum(len(a) for a in result.accepted))
-
-
-def rank_paths(parents: list[int], ranks: list[int], nodes: list[int]) -> list[tuple[int, ...]]:
-    """The rank path (rank among its parent's candidates, from the root) of each of ``nodes``:
-    the key ``merge_trees`` places a node by, so rows with the same shape share positions."""
-    memo: dict[int, tuple[int, ...]] = {}
-
-    def path(n: int) -> tuple[int, ...]:
-        if n not in memo:
-            p = parents[n]
-            memo[n] = (path(p) if p >= 0 else ()) + (ranks[n],)
-        return memo[n]
-
-    return [path(n) for n in nodes]

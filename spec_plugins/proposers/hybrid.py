@@ -87,12 +87,10 @@ class HybridProposer(Proposer):
                                  "(best-first nodes with acceptance estimates)")
         self.needs_hidden = any(getattr(c, "needs_hidden", False) for c in self.children)
         self.feature_layers = next((c.feature_layers for c in self.children if getattr(c, "feature_layers", ())), ())
-        self.cost = self.sizer = None
+        self.sizer = None  # prices drafts (the runtime's current cost model) and cuts the chosen trees
         if target is not None and hasattr(target, "forward"):
-            from spec_plugins.policy.cost import cost_for
             from spec_plugins.policy.tree_size import TreeSizer
 
-            self.cost = cost_for(target, max_positions=33)
             self.sizer = TreeSizer.for_runtime(target, 33)  # never observes: the children's calibration scales
         self.calib = [[2.0, 2.0] for _ in self.children]  # per child [accepted, predicted]
         self.choice: list[int] = []  # per row: the child whose draft went to the verifier
@@ -127,7 +125,10 @@ class HybridProposer(Proposer):
 
     # ---- drafting ---------------------------------------------------------------------------------
     def _T(self, n: int) -> float:
-        return self.cost(1, min(n, self.cost.max_positions)) if self.cost is not None else float(n)
+        if self.sizer is None:
+            return float(n)
+        cost = self.sizer.model()
+        return cost(1, min(n, cost.max_positions))
 
     def propose(self, ctx: ProposeContext) -> Draft | None:
         B = len(ctx.sequences)
