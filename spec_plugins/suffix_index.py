@@ -250,7 +250,7 @@ def speculate(node: Node | None, match_length: int, max_nodes: int, max_depth: i
             return
         total = sum(c.count for c in kids.values())
         for tok, c in kids.items():
-            q = p * c.count / total
+            q = p * (c.count / total)  # never above p (p * c.count / total can round up)
             if q >= min_prob:
                 heapq.heappush(heap, (-q, tie, parent, depth, c, tok))
                 tie += 1
@@ -266,3 +266,30 @@ def speculate(node: Node | None, match_length: int, max_nodes: int, max_depth: i
         probs.append(-negp)
         push(c, -negp, len(toks) - 1, depth + 1)
     return Speculation(tuple(toks), tuple(parents), tuple(probs), match_length)
+
+
+def union(specs: Sequence[Speculation]) -> Speculation:
+    """One tree from speculations over the same context (this request's index and the global
+    one): a path drafted by several keeps its highest estimate. Ordered by estimate, ties
+    shallower first, so it stays best-first and closed under ancestors (under a max, a child
+    still never scores above its parent) and any prefix is a valid tree for the sizer to cut.
+    Replayed on the repetitive workload this beat drafting the better of the two trees alone,
+    most where a request's own text and earlier requests continue a context differently."""
+    specs = [s for s in specs if s.tokens]
+    if len(specs) <= 1:
+        return specs[0] if specs else EMPTY
+    best: dict[tuple[int, ...], float] = {}
+    for s in specs:
+        paths: list[tuple[int, ...]] = []
+        for tok, parent, p in zip(s.tokens, s.parents, s.probs):
+            path = (paths[parent] if parent >= 0 else ()) + (tok,)
+            paths.append(path)
+            best[path] = max(best.get(path, 0.0), p)
+    for path in sorted(best, key=len):  # rounding must not lift a child above its parent
+        if len(path) > 1:
+            best[path] = min(best[path], best[path[:-1]])
+    order = sorted(best, key=lambda path: (-best[path], len(path)))
+    index = {path: i for i, path in enumerate(order)}
+    parents = tuple(index[path[:-1]] if len(path) > 1 else -1 for path in order)
+    return Speculation(tuple(path[-1] for path in order), parents, tuple(best[path] for path in order),
+                       max(s.match_length for s in specs))

@@ -21,7 +21,7 @@ from spec_plugins.policy.cost import ForwardCost, remember
 from spec_plugins.proposers.suffix import SuffixProposer
 from spec_plugins.sampling import LogitsPipeline
 from spec_plugins.stats import DecodeStats
-from spec_plugins.suffix_index import Cursor, GlobalIndex, RequestIndex, Trie, speculate
+from spec_plugins.suffix_index import Cursor, GlobalIndex, RequestIndex, Speculation, Trie, speculate, union
 from spec_plugins.types import RowRequest
 from spec_plugins.verifiers import ExactVerifier
 
@@ -108,6 +108,43 @@ def test_speculate_grows_best_first_by_frequency():
     assert all(p < i for i, p in enumerate(spec.parents))
     assert speculate(node, 2, 10, 4, min_prob=0.3).tokens == (3, 4)
     assert speculate(node, 2, 10, max_depth=1, min_prob=0.0).tokens == (3, 6)
+
+
+
+def _paths(spec):
+    out = []
+    for t, p in zip(spec.tokens, spec.parents):
+        out.append((out[p] if p >= 0 else ()) + (t,))
+    return out
+
+
+def test_union_keeps_both_trees_best_first_with_the_higher_estimate():
+    a = Speculation((7, 8, 9), (-1, 0, 1), (0.5, 0.5, 0.25), 3)  # 7 8 9
+    b = Speculation((7, 4, 8), (-1, -1, 0), (0.9, 0.1, 0.4), 2)  # 7 8, or 4
+    u = union([a, b])
+    got = dict(zip(_paths(u), u.probs))
+    assert got == {(7,): 0.9, (7, 8): 0.5, (7, 8, 9): 0.25, (4,): 0.1}
+    assert list(u.probs) == sorted(u.probs, reverse=True) and all(p < i for i, p in enumerate(u.parents))
+    assert u.match_length == 3 and union([a]) is a and union([]).tokens == ()
+    # a child whose estimate rounded above its parent's stays after it (a valid tree)
+    c = Speculation((1, 2), (-1, 0), (0.4, 0.4000000000000001), 3)
+    d = Speculation((1, 3), (-1, -1), (0.3, 0.35), 3)
+    v = union([c, d])
+    assert _paths(v) == [(1,), (1, 2), (3,)] and all(p < i for i, p in enumerate(v.parents))
+
+
+def test_draft_holds_the_request_and_the_global_continuation():
+    """The request's own text continues [5, 6] with 7; earlier requests with 8: both are drafted."""
+    prop = SuffixProposer(SuffixProposer.Config(scope="global", tree_nodes=8, min_token_prob=0.0))
+    for _ in range(3):
+        prop.index.add("*", [1, 5, 6, 8, 8, 8])
+    prop.admit([[2, 5, 6, 7, 7, 3, 5, 6]])
+    from spec_plugins.types import ProposeContext
+
+    spec = prop.speculations(ProposeContext([[2, 5, 6, 7, 7, 3, 5, 6]], [4], None))[0]
+    roots = {t for t, p in zip(spec.tokens, spec.parents) if p == -1}
+    assert roots == {7, 8}
+    assert (8, 8) in _paths(spec) and (7, 7) in _paths(spec)
 
 
 def run(target, prop, prompts, n, tenants=None, k=6):

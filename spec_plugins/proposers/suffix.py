@@ -9,8 +9,8 @@ that evicts the oldest request first. Each round, per row:
 2. from each match a tree grows best-first by empirical continuation frequency
    (``suffix_index.speculate``), at most ``max_spec_factor`` x match length nodes (longer
    matches are trusted with bigger trees), none below ``min_token_prob``;
-3. the tree with the higher expected accepted length is drafted, trimmed by the cost model
-   (``tree_nodes: auto``) or to ``tree_nodes``.
+3. the two trees are drafted as one (``suffix_index.union``: a path in both keeps its higher
+   estimate), trimmed by the cost model (``tree_nodes: auto``) or to ``tree_nodes``.
 Drafts are point masses, so greedy output is plain greedy and sampling stays exact.
 
 Scope of the cross-request memory (``scope``): ``request`` (none: only the row's own text),
@@ -29,7 +29,7 @@ from pydantic import Field, model_validator
 from spec_plugins.config import ProposerConfig
 from spec_plugins.proposers.base import Draft, ProposeContext, Proposer, RoundRecord
 from spec_plugins.registry import register_proposer
-from spec_plugins.suffix_index import EMPTY, Cursor, GlobalIndex, RequestIndex, Speculation, speculate
+from spec_plugins.suffix_index import EMPTY, Cursor, GlobalIndex, RequestIndex, Speculation, speculate, union
 from spec_plugins.tree import RowTree, merge_trees, ordinal_paths
 
 AUTO_MAX_NODES = 32  # 'auto' tree sizes stay within the measured cost curve (N <= 33 positions)
@@ -130,7 +130,7 @@ class SuffixProposer(Proposer):
                 cur.follow(t)
 
     def speculations(self, ctx: ProposeContext) -> list[Speculation]:
-        """Per row: the better of the own-text and the cross-request tree (not yet sized)."""
+        """Per row: the own-text and the cross-request trees as one (not yet sized)."""
         c = self.config
         tenants = ctx.tenants or [None] * len(ctx.sequences)
         out = []
@@ -140,15 +140,10 @@ class SuffixProposer(Proposer):
                 out.append(EMPTY)
                 continue
             cap = AUTO_MAX_NODES if c.tree_nodes == "auto" else c.tree_nodes
-            best = EMPTY
-            for n, node in (self.rows[b].match(c.max_match), self._global_match(b)):
-                if node is None:
-                    continue
-                nodes = min(cap, max(1, int(c.max_spec_factor * n)))
-                spec = speculate(node, n, nodes, min(budget, c.depth - n), c.min_token_prob)
-                if spec.score > best.score:
-                    best = spec
-            out.append(best)
+            specs = [speculate(node, n, min(cap, max(1, int(c.max_spec_factor * n))), min(budget, c.depth - n),
+                               c.min_token_prob)
+                     for n, node in (self.rows[b].match(c.max_match), self._global_match(b)) if node is not None]
+            out.append(_prefix(union(specs), cap))
         return out
 
     def _global_match(self, b: int) -> tuple[int, Any]:

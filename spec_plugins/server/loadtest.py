@@ -5,6 +5,8 @@ ports, computes each prompt's solo greedy output in-process (plain decoding, bat
 every concurrency level runs a bounded number of requests against each server in turn and checks
 that every request completed and returned exactly its prompt's solo output (no cross-talk).
 Reports throughput (generated tokens / wall time of the level) and p50/p95 latency.
+``--draft-policies load,fixed`` starts one speculating server per draft policy, so the two are
+compared side by side in one run.
 
     flock /tmp/spec-bench.lock python -m spec_plugins.server.loadtest --config examples/configs/smollm2-server.yaml
 """
@@ -135,7 +137,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", default=None, help="a bench prompt file (first turns) instead of the built-in prompts")
     ap.add_argument("--ray-replicas", default="", help="instead of spec off/on: the config served by Ray Serve with "
                                                        "these replica counts, e.g. 1,2")
+    ap.add_argument("--draft-policies", default="load",
+                    help="the speculating server's --draft-policy; several (load,fixed) start one server each, "
+                         "measured in turn at every level")
     a = ap.parse_args(argv)
+    policies = [p for p in a.draft_policies.split(",") if p]
+    if not policies or any(p not in ("load", "fixed") for p in policies):
+        ap.error(f"--draft-policies takes load and/or fixed, got {a.draft_policies!r}")
+    if a.ray_replicas and policies != ["load"]:
+        ap.error("--draft-policies compares single servers; with --ray-replicas each replica uses load")
     levels = [int(x) for x in a.levels.split(",")]
     counts = [int(x) for x in a.requests.split(",")]
     if len(counts) != len(levels):
@@ -145,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     servers = {}
     common = ["--max-batch", str(a.max_batch), "--max-total-tokens", "1024", "--max-input-tokens", "512"]
     try:
-        modes = [("off", ["--no-speculation"]), ("on", [])]
+        modes = [("off", ["--no-speculation"])]
+        modes += [("on" if len(policies) == 1 else f"on-{p}", ["--draft-policy", p]) for p in policies]
         if a.ray_replicas:
             cpus = max(1, (os.cpu_count() or 2) // max(int(r) for r in a.ray_replicas.split(",")))
             modes = [(f"ray{r}", ["--ray", "--replicas", r, "--num-cpus", str(cpus)]) for r in a.ray_replicas.split(",")]
@@ -186,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                 res["mismatched_prompts"] = sorted(set(mism))
                 res.pop("results")
                 row[mode] = res
-                print(f"clients={clients:3d} spec={mode:3s} requests={n} completed={res['completed']} "
+                print(f"clients={clients:3d} spec={mode:9s} requests={n} completed={res['completed']} "
                       f"mismatches={len(mism)} tokens/s={res['tokens_per_s']:.1f} p50={res['p50_s']:.2f}s "
                       f"p95={res['p95_s']:.2f}s", flush=True)
             report["levels"].append(row)
