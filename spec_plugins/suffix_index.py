@@ -21,6 +21,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Sequence
 
+from spec_plugins.tree import paths
+
 
 class Node:
     __slots__ = ("count", "children")
@@ -278,12 +280,10 @@ def union(specs: Sequence[Speculation]) -> Speculation:
     specs = [s for s in specs if s.tokens]
     if len(specs) <= 1:
         return specs[0] if specs else EMPTY
-    best: dict[tuple[int, ...], float] = {}
+    best: dict[tuple[int, ...], float] = {}  # token path -> estimate
     for s in specs:
-        paths: list[tuple[int, ...]] = []
-        for tok, parent, p in zip(s.tokens, s.parents, s.probs):
-            path = (paths[parent] if parent >= 0 else ()) + (tok,)
-            paths.append(path)
+        for nodes, p in zip(paths(s.parents), s.probs):
+            path = tuple(s.tokens[j] for j in nodes)
             best[path] = max(best.get(path, 0.0), p)
     for path in sorted(best, key=len):  # rounding must not lift a child above its parent
         if len(path) > 1:

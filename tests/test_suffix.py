@@ -22,6 +22,7 @@ from spec_plugins.proposers.suffix import SuffixProposer
 from spec_plugins.sampling import LogitsPipeline
 from spec_plugins.stats import DecodeStats
 from spec_plugins.suffix_index import Cursor, GlobalIndex, RequestIndex, Speculation, Trie, speculate, union
+from spec_plugins.tree import paths
 from spec_plugins.types import RowRequest
 from spec_plugins.verifiers import ExactVerifier
 
@@ -112,10 +113,7 @@ def test_speculate_grows_best_first_by_frequency():
 
 
 def _paths(spec):
-    out = []
-    for t, p in zip(spec.tokens, spec.parents):
-        out.append((out[p] if p >= 0 else ()) + (t,))
-    return out
+    return [tuple(spec.tokens[j] for j in nodes) for nodes in paths(spec.parents)]
 
 
 def test_union_keeps_both_trees_best_first_with_the_higher_estimate():
