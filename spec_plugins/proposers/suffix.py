@@ -158,14 +158,15 @@ class SuffixProposer(Proposer):
     def propose(self, ctx: ProposeContext) -> Draft | None:
         t0 = time.perf_counter()
         specs = self.speculations(ctx)
+        paths = [ordinal_paths(s.parents) for s in specs]  # a prefix of a tree keeps its nodes' paths
         if self.sizer is not None:
-            counts = self.sizer.counts([list(s.probs) for s in specs], time.perf_counter() - t0,
-                                       [ordinal_paths(s.parents) for s in specs])
+            counts = self.sizer.counts([list(s.probs) for s in specs], time.perf_counter() - t0, paths)
             specs = [_prefix(s, n) for s, n in zip(specs, counts)]
+            paths = [ps[:n] for ps, n in zip(paths, counts)]
         self.last = specs
         if not any(s.tokens for s in specs):
             return None
-        merged = merge_trees([(s.tokens, ordinal_paths(s.parents)) for s in specs])
+        merged = merge_trees([(s.tokens, ps) for s, ps in zip(specs, paths)])
         return Draft(merged.tokens, merged.parents, None, merged.valid)
 
     @property
