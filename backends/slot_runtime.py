@@ -16,7 +16,7 @@ from typing import ClassVar, Sequence
 import torch
 
 from spec_plugins.backends.base import StepOutput, Want
-from spec_plugins.backends.slots import KVSlots, SlotPlan, pad_slots
+from spec_plugins.backends.slots import HOST, KVSlots, SlotPlan, pad_slots
 from spec_plugins.tree import TreeLayout
 
 
@@ -51,6 +51,8 @@ class SlotRuntime:
 
     # ---- plans -----------------------------------------------------------------------------------
     def _apply(self, plan: SlotPlan) -> None:
+        if self.kv:
+            plan = plan.to(self.kv[0].device)
         self.kv = [plan.apply(t) for t in self.kv]
 
     # ---- Runtime contract --------------------------------------------------------------------------
@@ -63,9 +65,9 @@ class SlotRuntime:
             raise ValueError(f"prompt of {longest} tokens exceeds the context of {self.max_context}")
         self.slots = KVSlots()
         pos = self.slots.prefill([len(r) for r in rows])
-        ids = torch.zeros(len(rows), longest, dtype=torch.long)
+        ids = torch.zeros(len(rows), longest, dtype=torch.long, device=HOST)
         for b, r in enumerate(rows):
-            ids[b, longest - len(r):] = torch.as_tensor(list(r), dtype=torch.long)
+            ids[b, longest - len(r):] = torch.as_tensor(list(r), dtype=torch.long, device=HOST)
         self._reset_kv(len(rows))
         chunk = self.prefill_chunk or longest
         hidden = []
@@ -81,7 +83,7 @@ class SlotRuntime:
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, tree: TreeLayout | None = None, want_hidden: Want = False) -> StepOutput:
         B, N = tokens.shape
-        depth = tree.depth if tree is not None else torch.arange(N)
+        depth = tree.depth if tree is not None else torch.arange(N, device=HOST)
         top = max(self.slots.next) + int(depth.max())
         if top >= self.max_context:
             raise ValueError(f"position {top} exceeds the context of {self.max_context}")
@@ -91,7 +93,7 @@ class SlotRuntime:
         new_pos = self.slots.forward(depth)
         mask = None
         if masked:
-            anc = tree.ancestors if tree is not None else torch.ones(N, N, dtype=torch.bool).tril()
+            anc = tree.ancestors if tree is not None else torch.ones(N, N, dtype=torch.bool, device=HOST).tril()
             mask = self.slots.forward_mask(anc, self.mask_dtype)
         return self._call(tokens, new_pos, mask, want_hidden, prefill=False)
 
@@ -112,7 +114,7 @@ class SlotRuntime:
     def select_rows(self, rows: Sequence[int]) -> None:
         idx, plan = self.slots.select_rows(rows)
         if self.kv:
-            dev_idx = idx.to(self.kv[0].device)
+            dev_idx, plan = idx.to(self.kv[0].device), plan.to(self.kv[0].device)
             self.kv = [plan.apply(t[dev_idx]) for t in self.kv]
             if self.slots.hole_share() > self.compact_holes:  # the longest row may have left
                 self._apply(self.slots.compact())

@@ -16,6 +16,8 @@ from typing import Sequence
 
 import torch
 
+HOST = torch.device("cpu")  # where slot bookkeeping lives (positions, plans); KV tensors live with the engine
+
 
 @dataclass(frozen=True)
 class SlotPlan:
@@ -28,6 +30,12 @@ class SlotPlan:
     slots: int
     start: int = 0
     gather: torch.Tensor | None = None  # [B, slots - start] long, indices relative to ``start``
+
+    def to(self, device: torch.device) -> "SlotPlan":
+        """The same plan with its gather index on ``device`` (copied once for every KV tensor)."""
+        if self.gather is None or self.gather.device == device:
+            return self
+        return SlotPlan(self.slots, self.start, self.gather.to(device))
 
     @torch.inference_mode()
     def apply(self, kv: torch.Tensor) -> torch.Tensor:
@@ -50,7 +58,7 @@ class KVSlots:
     """Positions per slot for a batch of rows; every method returns the plan to apply to the KV."""
 
     def __init__(self) -> None:
-        self.pos = torch.empty(0, 0, dtype=torch.long)  # [B, S], -1 = hole
+        self.pos = torch.empty(0, 0, dtype=torch.long, device=HOST)  # [B, S], -1 = hole
         self.next: list[int] = []  # per row: tokens held = next position
         self._tail: tuple[int, int] | None = None  # (slots before the last forward, its size)
         self._before: list[int] = []  # per-row lengths before the last forward
@@ -59,7 +67,7 @@ class KVSlots:
     def empty(cls, rows: int) -> "KVSlots":
         """``rows`` rows holding nothing yet (a drafter cache before its first catch-up)."""
         out = cls()
-        out.pos = torch.empty(rows, 0, dtype=torch.long)
+        out.pos = torch.empty(rows, 0, dtype=torch.long, device=HOST)
         out.next = [0] * rows
         return out
 
@@ -87,9 +95,9 @@ class KVSlots:
         if not lengths or min(lengths) < 1:
             raise ValueError("prefill needs at least one token per row")
         L = max(lengths)
-        pos = torch.full((len(lengths), L), -1, dtype=torch.long)
+        pos = torch.full((len(lengths), L), -1, dtype=torch.long, device=HOST)
         for b, n in enumerate(lengths):
-            pos[b, L - n :] = torch.arange(n)
+            pos[b, L - n :] = torch.arange(n, device=HOST)
         self.pos = pos
         self.next = list(lengths)
         self._tail = None
@@ -101,7 +109,7 @@ class KVSlots:
 
     def forward(self, depth: torch.Tensor) -> torch.Tensor:
         """Append N nodes at ``next[b] + depth``; returns their positions ``[B, N]``."""
-        new_pos = torch.tensor(self.next, dtype=torch.long)[:, None] + depth[None, :]
+        new_pos = torch.tensor(self.next, dtype=torch.long, device=HOST)[:, None] + depth[None, :]
         self._tail = (self.slots, int(depth.numel()))
         self._before = list(self.next)
         self.append(new_pos)
@@ -127,7 +135,7 @@ class KVSlots:
     def rollback(self, lengths: Sequence[int]) -> SlotPlan:
         """Forget every position >= lengths[b]; crop trailing slots that no row uses."""
         self._tail = None
-        lim = torch.tensor(list(lengths), dtype=torch.long)[:, None]
+        lim = torch.tensor(list(lengths), dtype=torch.long, device=HOST)[:, None]
         self.pos = torch.where(self.pos < lim, self.pos, torch.full_like(self.pos, -1))
         self.next = [min(n, int(L)) for n, L in zip(self.next, lengths)]
         return self._crop(self._last_live())
@@ -136,7 +144,7 @@ class KVSlots:
         """Keep these rows; returns the row index to apply first, then the crop plan. Nodes of an
         uncommitted forward stay cached (as after a forward without commit: a drafter's own cache)."""
         self._tail = None
-        idx = torch.as_tensor(list(rows), dtype=torch.long)
+        idx = torch.as_tensor(list(rows), dtype=torch.long, device=HOST)
         self.pos = self.pos[idx]
         self.next = [self.next[r] for r in rows]
         return idx, self._crop(self._last_live())
@@ -151,7 +159,7 @@ class KVSlots:
         pads = (S - self.slots, S - other.slots)
 
         def pad(p: torch.Tensor, n: int) -> torch.Tensor:
-            return torch.cat([torch.full((p.shape[0], n), -1, dtype=torch.long), p], dim=1)
+            return torch.cat([torch.full((p.shape[0], n), -1, dtype=torch.long, device=HOST), p], dim=1)
 
         self.pos = torch.cat([pad(self.pos, pads[0]), pad(other.pos, pads[1])], dim=0)
         self.next = self.next + other.next
@@ -166,8 +174,8 @@ class KVSlots:
         live = self.pos >= 0
         S2 = int(live.sum(1).max()) if self.pos.numel() else 0
         B = self.pos.shape[0]
-        idx = torch.zeros(B, S2, dtype=torch.long)
-        new = torch.full((B, S2), -1, dtype=torch.long)
+        idx = torch.zeros(B, S2, dtype=torch.long, device=HOST)
+        new = torch.full((B, S2), -1, dtype=torch.long, device=HOST)
         for b in range(B):
             slots = live[b].nonzero().flatten()
             n = int(slots.numel())
@@ -211,9 +219,9 @@ class KVSlots:
         its softmax stays finite (its output is never read)."""
         pos = self.pos[:, :end]
         n = end - start
-        causal = torch.ones(n, end, dtype=torch.bool).tril(start)
+        causal = torch.ones(n, end, dtype=torch.bool, device=HOST).tril(start)
         ok = causal[None] & (pos >= 0)[:, None, :]
-        ok[:, torch.arange(n), torch.arange(start, end)] = True
+        ok[:, torch.arange(n, device=HOST), torch.arange(start, end, device=HOST)] = True
         return additive(ok[:, None], dtype)
 
     # ---- helpers -------------------------------------------------------------------------------
@@ -234,18 +242,18 @@ def pad_slots(t: torch.Tensor, n: int) -> torch.Tensor:
 
 def additive(ok: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Bool "may attend" -> additive float mask (0 or the dtype's most negative value)."""
-    return torch.zeros(ok.shape, dtype=dtype).masked_fill_(~ok, torch.finfo(dtype).min)
+    return torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill_(~ok, torch.finfo(dtype).min)
 
 
 def keep_index(keep: Sequence[Sequence[int]], tail_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather plan for a commit: ``idx [B, m]`` (the kept nodes of each row, left-aligned,
     padded with 0) and the positions of the compacted tail, -1 where a row kept fewer nodes."""
     m = max(len(k) for k in keep)
-    idx = torch.zeros(len(keep), m, dtype=torch.long)
-    ok = torch.zeros(len(keep), m, dtype=torch.bool)
+    idx = torch.zeros(len(keep), m, dtype=torch.long, device=HOST)
+    ok = torch.zeros(len(keep), m, dtype=torch.bool, device=HOST)
     for b, k in enumerate(keep):
         if k:
-            idx[b, : len(k)] = torch.as_tensor(list(k))
+            idx[b, : len(k)] = torch.as_tensor(list(k), device=HOST)
             ok[b, : len(k)] = True
     pos = tail_pos.gather(1, idx)
     return idx, torch.where(ok, pos, torch.full_like(pos, -1))

@@ -117,7 +117,7 @@ def _race(linears: list[torch.nn.Linear], m: int, kinds: tuple[str, ...], repeat
     """Median seconds of one pass over ``linears`` with ``m`` rows, per kernel (order rotated)."""
     g = torch.Generator().manual_seed(m)
     dtype = linears[0].weight.dtype
-    xs = {f: torch.randn(m, f, generator=g).to(dtype) for f in {lin.in_features for lin in linears}}
+    xs = {f: torch.randn(m, f, generator=g, device="cpu").to(dtype) for f in {lin.in_features for lin in linears}}
     for k in kinds:  # warm-up
         _time_pass(linears, xs, k, copies)
     samples: dict[str, list[float]] = {k: [] for k in kinds}

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from spec_plugins.backends import torch_kernels
+from spec_plugins.backends import hf_compat, torch_kernels
 from spec_plugins.backends.base import RuntimeCapabilities, StepOutput, Want
 from spec_plugins.backends.slot_runtime import SlotRuntime
 from spec_plugins.backends.slots import KVSlots
@@ -118,6 +118,9 @@ class TorchRuntime(SlotRuntime):
         self.capabilities = RuntimeCapabilities(tree_mask=True, hidden_states=True, feature_layers=None,
                                                 name="torch")
         self._softcap = getattr(cfg, "final_logit_softcapping", None)
+        # the KV cache keyword of this transformers version ('cache' or 'past_key_values')
+        self._cache_kw = hf_compat.cache_keyword(model)
+        self._decoder_cache_kw = hf_compat.cache_keyword(model.get_decoder())
         self.cache: Any = None  # a transformers DynamicCache over the slot axis
         self.slots = KVSlots()
 
@@ -152,20 +155,25 @@ class TorchRuntime(SlotRuntime):
 
         if self.cache is None:
             self.cache = DynamicCache(config=self.model.config)
+        before = hf_compat.cached_length(self.cache)
         kwargs: dict[str, Any] = dict(input_ids=ids.to(self.device), position_ids=pos.to(self.device),
-                                      cache=self.cache, use_cache=True)
+                                      use_cache=True)
         if mask is not None:
             kwargs["attention_mask"] = mask.to(self.device)
         with torch_kernels.active() if self.kernels is not None else contextlib.nullcontext():
             if not want_hidden:
                 if prefill:
                     kwargs["logits_to_keep"] = 1
-                return StepOutput(self.model(**kwargs).logits.float())
-            layers = want_hidden if isinstance(want_hidden, tuple) else ()
-            out = self.model.get_decoder()(**kwargs, output_hidden_states=bool(layers))
-            h = out.last_hidden_state
-            logits = self.model.get_output_embeddings()(h[:, -1:] if prefill else h).float()
-            feats = torch.cat([out.hidden_states[i] for i in layers], -1) if layers else h
-        if self._softcap:
-            logits = torch.tanh(logits / self._softcap) * self._softcap
-        return StepOutput(logits, feats)
+                kwargs[self._cache_kw] = self.cache
+                out = StepOutput(self.model(**kwargs).logits.float())
+            else:
+                layers = want_hidden if isinstance(want_hidden, tuple) else ()
+                kwargs[self._decoder_cache_kw] = self.cache
+                dec = self.model.get_decoder()(**kwargs, output_hidden_states=bool(layers))
+                h = dec.last_hidden_state
+                logits = self.model.get_output_embeddings()(h[:, -1:] if prefill else h).float()
+                if self._softcap:
+                    logits = torch.tanh(logits / self._softcap) * self._softcap
+                out = StepOutput(logits, torch.cat([dec.hidden_states[i] for i in layers], -1) if layers else h)
+        hf_compat.check_cache_grew(self.cache, before, int(ids.shape[1]), self.model)
+        return out

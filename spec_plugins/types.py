@@ -64,11 +64,11 @@ class Draft:
         n = max((len(c) for c in chains), default=0)
         if n == 0:
             return None
-        toks = torch.zeros(len(chains), n, dtype=torch.long)
-        valid = torch.zeros(len(chains), n, dtype=torch.bool)
+        toks = torch.zeros(len(chains), n, dtype=torch.long, device="cpu")
+        valid = torch.zeros(len(chains), n, dtype=torch.bool, device="cpu")
         for b, c in enumerate(chains):
             if c:
-                toks[b, : len(c)] = torch.as_tensor(list(c), dtype=torch.long)
+                toks[b, : len(c)] = torch.as_tensor(list(c), dtype=torch.long, device="cpu")
                 valid[b, : len(c)] = True
         return Draft(toks.to(device), tuple(range(-1, n - 1)), None, None if bool(valid.all()) else valid.to(device))
 

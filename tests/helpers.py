@@ -76,3 +76,59 @@ def chi_square_pvalue(samples: Sequence[tuple], exact: dict[tuple, float], min_e
 
 def all_sequences(vocab: int, n: int):
     return itertools.product(range(vocab), repeat=n)
+
+
+# ---- every proposer over one target, heads from disk as trained ones load -----------------------------
+EVERY_PROPOSER = ("ngram", "suffix", "recycling", "lookahead", "draft", "medusa-tree", "medusa-chain",
+                  "eagle-chain", "eagle-tree", "hybrid")
+
+
+def save_random_heads(model, directory):
+    """A random EAGLE-3 drafter (fused layers 1, 2) and random Medusa heads for ``model``, saved as
+    trained heads are; returns ``{"eagle": dir, "medusa": dir}``. Built on the host from the
+    model's host weights (as training does)."""
+    from pathlib import Path
+
+    from test_heads import eagle, medusa
+
+    from spec_plugins.heads import save_head
+
+    directory = Path(directory)
+    if next(model.parameters()).device.type != "cpu":
+        raise ValueError("save_random_heads takes the model on the CPU (move it to its device afterwards)")
+    d, m = eagle(model, layers=(1, 2)), medusa(model)
+    save_head(d, d.config.to_dict(), directory / "eagle")
+    save_head(m, m.config.to_dict(), directory / "medusa")
+    return {"eagle": directory / "eagle", "medusa": directory / "medusa"}
+
+
+def every_proposer(kind, target, heads, draft=None):
+    """The proposer ``kind`` (one of EVERY_PROPOSER) over ``target`` as a config builds it: heads
+    load from ``heads`` (``save_random_heads``) onto the target's device; ``draft()`` gives the
+    draft model's runtime."""
+    from spec_plugins.proposers.draft_model import DraftModelProposer
+    from spec_plugins.proposers.eagle import EagleProposer
+    from spec_plugins.proposers.hybrid import HybridProposer
+    from spec_plugins.proposers.lookahead import LookaheadProposer
+    from spec_plugins.proposers.medusa import MedusaProposer
+    from spec_plugins.proposers.ngram import NgramProposer
+    from spec_plugins.proposers.recycling import RecyclingProposer
+    from spec_plugins.proposers.suffix import SuffixProposer
+
+    e = dict(heads=str(heads["eagle"]), top_k=2)
+    m = str(heads["medusa"])
+    build = {
+        "ngram": lambda: NgramProposer(NgramProposer.Config()),
+        "suffix": lambda: SuffixProposer(SuffixProposer.Config(tree_nodes=6, min_token_prob=0.0), target=target),
+        "recycling": lambda: RecyclingProposer(RecyclingProposer.Config(), target=target),
+        "lookahead": lambda: LookaheadProposer(LookaheadProposer.Config(), target=target),
+        "draft": lambda: DraftModelProposer(None, target=target, runtime=draft()),
+        "medusa-tree": lambda: MedusaProposer(MedusaProposer.Config(heads=m, tree_nodes=6), target=target),
+        "medusa-chain": lambda: MedusaProposer(MedusaProposer.Config(heads=m, mode="chain"), target=target),
+        "eagle-chain": lambda: EagleProposer(EagleProposer.Config(mode="chain", **e), target=target),
+        "eagle-tree": lambda: EagleProposer(EagleProposer.Config(tree_nodes=6, **e), target=target),
+        "hybrid": lambda: HybridProposer(HybridProposer.Config(proposers=[
+            {"type": "suffix", "tree_nodes": 6, "min_token_prob": 0.0}, {"type": "eagle", "tree_nodes": 6, **e}]),
+            target=target),
+    }
+    return build[kind]()

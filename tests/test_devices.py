@@ -99,3 +99,58 @@ def test_server_batch_generators_live_on_the_runtime_device(device):
     assert batch.generator.device == rt.device
     batch.add([RowRequest("a", [1, 2, 3], 5, SamplingConfig(temperature=0.7), seed=3)])
     assert batch.rows[0].generator.device == rt.device
+
+
+# ---- the device audit: every proposer, built and run for a few rounds ------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("kind", ["ngram", "suffix", "recycling", "lookahead", "draft", "medusa-tree",
+                                  "medusa-chain", "eagle-chain", "eagle-tree", "hybrid"])
+def test_no_tensor_is_made_without_its_device(kind, rows, device, tmp_path):
+    """Building a proposer and running rounds through it creates no tensor without an explicit
+    device, and mixes no devices in one call (``spec_plugins/device_audit.py``): on a CPU this is
+    what finds a head built on the host or a per-round mask made on the host, which crash (or
+    copy and sync every round) once the target is on CUDA. One row greedy; three rows of
+    different lengths (holes) sampled."""
+    from spec_plugins.device_audit import DeviceAudit
+
+    from helpers import EVERY_PROPOSER, every_proposer, save_random_heads
+
+    assert kind in EVERY_PROPOSER
+    model = tiny_llama(seed=3, sharpness=2.0)
+    heads = save_random_heads(model, tmp_path)
+    model = model.to(device)
+    temperature = 0.0 if rows == 1 else 0.9
+    pipe = LogitsPipeline(SamplingConfig(temperature=temperature, top_k=8 if temperature else None))
+    prompts = [[1, 2, 3, 1, 2, 3, 1], [5, 6, 5, 6, 5, 6, 7, 5, 6], [9, 4]][:rows]
+    with DeviceAudit() as audit:
+        rt = DeviceChecked(TorchRuntime(model, matmul="native"))
+        proposer = every_proposer(kind, rt, heads, draft=lambda: TorchRuntime(tiny_llama(seed=4).to(device)))
+        gen = torch.Generator(device=device).manual_seed(0) if temperature else None
+        outs = _run(rt, proposer, pipe, prompts, 10, gen)
+    assert all(len(o) == 10 for o in outs)
+    assert not audit.leaks, f"{kind}: tensors made without a device or across devices:\n{audit.report()}"
+
+
+def test_gpu_check_runs_its_whole_matrix_on_the_cpu():
+    """``scripts/gpu_check.sh --cpu``: the GPU acceptance check's matrix (every proposer, fp32 and
+    bf16, one row and a batch with holes, against transformers' generate()) on this machine, so
+    the script a lent GPU runs is known to work before the device time is spent."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from helpers import EVERY_PROPOSER
+
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run(["bash", "scripts/gpu_check.sh", "--cpu", "--max-new", "12", "--speed-tokens", "4"],
+                         cwd=root, capture_output=True, text=True, timeout=600, env={
+                             **__import__("os").environ, "PYTHON": sys.executable})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = [line for line in res.stdout.splitlines() if line.startswith("| ")]
+    for kind in EVERY_PROPOSER:
+        for dtype in ("float32", "bfloat16"):
+            for layout in ("1 row", "batch of 3"):
+                row = next(r for r in rows if r.startswith(f"| {kind} {dtype} {layout} "))
+                assert "| exact " in row or "| near-tie " in row, row
+    assert sum("speed smollm2-shape" in r and "| ok " in r for r in rows) == 4

@@ -194,6 +194,27 @@ def _assert_verify_argmax(out: list[int], seen: list) -> None:
     assert emitted == len(out)
 
 
+# A logit gap below this between plain decoding's top token and the one speculation emitted is a
+# near-tie that llama.cpp's batched arithmetic may rank the other way on some CPUs (see
+# docs/exactness.md#llamacpp-numerics); a split at a wider gap is a bug.
+NEAR_TIE = 0.5
+
+
+def _assert_same_up_to_near_tie(spec: list[int], ref: list[int], plain_seen: list) -> None:
+    """``spec`` equals plain decoding's ``ref``, or first differs where plain's own logits (from
+    ``plain_seen``, its recorded forwards; output token i >= 1 comes from forward i - 1) had a
+    near-tie between the two tokens. The measured gap is in the failure message."""
+    first = next((i for i, (a, b) in enumerate(zip(spec, ref)) if a != b), None)
+    if first is None:
+        assert len(spec) == len(ref)
+        return
+    assert first >= 1, "the first token comes from the same prefill in both: it cannot differ"
+    z = plain_seen[first - 1][1][0, -1].float()
+    gap = float(z[ref[first]] - z[spec[first]])
+    assert gap < NEAR_TIE, (f"outputs split at token {first} ({spec[first]} vs plain's {ref[first]}) where plain's "
+                            f"logits had a clear gap of {gap:.3f} (near-tie bound {NEAR_TIE})")
+
+
 @_model_test
 def test_greedy_tokens_are_verify_argmax_and_agree_with_plain(decoder):
     plain = decoder.without_speculation()
@@ -251,14 +272,26 @@ def test_llamacpp_draft_for_torch_target_is_exact():
 
 @_model_test
 def test_tree_proposer_and_sampling_run_on_llamacpp(decoder):
+    """Recycling trees on llama.cpp give plain decoding's tokens up to the first near-tie.
+
+    With flash attention, batched tree scoring equals one-token scoring bit for bit on an
+    AVX-512/AMX Xeon, but not on every CPU: on a 2-core AMD EPYC (AVX2) the outputs split at
+    token 23, where llama.cpp's batched arithmetic ranks two candidates the other way. So the
+    test measures plain decoding's own logit gap where the outputs first differ and requires it
+    to be a near-tie (below ``NEAR_TIE``); a split at a clear choice fails."""
     from spec_plugins import SpeculativeDecoder
 
     tree = SpeculativeDecoder.from_config({**_cfg(), "proposer": {"type": "recycling", "num_draft_tokens": 4}},
                                           target=decoder.target)
     assert getattr(tree.proposer, "tree", False)
     r = tree.generate(CHAT, max_new_tokens=32)
-    ref = decoder.without_speculation().generate(CHAT, max_new_tokens=32)
-    assert r.token_ids == ref.token_ids  # SmolLM2 with flash attention: tree scoring is exact too
+    plain = decoder.without_speculation()
+    seen, restore = _record_verify_logits(plain)
+    try:
+        ref = plain.generate(CHAT, max_new_tokens=32)
+    finally:
+        restore()
+    _assert_same_up_to_near_tie(r.token_ids, ref.token_ids, seen)
     assert r.stats.draft_tokens > 0
     a = decoder.generate("Once upon a time", max_new_tokens=16, temperature=0.8, seed=3)
     b = decoder.generate("Once upon a time", max_new_tokens=16, temperature=0.8, seed=3)

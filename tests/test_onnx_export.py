@@ -173,7 +173,8 @@ def test_gguf_grid_carries_q4_1_and_q8_0_blocks_exactly(tmp_path):
         [helper.make_tensor_value_info("h", TensorProto.FLOAT, [1, None, N1]),
          helper.make_tensor_value_info("y2", TensorProto.FLOAT, [1, None, N2])],
         initializer=[numpy_helper.from_array(W1.T.copy(), "w1"), numpy_helper.from_array(W2.T.copy(), "w2")])
-    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "f.onnx"))
+    # IR 8 (opset 17): an explicit IR version every onnxruntime in the supported range loads
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(tmp_path / "f.onnx"))
     info = carry_gguf_grid(tmp_path / "f.onnx", tmp_path / "q.onnx", tmp_path / "m.gguf", accuracy_level=1)
     assert info["carried"] == 2 and info["quantized_matmuls"] == 2
     x = rng.standard_normal((1, 5, K)).astype(np.float32)

@@ -98,3 +98,41 @@ def test_rollback_then_continue():
     ref = TorchRuntime(model)
     ref.prefill([[1, 2, 3, 4, 5, 8]])
     torch.testing.assert_close(got, ref.prefill([[1, 2, 3, 4, 5, 8]]).logits[0, -1], atol=1e-4, rtol=1e-4)
+
+
+# ---- the cache keyword across transformers versions ----------------------------------------------
+def test_cache_keyword_is_the_one_this_transformers_version_reads():
+    """transformers 5.24 renamed ``past_key_values`` to ``cache``; the runtime reads the keyword
+    from the model's forward signature, so both ends of the supported range get a working cache."""
+    import inspect
+
+    import transformers
+
+    from spec_plugins.backends import hf_compat
+
+    model = tiny_llama(seed=1)
+    rt = TorchRuntime(model, matmul="native")
+    for module, kw in ((model, rt._cache_kw), (model.get_decoder(), rt._decoder_cache_kw)):
+        assert kw in inspect.signature(type(module).forward).parameters
+        other = [k for k in hf_compat.CACHE_KEYWORDS if k != kw]
+        assert not any(k in inspect.signature(type(module).forward).parameters for k in other), transformers.__version__
+    rt.prefill([[1, 2, 3, 4]])
+    rt.forward(torch.tensor([[5, 6]]))
+    assert hf_compat.cached_length(rt.cache) == 6  # the guard's view: prompt + both new positions
+
+
+def test_a_cache_the_model_ignores_is_an_error_not_wrong_tokens():
+    """The failure transformers 5.17 showed: handed the cache under a keyword it does not know,
+    a model takes it into **kwargs and runs without its past (wrong tokens, no error). After every
+    forward the runtime checks that the cache grew by the positions fed."""
+    import pytest
+
+    from spec_plugins.backends import hf_compat
+
+    for attr, want in (("_cache_kw", False), ("_decoder_cache_kw", True)):
+        rt = TorchRuntime(tiny_llama(seed=1), matmul="native")
+        setattr(rt, attr, "kv_cache")  # a keyword the model does not know: what a future rename looks like
+        with pytest.raises(RuntimeError, match="did not use the KV cache"):
+            rt.prefill([[1, 2, 3, 4]], want_hidden=want)
+    with pytest.raises(TypeError, match="takes none of"):
+        hf_compat.cache_keyword(torch.nn.Linear(2, 2))

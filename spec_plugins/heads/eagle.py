@@ -86,26 +86,30 @@ class EagleDrafter(nn.Module):
     mask [B,1,T,S+T] additive) -> (next features [B,T,H], new keys, new values [B,kv,T,d])."""
 
     def __init__(self, config: EagleConfig, lm_weight: torch.Tensor, embed_weight: torch.Tensor,
-                 vocab_ids: torch.Tensor) -> None:
+                 vocab_ids: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+        """Built where the target's LM head lives, in ``dtype`` (default: the LM head's)."""
         super().__init__()
         c = self.config = config
         H, d = c.hidden_size, c.head_dim
-        self.fc = nn.Linear(c.feature_size, H, bias=False) if c.feature_layers else None
-        self.fuse = nn.Linear(2 * H, H)
-        self.in_norm = RMSNorm(H, c.rms_norm_eps)
-        self.q = nn.Linear(H, c.num_heads * d, bias=False)
-        self.k = nn.Linear(H, c.num_kv_heads * d, bias=False)
-        self.v = nn.Linear(H, c.num_kv_heads * d, bias=False)
-        self.o = nn.Linear(c.num_heads * d, H, bias=False)
-        self.mlp_norm = RMSNorm(H, c.rms_norm_eps)
-        self.gate = nn.Linear(H, c.intermediate_size, bias=False)
-        self.up = nn.Linear(H, c.intermediate_size, bias=False)
-        self.down = nn.Linear(c.intermediate_size, H, bias=False)
-        self.out_norm = RMSNorm(H, c.rms_norm_eps)
-        self.register_buffer("vocab_ids", vocab_ids.long().clone())
+        dev = lm_weight.device
+        fk = dict(device=dev, dtype=dtype or lm_weight.dtype)  # every weight on the target's device
+        self.fc = nn.Linear(c.feature_size, H, bias=False, **fk) if c.feature_layers else None
+        self.fuse = nn.Linear(2 * H, H, **fk)
+        self.in_norm = RMSNorm(H, c.rms_norm_eps, **fk)
+        self.q = nn.Linear(H, c.num_heads * d, bias=False, **fk)
+        self.k = nn.Linear(H, c.num_kv_heads * d, bias=False, **fk)
+        self.v = nn.Linear(H, c.num_kv_heads * d, bias=False, **fk)
+        self.o = nn.Linear(c.num_heads * d, H, bias=False, **fk)
+        self.mlp_norm = RMSNorm(H, c.rms_norm_eps, **fk)
+        self.gate = nn.Linear(H, c.intermediate_size, bias=False, **fk)
+        self.up = nn.Linear(H, c.intermediate_size, bias=False, **fk)
+        self.down = nn.Linear(c.intermediate_size, H, bias=False, **fk)
+        self.out_norm = RMSNorm(H, c.rms_norm_eps, **fk)
+        ids = vocab_ids.to(device=dev, dtype=torch.long)
+        self.register_buffer("vocab_ids", ids.clone())
         # frozen target tensors, shared, not saved with the head
-        self.register_buffer("lm_weight", lm_weight.detach()[vocab_ids.long()].clone(), persistent=False)
-        self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
+        self.register_buffer("lm_weight", lm_weight.detach()[ids].to(fk["dtype"]), persistent=False)
+        self.register_buffer("embed_weight", embed_weight.detach().to(dev), persistent=False)
 
     @classmethod
     def from_pretrained(cls, directory: str, model: Any) -> "EagleDrafter":
@@ -120,10 +124,8 @@ class EagleDrafter(nn.Module):
 
         def build() -> "EagleDrafter":
             names = {f.name for f in fields(EagleConfig)}
-            drafter = cls(EagleConfig(**{k: v for k, v in cfg.items() if k in names}), lm.float(), emb.float(),
-                          state["vocab_ids"])
-            drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()},
-                                    strict=True)
+            drafter = cls(EagleConfig(**{k: v for k, v in cfg.items() if k in names}), lm, emb, state["vocab_ids"])
+            drafter.load_state_dict(state, strict=True)  # copies (and casts) into the target's device and dtype
             return drafter.eval()
 
         return build_head("eagle", directory, build)
@@ -172,7 +174,8 @@ class EagleDrafter(nn.Module):
         Effective inside ``torch_kernels.active()``; returns the choice (None off CPU)."""
         from spec_plugins.backends import torch_kernels
 
-        lm = nn.Linear(self.config.hidden_size, self.lm_weight.shape[0], bias=False)
+        lm = nn.Linear(self.config.hidden_size, self.lm_weight.shape[0], bias=False, device=self.lm_weight.device,
+                       dtype=self.lm_weight.dtype)
         lm.weight = nn.Parameter(self.lm_weight, requires_grad=False)  # shared storage, not a submodule: never saved
         self.__dict__["_lm_linear"] = lm
         return torch_kernels.tune(nn.ModuleList([self, lm]), transposed=True)

@@ -24,9 +24,9 @@ class MedusaConfig:
 class ResBlock(nn.Module):
     """x + SiLU(W x): zero-initialised W starts each head as the plain LM head (Medusa)."""
 
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, **factory: Any) -> None:
         super().__init__()
-        self.linear = nn.Linear(dim, dim)
+        self.linear = nn.Linear(dim, dim, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + nn.functional.silu(self.linear(x))
@@ -36,18 +36,21 @@ class MedusaHeads(nn.Module):
     """hidden [B, H] -> logits [B, K, Vd] over the draft vocabulary ``vocab_ids`` [Vd]."""
 
     def __init__(self, config: MedusaConfig, lm_weight: torch.Tensor, vocab_ids: torch.Tensor,
-                 zero_init: bool = True) -> None:
+                 zero_init: bool = True, dtype: torch.dtype | None = None) -> None:
+        """Built where the target's LM head lives, in ``dtype`` (default: the LM head's)."""
         super().__init__()
         self.config = config
+        fk = dict(device=lm_weight.device, dtype=dtype or lm_weight.dtype)
         self.blocks = nn.ModuleList(
-            nn.Sequential(*[ResBlock(config.hidden_size) for _ in range(config.num_layers)])
+            nn.Sequential(*[ResBlock(config.hidden_size, **fk) for _ in range(config.num_layers)])
             for _ in range(config.num_heads))
         if zero_init:
             for p in self.blocks.parameters():
                 nn.init.zeros_(p)
-        self.register_buffer("vocab_ids", vocab_ids.long().clone())
+        ids = vocab_ids.to(device=lm_weight.device, dtype=torch.long)
+        self.register_buffer("vocab_ids", ids.clone())
         # frozen, shared with the target (rows of its LM head); not saved with the head
-        self.register_buffer("lm_weight", lm_weight.detach()[vocab_ids.long()].clone(), persistent=False)
+        self.register_buffer("lm_weight", lm_weight.detach()[ids].to(fk["dtype"]), persistent=False)
         self.calibration: dict[str, list[float]] = {}  # holdout rank accuracies per head, if trained
 
     @classmethod
@@ -60,9 +63,8 @@ class MedusaHeads(nn.Module):
 
         def build() -> "MedusaHeads":
             fields = {k: cfg[k] for k in ("hidden_size", "num_heads", "num_layers", "draft_vocab_size")}
-            heads = cls(MedusaConfig(**fields), lm.float(), state["vocab_ids"])
-            heads.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()},
-                                  strict=True)
+            heads = cls(MedusaConfig(**fields), lm, state["vocab_ids"])
+            heads.load_state_dict(state, strict=True)  # copies (and casts) into the target's device and dtype
             heads.calibration = cfg.get("holdout_topk_accuracy") or {}
             return heads.eval()
 

@@ -29,6 +29,7 @@ from typing import Any, Sequence
 
 import torch
 
+from spec_plugins.backends import hf_compat
 from spec_plugins.backends.torch_runtime import TorchRuntime
 from spec_plugins.config import SamplingConfig, SpecConfig, default_config
 from spec_plugins.decoder import SpeculativeDecoder
@@ -44,7 +45,8 @@ __all__ = ["speculative_generate"]
 
 # model_kwargs transformers always prepares for decoder-only models; anything else is a model
 # input we do not forward (images, embeddings, token types...).
-_KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "logits_to_keep", "use_cache", "cache"}
+# The cache arrives under the model's own keyword ('cache' or 'past_key_values', by version).
+_KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "logits_to_keep", "use_cache", *hf_compat.CACHE_KEYWORDS}
 
 
 def speculative_generate(
@@ -147,7 +149,7 @@ def _check_supported(model: Any, gc: Any, synced_gpus: bool, model_kwargs: dict)
     extra = sorted(k for k, v in model_kwargs.items() if k not in _KNOWN_MODEL_KWARGS and v is not None)
     if extra:
         raise ValueError(f"speculative_generate takes input_ids (+ attention_mask) only; got {', '.join(extra)}")
-    cache = model_kwargs.get("cache")
+    cache = model_kwargs.get(hf_compat.cache_keyword(model))
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError("speculative_generate cannot continue from a pre-filled cache; pass the full input_ids")
 

@@ -192,7 +192,7 @@ def _neighbour_priors(mean: list[float | None]) -> list[float]:
 def _context_tokens(vocab_size: int, n: int, period: int = 16) -> list[int]:
     """A deterministic, repetitive context: n-gram drafters find matches, models see real ids."""
     g = torch.Generator().manual_seed(1234)
-    block = torch.randint(0, max(2, min(vocab_size, 30000)), (period,), generator=g).tolist()
+    block = torch.randint(0, max(2, min(vocab_size, 30000)), (period,), generator=g, device="cpu").tolist()
     return (block * (n // period + 1))[:n]
 
 
@@ -239,7 +239,7 @@ def measure(runtime: Any, rows: Sequence[int] = (1,), widths: Sequence[int] = tu
     ctx = _context_tokens(runtime.vocab_size, context + widths[-1])
     table: dict[tuple[int, int], float] = {}
     for b in sorted(set(rows)):
-        new = torch.tensor([ctx[context: context + widths[-1]]] * b, dtype=torch.long)
+        new = torch.tensor([ctx[context: context + widths[-1]]] * b, dtype=torch.long, device=runtime.device)
         samples = time_forwards(runtime, [ctx[:context]] * b, new, widths, repeats, warmup=(1, widths[-1], 1))
         table.update({(b, n): min(samples[n]) for n in widths})
     runtime.select_rows([])

@@ -69,7 +69,7 @@ class DraftModelProposer(Proposer):
         starts = [len(s) - need for s in seqs]
         if any(len(f) != st for f, st in zip(self._fed, starts)):
             self.runtime.rollback(starts)
-        feed = torch.tensor([list(s[st:]) for s, st in zip(seqs, starts)], dtype=torch.long)
+        feed = torch.tensor([list(s[st:]) for s, st in zip(seqs, starts)], dtype=torch.long, device=self.runtime.device)
         logits = self._forward(feed)[:, -1]
         self._fed = [list(s) for s in seqs]
         self._base = [len(s) for s in seqs]
@@ -93,8 +93,8 @@ class DraftModelProposer(Proposer):
                 logits = self._forward(x[:, None])[:, -1]
                 for b, t in enumerate(x.tolist()):
                     self._fed[b].append(t)
-        valid = torch.arange(k)[None, :] < torch.tensor(list(ctx.budgets))[:, None]
-        return Draft(toks, tuple(range(-1, k - 1)), probs, None if bool(valid.all()) else valid)
+        valid = torch.arange(k, device="cpu")[None, :] < torch.tensor(list(ctx.budgets), device="cpu")[:, None]
+        return Draft(toks, tuple(range(-1, k - 1)), probs, None if bool(valid.all()) else valid.to(toks.device))
 
     def observe(self, result: RoundRecord) -> None:
         # Keep the longest prefix the draft cache shares with each row's new sequence; only the

@@ -23,7 +23,7 @@ import torch
 from pydantic import Field, model_validator
 
 from spec_plugins.backends import torch_kernels
-from spec_plugins.backends.slots import KVSlots, additive, pad_slots
+from spec_plugins.backends.slots import HOST, KVSlots, additive, pad_slots
 from spec_plugins.config import ProposerConfig
 from spec_plugins.heads.eagle import EagleDrafter
 from spec_plugins.heads.runner import OrtEagleLayer, head_session, pick_engine
@@ -75,6 +75,7 @@ class EagleProposer(Proposer):
             self.layer = OrtEagleLayer(head_session(self.drafter))
         self.tree = config.mode == "tree"
         self.dtype = drafter.lm_weight.dtype
+        self.device = drafter.lm_weight.device  # the target's: the head was built there
         self.k, self.v = drafter.empty_past(0, self.dtype)  # [B, H, S, D] over the slot layer's slots
         self.slots = KVSlots()  # position of each cached pair, -1 = hole (``backends/slots.py``)
         self.fed: list[int] = []  # per row: pairs (f_j, x_{j+1}) cached for j < fed
@@ -99,6 +100,7 @@ class EagleProposer(Proposer):
 
     def select_rows(self, rows: Sequence[int]) -> None:
         idx, plan = self.slots.select_rows(rows)
+        idx, plan = idx.to(self.device), plan.to(self.device)
         self.k, self.v = plan.apply(self.k[idx]), plan.apply(self.v[idx])
         self.fed = [self.fed[r] for r in rows]
         self._compact()
@@ -109,12 +111,13 @@ class EagleProposer(Proposer):
     def _compact(self) -> None:
         """Squeeze out holes once they are the majority (rows accept different counts)."""
         if self.slots.mostly_holes():
-            plan = self.slots.compact()
+            plan = self.slots.compact().to(self.device)
             self.k, self.v = plan.apply(self.k), plan.apply(self.v)
 
     def _catch_up(self, ctx: ProposeContext) -> torch.Tensor:
         """Feed last round's committed pairs; returns the predicted feature at each row's
-        pending position [B, H]."""
+        pending position [B, H]. Token ids and positions are laid out on the host (slot
+        bookkeeping) and moved once; features stay on the drafter's device."""
         B = len(ctx.sequences)
         rows = []
         for b, seq in enumerate(ctx.sequences):
@@ -126,22 +129,23 @@ class EagleProposer(Proposer):
             self.fed[b] = len(seq) - 1
         N = max(1, max(r[3] for r in rows))
         F = self.drafter.config.feature_size  # target features: last hidden, or the fused layers
-        feat = torch.zeros(B, N, F, dtype=self.dtype)
-        tok = torch.zeros(B, N, dtype=torch.long)
-        pos = torch.full((B, N), -1, dtype=torch.long)
+        feat = torch.zeros(B, N, F, dtype=self.dtype, device=self.device)
+        tok = torch.zeros(B, N, dtype=torch.long, device=HOST)
+        pos = torch.full((B, N), -1, dtype=torch.long, device=HOST)
         for b, (hid, nxt, start, m) in enumerate(rows):  # right-aligned: the last pair sits at N-1
             if m:
                 feat[b, N - m:] = hid.to(self.dtype)
-                tok[b, N - m:] = torch.as_tensor(nxt)
-                pos[b, N - m:] = torch.arange(start, start + m)
-        new_ok = (pos >= 0)[:, None, :] & torch.ones(N, N, dtype=torch.bool).tril()[None]
-        new_ok |= torch.eye(N, dtype=torch.bool)[None]  # padding queries see themselves
-        ok = torch.cat([self.slots.past_ok(N), new_ok[:, None]], -1)
-        out, k, v = self.layer(self.drafter.project(feat), tok, pos.clamp_min(0), self.k, self.v,
-                               additive(ok, self.dtype))
+                tok[b, N - m:] = torch.as_tensor(nxt, device=HOST)
+                pos[b, N - m:] = torch.arange(start, start + m, device=HOST)
+        new_ok = (pos >= 0)[:, None, :] & torch.ones(N, N, dtype=torch.bool, device=HOST).tril()[None]
+        new_ok |= torch.eye(N, dtype=torch.bool, device=HOST)[None]  # padding queries see themselves
+        ok = torch.cat([self.slots.past_ok(N), new_ok[:, None]], -1).to(self.device)
+        out, k, v = self.layer(self.drafter.project(feat), tok.to(self.device), pos.clamp_min(0).to(self.device),
+                               self.k, self.v, additive(ok, self.dtype))
         self.k, self.v = torch.cat([self.k, k], 2), torch.cat([self.v, v], 2)
         self.slots.append(pos)
         self._compact()
+        self._past = (self.slots.pos >= 0).to(self.device)  # [B, S] cached pairs each draft step may see
         return out[:, -1]
 
     # ---- drafting ----------------------------------------------------------------------------
@@ -159,7 +163,7 @@ class EagleProposer(Proposer):
         self.row_drafts = [([], [], [])] * len(ctx.sequences)
         if depth <= 0:
             return None
-        base = torch.tensor([len(s) - 1 for s in ctx.sequences], dtype=torch.long)  # pending position
+        base = torch.tensor([len(s) - 1 for s in ctx.sequences], dtype=torch.long, device=self.device)  # pending position
         if self.tree and ctx.tree_ok:
             return self._tree(f, base, list(ctx.budgets), depth)
         return self._chain(f, base, list(ctx.budgets), depth)
@@ -169,7 +173,8 @@ class EagleProposer(Proposer):
         """One drafter call for F new nodes per row [B, F]; ``anc`` [B, F, E] marks which of the
         E earlier draft slots (dk, dv) each new node may see (its ancestors)."""
         B, F = tok.shape
-        ok = torch.cat([self.slots.past_ok(F), anc[:, None], torch.eye(F, dtype=torch.bool).expand(B, 1, F, F)], -1)
+        past = self._past[:, None, None, :].expand(B, 1, F, self._past.shape[1])
+        ok = torch.cat([past, anc[:, None], torch.eye(F, dtype=torch.bool, device=self.device).expand(B, 1, F, F)], -1)
         out, k, v = self.layer(feat, tok, pos, torch.cat([self.k, dk], 2), torch.cat([self.v, dv], 2),
                                additive(ok, self.dtype))
         return out, k, v
@@ -177,9 +182,9 @@ class EagleProposer(Proposer):
     def _chain(self, f: torch.Tensor, base: torch.Tensor, budgets: list[int], depth: int) -> Draft:
         B = f.shape[0]
         vocab = self.drafter.vocab_ids
-        toks = torch.zeros(B, depth, dtype=torch.long)
-        path_p = torch.zeros(B, depth)  # probability of the path up to each node, by the drafter
-        run = torch.ones(B)
+        toks = torch.zeros(B, depth, dtype=torch.long, device=self.device)
+        path_p = torch.zeros(B, depth, device=self.device)  # probability of the path up to each node, by the drafter
+        run = torch.ones(B, device=self.device)
         dk, dv = self.drafter.empty_past(B, self.dtype)
         for d in range(depth):
             top = self.drafter.logits(f).float().softmax(-1).max(-1)
@@ -188,10 +193,10 @@ class EagleProposer(Proposer):
             path_p[:, d] = run
             if d + 1 == depth:
                 break
-            anc = torch.ones(B, 1, d, dtype=torch.bool)
+            anc = torch.ones(B, 1, d, dtype=torch.bool, device=self.device)
             out, k, v = self._step(f[:, None], toks[:, d: d + 1], (base + d)[:, None], dk, dv, anc)
             dk, dv, f = torch.cat([dk, k], 2), torch.cat([dv, v], 2), out[:, 0]
-        valid = torch.arange(depth)[None, :] < torch.tensor(budgets)[:, None]
+        valid = torch.arange(depth, device=self.device)[None, :] < torch.tensor(budgets, device=self.device)[:, None]
         chain = [(0,) * (d + 1) for d in range(depth)]
         self.row_drafts = [(t[:n], chain[:n], p[:n]) for t, p, n in zip(toks.tolist(), path_p.tolist(), budgets)]
         return Draft(toks, tuple(range(-1, depth - 1)), None, None if bool(valid.all()) else valid)
@@ -203,15 +208,15 @@ class EagleProposer(Proposer):
         lp = self.drafter.logits(f).float().log_softmax(-1)
         top = lp.topk(kk, -1)
         tok, score = vocab[top.indices], top.values  # [B, k]
-        parent = torch.full((B, kk), -1, dtype=torch.long)
-        rank = torch.arange(kk).expand(B, kk)
+        parent = torch.full((B, kk), -1, dtype=torch.long, device=self.device)
+        rank = torch.arange(kk, device=self.device).expand(B, kk)
         dep = [0] * kk
         feat_of = f[:, None].expand(B, kk, -1)  # feature each node's token was drawn from
-        level = torch.arange(kk).expand(B, kk)  # node ids of the newest level
+        level = torch.arange(kk, device=self.device).expand(B, kk)  # node ids of the newest level
         dk, dv = self.drafter.empty_past(B, self.dtype)
-        slot_anc = torch.zeros(B, 0, 0, dtype=torch.bool)  # [B, E, E] ancestry among expanded nodes
-        slot_of = torch.full((B, kk), -1, dtype=torch.long)  # node -> draft slot once expanded
-        rows = torch.arange(B)[:, None]
+        slot_anc = torch.zeros(B, 0, 0, dtype=torch.bool, device=self.device)  # [B, E, E] ancestry among expanded nodes
+        slot_of = torch.full((B, kk), -1, dtype=torch.long, device=self.device)  # node -> draft slot once expanded
+        rows = torch.arange(B, device=self.device)[:, None]
         for d in range(1, depth):
             # expand the top_k newest nodes by cumulative score
             lvl_score = score.gather(1, level)
@@ -220,16 +225,16 @@ class EagleProposer(Proposer):
             E = dk.shape[2]
             par_slot = slot_of.gather(1, parent.gather(1, pick).clamp_min(0))  # parent's slot (or junk for roots)
             is_root = parent.gather(1, pick) < 0
-            anc = torch.zeros(B, F, E, dtype=torch.bool)
+            anc = torch.zeros(B, F, E, dtype=torch.bool, device=self.device)
             if E:
                 from_par = slot_anc[rows, par_slot.clamp_min(0)]  # [B, F, E] parent's ancestry row
                 anc = torch.where(is_root[..., None], anc, from_par)
             out, k, v = self._step(feat_of[rows, pick], tok.gather(1, pick), base[:, None] + d - 1, dk, dv, anc)
             # register the new slots: ancestry = parent's ancestry + itself
-            new_anc = torch.cat([anc, torch.eye(F, dtype=torch.bool).expand(B, F, F)], -1)  # [B, F, E+F]
-            slot_anc = torch.cat([torch.cat([slot_anc, torch.zeros(B, E, F, dtype=torch.bool)], -1), new_anc], 1)
+            new_anc = torch.cat([anc, torch.eye(F, dtype=torch.bool, device=self.device).expand(B, F, F)], -1)  # [B, F, E+F]
+            slot_anc = torch.cat([torch.cat([slot_anc, torch.zeros(B, E, F, dtype=torch.bool, device=self.device)], -1), new_anc], 1)
             dk, dv = torch.cat([dk, k], 2), torch.cat([dv, v], 2)
-            slot_of = slot_of.scatter(1, pick, E + torch.arange(F).expand(B, F))
+            slot_of = slot_of.scatter(1, pick, E + torch.arange(F, device=self.device).expand(B, F))
             # children: top_k of each expanded node
             lp = self.drafter.logits(out).float().log_softmax(-1)  # [B, F, Vd]
             top = lp.topk(kk, -1)
@@ -237,15 +242,15 @@ class EagleProposer(Proposer):
             tok = torch.cat([tok, vocab[top.indices].reshape(B, F * kk)], 1)
             score = torch.cat([score, (score.gather(1, pick)[..., None] + top.values).reshape(B, F * kk)], 1)
             parent = torch.cat([parent, pick[..., None].expand(B, F, kk).reshape(B, F * kk)], 1)
-            rank = torch.cat([rank, torch.arange(kk).expand(B, F, kk).reshape(B, F * kk)], 1)
+            rank = torch.cat([rank, torch.arange(kk, device=self.device).expand(B, F, kk).reshape(B, F * kk)], 1)
             dep += [d] * (F * kk)
             feat_of = torch.cat([feat_of, out[:, :, None].expand(B, F, kk, -1).reshape(B, F * kk, -1)], 1)
-            slot_of = torch.cat([slot_of, torch.full((B, F * kk), -1, dtype=torch.long)], 1)
-            level = torch.arange(n0, n0 + F * kk).expand(B, F * kk)
+            slot_of = torch.cat([slot_of, torch.full((B, F * kk), -1, dtype=torch.long, device=self.device)], 1)
+            level = torch.arange(n0, n0 + F * kk, device=self.device).expand(B, F * kk)
         # keep the best tree_nodes per row within its depth budget; ties favour shallower nodes
-        dep_t = torch.tensor(dep)
+        dep_t = torch.tensor(dep, device=self.device)
         key = score - 1e-6 * dep_t[None]
-        key = key.masked_fill(dep_t[None] >= torch.tensor(budgets)[:, None], NEG)
+        key = key.masked_fill(dep_t[None] >= torch.tensor(budgets, device=self.device)[:, None], NEG)
         auto = self.config.tree_nodes == "auto"
         keep = key.topk(min(AUTO_MAX_NODES if auto else self.config.tree_nodes, key.shape[1]), -1)
         par_l, rank_l, tok_l, score_l = parent.tolist(), rank.tolist(), tok.tolist(), score.tolist()

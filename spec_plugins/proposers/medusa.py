@@ -64,29 +64,32 @@ class MedusaProposer(Proposer):
         if not all(len(a) == config.top_k for a in acc):
             acc = default_accuracy(K, config.top_k)
         self._tree = best_static_tree(acc, config.tree_nodes, max_depth=K)
-        self._depth = torch.tensor(self._tree.depths, dtype=torch.long)  # = the head that drafts each node
-        self._rank = torch.tensor(self._tree.ranks, dtype=torch.long)
+        self.device = heads.lm_weight.device  # the target's: the heads were built there
+        # the head that drafts each node (host: budgets are compared there) and its rank, for indexing logits
+        self._depth_host = torch.tensor(self._tree.depths, dtype=torch.long, device="cpu")
+        self._depth = self._depth_host.to(self.device)
+        self._rank = torch.tensor(self._tree.ranks, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
     def propose(self, ctx: ProposeContext) -> Draft | None:
         if ctx.hidden is None:
             raise RuntimeError("medusa needs target hidden states (needs_hidden) but the loop passed none")
-        budgets = torch.tensor(list(ctx.budgets), dtype=torch.long)
+        budgets = torch.tensor(list(ctx.budgets), dtype=torch.long, device="cpu")  # host: decided there
         h = torch.stack([hb[-1] for hb in ctx.hidden]).to(self.heads.lm_weight)  # [B, H] at the last committed token
-        logits = self.run_heads(h)  # [B, K, Vd]
+        logits = self.run_heads(h).to(self.device)  # [B, K, Vd]
         if not (self.tree and ctx.tree_ok):
             k = min(int(budgets.max()), logits.shape[1])
             if k <= 0:
                 return None
             toks = self.heads.vocab_ids[logits[:, :k].argmax(-1)]  # [B, k]
-            valid = torch.arange(k)[None, :] < budgets[:, None]
-            return Draft(toks, tuple(range(-1, k - 1)), None, None if bool(valid.all()) else valid)
+            valid = torch.arange(k, device="cpu")[None, :] < budgets[:, None]
+            return Draft(toks, tuple(range(-1, k - 1)), None, None if bool(valid.all()) else valid.to(self.device))
         top = logits.topk(self.config.top_k, -1).indices  # [B, K, k]
         toks = self.heads.vocab_ids[top[:, self._depth, self._rank]]  # [B, n]
-        valid = self._depth[None, :] < budgets[:, None]
+        valid = self._depth_host[None, :] < budgets[:, None]
         if not bool(valid.any()):
             return None
-        return Draft(toks, self._tree.parents, None, None if bool(valid.all()) else valid)
+        return Draft(toks, self._tree.parents, None, None if bool(valid.all()) else valid.to(self.device))
 
 
 def default_accuracy(depth: int, top_k: int) -> list[list[float]]:

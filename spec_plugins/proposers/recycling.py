@@ -80,20 +80,22 @@ class RecyclingProposer(Proposer):
         return best_static_tree(DEFAULT_ACCEPT, size, depth, max_rank=c.candidates)
 
     # ---- table --------------------------------------------------------------------------------
-    def _ensure_table(self, vocab: int) -> torch.Tensor:
-        if self.table is None or self.table.shape[0] < vocab:
-            self.table = torch.full((vocab, self.config.candidates), -1, dtype=torch.long)
+    def _ensure_table(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """The table lives where the target's logits are: recycling them is then a device scatter."""
+        if self.table is None or self.table.shape[0] < vocab or self.table.device != device:
+            self.table = torch.full((vocab, self.config.candidates), -1, dtype=torch.long, device=device)
         return self.table
 
     def update(self, tokens: torch.Tensor, logits: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Recycle: ``M[tokens[b, i]] <- top-k of logits[b, i]`` (tokens [B, N], logits [B, N, V])."""
-        table = self._ensure_table(logits.shape[-1])
+        table = self._ensure_table(logits.shape[-1], logits.device)
         k = min(self.config.candidates, logits.shape[-1])
         top = logits.topk(k, dim=-1)
-        idx = top.indices.masked_fill(top.values == float("-inf"), -1).cpu()  # banned tokens are not candidates
-        toks = tokens.cpu()
+        idx = top.indices.masked_fill(top.values == float("-inf"), -1)  # banned tokens are not candidates
+        toks = tokens.to(table.device)
         if valid is not None:
-            toks, idx = toks[valid.cpu()], idx[valid.cpu()]
+            valid = valid.to(table.device)
+            toks, idx = toks[valid], idx[valid]
         else:
             toks, idx = toks.reshape(-1), idx.reshape(-1, k)
         table[toks, :k] = idx
@@ -115,14 +117,15 @@ class RecyclingProposer(Proposer):
     def propose(self, ctx: ProposeContext) -> Draft | None:
         if self.table is None or max(ctx.budgets, default=0) <= 0 or self.shape.size == 0:
             return None
-        B, n = len(ctx.sequences), self.shape.size
-        pending = torch.tensor([s[-1] for s in ctx.sequences], dtype=torch.long)
-        budget = torch.tensor(list(ctx.budgets), dtype=torch.long)
-        toks = torch.zeros(B, n, dtype=torch.long)
-        ok = torch.zeros(B, n, dtype=torch.bool)
-        for depth, (nodes, parents, ranks) in enumerate(self._layers):  # breadth-first, one gather per depth
+        B, n, dev = len(ctx.sequences), self.shape.size, self.table.device
+        pending = torch.tensor([s[-1] for s in ctx.sequences], dtype=torch.long, device=dev)
+        budget = torch.tensor(list(ctx.budgets), dtype=torch.long, device=dev)
+        toks = torch.zeros(B, n, dtype=torch.long, device=dev)
+        ok = torch.zeros(B, n, dtype=torch.bool, device=dev)
+        for depth, (nodes, parents, ranks) in enumerate(self._layers_on(dev)):  # breadth-first, a gather per depth
             if parents is None:
-                src, src_ok = pending[:, None].expand(B, len(nodes)), torch.ones(B, len(nodes), dtype=torch.bool)
+                src, src_ok = pending[:, None].expand(B, len(nodes)), torch.ones(B, len(nodes), dtype=torch.bool,
+                                                                                  device=dev)
             else:
                 src, src_ok = toks[:, parents], ok[:, parents]
             cand = self.table[src, ranks.expand(B, -1)]
@@ -137,29 +140,36 @@ class RecyclingProposer(Proposer):
         if z is None:
             return
         roots = [seq[len(seq) - len(em) - 1] for seq, em in zip(result.sequences, result.emitted)]
-        root = torch.tensor(roots, dtype=torch.long)[:, None]
+        root = torch.tensor(roots, dtype=torch.long, device=z.device)[:, None]
         d = result.draft
         if d is None or d.size == 0:
             self.update(root, z[:, :1])
             return
-        tokens = torch.cat([root, d.tokens.cpu()], 1)
+        tokens = torch.cat([root, d.tokens.to(z.device)], 1)
         valid = None
         if d.valid is not None:
-            valid = torch.cat([torch.ones(len(roots), 1, dtype=torch.bool), d.valid.cpu()], 1)
+            valid = torch.cat([torch.ones(len(roots), 1, dtype=torch.bool, device=z.device), d.valid.to(z.device)], 1)
         self.update(tokens, z, valid)
         if d.parents == self.shape.parents:
             self._count(result.accepted, d.valid)
 
+    def _layers_on(self, device: torch.device) -> list:
+        """The per-depth index tensors on ``device`` (moved once, not every round)."""
+        if self._layers[0][0].device != device:
+            self._layers = [tuple(None if t is None else t.to(device) for t in lay) for lay in self._layers]
+        return self._layers
+
     def _count(self, accepted: Sequence[Sequence[int]], valid: torch.Tensor | None) -> None:
         """Per (depth, rank): how often a node was reachable (parent accepted) and accepted."""
         paths, parents = self.shape.paths, self.shape.parents
+        ok = valid.tolist() if valid is not None else None  # one copy, not one per node
         kids: dict[int, list[int]] = {}
         for i, p in enumerate(parents):
             kids.setdefault(p, []).append(i)
         for b, acc in enumerate(accepted):
             for parent in [-1] + list(acc):
                 for c in kids.get(parent, []):
-                    if valid is not None and not bool(valid[b, c]):
+                    if ok is not None and not ok[b][c]:
                         continue
                     key = (len(paths[c]) - 1, paths[c][-1])
                     cell = self.rank_stats.setdefault(key, [0, 0])
@@ -172,9 +182,9 @@ def _layers(tree: StaticTree) -> list[tuple[torch.Tensor, torch.Tensor | None, t
     out = []
     for d in range(tree.depth):
         nodes = [i for i, p in enumerate(tree.paths) if len(p) == d + 1]
-        par = None if d == 0 else torch.tensor([tree.parents[i] for i in nodes], dtype=torch.long)
-        out.append((torch.tensor(nodes, dtype=torch.long), par,
-                    torch.tensor([tree.paths[i][-1] for i in nodes], dtype=torch.long)[None]))
+        par = None if d == 0 else torch.tensor([tree.parents[i] for i in nodes], dtype=torch.long, device="cpu")
+        out.append((torch.tensor(nodes, dtype=torch.long, device="cpu"), par,
+                    torch.tensor([tree.paths[i][-1] for i in nodes], dtype=torch.long, device="cpu")[None]))
     return out
 
 

@@ -1,0 +1,105 @@
+"""Find device leaks without a GPU: tensors our code creates without saying where they live.
+
+On a CPU-only machine every tensor is on the one device, so a round that builds a mask or a head
+on the host while the target runs on CUDA passes every test and crashes on the first GPU. The
+audit is a ``TorchFunctionMode`` that watches each torch call made *from this package's code*
+(the innermost frame outside torch itself) and records:
+
+- ``factory``: a tensor factory (``zeros``, ``arange``, ``tensor``, ``nn.Linear``'s ``empty`` ...)
+  called without an explicit ``device``: it lands on the default device, wherever the target is;
+- ``mixed``: a call whose tensor arguments sit on more than one device (0-dim host scalars
+  aside), which torch allows for some ops (indexing a CUDA tensor with a host index) at the cost
+  of a hidden copy and a sync; on a GPU this is what it catches.
+
+Host bookkeeping stays allowed: say ``device="cpu"``. Used by ``tests/test_devices.py`` over one
+round of every proposer and by ``scripts/gpu_check.py`` on CUDA.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_FACTORIES = {
+    torch.zeros, torch.ones, torch.full, torch.empty, torch.arange, torch.eye, torch.rand, torch.randn,
+    torch.randint, torch.randperm, torch.linspace, torch.tensor, torch.as_tensor, torch.empty_strided,
+    torch.tril_indices, torch.triu_indices,
+}
+_DATA_FACTORIES = {torch.tensor, torch.as_tensor}  # keep their argument's device when it is a tensor
+_TORCH_DIR = str(Path(torch.__file__).resolve().parent)
+_OURS = tuple(str(Path(__file__).resolve().parents[1] / d) for d in ("spec_plugins", "backends", "exporters"))
+_SELF = str(Path(__file__).resolve())
+
+
+@dataclass(frozen=True)
+class Leak:
+    kind: str  # "factory" | "mixed"
+    func: str
+    where: str  # file:line of our code that made the call
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.func} at {self.where}"
+
+
+def _caller() -> str | None:
+    """file:line of the innermost frame outside torch, if it is this package's code."""
+    f = sys._getframe(2)
+    while f is not None:
+        name = f.f_code.co_filename
+        if not name.startswith(_TORCH_DIR) and name != _SELF:
+            if name.startswith(_OURS):
+                return f"{Path(name).relative_to(Path(_SELF).parents[1])}:{f.f_lineno}"
+            return None
+        f = f.f_back
+    return None
+
+
+def _devices(args: Any, kwargs: dict) -> set[torch.device]:
+    out: set[torch.device] = set()
+
+    def visit(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            if not (x.dim() == 0 and x.device.type == "cpu"):
+                out.add(x.device)
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                visit(y)
+
+    visit(args)
+    visit(list(kwargs.values()))
+    return out
+
+
+class DeviceAudit(TorchFunctionMode):
+    """``with DeviceAudit() as audit: ...`` then ``audit.leaks`` (unique by kind, function, place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.leaks: list[Leak] = []
+        self._seen: set[Leak] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+        kwargs = kwargs or {}
+        kind = None
+        if func in _FACTORIES and kwargs.get("device") is None:
+            data = args[0] if args else kwargs.get("data")
+            if not (func in _DATA_FACTORIES and isinstance(data, torch.Tensor)):
+                kind = "factory"
+        elif len(_devices(args, kwargs)) > 1:
+            kind = "mixed"
+        if kind is not None:
+            where = _caller()
+            if where is not None:
+                leak = Leak(kind, getattr(func, "__name__", str(func)), where)
+                if leak not in self._seen:
+                    self._seen.add(leak)
+                    self.leaks.append(leak)
+        return func(*args, **kwargs)
+
+    def report(self) -> str:
+        return "\n".join(str(leak) for leak in self.leaks) or "no leaks"
