@@ -105,57 +105,20 @@ def decode_rows(rt, proposer, prompts, n: int, count_syncs: bool):
     return outs, stats.mean_accepted_tokens, per_round
 
 
-def reference(model, prompts, n: int):
-    """transformers' own greedy generate(), one prompt at a time: tokens and per-step logits."""
-    import torch
-
-    dev, out = next(model.parameters()).device, []
-    for p in prompts:
-        ids = torch.tensor([p], device=dev)
-        g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-        out.append((g.sequences[0, len(p):].tolist(), [z[0].float() for z in g.logits]))
-    return out
-
-
-def near_tie_bound(z, dtype) -> float:
-    """A logit gap this small can flip between a one-token and a wider forward in ``dtype``."""
-    import torch
-
-    scale = float(z.abs().max())
-    return scale / 32 if dtype in (torch.bfloat16, torch.float16) else 1e-3 + 1e-5 * scale
-
-
-def compare(outs, refs, dtype) -> tuple[str, str]:
-    """('exact' | 'near-tie' | 'FAIL', note) of outputs against the reference."""
-    worst = ""
-    for b, (o, (ref, logits)) in enumerate(zip(outs, refs)):
-        first = next((i for i, (x, y) in enumerate(zip(o, ref)) if x != y), None)
-        if first is None:
-            if len(o) != len(ref):
-                return "FAIL", f"row {b}: {len(o)} tokens, reference {len(ref)}"
-            continue
-        z = logits[first]
-        gap, bound = float(z[ref[first]] - z[o[first]]), near_tie_bound(z, dtype)
-        if gap > bound:
-            return "FAIL", f"row {b} splits at token {first}: gap {gap:.4f} > near-tie bound {bound:.4f}"
-        worst = f"row {b} splits at token {first}, a near-tie (gap {gap:.4f} <= {bound:.4f})"
-    return ("near-tie", worst) if worst else ("exact", "")
-
-
 def exactness(rows: list[Row], dev: str, n: int, deadline: float) -> None:
     import torch
     from conftest import tiny_llama
     from helpers import EVERY_PROPOSER, every_proposer, save_random_heads
 
     from spec_plugins.backends.torch_runtime import TorchRuntime
+    from spec_plugins.bench.reference import compare, greedy_reference
 
     heads = save_random_heads(tiny_llama(vocab=64, seed=2, sharpness=3.0, layers=4, hidden=128, max_pos=1024),
                               Path(tempfile.mkdtemp(prefix="gpu_check-heads-")))
     for dtype in (torch.float32, torch.bfloat16):
         model = tiny_llama(vocab=64, seed=2, sharpness=3.0, layers=4, hidden=128, max_pos=1024).to(dev, dtype)
         draft = tiny_llama(vocab=64, seed=5, sharpness=3.0, layers=2, hidden=64, max_pos=1024).to(dev, dtype)
-        refs = reference(model, PROMPTS, n)
+        refs = greedy_reference(model, PROMPTS, n)
         dname = str(dtype).removeprefix("torch.")
         for kind in EVERY_PROPOSER:
             for batched in (False, True):
@@ -172,7 +135,8 @@ def exactness(rows: list[Row], dev: str, n: int, deadline: float) -> None:
                     for g in groups:
                         o, a, s = decode_rows(rt, prop, g, n, dev == "cuda")
                         outs, acc, syncs = outs + o, acc + [a], syncs + s
-                    row.result, row.note = compare(outs, refs, dtype)
+                    verdict = compare(outs, refs, dtype)
+                    row.result, row.note = verdict.verdict, verdict.note
                     row.accepted = sum(acc) / len(acc)
                     if dev == "cuda" and syncs:
                         row.syncs = f"{sorted(syncs)[len(syncs) // 2]} (max {max(syncs)})"
