@@ -47,7 +47,7 @@ class LiveServer:
     def __init__(self, model, tokenizer, max_batch: int = 4, policy: str = "load", max_total: int = 128,
                  max_input: int = 48, shutdown_timeout: float = 30.0, proposer=None) -> None:
         rt = TorchRuntime(model, tokenizer)
-        proposer = proposer if proposer is not None else NgramProposer(NgramProposer.Config())
+        proposer = proposer if proposer is not None else NgramProposer(NgramProposer.Config(num_draft_tokens=5))
         self.decoder = SpeculativeDecoder(rt, proposer, ExactVerifier(), tokenizer=tokenizer)
         self.state = build_state(self.decoder, max_batch, max_input, max_total, policy, model_id="tiny")
         self.state.shutdown_timeout = shutdown_timeout
@@ -136,7 +136,7 @@ def test_async_client_concurrent_requests_equal_solo(live, model, tok):
     outs = asyncio.run(main())
     for (p, n, _), got in zip(jobs, outs):
         assert got == solo(model, tok, p, n), p
-    assert live.state.policy.by_key  # per-row auto: the n-gram keys' estimates, learnt in the server
+    assert live.state.policy.length.by_key  # per-row auto: the n-gram keys' estimates, learnt in the server
 
 
 @pytest.mark.parametrize("kind", ["eagle-tree", "eagle-chain", "medusa-tree"])

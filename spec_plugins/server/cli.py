@@ -22,10 +22,10 @@ def build_state(decoder: Any, max_batch: int = 8, max_input_tokens: int | None =
     ``draft_policy='load'``: ``AutoDraftLength`` over the forward cost measured once at startup
     per (batch rows, positions per row), corrected online by the served forwards: per-row keys,
     shadow drafts, and shorter drafts as the batch grows, down to none. ``'fixed'``: always the
-    configured length."""
+    configured length (``policy.draft_policy.build_policy``)."""
     from spec_plugins.loop import Batch
-    from spec_plugins.policy import AutoDraftLength, FixedLength
-    from spec_plugins.policy.cost import cost_for, draft_cost_for, online_for
+    from spec_plugins.policy import DEFAULTS, build_policy, setup_costs
+    from spec_plugins.policy.draft_length import FixedLength
     from spec_plugins.server.app import ServerState
     from spec_plugins.server.scheduler import Scheduler
 
@@ -36,29 +36,22 @@ def build_state(decoder: Any, max_batch: int = 8, max_input_tokens: int | None =
     inputs = max_input_tokens or max(1, total // 2)
     if draft_policy not in ("load", "fixed"):
         raise ValueError(f"draft policy must be 'load' or 'fixed', got {draft_policy!r}")
-    proposer = decoder.proposer
-    k = 0
-    if proposer is not None:
-        k_cfg = decoder.config.proposer.num_draft_tokens if decoder.config and decoder.config.proposer else 5
-        k = 8 if k_cfg == "auto" else int(k_cfg)
-    policy: Any = None
-    cost_table: dict[str, float] = {}
-    if proposer is not None and k > 0 and draft_policy == "load":
-        sizes = sorted({b for b in (1, 4, 16, 64) if b < max_batch} | {max_batch})
-        base = cost_for(target, rows=sizes, max_positions=k + 1, context=calibrate_context)
-        cost_table = base.to_dict()["table"]
-        # a padded verify also processes B x (k+1) logits rows, which the timed forward does not:
-        # drafting must beat not drafting by 5 %
-        policy = AutoDraftLength(online_for(target, base), draft_cost_for(target, proposer), max_k=k, min_gain=1.05)
-    elif proposer is not None:
-        policy = FixedLength(k)
+    proposer, section = decoder.proposer, decoder.section
+    # the forward costs of every batch size the server runs (measured once, here)
+    sizes = sorted({b for b in (1, 4, 16, 64) if b < max_batch} | {max_batch})
+    costs = setup_costs(target, proposer, section, rows=sizes, costs=decoder.costs, length=draft_policy,
+                        context=calibrate_context)
+    policy = build_policy(section, proposer, costs, decoder.sizer, length=draft_policy)
+    k = policy.length.max_k if not isinstance(policy.length, FixedLength) else policy.length.k
+    cost_table = costs.forward.base.to_dict()["table"] if costs is not None else {}
     seed = decoder.config.sampling.seed if decoder.config else 0
     batch = Batch(target, proposer, decoder.verifier, decoder.eos_ids(), seed=seed)
     sched = Scheduler(batch, max_batch, max_queue, policy)
-    info = {"speculation": {"proposer": _proposer_name(proposer), "max_draft_length": k, "draft_policy": draft_policy if k else "off",
-                            "lossy": batch.lossy, "forward_cost_seconds": cost_table}}
-    return ServerState(sched, decoder.tokenizer, model_id or "spec-plugins", inputs, total, policy=policy,
-                       max_draft_length=k, info_extra=info)
+    info = {"speculation": {"proposer": section.type if section is not None else None, "max_draft_length": k,
+                            "draft_policy": draft_policy if k else "off", "lossy": batch.lossy,
+                            "forward_cost_seconds": cost_table, "defaults": vars(DEFAULTS)}}
+    return ServerState(sched, decoder.tokenizer, model_id or "spec-plugins", inputs, total,
+                       policy=policy if proposer is not None else None, max_draft_length=k, info_extra=info)
 
 
 def _check_port(host: str, port: int) -> None:
@@ -71,14 +64,6 @@ def _check_port(host: str, port: int) -> None:
             s.bind((host, port))
     except OSError as exc:
         fail(f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})")
-
-
-def _proposer_name(proposer: Any) -> str | None:
-    """The registered ``type`` of a proposer object (from its Config), configured or built by hand."""
-    if proposer is None:
-        return None
-    cfg = getattr(proposer, "config", None)
-    return getattr(cfg, "type", None) or type(proposer).Config.model_fields["type"].default
 
 
 @app.command("serve")
