@@ -22,7 +22,7 @@ import torch
 from pydantic import Field, model_validator
 
 from spec_plugins.backends import torch_kernels
-from spec_plugins.backends.slots import HOST, KVSlots, additive, pad_slots
+from spec_plugins.slots import HOST, KVSlots, additive, pad_slots
 from spec_plugins.config import ProposerConfig
 from spec_plugins.heads.eagle import EagleDrafter
 from spec_plugins.heads.runner import OrtEagleLayer, head_session, pick_engine
@@ -81,7 +81,7 @@ class EagleProposer(Proposer):
         self.dtype = drafter.lm_weight.dtype
         self.device = drafter.lm_weight.device  # the target's: the head was built there
         self.k, self.v = drafter.empty_past(0, self.dtype)  # [B, H, S, D] over the slot layer's slots
-        self.slots = KVSlots()  # position of each cached pair, -1 = hole (``backends/slots.py``)
+        self.slots = KVSlots()  # position of each cached pair, -1 = hole (``spec_plugins/slots.py``)
         self.fed: list[int] = []  # per row: pairs (f_j, x_{j+1}) cached for j < fed
 
     # ---- cache: the shared slot layer, one drafter layer ------------------------------------------
