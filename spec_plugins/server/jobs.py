@@ -62,26 +62,20 @@ class Detokenizer:
 
 def submit(state: Any, prep: Prepared) -> Job:
     """Queue one row; 429 when the queue is full, 503 while shutting down."""
-    job = Job(prep.row, asyncio.get_running_loop())
+    return submit_all(state, [prep])[0]
+
+
+def submit_all(state: Any, preps: Sequence[Prepared]) -> list[Job]:
+    """Queue every row of a request at once, or none: 429 when the queue has no room for all,
+    503 while shutting down."""
+    loop = asyncio.get_running_loop()
+    jobs = [Job(p.row, loop) for p in preps]
     try:
-        state.scheduler.submit(job)
+        state.scheduler.submit(jobs)
     except OverflowError as exc:
         raise ApiError(429, str(exc), "overloaded") from None
     except RuntimeError as exc:
         raise ApiError(503, str(exc), "overloaded") from None
-    return job
-
-
-def submit_all(state: Any, preps: Sequence[Prepared]) -> list[Job]:
-    """Queue every row of a request, or none (rows queued before a refusal are cancelled)."""
-    jobs: list[Job] = []
-    try:
-        for p in preps:
-            jobs.append(submit(state, p))
-    except ApiError:
-        for j in jobs:
-            state.scheduler.cancel(j)
-        raise
     return jobs
 
 
