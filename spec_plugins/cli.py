@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -30,6 +31,24 @@ def fail(msg: str) -> None:
     raise typer.Exit(2)
 
 
+def check_finite(value: float | None, flag: str) -> None:
+    """A number from the command line that must be a number (typer lets nan and inf through)."""
+    if value is not None and not math.isfinite(value):
+        fail(f"{flag} {value}: give a finite number")
+
+
+def check_output_file(path: Path, flag: str = "--out") -> None:
+    """An output file from the command line, checked before any model loads or any measurement
+    runs: not a directory, in an existing directory we may write to."""
+    if path.is_dir():
+        fail(f"{flag} {path} is a directory; give a file name")
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        fail(f"{flag} {path}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        fail(f"{flag} {path}: cannot write there")
+
+
 def check_output_dir(path: Path, flag: str = "--out") -> None:
     """An output directory from the command line, checked before any model loads: not an
     existing file, under a writable directory."""
@@ -44,7 +63,8 @@ def check_output_dir(path: Path, flag: str = "--out") -> None:
 def generate(
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text (wrapped in the chat template if any)."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML/JSON SpecConfig (default: built-in)."),
-    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", min=0),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", min=1,
+                                       help="Tokens to generate (at least 1, as the server's max_new_tokens)."),
     temperature: Optional[float] = typer.Option(None, "--temperature", "-t", min=0.0,
                                                 help="0 = greedy; below 1e-5 also greedy (the limit of sampling)."),
     seed: Optional[int] = typer.Option(None, "--seed", min=0, max=2**63 - 1),
@@ -59,6 +79,9 @@ def generate(
     from spec_plugins.decoder import SpeculativeDecoder
     from spec_plugins.stats import DecodeStats
 
+    if not prompt:
+        fail("--prompt cannot be empty")
+    check_finite(temperature, "--temperature")
     if any(s == "" for s in stop):
         fail("--stop: stop strings must not be empty")
     try:

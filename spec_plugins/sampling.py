@@ -50,7 +50,10 @@ class LogitsPipeline:
             sorted_x, order = torch.sort(x, dim=-1, descending=True)
             probs = sorted_x.softmax(-1)
             before = probs.cumsum(-1) - probs  # mass strictly above each token
-            drop_sorted = before >= s.top_p  # the top token always survives (before = 0)
+            drop_sorted = before >= s.top_p
+            # the top token always survives: a top_p below float32's smallest number rounds to 0,
+            # and 0 >= 0 would otherwise drop every token
+            drop_sorted[..., 0] = False
             drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
             x = x.masked_fill(drop, float("-inf"))
         return x

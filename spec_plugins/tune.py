@@ -16,6 +16,7 @@ The written YAML carries the measured numbers and the command in its comments.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -64,16 +65,21 @@ class Measured:
     mean_accepted: float | None = None
 
 
+MAX_BUDGET_SECONDS = 7 * 24 * 3600
+
+
 def parse_budget(text: str) -> float:
-    """'5m', '90s', '1h', '300' -> seconds."""
+    """'5m', '90s', '1h', '300' -> seconds; finite, positive, at most a week."""
     unit = {"s": 1, "m": 60, "h": 3600}.get(text[-1:].lower(), None)
     try:
-        value = float(text[:-1] if unit else text)
+        value = float(text[:-1] if unit else text) * (unit or 1)
     except ValueError:
         raise TuneError(f"--budget {text!r}: use e.g. 5m, 90s or 1h") from None
-    if value <= 0:
-        raise TuneError(f"--budget {text!r} must be positive")
-    return value * (unit or 1)
+    if not math.isfinite(value) or value <= 0:  # nan fails both
+        raise TuneError(f"--budget {text!r} must be a positive, finite time")
+    if value > MAX_BUDGET_SECONDS:
+        raise TuneError(f"--budget {text!r} is {value:.3g} s; at most {MAX_BUDGET_SECONDS // 3600} h")
+    return value
 
 
 def installed_runtimes() -> list[str]:

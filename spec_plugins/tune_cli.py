@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from spec_plugins.cli import app, fail
+from spec_plugins.cli import app, check_output_file, fail
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "examples" / "prompts" / "dev.jsonl"
 
@@ -27,6 +27,7 @@ def tune_cmd(
 ) -> None:
     """Measure runtimes and proposers on your prompts; write the fastest exact config."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    check_output_file(out)  # before anything is measured: the result must have somewhere to go
     from spec_plugins.bench.prompts import load_prompts
     from spec_plugins.tune import Budget, TuneError, installed_runtimes, parse_budget, render_yaml, tune
 

@@ -236,7 +236,7 @@ def test_bad_requests_get_tgi_errors_and_server_keeps_serving(live, route):
 
 def test_bad_chat_requests(live):
     cases = [({"messages": []}, "`messages` cannot be empty"),
-             ({"messages": [{"role": "user", "content": "w2"}], "n": 3}, "`n` is not supported"),
+             ({"messages": [{"role": "user", "content": "w2"}], "n": 9}, "`n` must be <= 4 (--max-batch"),
              ({"messages": [{"role": "user", "content": "w2"}], "temperature": 9}, "temperature"),
              ({"messages": [{"role": "user", "content": "w2"}], "mystery": 1}, "unknown field `mystery`")]
     for body, msg in cases:

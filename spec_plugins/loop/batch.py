@@ -94,6 +94,8 @@ class Batch:
         self.rows: list[Row] = []
         self._pipes: dict[tuple, LogitsPipeline] = {}
         self._rp: tuple[tuple, RowPipelines] | None = None  # the current rows' RowPipelines, by pipeline ids
+        self.top_logprobs = 0  # alternatives reported with each emitted token's logprob (a server sets it)
+        self._logits: torch.Tensor | None = None  # this round's raw target logits: logprobs read them
         self._select([])  # the runtime and proposer start with no rows (a previous batch may have left some)
 
     def __len__(self) -> int:
@@ -129,7 +131,7 @@ class Batch:
             r.hidden = step.hidden[b] if step.hidden is not None else None
         self.rows += new
         out += [Emission(r.key, [], [], "error", r.error) if r.error
-                else self._emit(r, [verdict.next_tokens[b]], z[b], [0]) for b, r in enumerate(new)]
+                else self._emit(r, [verdict.next_tokens[b]], step.logits[b, -1:], [0]) for b, r in enumerate(new)]
         self.stats.observe_admit(len(new), self.clock() - t0)
         return out
 
@@ -221,6 +223,7 @@ class Batch:
 
     def process(self, logits: torch.Tensor, tokens: torch.Tensor, tree: TreeLayout) -> torch.Tensor:
         """Each row's sampling pipeline over every node, with the prefix that node would have."""
+        self._logits = logits
         return self._process(self.rows, logits, tokens, tree.parents)
 
     def _process(self, rows: Sequence[Row], logits: torch.Tensor, tokens: torch.Tensor,
@@ -276,9 +279,10 @@ class Batch:
                 out.append(Emission(r.key, [], [], "error", r.error))
                 continue
             toks = [host[b][j + 1] for j in verdict.accepted[b]] + [verdict.next_tokens[b]]
-            out.append(self._emit(r, toks, z[b], keep[b]))
+            out.append(self._emit(r, toks, self._logits[b], keep[b]))
             if hidden is not None:
                 r.hidden = hidden[b, keep[b]]
+        self._logits = None  # not held between rounds
         return out
 
     def observe(self, record: RoundRecord) -> None:
@@ -329,8 +333,9 @@ class Batch:
                 accepted[b], nxt[b] = list(v.accepted[j]), int(v.next_tokens[j])
         return Verdict(accepted, nxt)
 
-    def _emit(self, row: Row, toks: list[int], z_row: torch.Tensor, at: Sequence[int]) -> Emission:
-        """Append tokens to a row, stopping at EOS, its limit or its stop rule."""
+    def _emit(self, row: Row, toks: list[int], logits_row: torch.Tensor, at: Sequence[int]) -> Emission:
+        """Append tokens to a row, stopping at EOS, its limit or its stop rule (``logits_row``
+        [N, V]: the row's raw target logits, for logprobs)."""
         out: list[int] = []
         for t in toks[: row.max_new - row.n_new]:
             out.append(t)
@@ -346,17 +351,34 @@ class Batch:
         if row.finish_reason is None and row.n_new >= row.max_new:
             row.finish_reason = "length"
         row.done = row.finish_reason is not None
-        lps = _logprobs(z_row, at, out) if row.logprobs else []
+        lps = _logprobs(logits_row, at, out, self.top_logprobs) if row.logprobs else []
         return Emission(row.key, out, lps, row.finish_reason)
 
 
-def _logprobs(z_row: torch.Tensor, at: Sequence[int], toks: Sequence[int]) -> list[float]:
-    """log p(token) under the processed logits it was emitted from (``z_row`` [N, V])."""
+class TokenLogprob(float):
+    """An emitted token's log-probability; ``top``: the most likely tokens at its position,
+    ``(id, logprob)`` best first (``Batch.top_logprobs`` of them, none by default)."""
+
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def _finite(x: float) -> float:
+    # a finite float for JSON: the floor only guards the serialisation
+    return x if math.isfinite(x) else -1e30
+
+
+def _logprobs(logits_row: torch.Tensor, at: Sequence[int], toks: Sequence[int], top: int = 0) -> list[float]:
+    """The target's log p(token) at the position it was emitted from: log-softmax of the raw
+    logits (``logits_row`` [N, V]), before repetition penalty, temperature, top-k and top-p, so
+    every sampling setting that emits a token reports the same number for it."""
     n = min(len(at), len(toks))
     if n == 0:
         return []
-    lp = z_row[list(at[:n])].float().log_softmax(-1)
+    lp = logits_row[list(at[:n])].float().log_softmax(-1)
     idx = torch.tensor(list(toks[:n]), device=lp.device)[:, None]
-    # a finite float for JSON: an emitted token always has a finite log-probability under the
-    # logits it came from; the floor only guards the serialisation
-    return [x if math.isfinite(x) else -1e30 for x in lp.gather(-1, idx).squeeze(-1).tolist()]
+    out = [TokenLogprob(_finite(x)) for x in lp.gather(-1, idx).squeeze(-1).tolist()]
+    if top > 0:
+        vals, ids = lp.topk(min(top, lp.shape[-1]), dim=-1)
+        for o, vs, ts in zip(out, vals.tolist(), ids.tolist()):
+            o.top = tuple((t, _finite(v)) for t, v in zip(ts, vs))
+    return out

@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import typer
 
-from spec_plugins.cli import app, fail, load_config
+from spec_plugins.cli import app, check_finite, fail, load_config
 
 log = logging.getLogger("spec_plugins.server")
 
@@ -82,6 +82,8 @@ def serve(
     no_speculation: bool = typer.Option(False, "--no-speculation", help="Plain decoding (same batching)."),
     shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout", min=0.0,
                                            help="Seconds in-flight requests may finish after SIGTERM/SIGINT."),
+    body_timeout: float = typer.Option(30.0, "--body-timeout", min=0.001,
+                                       help="Seconds a client has to send its whole request body (then 408)."),
     ray: bool = typer.Option(False, "--ray", help="Serve as a Ray Serve deployment (replicas behind Ray's proxy)."),
     replicas: int = typer.Option(1, "--replicas", min=1, help="--ray: replicas, each with its model and batch."),
     autoscale: Optional[str] = typer.Option(None, "--autoscale", help="--ray: MIN:MAX replicas, scaled on "
@@ -98,6 +100,9 @@ def serve(
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if draft_policy not in ("load", "fixed"):
         fail(f"--draft-policy must be 'load' or 'fixed', got {draft_policy!r}")
+    for flag, value in (("--shutdown-timeout", shutdown_timeout), ("--body-timeout", body_timeout),
+                        ("--num-cpus", num_cpus), ("--num-gpus", num_gpus)):
+        check_finite(value, flag)
     if max_input_tokens is not None and max_total_tokens is not None and max_input_tokens >= max_total_tokens:
         fail(f"--max-input-tokens ({max_input_tokens}) must be < --max-total-tokens ({max_total_tokens})")
     if ray or write_config is not None:
@@ -127,6 +132,7 @@ def serve(
         fail(str(exc))
         return
     state.shutdown_timeout = shutdown_timeout
+    state.body_timeout = body_timeout
     if host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding %s: the server has no authentication", host)
     uvicorn.run(create_app(state), host=host, port=port, log_level="info",

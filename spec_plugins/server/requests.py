@@ -1,82 +1,37 @@
-"""Request preparation for the HTTP routes: body parsing, token limits and sampling parameters,
-with TGI's messages and status codes."""
+"""Request preparation for the HTTP routes: tokenization under the token limits, and sampling
+parameters, with TGI's messages naming the fields the client used.
+
+Tokenizing runs in a worker thread (``body.offload``), and never on more text than the limits
+can use: a 4 MiB prompt costs the tokenizer about 1 GB and 3 s, so an input longer than the
+limit can possibly fit is refused on the count of its first characters (``encode_text``).
+"""
 
 from __future__ import annotations
 
-import json
 import random
+import re
 from dataclasses import dataclass
-from typing import Any
-
-from pydantic import ValidationError
+from typing import Any, Sequence
 
 from spec_plugins.config import SamplingConfig
-from spec_plugins.server.schemas import ApiError, ChatRequest, GenerateParameters, validation_message
+from spec_plugins.server.schemas import ApiError, GenerateParameters
 from spec_plugins.types import RowRequest
 
 DEFAULT_MAX_NEW_TOKENS = 256
+# A cut through the text may split a word into more tokens than the whole word has; the counts
+# below allow this many extra tokens for it.
+PROBE_MARGIN = 16
 
 
-MAX_BODY_BYTES = 4 << 20  # a prompt of a 32k-token context is ~130 KB of text; refuse more before parsing
-MAX_JSON_DEPTH = 32  # TGI's bodies nest 4 deep; refuse deeper before the parser recurses
+@dataclass(frozen=True)
+class Names:
+    """The request's fields as the client named them, for error messages."""
+
+    inputs: str = "inputs"
+    max_new_tokens: str = "max_new_tokens"
 
 
-def _nesting(body: bytes, cap: int) -> int:
-    """JSON nesting depth of ``body`` (brackets outside strings), stopping once past ``cap``."""
-    if body.count(b"[") + body.count(b"{") <= cap:  # the common case: no deeper than its brackets
-        return cap
-    depth = deepest = 0
-    in_str = esc = False
-    for c in body:
-        if in_str:
-            esc, in_str = (False, in_str) if esc else (c == 0x5C, c != 0x22)
-        elif c == 0x22:
-            in_str = True
-        elif c in (0x5B, 0x7B):
-            depth += 1
-            deepest = max(deepest, depth)
-            if deepest > cap:
-                return deepest
-        elif c in (0x5D, 0x7D):
-            depth -= 1
-    return deepest
-
-
-def _strings(obj: Any) -> Any:
-    """Every string (keys included) in a parsed JSON value."""
-    if isinstance(obj, str):
-        yield obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield k
-            yield from _strings(v)
-    elif isinstance(obj, list):
-        for v in obj:
-            yield from _strings(v)
-
-
-def _parse(model: type, body: bytes) -> Any:
-    """Body -> validated request: size and depth caps before parsing, valid Unicode after."""
-    if len(body) > MAX_BODY_BYTES:
-        raise ApiError(413, f"the request body has {len(body)} bytes; at most {MAX_BODY_BYTES} are accepted")
-    if _nesting(body, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
-        raise ApiError(422, f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels")
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"Failed to parse the request body as JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ApiError(422, f"Failed to deserialize the JSON body: expected an object, got {type(data).__name__}")
-    for text in _strings(data):
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:  # a lone surrogate ("\\ud800") is valid JSON, not valid text
-            raise ApiError(422, f"the request holds invalid Unicode: {exc.reason} at character {exc.start} of a "
-                                "string") from None
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise ApiError(422, validation_message(exc)) from None
+TGI = Names()
 
 
 @dataclass
@@ -100,21 +55,32 @@ def tenant_of(request: Any) -> str | None:
     return t
 
 
-def prepare(state: Any, ids: list[int], params: GenerateParameters, key: int, tenant: str | None = None) -> Prepared:
+def max_token_chars(tokenizer: Any) -> int:
+    """The longest vocabulary entry in characters. Byte-level BPE and SentencePiece entries spell
+    the text they stand for (one character per byte or more), so no token covers more text; a
+    tokenizer whose unknown token swallows whole words breaks this, and then ``encode_text``
+    only tokenizes more (its answers stay exact)."""
+    vocab = tokenizer.get_vocab()
+    return max((len(t) for t in vocab), default=1)
+
+
+def prepare(state: Any, ids: list[int], params: GenerateParameters, key: int, tenant: str | None = None,
+            names: Names = TGI) -> Prepared:
     """Token limits and sampling, with TGI's messages."""
     if params.truncate is not None:
         ids = ids[-params.truncate:]
     n_in = len(ids)
     if n_in == 0:
-        raise ApiError(422, "`inputs` cannot be empty")
+        raise ApiError(422, f"`{names.inputs}` cannot be empty")
     if n_in > state.max_input_tokens:
-        raise ApiError(422, f"`inputs` tokens must be <= {state.max_input_tokens} (--max-input-tokens). "
+        raise ApiError(422, f"`{names.inputs}` tokens must be <= {state.max_input_tokens} (--max-input-tokens). "
                             f"Given: {n_in}")
     room = state.max_total_tokens - n_in
     max_new = params.max_new_tokens if params.max_new_tokens is not None else min(room, DEFAULT_MAX_NEW_TOKENS)
     if n_in + max_new > state.max_total_tokens:
-        raise ApiError(422, f"`inputs` tokens + `max_new_tokens` must be <= {state.max_total_tokens}. "
-                            f"Given: {n_in} `inputs` tokens and {max_new} `max_new_tokens`")
+        raise ApiError(422, f"`{names.inputs}` tokens + `{names.max_new_tokens}` must be <= "
+                            f"{state.max_total_tokens}. Given: {n_in} `{names.inputs}` tokens and {max_new} "
+                            f"`{names.max_new_tokens}`")
     seed = None
     if params.sampling:
         seed = params.seed if params.seed is not None else random.randrange(2**63)
@@ -125,14 +91,69 @@ def prepare(state: Any, ids: list[int], params: GenerateParameters, key: int, te
     return Prepared(ids, params, RowRequest(key, ids, max_new, sampling, seed, logprobs=True, tenant=tenant), seed)
 
 
-def encode_text(state: Any, text: str) -> list[int]:
-    return list(state.tokenizer(text, add_special_tokens=True)["input_ids"])
+def _tokenize(tokenizer: Any, text: str, special: bool) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
 
 
-def encode_chat(state: Any, req: ChatRequest) -> list[int]:
+_WORD_START = re.compile(r"(?<=\S)\s")
+
+
+def encode_text(state: Any, text: str, truncate: int | None = None, names: Names = TGI,
+                special: bool = True) -> list[int]:
+    """Token ids of ``text`` (call it off the event loop), tokenizing no more than the limits use.
+
+    Without ``truncate``: a text longer than ``8 x`` (then ``max_token_chars x``) the token limit
+    is first counted on that many leading characters; more than the limit there (+ the margin)
+    and it is refused unread. With ``truncate``: a text longer than ``max_token_chars x
+    (truncate + margin + 1)`` characters is tokenized from a word start within that tail only,
+    which holds more than ``truncate`` tokens; its last ``truncate`` are the whole text's unless
+    one word spans the cut."""
+    tok, per = state.tokenizer, state.max_token_chars
+    limit = state.max_input_tokens
+    if truncate is not None and truncate <= limit:  # a longer truncate keeps more than the limit: as none
+        window = per * (truncate + PROBE_MARGIN + 1)
+        if len(text) > window:
+            tail = text[-window:]
+            cut = _WORD_START.search(tail, 0, PROBE_MARGIN * per)
+            return _tokenize(tok, tail[cut.start():] if cut else tail, special)[-truncate:]
+        return _tokenize(tok, text, special)
+    for size in sorted({8 * (limit + PROBE_MARGIN + 1), per * (limit + PROBE_MARGIN + 1)}):
+        if len(text) <= size:
+            break
+        n = len(_tokenize(tok, text[:size], special))
+        if n > limit + PROBE_MARGIN:
+            raise ApiError(422, f"`{names.inputs}` tokens must be <= {limit} (--max-input-tokens). Given: more "
+                                f"than {n - PROBE_MARGIN} (counted in its first {size} of {len(text)} characters)")
+    return _tokenize(tok, text, special)
+
+
+CHAT = Names("messages", "max_tokens")
+
+
+def render_chat(state: Any, messages: Sequence[Any]) -> str:
+    """The model's chat template over ``messages`` (``ChatMessage``), ready for the assistant."""
     tok = state.tokenizer
-    msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
-    if getattr(tok, "chat_template", None):
-        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    raise ApiError(422, "this model's tokenizer has no chat template; use /generate")
+    if not getattr(tok, "chat_template", None):
+        raise ApiError(422, "this model's tokenizer has no chat template; use /generate or /v1/completions")
+    from jinja2 import TemplateError
+
+    msgs = [{"role": m.template_role(), "content": m.text()} for m in messages]
+    try:
+        return tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    except TemplateError as exc:  # templates raise on what they do not take (roles out of order, ...)
+        raise ApiError(422, f"the model's chat template refused these `messages`: {exc}") from None
+
+
+def encode_chat(state: Any, messages: Sequence[Any], names: Names = CHAT) -> list[int]:
+    """Token ids of the rendered chat (as ``apply_chat_template(tokenize=True)``: the template
+    writes the special tokens itself), under the same limits as ``encode_text``."""
+    return encode_text(state, render_chat(state, messages), None, names, special=False)
+
+
+def check_token_ids(state: Any, ids: Sequence[int], field: str) -> list[int]:
+    """A prompt given as token ids: each a token of this model's vocabulary."""
+    vocab = state.vocab_size
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ApiError(422, f"`{field}`: token id {bad} is not in this model's vocabulary (0..{vocab - 1})")
+    return list(ids)

@@ -64,13 +64,16 @@ class Scheduler:
     def new_key(self) -> int:
         return next(self._ids)
 
-    def submit(self, job: Job) -> None:
+    def submit(self, job: Job | list[Job]) -> None:
+        """Queue a job, or several at once (a request's choices: admitted in the same round when
+        there is room, so their rows share a draft schedule)."""
+        jobs = job if isinstance(job, list) else [job]
         with self._cv:
             if self._stop:
                 raise RuntimeError("the server is shutting down")
-            if len(self._waiting) >= self.max_queue:
+            if len(self._waiting) + len(jobs) > self.max_queue:
                 raise OverflowError(f"queue is full ({self.max_queue} requests waiting)")
-            self._waiting.append(job)
+            self._waiting.extend(jobs)
             self._cv.notify()
 
     def cancel(self, job: Job) -> None:

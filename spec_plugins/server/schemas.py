@@ -8,7 +8,7 @@ implement are accepted at their neutral value (clients send them as null) and re
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import math
 
@@ -17,14 +17,18 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from spec_plugins.config import MAX_SEED, REPETITION_PENALTY_RANGE
 
 MAX_STOP_SEQUENCES = 4
+MAX_TOP_N_TOKENS = 5  # TGI's default --max-top-n-tokens
 
 
 class ApiError(Exception):
     """An error answered as TGI does: status code + ``{"error", "error_type"}``."""
 
-    def __init__(self, status: int, message: str, error_type: str = "validation") -> None:
+    def __init__(self, status: int, message: str, error_type: str = "validation",
+                 headers: dict[str, str] | None = None) -> None:
+        # client text quoted in a message may hold a lone surrogate, which UTF-8 cannot encode
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
-        self.status, self.message, self.error_type = status, message, error_type
+        self.status, self.message, self.error_type, self.headers = status, message, error_type, headers
 
     def body(self) -> dict[str, str]:
         return {"error": self.message, "error_type": self.error_type}
@@ -59,7 +63,7 @@ class GenerateParameters(BaseModel):
     frequency_penalty: float | None = None
     typical_p: float | None = None
     watermark: bool = False
-    top_n_tokens: int | None = None
+    top_n_tokens: int | None = Field(None, description="Most likely tokens reported per position (details).")
     grammar: Any = None
     adapter_id: str | None = None
 
@@ -115,6 +119,13 @@ class GenerateParameters(BaseModel):
             raise ValueError("`stop` sequences must not be empty")
         return v
 
+    @field_validator("top_n_tokens")
+    @classmethod
+    def _top_n(cls, v: int | None) -> int | None:
+        if v is not None and not (0 <= v <= MAX_TOP_N_TOKENS):
+            raise ValueError(f"`top_n_tokens` must be >= 0 and <= {MAX_TOP_N_TOKENS}. Given: {v}")
+        return v
+
     @field_validator("truncate")
     @classmethod
     def _truncate(cls, v: int | None) -> int | None:
@@ -129,7 +140,6 @@ class GenerateParameters(BaseModel):
         _neutral("frequency_penalty", self.frequency_penalty, (None, 0.0))
         _neutral("typical_p", self.typical_p, (None, 1.0))
         _neutral("watermark", self.watermark, (False,))
-        _neutral("top_n_tokens", self.top_n_tokens, (None, 0))
         _neutral("grammar", self.grammar)
         _neutral("adapter_id", self.adapter_id)
         return self
@@ -159,98 +169,6 @@ class GenerateRequest(BaseModel):
     @classmethod
     def _params_none(cls, v: Any) -> Any:
         return {} if v is None else v
-
-
-class ContentPart(BaseModel):
-    """An OpenAI content part; this text-only server takes ``{"type": "text", "text": str}``."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
-        return self.content or ""
-
-
-class ChatRequest(BaseModel):
-    """OpenAI chat completions, as TGI serves them."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    messages: list[ChatMessage]
-    model: str | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    repetition_penalty: float | None = None
-    # OpenAI/TGI fields accepted at their neutral values only
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: Any = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    n: int | None = None
-    response_format: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    tool_prompt: str | None = None
-    user: str | None = None
-
-    @field_validator("messages")
-    @classmethod
-    def _messages(cls, v: list[ChatMessage]) -> list[ChatMessage]:
-        if not v:
-            raise ValueError("`messages` cannot be empty")
-        return v
-
-    @field_validator("temperature")
-    @classmethod
-    def _temp(cls, v: float | None) -> float | None:
-        if v is not None and not (0.0 <= v <= 2.0):
-            raise ValueError("`temperature` must be between 0 and 2")
-        return v
-
-    @model_validator(mode="after")
-    def _unsupported(self) -> "ChatRequest":
-        _neutral("frequency_penalty", self.frequency_penalty, (None, 0.0))
-        _neutral("presence_penalty", self.presence_penalty, (None, 0.0))
-        _neutral("logit_bias", self.logit_bias, (None, {}, []))
-        _neutral("logprobs", self.logprobs, (None, False))
-        _neutral("top_logprobs", self.top_logprobs, (None, 0))
-        _neutral("n", self.n, (None, 1))
-        _neutral("response_format", self.response_format)
-        _neutral("tools", self.tools, (None, []))
-        _neutral("tool_choice", self.tool_choice, (None, "none", "auto"))
-        return self
-
-    def to_parameters(self) -> GenerateParameters:
-        """TGI's mapping: temperature 0 = greedy, otherwise sample (OpenAI's default is 1)."""
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        greedy = self.temperature == 0.0
-        return GenerateParameters(
-            max_new_tokens=self.max_completion_tokens or self.max_tokens,
-            do_sample=not greedy,
-            temperature=None if greedy else self.temperature,
-            top_p=self.top_p if self.top_p not in (None, 1.0) else None,
-            seed=self.seed,
-            stop=stop,
-            repetition_penalty=self.repetition_penalty,
-        )
 
 
 def validation_message(exc: Any) -> str:

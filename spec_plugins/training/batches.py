@@ -15,7 +15,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from spec_plugins.training.features import FeatureStore, Shard
+from spec_plugins.training.features import Shard, ShardSource
 
 IGNORE = -100
 
@@ -28,14 +28,13 @@ class Window:
     position: int  # position of query 0 within its conversation (RoPE)
 
 
-def _read(store: FeatureStore, i: int, names: Sequence[str]) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
+def _read(store: ShardSource, i: int, names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """Some arrays of shard i (on the CPU) without its features; any store with ``read`` works
+    (``live.LiveFeatures`` reads token shards and computes features on demand)."""
+    return store.read(i, names)
 
-    with safe_open(str(store.shards[i]), framework="pt") as f:
-        return {n: f.get_tensor(n) for n in names}
 
-
-def plan_windows(store: FeatureStore, window: int, max_tokens: int | None = None) -> list[Window]:
+def plan_windows(store: ShardSource, window: int, max_tokens: int | None = None) -> list[Window]:
     """Windows of up to ``window`` queries over every conversation, skipping windows with no
     trained label; with ``max_tokens``, only the first conversations up to that many tokens (a
     data-size sweep trains on prefixes of one extraction)."""
@@ -56,7 +55,7 @@ def plan_windows(store: FeatureStore, window: int, max_tokens: int | None = None
     return out
 
 
-def token_counts(store: FeatureStore, vocab: int, windows: Sequence[Window] | None = None) -> torch.Tensor:
+def token_counts(store: ShardSource, vocab: int, windows: Sequence[Window] | None = None) -> torch.Tensor:
     """How often each token is an assistant token in the (used part of the) training data."""
     counts = torch.zeros(vocab, dtype=torch.long)
     shards = sorted({w.shard for w in windows}) if windows is not None else range(len(store.shards))
@@ -84,7 +83,7 @@ def epoch_batches(windows: Sequence[Window], batch: int, seed: int, epoch: int) 
 class ShardCache:
     """The one shard in memory."""
 
-    def __init__(self, store: FeatureStore) -> None:
+    def __init__(self, store: ShardSource) -> None:
         self.store, self.index, self.shard = store, -1, None
 
     def get(self, i: int) -> Shard:
@@ -114,9 +113,11 @@ def eagle_batch(shard: Shard, windows: Sequence[Window], fused: bool) -> EagleBa
     if fused and shard.layers.shape[1] == 0:
         raise ValueError("these features hold no layer outputs (extracted with --layers none); "
                          "train without fused features or extract again")
-    b = EagleBatch(torch.zeros(B, T, F), torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, dtype=torch.long),
-                   torch.zeros(B, T, dtype=torch.bool), torch.zeros(B, T, dtype=torch.bool), torch.zeros(B, T, H),
-                   torch.zeros(B, T), torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, dtype=torch.long))
+    dev = shard.hidden.device  # the batch is built where the features are (a GPU run keeps them there)
+    f32, i64, b8 = dict(device=dev), dict(dtype=torch.long, device=dev), dict(dtype=torch.bool, device=dev)
+    b = EagleBatch(torch.zeros(B, T, F, **f32), torch.zeros(B, T, **i64), torch.zeros(B, T, **i64),
+                   torch.zeros(B, T, **b8), torch.zeros(B, T, **b8), torch.zeros(B, T, H, **f32),
+                   torch.zeros(B, T, **f32), torch.zeros(B, T, **i64), torch.zeros(B, T, **i64))
     for r, w in enumerate(windows):
         j = slice(w.start, w.start + w.length)
         j1 = slice(w.start + 1, w.start + 1 + w.length)
@@ -124,7 +125,7 @@ def eagle_batch(shard: Shard, windows: Sequence[Window], fused: bool) -> EagleBa
         n = w.length
         b.feat[r, :n] = (shard.layers[j].flatten(1) if fused else shard.hidden[j]).float()
         b.tok[r, :n] = shard.tokens[j1]
-        b.pos[r, :n] = torch.arange(w.position, w.position + n)
+        b.pos[r, :n] = torch.arange(w.position, w.position + n, device=dev)
         b.valid[r, :n] = True
         b.label_ok[r, :n] = shard.trained[j2]
         b.next_hidden[r, :n] = shard.hidden[j1].float()

@@ -24,22 +24,24 @@ from spec_plugins.heads.common import save_head
 from spec_plugins.heads.eagle import EagleConfig, EagleDrafter
 from spec_plugins.training.batches import (EagleBatch, ShardCache, Window, batches_for_steps, eagle_batch,
                                            epoch_batches, plan_windows, soft_labels, token_counts)
-from spec_plugins.training.features import FeatureStore
-from spec_plugins.training.trainer import IGNORE, Loop, TrainConfig, TrainResult, map_vocab
+from spec_plugins.training.features import ShardSource
+from spec_plugins.training.trainer import IGNORE, Loop, StepHook, TrainConfig, TrainResult, map_vocab
 
 
 def unroll_masks(valid: torch.Tensor, steps: int) -> list[torch.Tensor]:
     """Additive masks for unroll step s over keys [step0 | step1 | ... | step s], each T long:
     query j sees step-0 keys i <= j-s and the step-r key at exactly i = j-s+r (its draft path)."""
     B, T = valid.shape
-    j = torch.arange(T)[:, None]
-    i = torch.arange(T)[None, :]
+    dev = valid.device
+    j = torch.arange(T, device=dev)[:, None]
+    i = torch.arange(T, device=dev)[None, :]
     out = []
     for s in range(steps):
         parts = [(i <= j - s)] + [(i == j - s + r) for r in range(1, s + 1)]
         ok = torch.cat(parts, 1)[None] & valid.repeat(1, s + 1)[:, None, :]
-        ok = ok | torch.cat([torch.zeros(T, T * s, dtype=torch.bool), torch.eye(T, dtype=torch.bool)], 1)[None]
-        out.append(torch.zeros(B, 1, T, T * (s + 1)).masked_fill(~ok[:, None], float("-inf")))
+        ok = ok | torch.cat([torch.zeros(T, T * s, dtype=torch.bool, device=dev),
+                             torch.eye(T, dtype=torch.bool, device=dev)], 1)[None]
+        out.append(torch.zeros(B, 1, T, T * (s + 1), device=dev).masked_fill(~ok[:, None], float("-inf")))
     return out
 
 
@@ -94,7 +96,7 @@ def eagle_loss(model: EagleDrafter, b: EagleBatch, cfg: TrainConfig, vmap: torch
 
 
 @torch.no_grad()
-def evaluate(model: EagleDrafter, store: FeatureStore, window: int = 512, steps: int = 5, batch: int = 4,
+def evaluate(model: EagleDrafter, store: ShardSource, window: int = 512, steps: int = 5, batch: int = 4,
              max_windows: int | None = None) -> dict[str, Any]:
     """Held-out top-1 (the drafter's token == the target's greedy token) per unroll step, and
     the chain length the drafter would get accepted along the held-out text: 1 + sum over depth
@@ -151,10 +153,10 @@ def build_drafter(target_model: Any, vocab_ids: torch.Tensor, feature_layers: tu
     H = lm.shape[1]
     hcfg = EagleConfig(H, num_heads=heads, num_kv_heads=kv, intermediate_size=intermediate or 2 * H,
                        rope_theta=float(rope), draft_vocab_size=int(vocab_ids.numel()), feature_layers=feature_layers)
-    return EagleDrafter(hcfg, lm.float(), emb.float(), vocab_ids)
+    return EagleDrafter(hcfg, lm.float(), emb.float(), vocab_ids).to(lm.device)  # trained where the target is
 
 
-def draft_vocab(store: FeatureStore, windows: list[Window], size: int, vocab: int) -> tuple[torch.Tensor, float]:
+def draft_vocab(store: ShardSource, windows: list[Window], size: int, vocab: int) -> tuple[torch.Tensor, float]:
     """The ``size`` most frequent assistant tokens of the training data (ascending ids), and the
     share of assistant tokens they cover."""
     from spec_plugins.heads.common import draft_vocab as pick
@@ -164,10 +166,11 @@ def draft_vocab(store: FeatureStore, windows: list[Window], size: int, vocab: in
     return ids, float(counts[ids].sum()) / max(1, int(counts.sum()))
 
 
-def train_eagle(store: FeatureStore, target_model: Any, cfg: TrainConfig, out: str | Path, fused: bool = True,
-                vocab_size: int = 8192, intermediate: int | None = None, heldout: FeatureStore | None = None,
-                progress: bool = True) -> dict[str, Any]:
-    """Train (or resume) a drafter on ``store``; returns the report written to train_report.json."""
+def train_eagle(store: ShardSource, target_model: Any, cfg: TrainConfig, out: str | Path, fused: bool = True,
+                vocab_size: int = 8192, intermediate: int | None = None, heldout: ShardSource | None = None,
+                progress: bool = True, hook: StepHook | None = None) -> dict[str, Any]:
+    """Train (or resume) a drafter on ``store``; returns the report written to train_report.json.
+    ``hook`` runs after every step (snapshots, a deadline: ``trainer.StepHook``)."""
     out = Path(out)
     torch.manual_seed(cfg.seed)
     layers = tuple(store.meta["layers"]) if fused else ()
@@ -179,9 +182,9 @@ def train_eagle(store: FeatureStore, target_model: Any, cfg: TrainConfig, out: s
     V = target_model.get_output_embeddings().weight.shape[0]
     vocab_ids, coverage = draft_vocab(store, windows, vocab_size, V)
     model = build_drafter(target_model, vocab_ids, layers, intermediate)
-    vmap = map_vocab(vocab_ids, V)
+    vmap = map_vocab(model.vocab_ids, V)
     per_epoch = -(-len(windows) // cfg.batch_size)
-    loop = Loop(model, cfg, out, per_epoch, "eagle", model.config.to_dict(), progress)
+    loop = Loop(model, cfg, out, per_epoch, "eagle", model.config.to_dict(), progress, hook)
     plan = dict(batches_for_steps(windows, cfg.batch_size, cfg.seed, loop.total))
     cache = ShardCache(store)
 
@@ -190,12 +193,12 @@ def train_eagle(store: FeatureStore, target_model: Any, cfg: TrainConfig, out: s
         torch.manual_seed(cfg.seed * 7919 + step)  # noise reproducible across resume
         return eagle_loss(model, eagle_batch(cache.get(bw[0].shard), bw, fused), cfg, vmap)
 
-    res = loop.run(loss_at)
+    res = loop.run(loss_at, lambda step: sum(w.length for w in plan[step]))
     return _finish(model, res, cfg, out, store, windows, coverage, heldout)
 
 
-def _finish(model: EagleDrafter, res: TrainResult, cfg: TrainConfig, out: Path, store: FeatureStore,
-            windows: list[Window], coverage: float, heldout: FeatureStore | None) -> dict[str, Any]:
+def _finish(model: EagleDrafter, res: TrainResult, cfg: TrainConfig, out: Path, store: ShardSource,
+            windows: list[Window], coverage: float, heldout: ShardSource | None) -> dict[str, Any]:
     if not res.finished:
         return {"kind": "eagle", "finished": False, "steps_done": res.steps, "steps": res.scheduled,
                 "checkpoint": str(out / "checkpoint.pt")}

@@ -22,7 +22,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -83,12 +83,31 @@ class Shard:
 def target_outputs(model: Any, ids: torch.Tensor, layers: Sequence[int]) -> dict[str, torch.Tensor]:
     """One forward over ``ids`` [1, T]: final-normed hidden, the chosen layer outputs (float32),
     lse and top-1."""
+    return {k: v.float() if v.is_floating_point() else v
+            for k, v in batch_outputs(model, ids, [ids.shape[1]], layers).items()}
+
+
+@torch.inference_mode()
+def batch_outputs(model: Any, ids: torch.Tensor, lengths: Sequence[int], layers: Sequence[int],
+                  logit_rows: int = 8192) -> dict[str, torch.Tensor]:
+    """One forward over right-padded rows ``ids`` [B, T] (row b is real up to ``lengths[b]``):
+    the outputs at the real positions, row after row ([N] / [N, H], N = sum of lengths). Padding
+    sits after every real position, so causal attention never reads it: no mask is needed.
+    Hidden states keep the model's dtype; lse and top-1 come from float32 logits, computed
+    ``logit_rows`` positions at a time (a GPU batch of 64k positions would need 13 GB at once)."""
     out = model.get_decoder()(input_ids=ids, output_hidden_states=bool(layers))
-    h = out.last_hidden_state[0]  # [T, H]
-    logits = model.get_output_embeddings()(h).float()
-    sel = (torch.stack([out.hidden_states[i][0] for i in layers], 1) if layers
+    real = torch.arange(ids.shape[1], device=ids.device)[None, :] < torch.tensor(lengths, device=ids.device)[:, None]
+    h = out.last_hidden_state[real]  # [N, H]
+    sel = (torch.stack([out.hidden_states[i][real] for i in layers], 1) if layers
            else h.new_zeros(h.shape[0], 0, h.shape[1]))
-    return {"hidden": h.float(), "layers": sel.float(), "lse": torch.logsumexp(logits, -1), "top1": logits.argmax(-1)}
+    head = model.get_output_embeddings()
+    w, bias = head.weight.float(), None if getattr(head, "bias", None) is None else head.bias.float()
+    lse, top1 = [], []
+    for a in range(0, h.shape[0], logit_rows):
+        logits = torch.nn.functional.linear(h[a: a + logit_rows].float(), w, bias)
+        lse.append(torch.logsumexp(logits, -1))
+        top1.append(logits.argmax(-1))
+    return {"hidden": h, "layers": sel, "lse": torch.cat(lse), "top1": torch.cat(top1)}
 
 
 class ShardWriter:
@@ -189,6 +208,23 @@ def extract(model: Any, examples: Iterable[tuple[list[int], list[bool]]], out: P
     return writer.state
 
 
+class ShardSource(Protocol):
+    """What the trainers read: shards by index, their token arrays without features (``read``),
+    whole shards with features (``load``). ``FeatureStore`` reads them from disk;
+    ``live.LiveFeatures`` computes the features on demand from token shards."""
+
+    directory: Path
+    shards: list[Path]
+    meta: dict
+
+    @property
+    def tokens(self) -> int: ...
+
+    def load(self, i: int) -> Shard: ...
+
+    def read(self, i: int, names: Sequence[str]) -> dict[str, torch.Tensor]: ...
+
+
 class FeatureStore:
     """The shards of one extraction, read one at a time (the trainer streams them)."""
 
@@ -213,6 +249,13 @@ class FeatureStore:
 
     def load(self, i: int) -> Shard:
         return Shard.load(self.shards[i])
+
+    def read(self, i: int, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Some tensors of shard i (e.g. ``offsets``, ``trained``) without loading its features."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.shards[i]), framework="pt") as f:
+            return {n: f.get_tensor(n) for n in names}
 
     def iter_shards(self, order: Sequence[int] | None = None) -> Iterator[Shard]:
         for i in order if order is not None else range(len(self.shards)):

@@ -15,17 +15,18 @@ from spec_plugins.heads.common import save_head, target_lm_parts
 from spec_plugins.heads.medusa import MedusaConfig, MedusaHeads
 from spec_plugins.training.batches import ShardCache, Window, batches_for_steps, plan_windows, soft_labels
 from spec_plugins.training.eagle_train import draft_vocab
-from spec_plugins.training.features import FeatureStore, Shard
-from spec_plugins.training.trainer import IGNORE, Loop, TrainConfig, map_vocab
+from spec_plugins.training.features import Shard, ShardSource
+from spec_plugins.training.trainer import IGNORE, Loop, StepHook, TrainConfig, map_vocab
 
 
 def positions(shard: Shard, windows: list[Window], heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat indices j of the windows' queries and a [M, K] mask: head k's label (x_{j+2+k}) is
     an answer token inside the same conversation."""
-    idx = torch.cat([torch.arange(w.start, w.start + w.length) for w in windows])
+    dev = shard.offsets.device
+    idx = torch.cat([torch.arange(w.start, w.start + w.length, device=dev) for w in windows])
     conv_end = torch.bucketize(idx, shard.offsets, right=True)  # offsets[conv_end] = end of j's conversation
     end = shard.offsets[conv_end]
-    lab = idx[:, None] + 2 + torch.arange(heads)[None]
+    lab = idx[:, None] + 2 + torch.arange(heads, device=dev)[None]
     ok = (lab < end[:, None]) & shard.trained[lab.clamp(max=shard.num_tokens - 1)]
     return idx, ok
 
@@ -37,7 +38,7 @@ def medusa_loss(heads: MedusaHeads, shard: Shard, windows: list[Window], cfg: Tr
     idx, ok = positions(shard, windows, K)
     logits = heads(shard.hidden[idx].float())  # [M, K, Vd]
     logq = logits.float().log_softmax(-1)
-    at = (idx[:, None] + 1 + torch.arange(K)[None]).clamp(max=shard.num_tokens - 1)  # distribution of x_{j+2+k}
+    at = (idx[:, None] + 1 + torch.arange(K, device=idx.device)[None]).clamp(max=shard.num_tokens - 1)  # x_{j+2+k}
     if cfg.loss == "soft":
         p = soft_labels(shard.hidden[at].float(), shard.lse[at], heads.lm_weight)
         ce = -(p * logq).sum(-1)
@@ -45,20 +46,21 @@ def medusa_loss(heads: MedusaHeads, shard: Shard, windows: list[Window], cfg: Tr
         src = shard.top1[at] if cfg.loss == "top1" else shard.tokens[(at + 1).clamp(max=shard.num_tokens - 1)]
         lab = torch.where(ok, vmap[src], torch.full_like(src, IGNORE))
         ce = -logq.gather(-1, lab.clamp_min(0)[..., None])[..., 0] * (lab != IGNORE)
-    w = torch.tensor([0.8 ** k for k in range(K)])
+    w = torch.tensor([0.8 ** k for k in range(K)], device=idx.device)
     per_head = (ce * ok).sum(0) / ok.sum(0).clamp_min(1)
     target = torch.where(ok, shard.top1[at], torch.full_like(at, -1))
     return (per_head * w).sum(), heads.vocab_ids[logits.argmax(-1)], target
 
 
 @torch.no_grad()
-def evaluate(heads: MedusaHeads, store: FeatureStore, window: int = 512, max_windows: int | None = None) -> dict:
+def evaluate(heads: MedusaHeads, store: ShardSource, window: int = 512, max_windows: int | None = None) -> dict:
     """Held-out top-1 per head against the target's greedy token at that position."""
     heads.eval()
     windows = plan_windows(store, window)[:max_windows]
     cache = ShardCache(store)
-    hit = torch.zeros(heads.config.num_heads)
-    n = torch.zeros(heads.config.num_heads)
+    dev = heads.vocab_ids.device
+    hit = torch.zeros(heads.config.num_heads, device=dev)
+    n = torch.zeros(heads.config.num_heads, device=dev)
     cfg = TrainConfig()
     vmap = map_vocab(heads.vocab_ids, int(heads.vocab_ids.max()) + 1)
     for w in windows:
@@ -68,9 +70,11 @@ def evaluate(heads: MedusaHeads, store: FeatureStore, window: int = 512, max_win
     return {"top1_by_head": [round(float(a / max(b, 1)), 4) for a, b in zip(hit, n)], "windows": len(windows)}
 
 
-def train_medusa(store: FeatureStore, target_model: Any, cfg: TrainConfig, out: str | Path, num_heads: int = 4,
-                 vocab_size: int = 8192, heldout: FeatureStore | None = None, progress: bool = True) -> dict[str, Any]:
-    """Train (or resume) Medusa heads on ``store``; returns the report written to train_report.json."""
+def train_medusa(store: ShardSource, target_model: Any, cfg: TrainConfig, out: str | Path, num_heads: int = 4,
+                 vocab_size: int = 8192, heldout: ShardSource | None = None, progress: bool = True,
+                 hook: StepHook | None = None) -> dict[str, Any]:
+    """Train (or resume) Medusa heads on ``store``; returns the report written to train_report.json.
+    ``hook`` runs after every step (snapshots, a deadline: ``trainer.StepHook``)."""
     out = Path(out)
     torch.manual_seed(cfg.seed)
     windows = plan_windows(store, cfg.window, cfg.max_train_tokens)
@@ -79,12 +83,13 @@ def train_medusa(store: FeatureStore, target_model: Any, cfg: TrainConfig, out: 
     lm, _ = target_lm_parts(target_model)
     vocab_ids, coverage = draft_vocab(store, windows, vocab_size, lm.shape[0])
     heads = MedusaHeads(MedusaConfig(lm.shape[1], num_heads=num_heads, draft_vocab_size=int(vocab_ids.numel())),
-                        lm.float(), vocab_ids)
-    vmap = map_vocab(vocab_ids, lm.shape[0])
-    loop = Loop(heads, cfg, out, -(-len(windows) // cfg.batch_size), "medusa", heads.config.to_dict(), progress)
+                        lm.float(), vocab_ids).to(lm.device)  # trained where the target is
+    vmap = map_vocab(heads.vocab_ids, lm.shape[0])
+    loop = Loop(heads, cfg, out, -(-len(windows) // cfg.batch_size), "medusa", heads.config.to_dict(), progress, hook)
     plan = dict(batches_for_steps(windows, cfg.batch_size, cfg.seed, loop.total))
     cache = ShardCache(store)
-    res = loop.run(lambda step: medusa_loss(heads, cache.get(plan[step][0].shard), plan[step], cfg, vmap)[0])
+    res = loop.run(lambda step: medusa_loss(heads, cache.get(plan[step][0].shard), plan[step], cfg, vmap)[0],
+                   lambda step: sum(w.length for w in plan[step]))
     if not res.finished:
         return {"kind": "medusa", "finished": False, "steps_done": res.steps, "steps": res.scheduled,
                 "checkpoint": str(out / "checkpoint.pt")}
@@ -109,18 +114,18 @@ def train_medusa(store: FeatureStore, target_model: Any, cfg: TrainConfig, out: 
 
 
 @torch.no_grad()
-def _rank_accuracy(heads: MedusaHeads, store: FeatureStore, window: int, k: int = 8, max_windows: int = 64) -> dict:
+def _rank_accuracy(heads: MedusaHeads, store: ShardSource, window: int, k: int = 8, max_windows: int = 64) -> dict:
     """Per head: share of positions where the target's greedy token is the head's rank-r
     candidate, r = 0..k-1 (what ``best_static_tree`` shapes the tree from)."""
     cache = ShardCache(store)
     K = heads.config.num_heads
-    hits = torch.zeros(K, k)
-    n = torch.zeros(K)
+    hits = torch.zeros(K, k, device=heads.vocab_ids.device)
+    n = torch.zeros(K, device=heads.vocab_ids.device)
     for w in plan_windows(store, window)[:max_windows]:
         shard = cache.get(w.shard)
         idx, ok = positions(shard, [w], K)
         ranks = heads.vocab_ids[heads(shard.hidden[idx].float()).topk(k, -1).indices]  # [M, K, k]
-        at = (idx[:, None] + 1 + torch.arange(K)[None]).clamp(max=shard.num_tokens - 1)
+        at = (idx[:, None] + 1 + torch.arange(K, device=idx.device)[None]).clamp(max=shard.num_tokens - 1)
         eq = (ranks == shard.top1[at][..., None]) & ok[..., None]
         hits += eq.sum(0)
         n += ok.sum(0)

@@ -11,7 +11,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Optional
 
 import torch
 from torch import nn
@@ -48,12 +48,18 @@ class TrainResult:
     resumed_from: int = 0
     finished: bool = True
     scheduled: int = 0  # steps in the schedule (> steps when finalized early)
+    positions: int = 0  # training positions (queries) in the steps of this process
+
+
+# after_step(module, step, seconds, positions) -> True to leave now (a checkpoint is written first): how a
+# driver adds snapshots or a wall-clock deadline (scripts/train_heads_gpu.py) without another loop
+StepHook = Callable[[nn.Module, int, float, int], bool]
 
 
 def map_vocab(vocab_ids: torch.Tensor, vocab: int) -> torch.Tensor:
     """full id -> draft index, IGNORE for tokens outside the draft vocabulary."""
-    m = torch.full((vocab,), IGNORE, dtype=torch.long)
-    m[vocab_ids] = torch.arange(vocab_ids.numel())
+    m = torch.full((vocab,), IGNORE, dtype=torch.long, device=vocab_ids.device)
+    m[vocab_ids] = torch.arange(vocab_ids.numel(), device=vocab_ids.device)
     return m
 
 
@@ -62,8 +68,8 @@ class Loop:
     """Step schedule, optimizer, checkpointing and progress shared by both heads."""
 
     def __init__(self, module: nn.Module, cfg: TrainConfig, out: Path, steps_per_epoch: int, kind: str,
-                 head_config: dict, progress: bool) -> None:
-        self.module, self.cfg, self.out, self.kind = module, cfg, out, kind
+                 head_config: dict, progress: bool, hook: Optional[StepHook] = None) -> None:
+        self.module, self.cfg, self.out, self.kind, self.hook = module, cfg, out, kind, hook
         total = math.ceil(cfg.epochs * max(1, steps_per_epoch))
         self.total = min(total, cfg.max_steps) if cfg.max_steps else total
         params = [p for p in module.parameters() if p.requires_grad]
@@ -80,7 +86,7 @@ class Loop:
     def resume(self) -> int:
         if not self.ckpt.is_file():
             return 0
-        st = torch.load(self.ckpt, weights_only=False)
+        st = torch.load(self.ckpt, weights_only=False, map_location=next(self.module.parameters()).device)
         if st["head_config"] != self.head_config or st["total"] != self.total:
             raise ValueError(f"checkpoint {self.ckpt} was made with a different head config or schedule; "
                              "use a new --out directory or delete the checkpoint")
@@ -98,8 +104,10 @@ class Loop:
                     "head_config": self.head_config, "total": self.total}, tmp)
         tmp.replace(self.ckpt)
 
-    def run(self, loss_at: Callable[[int], torch.Tensor]) -> TrainResult:
-        """loss_at(step) -> scalar loss of that step's batch (the same batch on every run)."""
+    def run(self, loss_at: Callable[[int], torch.Tensor], positions_at: Callable[[int], int] = lambda step: 0
+            ) -> TrainResult:
+        """loss_at(step) -> scalar loss of that step's batch (the same batch on every run);
+        positions_at(step) -> its training positions (counted into the result and the hook)."""
         from tqdm.auto import tqdm
 
         start = self.resume()
@@ -116,11 +124,16 @@ class Loop:
             self.opt.step()
             self.sched.step()
             self.step += 1
-            self.seconds += time.perf_counter() - t0
-            res.losses.append(float(loss.detach()))
+            res.losses.append(float(loss.detach()))  # waits for the device: the step's time is its own
+            took = time.perf_counter() - t0
+            self.seconds += took
+            n = positions_at(self.step - 1)
+            res.positions += n
             bar.set_postfix(loss=f"{res.losses[-1]:.3f}")
             bar.update(1)
             stopping = self.cfg.stop_after is not None and self.step - start >= self.cfg.stop_after
+            if self.hook is not None and self.hook(self.module, self.step, took, n):
+                stopping = True
             if self.step % self.cfg.save_every == 0 or self.step == self.total or stopping:
                 self.save()
             if stopping:

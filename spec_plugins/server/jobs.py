@@ -1,0 +1,221 @@
+"""The HTTP side of a request's rows: submitted to the scheduler before the response starts (so a
+full queue is a 429, not a 200 whose stream says so), followed as a stream of tokens, merged
+when a request asks for several choices, and cancelled whenever the client stops listening.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Sequence
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from spec_plugins.server.requests import Prepared
+from spec_plugins.server.scheduler import Job
+from spec_plugins.server.schemas import ApiError
+
+log = logging.getLogger("spec_plugins.server")
+
+
+@dataclass
+class TokenOut:
+    id: int
+    text: str
+    logprob: float
+    special: bool
+    top: Sequence[tuple[int, float]] = ()  # the most likely tokens here, (id, logprob), best first
+    last: bool = False  # the request's final token (a Finished follows at once)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "text": self.text, "logprob": self.logprob, "special": self.special}
+
+
+@dataclass
+class Finished:
+    reason: str  # "length" | "eos_token" | "stop_sequence"
+    text: str  # generated text (special tokens skipped)
+    tokens: list[TokenOut] = field(default_factory=list)
+
+
+class Detokenizer:
+    """Incremental detokenization (TGI's prefix/read offsets): a token's text appears once the
+    bytes it completes decode to whole characters."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok, self.ids, self.prefix, self.read = tokenizer, [], 0, 0
+
+    def add(self, t: int) -> str:
+        self.ids.append(t)
+        prev = self.tok.decode(self.ids[self.prefix:self.read], skip_special_tokens=False)
+        new = self.tok.decode(self.ids[self.prefix:], skip_special_tokens=False)
+        if len(new) > len(prev) and not new.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return new[len(prev):]
+        return ""
+
+
+def submit(state: Any, prep: Prepared) -> Job:
+    """Queue one row; 429 when the queue is full, 503 while shutting down."""
+    return submit_all(state, [prep])[0]
+
+
+def submit_all(state: Any, preps: Sequence[Prepared]) -> list[Job]:
+    """Queue every row of a request at once, or none: 429 when the queue has no room for all,
+    503 while shutting down."""
+    loop = asyncio.get_running_loop()
+    jobs = [Job(p.row, loop) for p in preps]
+    try:
+        state.scheduler.submit(jobs)
+    except OverflowError as exc:
+        raise ApiError(429, str(exc), "overloaded") from None
+    except RuntimeError as exc:
+        raise ApiError(503, str(exc), "overloaded") from None
+    return jobs
+
+
+def _generation_error(message: str) -> ApiError:
+    """A row that failed while generating: its own request id, in the body and in the log."""
+    if "request id" not in message:  # the scheduler names one where it logged the failure itself
+        rid = uuid.uuid4().hex[:12]
+        log.error("generation failed (request id %s): %s", rid, message)
+        message = f"{message} (request id {rid})"
+    return ApiError(500, message, "generation")
+
+
+async def follow(state: Any, job: Job, prep: Prepared, request: Request) -> AsyncIterator[TokenOut | Finished]:
+    """Yield a submitted row's tokens, then a Finished; cancels the row if abandoned."""
+    det = Detokenizer(state.tokenizer)
+    toks: list[TokenOut] = []
+    out_text = ""
+    stops = prep.params.stop
+    done = False
+    checked = time.perf_counter()
+    try:
+        while True:
+            try:
+                item = await asyncio.wait_for(job.queue.get(), timeout=0.25)
+            except asyncio.TimeoutError:
+                item = None
+            # a client that hung up (also on a non-streaming route, where nothing else notices)
+            # leaves the batch within a round: at most every 0.1 s a cheap receive() check
+            if item is None or time.perf_counter() - checked > 0.1:
+                checked = time.perf_counter()
+                if await request.is_disconnected():
+                    return
+            if item is None:
+                continue
+            if item[0] == "error":
+                raise _generation_error(item[1])
+            _, ids, lps, reason = item
+            if reason is not None and not ids:
+                done = True
+                yield Finished(reason, state.tokenizer.decode([x.id for x in toks], skip_special_tokens=True), toks)
+                return
+            for i, (t, lp) in enumerate(zip(ids, lps)):
+                text = det.add(t)
+                out_text += text
+                tok = TokenOut(t, text, float(lp), t in state.special_ids, getattr(lp, "top", ()))
+                toks.append(tok)
+                hit = bool(stops) and any(s in out_text[-(len(s) + len(text)):] for s in stops)
+                if hit or (reason is not None and i == len(ids) - 1):
+                    tok.last = True
+                    yield tok
+                    gen = state.tokenizer.decode([x.id for x in toks], skip_special_tokens=True)
+                    done = True
+                    yield Finished("stop_sequence" if hit else reason, gen, toks)
+                    return
+                yield tok
+    finally:
+        if not done:
+            state.metrics.request_cancelled()
+        state.scheduler.cancel(job)  # no-op when finished; frees the slot otherwise
+
+
+async def merged(streams: Sequence[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """``(i, event)`` from several streams as they come (a request's choices); the first error
+    ends all of them, and closing this closes every stream (their rows are cancelled)."""
+    if len(streams) == 1:
+        async for ev in streams[0]:
+            yield 0, ev
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(i: int, stream: AsyncIterator[Any]) -> None:
+        try:
+            async for ev in stream:
+                await queue.put((i, ev, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            await queue.put((i, None, exc))
+        await queue.put((i, end, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            i, ev, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if ev is end:
+                left -= 1
+                continue
+            yield i, ev
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class JobStream(StreamingResponse):
+    """A streaming response whose rows are cancelled however it ends, even when the client left
+    before the first chunk was asked for (an unstarted generator never runs its ``finally``)."""
+
+    def __init__(self, content: AsyncIterator[bytes], state: Any, jobs: Sequence[Job]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._state, self._jobs = state, list(jobs)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for j in self._jobs:
+                self._state.scheduler.cancel(j)
+
+
+def sse(data: Any) -> bytes:
+    return f"data:{json.dumps(data)}\n\n".encode()
+
+
+def timed(state: Any, route: str) -> Callable:
+    """Count the request and its latency in /metrics, errors included; errors in TGI's shape,
+    an internal one with a request id whose details only the log has."""
+
+    def deco(fn: Callable) -> Callable:
+        async def wrapper(request: Request) -> Response:
+            t0 = time.perf_counter()
+            try:
+                resp = await fn(request, t0)
+            except ApiError as exc:
+                state.metrics.request_done(route, exc.status)
+                return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+            except Exception:  # noqa: BLE001 - the details go to the log, never to the client
+                rid = uuid.uuid4().hex[:12]
+                log.exception("request failed (request id %s)", rid)
+                state.metrics.request_done(route, 500)
+                return JSONResponse({"error": f"internal error (request id {rid}); the server log has the details",
+                                     "error_type": "internal"}, status_code=500)
+            if not isinstance(resp, StreamingResponse):
+                state.metrics.request_done(route, resp.status_code, time.perf_counter() - t0)
+            return resp
+
+        wrapper.__name__ = fn.__name__  # not functools.wraps: FastAPI would read fn's (request, t0) signature
+        return wrapper
+
+    return deco

@@ -1,0 +1,243 @@
+"""The OpenAI-compatible routes: /v1/chat/completions, /v1/completions (streaming or not) and
+/v1/models, as the official ``openai`` client calls them.
+
+``n`` choices (times the prompts of a text completion) are that many batch rows, submitted
+together before the response starts; streamed chunks of different choices interleave as their
+tokens come, each tagged with its ``index``. Logprobs are the target's raw log-probabilities of
+the emitted tokens (``loop.batch._logprobs``), with the most likely alternatives where asked;
+special tokens (EOS) are neither text nor logprob entries. ``stream_options.include_usage``
+adds ``"usage": null`` to every chunk and one last chunk with the usage and no choices.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from functools import lru_cache
+from typing import Any, AsyncIterator, Callable, Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from spec_plugins.server.body import offload, read_request
+from spec_plugins.server.jobs import Finished, JobStream, TokenOut, follow, merged, sse, submit_all, timed
+from spec_plugins.server.openai_schemas import ChatRequest, CompletionRequest, OpenAIRequest
+from spec_plugins.server.requests import Names, Prepared, check_token_ids, encode_chat, encode_text, prepare, tenant_of
+from spec_plugins.server.schemas import ApiError
+
+FINISH = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
+
+
+def byte_table(tokenizer: Any) -> dict[str, int] | None:
+    """Byte-level BPE (GPT-2, SmolLM2, Llama 3) spells each byte as one character; this maps
+    them back, so a token that ends inside a UTF-8 character reports its real bytes."""
+    from tokenizers import decoders
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not isinstance(backend.decoder, decoders.ByteLevel):
+        return None
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {c: b for b, c in bytes_to_unicode().items()}
+
+
+def add_openai_routes(app: FastAPI, state: Any) -> None:
+    """Register the /v1 routes on ``app`` over ``state`` (a ``ServerState``)."""
+    table = byte_table(state.tokenizer)
+
+    @lru_cache(maxsize=1 << 16)
+    def token_bytes(t: int) -> bytes:
+        if table is not None and t not in state.special_ids:
+            piece = state.tokenizer.convert_ids_to_tokens(t)
+            if isinstance(piece, str) and all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        return state.token_text(t).encode("utf-8")
+
+    def token_str(t: int) -> str:
+        return token_bytes(t).decode("utf-8", "replace")
+
+    def check_rows(rows: int, what: str) -> None:
+        if rows > state.scheduler.max_batch:
+            raise ApiError(422, f"{what} must be <= {state.scheduler.max_batch} (--max-batch: each choice is a batch "
+                                f"row). Given: {rows}")
+
+    def usage(prompt: int, completion: int) -> dict[str, int]:
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    async def run(request: Request, req: OpenAIRequest, preps: Sequence[Prepared], t0: float, route: str,
+                  stream_body: Callable[[AsyncIterator[tuple[int, Any]]], AsyncIterator[bytes]],
+                  reply: Callable[[list[Finished]], dict[str, Any]]) -> Response:
+        """Submit every choice's row, then stream (``stream_body``) or answer (``reply``)."""
+        jobs = submit_all(state, preps)
+        streams = [follow(state, j, p, request) for j, p in zip(jobs, preps)]
+        if req.stream:
+            async def events() -> AsyncIterator[bytes]:
+                status, counted = "200", [0]
+
+                async def counting() -> AsyncIterator[tuple[int, Any]]:
+                    async for i, ev in merged(streams):
+                        counted[0] += isinstance(ev, TokenOut)
+                        yield i, ev
+
+                try:
+                    async for chunk in stream_body(counting()):
+                        yield chunk
+                    yield b"data: [DONE]\n\n"
+                except ApiError as exc:
+                    status = str(exc.status)
+                    yield sse(exc.body())
+                finally:
+                    state.metrics.request_done(route + "_stream", status, time.perf_counter() - t0, counted[0])
+
+            return JobStream(events(), state, jobs)
+        fins: list[Finished | None] = [None] * len(jobs)
+        async for i, ev in merged(streams):
+            if isinstance(ev, Finished):
+                fins[i] = ev
+        if any(f is None for f in fins):
+            raise ApiError(499, "client disconnected", "cancelled")
+        done = [f for f in fins if f is not None]
+        state.metrics.request_done(route + ":tokens", "ok", None, sum(len(f.tokens) for f in done))
+        return JSONResponse(reply(done))
+
+    # ---- chat ----------------------------------------------------------------------------------
+    def chat_logprobs(toks: Sequence[TokenOut], top: int) -> dict[str, Any]:
+        def entry(t: int, lp: float) -> dict[str, Any]:
+            b = token_bytes(t)
+            return {"token": b.decode("utf-8", "replace"), "logprob": lp, "bytes": list(b)}
+
+        return {"content": [{**entry(x.id, x.logprob), "top_logprobs": [entry(t, lp) for t, lp in x.top[:top]]}
+                            for x in toks if not x.special], "refusal": None}
+
+    @app.post("/v1/chat/completions")
+    @timed(state, "chat_completions")
+    async def chat(request: Request, t0: float) -> Response:
+        req: ChatRequest = await read_request(state, request, ChatRequest)
+        check_rows(req.choices, "`n`")
+        names = Names("messages", req.max_field)
+        ids = await offload(state.cpu_limiter, encode_chat, state, req.messages, names)
+        tenant = tenant_of(request)
+        preps = [prepare(state, ids, req.parameters(req.max_new_tokens, i), state.scheduler.new_key(), tenant, names)
+                 for i in range(req.choices)]
+        cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_id
+        top = req.top_logprobs or 0
+
+        def chunk(i: int, delta: dict, reason: str | None, toks: Sequence[TokenOut] = ()) -> dict:
+            out = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                   "system_fingerprint": "spec-plugins",
+                   "choices": [{"index": i, "delta": delta, "finish_reason": reason,
+                                "logprobs": chat_logprobs(toks, top) if req.logprobs and toks else None}]}
+            return out | ({"usage": None} if req.include_usage else {})
+
+        async def stream_body(events: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[bytes]:
+            for i in range(req.choices):
+                yield sse(chunk(i, {"role": "assistant", "content": ""}, None))
+            waiting: dict[int, list[TokenOut]] = {i: [] for i in range(req.choices)}  # tokens with no text yet
+            completion = 0
+            async for i, ev in events:
+                if isinstance(ev, TokenOut):
+                    waiting[i].append(ev)
+                    if ev.text and not ev.special:
+                        yield sse(chunk(i, {"content": ev.text}, None, waiting[i]))
+                        waiting[i] = []
+                else:
+                    completion += len(ev.tokens)
+                    yield sse(chunk(i, {}, FINISH[ev.reason], waiting[i]))
+            if req.include_usage:
+                yield sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                           "system_fingerprint": "spec-plugins", "choices": [],
+                           "usage": usage(len(ids), completion)})
+
+        def reply(fins: list[Finished]) -> dict[str, Any]:
+            return {"id": cid, "object": "chat.completion", "created": created, "model": model,
+                    "system_fingerprint": "spec-plugins",
+                    "choices": [{"index": i, "message": {"role": "assistant", "content": f.text, "refusal": None},
+                                 "logprobs": chat_logprobs(f.tokens, top) if req.logprobs else None,
+                                 "finish_reason": FINISH[f.reason]} for i, f in enumerate(fins)],
+                    "usage": usage(len(ids), sum(len(f.tokens) for f in fins))}
+
+        return await run(request, req, preps, t0, "chat_completions", stream_body, reply)
+
+    # ---- text completions ----------------------------------------------------------------------
+    def text_logprobs(toks: Sequence[TokenOut], top: int, offset: int) -> dict[str, Any]:
+        """OpenAI's legacy layout: parallel lists, top alternatives as {token: logprob}."""
+        shown = [x for x in toks if not x.special]
+        offsets, pos = [], offset
+        for x in shown:
+            offsets.append(pos)
+            pos += len(x.text)
+        return {"tokens": [token_str(x.id) for x in shown], "token_logprobs": [x.logprob for x in shown],
+                "top_logprobs": [{token_str(t): lp for t, lp in x.top[:top]} for x in shown] if top else None,
+                "text_offset": offsets}
+
+    def encode_prompts(prompts: Sequence[str | list[int]], names: Names) -> list[list[int]]:
+        return [check_token_ids(state, p, "prompt") if isinstance(p, list) else encode_text(state, p, None, names)
+                for p in prompts]
+
+    @app.post("/v1/completions")
+    @timed(state, "completions")
+    async def completions(request: Request, t0: float) -> Response:
+        req: CompletionRequest = await read_request(state, request, CompletionRequest)
+        prompts = req.prompts()
+        n = req.choices
+        check_rows(len(prompts) * n, "`n`" if len(prompts) == 1 else f"`n` x {len(prompts)} prompts")
+        names = Names("prompt", "max_tokens")
+        ids = await offload(state.cpu_limiter, encode_prompts, prompts, names)
+        tenant = tenant_of(request)
+        preps = [prepare(state, p, req.parameters(req.max_tokens, j), state.scheduler.new_key(), tenant, names)
+                 for p in ids for j in range(n)]
+        echo = [(p if isinstance(p, str) else state.tokenizer.decode(p)) if req.echo else "" for p in prompts]
+        cid, created, model = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_id
+        top = req.logprobs or 0
+        prompt_tokens = sum(len(p) for p in ids)
+
+        def choice(i: int, text: str, reason: str | None, toks: Sequence[TokenOut], offset: int) -> dict:
+            return {"index": i, "text": text, "finish_reason": reason,
+                    "logprobs": text_logprobs(toks, top, offset) if req.logprobs is not None else None}
+
+        def body(choices: list[dict], **extra: Any) -> dict:
+            return {"id": cid, "object": "text_completion", "created": created, "model": model,
+                    "system_fingerprint": "spec-plugins", "choices": choices, **extra}
+
+        async def stream_body(events: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[bytes]:
+            more = {"usage": None} if req.include_usage else {}
+            offsets = [len(echo[i // n]) for i in range(len(preps))]
+            for i in range(len(preps)):
+                if echo[i // n]:
+                    yield sse(body([choice(i, echo[i // n], None, (), 0)], **more))
+            waiting: dict[int, list[TokenOut]] = {i: [] for i in range(len(preps))}
+            completion = 0
+            async for i, ev in events:
+                if isinstance(ev, TokenOut):
+                    waiting[i].append(ev)
+                    if ev.text and not ev.special:
+                        yield sse(body([choice(i, ev.text, None, waiting[i], offsets[i])], **more))
+                        offsets[i] += sum(len(x.text) for x in waiting[i] if not x.special)
+                        waiting[i] = []
+                else:
+                    completion += len(ev.tokens)
+                    yield sse(body([choice(i, "", FINISH[ev.reason], waiting[i], offsets[i])], **more))
+            if req.include_usage:
+                yield sse(body([], usage=usage(prompt_tokens, completion)))
+
+        def reply(fins: list[Finished]) -> dict[str, Any]:
+            return body([choice(i, echo[i // n] + f.text, FINISH[f.reason], f.tokens, len(echo[i // n]))
+                         for i, f in enumerate(fins)],
+                        usage=usage(prompt_tokens, sum(len(f.tokens) for f in fins)))
+
+        return await run(request, req, preps, t0, "completions", stream_body, reply)
+
+    # ---- models --------------------------------------------------------------------------------
+    def card() -> dict[str, Any]:
+        return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "spec-plugins"}
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [card()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        if model_id != state.model_id:
+            raise ApiError(404, f"model `{model_id}` is not served here; this server serves `{state.model_id}`",
+                           "not_found")
+        return JSONResponse(card())

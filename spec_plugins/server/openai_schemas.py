@@ -1,0 +1,296 @@
+"""OpenAI chat and text completions as the official ``openai`` client sends them.
+
+Field names, ranges and defaults are OpenAI's, and every error names the field the client sent
+(``max_completion_tokens``, not the TGI name it maps to). Fields this server does not implement
+are accepted at their neutral value (clients send them as null) and refused otherwise; the error
+bodies stay TGI's ``{"error", "error_type"}``, as on TGI's own OpenAI routes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from spec_plugins.config import MAX_SEED, REPETITION_PENALTY_RANGE
+from spec_plugins.server.schemas import MAX_STOP_SEQUENCES, GenerateParameters
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat; completions allow 5
+MAX_COMPLETION_LOGPROBS = 5
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+
+
+def _neutral(name: str, value: Any, neutral: tuple = (None,)) -> Any:
+    if value not in neutral:
+        raise ValueError(f"`{name}` is not supported by this server (spec-plugins); leave it unset")
+    return value
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    include_usage: bool | None = Field(None, description="Send a last chunk with the usage and no choices.")
+    include_obfuscation: bool | None = None
+
+    @model_validator(mode="after")
+    def _obfuscation(self) -> "StreamOptions":
+        _neutral("stream_options.include_obfuscation", self.include_obfuscation, (None, False))
+        return self
+
+
+class ResponseFormat(BaseModel):
+    """Only ``{"type": "text"}`` (OpenAI's default); JSON modes would need constrained decoding."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: str
+
+    @field_validator("type")
+    @classmethod
+    def _text(cls, v: str) -> str:
+        if v != "text":
+            raise ValueError(f"`response_format` type `{v}` is not supported by this server (spec-plugins); "
+                             "only `text`")
+        return v
+
+
+class OpenAIRequest(BaseModel):
+    """What chat and text completions share: sampling, choices, streaming."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = Field(None, description="Accepted and echoed as the served model (one model per server).")
+    temperature: float | None = Field(None, description="0 = greedy; OpenAI's default 1 samples.")
+    top_p: float | None = None
+    n: int | None = Field(None, description="Choices, each decoded as its own batch row.")
+    seed: int | None = Field(None, description="Choice i samples with seed + i.")
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    repetition_penalty: float | None = Field(None, description="TGI's extension (CTRL penalty).")
+    user: str | None = None
+    # accepted at their neutral values only
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: Any = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _temp(cls, v: float | None) -> float | None:
+        if v is not None and not (0.0 <= v <= 2.0):  # NaN fails
+            raise ValueError("`temperature` must be between 0 and 2")
+        return v
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, v: float | None) -> float | None:
+        if v is not None and not (0.0 < v <= 1.0):
+            raise ValueError("`top_p` must be > 0 and <= 1")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError("`n` must be at least 1")
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v: int | None) -> int | None:
+        if v is not None and not (0 <= v <= MAX_SEED):
+            raise ValueError("`seed` must be a non-negative 64-bit integer")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"`stop` supports up to {MAX_STOP_SEQUENCES} stop sequences. Given: {len(stops)}")
+        if any(s == "" for s in stops):
+            raise ValueError("`stop` sequences must not be empty")
+        return v
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _rep(cls, v: float | None) -> float | None:
+        lo, hi = REPETITION_PENALTY_RANGE
+        if v is not None and not (lo <= v <= hi):
+            raise ValueError(f"`repetition_penalty` must be between {lo:g} and {hi:g}")
+        return v
+
+    @model_validator(mode="after")
+    def _shared(self) -> "OpenAIRequest":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("`stream_options` is only allowed with `stream: true`")
+        _neutral("frequency_penalty", self.frequency_penalty, (None, 0.0))
+        _neutral("presence_penalty", self.presence_penalty, (None, 0.0))
+        _neutral("logit_bias", self.logit_bias, (None, {}, []))
+        return self
+
+    @property
+    def choices(self) -> int:
+        return self.n or 1
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def parameters(self, max_new_tokens: int | None, choice: int = 0) -> GenerateParameters:
+        """TGI's mapping: temperature 0 = greedy, otherwise sample (OpenAI's default is 1);
+        choice ``i`` of a seeded request samples with ``seed + i``."""
+        greedy = self.temperature == 0.0
+        seed = None if self.seed is None else (self.seed + choice) % (MAX_SEED + 1)
+        return GenerateParameters(
+            max_new_tokens=max_new_tokens, do_sample=not greedy, temperature=None if greedy else self.temperature,
+            top_p=self.top_p if self.top_p not in (None, 1.0) else None, seed=seed,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            repetition_penalty=self.repetition_penalty)
+
+
+def _positive(name: str, v: int | None) -> int | None:
+    if v is not None and v <= 0:
+        raise ValueError(f"`{name}` must be strictly positive")
+    return v
+
+
+class ContentPart(BaseModel):
+    """An OpenAI content part; this text-only server takes ``{"type": "text", "text": str}``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... travel with the history
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+    def template_role(self) -> str:
+        """``developer`` is OpenAI's newer name for ``system``; chat templates know ``system``."""
+        return "system" if self.role == "developer" else self.role
+
+
+class ChatRequest(OpenAIRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, description="Takes precedence over max_tokens.")
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    # accepted at their neutral values only (or, for bookkeeping fields, as given)
+    tools: Any = None
+    tool_choice: Any = None
+    tool_prompt: str | None = None
+    parallel_tool_calls: bool | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    modalities: list[str] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        if not v:
+            raise ValueError("`messages` cannot be empty")
+        return v
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens(cls, v: int | None) -> int | None:
+        return _positive("max_tokens", v)
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _max_completion(cls, v: int | None) -> int | None:
+        return _positive("max_completion_tokens", v)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top(cls, v: int | None) -> int | None:
+        if v is not None and not (0 <= v <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"`top_logprobs` must be between 0 and {MAX_TOP_LOGPROBS}")
+        return v
+
+    @model_validator(mode="after")
+    def _chat(self) -> "ChatRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("`top_logprobs` needs `logprobs: true`")
+        _neutral("tools", self.tools, (None, []))
+        _neutral("tool_choice", self.tool_choice, (None, "none", "auto"))
+        _neutral("store", self.store, (None, False))
+        _neutral("service_tier", self.service_tier, (None, "auto", "default"))
+        _neutral("modalities", self.modalities, (None, ["text"]))
+        return self
+
+    @property
+    def max_field(self) -> str:
+        """The name of the length field the client used (for error messages)."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(OpenAIRequest):
+    """POST /v1/completions (OpenAI's legacy text completions)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = COMPLETIONS_DEFAULT_MAX_TOKENS
+    logprobs: int | None = Field(None, description="Report the logprobs of this many most likely tokens too.")
+    echo: bool = Field(False, description="Prepend the prompt to the text.")
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: Any) -> Any:
+        if isinstance(v, list) and (not v or any(isinstance(p, (str, list)) and not p for p in v)):
+            raise ValueError("`prompt` cannot be empty")
+        return v
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens(cls, v: int | None) -> int | None:
+        return _positive("max_tokens", v)
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v: int | None) -> int | None:
+        if v is not None and not (0 <= v <= MAX_COMPLETION_LOGPROBS):
+            raise ValueError(f"`logprobs` must be between 0 and {MAX_COMPLETION_LOGPROBS}")
+        return v
+
+    @model_validator(mode="after")
+    def _completion(self) -> "CompletionRequest":
+        _neutral("suffix", self.suffix)
+        if self.best_of is not None and self.best_of != self.choices:
+            raise ValueError("`best_of` is not supported by this server (spec-plugins); leave it unset or equal "
+                             "to `n`")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("`echo` with `logprobs` is not supported by this server (prompt logprobs); drop one")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text, or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+

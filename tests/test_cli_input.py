@@ -1,0 +1,54 @@
+"""The CLI refuses what the server refuses (non-finite numbers, ``max_new_tokens`` 0, an empty
+prompt) and checks ``tune --out`` before anything loads or is measured: each case exits 2 with
+a message naming the flag, and the model loader / the tuner is never reached."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from spec_plugins.cli import app
+
+
+@pytest.fixture
+def nothing_runs(monkeypatch):
+    """Loading a model or tuning fails the test: the command must stop before."""
+    import spec_plugins.tune
+    from spec_plugins.decoder import SpeculativeDecoder
+
+    def boom(*a, **kw):
+        raise AssertionError("reached model loading / measuring")
+
+    monkeypatch.setattr(SpeculativeDecoder, "from_config", boom)
+    monkeypatch.setattr(spec_plugins.tune, "tune", boom)
+
+
+def run(args: list[str]) -> tuple[int, str]:
+    res = CliRunner().invoke(app, args)
+    return res.exit_code, res.output
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["generate", "--prompt", "hi", "--temperature", "inf"], "--temperature inf: give a finite number"),
+    (["generate", "--prompt", "hi", "-n", "0"], "-n"),
+    (["generate", "--prompt", ""], "--prompt cannot be empty"),
+    (["serve", "--shutdown-timeout", "inf", "--port", "0"], "--shutdown-timeout inf: give a finite number"),
+    (["serve", "--body-timeout", "inf", "--port", "0"], "--body-timeout inf: give a finite number"),
+])
+def test_generate_and_serve_refuse_before_loading(nothing_runs, args, msg):
+    code, out = run(args)
+    assert code == 2 and msg in out, out
+
+
+@pytest.mark.parametrize("budget,msg", [("nan", "must be a positive, finite time"), ("inf", "must be a positive, finite time"),
+                                        ("1e99h", "at most 168 h"), ("-5m", "must be a positive, finite time")])
+def test_tune_refuses_non_finite_and_absurd_budgets(nothing_runs, tmp_path, budget, msg):
+    code, out = run(["tune", "--budget", budget, "--limit", "1", "--out", str(tmp_path / "t.yaml")])
+    assert code == 2 and msg in out, out
+
+
+def test_tune_checks_out_before_measuring(nothing_runs, tmp_path):
+    code, out = run(["tune", "--budget", "1s", "--limit", "1", "--out", str(tmp_path)])
+    assert code == 2 and "is a directory; give a file name" in out, out
+    code, out = run(["tune", "--budget", "1s", "--out", str(tmp_path / "missing" / "t.yaml")])
+    assert code == 2 and "does not exist" in out, out

@@ -1,0 +1,216 @@
+"""Request intake under hostile input: strict JSON (huge numbers, duplicates, NaN, media types,
+UTF-16), bodies under a size cap and a deadline, parsing and tokenizing off the event loop and
+bounded by the token limit, sampling settings that cannot empty the distribution, and a row that
+fails while generating answered with a request id the log also has."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+from test_server import PROMPTS, LiveServer, model, solo, tok  # noqa: F401 (fixtures)
+
+httpx = pytest.importorskip("httpx")
+
+ROUTES = ["/generate", "/generate_stream", "/", "/v1/chat/completions", "/v1/completions"]
+GOOD = {"/generate": {"inputs": "w2 w3", "parameters": {"max_new_tokens": 2}},
+        "/generate_stream": {"inputs": "w2 w3", "parameters": {"max_new_tokens": 2}},
+        "/": {"inputs": "w2 w3", "parameters": {"max_new_tokens": 2}},
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": "w2"}], "max_tokens": 2},
+        "/v1/completions": {"prompt": "w2 w3", "max_tokens": 2}}
+
+
+@pytest.fixture(scope="module")
+def live(model, tok):
+    srv = LiveServer(model, tok, max_batch=4)
+    srv.state.body_timeout = 1.5
+    yield srv
+    srv.stop()
+
+
+def post(srv, route: str, body: bytes, ctype: str | None = "application/json") -> httpx.Response:
+    headers = {"content-type": ctype} if ctype else {}
+    return httpx.post(srv.url + route, content=body, headers=headers, timeout=60)
+
+
+def with_raw_field(route: str, key: str, literal: str) -> bytes:
+    """A good body for ``route`` with ``"key": <literal>`` spliced in as raw JSON text."""
+    text = json.dumps(GOOD[route])
+    return (text[:-1] + f', "{key}": {literal}}}').encode()
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_an_integer_literal_longer_than_python_parses_is_a_422_naming_the_field(live, route):
+    r = post(live, route, with_raw_field(route, "x", "1" * 4400))
+    assert r.status_code == 422, r.text
+    assert r.json() == {"error": "`x`: a number with 4400 digits (at most 100)", "error_type": "validation"}
+    # ... nested too, by its path, and negative
+    body = json.dumps({"inputs": "w2", "parameters": {"stop": ["a"]}}).replace('["a"]', "[-" + "7" * 5000 + "]")
+    r = post(live, "/generate", body.encode())
+    assert r.status_code == 422 and "`parameters.stop.0`: a number with 5000 digits" in r.json()["error"]
+
+
+def test_json_is_strict_duplicates_nan_media_types_and_encodings(live):
+    cases = [
+        (b'{"inputs": "w2", "inputs": "w3"}', "application/json", 422, "duplicate key `inputs`"),
+        (b'{"inputs": "w2", "parameters": {"top_k": 2, "top_k": 3}}', "application/json", 422, "duplicate key `top_k`"),
+        (b'{"inputs": "w2", "parameters": {"temperature": NaN}}', "application/json", 422,
+         "`parameters.temperature`: `NaN` is not JSON"),
+        (b'{"inputs": "w2", "parameters": {"top_p": -Infinity}}', "application/json", 422, "`-Infinity` is not JSON"),
+        (b'{"inputs": "w2"}', "text/plain", 415, "Content-Type `text/plain` is not supported"),
+        (b'inputs=w2', "application/x-www-form-urlencoded", 415, "send the body as JSON"),
+        (b'{"inputs": "w2"}', "application/json; charset=utf-16", 415, "must be UTF-8"),
+        ('{"inputs": "w2"}'.encode("utf-16"), "application/json", 400, "it is not UTF-8"),
+        ('{"inputs": "w2"}'.encode("utf-32"), None, 400, "it is not UTF-8"),
+        (b'{"inputs": "w2", "\\ud800": 1}', "application/json", 422, "invalid Unicode"),
+    ]
+    for body, ctype, status, msg in cases:
+        r = post(live, "/generate", body, ctype)
+        assert r.status_code == status and msg in r.json()["error"], (body[:40], ctype, r.status_code, r.text)
+    # no Content-Type header is JSON; so is a +json media type
+    assert post(live, "/generate", json.dumps(GOOD["/generate"]).encode(), None).status_code == 200
+    assert post(live, "/generate", json.dumps(GOOD["/generate"]).encode(), "application/vnd.api+json").status_code == 200
+
+
+@pytest.mark.parametrize("value", [1e-100, 5e-324])
+def test_a_top_p_below_float32_keeps_the_top_token(live, model, tok, value):
+    """A top_p that rounds to 0 in float32 leaves exactly the most likely token: the greedy output."""
+    want = solo(model, tok, PROMPTS[1], 8)
+    params = {"max_new_tokens": 8, "do_sample": True, "seed": 3, "top_p": value, "details": True}
+    r = httpx.post(live.url + "/generate", json={"inputs": PROMPTS[1], "parameters": params}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert [t["id"] for t in r.json()["details"]["tokens"]] == want
+    with httpx.stream("POST", live.url + "/generate_stream", json={"inputs": PROMPTS[1], "parameters": params},
+                      timeout=60) as s:
+        events = [json.loads(line[5:]) for line in s.iter_lines() if line.startswith("data:")]
+    assert [e["token"]["id"] for e in events] == want and "error" not in events[-1]
+    r = httpx.post(live.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": PROMPTS[1]}],
+                                                           "top_p": value, "max_tokens": 4, "seed": 1}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_logprobs_are_the_targets_whatever_the_sampling_settings(live, model, tok):
+    """Greedy, top_k 1 and temperature 1e-5 pick the same tokens; each reports the target's own
+    log-probability of them (it used to be 0.0 under top_k 1)."""
+    runs = []
+    for extra in ({}, {"do_sample": True, "top_k": 1, "seed": 5}, {"do_sample": True, "temperature": 1e-5, "seed": 5},
+                  {"do_sample": True, "top_p": 1e-30, "temperature": 0.5, "seed": 5}):
+        r = httpx.post(live.url + "/generate", json={"inputs": PROMPTS[0], "parameters": {
+            "max_new_tokens": 10, "details": True, **extra}}, timeout=60)
+        runs.append(r.json()["details"]["tokens"])
+    ids = [[t["id"] for t in run] for run in runs]
+    assert all(i == ids[0] for i in ids) and ids[0] == solo(model, tok, PROMPTS[0], 10)
+    for run in runs[1:]:
+        assert [t["logprob"] for t in run] == pytest.approx([t["logprob"] for t in runs[0]], abs=1e-5)
+    assert all(t["logprob"] < -0.5 for t in runs[1])  # the tiny model is unsure: far from log 1 = 0
+
+
+def test_top_n_tokens_reports_the_most_likely_tokens(live, model, tok):
+    r = httpx.post(live.url + "/generate", json={"inputs": PROMPTS[2], "parameters": {
+        "max_new_tokens": 5, "details": True, "top_n_tokens": 3}}).json()["details"]
+    for t, top in zip(r["tokens"], r["top_tokens"]):
+        assert len(top) == 3 and top[0]["id"] == t["id"] and top[0]["logprob"] == pytest.approx(t["logprob"])
+        assert [x["logprob"] for x in top] == sorted((x["logprob"] for x in top), reverse=True)
+    r = httpx.post(live.url + "/generate", json={"inputs": "w2", "parameters": {"top_n_tokens": 6}})
+    assert r.status_code == 422 and "`top_n_tokens` must be >= 0 and <= 5" in r.json()["error"]
+
+
+def test_a_row_that_fails_while_generating_has_a_request_id_in_body_and_log(live, monkeypatch, caplog):
+    from spec_plugins.sampling import LogitsPipeline
+
+    real = LogitsPipeline.warp
+
+    def broken(self, logits):  # only the marked request's rows: every token masked
+        out = real(self, logits)
+        return out.fill_(float("-inf")) if self.sampling.temperature == 0.777 else out
+
+    monkeypatch.setattr(LogitsPipeline, "warp", broken)
+    for route in ("/generate", "/v1/chat/completions"):
+        body = ({"inputs": "w2 w3", "parameters": {"temperature": 0.777, "max_new_tokens": 4}} if route == "/generate"
+                else {"messages": [{"role": "user", "content": "w2"}], "temperature": 0.777, "max_tokens": 4})
+        r = httpx.post(live.url + route, json=body, timeout=60)
+        err = r.json()
+        assert r.status_code == 500 and err["error_type"] == "generation" and "not finite" in err["error"], r.text
+        rid = err["error"].split("request id ")[1].split(")")[0]
+        assert len(rid) == 12 and any(rid in rec.getMessage() for rec in caplog.records), rid
+    assert httpx.post(live.url + "/generate", json=GOOD["/generate"]).status_code == 200
+
+
+# ---- the event loop: size, deadline, and work in threads -----------------------------------------
+def _raw(srv, head: bytes, timeout: float = 20.0) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", srv.port), timeout=timeout)
+    s.sendall(head)
+    return s
+
+
+def _status(s: socket.socket) -> int:
+    data = b""
+    while b"\r\n" not in data:
+        chunk = s.recv(4096)
+        assert chunk, "connection closed without an answer"
+        data += chunk
+    return int(data.split(b" ")[1])
+
+
+def test_a_body_sent_one_byte_at_a_time_is_cut_off(live):
+    """Body timeout: a client dripping its body gets 408 after ``body_timeout`` (1.5 s here), and
+    other clients are served meanwhile."""
+    s = _raw(live, b"POST /generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 400\r\n\r\n")
+    answered = []
+
+    def drip() -> None:
+        try:
+            for b in b'{"inputs": "' + b"w2 " * 100:
+                s.sendall(bytes([b]))
+                time.sleep(0.05)
+        except OSError:
+            answered.append("closed")  # the server hung up on us, as it should
+
+    t = threading.Thread(target=drip, daemon=True)
+    t.start()
+    assert httpx.get(live.url + "/health", timeout=10).status_code == 200
+    assert httpx.post(live.url + "/generate", json=GOOD["/generate"], timeout=30).status_code == 200
+    assert _status(s) == 408
+    s.close()
+
+
+def test_a_declared_body_over_the_cap_is_refused_unread(live):
+    s = _raw(live, b"POST /generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                   b"content-length: 1000000000\r\n\r\n{")
+    assert _status(s) == 413
+    s.close()
+
+
+def test_parsing_and_tokenizing_run_off_the_event_loop_on_bounded_text(live, model, tok, monkeypatch):
+    """A 3 MB prompt is refused on the count of its first characters (the tokenizer never sees
+    more than a few thousand), and neither the parser nor the tokenizer runs on the loop's thread."""
+    from spec_plugins.server.schemas import GenerateRequest
+
+    seen: list[tuple[int, int]] = []  # (thread id, characters)
+    tok_cls = type(live.state.tokenizer)
+    real_call, real_validate = tok_cls.__call__, GenerateRequest.model_validate
+
+    def call(self, text, *a, **kw):
+        seen.append((threading.get_ident(), len(text)))
+        return real_call(self, text, *a, **kw)
+
+    def validate(data, *a, **kw):
+        seen.append((threading.get_ident(), -1))
+        return real_validate(data, *a, **kw)
+
+    monkeypatch.setattr(tok_cls, "__call__", call)
+    monkeypatch.setattr(GenerateRequest, "model_validate", validate)
+    r = httpx.post(live.url + "/generate", json={"inputs": "w3 " * 1_000_000}, timeout=60)
+    assert r.status_code == 422 and "`inputs` tokens must be <= 48" in r.json()["error"], r.text
+    assert seen and max(n for _, n in seen) < 10_000
+    assert live.thread.ident not in {t for t, _ in seen}  # uvicorn's event loop runs in live.thread
+    # truncate keeps the last tokens of a long input, tokenizing only its tail
+    seen.clear()
+    r = httpx.post(live.url + "/generate", json={"inputs": "w9 " * 200_000 + "w2 w3 w4", "parameters": {
+        "truncate": 5, "max_new_tokens": 2, "details": True}}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert [t["id"] for t in r.json()["details"]["tokens"]] == solo(model, tok, "w9 w9 w2 w3 w4", 2)
+    assert max(n for _, n in seen) < 10_000

