@@ -22,7 +22,7 @@ from spec_plugins.backends.torch_runtime import TorchRuntime  # noqa: E402
 from spec_plugins.decoder import SpeculativeDecoder  # noqa: E402
 from spec_plugins.proposers.ngram import NgramProposer  # noqa: E402
 from spec_plugins.server.app import create_app  # noqa: E402
-from spec_plugins.server.cli import build_state  # noqa: E402
+from spec_plugins.server.setup import build_state  # noqa: E402
 from spec_plugins.verifiers import ExactVerifier  # noqa: E402
 
 WORDS = [f"w{i}" for i in range(2, 32)]
@@ -373,5 +373,29 @@ def test_suffix_global_index_in_the_server_per_tenant(model, tok):
         r = httpx.post(srv.url + "/generate", json={"inputs": "w2", "parameters": {"max_new_tokens": 2}},
                        headers={"X-Tenant": "x" * 200})
         assert r.status_code == 422 and "X-Tenant" in r.json()["error"]
+    finally:
+        srv.stop()
+
+
+def test_a_hybrid_reports_its_suffix_index_metrics(model, tok):
+    """A suffix + EAGLE hybrid in the server shows the suffix index's metrics on /metrics (the
+    proposer declares ``ReportsMetrics``; nothing is read off a proposer's attributes)."""
+    from test_heads import eagle
+
+    from spec_plugins.proposers.eagle import EagleProposer
+    from spec_plugins.proposers.hybrid import HybridProposer
+    from spec_plugins.proposers.suffix import SuffixProposer
+
+    suffix = SuffixProposer(SuffixProposer.Config(scope="global", tree_nodes=8, min_token_prob=0.0))
+    eag = EagleProposer(EagleProposer.Config(heads="unused", tree_nodes=6, top_k=2), drafter=eagle(model))
+    hyb = HybridProposer(HybridProposer.Config(proposers=[{"type": "suffix"}, {"type": "eagle", "heads": "x"}]),
+                         children=[suffix, eag])
+    srv = LiveServer(model, tok, max_batch=2, proposer=hyb, policy="fixed")
+    try:
+        for p, n in zip(PROMPTS[:3], [12, 9, 10]):
+            r = text_generation.Client(srv.url, timeout=60).generate(p, max_new_tokens=n)
+            assert [t.id for t in r.details.tokens] == solo(model, tok, p, n)
+        assert srv.metric("spec_suffix_index_requests") >= 1
+        assert srv.metric("spec_suffix_index_lookups_total") > 0
     finally:
         srv.stop()

@@ -102,3 +102,22 @@ def test_stop_strings_without_a_tokenizer_are_refused():
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
         dec.generate([1, 2, 3], max_new_tokens=4, stop=["x"])
     assert dec.generate([1, 2, 3], max_new_tokens=4).text == ""  # token ids only, as before
+
+
+def test_decoder_stream_of_2000_tokens_decodes_linear_work():
+    """``stream`` through the real decoder: 2,000 tokens cost two short decodes per token, not a
+    decode of the whole output per round (quadratic: millions of characters)."""
+    from test_bench import word_tokenizer
+
+    from conftest import tiny_llama
+    from spec_plugins.backends.torch_runtime import TorchRuntime
+    from spec_plugins.decoder import SpeculativeDecoder
+
+    tok = word_tokenizer()
+    counted = Counting(tok)
+    counted.eos_token_id, counted.chat_template = None, None  # no EOS: all 2,000 tokens
+    dec = SpeculativeDecoder(TorchRuntime(tiny_llama(seed=3, max_pos=2100, layers=1, hidden=16), counted))
+    events = list(dec.stream([2, 3, 4], max_new_tokens=2000))
+    ids = [t for e in events for t in e.token_ids]
+    assert len(ids) == 2000 and "".join(e.text for e in events) == tok.decode(ids, skip_special_tokens=True)
+    assert counted.calls <= 2 * len(ids) and counted.chars <= 8 * len(tok.decode(ids))
