@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from spec_plugins.text import StopStrings, TextStream
-
 
 def byte_tokenizer():
     """A byte-level tokenizer (one token per byte, built in memory): multi-byte characters span
@@ -38,6 +36,8 @@ TEXT = "Speculative décodage — 速い! naïve café " * 50  # 2-3 byte charac
 
 
 def test_stream_of_2000_tokens_is_linear_and_equals_the_full_decode():
+    from spec_plugins.text import TextStream
+
     tok = byte_tokenizer()
     ids = tok(TEXT)["input_ids"][:2000]
     assert len(ids) == 2000
@@ -52,6 +52,8 @@ def test_stream_of_2000_tokens_is_linear_and_equals_the_full_decode():
 
 
 def test_stop_strings_stop_at_the_token_that_completes_them_even_across_tokens():
+    from spec_plugins.text import StopStrings, TextStream
+
     tok = byte_tokenizer()
     ids = tok("abc STOP def")["input_ids"]
     s = TextStream(tok, stops=["ST" + "OP", "never"])
