@@ -42,21 +42,28 @@ class Draft:
     parents: tuple[int, ...]
     probs: torch.Tensor | None = None
     valid: torch.Tensor | None = None
+    host_valid: torch.Tensor | None = field(default=None, compare=False, repr=False)  # ``valid`` before ``to``
 
     @property
     def size(self) -> int:
         return len(self.parents)
 
+    def valid_on_host(self) -> torch.Tensor | None:
+        """``valid`` where reading it needs no device sync (drafts are sized on the host)."""
+        return self.host_valid if self.host_valid is not None else self.valid
+
     def row_sizes(self) -> list[int]:
         """Nodes each row actually drafted (its valid ones)."""
         if self.valid is None:
             return [self.size] * int(self.tokens.shape[0])
-        return self.valid.sum(1).tolist()
+        return self.valid_on_host().sum(1).tolist()
 
     def to(self, device: torch.device) -> "Draft":
-        """The same draft with every tensor on ``device`` (a no-op where they already are)."""
+        """The same draft with every tensor on ``device`` (a no-op where they already are); a
+        host ``valid`` is kept for the host-side statistics."""
         move = lambda t: t if t is None or t.device == device else t.to(device)  # noqa: E731
-        return Draft(move(self.tokens), self.parents, move(self.probs), move(self.valid))
+        host = self.valid if self.valid is not None and self.valid.device.type == "cpu" else self.host_valid
+        return Draft(move(self.tokens), self.parents, move(self.probs), move(self.valid), host)
 
     @staticmethod
     def from_chains(chains: Sequence[Sequence[int]], device: torch.device | str = "cpu") -> "Draft | None":
@@ -126,14 +133,38 @@ class ProposeContext:
 
 @dataclass
 class Verdict:
-    """Per row: accepted draft nodes (root-to-leaf order) and the token emitted after them."""
+    """Per row: accepted draft nodes (root-to-leaf order) and the token emitted after them, on
+    the host. ``tokens``: the accepted nodes' tokens (None: read them from the draft)."""
 
     accepted: list[list[int]]
     next_tokens: list[int]
+    tokens: list[list[int]] | None = None
 
     def keep(self) -> list[list[int]]:
         """Forward indices whose KV survives: the root plus every accepted node."""
         return [[0] + [i + 1 for i in acc] for acc in self.accepted]
+
+
+@dataclass(frozen=True)
+class DeviceVerdict:
+    """A verifier's decision still on the logits' device (no host sync yet).
+
+    path [B, n] bool: the nodes of the accepted root-to-leaf path
+    next [B] long: the token emitted after them"""
+
+    path: torch.Tensor
+    next: torch.Tensor
+
+    def fetch(self, x: torch.Tensor, flags: torch.Tensor | None = None) -> "tuple[Verdict, list[bool]]":
+        """The verdict on the host in ONE device-to-host copy: path, the accepted tokens of ``x``
+        [B, n], the next tokens and per-row ``flags`` [B] bool (e.g. rows whose logits failed)."""
+        B, n = self.path.shape
+        f = flags if flags is not None else torch.zeros(B, dtype=torch.bool, device=self.next.device)
+        packed = torch.cat([self.path.long(), torch.where(self.path, x, 0), self.next[:, None], f.long()[:, None]], 1)
+        host = packed.tolist()  # the round's one sync
+        accepted = [[j for j in range(n) if row[j]] for row in host]
+        tokens = [[row[n + j] for j in acc] for row, acc in zip(host, accepted)]
+        return Verdict(accepted, [row[2 * n] for row in host], tokens), [bool(row[-1]) for row in host]
 
 
 # stop(row_tokens, n_new) -> None to go on, or how many of the row's n_new newest tokens to keep
@@ -237,6 +268,6 @@ class RoundRecord:
             elif d.valid is None:
                 self._by_depth = [depth_counts(d.parents)] * self.rows
             else:
-                valid = d.valid.cpu()
+                valid = d.valid_on_host().cpu()
                 self._by_depth = [depth_counts(d.parents, valid[b]) for b in range(self.rows)]
         return self._by_depth

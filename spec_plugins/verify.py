@@ -16,6 +16,15 @@ accept c_k with probability min(1, r(x_k) / q(x_k)); on rejection r <- norm(max(
 If a child is accepted, descend with r = p at that child; if all are rejected (or there are
 no children), emit a token from r.
 
+Point-mass drafts (every model-free proposer and the trained heads' top-k) make this rule a
+one-liner over tensors: sample one token y_j from p at every position j at once; a node is
+followed iff its token equals the sample at its parent (the first such sibling), and the emitted
+token is the sample at the last followed node. The law is the rule's: at a node, child k is taken
+with probability p(t_k), and a token y outside the children is emitted with probability p(y)
+(below), exactly the distribution of one sample from p. Greedy decoding is the same walk with
+each position's argmax in place of its sample. No Python loop and no host sync: the verdict stays
+on the logits' device until the round fetches it once (``types.Verdict.fetch``).
+
 Proof sketch for the tree rule with point-mass children (distinct tokens t_1..t_m): the
 probability of emitting t_k is prod_{j<k} (1 - r_j(t_j)) * r_k(t_k), and since
 r_k = r / (1 - sum_{j<k} r(t_j)) this telescopes to r(t_k); a token y outside the candidates
@@ -28,46 +37,57 @@ decoding is the temperature-0 limit: accept while x equals the target argmax.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from spec_plugins.sampling import sample
-from spec_plugins.tree import children, layout, path_to
-from spec_plugins.types import Verdict
+from spec_plugins.tree import children, layout
+from spec_plugins.types import DeviceVerdict, Verdict
 
-__all__ = ["Verdict", "greedy_verify", "rejection_verify", "typical_verify"]
+__all__ = ["DeviceVerdict", "Verdict", "greedy_verify", "rejection_verify", "typical_verify"]
 
 
-def greedy_verify(
-    x: torch.Tensor, parents: tuple[int, ...], target: torch.Tensor, valid: torch.Tensor | None = None
-) -> Verdict:
-    """x [B, n] drafted tokens; target [B, n+1, V] processed logits (or [B, n+1] argmax ids)."""
-    top = target.argmax(-1) if target.dim() == 3 else target  # [B, n+1]
+@lru_cache(maxsize=256)
+def _topology(parents: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """On ``device``, once per draft shape: each node's parent's forward index [n], its ancestors
+    (itself included) [n, n], its earlier siblings [n, n] and its depth [n]."""
+    lay = layout(parents)
+    n = len(parents)
+    par = torch.tensor([p + 1 for p in parents], dtype=torch.long, device="cpu")
+    earlier = torch.zeros(n, n, dtype=torch.bool, device="cpu")
+    for i, p in enumerate(parents):
+        for j in range(i):
+            earlier[i, j] = parents[j] == p
+    return tuple(t.to(device) for t in (par, lay.ancestors, earlier, lay.depth))
+
+
+def follow(x: torch.Tensor, parents: tuple[int, ...], y: torch.Tensor, valid: torch.Tensor | None = None
+           ) -> DeviceVerdict:
+    """The walk from the root: a node is taken iff its token equals ``y`` at its parent's forward
+    position (the first such sibling, skipping invalid nodes); the emitted token is ``y`` at the
+    last node taken. x [B, n] drafted tokens; y [B, n+1] one token per forward position."""
     B, n = x.shape
     if n == 0:
-        return Verdict([[] for _ in range(B)], top[:, 0].tolist())
-    if layout(parents).is_chain:
-        match = x == top[:, :-1]
-        if valid is not None:
-            match &= valid
-        a = match.long().cumprod(1).sum(1)  # leading matches per row
-        nxt = top.gather(1, a[:, None]).squeeze(1)
-        return Verdict([list(range(k)) for k in a.tolist()], nxt.tolist())
-    kids = children(parents)
-    xs, tops = x.tolist(), top.tolist()
-    ok = valid.tolist() if valid is not None else None
-    accepted, nxt = [], []
-    for b in range(B):
-        path, node = [], -1  # node -1 = root
-        while True:
-            want = tops[b][node + 1]
-            nxt_node = next((c for c in kids[node] if xs[b][c] == want and (ok is None or ok[b][c])), None)
-            if nxt_node is None:
-                break
-            path.append(nxt_node)
-            node = nxt_node
-        accepted.append(path)
-        nxt.append(tops[b][node + 1])
-    return Verdict(accepted, nxt)
+        return DeviceVerdict(torch.zeros(B, 0, dtype=torch.bool, device=y.device), y[:, 0])
+    par, anc, earlier, depth = _topology(parents, y.device)
+    match = x == y[:, par]  # [B, n]
+    if valid is not None:
+        match &= valid
+    first = match & ~(match[:, None, :] & earlier[None]).any(-1)  # no earlier sibling matched
+    on_path = ~(anc[None] & ~first[:, None, :]).any(-1)  # every node from the root to it was taken
+    reach = torch.where(on_path, depth[None] + 1, 0)  # [B, n]: the taken nodes form one root path
+    got, leaf = reach.max(1)
+    taken = got > 0
+    path = anc[leaf] & taken[:, None]  # [B, n]: the leaf and its ancestors
+    nxt = y.gather(1, torch.where(taken, leaf + 1, 0)[:, None]).squeeze(1)
+    return DeviceVerdict(path, nxt)
+
+
+def greedy_verify(x: torch.Tensor, parents: tuple[int, ...], target: torch.Tensor,
+                  valid: torch.Tensor | None = None) -> DeviceVerdict:
+    """x [B, n] drafted tokens; target [B, n+1, V] processed logits (or [B, n+1] argmax ids)."""
+    return follow(x, parents, target.argmax(-1) if target.dim() == 3 else target, valid)
 
 
 def rejection_verify(
@@ -77,20 +97,23 @@ def rejection_verify(
     q: torch.Tensor | None,
     generator: torch.Generator | None,
     valid: torch.Tensor | None = None,
-) -> Verdict:
+) -> DeviceVerdict:
     """Exact speculative sampling. x [B, n]; p [B, n+1, V] target probs; q [B, n, V] or None."""
     B, n = x.shape
-    if n == 0:
-        return Verdict([[] for _ in range(B)], sample(p[:, 0], generator).tolist())
+    if q is None or n == 0:  # point masses, chain or tree: one sample per position, follow the matches
+        y = sample(p.reshape(B * (n + 1), -1), generator).view(B, n + 1)
+        return follow(x, parents, y, valid)
     if layout(parents).is_chain:
         return _chain(x, p, q, generator, valid)
     return _tree(x, parents, p, q, generator, valid)
 
 
-def _chain(x, p, q, generator, valid) -> Verdict:
+def _chain(x, p, q, generator, valid) -> DeviceVerdict:
+    """Drafts drawn from q (a draft model): accept x_i with probability min(1, p/q), at the first
+    rejection sample norm(max(0, p - q)); all on the device, no branch on tensor values."""
     B, n = x.shape
     p_x = p[:, :n].gather(-1, x[..., None]).squeeze(-1)  # p(x_i | prefix, x_<i)
-    q_x = q.gather(-1, x[..., None]).squeeze(-1) if q is not None else torch.ones_like(p_x)
+    q_x = q.gather(-1, x[..., None]).squeeze(-1)
     u = torch.rand(B, n, generator=generator, device=p.device)
     ok = u * q_x < p_x  # u < p/q  <=>  accept with probability min(1, p/q)
     if valid is not None:
@@ -98,33 +121,28 @@ def _chain(x, p, q, generator, valid) -> Verdict:
     a = ok.long().cumprod(1).sum(1)  # [B] accepted count
     rows = torch.arange(B, device=p.device)
     p_a = p[rows, a]  # target distribution where the first rejection happened (or the bonus)
-    resid = p_a.clone()
     rejected = a < n  # a real draft token was rejected (not just the end of the draft)
     if valid is not None:
         rejected &= valid[rows, a.clamp(max=n - 1)]
-    if rejected.any():
-        r = rows[rejected]
-        ar = a[rejected]
-        if q is not None:
-            resid[r] = (p_a[r] - q[r, ar]).clamp_min(0.0)  # norm(max(0, p - q))
-        else:
-            resid[r, x[r, ar]] = 0.0  # point mass: p without the rejected token
-        # p == q exactly would leave nothing; that case cannot reject (u < 1), but be safe
-        empty = resid[r].sum(-1) <= 0
-        if empty.any():
-            resid[r[empty]] = p_a[r[empty]]
-    nxt = sample(resid, generator)
-    return Verdict([list(range(k)) for k in a.tolist()], nxt.tolist())
+    resid = (p_a - q[rows, a.clamp(max=n - 1)]).clamp_min(0.0)  # norm(max(0, p - q))
+    # p == q exactly would leave nothing; that case cannot reject (u < 1), but be safe
+    resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p_a)
+    nxt = sample(torch.where(rejected[:, None], resid, p_a), generator)
+    path = torch.arange(n, device=p.device)[None] < a[:, None]
+    return DeviceVerdict(path, nxt)
 
 
-def _tree(x, parents, p, q, generator, valid) -> Verdict:
+def _tree(x, parents, p, q, generator, valid) -> DeviceVerdict:
+    """Trees of children drawn i.i.d. from q: the sequential sibling rule (a loop over rows and
+    children; no proposer here drafts such trees, the tests do). Point-mass trees never come here."""
     kids = children(parents)
-    B, _ = x.shape
+    B, n = x.shape
     xs = x.tolist()
     ok = valid.tolist() if valid is not None else None
-    accepted, nxt = [], []
+    path = torch.zeros(B, n, dtype=torch.bool, device=p.device)
+    nxt = []
     for b in range(B):
-        path, node = [], -1
+        node = -1
         while True:
             r = p[b, node + 1].clone()  # residual starts as the target distribution here
             chosen = None
@@ -133,29 +151,22 @@ def _tree(x, parents, p, q, generator, valid) -> Verdict:
                     continue
                 t = xs[b][c]
                 u = torch.rand((), generator=generator, device=p.device)
-                if q is None:
-                    if u < r[t]:
-                        chosen = c
-                        break
-                    r[t] = 0.0
-                else:
-                    qc = q[b, c]
-                    if u * qc[t] < r[t]:
-                        chosen = c
-                        break
-                    r = (r - qc).clamp_min(0.0)
+                qc = q[b, c]
+                if u * qc[t] < r[t]:
+                    chosen = c
+                    break
+                r = (r - qc).clamp_min(0.0)
                 s = r.sum()
                 if s <= 0:  # nothing left to reject into: only possible if r was fully covered
                     r = p[b, node + 1].clone()
                     break
                 r = r / s
             if chosen is None:
-                nxt.append(int(sample(r[None], generator)[0]))
+                nxt.append(sample(r[None], generator)[0])
                 break
-            path.append(chosen)
+            path[b, chosen] = True
             node = chosen
-        accepted.append(path)
-    return Verdict(accepted, nxt)
+    return DeviceVerdict(path, torch.stack(nxt))
 
 
 def typical_verify(
@@ -166,7 +177,7 @@ def typical_verify(
     delta: float,
     generator: torch.Generator | None,
     valid: torch.Tensor | None = None,
-) -> Verdict:
+) -> DeviceVerdict:
     """LOSSY typical acceptance (Medusa, Cai et al. 2024): NOT the target's distribution.
 
     A drafted token x is accepted where ``p(x) > min(epsilon, delta * exp(-H(p)))``, p being the
@@ -182,26 +193,24 @@ def typical_verify(
     thresh = torch.clamp(delta * torch.exp(-entropy), max=epsilon)  # min(epsilon, delta * exp(-H))
     rows = torch.arange(B, device=p.device)
     best = torch.full((B,), -1, dtype=torch.long, device=p.device)
-    accepted: list[list[int]] = [[] for _ in range(B)]
+    path = torch.zeros(B, n, dtype=torch.bool, device=p.device)
     if n > 0:
-        lay = layout(parents)
-        par_fwd = torch.tensor([q + 1 for q in parents], device=p.device)  # forward index of each parent
+        par_fwd, anc, _, depth = _topology(parents, p.device)
         p_x = p[:, par_fwd].gather(-1, x[..., None]).squeeze(-1)  # [B, n]
         ok = p_x > thresh[:, par_fwd]
         if valid is not None:
             ok &= valid
-        anc = lay.ancestors.to(p.device)[None]  # [1, n, n]
-        path_ok = ~(anc & ~ok[:, None, :]).any(-1)  # every node on the path passes
-        length = torch.where(path_ok, lay.depth.to(p.device)[None] + 1, 0)
-        path_lp = (anc.float() * p_x.clamp_min(1e-30).log()[:, None, :]).sum(-1)
+        path_ok = ~(anc[None] & ~ok[:, None, :]).any(-1)  # every node on the path passes
+        length = torch.where(path_ok, depth[None] + 1, 0)
+        path_lp = (anc[None].float() * p_x.clamp_min(1e-30).log()[:, None, :]).sum(-1)
         key = torch.where(path_ok, path_lp, torch.full_like(path_lp, float("-inf")))
         longest = length.max(1, keepdim=True).values
         key = torch.where(length == longest, key, torch.full_like(key, float("-inf")))
         cand = key.argmax(1)
         best = torch.where(longest.squeeze(1) > 0, cand, best)
-        accepted = [path_to(parents, int(j)) if j >= 0 else [] for j in best.tolist()]
+        path = anc[best.clamp_min(0)] & (best >= 0)[:, None]
     p_last = p[rows, best + 1]  # [B, V]
     keep = p_last > thresh[rows, best + 1][:, None]
     keep |= torch.nn.functional.one_hot(p_last.argmax(-1), p_last.shape[-1]).bool()
     nxt = sample(p_last * keep, generator)
-    return Verdict(accepted, nxt.tolist())
+    return DeviceVerdict(path, nxt)

@@ -52,7 +52,7 @@ class AcceptByRatioNoResidual(ExactVerifier):
         from spec_plugins.verify import rejection_verify
 
         p = target_logits.float().softmax(-1)
-        v = rejection_verify(x, parents, p, q, generator, valid)
+        v = rejection_verify(x, parents, p, q, generator, valid).fetch(x)[0]
         rows = torch.arange(x.shape[0])
         a = torch.tensor([len(acc) for acc in v.accepted])
         fresh = torch.multinomial(p[rows, a], 1, generator=generator).squeeze(-1)

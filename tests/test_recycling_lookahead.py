@@ -125,7 +125,7 @@ def test_recycling_batch_rows_accept_different_lengths():
     class Spy(ExactVerifier):
         def __call__(self, x, parents, z, q, pipeline, gen, valid=None):
             v = super().__call__(x, parents, z, q, pipeline, gen, valid)
-            seen.add(tuple(len(a) for a in v.accepted))
+            seen.add(tuple(len(a) for a in v.fetch(x)[0].accepted))
             return v
 
     outs, stats = run(target, prop, prompts, limits, verifier=Spy())
@@ -273,20 +273,21 @@ def test_typical_rule_matches_medusa_threshold():
     H = [-(r[r > 0] * r[r > 0].log()).sum() for r in p[0]]
     th = [min(eps, delta * float(torch.exp(-h))) for h in H]
     x = torch.tensor([[1, 4]])  # chain: p0(1)=0.3 > th0, p1(4)=0.4 > th1
-    v = typical_verify(x, (-1, 0), p[:, :3], eps, delta, torch.Generator().manual_seed(0))
+    v = typical_verify(x, (-1, 0), p[:, :3], eps, delta, torch.Generator().manual_seed(0)).fetch(x)[0]
     assert p[0, 0, 1] > th[0] and p[0, 1, 4] > th[1]
     assert v.accepted == [[0, 1]]
     assert th[0] == pytest.approx(0.0934, abs=1e-3)
     x = torch.tensor([[2, 4]])  # p0(2) = 0.1 just passes the entropy threshold
-    assert typical_verify(x, (-1, 0), p[:, :3], eps, delta, None).accepted == [[0, 1]]
+    assert typical_verify(x, (-1, 0), p[:, :3], eps, delta, None).fetch(x)[0].accepted == [[0, 1]]
     x = torch.tensor([[4, 4]])  # p0(4) = 0: nothing accepted
-    assert typical_verify(x, (-1, 0), p[:, :3], eps, delta, None).accepted == [[]]
+    assert typical_verify(x, (-1, 0), p[:, :3], eps, delta, None).fetch(x)[0].accepted == [[]]
     # tree: the longest passing path wins; the next token only from tokens passing the test
     x = torch.tensor([[3, 0, 4]])
-    v = typical_verify(x, (-1, -1, 1), p, eps, delta, torch.Generator().manual_seed(0))
+    v = typical_verify(x, (-1, -1, 1), p, eps, delta, torch.Generator().manual_seed(0)).fetch(x)[0]
     assert v.accepted == [[1, 2]]
     for s in range(50):
-        v = typical_verify(torch.tensor([[5]]), (-1,), p[:, :2], eps, delta, torch.Generator().manual_seed(s))
+        x5 = torch.tensor([[5]])
+        v = typical_verify(x5, (-1,), p[:, :2], eps, delta, torch.Generator().manual_seed(s)).fetch(x5)[0]
         assert v.accepted == [[]] and p[0, 0, v.next_tokens[0]] > th[0]
 
 
@@ -306,7 +307,7 @@ def test_typical_greedy_is_exact_and_stats_say_lossy():
     # greedy_verify and typical at temperature 0 are the same function
     x = torch.tensor([[1, 2]])
     z = torch.randn(1, 3, 8)
-    assert TypicalVerifier()(x, (-1, 0), z, None, GREEDY, None) == greedy_verify(x, (-1, 0), z)
+    assert TypicalVerifier()(x, (-1, 0), z, None, GREEDY, None).fetch(x) == greedy_verify(x, (-1, 0), z).fetch(x)
 
 
 def test_typical_accepts_more_than_exact_at_high_temperature():
@@ -315,10 +316,10 @@ def test_typical_accepts_more_than_exact_at_high_temperature():
     V = 8
     p = torch.tensor([0.45, 0.35, 0.1, 0.05, 0.05, 0.0, 0.0, 0.0]).expand(2000, 2, V).contiguous()
     x = torch.ones(2000, 1, dtype=torch.long)  # token 1 drafted as a point mass
-    typ = typical_verify(x, (-1,), p, 0.09, 0.3, g)
+    typ = typical_verify(x, (-1,), p, 0.09, 0.3, g).fetch(x)[0]
     from spec_plugins.verify import rejection_verify
 
-    ex = rejection_verify(x, (-1,), p, None, g)
+    ex = rejection_verify(x, (-1,), p, None, g).fetch(x)[0]
     n_typ = sum(len(a) for a in typ.accepted)
     n_ex = sum(len(a) for a in ex.accepted)
     assert n_typ == 2000 and abs(n_ex / 2000 - 0.35) < 0.05

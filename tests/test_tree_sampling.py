@@ -171,7 +171,7 @@ def test_tree_draft_differs_from_target_and_uses_depth_two():
     class Spy(ExactVerifier):
         def __call__(self, x, parents, z, q, pipeline, gen, valid=None):
             v = super().__call__(x, parents, z, q, pipeline, gen, valid)
-            seen.extend(acc for acc in v.accepted)
+            seen.extend(acc for acc in v.fetch(x)[0].accepted)
             return v
 
     target = TorchRuntime(model)

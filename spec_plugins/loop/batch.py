@@ -9,7 +9,6 @@ steps below in order; they hold the mechanics, the round holds the order.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Sequence
@@ -17,12 +16,13 @@ from typing import Any, Callable, Hashable, Sequence
 import torch
 
 from spec_plugins.config import SamplingConfig
+from spec_plugins.loop.logprobs import logprobs
 from spec_plugins.proposers.base import ProposerTraits
 from spec_plugins.sampling import LogitsPipeline, RowPipelines
 from spec_plugins.stats import DecodeStats
 from spec_plugins.tree import TreeLayout, layout, with_root
-from spec_plugins.types import (BatchView, Draft, Emission, ProposeContext, Ranked, RoundRecord, RowRequest,
-                                RowStop, Verdict)
+from spec_plugins.types import (BatchView, DeviceVerdict, Draft, Emission, ProposeContext, Ranked, RoundRecord,
+                                RowRequest, RowStop, Verdict)
 
 GREEDY = SamplingConfig()
 
@@ -228,11 +228,12 @@ class Batch:
 
     def _process(self, rows: Sequence[Row], logits: torch.Tensor, tokens: torch.Tensor,
                  parents: tuple[int, ...]) -> torch.Tensor:
-        """Processed logits of ``rows``; a row whose processing raises or yields no finite
-        distribution fails alone (``_fail``) and gets a harmless placeholder."""
+        """Processed logits of ``rows``; a row whose processing raises fails alone (``_fail``) and
+        gets a harmless placeholder (rows whose result is not a distribution are found by
+        ``_verify``, on the device, without a sync)."""
         seen = self._seen(rows)
         try:
-            z = self._row_pipelines(rows).process_tree(logits, seen, tokens, parents)
+            return self._row_pipelines(rows).process_tree(logits, seen, tokens, parents)
         except Exception:  # noqa: BLE001 - find the rows it fails for, one at a time
             z = torch.zeros_like(logits)
             for b, r in enumerate(rows):
@@ -240,15 +241,7 @@ class Batch:
                     z[b] = r.pipeline.process_tree(logits[b:b + 1], [seen[b]], tokens[b:b + 1], parents)[0]
                 except Exception as exc:  # noqa: BLE001
                     self._fail(r, f"logits processing failed: {type(exc).__name__}: {exc}")
-        bad = (~torch.isfinite(z.amax(-1)).all(-1)).nonzero().flatten().tolist()  # NaN, +inf or nothing allowed
-        for b in bad:
-            if rows[b].error is None:
-                self._fail(rows[b], "sampling failed: the processed logits are not finite (NaN, inf, or every "
-                                    "token masked)")
-        for b, r in enumerate(rows):
-            if r.error is not None:
-                z[b] = 0.0  # the verifier sees a valid distribution; the row emits nothing
-        return z
+            return z
 
     def verify(self, draft: Draft | None, z: torch.Tensor) -> Verdict:
         return self._verify(self.rows, draft, z)
@@ -272,13 +265,14 @@ class Batch:
              hidden: torch.Tensor | None) -> list[Emission]:
         """Append each row's accepted tokens and its next token, stopping at EOS, its limit or its
         stop rule; keep the target features of the committed path for the proposer."""
-        host = tokens.tolist()
+        host = verdict.tokens if verdict.tokens is not None else [  # a verifier that returned host lists
+            [row[j + 1] for j in acc] for row, acc in zip(tokens.tolist(), verdict.accepted)]
         out = []
         for b, r in enumerate(self.rows):
             if r.error is not None:
                 out.append(Emission(r.key, [], [], "error", r.error))
                 continue
-            toks = [host[b][j + 1] for j in verdict.accepted[b]] + [verdict.next_tokens[b]]
+            toks = host[b] + [verdict.next_tokens[b]]
             out.append(self._emit(r, toks, self._logits[b], keep[b]))
             if hidden is not None:
                 r.hidden = hidden[b, keep[b]]
@@ -310,28 +304,32 @@ class Batch:
         return [list(r.prefix) + r.tokens if r.prefix else r.tokens for r in rows]
 
     def _verify(self, rows: Sequence[Row], draft: Draft | None, z: torch.Tensor) -> Verdict:
-        """The registered verifier on row groups: greedy rows together, sampled rows by generator."""
+        """The registered verifier on row groups (greedy rows together, sampled rows by
+        generator), fetched to the host in one copy with the rows whose processed logits are no
+        distribution (NaN, +inf, every token masked): those fail alone, their verdict ignored."""
         B = len(rows)
         x = draft.tokens if draft is not None else torch.zeros(B, 0, dtype=torch.long, device=z.device)
         parents = draft.parents if draft is not None else ()
+        bad = ~torch.isfinite(z.amax(-1)).all(-1)  # [B], on the device
+        known = [b for b, r in enumerate(rows) if r.error is not None]
+        if known:
+            bad[known] = True
+        z = torch.where(bad[:, None, None], torch.zeros((), dtype=z.dtype, device=z.device), z)
         groups: dict[Hashable, list[int]] = {}
         for b, r in enumerate(rows):
             groups.setdefault("greedy" if r.pipeline.greedy else id(r.generator), []).append(b)
-        if len(groups) == 1:
-            r0 = rows[0]
-            q = draft.probs if draft is not None else None
-            valid = draft.valid if draft is not None else None
-            return self.verifier(x, parents, z, q, r0.pipeline, r0.generator, valid)
-        accepted: list[list[int]] = [[] for _ in range(B)]
-        nxt = [0] * B
+        parts = []
         for idx in groups.values():
-            r0 = rows[idx[0]]
-            q = draft.probs[idx] if draft is not None and draft.probs is not None else None
-            valid = draft.valid[idx] if draft is not None and draft.valid is not None else None
-            v = self.verifier(x[idx], parents, z[idx], q, r0.pipeline, r0.generator, valid)
-            for j, b in enumerate(idx):
-                accepted[b], nxt[b] = list(v.accepted[j]), int(v.next_tokens[j])
-        return Verdict(accepted, nxt)
+            r0, sel = rows[idx[0]], (slice(None) if len(groups) == 1 else idx)
+            q = draft.probs[sel] if draft is not None and draft.probs is not None else None
+            valid = draft.valid[sel] if draft is not None and draft.valid is not None else None
+            parts.append((idx, self.verifier(x[sel], parents, z[sel], q, r0.pipeline, r0.generator, valid)))
+        verdict, failed = _fetch(parts, x, bad)
+        for b, f in enumerate(failed):
+            if f and rows[b].error is None:
+                self._fail(rows[b], "sampling failed: the processed logits are not finite (NaN, inf, or every "
+                                    "token masked)")
+        return verdict
 
     def _emit(self, row: Row, toks: list[int], logits_row: torch.Tensor, at: Sequence[int]) -> Emission:
         """Append tokens to a row, stopping at EOS, its limit or its stop rule (``logits_row``
@@ -351,34 +349,27 @@ class Batch:
         if row.finish_reason is None and row.n_new >= row.max_new:
             row.finish_reason = "length"
         row.done = row.finish_reason is not None
-        lps = _logprobs(logits_row, at, out, self.top_logprobs) if row.logprobs else []
+        lps = logprobs(logits_row, at, out, self.top_logprobs) if row.logprobs else []
         return Emission(row.key, out, lps, row.finish_reason)
 
 
-class TokenLogprob(float):
-    """An emitted token's log-probability; ``top``: the most likely tokens at its position,
-    ``(id, logprob)`` best first (``Batch.top_logprobs`` of them, none by default)."""
-
-    top: tuple[tuple[int, float], ...] = ()
-
-
-def _finite(x: float) -> float:
-    # a finite float for JSON: the floor only guards the serialisation
-    return x if math.isfinite(x) else -1e30
-
-
-def _logprobs(logits_row: torch.Tensor, at: Sequence[int], toks: Sequence[int], top: int = 0) -> list[float]:
-    """The target's log p(token) at the position it was emitted from: log-softmax of the raw
-    logits (``logits_row`` [N, V]), before repetition penalty, temperature, top-k and top-p, so
-    every sampling setting that emits a token reports the same number for it."""
-    n = min(len(at), len(toks))
-    if n == 0:
-        return []
-    lp = logits_row[list(at[:n])].float().log_softmax(-1)
-    idx = torch.tensor(list(toks[:n]), device=lp.device)[:, None]
-    out = [TokenLogprob(_finite(x)) for x in lp.gather(-1, idx).squeeze(-1).tolist()]
-    if top > 0:
-        vals, ids = lp.topk(min(top, lp.shape[-1]), dim=-1)
-        for o, vs, ts in zip(out, vals.tolist(), ids.tolist()):
-            o.top = tuple((t, _finite(v)) for t, v in zip(ts, vs))
-    return out
+def _fetch(parts: list[tuple[list[int], Any]], x: torch.Tensor, bad: torch.Tensor) -> tuple[Verdict, list[bool]]:
+    """Row groups' verdicts as one host ``Verdict``: device verdicts gathered into one and copied
+    in one transfer (the round's one sync), with the failed-rows flags."""
+    B = int(bad.shape[0])
+    if all(isinstance(v, DeviceVerdict) for _, v in parts):
+        if len(parts) == 1:
+            return parts[0][1].fetch(x, bad)
+        path = torch.zeros(B, x.shape[1], dtype=torch.bool, device=bad.device)
+        nxt = torch.zeros(B, dtype=torch.long, device=bad.device)
+        for idx, v in parts:
+            rows = torch.tensor(idx, dtype=torch.long, device=bad.device)
+            path[rows], nxt[rows] = v.path, v.next
+        return DeviceVerdict(path, nxt).fetch(x, bad)
+    accepted: list[list[int]] = [[] for _ in range(B)]  # a verifier that returns host verdicts (tests)
+    nxt_host = [0] * B
+    for idx, v in parts:
+        v = v.fetch(x[idx])[0] if isinstance(v, DeviceVerdict) else v
+        for j, b in enumerate(idx):
+            accepted[b], nxt_host[b] = list(v.accepted[j]), int(v.next_tokens[j])
+    return Verdict(accepted, nxt_host), bad.tolist()

@@ -94,7 +94,7 @@ class DraftModelProposer(Proposer):
                 for b, t in enumerate(x.tolist()):
                     self._fed[b].append(t)
         valid = torch.arange(k, device="cpu")[None, :] < torch.tensor(list(ctx.budgets), device="cpu")[:, None]
-        return Draft(toks, tuple(range(-1, k - 1)), probs, None if bool(valid.all()) else valid.to(toks.device))
+        return Draft(toks, tuple(range(-1, k - 1)), probs, None if bool(valid.all()) else valid)  # host valid
 
     def observe(self, result: RoundRecord) -> None:
         # Keep the longest prefix the draft cache shares with each row's new sequence; only the

@@ -83,13 +83,13 @@ class MedusaProposer(Proposer):
                 return None
             toks = self.heads.vocab_ids[logits[:, :k].argmax(-1)]  # [B, k]
             valid = torch.arange(k, device="cpu")[None, :] < budgets[:, None]
-            return Draft(toks, tuple(range(-1, k - 1)), None, None if bool(valid.all()) else valid.to(self.device))
+            return Draft(toks, tuple(range(-1, k - 1)), None, None if bool(valid.all()) else valid)  # host valid
         top = logits.topk(self.config.top_k, -1).indices  # [B, K, k]
         toks = self.heads.vocab_ids[top[:, self._depth, self._rank]]  # [B, n]
         valid = self._depth_host[None, :] < budgets[:, None]
         if not bool(valid.any()):
             return None
-        return Draft(toks, self._tree.parents, None, None if bool(valid.all()) else valid.to(self.device))
+        return Draft(toks, self._tree.parents, None, None if bool(valid.all()) else valid)  # host valid
 
 
 def default_accuracy(depth: int, top_k: int) -> list[list[float]]:
