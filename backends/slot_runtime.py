@@ -49,6 +49,18 @@ class SlotRuntime:
         """An empty past for ``rows`` rows (before a prefill)."""
         raise NotImplementedError
 
+    def _kept_kv(self) -> list[torch.Tensor]:
+        """The running rows' KV while new rows prefill (an engine whose prefill writes into the
+        same buffers keeps a copy)."""
+        return self.kv
+
+    def _forward_mask(self, ancestors: torch.Tensor) -> torch.Tensor:
+        """The engine's mask for the forward just laid out (default: the slot layer's additive one)."""
+        return self.slots.forward_mask(ancestors, self.mask_dtype)
+
+    def _prefill_mask(self, start: int, end: int) -> torch.Tensor:
+        return self.slots.prefill_mask(start, end, self.mask_dtype)
+
     # ---- plans -----------------------------------------------------------------------------------
     def _apply(self, plan: SlotPlan) -> None:
         if self.kv:
@@ -74,7 +86,7 @@ class SlotRuntime:
         for start in range(0, longest, chunk):
             end = min(longest, start + chunk)
             masked = self.always_mask or self.slots.holes or start > 0
-            mask = self.slots.prefill_mask(start, end, self.mask_dtype) if masked else None
+            mask = self._prefill_mask(start, end) if masked else None
             out = self._call(ids[:, start:end], pos[:, start:end].clamp_min(0), mask, want_hidden, prefill=True)
             if want_hidden:
                 hidden.append(out.hidden)
@@ -94,7 +106,7 @@ class SlotRuntime:
         mask = None
         if masked:
             anc = tree.ancestors if tree is not None else torch.ones(N, N, dtype=torch.bool, device=HOST).tril()
-            mask = self.slots.forward_mask(anc, self.mask_dtype)
+            mask = self._forward_mask(anc)
         return self._call(tokens, new_pos, mask, want_hidden, prefill=False)
 
     @torch.inference_mode()
@@ -127,7 +139,7 @@ class SlotRuntime:
             return self.prefill(rows, want_hidden)
         if self.slots.pending_commit:
             raise RuntimeError("add_rows() between forward() and commit()")
-        old_slots, old_kv = self.slots, self.kv
+        old_slots, old_kv = self.slots, self._kept_kv()
         try:
             out = self.prefill(rows, want_hidden)
         except BaseException:

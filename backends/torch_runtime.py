@@ -14,7 +14,7 @@ import contextlib
 from typing import Any, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from spec_plugins.backends import hf_compat, torch_kernels
 from spec_plugins.backends.base import RuntimeCapabilities, StepOutput, Want
@@ -35,6 +35,13 @@ def pick_device(name: str) -> torch.device:
     return dev
 
 
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: bfloat16 on CUDA (the runtime returns float32 logits for sampling), float32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
 def load_hf(model: str, dtype: str = "float32", device: str = "auto") -> tuple[Any, Any]:
     """Load a transformers model + tokenizer from a built-in name, .gguf path or local dir.
 
@@ -53,7 +60,7 @@ def load_hf(model: str, dtype: str = "float32", device: str = "auto") -> tuple[A
     if cached is not None and (cached / "config.json").exists():
         path, kwargs = str(cached), {}
     tok = AutoTokenizer.from_pretrained(path, **kwargs)
-    m = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype], **kwargs)
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=pick_dtype(dtype, pick_device(device)), **kwargs)
     if cached is not None and kwargs:
         _save_converted(m, tok, cached)
     m.to(pick_device(device)).eval()
@@ -87,20 +94,41 @@ class TorchRuntime(SlotRuntime):
 
     class Config(RuntimeConfig):
         backend: Literal["torch"] = "torch"
-        dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights/activations dtype.")
+        dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+            "auto", description="Weights/activations dtype; 'auto': bfloat16 on CUDA, float32 elsewhere (logits "
+            "come back as float32 either way).")
         device: str = Field("auto", description="'auto' (cuda if available), 'cpu', 'cuda', 'cuda:1' ...")
         threads: int | None = Field(None, ge=1, description="torch intra-op threads (None = torch default).")
         max_context: int | None = Field(None, ge=1, description="Override the model's context length.")
         matmul: Literal["auto", "auto_transposed", "native"] = Field(
             "auto", description="'auto': on CPU, time F.linear against weight@x.T per row count (1-16) at "
             "load and use the faster inside this runtime (see backends/torch_kernels.py); 'auto_transposed': "
-            "also try x@W.T on a transposed copy of each weight for one row (2x weight memory); 'native': F.linear.")
+            "also try x@W.T on a transposed copy of each weight for one row (2x weight memory); 'native': F.linear. "
+            "A static cache runs native kernels.")
+        kv: Literal["auto", "dynamic", "static"] = Field(
+            "auto", description="'static': KV buffers preallocated on the device, written by slot, fixed shapes "
+            "(backends/torch_static.py); 'dynamic': a growing transformers cache; 'auto': static on CUDA.")
+        compile: Literal["auto", "on", "off"] = Field(
+            "auto", description="Compile the static verify step per shape bucket (torch.compile fullgraph; CUDA "
+            "graphs on CUDA). 'auto': on CUDA only (measured slower on CPU); needs kv: static.")
+
+        @model_validator(mode="after")
+        def _check_compile(self) -> "TorchRuntime.Config":
+            if self.compile == "on" and self.kv == "dynamic":
+                raise ValueError("compile: on needs kv: static (a growing cache has no fixed shapes to compile)")
+            return self
 
     @classmethod
     def from_config(cls, config: "TorchRuntime.Config") -> "TorchRuntime":
         if config.threads:
             torch.set_num_threads(config.threads)
         model, tok = load_hf(config.model, config.dtype, config.device)
+        on_cuda = next(model.parameters()).device.type == "cuda"
+        if config.kv == "static" or (config.kv == "auto" and on_cuda):
+            from spec_plugins.backends.torch_static import StaticTorchRuntime
+
+            compile_ = config.compile == "on" or (config.compile == "auto" and on_cuda)
+            return StaticTorchRuntime(model, tok, max_context=config.max_context, compile=compile_)
         return cls(model, tok, max_context=config.max_context, matmul=config.matmul)
 
     def __init__(self, model: Any, tokenizer: Any = None, max_context: int | None = None,

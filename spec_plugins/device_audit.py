@@ -18,6 +18,7 @@ round of every proposer and by ``scripts/gpu_check.py`` on CUDA.
 from __future__ import annotations
 
 import sys
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,3 +104,70 @@ class DeviceAudit(TorchFunctionMode):
 
     def report(self) -> str:
         return "\n".join(str(leak) for leak in self.leaks) or "no leaks"
+
+
+# ---- host syncs, counted without a GPU --------------------------------------------------------------
+_SYNCS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu", "__array__"}
+
+
+class HostSyncs(TorchFunctionMode):
+    """Counts the device-to-host reads a round makes, on a CPU-only machine.
+
+    The runtime under test is given a device object that compares unequal to the host's
+    (``torch.device("cpu", 0)`` against ``HOST = torch.device("cpu")``, the same memory): every
+    tensor made with that device, moved to it, or computed from such a tensor is "on the device";
+    reading one back to Python (``tolist``, ``item``, ``bool``, ``int``, ``cpu``, ``numpy``,
+    ``.to(host)``) is what blocks on a GPU, and is counted. Tensors made on the host (slot
+    bookkeeping, drafts built there) are not device tensors."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        self.count = 0
+        self.where: list[str] = []
+        self._dev: dict[int, weakref.ref] = {}  # id -> the device tensor (identity, not tensor equality)
+
+    def mark(self, t: torch.Tensor) -> torch.Tensor:
+        self._dev[id(t)] = weakref.ref(t)
+        return t
+
+    def _on_dev(self, t: Any) -> bool:
+        ref = self._dev.get(id(t)) if isinstance(t, torch.Tensor) else None
+        return ref is not None and ref() is t
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        on_dev = any(self._on_dev(t) for t in _flat(args, kwargs))
+        to_host = name == "to" and any(_is_host(a) for a in (*args[1:], kwargs.get("device")))
+        if src is not None and self._on_dev(src) and (name in _SYNCS or to_host):
+            self.count += 1
+            self.where.append(f"{name} at {_caller() or '?'}")
+        out = func(*args, **kwargs)
+        made_here = kwargs.get("device") == self.device or (name == "to" and any(
+            a == self.device for a in (*args[1:], kwargs.get("device")) if isinstance(a, torch.device)))
+        if (on_dev and not to_host and name not in _SYNCS) or made_here:
+            for t in _flat((out,), {}):
+                if isinstance(t, torch.Tensor):
+                    self.mark(t)
+        return out
+
+
+def _flat(args: Any, kwargs: dict) -> list[Any]:
+    out: list[Any] = []
+
+    def visit(x: Any) -> None:
+        if isinstance(x, (list, tuple)):
+            for y in x:
+                visit(y)
+        else:
+            out.append(x)
+
+    visit(args)
+    visit(list(kwargs.values()))
+    return out
+
+
+def _is_host(x: Any) -> bool:
+    return (isinstance(x, torch.device) and x.type == "cpu" and x.index is None) or x == "cpu"

@@ -59,8 +59,8 @@ class AcceptByRatioNoResidual(ExactVerifier):
         return Verdict(v.accepted, fresh.tolist())
 
 
-def speculative_samples(target_model, proposer_factory, pipeline, verifier, k, seed=0):
-    target = TorchRuntime(target_model)
+def speculative_samples(target_model, proposer_factory, pipeline, verifier, k, seed=0, runtime=TorchRuntime):
+    target = runtime(target_model)
     proposer = proposer_factory(target)
     gen = torch.Generator().manual_seed(seed)
     outs = [[] for _ in range(N_SAMPLES)]

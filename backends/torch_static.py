@@ -1,0 +1,241 @@
+"""The torch runtime with a static KV cache and a compiled, fixed-shape verify step.
+
+Eager PyTorch on a GPU is launch-bound: one SmolLM2 forward is 15-30 ms eager and 3.2 ms replayed
+as a CUDA graph on an H200 (``../shared/gpu``). A graph needs fixed shapes and fixed addresses, so:
+
+- **KV buffers** ``[rows, kv_heads, capacity, head_dim]`` per layer are allocated once on the
+  device (capacity and rows grown in powers of two, so a few graphs cover every length) and written by
+  slot: a forward over N nodes writes slots ``write_at .. write_at + N`` (``write_at`` is a device
+  scalar, so a compiled step reads it instead of baking it in). Attention always reads the whole
+  capacity, the mask hiding what is not a row's past. The slot bookkeeping is the shared slot
+  layer's (``spec_plugins/slots.py``): commit, rollback, row selection and compaction are its
+  plans, applied in place on the buffers (a crop costs nothing; a tail gather or a compaction is
+  one device gather per tensor).
+- **masks** are boolean and built on the device: the host sends each row's live-slot flags (one
+  byte per slot), not a float mask.
+- **the verify step** is compiled once per bucket (rows 1/2/4/8/..., positions 1/2/4/.../64, the
+  buffers' capacity) with ``torch.compile(fullgraph=True)``; on CUDA in ``reduce-overhead`` mode
+  (CUDA graphs). Padding rows and positions attend to their own slot only (finite, never read).
+  Prefill stays eager.
+
+``compile: auto`` compiles on CUDA only: on the CPUs measured here the compiled step was not
+faster than eager (docs/runtimes/torch.md). The cost model measures whichever path runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from spec_plugins.backends.base import StepOutput, Want
+from spec_plugins.backends.torch_runtime import TorchRuntime
+from spec_plugins.slots import HOST
+
+MIN_CAPACITY = 64  # slots; capacity doubles as rows grow (one graph per capacity, log2 of them)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+WIDTH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def bucket(n: int, buckets: tuple[int, ...]) -> int:
+    """The smallest bucket holding ``n`` (beyond the last: ``n`` itself, an eager call)."""
+    return next((b for b in buckets if b >= n), n)
+
+
+class SlotCache:
+    """The per-layer KV buffers the model's attention writes and reads (duck-typed as a
+    transformers cache: ``update`` is all a decoder layer calls when it is given a 4D mask)."""
+
+    def __init__(self, layers: int, rows: int, capacity: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, static_addresses: bool = False) -> None:
+        shape = (rows, kv_heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.write_at = torch.zeros((), dtype=torch.long, device=device)  # first slot the next forward writes
+        self.updates = 0  # layer writes seen (eager calls): the cache-was-used guard
+        if static_addresses:  # CUDA graphs replay on these very buffers
+            for t in (*self.keys, *self.values, self.write_at):
+                torch._dynamo.mark_static_address(t)
+
+    @property
+    def rows(self) -> int:
+        return int(self.keys[0].shape[0])
+
+    @property
+    def capacity(self) -> int:
+        return int(self.keys[0].shape[2])
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        B, n = key_states.shape[0], key_states.shape[-2]
+        idx = torch.arange(n, device=key_states.device) + self.write_at
+        keys, values = self.keys[layer_idx][:B], self.values[layer_idx][:B]
+        keys.index_copy_(2, idx, key_states)
+        values.index_copy_(2, idx, value_states)
+        if not torch.compiler.is_compiling():  # a Python counter in a graph would be a guard (recompiles)
+            self.updates += 1
+        return keys, values
+
+
+@dataclass(frozen=True)
+class _Mask:
+    """What the step's boolean mask is built from (on the device, at the step's padded shape)."""
+
+    past: torch.Tensor  # [B, S] bool: live slots of each row before this forward's nodes
+    ancestors: torch.Tensor  # [n, n] bool: node i may see node j (causal for a chain or a prompt chunk)
+
+
+class StaticTorchRuntime(TorchRuntime):
+    """``TorchRuntime`` over a ``SlotCache``, with a compiled fixed-shape step (module docstring)."""
+
+    always_mask = True  # attention reads the whole capacity: a mask always says which slots are past
+
+    def __init__(self, model: Any, tokenizer: Any = None, max_context: int | None = None,
+                 compile: bool = False) -> None:
+        # the measured few-row matmul kernels patch calls at run time: not inside a compiled graph
+        super().__init__(model, tokenizer, max_context, matmul="native")
+        cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+        self._layers = int(cfg.num_hidden_layers)
+        self._kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        self._head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        self.compile = compile
+        self._steps: dict[Want, Callable] = {}
+        self.cache: SlotCache | None = None
+        self._live = (0, 0)  # rows and slots the buffers hold (what ``kv`` views)
+        # SDPA and flash attention take a boolean mask; the eager implementation adds it to scores
+        self._additive = getattr(model.config, "_attn_implementation", "sdpa") == "eager"
+
+    # ---- the buffers, seen as the slot layer's KV tensors -------------------------------------------
+    def _ensure(self, rows: int, slots: int) -> None:
+        """Buffers for ``rows`` x ``slots`` (grown in steps, the live content carried over)."""
+        c = self.cache
+        if c is not None and c.rows >= rows and c.capacity >= slots:
+            return
+        cap = max(MIN_CAPACITY, 1 << (max(slots, 1) - 1).bit_length())  # powers of two: few graphs, little waste
+        cap = max(min(cap, self.max_context + WIDTH_BUCKETS[-1]), slots)
+        live = self.kv
+        self.cache = SlotCache(self._layers, bucket(rows, ROW_BUCKETS), cap, self._kv_heads, self._head_dim,
+                               self.dtype, self.device, static_addresses=self.compile and self.device.type == "cuda")
+        self._steps.clear()  # new buffers: a graph captured on the old ones would write there
+        if live:
+            self.kv = live
+
+    @property
+    def kv(self) -> list[torch.Tensor]:
+        """Views of the buffers over the rows and slots they hold now (the slot layer's plans apply
+        to these, before or after its own bookkeeping moved on)."""
+        c = self.cache
+        B, S = self._live
+        if c is None or not B:
+            return []
+        return [t[:B, :, :S] for lay in zip(c.keys, c.values) for t in lay]
+
+    @kv.setter
+    def kv(self, tensors: list[torch.Tensor]) -> None:
+        """Write KV tensors back into the buffers (a no-op for views of them: crops and the slot
+        layer's in-place gathers)."""
+        if not tensors:
+            self._live = (0, 0)
+            return
+        B, S = int(tensors[0].shape[0]), int(tensors[0].shape[2])
+        self._ensure(B, S)
+        self._live = (B, S)
+        bufs = [t for lay in zip(self.cache.keys, self.cache.values) for t in lay]
+        for buf, t in zip(bufs, tensors):
+            if t.data_ptr() != buf.data_ptr() or t.stride() != buf.stride():
+                buf[:B, :, :S].copy_(t)
+
+    def _reset_kv(self, rows: int) -> None:
+        self._live = (0, 0)
+        self._ensure(rows, self.slots.slots + WIDTH_BUCKETS[-1])
+
+    def _kept_kv(self) -> list[torch.Tensor]:
+        """The running rows' KV held apart while new rows prefill into the same buffers."""
+        return [t.clone() for t in self.kv]
+
+    # ---- masks: the live-slot flags go to the device, not a float mask ------------------------------
+    def _forward_mask(self, ancestors: torch.Tensor) -> _Mask:
+        n = int(ancestors.shape[0])
+        past = (self.slots.pos[:, : self.slots.slots - n] >= 0)
+        return _Mask(past.to(self.device, non_blocking=True), self._on_device(ancestors))
+
+    def _prefill_mask(self, start: int, end: int) -> torch.Tensor:
+        """A prompt chunk's mask (left padding as holes): the slot layer's, as booleans, on the
+        device (once per request)."""
+        return (self.slots.prefill_mask(start, end, torch.float32) == 0).to(self.device)
+
+    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t if t.device == self.device else t.to(self.device, non_blocking=True)
+
+    def _build(self, mask: Any, B: int, n: int, S: int, Bb: int, Nb: int) -> torch.Tensor:
+        """The step's boolean mask [Bb, 1, Nb, capacity]: past slots, then the new nodes' own
+        visibility; padding queries see their own slot only."""
+        cap = self.cache.capacity
+        out = torch.zeros(Bb, 1, Nb, cap, dtype=torch.bool, device=self.device)
+        if isinstance(mask, _Mask):
+            out[:B, 0, :n, :S] = mask.past[:, None, :]
+            out[:B, 0, :n, S:S + n] = mask.ancestors
+        else:  # a full prefill mask [B, 1, n, S + n]
+            out[:B, :, :n, : mask.shape[-1]] = mask
+        if Bb > B or Nb > n:
+            own = torch.arange(Nb, device=self.device)
+            pad = torch.ones(Bb, Nb, dtype=torch.bool, device=self.device)
+            pad[:B, :n] = False
+            out[:, 0, own, S + own] |= pad
+        if self._additive:
+            return torch.zeros(out.shape, dtype=self.dtype, device=self.device).masked_fill_(
+                ~out, torch.finfo(self.dtype).min)
+        return out
+
+    # ---- the engine call ------------------------------------------------------------------------------
+    def _call(self, ids: torch.Tensor, pos: torch.Tensor, mask: Any, want_hidden: Want, prefill: bool) -> StepOutput:
+        B, n = ids.shape
+        S = self.slots.slots - n if not prefill else 0
+        compiled = self.compile and not prefill and n <= WIDTH_BUCKETS[-1]
+        Bb, Nb = (bucket(B, ROW_BUCKETS), bucket(n, WIDTH_BUCKETS)) if compiled else (B, n)
+        self._ensure(Bb, S + Nb)
+        self.cache.write_at.fill_(S)
+        m = self._build(mask, B, n, S, Bb, Nb)
+        # always new tensors made here (inference tensors: a graph guards on that too), padded to the bucket
+        ids = torch.nn.functional.pad(ids.to(self.device), (0, Nb - n, 0, Bb - B))
+        pos = torch.nn.functional.pad(pos.to(self.device), (0, Nb - n, 0, Bb - B))
+        before = self.cache.updates
+        logits, feats = (self._step(want_hidden) if compiled else self._eager)(ids, pos, m, want_hidden)
+        if not compiled and self.cache.updates != before + self._layers:
+            raise RuntimeError(f"{type(self.model).__name__} did not write into the static KV cache it was given "
+                               f"({self.cache.updates - before} of {self._layers} layers): this transformers "
+                               "version takes the cache under a keyword this runtime does not pass")
+        self._live = (B, S + n)
+        logits = logits[:B, :n]
+        if prefill:
+            logits = logits[:, -1:]
+        return StepOutput(logits, feats[:B, :n] if feats is not None else None)
+
+    def _eager(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, want_hidden: Want
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        kwargs: dict[str, Any] = dict(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True)
+        if not want_hidden:
+            kwargs[self._cache_kw] = self.cache
+            return self.model(**kwargs).logits.float(), None
+        layers = want_hidden if isinstance(want_hidden, tuple) else ()
+        kwargs[self._decoder_cache_kw] = self.cache
+        dec = self.model.get_decoder()(**kwargs, output_hidden_states=bool(layers))
+        h = dec.last_hidden_state
+        logits = self.model.get_output_embeddings()(h).float()
+        if self._softcap:
+            logits = torch.tanh(logits / self._softcap) * self._softcap
+        return logits, torch.cat([dec.hidden_states[i] for i in layers], -1) if layers else h
+
+    def _step(self, want_hidden: Want) -> Callable:
+        """The compiled step for this output kind (one graph per shape bucket, compiled on first use)."""
+        fn = self._steps.get(want_hidden)
+        if fn is None:
+            # one graph per (rows, positions, capacity) bucket: room for all of them, no silent fallback
+            limit = len(ROW_BUCKETS) * len(WIDTH_BUCKETS) * 4
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+            torch._dynamo.config.accumulated_recompile_limit = max(
+                torch._dynamo.config.accumulated_recompile_limit, 4 * limit)
+            mode = "reduce-overhead" if self.device.type == "cuda" else None
+            fn = self._steps[want_hidden] = torch.compile(self._eager, fullgraph=True, dynamic=False, mode=mode)
+        return fn

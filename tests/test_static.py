@@ -1,0 +1,136 @@
+"""The static-cache torch path (``backends/torch_static.py``) and the one host sync per round.
+
+Token-identical to the dynamic path and to plain greedy decoding for every proposer (one row, a
+batch with holes, rows joining a running batch), exact under sampling (chi-square), compiled with
+``fullgraph=True`` on the CPU, and one device-to-host read per round, counted without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import EVERY_PROPOSER, chi_square_pvalue, every_proposer, exact_joint, plain_greedy, save_random_heads
+
+from conftest import tiny_llama
+from spec_plugins.backends.torch_runtime import TorchRuntime
+from spec_plugins.backends.torch_static import StaticTorchRuntime
+from spec_plugins.config import SamplingConfig
+from spec_plugins.loop import decode
+from spec_plugins.policy import FixedLength
+from spec_plugins.sampling import LogitsPipeline
+from spec_plugins.verifiers import ExactVerifier
+
+PROMPTS = [[1, 2, 3, 1, 2, 3, 1], [5, 6, 5, 6, 5, 6, 7, 5, 6], [9, 4]]
+GREEDY = LogitsPipeline(SamplingConfig())
+
+
+def _outs(rt, proposer, prompts, n=16, pipe=GREEDY, gen=None, k=3):
+    outs = [[] for _ in prompts]
+    for step in decode(rt, proposer, ExactVerifier(), pipe, prompts, n, (), gen, None, FixedLength(k)):
+        for i, t in step.emitted.items():
+            outs[i].extend(t)
+    return outs
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("kind", EVERY_PROPOSER)
+def test_static_path_is_token_identical_to_the_dynamic_path(kind, rows, tmp_path):
+    model = tiny_llama(seed=3, sharpness=2.0)
+    heads = save_random_heads(model, tmp_path)
+    prompts = PROMPTS[:rows]
+    got = {}
+    for name, make in (("dynamic", lambda: TorchRuntime(model, matmul="native")),
+                       ("static", lambda: StaticTorchRuntime(model))):
+        rt = make()
+        draft = lambda: make()  # noqa: E731 - the draft model runs on the same kind of runtime
+        got[name] = _outs(rt, every_proposer(kind, rt, heads, draft=draft), prompts)
+    assert got["static"] == got["dynamic"] == [plain_greedy(model, p, 16) for p in prompts]
+
+
+def test_rows_joining_a_running_static_batch_equal_their_solo_output():
+    from test_batch import drive
+
+    from spec_plugins.loop import Batch
+    from spec_plugins.proposers.ngram import NgramProposer
+    from spec_plugins.types import RowRequest
+
+    model = tiny_llama(seed=3, sharpness=2.0)
+    batch = Batch(StaticTorchRuntime(model), NgramProposer(NgramProposer.Config()), ExactVerifier())
+    reqs = [RowRequest(i, p, n) for i, (p, n) in enumerate(zip(PROMPTS * 2, [20, 7, 30, 12, 9, 25]))]
+    outs = drive(batch, FixedLength(4), {0: reqs[:1], 2: reqs[1:3], 5: reqs[3:5], 9: reqs[5:]})
+    for r in reqs:
+        assert outs[r.key] == plain_greedy(model, r.prompt, r.max_new_tokens), r.key
+
+
+def test_the_compiled_step_is_one_graph_and_equal_to_eager():
+    """``torch.compile(fullgraph=True)`` of the verify step: a graph break would raise; rows and
+    positions padded to their buckets give the eager step's tokens."""
+    from spec_plugins.proposers.ngram import NgramProposer
+
+    model = tiny_llama(seed=3, sharpness=2.0)
+    rt = StaticTorchRuntime(model, compile=True)
+    out = _outs(rt, NgramProposer(NgramProposer.Config()), PROMPTS, n=12)
+    assert out == [plain_greedy(model, p, 12) for p in PROMPTS]
+    assert rt._steps  # the compiled step ran
+    eager = StaticTorchRuntime(model)
+    assert _outs(eager, NgramProposer(NgramProposer.Config()), PROMPTS, n=12) == out
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft"])
+def test_sampling_through_the_static_cache_is_exact(kind):
+    from test_exact_sampling import PROMPT, V, _draft, speculative_samples
+
+    from spec_plugins.proposers.ngram import NgramProposer
+
+    model = tiny_llama(vocab=V, seed=11, sharpness=6.0)
+    pipe = LogitsPipeline(SamplingConfig(temperature=1.0))
+    exact = exact_joint(model, PROMPT, 3, pipe)
+    make = _draft if kind == "draft" else (lambda t: NgramProposer(NgramProposer.Config(max_ngram=2)))
+    samples = speculative_samples(model, make, pipe, ExactVerifier(), k=2, runtime=StaticTorchRuntime)
+    assert chi_square_pvalue(samples, exact) > 1e-3
+
+
+# ---- host syncs --------------------------------------------------------------------------------------
+def _syncs_per_round(rt, prompts, temperature, kind="ngram", tmp_path=None):
+    from spec_plugins.device_audit import HostSyncs
+    from spec_plugins.proposers.ngram import NgramProposer
+
+    rt.device = torch.device("cpu", 0)  # the same memory, a device unequal to the host's: see HostSyncs
+    gen = torch.Generator().manual_seed(0) if temperature else None
+    pipe = LogitsPipeline(SamplingConfig(temperature=temperature, top_k=8 if temperature else None))
+    per_round = []
+    with HostSyncs(rt.device) as syncs:
+        prev = None
+        for _ in decode(rt, NgramProposer(NgramProposer.Config()), ExactVerifier(), pipe, prompts, 12, (), gen,
+                        None, FixedLength(3)):
+            if prev is not None:
+                per_round.append(syncs.count - prev)
+            prev = syncs.count
+    return per_round, syncs.where
+
+
+@pytest.mark.parametrize("runtime", ["dynamic", "static"])
+def test_one_host_sync_per_round(runtime):
+    """Counted without a GPU (``device_audit.HostSyncs``): a greedy chain row reads the device
+    once per round (the verdict), a batch with holes, greedy or sampled, at most twice."""
+    model = tiny_llama(seed=3, sharpness=2.0)
+    make = (lambda: TorchRuntime(model, matmul="native")) if runtime == "dynamic" else (
+        lambda: StaticTorchRuntime(model))
+    one, where = _syncs_per_round(make(), PROMPTS[:1], 0.0)
+    assert one and max(one) <= 1, where
+    for temperature in (0.0, 0.9):
+        batch, where = _syncs_per_round(make(), PROMPTS, temperature)
+        assert batch and max(batch) <= 2, where
+
+
+def test_the_sync_counter_sees_a_read_of_device_data():
+    from spec_plugins.device_audit import HostSyncs
+
+    dev = torch.device("cpu", 0)
+    with HostSyncs(dev) as syncs:
+        x = torch.ones(3, device=dev)
+        y = (x * 2).sum()
+        host = torch.ones(3, device="cpu").tolist()  # host data: free
+        _ = y.item()
+        _ = bool(x[0] > 0)
+        _ = x.to("cpu")
+    assert host and syncs.count == 3
