@@ -210,7 +210,8 @@ def test_eagle_auto_tree_greedy_identical_batch():
     target = TorchRuntime(model)
     prop = eagle_auto(model, target)
     costs = setup_costs(target, prop, prop.config)
-    assert costs.drafter(prop).per_call > 0  # measured at setup, with the forward costs
+    d = costs.drafter(prop)
+    assert d.per_call + d.per_token > 0  # measured at setup, with the forward costs
     # on this machine a tiny target makes drafting dearer than it saves (auto would not draft):
     # price a GPU-like flat curve and a free drafter so the tree is sized every round
     costs = Costs(ForwardCost.from_curve([1.0] * 33), frozen=True)
