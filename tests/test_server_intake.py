@@ -214,3 +214,29 @@ def test_parsing_and_tokenizing_run_off_the_event_loop_on_bounded_text(live, mod
     assert r.status_code == 200, r.text
     assert [t["id"] for t in r.json()["details"]["tokens"]] == solo(model, tok, "w9 w9 w2 w3 w4", 2)
     assert max(n for _, n in seen) < 10_000
+
+
+def test_a_refused_body_is_freed_at_once_not_left_in_a_cycle(live):
+    """A refused request's memory is returned when it is answered: no frame of the server's
+    request handling (whose locals hold the body) is left in a reference cycle for the garbage
+    collector (an error raised across the worker thread's future made one per request)."""
+    import gc
+    import types
+
+    bodies = [json.dumps({"inputs": "w3 " * 1_000_000}).encode(), b'{"inputs": ' + b"[" * 3_000_000 + b"}",
+              with_raw_field("/generate", "seed", "9" * 5000), b'{"inputs": "w2", "inputs": "w3"}']
+    gc.collect()
+    gc.disable()
+    try:
+        for body in bodies:
+            assert 400 <= post(live, "/generate", body).status_code < 500
+        time.sleep(0.2)
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        left = sorted({o.f_code.co_name for o in gc.garbage if isinstance(o, types.FrameType)
+                       and "spec_plugins" in o.f_code.co_filename})
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert left == [], left

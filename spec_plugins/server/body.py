@@ -10,7 +10,6 @@ refused with the field's path, where ``json`` would raise or recurse.
 
 from __future__ import annotations
 
-import functools
 import json
 from typing import Any, Callable, TypeVar
 
@@ -29,10 +28,25 @@ CLOSE = {"connection": "close"}  # after a body we did not read to its end, the 
 T = TypeVar("T")
 
 
+def _returning_errors(fn: Callable[..., T], args: tuple) -> tuple[bool, Any]:
+    """In the worker thread: an ApiError comes back as a value, never raised across the thread.
+    A raised error's traceback keeps the frames that hold the request's megabytes, and the
+    future that carries it to the event loop forms a reference cycle with it, so that memory
+    would wait for the garbage collector's next full pass (measured: +180 MiB after 180 refused
+    4 MiB bodies, all of it back after one ``gc.collect()``)."""
+    try:
+        return True, fn(*args)
+    except ApiError as exc:
+        return False, (exc.status, exc.message, exc.error_type, exc.headers)
+
+
 async def offload(limiter: anyio.CapacityLimiter, fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)`` in a worker thread, at most ``limiter``'s tokens at once: parsing and
     tokenizing a 4 MiB body takes long enough to stall every other client on the event loop."""
-    return await anyio.to_thread.run_sync(functools.partial(fn, *args), limiter=limiter)
+    ok, value = await anyio.to_thread.run_sync(_returning_errors, fn, args, limiter=limiter)
+    if ok:
+        return value
+    raise ApiError(*value)
 
 
 def check_media_type(value: str | None) -> None:
