@@ -240,3 +240,39 @@ def test_a_refused_body_is_freed_at_once_not_left_in_a_cycle(live):
         gc.garbage.clear()
         gc.enable()
     assert left == [], left
+
+
+# ---- rows: all of a request's choices queued at once, all cancelled when its client leaves --------
+def test_a_full_queue_is_a_429_before_a_stream_starts(live, monkeypatch):
+    for room, route, body in ((0, "/generate_stream", GOOD["/generate_stream"]),  # room for 1 row, the request has 2:
+                              (1, "/v1/chat/completions", {**GOOD["/v1/chat/completions"], "n": 2, "stream": True})):
+        monkeypatch.setattr(live.state.scheduler, "max_queue", room)
+        r = httpx.post(live.url + route, json=body, timeout=30)
+        assert r.status_code == 429 and r.json()["error_type"] == "overloaded", (route, r.status_code, r.text[:200])
+    monkeypatch.setattr(live.state.scheduler, "max_queue", 1024)
+    assert httpx.post(live.url + "/generate", json=GOOD["/generate"]).status_code == 200
+
+
+def test_choices_of_a_stream_leave_the_batch_when_the_client_hangs_up():
+    from conftest import tiny_llama
+    from test_server import tiny_tokenizer
+
+    big = LiveServer(tiny_llama(seed=3, max_pos=4096), tiny_tokenizer(eos=False), max_total=4000, max_input=32,
+                     policy="fixed")
+    try:
+        body = {"prompt": "w2 w3", "max_tokens": 3900, "n": 3, "stream": True, "temperature": 0}
+        with httpx.Client(timeout=30) as c, c.stream("POST", big.url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            seen: set[int] = set()
+            for line in r.iter_lines():
+                if line.startswith("data:") and '"index"' in line:
+                    seen.add(json.loads(line[5:])["choices"][0]["index"])
+                if len(seen) == 3:
+                    break  # hang up with all three rows decoding
+        deadline = time.time() + 20
+        while big.metric("spec_batch_size") != 0:
+            assert time.time() < deadline, "the abandoned choices were not cancelled"
+            time.sleep(0.05)
+        assert big.metric("spec_requests_cancelled_total") >= 3 and big.metric("spec_decoded_tokens_total") < 3 * 3900
+    finally:
+        big.stop()
