@@ -244,7 +244,8 @@ def test_a_refused_body_is_freed_at_once_not_left_in_a_cycle(live):
 
 # ---- rows: all of a request's choices queued at once, all cancelled when its client leaves --------
 def test_a_full_queue_is_a_429_before_a_stream_starts(live, monkeypatch):
-    for room, route, body in ((0, "/generate_stream", GOOD["/generate_stream"]),  # room for 1 row, the request has 2:
+    # (queue room, route, body): no room for its one row; room for one of its two choices
+    for room, route, body in ((0, "/generate_stream", GOOD["/generate_stream"]),
                               (1, "/v1/chat/completions", {**GOOD["/v1/chat/completions"], "n": 2, "stream": True})):
         monkeypatch.setattr(live.state.scheduler, "max_queue", room)
         r = httpx.post(live.url + route, json=body, timeout=30)
