@@ -16,7 +16,7 @@ log = logging.getLogger("spec_plugins.server")
 
 def build_state(decoder: Any, max_batch: int = 8, max_input_tokens: int | None = None,
                 max_total_tokens: int | None = None, draft_policy: str = "load", model_id: str = "",
-                calibrate_context: int = 32, max_queue: int = 1024) -> Any:
+                calibrate_context: int = 32, max_queue: int = 1024, cpu_workers: int = 2) -> Any:
     """Wire a SpeculativeDecoder into a Batch + Scheduler + ServerState.
 
     ``draft_policy='load'``: ``AutoDraftLength`` over the forward cost measured once at startup
@@ -58,7 +58,7 @@ def build_state(decoder: Any, max_batch: int = 8, max_input_tokens: int | None =
     info = {"speculation": {"proposer": _proposer_name(proposer), "max_draft_length": k, "draft_policy": draft_policy if k else "off",
                             "lossy": batch.lossy, "forward_cost_seconds": cost_table}}
     return ServerState(sched, decoder.tokenizer, model_id or "spec-plugins", inputs, total, policy=policy,
-                       max_draft_length=k, info_extra=info)
+                       max_draft_length=k, info_extra=info, cpu_workers=cpu_workers)
 
 
 def _check_port(host: str, port: int) -> None:
@@ -99,6 +99,8 @@ def serve(
                                            help="Seconds in-flight requests may finish after SIGTERM/SIGINT."),
     body_timeout: float = typer.Option(30.0, "--body-timeout", min=0.001,
                                        help="Seconds a client has to send its whole request body (then 408)."),
+    cpu_workers: int = typer.Option(2, "--cpu-workers", min=1,
+                                    help="Threads parsing and tokenizing request bodies at once (off the event loop)."),
     ray: bool = typer.Option(False, "--ray", help="Serve as a Ray Serve deployment (replicas behind Ray's proxy)."),
     replicas: int = typer.Option(1, "--replicas", min=1, help="--ray: replicas, each with its model and batch."),
     autoscale: Optional[str] = typer.Option(None, "--autoscale", help="--ray: MIN:MAX replicas, scaled on "
@@ -142,7 +144,7 @@ def serve(
             cfg = cfg.model_copy(update={"proposer": None})
         dec = SpeculativeDecoder.from_config(cfg)
         state = build_state(dec, max_batch, max_input_tokens, max_total_tokens, draft_policy,
-                            model_id=cfg.target.model)
+                            model_id=cfg.target.model, cpu_workers=cpu_workers)
     except (ConfigError, ValueError, FileNotFoundError, LookupError) as exc:
         fail(str(exc))
         return
