@@ -139,6 +139,61 @@ def test_a_row_that_fails_while_generating_has_a_request_id_in_body_and_log(live
     assert httpx.post(live.url + "/generate", json=GOOD["/generate"]).status_code == 200
 
 
+def _reference_shape(v) -> tuple[int, int]:
+    """(commas + containers, depth) of ``json.dumps(v)``, from the value itself."""
+    if isinstance(v, (list, dict)):
+        kids = list(v.values()) if isinstance(v, dict) else v
+        inner = [_reference_shape(k) for k in kids]
+        return 1 + max(len(kids) - 1, 0) + sum(i for i, _ in inner), 1 + max((d for _, d in inner), default=0)
+    return 0, 0
+
+
+def test_shape_counts_values_and_depth_outside_strings():
+    """The byte-level pre-check agrees with the parsed value on random JSON whose strings are
+    full of quotes, backslash runs, brackets and commas."""
+    import random
+
+    from spec_plugins.server.body import shape
+
+    rng = random.Random(7)
+    alphabet = ['"', "\\", "\\\\", "[", "]", "{", "}", ",", ":", "a", " ", "é", "\\u00e9"]
+
+    def value(depth: int):
+        kind = rng.random()
+        if depth > 5 or kind < 0.3:
+            return rng.choice([1, -2.5, None, True, "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 8)))])
+        if kind < 0.65:
+            return [value(depth + 1) for _ in range(rng.randint(0, 4))]
+        return {"".join(rng.choice(alphabet) for _ in range(rng.randint(0, 4))): value(depth + 1)
+                for _ in range(rng.randint(0, 4))}
+
+    for _ in range(500):
+        v = {"inputs": value(0)}
+        for text in (json.dumps(v), json.dumps(v, ensure_ascii=False)):
+            assert shape(text.encode()) == _reference_shape(v), text
+
+
+def test_a_body_of_more_values_than_any_request_needs_is_refused_before_parsing(live, monkeypatch):
+    import types
+
+    import spec_plugins.server.body as body_mod
+
+    def no_parse(*a, **kw):
+        raise AssertionError("parsed")
+
+    cap = 4 * 48 + 1024  # max batch x max input tokens + 1024
+    r = post(live, "/generate", b'{"inputs": "w2", "x": [' + b"1," * 5000 + b"1]}")
+    assert r.status_code == 422 and r.json()["error"].startswith(f"the JSON body holds 5003 values; no request needs "
+                                                                 f"more than {cap}"), r.text
+    monkeypatch.setattr(body_mod, "json", types.SimpleNamespace(loads=no_parse))  # the server's parser only
+    r = post(live, "/v1/completions", json.dumps({"prompt": ["w2"] * 100_000}).encode())
+    assert r.status_code == 422 and "holds 100001 values" in r.json()["error"], r.text
+    monkeypatch.undo()
+    # a prompt of token ids up to the input limit is within the cap, and answered
+    r = post(live, "/v1/completions", json.dumps({"prompt": [5] * 40, "max_tokens": 2}).encode())
+    assert r.status_code == 200, r.text
+
+
 # ---- the event loop: size, deadline, and work in threads -----------------------------------------
 def _raw(srv, head: bytes, timeout: float = 20.0) -> socket.socket:
     s = socket.create_connection(("127.0.0.1", srv.port), timeout=timeout)

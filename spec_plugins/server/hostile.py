@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -24,11 +25,16 @@ from spec_plugins.server.loadtest import _start, _wait_healthy, rss_mib
 
 
 def _bodies(size: int) -> list[tuple[str, str, bytes]]:
+    """One body per kind of work it costs: text to count, brackets, a chat message to render,
+    millions of numbers, of strings, of objects to parse and validate."""
     room = size - 200
     return [("text", "/generate", json.dumps({"inputs": "The quick brown fox. " * (room // 21)}).encode()),
             ("brackets", "/generate", b'{"inputs": ' + b"[" * room + b"}"),
             ("chat", "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "Hello there! " *
-                                                                       (room // 13)}]}).encode())]
+                                                                       (room // 13)}]}).encode()),
+            ("numbers", "/generate", b'{"inputs": "hi", "x": [' + b"1," * (room // 2) + b"1]}"),
+            ("strings", "/v1/completions", json.dumps({"prompt": ["hi"] * (room // 6)}).encode()),
+            ("objects", "/generate", b'{"inputs": "hi", "x": [' + b"{}," * (room // 3) + b"{}]}")]
 
 
 def _poll(url: str, go: Any, stop: Any, out: Any) -> None:
@@ -59,6 +65,19 @@ async def _round(url: str, bodies: list[tuple[str, str, bytes]]) -> list[tuple[s
     return list(await asyncio.gather(*(one(*b) for b in bodies)))
 
 
+def _cpu() -> str:
+    """The CPU's model name and vector extensions (Linux), for the report."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    lines = info.splitlines()
+    name = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "unknown")
+    flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), [])
+    ext = [f for f in ("avx2", "avx512f", "avx512_vnni", "amx_tile") if f in flags]
+    return f"{name} ({', '.join(ext)}), {sum(ln.startswith('processor') for ln in lines)} logical CPUs"
+
+
 def _pct(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * len(s)))]
@@ -72,11 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--settle", type=float, default=5.0, help="Seconds before the last RSS reading.")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--log", type=Path, default=Path(tempfile.gettempdir()) / "spec-plugins-hostile-server.log",
+                    help="The server's log.")
     args = ap.parse_args(argv)
     size = min(int(args.mib * (1 << 20)), MAX_BODY_BYTES)
     kinds = _bodies(size)
-    log = Path("hostile-server.log")
-    proc, url = _start(args.config, [], log)
+    proc, url = _start(args.config, [], args.log)
     try:
         _wait_healthy(url, proc)
         time.sleep(2.0)
@@ -105,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     for kind, status, _ in results:
         statuses.setdefault(kind, {}).setdefault(status, 0)
         statuses[kind][status] += 1
-    report = {"config": args.config, "clients": args.clients, "body_bytes": size, "rounds": args.rounds,
+    report = {"config": args.config, "cpu": _cpu(), "clients": args.clients, "body_bytes": size, "rounds": args.rounds,
               "wall_s": round(wall, 2), "statuses": statuses,
               "request_s_max": round(max(s for *_, s in results), 3),
               "health": {"samples": len(lat), "p50_ms": round(_pct(lat, 0.5) * 1e3, 1),
