@@ -2,7 +2,7 @@
 lives in tensors we hold (torch, ONNX Runtime, TensorRT).
 
 Everything around the engine call is the same for those engines: positions and masks from
-:class:`~spec_plugins.backends.slots.KVSlots`, (chunked) prefill, rows joining a running batch
+:class:`~spec_plugins.slots.KVSlots`, (chunked) prefill, rows joining a running batch
 (prefill them alone, left-pad both sides with holes, concatenate), and commit / rollback /
 row selection / compaction as slot plans applied to the KV tensors. A runtime is an adapter
 that supplies ``_call`` (one engine call; the presents replace ``self.kv``), ``kv`` (its KV
@@ -16,7 +16,7 @@ from typing import ClassVar, Sequence
 import torch
 
 from spec_plugins.backends.base import StepOutput, Want
-from spec_plugins.backends.slots import HOST, KVSlots, SlotPlan, pad_slots
+from spec_plugins.slots import HOST, KVSlots, SlotPlan, pad_slots
 from spec_plugins.tree import TreeLayout
 
 

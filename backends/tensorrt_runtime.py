@@ -27,7 +27,7 @@ from pydantic import Field
 
 from spec_plugins.backends.base import RuntimeCapabilities, StepOutput, Want
 from spec_plugins.backends.slot_runtime import SlotRuntime
-from spec_plugins.backends.slots import KVSlots
+from spec_plugins.slots import KVSlots
 from spec_plugins.config import RuntimeConfig
 from spec_plugins.graphs.engines import (BuildEnv, EngineEntry, EngineManifest, EngineManifestError,
                                                       check_compatible, torch_dtype_name)

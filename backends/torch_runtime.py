@@ -19,7 +19,7 @@ from pydantic import Field
 from spec_plugins.backends import hf_compat, torch_kernels
 from spec_plugins.backends.base import RuntimeCapabilities, StepOutput, Want
 from spec_plugins.backends.slot_runtime import SlotRuntime
-from spec_plugins.backends.slots import KVSlots
+from spec_plugins.slots import KVSlots
 from spec_plugins.config import RuntimeConfig
 from spec_plugins.registry import register_backend
 
@@ -81,7 +81,7 @@ def _save_converted(model: Any, tok: Any, target: Any) -> None:
 
 @register_backend("torch")
 class TorchRuntime(SlotRuntime):
-    """A transformers model over the hole-masked slot layer (``backends/slots.py``)."""
+    """A transformers model over the hole-masked slot layer (``spec_plugins/slots.py``)."""
 
     always_mask = False  # one row, no holes, a chain: the model's own causal path, no mask
 

@@ -160,7 +160,7 @@ def check_head(directory: str | Path, entry: GraphEntry, model: Any, rtol: float
     """ORT vs the PyTorch head on random inputs of a few shapes (Medusa: logits; EAGLE: the
     drafter's output features, which its LM head reads)."""
     from spec_plugins.backends.onnxruntime_runtime import create_session
-    from spec_plugins.exporters.parity import compare
+    from spec_plugins.exporters.parity_rule import compare
 
     module = (module if module is not None else load_head_module(entry, model)).float().eval()
     session = create_session(Path(directory) / entry.file, "cpu")

@@ -67,7 +67,7 @@ def main() -> None:
     from spec_plugins.config import SamplingConfig
     from spec_plugins.loop import decode
     from spec_plugins.models import load_gguf_tokenizer
-    from spec_plugins.policy.cost import cost_for
+    from spec_plugins.policy import Costs
     from spec_plugins.registry import BACKENDS
     from spec_plugins.sampling import LogitsPipeline
     from spec_plugins.training.sources import sharegpt_examples
@@ -106,7 +106,7 @@ def main() -> None:
         rt = cls.from_config(cls.Config(**section))
         load = time.perf_counter() - t0
         entry = getattr(rt, "entry", None)
-        cost = cost_for(rt, max_positions=16, repeats=5)
+        cost = Costs.measure(rt, max_positions=16, repeats=5).forward.base
         ppl = perplexity(rt, [h[0] for h in held], [h[1] for h in held])
         outs = greedy(rt)
         if label == "fp32":

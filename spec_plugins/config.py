@@ -51,6 +51,11 @@ class ProposerConfig(PluginConfig):
                             "the runtime's measured cost model, so drafting never costs more than it saves."
     )
 
+    @property
+    def auto_tree(self) -> bool:
+        """Whether the drafter's tree width is cut by measured costs each round (``tree_nodes: auto``)."""
+        return False
+
     @model_validator(mode="after")
     def _check_k(self) -> "ProposerConfig":
         k = self.num_draft_tokens

@@ -14,12 +14,14 @@ import torch
 
 from spec_plugins.backends import build_runtime
 from spec_plugins.config import SamplingConfig, SpecConfig
-from spec_plugins.loop import decode
+from spec_plugins.loop import Step, decode
 from spec_plugins.loop.batch import check_pairing
-from spec_plugins.policy import AutoDraftLength, DraftPolicy, FixedLength
+from spec_plugins.policy import Costs, DraftPolicy, build_policy, setup_costs
+from spec_plugins.policy.tree_size import TreeSizer
 from spec_plugins.registry import PROPOSERS, VERIFIERS
 from spec_plugins.sampling import LogitsPipeline, LogitsProcessorFn
 from spec_plugins.stats import DecodeStats
+from spec_plugins.text import StopStrings, TextStream
 
 Prompt = Union[str, Sequence[dict], Sequence[int]]
 
@@ -46,17 +48,24 @@ class StreamEvent:
 
 class SpeculativeDecoder:
     def __init__(self, target: Any, proposer: Any = None, verifier: Any = None, config: SpecConfig | None = None,
-                 tokenizer: Any = None) -> None:
+                 tokenizer: Any = None, costs: Costs | None = None) -> None:
+        """``costs``: the runtime's measured costs to reuse; measured here (setup) when the
+        proposer's section sizes anything ``auto`` and they are missing."""
         self.target = target
         self.proposer = proposer
         self.verifier = verifier or VERIFIERS.get("exact")()
         self.config = config
         self.tokenizer = tokenizer if tokenizer is not None else getattr(target, "tokenizer", None)
         self.last_stats: DecodeStats | None = None
+        self.section = (config.proposer if config is not None else proposer.config) if proposer is not None else None
+        self.costs = setup_costs(target, proposer, self.section, costs=costs)
+        self.sizer = TreeSizer()  # its calibrations carry across generations
 
     @classmethod
-    def from_config(cls, config: SpecConfig | dict | str, target: Any = None) -> "SpeculativeDecoder":
-        """Build every component from a config (object, dict or file path)."""
+    def from_config(cls, config: SpecConfig | dict | str, target: Any = None, costs: Costs | None = None
+                    ) -> "SpeculativeDecoder":
+        """Build every component from a config (object, dict or file path); ``target`` and its
+        measured ``costs`` to reuse instead of loading / measuring."""
         if isinstance(config, str):
             config = SpecConfig.from_file(config)
         elif isinstance(config, dict):
@@ -68,11 +77,11 @@ class SpeculativeDecoder:
             proposer = cls_(config.proposer, target=target, tokenizer=getattr(target, "tokenizer", None))
             check_pairing(target, proposer)
         verifier = VERIFIERS.get(config.verifier.type)(config.verifier)
-        return cls(target, proposer, verifier, config)
+        return cls(target, proposer, verifier, config, costs=costs)
 
     def without_speculation(self) -> "SpeculativeDecoder":
         """The same runtime and sampling, plain autoregressive decoding (for comparisons)."""
-        return SpeculativeDecoder(self.target, None, self.verifier, self.config, self.tokenizer)
+        return SpeculativeDecoder(self.target, None, self.verifier, self.config, self.tokenizer, self.costs)
 
     # ---- prompts ---------------------------------------------------------------------------
     def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
@@ -112,13 +121,10 @@ class SpeculativeDecoder:
         ids.update(int(i) for i in getattr(self.target, "eos_token_ids", ()))
         return sorted(ids)
 
-    def policy(self, pipeline: LogitsPipeline | None = None) -> DraftPolicy:
-        """The draft-length policy of one generation: the configured length, or ``auto`` over the
-        runtime's measured (cached, online-corrected) cost model."""
-        k = self.config.proposer.num_draft_tokens if self.config and self.config.proposer else 5
-        if k == "auto":
-            return AutoDraftLength.for_runtime(self.target, self.proposer, pipeline)
-        return FixedLength(int(k))
+    def policy(self) -> DraftPolicy:
+        """The draft policy of one generation (fresh acceptance estimates) over this decoder's
+        costs and tree sizer, which carry across generations."""
+        return build_policy(self.section, self.proposer, self.costs, self.sizer)
 
     def _generator(self, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -138,32 +144,22 @@ class SpeculativeDecoder:
         stats: DecodeStats | None = None,
         observers: Sequence[Any] = (),
     ) -> Iterator[StreamEvent]:
-        """Yield new tokens/text each round; stops at EOS, max_new_tokens or a stop string."""
-        if max_new_tokens < 0:
-            raise ValueError("max_new_tokens must be >= 0")
+        """Yield new tokens/text each round; stops at EOS, max_new_tokens or a stop string (the
+        text then ends before it; finish reason ``stop_sequence``)."""
         ids = self.encode(prompt, chat)
-        sampling = self._sampling(temperature, seed)
-        pipeline = LogitsPipeline(sampling, processors)
-        stats = stats if stats is not None else DecodeStats()
-        self.last_stats = stats
-        out: list[int] = []
-        text_done = ""
-        for step in decode(self.target, self.proposer, self.verifier, pipeline, [ids], max_new_tokens,
-                           self.eos_ids(), self._generator(sampling.seed), stats, self.policy(pipeline),
-                           observers=observers):
-            new = step.emitted.get(0, [])
-            out.extend(new)
+        pipeline = LogitsPipeline(self._sampling(temperature, seed), processors)
+        yield from self._stream_ids(ids, max_new_tokens, stop, pipeline, stats, observers)
+
+    def _stream_ids(self, ids: list[int], max_new_tokens: int, stop: Sequence[str], pipeline: LogitsPipeline,
+                    stats: DecodeStats | None, observers: Sequence[Any]) -> Iterator[StreamEvent]:
+        streams = self._text_streams(1, stop)
+        sent = 0
+        for step, _ in self._rounds([ids], [pipeline], max_new_tokens, streams, None, stats, observers,
+                                    pipeline.sampling.seed):
             reason = step.finished.get(0)
-            text = self.tokenizer.decode(out, skip_special_tokens=True) if self.tokenizer is not None else ""
-            if stop:
-                hit = _find_stop(text, stop, len(text_done))
-                if hit is not None:
-                    yield StreamEvent(new, text[len(text_done):hit], "stop_sequence")
-                    return
-            # hold back an incomplete UTF-8 character (shown as U+FFFD) until it completes
-            safe = text if not text.endswith("\ufffd") or reason else text[: len(text_done)]
-            yield StreamEvent(new, safe[len(text_done):], reason)
-            text_done = safe
+            text = streams[0].visible if streams else ""
+            yield StreamEvent(step.emitted.get(0, []), text[sent:], _reason(reason))
+            sent = len(text)
             if reason:
                 return
 
@@ -172,12 +168,12 @@ class SpeculativeDecoder:
                  temperature: float | None = None, seed: int | None = None,
                  observers: Sequence[Any] = ()) -> GenerationResult:
         ids = self.encode(prompt, chat)
+        pipeline = LogitsPipeline(self._sampling(temperature, seed), processors)
         stats = DecodeStats()
         toks: list[int] = []
         text = ""
         reason = "length"
-        for ev in self.stream(ids, max_new_tokens, stop, processors, temperature=temperature, seed=seed, stats=stats,
-                              observers=observers):
+        for ev in self._stream_ids(ids, max_new_tokens, stop, pipeline, stats, observers):
             toks.extend(ev.token_ids)
             text += ev.text
             reason = ev.finish_reason or reason
@@ -187,10 +183,10 @@ class SpeculativeDecoder:
                        processors: Sequence[LogitsProcessorFn] = (), chat: bool | None = None,
                        temperature: float | None = None, seed: int | None = None,
                        sampling: Sequence[SamplingConfig] | None = None, seeds: Sequence[int | None] | None = None,
-                       observers: Sequence[Any] = ()) -> list[GenerationResult]:
+                       observers: Sequence[Any] = (), stop: Sequence[str] = ()) -> list[GenerationResult]:
         """Decode several prompts as one batch (one target forward per round for all rows).
         ``sampling[i]`` / ``seeds[i]``: row i's own sampling and generator (default: the config's
-        sampling, one generator shared by the rows)."""
+        sampling, one generator shared by the rows); ``stop``: stop strings for every row."""
         ids = [self.encode(p, chat) for p in prompts]
         base = self._sampling(temperature, seed)
         if sampling is not None and len(sampling) != len(ids) or seeds is not None and len(seeds) != len(ids):
@@ -199,19 +195,45 @@ class SpeculativeDecoder:
         for s in sampling or ():
             shared.setdefault(s, LogitsPipeline(s, processors))
         pipes = [shared[s] for s in sampling] if sampling is not None else [shared[base]] * len(ids)
-        stats = DecodeStats()
-        self.last_stats = stats
+        streams = self._text_streams(len(ids), stop)
         outs: list[list[int]] = [[] for _ in ids]
         reasons = ["length"] * len(ids)
-        for step in decode(self.target, self.proposer, self.verifier, pipes, ids, max_new_tokens, self.eos_ids(),
-                           self._generator(base.seed), stats, self.policy(pipes[0]), seeds=seeds,
-                           observers=observers):
+        stats = DecodeStats()
+        for step, _ in self._rounds(ids, pipes, max_new_tokens, streams, seeds, stats, observers, base.seed):
             for i, t in step.emitted.items():
                 outs[i].extend(t)
             for i, r in step.finished.items():
-                reasons[i] = r
-        dec = (lambda t: self.tokenizer.decode(t, skip_special_tokens=True)) if self.tokenizer else (lambda t: "")
-        return [GenerationResult(dec(o), o, stats, i, r) for o, i, r in zip(outs, ids, reasons)]
+                reasons[i] = _reason(r)
+        texts = [s.visible for s in streams] if streams else [""] * len(ids)
+        return [GenerationResult(t, o, stats, i, r) for t, o, i, r in zip(texts, outs, ids, reasons)]
+
+    def _text_streams(self, rows: int, stop: Sequence[str]) -> list[TextStream]:
+        """One incremental text stream per row (none without a tokenizer: token ids only)."""
+        if self.tokenizer is None:
+            if any(stop):
+                raise ValueError("stop strings need a tokenizer (this runtime has none); stop on token ids instead")
+            return []
+        return [TextStream(self.tokenizer, stop) for _ in range(rows)]
+
+    def _rounds(self, ids: Sequence[list[int]], pipes: Sequence[LogitsPipeline], max_new_tokens: int | Sequence[int],
+                streams: Sequence[TextStream], seeds: Sequence[int | None] | None, stats: DecodeStats | None,
+                observers: Sequence[Any], seed: int | None = None) -> Iterator[tuple[Step, DecodeStats]]:
+        """The one decode behind every method: rows' text streams see each token once (their stop
+        strings are row stops), and end flushed."""
+        limits = [max_new_tokens] * len(ids) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        if min(limits, default=0) < 0:
+            raise ValueError("max_new_tokens must be >= 0")
+        stats = stats if stats is not None else DecodeStats()
+        self.last_stats = stats
+        row_stop = [StopStrings(s) for s in streams]
+        stop = (lambda i, toks, n: row_stop[i](toks, n)) if streams else None
+        for step in decode(self.target, self.proposer, self.verifier, list(pipes), ids, limits, self.eos_ids(),
+                           self._generator(seed), stats, self.policy(), stop=stop, seeds=seeds,
+                           observers=observers):
+            for i in step.finished:
+                if streams:
+                    streams[i].flush()
+            yield step, stats
 
     def _sampling(self, temperature: float | None, seed: int | None) -> SamplingConfig:
         base = self.config.sampling if self.config else SamplingConfig()
@@ -223,13 +245,6 @@ class SpeculativeDecoder:
         return base.model_copy(update=upd) if upd else base
 
 
-def _find_stop(text: str, stops: Sequence[str], already: int) -> int | None:
-    """Earliest index where a stop string starts, searching text not yet emitted."""
-    best = None
-    for s in stops:
-        if not s:
-            continue
-        i = text.find(s, max(0, already - len(s) + 1))
-        if i != -1 and (best is None or i < best):
-            best = i
-    return best
+def _reason(reason: str | None) -> str | None:
+    """The batch's row-stop reason, named as the API names a stop string's."""
+    return "stop_sequence" if reason == "stop" else reason

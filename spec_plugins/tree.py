@@ -212,16 +212,22 @@ def best_static_tree(accept: Sequence[Sequence[float]] | Sequence[float], size: 
     return static_tree(chosen) if chosen else StaticTree((), ())
 
 
-def expected_accepted(tree: StaticTree, accept: Sequence[Sequence[float]] | Sequence[float]) -> float:
-    """Expected accepted draft tokens per round under the independence model of ``accept``."""
+def path_scores(tree: StaticTree, accept: Sequence[Sequence[float]] | Sequence[float]) -> list[float]:
+    """Each node's probability of being accepted under the independence model of ``accept``: the
+    product along its rank path."""
     table = _table(accept)
-    total = 0.0
+    out = []
     for path in tree.paths:
         s = 1.0
         for d, r in enumerate(path):
             s *= _prob(table, d, r)
-        total += s
-    return total
+        out.append(s)
+    return out
+
+
+def expected_accepted(tree: StaticTree, accept: Sequence[Sequence[float]] | Sequence[float]) -> float:
+    """Expected accepted draft tokens per round under the independence model of ``accept``."""
+    return sum(path_scores(tree, accept))
 
 
 # ---- per-row trees over one shared topology -----------------------------------------------------

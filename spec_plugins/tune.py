@@ -110,13 +110,18 @@ def check_choices(runtimes: Sequence[str], proposers: Sequence[str]) -> None:
         raise TuneError("tune needs at least one runtime and one proposer")
 
 
-def _decoder(model: str, runtime: str, proposer: str | None, target: Any = None) -> Any:
+def _decoder(model: str, runtime: str, proposer: str | None, target: Any = None, draft: int | str | None = None,
+             costs: Any = None) -> Any:
+    """A decoder of the candidate (``draft``: its draft length instead of the default section's),
+    on ``target`` and its measured ``costs`` when given."""
     from spec_plugins.config import SpecConfig
     from spec_plugins.decoder import SpeculativeDecoder
 
-    cfg = SpecConfig.parse({"target": {**RUNTIMES[runtime], "model": model},
-                            "proposer": PROPOSERS[proposer] if proposer else None})
-    return SpeculativeDecoder.from_config(cfg, target=target)
+    section = dict(PROPOSERS[proposer]) if proposer else None
+    if section is not None and draft is not None and "num_draft_tokens" in section:
+        section["num_draft_tokens"] = draft
+    cfg = SpecConfig.parse({"target": {**RUNTIMES[runtime], "model": model}, "proposer": section})
+    return SpeculativeDecoder.from_config(cfg, target=target, costs=costs)
 
 
 def _plain_outputs(dec: Any, prompts: Sequence[list[int]], max_new: int) -> tuple[list[list[int]], float]:
@@ -186,7 +191,7 @@ class TuneResult:
 def tune(model: str, prompts: Sequence[str], runtimes: Sequence[str], proposers: Sequence[str], budget: Budget,
          max_new: int = 64, confirm: int = 3, noise: float = 0.03, log: Callable[[str], None] = print) -> TuneResult:
     """Measure, predict, confirm (module docstring); returns what to write."""
-    from spec_plugins.policy.cost import cost_for
+    from spec_plugins.policy import Costs
     from spec_plugins.registry import PROPOSERS as REGISTRY
 
     check_choices(runtimes, proposers)
@@ -205,9 +210,10 @@ def tune(model: str, prompts: Sequence[str], runtimes: Sequence[str], proposers:
         dec = _decoder(model, rt, None)
         ids = [dec.encode([{"role": "user", "content": p}]) if dec.has_chat_template else dec.encode(p)
                for p in prompts]
-        cost = cost_for(dec.target, max_positions=17)
+        costs = Costs.measure(dec.target, max_positions=17)
+        cost = costs.forward.base
         outs, plain_tps = _plain_outputs(dec, ids, max_new)
-        built[rt] = (dec, ids, outs, cost)
+        built[rt] = (dec, ids, outs, costs)
         info[rt] = {"plain_tokens_per_s": round(plain_tps, 2), "t1_ms": round(cost(1, 1) * 1e3, 2),
                     "cost_relative": [round(x, 3) for x in cost.relative()[:17]]}
         # 2. model-free proposers: replay this runtime's outputs at its measured costs
@@ -228,11 +234,11 @@ def tune(model: str, prompts: Sequence[str], runtimes: Sequence[str], proposers:
     for p in proposers:  # feature drafters: a short real run where hidden states exist
         if p in REPLAYABLE:
             continue
-        for rt, (dec, ids, outs, cost) in built.items():
+        for rt, (dec, ids, outs, costs) in built.items():
             if not dec.target.capabilities.hidden_states or budget.left <= 0:
                 continue
             try:
-                d = _decoder(model, rt, p, target=dec.target)
+                d = _decoder(model, rt, p, target=dec.target, costs=costs)
             except (ValueError, FileNotFoundError) as exc:
                 notes.append(f"{p} on {rt} not measured: {exc}")
                 continue
@@ -246,12 +252,9 @@ def tune(model: str, prompts: Sequence[str], runtimes: Sequence[str], proposers:
     dec_f, ids_f = built[fastest][0], built[fastest][1]
     decs = {"plain@" + fastest: dec_f.without_speculation()}
     for m in top:
-        dec = built[m.runtime][0]
-        decs[m.label] = _decoder(model, m.runtime, m.proposer, target=dec.target)
-        if m.proposer in REPLAYABLE and m.draft != "auto" and hasattr(decs[m.label].config.proposer, "num_draft_tokens"):
-            cfg = decs[m.label].config
-            decs[m.label].config = cfg.model_copy(update={"proposer": cfg.proposer.model_copy(
-                update={"num_draft_tokens": m.draft})})
+        dec, costs = built[m.runtime][0], built[m.runtime][3]
+        draft = m.draft if m.proposer in REPLAYABLE else None
+        decs[m.label] = _decoder(model, m.runtime, m.proposer, target=dec.target, draft=draft, costs=costs)
     log(f"[tune] confirming {', '.join(decs)} (interleaved) ...")
     got = _interleaved(decs, ids_f[: max(2, min(4, len(ids_f)))], max_new)
     plain = Measured("plain@" + fastest, fastest, None, None, got["plain@" + fastest][0])

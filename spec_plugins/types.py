@@ -74,6 +74,42 @@ class Draft:
 
 
 @dataclass(frozen=True)
+class RankedRow:
+    """One row's candidate draft, best-first: every prefix of its nodes is a valid tree (a child
+    never precedes its parent nor scores above it). ``paths[i]`` is node i's rank path, the key
+    ``tree.merge_trees`` places it by; ``estimates[i]`` the drafter's probability that node i is
+    accepted (uncalibrated); ``source`` which drafter made it (a hybrid's child index), so each
+    source's estimates are calibrated on their own."""
+
+    tokens: Sequence[int]
+    paths: Sequence[tuple[int, ...]]
+    estimates: Sequence[float]
+    source: int = 0
+
+    @property
+    def size(self) -> int:
+        return len(self.tokens)
+
+    def prefix(self, n: int) -> "RankedRow":
+        return RankedRow(self.tokens[:n], self.paths[:n], self.estimates[:n], self.source)
+
+
+EMPTY_ROW = RankedRow((), (), ())
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """What a tree drafter returns instead of a ``Draft``: per row, its candidates best-first with
+    their estimates (several alternatives per row when several drafters offered one), not yet
+    sized. The draft policy picks each row's alternative, cuts the trees against the cost model
+    (``auto``) or keeps them whole (a fixed ``tree_nodes`` the drafter already applied) and merges
+    them into the ``Draft`` the target verifies."""
+
+    rows: Sequence[Sequence[RankedRow]]  # per row: its alternatives ([] or empty rows: nothing)
+    auto: bool = False  # cut by the cost model (tree_nodes: auto), else keep every node given
+
+
+@dataclass(frozen=True)
 class ProposeContext:
     """What a proposer may look at. ``sequences[b]`` is row b's prompt + output so far; its
     last token is the pending one (emitted, not yet in the target's cache)."""
@@ -85,6 +121,7 @@ class ProposeContext:
     tree_ok: bool = False  # the target runtime can verify a tree in one forward
     hidden: Sequence[torch.Tensor] | None = None  # per row: target hidden states not yet consumed
     tenants: Sequence[Hashable] | None = None  # per row: whose traffic it is (cross-request memory scope)
+    sizing: "Any" = None  # the round's tree sizer (``policy.tree_size.TreeSizer``): prices a candidate for a hybrid
 
 
 @dataclass

@@ -13,9 +13,8 @@ from conftest import tiny_llama
 from spec_plugins.backends.torch_runtime import TorchRuntime
 from spec_plugins.config import SpecConfig
 from spec_plugins.decoder import SpeculativeDecoder
-from spec_plugins.policy import AutoDraftLength, ForwardCost
+from spec_plugins.policy import AutoDraftLength, Costs, ForwardCost
 from spec_plugins.policy.acceptance import AcceptanceEstimate
-from spec_plugins.policy.cost import cost_for
 from spec_plugins.types import BatchView, Draft, RoundRecord, RoundTimes
 
 FLAT = ForwardCost.from_curve([0.010] * 17)  # GPU-like: verifying 17 positions costs one forward
@@ -37,9 +36,11 @@ def record(budgets, drafted, accepted, keys=None, cost=None) -> RoundRecord:
                        times=RoundTimes(forward=fwd, total=fwd))
 
 
-def drive(policy, rounds: int, accept, offered: int = 64, seed: int = 0, key: int | None = None):
+def drive(policy, rounds: int, accept, offered: int = 64, seed: int = 0, key: int | None = None, cost=None):
     """Play rounds like the batch does: choose -> k, draft min(k, offered) tokens, each position
-    accepted while ``accept(j, rng)`` holds; returns (tokens, chosen ks, modelled seconds)."""
+    accepted while ``accept(j, rng)`` holds; returns (tokens, chosen ks, seconds modelled by
+    ``cost``, default the policy's own costs)."""
+    cost = cost if cost is not None else policy.costs
     rng = random.Random(seed)
     tokens, ks, seconds = 0, [], 0.0
     for _ in range(rounds):
@@ -51,7 +52,7 @@ def drive(policy, rounds: int, accept, offered: int = 64, seed: int = 0, key: in
             a += 1
         policy.observe(record([k], [n], [a], None if key is None else [key]))
         tokens += a + 1
-        seconds += policy.cost(1, 1 + n)
+        seconds += cost(1, 1 + n)
     return tokens, ks, seconds
 
 
@@ -107,9 +108,7 @@ def test_auto_close_to_best_fixed_length_under_iid_acceptance(alpha):
     def rate(policy_factory, seeds=range(3)):
         tok = sec = 0.0
         for s in seeds:
-            pol = policy_factory()
-            pol.cost = CPU
-            t, _, secs = drive(pol, 400, iid(alpha), seed=s)
+            t, _, secs = drive(policy_factory(), 400, iid(alpha), seed=s, cost=CPU)
             tok, sec = tok + t, sec + secs
         return tok / sec
 
@@ -137,12 +136,12 @@ def test_choose_prices_each_length_once_per_round():
     """The policy's work per round is O(max_k): one cost-model evaluation per draft length."""
     calls = []
 
-    class Counting(ForwardCost):
+    class Counting(Costs):
         def __call__(self, b, n):
             calls.append((b, n))
             return super().__call__(b, n)
 
-    pol = AutoDraftLength(Counting(CPU.table), max_k=16)
+    pol = AutoDraftLength(Counting(CPU), max_k=16)
     drive(pol, 20, iid(0.8))
     calls.clear()
     pol.choose(BatchView([[1, 2, 3]] * 4, [99] * 4, [3, 3, 6, 9]))  # three distinct keys, four rows
@@ -177,7 +176,7 @@ def test_auto_config_end_to_end_greedy_identical():
     for prompt in ([1, 2, 3, 1, 2, 3, 1, 2], [5, 9, 5, 9, 5], [7, 3, 11, 4]):
         r = dec.generate(prompt, max_new_tokens=40)
         assert r.token_ids == plain_greedy(model, prompt, 40)
-    assert cost_for(rt).max_positions >= 17  # measured once and cached on the runtime
+    assert dec.costs.max_positions >= 17  # measured once, at setup, and kept by the decoder
     assert r.stats.target_forwards >= 1
 
 
@@ -240,7 +239,7 @@ def test_draft_less_as_the_batch_grows_down_to_none():
     pol = AutoDraftLength(ForwardCost(table), max_k=8)
     for _ in range(30):
         (k,) = pol.choose(BatchView([[1]], [99], [3]))
-        pol.observe(record([k], [k], [min(k, 2)], [3], pol.cost))  # two of every draft accepted
+        pol.observe(record([k], [k], [min(k, 2)], [3], pol.costs))  # two of every draft accepted
     assert pol.choose(BatchView([[1]], [99], [3]))[0] >= 2
     assert pol.choose(BatchView([[1]] * 16, [99] * 16, [3] * 16)) == [0] * 16
     assert pol.preview(1) >= 2 and pol.preview(16) == 0

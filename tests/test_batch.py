@@ -13,7 +13,7 @@ from conftest import tiny_llama
 from spec_plugins.backends.torch_runtime import TorchRuntime
 from spec_plugins.config import SamplingConfig
 from spec_plugins.loop import Batch, run_round
-from spec_plugins.policy import AutoDraftLength, FixedLength, ForwardCost, OnlineCost
+from spec_plugins.policy import AutoDraftLength, DraftPolicy, FixedLength, ForwardCost, OnlineCost
 from spec_plugins.proposers.base import Proposer, check_proposer_class
 from spec_plugins.proposers.draft_model import DraftModelProposer
 from spec_plugins.proposers.ngram import NgramProposer
@@ -26,6 +26,7 @@ LIMITS = [20, 15, 25, 30, 9]
 
 def drive(batch: Batch, policy, schedule: dict[int, list[RowRequest]], cancel: dict[int, list] | None = None):
     """Run rounds; ``schedule[r]`` joins before round r, ``cancel[r]`` leaves before round r."""
+    policy = DraftPolicy.of(policy)
     outs: dict = {}
     r = 0
     while len(batch) or any(k >= r for k in schedule):
@@ -156,8 +157,9 @@ def test_keyed_load_aware_policy_in_the_batch_keeps_greedy_outputs_and_learns_on
     for i, (p, n) in enumerate(zip(PROMPTS, LIMITS)):
         assert outs[i] == plain_greedy(model, p, n)
     assert policy.by_key  # the batch fed per-key evidence back
-    seen = [n for n in range(1, 6) if policy.online._cnt[n - 1] > 0]
-    assert seen and all(policy.online.ratio(n) > 10 for n in seen)  # real forwards took far longer
+    online = policy.costs.forward  # the policy's costs learnt from the rounds (Costs.observe)
+    seen = [n for n in range(1, 6) if online._cnt[n - 1] > 0]
+    assert seen and all(online.ratio(n) > 10 for n in seen)  # real forwards took far longer
 
 
 def test_stats_are_per_sequence_per_round_with_the_batch_figure_apart():

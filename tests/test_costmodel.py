@@ -12,8 +12,8 @@ from conftest import tiny_llama
 from spec_plugins.backends.torch_runtime import TorchRuntime
 from spec_plugins.config import SamplingConfig
 from spec_plugins.decoder import SpeculativeDecoder
-from spec_plugins.policy import AutoDraftLength, ForwardCost, OnlineCost
-from spec_plugins.policy.cost import DraftCost, cost_for, draft_cost_for, forget, measure, measure_draft
+from spec_plugins.policy import AutoDraftLength, Costs, DraftPolicy, ForwardCost, OnlineCost
+from spec_plugins.policy.cost import DraftCost, measure, measure_draft
 from spec_plugins.proposers.draft_model import DraftModelProposer
 from spec_plugins.proposers.ngram import NgramProposer
 from spec_plugins.sampling import LogitsPipeline
@@ -72,17 +72,26 @@ def test_measure_bad_arguments_are_named():
         measure(rt, widths=[0, 1])
 
 
-def test_cost_model_is_cached_per_runtime_and_remeasured_when_too_short():
+def test_costs_are_measured_at_setup_and_reused_when_they_cover_the_need():
+    """One explicit Costs per runtime owner: reused while it covers the rows and widths a policy
+    needs, re-measured (with the union of rows) when it does not, never measured by a policy."""
+    from spec_plugins.policy import build_policy, setup_costs
+
     rt = TorchRuntime(tiny_llama(seed=3))
-    a = cost_for(rt, max_positions=4, context=8, repeats=1)
-    b = cost_for(rt, max_positions=3, context=8, repeats=1)
-    assert a is b  # cached: a longer curve serves a shorter request
-    c = cost_for(rt, max_positions=6, context=8, repeats=1)
-    assert c is not a and c.max_positions == 6
-    d = cost_for(rt, rows=(1, 2), max_positions=2, context=8, repeats=1)
-    assert d.rows == [1, 2] and d.max_positions == 6  # more rows: re-measured with the union
-    forget(rt)
-    assert cost_for(rt, max_positions=2, context=8, repeats=1) is not d
+    ngram = NgramProposer(NgramProposer.Config())
+    small = Costs.measure(rt, max_positions=4, context=8, repeats=1)
+    assert small.covers((1,), 3) and not small.covers((1,), 6) and not small.covers((1, 2), 2)
+    a = setup_costs(rt, ngram, ngram.config, costs=small, context=8)
+    assert a is not small and a.max_positions == 17 and a.forward.base.rows == [1]  # auto needs 17 widths
+    assert setup_costs(rt, ngram, ngram.config, costs=a) is a  # covered: reused
+    b = setup_costs(rt, ngram, ngram.config, rows=(1, 2), costs=a, context=8)
+    assert b.forward.base.rows == [1, 2]  # more rows: re-measured with the union
+    fixed = ngram.config.model_copy(update={"num_draft_tokens": 3})
+    assert setup_costs(rt, ngram, fixed) is None  # a fixed length sizes nothing by cost
+    with pytest.raises(ValueError, match="measured costs"):
+        build_policy(ngram.config, ngram, None)  # auto without costs is refused, not measured lazily
+    with pytest.raises(ValueError, match="no measured drafting cost"):
+        build_policy(ngram.config, NgramProposer(NgramProposer.Config()), b)  # another drafter: not measured
 
 
 def test_draft_cost_counts_forwards_of_a_model_drafter_and_none_of_a_model_free_one():
@@ -100,7 +109,8 @@ def test_draft_cost_counts_forwards_of_a_model_drafter_and_none_of_a_model_free_
     assert len(steps) >= 5 * (6 - 1) and cost.per_token >= 0
     ngram = measure_draft(NgramProposer(NgramProposer.Config()), pipe, target, context=32)
     assert ngram.per_call >= 0 and ngram.per_token >= 0
-    assert draft_cost_for(target, draft, pipe) is draft_cost_for(target, draft, pipe)  # measured once
+    costs = Costs.measure(target, max_positions=2, context=8, repeats=1)
+    assert costs.measure_drafter(draft, target, pipe) is costs.measure_drafter(draft, target, pipe)  # once
     with pytest.raises(ValueError, match="k must be >= 2"):
         measure_draft(draft, pipe, target, k=1)
 
@@ -139,7 +149,8 @@ def test_auto_shortens_drafts_when_the_loop_measures_expensive_forwards():
     flat = ForwardCost.from_curve([0.010] * 9)
 
     def run(online: bool) -> list[int]:
-        pol, rng, ks = AutoDraftLength(OnlineCost(flat) if online else flat, max_k=8), random.Random(0), []
+        rng, ks = random.Random(0), []
+        pol = DraftPolicy(AutoDraftLength(Costs(flat, frozen=not online), max_k=8))  # its costs learn online
         for i in range(120):
             (k,) = pol.choose(BatchView([[1, 2]], [99]))
             ks.append(k)

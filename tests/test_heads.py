@@ -14,6 +14,8 @@ from spec_plugins.backends.torch_runtime import TorchRuntime
 from spec_plugins.config import SamplingConfig
 from spec_plugins.loop import decode
 from spec_plugins.policy import FixedLength
+from spec_plugins.policy.tree_size import TreeSizer
+from spec_plugins.types import Ranked
 from spec_plugins.heads import EagleConfig, EagleDrafter, MedusaConfig, MedusaHeads, save_head, target_lm_parts
 from spec_plugins.tree import best_static_tree, static_tree
 from spec_plugins.proposers.eagle import EagleProposer
@@ -141,7 +143,8 @@ def test_tree_draft_shapes_and_budgets(kind):
 
     def spy(ctx):
         d = orig(ctx)
-        seen.append((list(ctx.budgets), d))
+        # EAGLE ranks its candidates; the draft the target verifies is their merge (nothing cut at a fixed size)
+        seen.append((list(ctx.budgets), TreeSizer().size(d) if isinstance(d, Ranked) else d))
         return d
 
     prop.propose = spy
@@ -198,34 +201,73 @@ def eagle_auto(model, target, seed=0):
 
 
 def test_eagle_auto_tree_greedy_identical_batch():
+    """EAGLE with tree_nodes: auto through the policy the factory builds (measured costs, the
+    tree cut every round, whether to draft priced with the drafter's cost): greedy identical, and
+    the sizer's calibration of EAGLE's estimates moved by what was observed."""
+    from spec_plugins.policy import Costs, DraftCost, ForwardCost, build_policy, setup_costs
+
     model = tiny_llama(seed=5)
     target = TorchRuntime(model)
     prop = eagle_auto(model, target)
+    costs = setup_costs(target, prop, prop.config)
+    d = costs.drafter(prop)
+    assert d.per_call + d.per_token > 0  # measured at setup, with the forward costs
+    # on this machine a tiny target makes drafting dearer than it saves (auto would not draft):
+    # price a GPU-like flat curve and a free drafter so the tree is sized every round
+    costs = Costs(ForwardCost.from_curve([1.0] * 33), frozen=True)
+    costs.set_drafter(prop, DraftCost())
+    policy = build_policy(prop.config, prop, costs)
     ps = prompts(3, seed=4)
     limits = [9, 21, 14]
-    outs, stats = run(target, prop, ps, limits, 5)
+    outs = [[] for _ in ps]
+    for step in decode(target, prop, ExactVerifier(), GREEDY, ps, limits, (), None, DecodeStats(), policy):
+        for i, t in step.emitted.items():
+            outs[i].extend(t)
     for p, o, n in zip(ps, outs, limits):
         assert o == plain_greedy(model, p, n)
-    assert prop.sizer.calib[1] > 2.0  # rounds were predicted and observed
+    assert policy.sizer.calibration(0).predicted != 2.0  # rounds were sized and observed
+
+
+def _rows(estimates, paths=None):
+    """Ranked rows of these estimates; without paths, every row's nodes are one shared chain."""
+    from spec_plugins.types import RankedRow
+
+    out = []
+    for b, est in enumerate(estimates):
+        ps = paths[b] if paths is not None else [(0,) * (i + 1) for i in range(len(est))]
+        out.append(RankedRow(list(range(len(est))), ps, est))
+    return out
+
+
+def _record(accepted):
+    """A round record with a draft and these accepted nodes per row (what observe reads)."""
+    from spec_plugins.types import Draft, RoundRecord
+
+    B = len(accepted)
+    draft = Draft(torch.zeros(B, 1, dtype=torch.long), (-1,))
+    return RoundRecord(keys=list(range(B)), sequences=[[0]] * B, budgets=[1] * B, draft_keys=None, draft=draft,
+                       accepted=accepted, emitted=[[0]] * B, emissions=[], positions=2)
 
 
 def test_auto_tree_size_follows_the_cost_curve_and_calibration():
     """Flat cost curve (GPU-like): keep every candidate with probability mass; steep curve (each
     position costs a full forward): keep none unless a node is near-certain. Calibration that
     says the drafter over-predicts shrinks the tree; observed rounds move the calibration."""
-    from spec_plugins.policy import ForwardCost
-    from spec_plugins.policy.tree_size import TreeSizer
+    from spec_plugins.policy import Costs, ForwardCost
+    from spec_plugins.types import Ranked
 
     probs = [torch.tensor([-0.1, -0.3, -0.7, -1.2, -2.0, -3.0, float("-inf")]).exp().tolist()]
-    assert TreeSizer(ForwardCost.from_curve([0.01] * 40)).counts(probs) == [6]
-    assert TreeSizer(ForwardCost.from_curve([0.01 * n for n in range(1, 41)])).counts(probs) == [0]
-    sizer = TreeSizer(ForwardCost.from_curve([0.01 * (1 + 0.2 * (n - 1)) for n in range(1, 41)]))
-    mid = sizer.counts(probs)[0]
-    sizer.calib = [0.5, 2.0]  # only a quarter of the predicted nodes were accepted
-    assert 0 < mid and sizer.counts(probs)[0] < mid
-    before = sizer.scale
-    sizer.observe(0)  # the round just sized accepted nothing
-    assert sizer.scale < before
+    assert TreeSizer(Costs(ForwardCost.from_curve([0.01] * 40))).cut(_rows(probs)) == [6]
+    assert TreeSizer(Costs(ForwardCost.from_curve([0.01 * n for n in range(1, 41)]))).cut(_rows(probs)) == [0]
+    sizer = TreeSizer(Costs(ForwardCost.from_curve([0.01 * (1 + 0.2 * (n - 1)) for n in range(1, 41)])))
+    mid = sizer.cut(_rows(probs))[0]
+    cal = sizer.calibration(0)
+    cal.accepted, cal.predicted = 0.5, 2.0  # only a quarter of the predicted nodes were accepted
+    assert 0 < mid and sizer.cut(_rows(probs))[0] < mid
+    before = cal.scale
+    sizer.size(Ranked([[r] for r in _rows(probs)], auto=True))
+    sizer.observe(_record([[]]))  # the round just sized accepted nothing
+    assert cal.scale < before
     with pytest.raises(ValueError, match="tree_nodes"):
         EagleProposer.Config(heads="unused", tree_nodes=0)
 
@@ -234,37 +276,22 @@ def test_auto_tree_size_prices_the_batch_padded_width():
     """Rows of a batch share one forward padded to the widest tree, so the sizer picks one width
     against T(B, w+1): on a curve where 4 rows pay steeply per position (as a CPU server batch
     does) the 4-row width is narrower than each row's one-row choice; a row with fewer nodes
-    keeps its own; a runtime's re-measured model (a server measures its batch sizes after the
-    proposers are built) is what the next round reads."""
-    from spec_plugins.policy import ForwardCost
-    from spec_plugins.policy.cost import forget, remember
-    from spec_plugins.policy.tree_size import TreeSizer
+    keeps its own; the costs a sizer is given (a server's, measured for its batch sizes) are
+    what the next round reads."""
+    from spec_plugins.policy import Costs, ForwardCost
 
     probs = [0.9, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1]
     table = {(1, n): 0.030 + 0.002 * (n - 1) for n in range(1, 34)}
     table.update({(4, n): 0.040 + 0.014 * (n - 1) for n in range(1, 34)})
-    sizer = TreeSizer(ForwardCost(table))
-    one = sizer.counts([probs])[0]
-    four = sizer.counts([probs] * 4)
+    sizer = TreeSizer(Costs(ForwardCost(table)))
+    one = sizer.cut(_rows([probs]))[0]
+    four = sizer.cut(_rows([probs] * 4))
     assert (one, four) == (6, [3] * 4)  # one row: 8 positions cost 1.5x one; four rows: 4.2x
-    assert sizer.counts([probs] * 3 + [probs[:1]]) == [2, 2, 2, 1]  # a short row keeps its one node
-    assert sizer.counts([probs[:1]] * 3 + [probs]) == [1] * 4  # one long row does not carry three short
+    assert sizer.cut(_rows([probs] * 3 + [probs[:1]])) == [2, 2, 2, 1]  # a short row keeps its one node
+    assert sizer.cut(_rows([probs[:1]] * 3 + [probs])) == [1] * 4  # one long row does not carry three short
     # the verify width is the union of the rows' paths: four identical chains share 3 positions,
     # four disjoint branches would need 4 x w positions: not worth one
-    chain = [(0,) * (i + 1) for i in range(len(probs))]
-    assert sizer.counts([probs] * 4, paths=[chain] * 4) == [3] * 4
     apart = [[(r,) + (0,) * i for i in range(len(probs))] for r in range(4)]
-    assert sizer.counts([probs] * 4, paths=apart) == [0] * 4
-
-    class Runtime:  # stands for a runtime object: the cost cache is keyed by identity
-        pass
-
-    rt = Runtime()
-    remember(rt, ForwardCost({k: v for k, v in table.items() if k[0] == 1}))
-    try:
-        live = TreeSizer.for_runtime(rt, 33)
-        assert live.counts([probs] * 4) == [6] * 4  # a one-row model prices every batch as one row
-        remember(rt, ForwardCost(table))  # re-measured for the batch
-        assert live.counts([probs] * 4) == [3] * 4
-    finally:
-        forget(rt)
+    assert sizer.cut(_rows([probs] * 4, paths=apart)) == [0] * 4
+    sizer.costs = Costs(ForwardCost({k: v for k, v in table.items() if k[0] == 1}))
+    assert sizer.cut(_rows([probs] * 4)) == [6] * 4  # a one-row model prices every batch as one row

@@ -18,7 +18,7 @@ from conftest import tiny_llama
 from spec_plugins.backends.torch_runtime import TorchRuntime
 from spec_plugins.config import ConfigError, SamplingConfig, SpecConfig
 from spec_plugins.loop import Batch, run_round
-from spec_plugins.policy import FixedLength
+from spec_plugins.policy import DraftPolicy, FixedLength
 from spec_plugins.proposers.ngram import NgramProposer
 from spec_plugins.types import RowRequest
 from spec_plugins.verifiers import ExactVerifier
@@ -45,7 +45,7 @@ def boom(ids, scores):
 def drive(batch: Batch, k: int = 4) -> dict:
     outs, errors = {}, {}
     while True:
-        rec = run_round(batch, FixedLength(k))
+        rec = run_round(batch, DraftPolicy.of(FixedLength(k)))
         batch.check()  # the invariants hold after every round, failed rows included
         if rec is None:
             return outs, errors
@@ -83,7 +83,7 @@ def test_admission_is_atomic_when_the_proposer_fails():
     prop = NgramProposer(NgramProposer.Config())
     batch = Batch(target, prop, ExactVerifier())
     batch.add([RowRequest(0, PROMPTS[0], 25)])
-    run_round(batch, FixedLength(3))
+    run_round(batch, DraftPolicy.of(FixedLength(3)))
     before = (target.lengths(), target.slots.pos.clone(), prop.num_rows())
     real, prop.admit = prop.admit, lambda prompts: (_ for _ in ()).throw(RuntimeError("admit failed"))
     with pytest.raises(RuntimeError, match="admit failed"):

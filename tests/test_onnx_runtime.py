@@ -15,7 +15,7 @@ from spec_plugins.backends.onnxruntime_runtime import OnnxRuntime, create_sessio
 from spec_plugins.backends.torch_runtime import TorchRuntime  # noqa: E402
 from spec_plugins.config import SamplingConfig, SpecConfig  # noqa: E402
 from spec_plugins.loop import decode
-from spec_plugins.policy import FixedLength  # noqa: E402
+from spec_plugins.policy import DraftPolicy, FixedLength  # noqa: E402
 from spec_plugins.graphs.manifest import Manifest  # noqa: E402
 from spec_plugins.exporters.onnx_export import export_models  # noqa: E402
 from spec_plugins.proposers.draft_model import DraftModelProposer  # noqa: E402
@@ -233,7 +233,7 @@ def test_failed_admission_leaves_the_running_rows_as_they_were(exported):
     rt = ort_runtime(out)
     batch = Batch(rt, NgramProposer(NgramProposer.Config()), ExactVerifier())
     got = list(batch.add([RowRequest(0, [1, 2, 3, 1, 2], 20)])[0].tokens)
-    got += run_round(batch, FixedLength(3)).emitted[0]
+    got += run_round(batch, DraftPolicy.of(FixedLength(3))).emitted[0]
     pos, lengths = rt.slots.pos.clone(), rt.lengths()
     inner = rt._call
 
@@ -248,7 +248,7 @@ def test_failed_admission_leaves_the_running_rows_as_they_were(exported):
     rt._call = inner
     assert rt.lengths() == lengths and torch.equal(rt.slots.pos, pos)
     batch.check()
-    while (rec := run_round(batch, FixedLength(3))) is not None:
+    while (rec := run_round(batch, DraftPolicy.of(FixedLength(3)))) is not None:
         got += rec.emitted[0]
     assert got == plain_greedy(target, [1, 2, 3, 1, 2], 20)
 

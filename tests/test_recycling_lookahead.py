@@ -29,11 +29,11 @@ from spec_plugins.verify import greedy_verify, typical_verify
 GREEDY = LogitsPipeline(SamplingConfig(temperature=0.0))
 
 
-def run(target, proposer, prompts, n, k=8, eos=(), verifier=None, pipeline=GREEDY, gen=None):
+def run(target, proposer, prompts, n, k=8, eos=(), verifier=None, pipeline=GREEDY, gen=None, policy=None):
     outs = [[] for _ in prompts]
     stats = DecodeStats()
     for step in decode(target, proposer, verifier or ExactVerifier(), pipeline, prompts, n, eos, gen, stats,
-                       FixedLength(k)):
+                       policy if policy is not None else FixedLength(k)):
         for i, t in step.emitted.items():
             outs[i].extend(t)
     return outs, stats
@@ -324,26 +324,41 @@ def test_typical_accepts_more_than_exact_at_high_temperature():
     assert n_typ == 2000 and abs(n_ex / 2000 - 0.35) < 0.05
 
 
-def test_auto_tree_size_follows_the_cost_curve(monkeypatch):
-    import spec_plugins.policy.cost as cm
-    from spec_plugins.proposers.recycling import auto_tree_size
+def test_auto_tree_size_follows_the_cost_curve():
+    """tree_size: auto offers the 32-node tree best-first with each node's prior; the draft
+    policy's sizer keeps what pays: all of it on a flat curve (GPU-like), nothing where every
+    position costs a full forward, something in between on a CPU-like curve."""
+    from spec_plugins.policy import Costs, ForwardCost
+    from spec_plugins.policy.tree_size import TreeSizer
+    from spec_plugins.types import ProposeContext
 
-    flat = cm.ForwardCost.from_curve([0.05] * 40)  # GPU-like: extra positions are free -> the largest tree
-    steep = cm.ForwardCost.from_curve([0.05 * n for n in range(1, 41)])  # cost linear in positions -> tiny tree
-    curved = cm.ForwardCost.from_curve([0.05 * (1 + 0.12 * (n - 1)) for n in range(1, 41)])  # in between
-    sizes = {}
-    for name, model in (("flat", flat), ("steep", steep), ("curved", curved)):
-        monkeypatch.setattr(cm, "cost_for", lambda rt, max_positions=17, _m=model, **kw: _m)
-        sizes[name] = auto_tree_size(object())
-    assert sizes["flat"] == 32 and sizes["steep"] == 1 and 1 < sizes["curved"] < 32, sizes
-    with pytest.raises(ValueError, match="needs the target"):
-        auto_tree_size(None)
+    prop = RecyclingProposer(RecyclingProposer.Config(tree_size="auto"))
+    V = 40
+    prop.update(torch.arange(V)[None], torch.randn(1, V, V, generator=torch.Generator().manual_seed(0)))
+    ranked = prop.propose(ProposeContext([[1, 2, 3]], [6], None, None, True))
+    (row,) = ranked.rows[0]
+    assert ranked.auto and row.size == 32 and list(row.estimates) == sorted(row.estimates, reverse=True)
+    flat = ForwardCost.from_curve([0.05] * 40)
+    steep = ForwardCost.from_curve([0.05 * n for n in range(1, 41)])
+    curved = ForwardCost.from_curve([0.05 * (1 + 0.12 * (n - 1)) for n in range(1, 41)])
+    sizes = {name: TreeSizer(Costs(m, frozen=True)).cut([row])[0]
+             for name, m in (("flat", flat), ("steep", steep), ("curved", curved))}
+    assert sizes["flat"] == 32 and sizes["steep"] == 0 and 0 < sizes["curved"] < 32, sizes
 
 
 def test_auto_tree_size_on_a_real_runtime_measures_and_stays_exact():
+    """Through the policy the factory builds (costs measured at setup): exact, and the offered
+    32-node tree is cut."""
+    from spec_plugins.policy import build_policy, setup_costs
+
     model = tiny_llama(seed=3)
     target = TorchRuntime(model)
     prop = RecyclingProposer(RecyclingProposer.Config(tree_size="auto"), target=target)
-    assert 1 <= prop.shape.size <= 32
-    outs, _ = run(target, prop, [[1, 2, 3, 1, 2, 3]], 20)
+    assert prop.shape.size == 32
+    policy = build_policy(prop.config, prop, setup_costs(target, prop, prop.config))
+    widths = []
+    size = policy.size
+    policy.size = lambda r, spent=0.0: (d := size(r, spent), widths.append(0 if d is None else d.size))[0]
+    outs, _ = run(target, prop, [[1, 2, 3, 1, 2, 3]], 20, policy=policy)
     assert outs[0] == plain_greedy(model, [1, 2, 3, 1, 2, 3], 20)
+    assert widths and max(widths) < 32

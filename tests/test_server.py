@@ -22,7 +22,7 @@ from spec_plugins.backends.torch_runtime import TorchRuntime  # noqa: E402
 from spec_plugins.decoder import SpeculativeDecoder  # noqa: E402
 from spec_plugins.proposers.ngram import NgramProposer  # noqa: E402
 from spec_plugins.server.app import create_app  # noqa: E402
-from spec_plugins.server.cli import build_state  # noqa: E402
+from spec_plugins.server.setup import build_state  # noqa: E402
 from spec_plugins.verifiers import ExactVerifier  # noqa: E402
 
 WORDS = [f"w{i}" for i in range(2, 32)]
@@ -47,7 +47,7 @@ class LiveServer:
     def __init__(self, model, tokenizer, max_batch: int = 4, policy: str = "load", max_total: int = 128,
                  max_input: int = 48, shutdown_timeout: float = 30.0, proposer=None) -> None:
         rt = TorchRuntime(model, tokenizer)
-        proposer = proposer if proposer is not None else NgramProposer(NgramProposer.Config())
+        proposer = proposer if proposer is not None else NgramProposer(NgramProposer.Config(num_draft_tokens=5))
         self.decoder = SpeculativeDecoder(rt, proposer, ExactVerifier(), tokenizer=tokenizer)
         self.state = build_state(self.decoder, max_batch, max_input, max_total, policy, model_id="tiny")
         self.state.shutdown_timeout = shutdown_timeout
@@ -136,7 +136,7 @@ def test_async_client_concurrent_requests_equal_solo(live, model, tok):
     outs = asyncio.run(main())
     for (p, n, _), got in zip(jobs, outs):
         assert got == solo(model, tok, p, n), p
-    assert live.state.policy.by_key  # per-row auto: the n-gram keys' estimates, learnt in the server
+    assert live.state.policy.length.by_key  # per-row auto: the n-gram keys' estimates, learnt in the server
 
 
 @pytest.mark.parametrize("kind", ["eagle-tree", "eagle-chain", "medusa-tree"])
@@ -373,5 +373,29 @@ def test_suffix_global_index_in_the_server_per_tenant(model, tok):
         r = httpx.post(srv.url + "/generate", json={"inputs": "w2", "parameters": {"max_new_tokens": 2}},
                        headers={"X-Tenant": "x" * 200})
         assert r.status_code == 422 and "X-Tenant" in r.json()["error"]
+    finally:
+        srv.stop()
+
+
+def test_a_hybrid_reports_its_suffix_index_metrics(model, tok):
+    """A suffix + EAGLE hybrid in the server shows the suffix index's metrics on /metrics (the
+    proposer declares ``ReportsMetrics``; nothing is read off a proposer's attributes)."""
+    from test_heads import eagle
+
+    from spec_plugins.proposers.eagle import EagleProposer
+    from spec_plugins.proposers.hybrid import HybridProposer
+    from spec_plugins.proposers.suffix import SuffixProposer
+
+    suffix = SuffixProposer(SuffixProposer.Config(scope="global", tree_nodes=8, min_token_prob=0.0))
+    eag = EagleProposer(EagleProposer.Config(heads="unused", tree_nodes=6, top_k=2), drafter=eagle(model))
+    hyb = HybridProposer(HybridProposer.Config(proposers=[{"type": "suffix"}, {"type": "eagle", "heads": "x"}]),
+                         children=[suffix, eag])
+    srv = LiveServer(model, tok, max_batch=2, proposer=hyb, policy="fixed")
+    try:
+        for p, n in zip(PROMPTS[:3], [12, 9, 10]):
+            r = text_generation.Client(srv.url, timeout=60).generate(p, max_new_tokens=n)
+            assert [t.id for t in r.details.tokens] == solo(model, tok, p, n)
+        assert srv.metric("spec_suffix_index_requests") >= 1
+        assert srv.metric("spec_suffix_index_lookups_total") > 0
     finally:
         srv.stop()

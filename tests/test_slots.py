@@ -1,4 +1,4 @@
-"""The one KV slot layer (``backends/slots.py``) and the runtime base over it: positions, holes,
+"""The one KV slot layer (``spec_plugins/slots.py``) and the runtime base over it: positions, holes,
 plans and masks, checked against what the model computes from a fresh prefill of each row."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from spec_plugins.backends.slots import KVSlots, SlotPlan, keep_index
+from spec_plugins.slots import KVSlots, SlotPlan, keep_index
 from spec_plugins.backends.torch_runtime import TorchRuntime
 from spec_plugins.tree import layout, with_root
 

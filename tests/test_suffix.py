@@ -16,8 +16,9 @@ from conftest import tiny_llama
 from spec_plugins.backends.torch_runtime import TorchRuntime
 from spec_plugins.config import SamplingConfig
 from spec_plugins.loop import decode
-from spec_plugins.policy import FixedLength
-from spec_plugins.policy.cost import ForwardCost, remember
+from spec_plugins.policy import DraftPolicy, FixedLength
+from spec_plugins.policy import Costs
+from spec_plugins.policy.cost import ForwardCost
 from spec_plugins.proposers.suffix import SuffixProposer
 from spec_plugins.sampling import LogitsPipeline
 from spec_plugins.stats import DecodeStats
@@ -145,11 +146,12 @@ def test_draft_holds_the_request_and_the_global_continuation():
     assert (8, 8) in _paths(spec) and (7, 7) in _paths(spec)
 
 
-def run(target, prop, prompts, n, tenants=None, k=6):
+def run(target, prop, prompts, n, tenants=None, k=6, policy=None):
+    """Greedy outputs and stats; ``policy``: a DraftPolicy (default: FixedLength(k), trees sized by positions)."""
     outs = [[] for _ in prompts]
     stats = DecodeStats()
     for step in decode(target, prop, ExactVerifier(), LogitsPipeline(SamplingConfig()), prompts, n, (), None,
-                       stats, FixedLength(k)):
+                       stats, policy if policy is not None else FixedLength(k)):
         for i, t in step.emitted.items():
             outs[i].extend(t)
     return outs, stats
@@ -187,7 +189,7 @@ def test_tenants_do_not_see_each_others_requests():
         batch = Batch(target, prop, ExactVerifier())
         batch.add([RowRequest("r", prompt, 20, tenant=tenant)])
         stats = DecodeStats()
-        while (rec := run_round(batch, FixedLength(6))) is not None:
+        while (rec := run_round(batch, DraftPolicy.of(FixedLength(6)))) is not None:
             stats.observe(rec)
         return stats
 
@@ -257,16 +259,16 @@ def test_hybrid_picks_per_row_and_keeps_greedy_identity():
     eag = EagleProposer(EagleProposer.Config(heads="unused", mode="tree", tree_nodes=6, top_k=2), drafter=eagle(model))
     # A fixed, flat verify cost of 1 s per forward: the choice then rests on the drafts alone, not
     # on how this machine times a tiny model (a measured curve made EAGLE lose every row on CI).
-    remember(target, ForwardCost.from_curve([1.0] * 33))
     hyb = HybridProposer(HybridProposer.Config(proposers=[{"type": "suffix"}, {"type": "eagle", "heads": "x"}]),
                          target=target, children=[suffix, eag])
+    policy = DraftPolicy(FixedLength(6), costs=Costs(ForwardCost.from_curve([1.0] * 33), frozen=True))
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8]]
-    first, _ = run(target, hyb, prompts, 24)
+    first, _ = run(target, hyb, prompts, 24, policy=policy)
     for p, o in zip(prompts, first):
         assert o == plain_greedy(model, p, 24)
     assert hyb.used[1] > 0  # fresh text: the model drafter had rows
     before = list(hyb.used)
-    again, _ = run(target, hyb, prompts, 24)
+    again, _ = run(target, hyb, prompts, 24, policy=policy)
     assert again == first
     assert hyb.used[0] - before[0] > hyb.used[1] - before[1]  # repeated text: mostly suffix
     with pytest.raises(ValueError, match="exactly two"):
@@ -291,12 +293,12 @@ def test_hybrid_skips_a_child_whose_drafting_costs_more_than_it_gains():
     calls: list[int] = []
     propose = eag.propose
     eag.propose = lambda ctx: (calls.append(1), propose(ctx))[1]  # type: ignore[method-assign]
-    remember(target, ForwardCost.from_curve([1.0] * 33))  # flat: the sizer keeps every node, whatever the machine
+    flat = Costs(ForwardCost.from_curve([1.0] * 33), frozen=True)  # flat: the sizer keeps every node, whatever the machine
     hyb = HybridProposer(HybridProposer.Config(proposers=[{"type": "suffix"}, {"type": "eagle", "heads": "x"}],
                                                probe_every=8), target=target, children=[suffix, eag])
     hyb.draft_s = [1e-6, 100.0]
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8]]
-    out, _ = run(target, hyb, prompts, 24)
+    out, _ = run(target, hyb, prompts, 24, policy=DraftPolicy(FixedLength(6), costs=flat))
     for p, o in zip(prompts, out):
         assert o == plain_greedy(model, p, 24)
     assert 1 <= len(calls) <= -(-hyb._round // 8) and hyb.skipped[1] == hyb._round - len(calls)
@@ -317,26 +319,27 @@ def test_hybrid_cuts_the_chosen_trees_for_the_batch():
     target = TorchRuntime(model)
     table = {(1, n): 1.0 for n in range(1, 34)}
     table.update({(2, n): 2.0 * n - 1.0 for n in range(1, 34)})
-    remember(target, ForwardCost(table))
     suffix = SuffixProposer(SuffixProposer.Config(scope="global", tree_nodes=8, min_token_prob=0.0, max_spec_factor=4))
     eag = EagleProposer(EagleProposer.Config(heads="unused", mode="tree", tree_nodes=6, top_k=2), drafter=eagle(model))
     hyb = HybridProposer(HybridProposer.Config(proposers=[{"type": "suffix"}, {"type": "eagle", "heads": "x"}]),
                          target=target, children=[suffix, eag])
-    widths: list[tuple[int, int]] = []  # (rows, drafted positions) per round
-    propose = hyb.propose
+    policy = DraftPolicy(FixedLength(6), costs=Costs(ForwardCost(table), frozen=True))
+    widths: list[tuple[int, int]] = []  # (rows, drafted positions) per round, as sized by the policy
+    size = policy.size
 
-    def spy(ctx):
-        d = propose(ctx)
-        widths.append((len(ctx.sequences), 0 if d is None else d.tokens.shape[1]))
+    def spy(ranked, spent=0.0):
+        d = size(ranked, spent)
+        if ranked is not None:
+            widths.append((len(ranked.rows), 0 if d is None else d.tokens.shape[1]))
         return d
 
-    hyb.propose = spy  # type: ignore[method-assign]
+    policy.size = spy  # type: ignore[method-assign]
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8]]
     for _ in range(2):  # the second pass repeats text: long suffix matches
-        out, _ = run(target, hyb, prompts, 24)
+        out, _ = run(target, hyb, prompts, 24, policy=policy)
         assert out == [plain_greedy(model, p, 24) for p in prompts]
     two = [w for r, w in widths if r == 2]
     assert two and max(two) == 0
-    out, _ = run(target, hyb, prompts[:1], 24)
+    out, _ = run(target, hyb, prompts[:1], 24, policy=policy)
     assert out[0] == plain_greedy(model, prompts[0], 24)
     assert max(w for r, w in widths if r == 1) > 0

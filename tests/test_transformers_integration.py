@@ -302,3 +302,28 @@ def test_smollm2_batch_greedy_equals_plain_generate():
     spec = model.generate(**inputs, max_new_tokens=24, do_sample=False, custom_generate=speculative_generate,
                           spec_config=str(cfg))
     assert torch.equal(spec, plain)
+
+
+def test_later_generate_calls_cost_one_forward_per_round_plus_prefill():
+    """The plugin keeps its runtime wrapper, measured costs and proposer on the loaded model: a
+    second and third ``generate()`` with ``auto`` run exactly one target forward per round plus
+    the prefill (before: every call re-measured the runtime, 56 extra forwards per call on
+    SmolLM2). The first call measures once, at setup."""
+    model = tiny_llama(seed=3)
+    calls = []
+    model.register_forward_pre_hook(lambda m, args, kwargs: calls.append(1), with_kwargs=True)
+    cfg = {"proposer": {"type": "ngram", "num_draft_tokens": "auto", "max_ngram": 3}}
+    inputs = {"input_ids": torch.tensor([PROMPTS[2]]), "attention_mask": torch.ones(1, len(PROMPTS[2]), dtype=torch.long)}
+    plain = model.generate(**inputs, max_new_tokens=24, do_sample=False)
+    counts = []
+    for i in range(3):
+        calls.clear()
+        stats = DecodeStats()
+        out = model.generate(**inputs, max_new_tokens=24, do_sample=False, custom_generate=speculative_generate,
+                             spec_config=cfg, spec_stats=stats)
+        assert out.tolist() == plain.tolist()
+        counts.append((len(calls), stats.target_forwards))
+    first, *later = counts
+    assert first[0] > first[1] + 1  # the setup measured the runtime's forward costs
+    for n_calls, rounds in later:
+        assert n_calls == rounds + 1, counts  # one forward per round, plus the prefill

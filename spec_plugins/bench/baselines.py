@@ -90,7 +90,7 @@ def transformers_generate(ctx: BaselineContext) -> TurnFn:
     elif prop.type == "ngram":
         kw.update(prompt_lookup_num_tokens=ctx.num_draft_tokens, max_matching_ngram_size=prop.max_ngram)
     elif prop.type == "draft_model":
-        assistant = getattr(getattr(dec.proposer, "runtime", None), "model", None)
+        assistant = getattr(dec.proposer.runtime, "model", None)  # a draft_model proposer's runtime
         if assistant is None or not hasattr(assistant, "generate"):
             raise BaselineUnavailable("transformers assisted generation needs a torch draft model")
         kw.update(num_assistant_tokens=ctx.num_draft_tokens, num_assistant_tokens_schedule="constant")

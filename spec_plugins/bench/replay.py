@@ -25,8 +25,8 @@ import torch
 from spec_plugins.backends.base import RuntimeCapabilities, StepOutput
 from spec_plugins.config import SamplingConfig
 from spec_plugins.loop import decode
-from spec_plugins.policy import AutoDraftLength, DraftCost, FixedLength, ForwardCost, OnlineCost
-from spec_plugins.policy.cost import remember
+from spec_plugins.policy import AutoDraftLength, Costs, DraftCost, DraftPolicy, FixedLength, ForwardCost
+from spec_plugins.policy.tree_size import TreeSizer
 from spec_plugins.sampling import LogitsPipeline
 from spec_plugins.stats import DecodeStats
 from spec_plugins.tree import TreeLayout
@@ -76,8 +76,10 @@ class ReplayRuntime:
         self.capabilities = RuntimeCapabilities(tree_mask=True, hidden_states=False, name="replay")
         self.device = torch.device("cpu")
         self.clock, self.cost, self.overhead, self.draft = clock, cost, overhead, draft
-        if cost is not None:  # proposers that size drafts by the cost curve read the recorded one
-            remember(self, cost)
+        # what a fixed-length policy sizes trees by on this runtime: the recorded curve, one sizer
+        # for every turn (as a decoder keeps them across generations)
+        self.costs = Costs(cost) if cost is not None else None
+        self.sizer = TreeSizer()
         self.seqs: list[list[int]] = []  # per row: prompt + recorded output (the oracle)
         self.held: list[int] = []  # per row: tokens in the "cache"
         self._last = 0
@@ -147,6 +149,8 @@ def _decode_recorded(rt: ReplayRuntime, clock: SimClock, proposer: Any, policy: 
                      max_new: int, eos_ids: Sequence[int] = ()) -> DecodeStats:
     """One greedy generation through the real round on a replay runtime."""
     stats = DecodeStats()
+    if not isinstance(policy, DraftPolicy):
+        policy = DraftPolicy(policy, rt.sizer, rt.costs)
     for _ in decode(rt, proposer, ExactVerifier(), LogitsPipeline(SamplingConfig()), [list(prompt)],
                     max_new, eos_ids, None, stats, policy, clock=clock):
         pass
@@ -179,9 +183,10 @@ def fixed(k: int) -> Callable[[], Any]:
 
 
 def auto(cost: ForwardCost, draft: DraftCost = DraftCost(), **kwargs: Any) -> Callable[[], Any]:
-    """``auto`` as the decoder builds it: one online cost correction shared by every turn."""
-    online = OnlineCost(cost)
-    return lambda: AutoDraftLength(online, draft, **kwargs)
+    """``auto`` as the decoder builds it: one ``Costs`` (online correction, overhead) and one tree
+    sizer shared by every turn, fresh acceptance estimates per turn."""
+    costs, sizer = Costs(cost), TreeSizer()
+    return lambda: DraftPolicy(AutoDraftLength(costs, draft, **kwargs), sizer, costs)
 
 
 def replay_report(turns: Sequence[tuple[str, list[int], list[int]]], make_proposer: Callable[[], Any],

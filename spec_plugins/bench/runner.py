@@ -25,7 +25,8 @@ from spec_plugins.bench.baselines import (
 )
 from spec_plugins.bench.prompts import BenchPrompt
 from spec_plugins.decoder import SpeculativeDecoder
-from spec_plugins.policy import DraftPolicy
+from spec_plugins.policy import AutoDraftLength, DraftPolicy
+from spec_plugins.proposers.base import ProposerTraits
 from spec_plugins.types import RoundRecord
 from spec_plugins.stats import DecodeStats
 
@@ -84,13 +85,19 @@ class RejectionCounter:
 
 
 class _TracedDecoder(SpeculativeDecoder):
-    """Keeps the draft-length policy of the last generation (to report what ``auto`` chose)."""
+    """Keeps the draft policy of the last generation (to report what ``auto`` chose)."""
 
     last_policy: Any = None
 
-    def policy(self, pipeline: Any = None) -> DraftPolicy:
-        self.last_policy = super().policy(pipeline)
+    def policy(self) -> DraftPolicy:
+        self.last_policy = super().policy()
         return self.last_policy
+
+    @property
+    def chosen(self) -> list[int]:
+        """Rounds per draft length of the last generation (``auto``; empty for a fixed length)."""
+        length = self.last_policy.length if self.last_policy is not None else None
+        return list(length.chosen) if isinstance(length, AutoDraftLength) else []
 
 
 @dataclass
@@ -136,7 +143,15 @@ class Bench:
         self.options = options
         self.log = log or (lambda msg: print(msg, file=sys.stderr))
         self.unavailable: dict[str, str] = {}
+        self.costs = decoder.costs  # the primary runtime's, measured once for every method on it
         self.methods = self._build_methods()
+
+    def _traced(self, proposer: Any, cfg: Any) -> _TracedDecoder:
+        """A method's decoder on the primary runtime, sharing its measured costs."""
+        dec = self.decoder
+        traced = _TracedDecoder(dec.target, proposer, dec.verifier, cfg, dec.tokenizer, costs=self.costs)
+        self.costs = traced.costs if traced.costs is not None else self.costs
+        return traced
 
     # ---- setup -------------------------------------------------------------------------------
     def _gamma_for_peers(self) -> int:
@@ -170,8 +185,8 @@ class Bench:
                 update={"proposer": dec.config.proposer.model_copy(update={"num_draft_tokens": g})})
             rec = RejectionCounter()
             # a proposer with cross-request memory is not shared: one method must not see another's requests
-            prop = self._proposer(cfg.proposer) if hasattr(dec.proposer, "forget") else dec.proposer
-            traced = _TracedDecoder(dec.target, prop, dec.verifier, cfg, dec.tokenizer)
+            prop = self._proposer(cfg.proposer) if ProposerTraits.of(dec.proposer).remembers else dec.proposer
+            traced = self._traced(prop, cfg)
             methods.append(Method(ours_name(g), "ours", g, _bind(traced, rec), rec, traced))
         for label, section in opts.methods:
             methods.append(self._extra_method(label, section))
@@ -192,14 +207,14 @@ class Bench:
         dec = self.decoder
         cfg = SpecConfig.parse({**dec.config.model_dump(mode="json", exclude={"proposer"}), "proposer": section})
         rec = RejectionCounter()
-        traced = _TracedDecoder(dec.target, self._proposer(cfg.proposer), dec.verifier, cfg, dec.tokenizer)
+        traced = self._traced(self._proposer(cfg.proposer), cfg)
         return Method(label, "method", cfg.proposer.num_draft_tokens, _bind(traced, rec), rec, traced)
 
     def _forget(self) -> None:
         """Clear every method's cross-request memory."""
         for m in self.methods:
             prop = m.decoder.proposer if m.decoder is not None else None
-            if hasattr(prop, "forget"):
+            if prop is not None and ProposerTraits.of(prop).remembers:
                 prop.forget()
 
     def _compare_methods(self, label: str, other: SpeculativeDecoder) -> list[Method]:
@@ -213,7 +228,8 @@ class Bench:
         g = other.config.proposer.num_draft_tokens
         plain_dec = other.without_speculation()
         rec = RejectionCounter()
-        traced = _TracedDecoder(other.target, other.proposer, other.verifier, other.config, other.tokenizer)
+        traced = _TracedDecoder(other.target, other.proposer, other.verifier, other.config, other.tokenizer,
+                                costs=other.costs)
         return [Method(f"plain@{label}", "compare", None, lambda ids, n: time_decoder(plain_dec, ids, n),
                        group=label),
                 Method(f"{ours_name(g)}@{label}", "compare", g, _bind(traced, rec), rec, traced, group=label)]
@@ -233,8 +249,8 @@ class Bench:
             history.append({"role": "user", "content": turn})
             ids = self._encode(history)
             r: TurnRun = method.run_turn(ids, max_new)
-            if method.decoder is not None and hasattr(method.decoder.last_policy, "chosen"):
-                for k, c in enumerate(method.decoder.last_policy.chosen):
+            if method.decoder is not None:
+                for k, c in enumerate(method.decoder.chosen):
                     if c:
                         method.chosen_k[k] += c
             toks.append(r.tokens)
@@ -252,15 +268,18 @@ class Bench:
         import json
         from tqdm import tqdm
 
-        from spec_plugins.policy.cost import cost_for, draft_cost_for
+        from spec_plugins.policy import Costs
         from spec_plugins.sampling import LogitsPipeline
 
         opts = self.options
         t_start = time.perf_counter()
         pipeline = LogitsPipeline(self.decoder._sampling(None, None))
-        self.log(f"measuring the cost model (target forward over 1..{opts.cost_positions} positions) ...")
-        model = cost_for(self.decoder.target, max_positions=opts.cost_positions)
-        draft = draft_cost_for(self.decoder.target, self.decoder.proposer, pipeline)
+        costs = self.costs
+        if costs is None or not costs.covers((1,), opts.cost_positions):
+            self.log(f"measuring the cost model (target forward over 1..{opts.cost_positions} positions) ...")
+            costs = Costs.measure(self.decoder.target, max_positions=opts.cost_positions)
+        model = costs.forward.base
+        draft = costs.measure_drafter(self.decoder.proposer, self.decoder.target, pipeline)
         t1 = model(1, 1)
         cost = {**model.to_dict(), "draft_round_seconds": draft.per_call, "draft_step_seconds": draft.per_token,
                 "draft_cost_ratio": draft.per_token / t1}

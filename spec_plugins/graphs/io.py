@@ -10,7 +10,7 @@
                                              graph was exported with ``feature_layers``
              present_key.i   [B, H_kv, P+N, D] = past + new (present_value.i likewise)
 
-The mask is what ``backends/slots.py`` builds, so it carries tree masks and holes (left padding,
+The mask is what ``spec_plugins/slots.py`` builds, so it carries tree masks and holes (left padding,
 rejected nodes). B, N and P are dynamic axes.
 """
 

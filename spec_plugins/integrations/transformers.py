@@ -24,6 +24,7 @@ the calling ``generate()`` frame; ``draft_model=`` is the explicit spelling of t
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -32,10 +33,10 @@ import torch
 from spec_plugins.backends import hf_compat
 from spec_plugins.backends.torch_runtime import TorchRuntime
 from spec_plugins.config import SamplingConfig, SpecConfig, default_config
-from spec_plugins.decoder import SpeculativeDecoder
 from spec_plugins.loop import decode
+from spec_plugins.policy import Costs, build_policy, setup_costs
+from spec_plugins.policy.tree_size import TreeSizer
 from spec_plugins.proposers.base import Proposer
-from spec_plugins.policy import FixedLength
 from spec_plugins.proposers.draft_model import DraftModelProposer
 from spec_plugins.registry import PROPOSERS, VERIFIERS
 from spec_plugins.sampling import LogitsPipeline
@@ -81,19 +82,21 @@ def speculative_generate(
     eos = _ids(getattr(gc, "_eos_token_tensor", gc.eos_token_id))
     pad_id = next(iter(_ids(getattr(gc, "_pad_token_tensor", gc.pad_token_id))), None)
 
-    # 2. components: the user's model as target, proposer/verifier from the spec config
+    # 2. components: the user's model as target (its runtime wrapper, costs and proposers kept on
+    # the model, so later calls measure nothing), proposer/verifier from the spec config
     cfg = _spec_config(spec_config)
-    target = TorchRuntime(model, tokenizer=None)
-    prop = proposer if proposer is not None else _build_proposer(cfg, target, draft_model, spec_config is None)
+    setup = _Setup.of(model)
+    target = setup.runtime
+    prop, section = _build_proposer(setup, cfg, draft_model, spec_config is None) if proposer is None else (
+        proposer, proposer.config)
     verifier = VERIFIERS.get(cfg.verifier.type)(cfg.verifier)
     # transformers' processor list already holds its warpers (temperature, top-k, top-p, ...):
     # sample from the processed scores as they are (temperature 1), or take their argmax.
     sampling = SamplingConfig(temperature=1.0 if gc.do_sample else 0.0, seed=None)
     pipeline = LogitsPipeline(sampling, _adapt_processors(logits_processor or [], rows, pads, pad_id))
     stop = _stop_fn(stopping_criteria or [], gc, pads, eos, input_ids.device)
-    draft_length = SpeculativeDecoder(target, prop, verifier, cfg).policy(pipeline)
-    if spec_config is None and draft_model is not None:
-        draft_length = FixedLength(5)  # a model given alone: 5 draft tokens per round, as before
+    setup.costs = setup_costs(target, prop, section, costs=setup.costs)
+    draft_length = build_policy(section, prop, setup.costs, setup.sizer)
 
     # 3. decode, streaming as we go (global torch RNG, like plain generate)
     stats = spec_stats if spec_stats is not None else DecodeStats()
@@ -111,6 +114,7 @@ def speculative_generate(
     if streamer is not None:
         _stream(streamer, out, [True] * len(out), sent, pad_id)
         streamer.end()
+    target.select_rows([])  # the kept runtime holds no KV between calls
 
     # 4. transformers' layout: padded prompt + new tokens, right-padded with pad_token_id
     sequences = _assemble(input_ids, out, pad_id)
@@ -199,26 +203,54 @@ def _spec_config(spec: SpecConfig | dict | str | Path | None) -> SpecConfig:
     raise TypeError(f"spec_config must be a path, a dict or a SpecConfig, got {type(spec).__name__}")
 
 
-_PROPOSER_CACHE: dict[tuple, Proposer] = {}  # last proposer built from a config (a draft model loads once)
+@dataclass
+class _Setup:
+    """What the plugin keeps per loaded model, on the model itself (``model._spec_plugins``): its
+    runtime wrapper, the measured costs, the tree sizer and the proposers built for it. A second
+    ``generate()`` then costs one forward per round plus its prefill (re-measuring the runtime
+    and rebuilding proposers every call cost 56 extra forwards per call on SmolLM2). Rebuilt when
+    the model moves to another device or dtype."""
+
+    runtime: TorchRuntime
+    costs: Costs | None = None
+    sizer: TreeSizer = field(default_factory=TreeSizer)
+    proposers: dict[tuple, Proposer] = field(default_factory=dict)
+
+    @staticmethod
+    def of(model: Any) -> "_Setup":
+        p = next(model.parameters())
+        setup = model.__dict__.get("_spec_plugins")
+        if setup is None or setup.runtime.device != p.device or setup.runtime.dtype != p.dtype:
+            setup = _Setup(TorchRuntime(model, tokenizer=None))
+            model.__dict__["_spec_plugins"] = setup  # a plain attribute: not a submodule, never saved
+        return setup
 
 
-def _build_proposer(cfg: SpecConfig, target: TorchRuntime, draft_model: Any, implicit: bool) -> Proposer | None:
+# a draft model given alone (no spec_config): 5 draft tokens per round
+_DRAFT_ALONE = {"type": "draft_model", "num_draft_tokens": 5,
+                "model": {"backend": "torch", "model": "<the draft model given to generate()>"}}
+
+
+def _build_proposer(setup: _Setup, cfg: SpecConfig, draft_model: Any, implicit: bool) -> tuple[Proposer | None, Any]:
+    """The proposer of the spec config (or of the draft model given) and its section, built once
+    per loaded model and section."""
     section = cfg.proposer
     if draft_model is not None:
         if section is not None and section.type != "draft_model" and not implicit:
             raise ValueError(f"draft_model/assistant_model given, but spec_config's proposer is {section.type!r}; "
                              "use proposer type draft_model (or drop the model)")
-        if section is not None and section.type != "draft_model":
-            section = None  # no spec_config given: the model alone decides, 5 tokens per round
-        return DraftModelProposer(section, target=target, runtime=TorchRuntime(draft_model))
+        if section is None or section.type != "draft_model":
+            section = DraftModelProposer.Config.model_validate(_DRAFT_ALONE)
+        key = (section.model_dump_json(), id(draft_model))
+        if key not in setup.proposers:
+            setup.proposers[key] = DraftModelProposer(section, target=setup.runtime, runtime=TorchRuntime(draft_model))
+        return setup.proposers[key], section
     if section is None:
-        return None
-    key = (section.model_dump_json(), target.vocab_size)
-    if key not in _PROPOSER_CACHE:
-        _PROPOSER_CACHE.clear()
-        prop = PROPOSERS.get(section.type)(section, target=target, tokenizer=None)
-        _PROPOSER_CACHE[key] = prop
-    return _PROPOSER_CACHE[key]
+        return None, None
+    key = (section.model_dump_json(),)
+    if key not in setup.proposers:
+        setup.proposers[key] = PROPOSERS.get(section.type)(section, target=setup.runtime, tokenizer=None)
+    return setup.proposers[key], section
 
 
 class _PadBlindRepetitionPenalty:

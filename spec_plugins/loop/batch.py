@@ -21,8 +21,8 @@ from spec_plugins.proposers.base import ProposerTraits
 from spec_plugins.sampling import LogitsPipeline, RowPipelines
 from spec_plugins.stats import DecodeStats
 from spec_plugins.tree import TreeLayout, layout, with_root
-from spec_plugins.types import (BatchView, Draft, Emission, ProposeContext, RoundRecord, RowRequest, RowStop,
-                                Verdict)
+from spec_plugins.types import (BatchView, Draft, Emission, ProposeContext, Ranked, RoundRecord, RowRequest,
+                                RowStop, Verdict)
 
 GREEDY = SamplingConfig()
 
@@ -93,6 +93,7 @@ class Batch:
         self.clock = clock
         self.rows: list[Row] = []
         self._pipes: dict[tuple, LogitsPipeline] = {}
+        self._rp: tuple[tuple, RowPipelines] | None = None  # the current rows' RowPipelines, by pipeline ids
         self.top_logprobs = 0  # alternatives reported with each emitted token's logprob (a server sets it)
         self._logits: torch.Tensor | None = None  # this round's raw target logits: logprobs read them
         self._select([])  # the runtime and proposer start with no rows (a previous batch may have left some)
@@ -195,17 +196,22 @@ class Batch:
         free = lambda rows, k: self.proposer.free_drafts([seqs[b] for b in rows], k)  # noqa: E731
         return BatchView(seqs, room, self.proposer.draft_keys(seqs), free)
 
-    def draft(self, view: BatchView, ks: Sequence[int]) -> tuple[list[int], Draft | None]:
-        """Per-row budgets (lengths within each row's room) and the proposer's draft, or None."""
+    def draft(self, view: BatchView, ks: Sequence[int], sizing: Any = None) -> tuple[list[int], Draft | Ranked | None]:
+        """Per-row budgets (lengths within each row's room) and the proposer's draft (a tree
+        drafter's ranked candidates, for the policy to size), or None. ``sizing``: the policy's
+        tree sizer, which a hybrid prices its children's candidates with."""
         budgets = [max(0, min(int(k), room)) for k, room in zip(ks, view.room)]
         if self.proposer is None or max(budgets, default=0) == 0:
             return budgets, None
         hidden = [r.hidden for r in self.rows] if self.traits.needs_hidden else None
-        ctx = ProposeContext(view.sequences, budgets, RowPipelines([r.pipeline for r in self.rows]),
+        ctx = ProposeContext(view.sequences, budgets, self._row_pipelines(self.rows),
                              self.generator, self.runtime.capabilities.tree_mask, hidden,
-                             [r.tenant for r in self.rows])
-        draft = self.proposer.propose(ctx)
-        return budgets, draft.to(self.device) if draft is not None else None
+                             [r.tenant for r in self.rows], sizing)
+        return budgets, self.proposer.propose(ctx)
+
+    def place(self, draft: Draft | None) -> Draft | None:
+        """The sized draft on the runtime's device (moved once)."""
+        return draft.to(self.device) if draft is not None else None
 
     def verify_input(self, draft: Draft | None) -> tuple[torch.Tensor, TreeLayout]:
         """The forward's input [B, 1 + n] (pending token + drafted nodes) on the runtime's device,
@@ -226,7 +232,7 @@ class Batch:
         distribution fails alone (``_fail``) and gets a harmless placeholder."""
         seen = self._seen(rows)
         try:
-            z = RowPipelines([r.pipeline for r in rows]).process_tree(logits, seen, tokens, parents)
+            z = self._row_pipelines(rows).process_tree(logits, seen, tokens, parents)
         except Exception:  # noqa: BLE001 - find the rows it fails for, one at a time
             z = torch.zeros_like(logits)
             for b, r in enumerate(rows):
@@ -262,12 +268,11 @@ class Batch:
         if self.traits.row_aware and self.proposer.num_rows() != len(self.rows):
             raise AssertionError(f"the proposer follows {self.proposer.num_rows()} rows, the batch {len(self.rows)}")
 
-    def emit(self, verdict: Verdict, tokens: torch.Tensor, z: torch.Tensor,
+    def emit(self, verdict: Verdict, keep: list[list[int]], tokens: torch.Tensor, z: torch.Tensor,
              hidden: torch.Tensor | None) -> list[Emission]:
         """Append each row's accepted tokens and its next token, stopping at EOS, its limit or its
         stop rule; keep the target features of the committed path for the proposer."""
         host = tokens.tolist()
-        keep = verdict.keep()
         out = []
         for b, r in enumerate(self.rows):
             if r.error is not None:
@@ -292,6 +297,14 @@ class Batch:
             o.observe(record)
 
     # ---- mechanics ----------------------------------------------------------------------------------
+    def _row_pipelines(self, rows: Sequence[Row]) -> RowPipelines:
+        """The rows' pipelines seen as one, built once per batch composition (a round reads it
+        twice: the proposer's context and the logits processing)."""
+        key = tuple(id(r.pipeline) for r in rows)
+        if self._rp is None or self._rp[0] != key:
+            self._rp = (key, RowPipelines([r.pipeline for r in rows]))
+        return self._rp[1]
+
     def _seen(self, rows: Sequence[Row]) -> list[list[int]]:
         """The sequences the rows' user processors see: the row's prefix + its tokens."""
         return [list(r.prefix) + r.tokens if r.prefix else r.tokens for r in rows]

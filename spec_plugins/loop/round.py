@@ -16,37 +16,42 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from spec_plugins.loop.batch import Batch
-from spec_plugins.policy.draft_length import DraftPolicy, FixedLength
+from spec_plugins.policy.draft_length import LengthPolicy
+from spec_plugins.policy.draft_policy import DraftPolicy, build_policy
 from spec_plugins.sampling import LogitsPipeline
 from spec_plugins.stats import DecodeStats
 from spec_plugins.types import Emission, RoundRecord, RoundTimes, RowRequest
 
 
 def run_round(batch: Batch, policy: DraftPolicy) -> RoundRecord | None:
-    """One round for every live row: draft, one target forward, verify, commit, emit, observe."""
+    """One round for every live row: choose, draft, size, one target forward, verify, commit, emit,
+    observe."""
     batch.drop_finished()
     if not batch.rows:
         return None
     clock = batch.clock
     t0 = clock()
     view = batch.view()
-    ks = policy.choose(view)                                     # 1. per-row draft lengths (0 = none)
-    budgets, draft = batch.draft(view, ks)                       # 2. chain or tree per row, on the device
+    ks = policy.choose(view)                                     # 1. per-row draft depths (0 = none)
+    budgets, proposed = batch.draft(view, ks, policy.sizer)      # 2. chains, or ranked tree candidates
+    draft = batch.place(policy.size(proposed, clock() - t0))     # 3. cut + merged by cost, on the device
     t1 = clock()
-    tokens, tree = batch.verify_input(draft)                     # 3. pending token + drafted nodes
+    tokens, tree = batch.verify_input(draft)                     # 4. pending token + drafted nodes
     out = batch.runtime.forward(tokens, None if tree.is_chain else tree, want_hidden=batch.traits.want_hidden)
     t2 = clock()
-    z = batch.process(out.logits, tokens, tree)                  # 4. sampling + processors per node
-    verdict = batch.verify(draft, z)                             # 5. the only accept/reject code
+    z = batch.process(out.logits, tokens, tree)                  # 5. sampling + processors per node
+    verdict = batch.verify(draft, z)                             # 6. the only accept/reject code
     t3 = clock()
-    batch.runtime.commit(verdict.keep())                         # 6. KV of the accepted paths
+    keep = verdict.keep()
+    batch.runtime.commit(keep)                                   # 7. KV of the accepted paths
     t4 = clock()
-    emissions = batch.emit(verdict, tokens, z, out.hidden)       # 7. EOS, limits, stop rules, logprobs
+    emissions = batch.emit(verdict, keep, tokens, z, out.hidden)  # 8. EOS, limits, stop rules, logprobs
     times = RoundTimes(draft=t1 - t0, forward=t2 - t1, verify=t3 - t2, commit=t4 - t3, total=clock() - t0)
-    record = RoundRecord(batch.keys(), [r.tokens for r in batch.rows], budgets, view.keys, draft,
-                         verdict.accepted, [e.tokens for e in emissions], emissions, int(tokens.shape[1]), z,
-                         times, batch.lossy, [r.tenant for r in batch.rows])
-    batch.observe(record)                                        # 8. proposer, stats, observers learn
+    record = RoundRecord(keys=batch.keys(), sequences=[r.tokens for r in batch.rows], budgets=budgets,
+                         draft_keys=view.keys, draft=draft, accepted=verdict.accepted,
+                         emitted=[e.tokens for e in emissions], emissions=emissions, positions=int(tokens.shape[1]),
+                         target_logits=z, times=times, lossy=batch.lossy, tenants=[r.tenant for r in batch.rows])
+    batch.observe(record)                                        # 9. proposer, stats, observers learn
     policy.observe(record)
     return record
 
@@ -83,7 +88,7 @@ def decode(
     eos_ids: Sequence[int] = (),
     generator: torch.Generator | None = None,
     stats: DecodeStats | None = None,
-    draft_length: DraftPolicy | None = None,
+    draft_length: DraftPolicy | LengthPolicy | None = None,
     processor_prefix: Sequence[Sequence[int]] | None = None,
     stop: StopFn | None = None,
     seeds: Sequence[int | None] | None = None,
@@ -102,7 +107,9 @@ def decode(
     requests = [RowRequest(i, list(p), limits[i], seed=seeds[i] if seeds else None, pipeline=pipes[i],
                            prefix=processor_prefix[i] if processor_prefix else (), stop=_row_stop(stop, i))
                 for i, p in enumerate(prompts)]
-    policy = draft_length if draft_length is not None else FixedLength(5)
+    if draft_length is None and proposer is not None:
+        raise ValueError("decode() with a proposer needs its draft policy (policy.draft_policy.build_policy)")
+    policy = DraftPolicy.of(draft_length) if draft_length is not None else build_policy(None, None)
     yield Step.of(batch.add(requests))
     while any(not r.done for r in batch.rows) and (record := run_round(batch, policy)) is not None:
         yield Step.of(record.emissions)

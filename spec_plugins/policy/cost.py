@@ -17,14 +17,16 @@ One statistic, one smoothing rule, one online correction, chosen by measurement:
   hid that from the policy, and the online correction below absorbs what is noise.
 - **online correction** (``OnlineCost``): the forwards the round actually runs correct the curve
   per width (longer contexts, machine drift), shared by every batch size and generation.
+
+The measured model and its corrections are held explicitly (``policy.costs.Costs``), by whoever
+owns the runtime: measured at setup, never inside a round.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -115,8 +117,8 @@ class OnlineCost:
     width not seen yet takes the ratio interpolated between the nearest seen widths (costs change
     smoothly between kernel steps), so relative costs start as measured and move toward what the
     generations see. The ratio is shared by every row count: what a width costs relative to the
-    measurement follows the kernel and the machine more than the batch. Cached per runtime
-    (``online_for``), so what one generation learns carries to the next."""
+    measurement follows the kernel and the machine more than the batch. Held by the runtime's
+    ``Costs``, so what one generation learns carries to the next."""
 
     def __init__(self, base: ForwardCost, prior_weight: float = 1.0, decay: float = 0.98) -> None:
         if prior_weight <= 0 or not 0.0 < decay <= 1.0:
@@ -253,7 +255,7 @@ def measure_draft(proposer: Any, pipeline: Any, runtime: Any, context: int = 128
     (medians of at least 5 interleaved pairs: a call is cheap, one outlier would read as free).
     A feature drafter gets the runtime's real hidden states of that context."""
     from spec_plugins.proposers.base import ProposerTraits, RowAware
-    from spec_plugins.types import ProposeContext
+    from spec_plugins.types import ProposeContext, Ranked
 
     if k < 2:
         raise ValueError(f"k must be >= 2 to separate the per-token cost, got {k}")
@@ -272,6 +274,10 @@ def measure_draft(proposer: Any, pipeline: Any, runtime: Any, context: int = 128
         proposer.propose(ctx)  # catch-up (indexing / feeding the context) is not a per-round cost
         t0 = time.perf_counter()
         draft = proposer.propose(ctx)
+        if isinstance(draft, Ranked):  # ranked candidates: their merge into a draft is part of drafting
+            from spec_plugins.policy.tree_size import TreeSizer
+
+            draft = TreeSizer().size(draft)
         if draft is not None:
             _sync(draft.tokens)
         return time.perf_counter() - t0
@@ -285,65 +291,3 @@ def measure_draft(proposer: Any, pipeline: Any, runtime: Any, context: int = 128
     if isinstance(proposer, RowAware):
         proposer.select_rows([])
     return DraftCost(max(0.0, t1 - step), step)
-
-
-# ---- one measurement per runtime -------------------------------------------------------------
-@dataclass
-class _Entry:
-    model: ForwardCost
-    drafts: "weakref.WeakKeyDictionary[Any, DraftCost]" = field(default_factory=weakref.WeakKeyDictionary)
-    online: OnlineCost | None = None
-
-
-_CACHE: "weakref.WeakKeyDictionary[Any, _Entry]" = weakref.WeakKeyDictionary()
-
-
-def cost_for(runtime: Any, rows: Sequence[int] = (1,), max_positions: int = 17, context: int = 128,
-             repeats: int = 3) -> ForwardCost:
-    """The runtime's forward-cost model, measured on first use and cached on the runtime object
-    (re-measured only when a caller needs rows or widths the cached one lacks)."""
-    entry = _CACHE.get(runtime)
-    if entry is not None and set(rows) <= set(entry.model.rows) and entry.model.max_positions >= max_positions:
-        return entry.model
-    if entry is not None:
-        rows = sorted(set(rows) | set(entry.model.rows))
-        max_positions = max(max_positions, entry.model.max_positions)
-    _CACHE[runtime] = _Entry(measure(runtime, rows, range(1, max_positions + 1), context, repeats))
-    return _CACHE[runtime].model
-
-
-def remember(runtime: Any, model: ForwardCost) -> None:
-    """Use ``model`` as ``runtime``'s forward costs instead of timing it (a replay runtime, whose
-    forwards cost simulated time, not the wall-clock time a measurement would see)."""
-    _CACHE[runtime] = _Entry(model)
-
-
-def online_for(runtime: Any, model: ForwardCost) -> OnlineCost:
-    """The runtime's online-corrected model over ``model``, shared by every generation on it."""
-    entry = _CACHE.get(runtime)
-    if entry is None or entry.model is not model:
-        return OnlineCost(model)  # a model not measured through cost_for: nothing to share
-    if entry.online is None:
-        entry.online = OnlineCost(model)
-    return entry.online
-
-
-def draft_cost_for(runtime: Any, proposer: Any, pipeline: Any = None) -> DraftCost:
-    """The proposer's drafting cost (measured once per runtime and proposer)."""
-    entry = _CACHE.get(runtime)
-    if entry is None:
-        cost_for(runtime)
-        entry = _CACHE[runtime]
-    if proposer not in entry.drafts:
-        if pipeline is None:
-            from spec_plugins.config import SamplingConfig
-            from spec_plugins.sampling import LogitsPipeline
-
-            pipeline = LogitsPipeline(SamplingConfig())
-        entry.drafts[proposer] = measure_draft(proposer, pipeline, runtime, entry.model.context or 128)
-    return entry.drafts[proposer]
-
-
-def forget(runtime: Any) -> None:
-    """Drop a runtime's cached measurements (e.g. after changing threads or device)."""
-    _CACHE.pop(runtime, None)

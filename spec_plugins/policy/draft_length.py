@@ -26,11 +26,15 @@ from collections import Counter, deque
 from typing import Any, Protocol, Sequence
 
 from spec_plugins.policy.acceptance import AcceptanceEstimate
-from spec_plugins.policy.cost import DraftCost, ForwardCost, OnlineCost, cost_for, draft_cost_for, online_for
+from spec_plugins.policy.cost import DraftCost, ForwardCost, OnlineCost
+from spec_plugins.policy.costs import Costs
+from spec_plugins.policy.objective import best_option
 from spec_plugins.types import BatchView, RoundRecord
 
 
-class DraftPolicy(Protocol):
+class LengthPolicy(Protocol):
+    """How deep each row drafts; part of a ``DraftPolicy`` (``policy.draft_policy``)."""
+
     def choose(self, view: BatchView) -> list[int]:
         """Draft length per row for the coming round (0 = no draft)."""
         ...
@@ -69,17 +73,19 @@ class AutoDraftLength:
     KEYED = {"decay": 0.9, "prior_accept": 0.6, "prior_weight": 1.0, "idle_decay": 0.9, "chain_weight": 3.0,
              "max_growth": 2}
 
-    def __init__(self, cost: ForwardCost | OnlineCost, draft: DraftCost = DraftCost(), max_k: int = 16,
+    def __init__(self, costs: Costs | ForwardCost | OnlineCost, draft: DraftCost = DraftCost(), max_k: int = 16,
                  decay: float = 0.8, prior_accept: float = 0.5, prior_weight: float = 1.0, idle_decay: float = 0.97,
-                 chain_weight: float | None = 3.0, overhead_decay: float = 0.9, keyed: dict[str, Any] | None = None,
+                 chain_weight: float | None = 3.0, keyed: dict[str, Any] | None = None,
                  shadow_horizon: int = 4, min_gain: float = 1.0) -> None:
-        max_k = min(max_k, cost.max_positions - 1)  # never extrapolate the cost model silently
+        """``costs``: the runtime's (a bare cost model is wrapped: its overhead starts at 0);
+        ``draft``: the drafter's measured cost (``Costs.drafter``)."""
+        costs = costs if isinstance(costs, Costs) else Costs(costs)
+        max_k = min(max_k, costs.max_positions - 1)  # never extrapolate the cost model silently
         if max_k < 1:
-            raise ValueError(f"the cost model covers {cost.max_positions} position(s); auto needs >= 2")
+            raise ValueError(f"the cost model covers {costs.max_positions} position(s); auto needs >= 2")
         if shadow_horizon < 1 or min_gain < 1.0:
             raise ValueError(f"shadow_horizon must be >= 1 and min_gain >= 1, got {shadow_horizon}, {min_gain}")
-        self.cost, self.draft, self.max_k = cost, draft, max_k
-        self.online = cost if isinstance(cost, OnlineCost) else None
+        self.costs, self.draft, self.max_k = costs, draft, max_k
         self.shadow_horizon, self.min_gain = shadow_horizon, min_gain
         self.estimate = AcceptanceEstimate(max_k, decay, prior_accept, prior_weight, idle_decay, chain_weight)
         kp = {**self.KEYED, **(keyed or {})}
@@ -89,19 +95,8 @@ class AutoDraftLength:
         self._shadows: list[tuple[int, list[int], int, list[int]]] = []  # (key, row tokens, start, draft)
         self._shadowing = False
         self._recent: deque[int] = deque(maxlen=256)  # recent row keys (``preview``)
-        self.overhead = 0.0  # seconds per round outside forwards and drafting (verify, commit, Python)
-        self._overhead_decay = overhead_decay
         self.chosen = [0] * (max_k + 1)  # rounds per chosen length
         self.last: dict[str, float] = {}
-
-    @classmethod
-    def for_runtime(cls, runtime: Any, proposer: Any = None, pipeline: Any = None, rows: Sequence[int] = (1,),
-                    **kwargs: Any) -> "AutoDraftLength":
-        """Over the runtime's measured cost model (once per runtime, cached), corrected online by
-        every generation on it, with the proposer's measured drafting cost."""
-        base = cost_for(runtime, rows, max_positions=int(kwargs.get("max_k", 16)) + 1)
-        draft = draft_cost_for(runtime, proposer, pipeline) if proposer is not None else DraftCost()
-        return cls(online_for(runtime, base), draft, **kwargs)
 
     # ---- choose -------------------------------------------------------------------------------
     def choose(self, view: BatchView) -> list[int]:
@@ -134,15 +129,13 @@ class AutoDraftLength:
         """argmax_k of tokens(k) / seconds(k); a draft must beat no draft by ``min_gain``.
         Returns k and (expected tokens, seconds) per k."""
         curves = {key: _curves(est) for key, est in ests.items()}  # E(k), D(k) per key
-        out, best, best_rate = [], 0, float("-inf")
+        out = []
         for k in range(self.max_k + 1):
             tokens = sum(c * curves[key][0][k] for key, c in mix.items())
             drafted = max(curves[key][1][k] for key in mix)
-            secs = self.cost(rows, 1.0 + drafted) + self.overhead + (self.draft(drafted) if k else 0.0)
-            out.append((tokens, secs))
-            if tokens / secs > best_rate * (self.min_gain if best == 0 and k > 0 else 1.0):
-                best, best_rate = k, tokens / secs
-        return best, out
+            out.append((tokens, self.costs(rows, 1.0 + drafted) + self.costs.overhead
+                        + (self.draft(drafted) if k else 0.0)))
+        return best_option(out, self.min_gain), out
 
     def rates(self, estimate: AcceptanceEstimate | None = None, rows: int = 1) -> list[float]:
         """Expected tokens per second for k = 0..max_k of ``rows`` rows under one estimate."""
@@ -151,18 +144,7 @@ class AutoDraftLength:
 
     # ---- observe ------------------------------------------------------------------------------
     def observe(self, record: RoundRecord) -> None:
-        t = record.times
-        # the width-dependent part of a round is the forward plus what scales with its B x N
-        # logits (processing, accept/reject, the KV commit): priced per width through the online
-        # correction; the rest (Python, emission) is a per-round overhead equal for every k.
-        # Measured on ONNX Runtime with 16 rows: verify + commit took 12-14 ms per drafting round
-        # against 7 ms per plain one, which the forward alone did not show.
-        width = t.forward + t.verify + t.commit
-        spent = max(0.0, t.total - width - t.draft)
-        lam = self._overhead_decay
-        self.overhead = spent if self.overhead == 0.0 else lam * self.overhead + (1 - lam) * spent
-        if self.online is not None:
-            self.online.observe(record.rows, record.positions, width)
+        """Acceptance by key or by position (the costs learn from the round in ``Costs.observe``)."""
         drafted, accepted = record.drafted(), [len(a) for a in record.accepted]
         if record.draft_keys is not None:
             for key, k, d, a in zip(record.draft_keys, record.budgets, drafted, accepted):

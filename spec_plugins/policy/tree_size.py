@@ -1,97 +1,118 @@
-"""Sizing best-first draft trees by the cost model (``tree_nodes: auto`` of EAGLE and suffix).
+"""Sizing best-first draft trees: the step of the round that turns a drafter's ranked candidates
+(``types.Ranked``) into the ``Draft`` the target verifies.
 
 A drafter that grows its tree best-first (EAGLE-2's reranking, suffix decoding's frequency
-expansion) gives every node an estimate of its probability of being accepted, in descending
-order, and every prefix of that order is a valid tree (a child never scores above its parent).
-The rows of a batch are verified in one forward over the union of their trees (``merge_trees``:
-identical paths share a position), so every row pays for the batch's width. The sizer picks one
-cut w, each row keeping its first min(w, n_row) nodes, maximising
+expansion, a static tree in prior order) gives each node an estimate of its probability of being
+accepted, in descending order, and every prefix is a valid tree. The rows of a batch are verified
+in one forward over the union of their trees (``merge_trees``: identical paths share a
+position), so every row pays for the batch's width. Two choices, both by the one objective
+(``policy.objective``), with each source's estimates scaled by its own ``Calibration``:
 
-    (B + scale x sum_rows sum_{i<min(w, n_row)} p_i) / (T(B, width(w) + 1) + seconds already spent drafting)
+1. per row, which alternative to take (a hybrid offers one per child):
+   argmax (1 + scale x sum p) / T(1, 1 + nodes);
+2. (``auto``) one cut w for the batch, each row keeping its first min(w, n_row) nodes:
+   argmax (B + scale x sum_rows sum_{i<min(w, n_row)} p_i) / (T(B, width(w) + 1) + spent),
+   ``spent`` being the drafting already paid this round (sunk: it counts the same for every w,
+   including w = 0, which drafts nothing). Within the paid width an extra node of a row is almost
+   free. A per-row choice against the one-row curve over-drafts a batch: measured on a 4-row
+   server batch, 8 drafted positions cost 3.8x one position against 1.8x for one row.
 
-where width(w) is the size of the union of the kept rows' paths (w when paths are not given).
-Within the paid width an extra node of a row is almost free. T is
-the runtime's forward-cost model over (rows, positions), read when sizing (a server re-measures
-it for its batch sizes after the proposers were built, and corrects it online), and ``scale``
-the ratio of accepted to predicted nodes over recent rounds (the drafter's estimates are rarely
-calibrated: EAGLE's path probabilities are over-confident on unfamiliar text, suffix frequencies
-on short matches). With one row this is the prefix n maximising (1 + scale x sum p) / T(1, n+1).
-A per-row choice against the one-row curve over-drafts a batch: measured on a 4-row server
-batch, 8 drafted positions cost 3.8x one position against 1.8x for one row.
+Whether to draft at all before paying the drafter is the draft-length policy's choice
+(``draft_length``), which prices the drafter's own seconds. T is the runtime's ``Costs`` (without
+measured costs, a forward is priced by its positions).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Sequence
+
+from spec_plugins.policy.objective import Calibration, best_option
+from spec_plugins.tree import merge_trees
+from spec_plugins.types import Draft, Ranked, RankedRow, RoundRecord
+
+
+MAX_AUTO_NODES = 32  # candidates a drafter offers for an 'auto' cut (costs are measured to 33 positions)
 
 
 class TreeSizer:
-    """Per-row node counts from acceptance estimates and the cost curve, calibrated online."""
+    """Picks and cuts ranked candidates against the cost model; calibrates each source online."""
 
-    def __init__(self, cost: Any, decay: float = 0.9, prior: float = 2.0, bounds: tuple[float, float] = (0.05, 2.0)
-                 ) -> None:
-        """``cost``: a cost model ``(rows, positions) -> seconds``, fixed (``for_runtime``: the
-        runtime's current one)."""
-        self.cost = cost
-        self._model: Callable[[], Any] = lambda: self.cost
-        self.decay, self.bounds = decay, bounds
-        self.calib = [prior, prior]  # [accepted, predicted]: starts calibrated
-        self._predicted = 0.0  # raw estimates of the nodes kept in the round being verified
+    def __init__(self, costs: Any = None, decay: float = 0.9, prior: float = 2.0) -> None:
+        self.costs = costs
+        self.decay, self.prior = decay, prior
+        self.calib: dict[int, Calibration] = {}
+        self.picked: dict[int, int] = {}  # rows that kept a non-empty draft from each source, in all
+        self._kept: list[tuple[int, float]] = []  # per row of the round being verified: (source, predicted)
 
-    @classmethod
-    def for_runtime(cls, runtime: Any, max_positions: int, **kw: Any) -> "TreeSizer":
-        """Sized by the runtime's cost model as it stands at each round: measured on first use,
-        re-measured by whoever needs more rows (the server, for its batch sizes), corrected
-        online by the forwards a draft policy observes (``policy.cost``)."""
-        from spec_plugins.policy.cost import cost_for, online_for
+    def calibration(self, source: int) -> Calibration:
+        c = self.calib.get(source)
+        if c is None:
+            c = self.calib[source] = Calibration(self.decay, self.prior)
+        return c
 
-        sizer = cls(cost_for(runtime, max_positions=max_positions), **kw)
-        sizer._model = lambda: online_for(runtime, cost_for(runtime, max_positions=max_positions))
-        return sizer
+    def seconds(self, rows: int, positions: float) -> float:
+        return float(positions) if self.costs is None else self.costs(rows, positions)
 
-    def model(self) -> Any:
-        """The cost model sizing this round (for callers that price drafts the same way)."""
-        return self._model()
+    def rate(self, expected: float, nodes: float, source: int, extra: float = 0.0) -> float:
+        """One row's tokens per second with this many nodes expected accepted (uncalibrated)."""
+        return (1.0 + self.calibration(source).scale * expected) / (self.seconds(1, 1 + nodes) + extra)
 
-    @property
-    def scale(self) -> float:
-        return self.calib[0] / self.calib[1]
+    # ---- the step ---------------------------------------------------------------------------------
+    def size(self, ranked: Ranked, spent: float = 0.0) -> Draft | None:
+        """Each row's best alternative, cut for the batch (``auto``), merged into one draft."""
+        rows = [self._pick(alts) for alts in ranked.rows]
+        if ranked.auto:
+            counts = self.cut(rows, spent)
+            rows = [r.prefix(n) for r, n in zip(rows, counts)]
+        self._kept = [(r.source, sum(r.estimates)) for r in rows]
+        for r in rows:
+            if r.size:
+                self.picked[r.source] = self.picked.get(r.source, 0) + 1
+        if not any(r.size for r in rows):
+            return None
+        merged = merge_trees([(r.tokens, r.paths) for r in rows])
+        return Draft(merged.tokens, merged.parents, None, merged.valid)
 
-    def counts(self, estimates: Sequence[Sequence[float]], spent: float = 0.0,
-               paths: Sequence[Sequence[Hashable]] | None = None) -> list[int]:
-        """Nodes to keep per row; ``estimates[b]`` in best-first (descending) order, ``paths[b]``
-        (optional) the position key of each node in the merged tree (its rank path)."""
-        B = len(estimates)
+    def _pick(self, alternatives: Sequence[RankedRow]) -> RankedRow:
+        best, best_rate = RankedRow((), (), ()), float("-inf")
+        for r in alternatives:
+            rate = self.rate(sum(r.estimates), r.size, r.source)
+            if r.size and rate > best_rate:
+                best, best_rate = r, rate
+        return best
+
+    def cut(self, rows: Sequence[RankedRow], spent: float = 0.0) -> list[int]:
+        """Nodes to keep per row: one cut w for the batch (module docstring)."""
+        B = len(rows)
         if B == 0:
             return []
-        cost, scale = self.model(), self.scale
-        gains = []  # per row: expected accepted nodes when keeping its first n nodes, n = 0..
-        for row in estimates:
-            g = [0.0]
-            for p in row:
+        gains = []  # per row: calibrated expected accepted nodes when keeping its first n nodes
+        for r in rows:
+            scale, g = self.calibration(r.source).scale, [0.0]
+            for p in r.estimates:
                 if p <= 0.0:
                     break
                 g.append(g[-1] + min(1.0, p * scale))
             gains.append(g)
-        best_w, best = 0, B / (cost(B, 1) + spent)
-        union: set[Hashable] = set()
+        options = [(float(B), self.seconds(B, 1) + spent)]  # w = 0: no draft
+        union: set = set()
         for w in range(1, max(len(g) for g in gains)):
-            if paths is not None:
-                union.update(ps[w - 1] for ps, g in zip(paths, gains) if w < len(g))
-            width = len(union) if paths is not None else w
-            rate = (B + sum(g[min(w, len(g) - 1)] for g in gains)) / (cost(B, width + 1) + spent)
-            if rate > best:
-                best_w, best = w, rate
-        out = [min(best_w, len(g) - 1) for g in gains]
-        self._predicted = sum(sum(row[:n]) for row, n in zip(estimates, out))
-        return out
+            union.update(r.paths[w - 1] for r, g in zip(rows, gains) if w < len(g))
+            tokens = B + sum(g[min(w, len(g) - 1)] for g in gains)
+            options.append((tokens, self.seconds(B, len(union) + 1) + spent))
+        w = best_option(options)
+        return [min(w, len(g) - 1) for g in gains]
 
-    def observe(self, accepted: int) -> None:
-        """Accepted nodes of the round whose counts were chosen last: recalibrate."""
-        if self._predicted <= 0.0:
+    def observe(self, record: RoundRecord) -> None:
+        """Each source's calibration from the rows that took its candidates last round."""
+        if record.draft is None or len(self._kept) != record.rows:
+            self._kept = []
             return
-        lo, hi = self.bounds
-        acc = self.decay * self.calib[0] + accepted
-        pred = self.decay * self.calib[1] + self._predicted
-        self.calib = [min(max(acc, lo * pred), hi * pred), pred]
-        self._predicted = 0.0
+        by_source: dict[int, list[float]] = {}
+        for (source, predicted), acc in zip(self._kept, record.accepted):
+            s = by_source.setdefault(source, [0.0, 0.0])
+            s[0] += len(acc)
+            s[1] += predicted
+        for source, (acc, pred) in by_source.items():
+            self.calibration(source).observe(acc, pred)
+        self._kept = []

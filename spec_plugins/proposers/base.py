@@ -9,9 +9,15 @@ class registers (``check_proposer_class``) and when a batch is built (``Proposer
   (``select_rows``) the batch. A proposer without it is stateless per row (Medusa).
 - ``Keyed``: cheap per-row classes of the coming draft and free point-mass drafts, which the
   ``auto`` draft-length policy learns from (n-gram).
-- ``needs_hidden`` / ``tree`` class flags: target features are carried per row; drafts are trees.
+- ``Remembers``: cross-request memory that a caller can drop (``forget``): the bench between
+  independent requests, a tenant's reset.
+- ``ReportsMetrics``: gauges and counters of its own for ``/metrics`` (suffix decoding's index).
+- ``needs_hidden`` / ``tree`` / ``ranks`` class flags: target features are carried per row; drafts
+  are trees; ``propose`` returns ranked candidates (``types.Ranked``) for the draft policy to size.
   A feature drafter that reads decoder-layer outputs rather than the last hidden state names
   them in ``feature_layers`` (EAGLE-3).
+
+A proposer is a subclass of ``Proposer`` (the flags have their defaults there), checked once.
 """
 
 from __future__ import annotations
@@ -21,16 +27,19 @@ from typing import Any, ClassVar, Protocol, Sequence, runtime_checkable
 
 from spec_plugins.types import Draft, ProposeContext, RoundRecord
 
-__all__ = ["Draft", "ProposeContext", "RoundRecord", "Proposer", "RowAware", "Keyed", "ProposerTraits",
-           "check_proposer_class"]
+__all__ = ["Draft", "ProposeContext", "RoundRecord", "Proposer", "RowAware", "Keyed", "Remembers", "ReportsMetrics",
+           "Metric", "ProposerTraits", "check_proposer_class"]
 
 
 class Proposer:
     """Base class: subclasses implement ``propose`` and, if they learn, ``observe``."""
 
     Config: ClassVar[Any]
-    needs_hidden: ClassVar[bool] = False  # ask the target for hidden states
-    tree: ClassVar[bool] = False  # drafts trees (needs a runtime with tree masks)
+    config: Any  # the proposer's own section (a ``Config``): its draft policy is built from it
+    needs_hidden: bool = False  # ask the target for hidden states (a hybrid: if a child does)
+    tree: bool = False  # drafts trees (needs a runtime with tree masks)
+    ranks: ClassVar[bool] = False  # propose() returns ranked candidates (types.Ranked), sized by the policy
+    feature_layers: tuple[int, ...] = ()  # decoder-layer outputs it reads instead of the last hidden state
 
     def propose(self, ctx: ProposeContext) -> Draft | None:
         raise NotImplementedError
@@ -75,12 +84,33 @@ class Keyed(Protocol):
         ...
 
 
-_GROUPS = {"RowAware": ("admit", "select_rows", "num_rows"), "Keyed": ("draft_keys", "free_drafts")}
+@runtime_checkable
+class Remembers(Protocol):
+    def forget(self) -> None:
+        """Drop every cross-request memory (rows in flight keep their own state)."""
+        ...
+
+
+# (name, kind "gauge" | "counter", help, value)
+Metric = tuple[str, str, str, float]
+
+
+@runtime_checkable
+class ReportsMetrics(Protocol):
+    def metrics(self) -> list[Metric]:
+        """The proposer's own gauges and counters, for the server's ``/metrics``."""
+        ...
+
+
+_GROUPS = {"RowAware": ("admit", "select_rows", "num_rows"), "Keyed": ("draft_keys", "free_drafts"),
+           "Remembers": ("forget",), "ReportsMetrics": ("metrics",)}
 
 
 def check_proposer_class(cls: type) -> None:
-    """Refuse a proposer class that breaks the contract: ``propose``/``observe`` callable, and
-    each optional protocol implemented whole or not at all."""
+    """Refuse a proposer class that breaks the contract: a ``Proposer`` subclass with
+    ``propose``/``observe``, and each optional protocol implemented whole or not at all."""
+    if not (isinstance(cls, type) and issubclass(cls, Proposer)):
+        raise TypeError(f"proposer {getattr(cls, '__name__', cls)} must subclass spec_plugins.proposers.base.Proposer")
     for name in ("propose", "observe"):
         if not callable(getattr(cls, name, None)):
             raise TypeError(f"proposer {cls.__name__} has no {name}()")
@@ -101,6 +131,9 @@ class ProposerTraits:
     needs_hidden: bool = False
     tree: bool = False
     feature_layers: tuple[int, ...] = ()  # decoder-layer outputs instead of the last hidden state (EAGLE-3)
+    ranks: bool = False
+    remembers: bool = False
+    reports: bool = False
 
     @property
     def want_hidden(self) -> "bool | tuple[int, ...]":
@@ -112,6 +145,6 @@ class ProposerTraits:
         if proposer is None:
             return ProposerTraits()
         check_proposer_class(type(proposer))
-        return ProposerTraits(isinstance(proposer, RowAware), isinstance(proposer, Keyed),
-                              bool(getattr(proposer, "needs_hidden", False)), bool(getattr(proposer, "tree", False)),
-                              tuple(getattr(proposer, "feature_layers", ()) or ()))
+        return ProposerTraits(isinstance(proposer, RowAware), isinstance(proposer, Keyed), bool(proposer.needs_hidden),
+                              bool(proposer.tree), tuple(proposer.feature_layers), type(proposer).ranks,
+                              isinstance(proposer, Remembers), isinstance(proposer, ReportsMetrics))

@@ -16,30 +16,30 @@ hence point masses (``probs=None``) for the exact verifier.
 from __future__ import annotations
 
 import math
-import time
 from typing import Any, Literal, Sequence
 
 import torch
 from pydantic import Field, model_validator
 
 from spec_plugins.backends import torch_kernels
-from spec_plugins.backends.slots import HOST, KVSlots, additive, pad_slots
+from spec_plugins.slots import HOST, KVSlots, additive, pad_slots
 from spec_plugins.config import ProposerConfig
 from spec_plugins.heads.eagle import EagleDrafter
 from spec_plugins.heads.runner import OrtEagleLayer, head_session, pick_engine
-from spec_plugins.policy.tree_size import TreeSizer
-from spec_plugins.proposers.base import Draft, ProposeContext, Proposer, RoundRecord
+from spec_plugins.policy.tree_size import MAX_AUTO_NODES
+from spec_plugins.proposers.base import ProposeContext, Proposer
 from spec_plugins.proposers.medusa import resolve_head_dir
 from spec_plugins.registry import register_proposer
-from spec_plugins.tree import RowTree, merge_trees, rank_paths
+from spec_plugins.tree import rank_paths
+from spec_plugins.types import Ranked, RankedRow
 
 NEG = float("-inf")
-AUTO_MAX_NODES = 32  # 'auto' tree sizes stay within the measured cost curve (N <= 33 positions)
 
 
 @register_proposer("eagle")
 class EagleProposer(Proposer):
     needs_hidden = True
+    ranks = True
 
     class Config(ProposerConfig):
         type: Literal["eagle"] = "eagle"
@@ -53,6 +53,10 @@ class EagleProposer(Proposer):
         top_k: int = Field(4, ge=1, le=16, description="Tree mode: children per expanded node and nodes expanded per depth.")
         engine: Literal["auto", "torch", "onnxruntime"] = Field(
             "auto", description="Where the drafter runs; auto = ONNX Runtime when the target runs there, else PyTorch.")
+
+        @property
+        def auto_tree(self) -> bool:
+            return self.tree_nodes == "auto" and self.mode == "tree"
 
         @model_validator(mode="after")
         def _check(self) -> "EagleProposer.Config":
@@ -77,15 +81,8 @@ class EagleProposer(Proposer):
         self.dtype = drafter.lm_weight.dtype
         self.device = drafter.lm_weight.device  # the target's: the head was built there
         self.k, self.v = drafter.empty_past(0, self.dtype)  # [B, H, S, D] over the slot layer's slots
-        self.slots = KVSlots()  # position of each cached pair, -1 = hole (``backends/slots.py``)
+        self.slots = KVSlots()  # position of each cached pair, -1 = hole (``spec_plugins/slots.py``)
         self.fed: list[int] = []  # per row: pairs (f_j, x_{j+1}) cached for j < fed
-        self.sizer: TreeSizer | None = None  # tree_nodes: auto
-        if config.tree_nodes == "auto":
-            if target is None or not hasattr(target, "forward"):
-                raise ValueError("tree_nodes='auto' needs the target runtime to measure its cost curve")
-            self.sizer = TreeSizer.for_runtime(target, AUTO_MAX_NODES + 1)
-        self._t0 = 0.0  # start of the current propose(): its drafting time so far is a sunk cost of the round
-        self.row_drafts: list[RowTree] = []  # per row, best-first: the last draft's nodes and path probabilities
 
     # ---- cache: the shared slot layer, one drafter layer ------------------------------------------
     def admit(self, prompts: Sequence[Sequence[int]]) -> None:
@@ -150,23 +147,20 @@ class EagleProposer(Proposer):
 
     # ---- drafting ----------------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, ctx: ProposeContext) -> Draft | None:
+    def propose(self, ctx: ProposeContext) -> Ranked | None:
+        """Each row's chain or tree best-first with the drafter's path probabilities; the draft
+        policy sizes it (``tree_nodes: auto``) and merges the rows."""
         if ctx.hidden is None:
             raise RuntimeError("eagle needs target hidden states (needs_hidden) but the loop passed none")
         with torch_kernels.active():
-            return self._propose(ctx)
-
-    def _propose(self, ctx: ProposeContext) -> Draft | None:
-        self._t0 = time.perf_counter()
-        f = self._catch_up(ctx)
-        depth = max(ctx.budgets, default=0)
-        self.row_drafts = [([], [], [])] * len(ctx.sequences)
-        if depth <= 0:
-            return None
-        base = torch.tensor([len(s) - 1 for s in ctx.sequences], dtype=torch.long, device=self.device)  # pending position
-        if self.tree and ctx.tree_ok:
-            return self._tree(f, base, list(ctx.budgets), depth)
-        return self._chain(f, base, list(ctx.budgets), depth)
+            f = self._catch_up(ctx)
+            depth = max(ctx.budgets, default=0)
+            if depth <= 0:
+                return None
+            base = torch.tensor([len(s) - 1 for s in ctx.sequences], dtype=torch.long, device=self.device)  # pending
+            if self.tree and ctx.tree_ok:
+                return self._tree(f, base, list(ctx.budgets), depth)
+            return self._chain(f, base, list(ctx.budgets), depth)
 
     def _step(self, feat: torch.Tensor, tok: torch.Tensor, pos: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
               anc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -179,7 +173,7 @@ class EagleProposer(Proposer):
                                additive(ok, self.dtype))
         return out, k, v
 
-    def _chain(self, f: torch.Tensor, base: torch.Tensor, budgets: list[int], depth: int) -> Draft:
+    def _chain(self, f: torch.Tensor, base: torch.Tensor, budgets: list[int], depth: int) -> Ranked:
         B = f.shape[0]
         vocab = self.drafter.vocab_ids
         toks = torch.zeros(B, depth, dtype=torch.long, device=self.device)
@@ -196,12 +190,11 @@ class EagleProposer(Proposer):
             anc = torch.ones(B, 1, d, dtype=torch.bool, device=self.device)
             out, k, v = self._step(f[:, None], toks[:, d: d + 1], (base + d)[:, None], dk, dv, anc)
             dk, dv, f = torch.cat([dk, k], 2), torch.cat([dv, v], 2), out[:, 0]
-        valid = torch.arange(depth, device=self.device)[None, :] < torch.tensor(budgets, device=self.device)[:, None]
         chain = [(0,) * (d + 1) for d in range(depth)]
-        self.row_drafts = [(t[:n], chain[:n], p[:n]) for t, p, n in zip(toks.tolist(), path_p.tolist(), budgets)]
-        return Draft(toks, tuple(range(-1, depth - 1)), None, None if bool(valid.all()) else valid)
+        rows = [[RankedRow(t[:n], chain[:n], p[:n])] for t, p, n in zip(toks.tolist(), path_p.tolist(), budgets)]
+        return Ranked(rows, auto=False)
 
-    def _tree(self, f: torch.Tensor, base: torch.Tensor, budgets: list[int], depth: int) -> Draft:
+    def _tree(self, f: torch.Tensor, base: torch.Tensor, budgets: list[int], depth: int) -> Ranked:
         B, kk = f.shape[0], self.config.top_k
         vocab = self.drafter.vocab_ids
         # all candidate nodes, per row: token, cumulative log-prob, parent (-1 root), rank, depth
@@ -252,29 +245,11 @@ class EagleProposer(Proposer):
         key = score - 1e-6 * dep_t[None]
         key = key.masked_fill(dep_t[None] >= torch.tensor(budgets, device=self.device)[:, None], NEG)
         auto = self.config.tree_nodes == "auto"
-        keep = key.topk(min(AUTO_MAX_NODES if auto else self.config.tree_nodes, key.shape[1]), -1)
+        keep = key.topk(min(MAX_AUTO_NODES if auto else self.config.tree_nodes, key.shape[1]), -1)
         par_l, rank_l, tok_l, score_l = parent.tolist(), rank.tolist(), tok.tolist(), score.tolist()
         cand = [[n for n, s in zip(idx, val) if s != NEG] for idx, val in zip(keep.indices.tolist(), keep.values.tolist())]
-        paths = [rank_paths(par_l[b], rank_l[b], cand[b]) for b in range(B)]  # best-first, per row
-        counts = ([len(c) for c in cand] if self.sizer is None else
-                  self.sizer.counts(keep.values.float().exp().clamp(max=1.0).tolist(), time.perf_counter() - self._t0,
-                                    paths))
-        if auto and max(counts) == 0:
-            return None
-        self.row_drafts = []
-        for b in range(B):
-            sel = cand[b][: counts[b]]
-            self.row_drafts.append(([tok_l[b][n] for n in sel], paths[b][: counts[b]],
-                                    [min(1.0, math.exp(score_l[b][n])) for n in sel]))
-        merged = merge_trees([(toks, ps) for toks, ps, _ in self.row_drafts])
-        return Draft(merged.tokens, merged.parents, None, merged.valid)
-
-    @property
-    def expected(self) -> list[float]:
-        """Per row: accepted nodes the last draft expects (sum of its path probabilities)."""
-        return [sum(p) for _, _, p in self.row_drafts]
-
-    def observe(self, result: RoundRecord) -> None:
-        """Calibrate ``tree_nodes: auto``: accepted nodes against the drafter's path probabilities."""
-        if self.sizer is not None and result.draft is not None:
-            self.sizer.observe(sum(len(a) for a in result.accepted))
+        rows = []
+        for b in range(B):  # best-first: every prefix is a tree (a child never scores above its parent)
+            rows.append([RankedRow([tok_l[b][n] for n in cand[b]], rank_paths(par_l[b], rank_l[b], cand[b]),
+                                   [min(1.0, math.exp(score_l[b][n])) for n in cand[b]])])
+        return Ranked(rows, auto=auto)

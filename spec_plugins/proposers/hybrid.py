@@ -1,24 +1,21 @@
 """Hybrid drafting: two proposers, and per row and round the draft with the most expected
 accepted tokens per unit of verify cost (SuffixDecoding's pairing with a model drafter).
 
-Both children draft every round (a feature drafter must catch up on its cache anyway; suffix
-lookups cost microseconds), each reporting per row the accepted nodes its draft expects
-(``row_drafts``: best-first nodes with suffix frequencies or EAGLE path probabilities; their sum
-is ``expected``). Those estimates are calibrated online per child, as accepted / predicted over
-the rows that used it, and a row takes
+Each child offers per row its ranked candidates (best-first nodes with suffix frequencies or
+EAGLE path probabilities; ``types.Ranked``), tagged with the child's index as their source. The
+draft policy's tree sizer (``policy/tree_size.py``) then does the sizing in one place: each row
+takes the alternative with the most
 
-    argmax_c (1 + scale_c x expected_c) / T(1, 1 + nodes_c)
+    (1 + scale_c x expected_c) / T(1, 1 + nodes_c)
 
-with T the runtime's measured forward-cost curve: a long suffix match wins with a big tree, and
-free text goes to the model drafter. The chosen per-row trees are then cut for the batch by the
-one tree sizer (``policy/tree_size.py``: one cut per round against the forward over all rows and
-the union of their trees, each node's estimate scaled by its child's calibration) and merged
-into one batch draft.
+(``scale_c``: the child's own calibration, accepted / predicted over the rows that took its
+drafts; T: the runtime's forward costs), so a long suffix match wins with a big tree and free
+text goes to the model drafter; the chosen trees are cut for the batch and merged.
 
-Drafting is not free either: a model drafter's propose() can cost as much as a target forward on
-a CPU. Children are therefore asked cheapest first (their measured propose time), and a dearer
-child is skipped in a round when, for every row, the draft already in hand beats what the dearer
-child has delivered on average, its own drafting time included:
+Drafting is not free: a model drafter's propose() can cost as much as a target forward on a CPU.
+Children are therefore asked cheapest first (their measured propose time), and a dearer child is
+skipped in a round when, for every row, the draft already in hand beats what the dearer child has
+delivered on average, its own drafting time included (priced by the same sizer):
 
     (1 + scale_c x mean expected_c) / (T(1, 1 + mean nodes_c) + draft seconds_c)
 
@@ -34,9 +31,9 @@ from typing import Any, Literal, Sequence
 from pydantic import Field, model_validator
 
 from spec_plugins.config import ProposerConfig
-from spec_plugins.proposers.base import Draft, ProposeContext, Proposer, RoundRecord, RowAware
+from spec_plugins.proposers.base import Metric, ProposeContext, Proposer, ProposerTraits, RoundRecord, RowAware
 from spec_plugins.registry import PROPOSERS, register_proposer
-from spec_plugins.tree import RowTree, merge_trees
+from spec_plugins.types import Ranked, RankedRow
 
 
 DEFAULT_NODES = 16  # a child's tree size inside a hybrid, where its own default is 'auto'
@@ -47,15 +44,21 @@ class HybridProposer(Proposer):
     """Per row, the better of two proposers' drafts (module docstring)."""
 
     tree = True
+    ranks = True
 
     class Config(ProposerConfig):
         type: Literal["hybrid"] = "hybrid"
         proposers: list[dict[str, Any]] = Field(
             description="The two proposer sections, e.g. [{type: suffix, scope: global}, {type: eagle, heads: DIR}]; "
-                        "each must report `row_drafts` (suffix, eagle) and use a fixed tree_nodes.")
-        decay: float = Field(0.95, gt=0.0, lt=1.0, description="Memory of the per-child calibration.")
+                        "each must rank its candidates (suffix, eagle) and use a fixed tree_nodes.")
+        tree_nodes: Literal["auto"] = Field("auto", description="Always 'auto': the draft policy picks each row's "
+                                                                 "child and cuts the trees by the measured costs.")
         probe_every: int = Field(16, ge=1, description="Every this many rounds all children draft (a child "
                                                          "skipped as too dear for its gain is re-measured).")
+
+        @property
+        def auto_tree(self) -> bool:
+            return True
 
         @model_validator(mode="after")
         def _two(self) -> "HybridProposer.Config":
@@ -82,21 +85,14 @@ class HybridProposer(Proposer):
                 children.append(cls(sub, target=target, **kw))
         self.children = list(children)
         for c in self.children:
-            if not hasattr(c, "row_drafts"):
-                raise ValueError(f"hybrid: proposer {type(c).__name__} does not report its `row_drafts` "
-                                 "(best-first nodes with acceptance estimates)")
-        self.needs_hidden = any(getattr(c, "needs_hidden", False) for c in self.children)
-        self.feature_layers = next((c.feature_layers for c in self.children if getattr(c, "feature_layers", ())), ())
-        self.sizer = None  # prices drafts (the runtime's current cost model) and cuts the chosen trees
-        if target is not None and hasattr(target, "forward"):
-            from spec_plugins.policy.tree_size import TreeSizer
-
-            self.sizer = TreeSizer.for_runtime(target, 33)  # never observes: the children's calibration scales
-        self.calib = [[2.0, 2.0] for _ in self.children]  # per child [accepted, predicted]
-        self.choice: list[int] = []  # per row: the child whose draft went to the verifier
-        self._pred: list[float] = []
-        self.used = [0] * len(self.children)  # rows drafted by each child, in all
+            if not ProposerTraits.of(c).ranks:
+                raise ValueError(f"hybrid: proposer {type(c).__name__} does not rank its candidates (best-first "
+                                 "nodes with acceptance estimates); use suffix or eagle")
+        traits = [ProposerTraits.of(c) for c in self.children]
+        self.needs_hidden = any(t.needs_hidden for t in traits)
+        self.feature_layers = next((t.feature_layers for t in traits if t.feature_layers), ())
         n = len(self.children)
+        self._sizer: Any = None  # the sizer of the last round (its picks per child)
         self.draft_s = [0.0] * n  # per child: smoothed seconds of one propose() (0 = not measured yet)
         self.mean_exp = [1.0] * n  # per child: smoothed expected accepted nodes of its non-empty row drafts
         self.mean_nodes = [1.0] * n  # per child: smoothed nodes of its non-empty row drafts
@@ -106,8 +102,18 @@ class HybridProposer(Proposer):
     def forget(self) -> None:
         """Drop the children's cross-request memory."""
         for c in self.children:
-            if hasattr(c, "forget"):
+            if ProposerTraits.of(c).remembers:
                 c.forget()
+
+    def metrics(self) -> list[Metric]:
+        """Every child's own metrics (suffix decoding's index inside a suffix + EAGLE hybrid)."""
+        return [m for c in self.children if ProposerTraits.of(c).reports for m in c.metrics()]
+
+    @property
+    def used(self) -> list[int]:
+        """Rows whose kept draft came from each child, in all (the sizer's picks)."""
+        picked = self._sizer.picked if self._sizer is not None else {}
+        return [picked.get(i, 0) for i in range(len(self.children))]
 
     # ---- rows: every child follows the batch ---------------------------------------------------------
     def admit(self, prompts: Sequence[Sequence[int]]) -> None:
@@ -124,86 +130,56 @@ class HybridProposer(Proposer):
         return next((c.num_rows() for c in self.children if isinstance(c, RowAware)), 0)
 
     # ---- drafting ---------------------------------------------------------------------------------
-    def _T(self, n: int) -> float:
-        if self.sizer is None:
-            return float(n)
-        cost = self.sizer.model()
-        return cost(1, min(n, cost.max_positions))
-
-    def propose(self, ctx: ProposeContext) -> Draft | None:
+    def propose(self, ctx: ProposeContext) -> Ranked | None:
+        """Every (not skipped) child's candidates per row, tagged with the child as their source."""
         B = len(ctx.sequences)
-        probe = self._round % self.config.probe_every == 0
+        self._sizer = ctx.sizing
+        probe = self._round % self.config.probe_every == 0 or ctx.sizing is None
         self._round += 1
-        empty: list[RowTree] = [([], [], [])] * B
-        per_child = [empty] * len(self.children)
-        t_start = time.perf_counter()
-        best = [-1] * B  # per row: the child whose draft is kept so far
-        best_rate = [0.0] * B  # its rate, drafting cost sunk: (1 + scale x expected) / T(1 + nodes)
+        alts: list[list[RankedRow]] = [[] for _ in range(B)]
+        best_rate: list[float] | None = None  # per row: the best rate in hand (nothing: plain's), drafting sunk
         for i in sorted(range(len(self.children)), key=lambda c: self.draft_s[c]):
-            if not probe and best[0] >= 0 and min(best_rate) >= self._prospect(i):
+            if not probe and best_rate is not None and min(best_rate) >= self._prospect(ctx.sizing, i):
                 self.skipped[i] += 1
                 continue
+            if ctx.sizing is not None and best_rate is None:
+                best_rate = [ctx.sizing.rate(0.0, 0, i)] * B
             c = self.children[i]
             t0 = time.perf_counter()
-            d = c.propose(self._capped(c, ctx))
+            ranked = c.propose(self._capped(c, ctx))
             dt = time.perf_counter() - t0
             self.draft_s[i] = dt if self.draft_s[i] == 0.0 else 0.8 * self.draft_s[i] + 0.2 * dt
-            if d is not None:
-                per_child[i] = list(c.row_drafts)
-            for b in range(B):
-                n_nodes = len(per_child[i][b][0])
-                exp = sum(per_child[i][b][2])
-                if n_nodes:
+            if ranked is None:
+                continue
+            for b, row_alts in enumerate(ranked.rows):
+                for r in row_alts:
+                    if not r.size:
+                        continue
+                    r = RankedRow(r.tokens, r.paths, r.estimates, i)
+                    alts[b].append(r)
+                    exp = sum(r.estimates)
                     self.mean_exp[i] = 0.9 * self.mean_exp[i] + 0.1 * exp
-                    self.mean_nodes[i] = 0.9 * self.mean_nodes[i] + 0.1 * n_nodes
-                rate = (1.0 + self._scale(i) * exp) / self._T(1 + n_nodes)
-                if rate > best_rate[b]:
-                    best[b], best_rate[b] = i, rate
-        self.choice = [max(i, 0) for i in best]
-        chosen = [per_child[i][b] for b, i in enumerate(self.choice)]
-        if self.sizer is not None:
-            counts = self.sizer.counts([[p * self._scale(i) for p in probs] for i, (_, _, probs) in zip(self.choice, chosen)],
-                                       time.perf_counter() - t_start, [paths for _, paths, _ in chosen])
-            chosen = [(t[:n], ps[:n], pr[:n]) for (t, ps, pr), n in zip(chosen, counts)]
-        self._pred = [sum(probs) for _, _, probs in chosen]
-        for i, (toks, _, _) in zip(self.choice, chosen):
-            self.used[i] += bool(toks)
-        if not any(toks for toks, _, _ in chosen):
+                    self.mean_nodes[i] = 0.9 * self.mean_nodes[i] + 0.1 * r.size
+                    if best_rate is not None:
+                        best_rate[b] = max(best_rate[b], ctx.sizing.rate(exp, r.size, i))
+        if not any(alts):
             return None
-        merged = merge_trees([(toks, paths) for toks, paths, _ in chosen])
-        return Draft(merged.tokens, merged.parents, None, merged.valid)
+        return Ranked(alts, auto=True)
 
-    def _scale(self, i: int) -> float:
-        return self.calib[i][0] / self.calib[i][1]
-
-    def _prospect(self, i: int) -> float:
+    def _prospect(self, sizing: Any, i: int) -> float:
         """Child ``i``'s average rate with its own drafting time counted (the skip test)."""
-        return (1.0 + self._scale(i) * self.mean_exp[i]) / (self._T(1 + round(self.mean_nodes[i])) + self.draft_s[i])
+        return sizing.rate(self.mean_exp[i], round(self.mean_nodes[i]), i, extra=self.draft_s[i])
 
     @staticmethod
     def _capped(child: Any, ctx: ProposeContext) -> ProposeContext:
         """The round's budgets within the child's own depth limit (an EAGLE drafter of depth 6
         inside a hybrid whose suffix side drafts 16 deep)."""
-        cap = getattr(getattr(child, "config", None), "num_draft_tokens", None)
+        cap = child.config.num_draft_tokens
         if not isinstance(cap, int):
             return ctx
         return replace(ctx, budgets=[min(b, cap) for b in ctx.budgets])
 
     def observe(self, record: RoundRecord) -> None:
-        """Each child learns from the round (suffix: finished rows enter its index); each
-        child's calibration from the rows that used its draft."""
+        """Each child learns from the round (suffix: finished rows enter its index)."""
         for c in self.children:
             c.observe(record)
-        if record.draft is None or len(self.choice) != record.rows:
-            return
-        d = self.config.decay
-        for i in range(len(self.children)):
-            acc = sum(len(a) for a, ch in zip(record.accepted, self.choice) if ch == i)
-            pred = sum(p for p, ch in zip(self._pred, self.choice) if ch == i)
-            if pred > 0:
-                a, p = d * self.calib[i][0] + acc, d * self.calib[i][1] + pred
-                self.calib[i] = [min(max(a, 0.05 * p), 2.0 * p), p]
-
-    @property
-    def expected(self) -> list[float]:
-        return list(self._pred)

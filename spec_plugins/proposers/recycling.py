@@ -8,8 +8,11 @@ grown from the pending token by breadth-first lookups: node ``(r1, r2)`` is
 ``M[M[pending][r1]][r2]``. No model, no training; drafts are point masses, so the exact verifier
 needs no ``q``. Nodes whose lookup is missing (a token never scored yet) are marked invalid.
 
-The tree's shape is ``best_static_tree`` over per-(depth, rank) acceptance priors; its size is
-the knob the CPU's forward-cost curve decides (``tree_size``).
+The tree's shape is ``best_static_tree`` over per-(depth, rank) acceptance priors. Its size is
+``tree_size`` nodes, or with ``tree_size: auto`` a cut the draft policy makes every round: the
+proposer offers the 32-node tree best-first with each node's prior (the product of the priors
+along its path) and the policy's tree sizer keeps what pays against the runtime's forward costs,
+its calibration correcting the priors online.
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ import torch
 from pydantic import Field, model_validator
 
 from spec_plugins.config import ProposerConfig
+from spec_plugins.policy.tree_size import MAX_AUTO_NODES
 from spec_plugins.proposers.base import Draft, ProposeContext, Proposer, RoundRecord
 from spec_plugins.registry import register_proposer
-from spec_plugins.tree import StaticTree, best_static_tree, expected_accepted, static_tree
+from spec_plugins.tree import StaticTree, best_static_tree, path_scores, static_tree
+from spec_plugins.types import Ranked, RankedRow
 
 # P(rank-r successor is the target's token | parent accepted), per depth, for shaping and sizing
 # the static tree. Measured with ``rank_stats`` on SmolLM2-135M-Instruct, greedy, 6 varied chat
@@ -39,6 +44,7 @@ class RecyclingProposer(Proposer):
     """Static draft trees read from an adjacency table of the target's recent top-k tokens."""
 
     tree = True
+    ranks = True  # with tree_size: auto (else a fixed static Draft)
 
     class Config(ProposerConfig):
         type: Literal["recycling"] = "recycling"
@@ -50,6 +56,10 @@ class RecyclingProposer(Proposer):
         paths: list[list[int]] | None = Field(
             None, description="Explicit static tree as Medusa-style rank paths (overrides tree_size).")
         keep_table: bool = Field(True, description="Keep the adjacency table across generations (hot start).")
+
+        @property
+        def auto_tree(self) -> bool:
+            return self.tree_size == "auto" and self.paths is None
 
         @model_validator(mode="after")
         def _check(self) -> "RecyclingProposer.Config":
@@ -66,17 +76,23 @@ class RecyclingProposer(Proposer):
         self._rows = 0  # rows in the batch (the table is shared by all)
         self.vocab_size: int | None = getattr(target, "vocab_size", None)
         self.table: torch.Tensor | None = None  # [V, k] long, -1 = unknown
-        self.shape = self._shape(target)
+        self.auto = self.config.paths is None and self.config.tree_size == "auto"
+        self.shape = self._shape()
         self._layers = _layers(self.shape)
+        # 'auto': the nodes best-first by their prior (ancestor-closed: a child's product never
+        # exceeds its parent's; ties keep the shallower node first) and the prior of each
+        prior = path_scores(self.shape, DEFAULT_ACCEPT)
+        self._order = sorted(range(self.shape.size), key=lambda i: (-prior[i], len(self.shape.paths[i])))
+        self._prior = [prior[i] for i in self._order]
         # (depth, rank) -> [times reachable, times accepted]: acceptance statistics of the shape
         self.rank_stats: dict[tuple[int, int], list[int]] = {}
 
-    def _shape(self, target: Any) -> StaticTree:
+    def _shape(self) -> StaticTree:
         c = self.config
         if c.paths is not None:
             return static_tree(c.paths)
         depth = c.num_draft_tokens if isinstance(c.num_draft_tokens, int) else 6
-        size = c.tree_size if isinstance(c.tree_size, int) else auto_tree_size(target, max_depth=depth)
+        size = MAX_AUTO_NODES if self.auto else int(c.tree_size)
         return best_static_tree(DEFAULT_ACCEPT, size, depth, max_rank=c.candidates)
 
     # ---- table --------------------------------------------------------------------------------
@@ -131,9 +147,20 @@ class RecyclingProposer(Proposer):
             cand = self.table[src, ranks.expand(B, -1)]
             ok[:, nodes] = src_ok & (cand >= 0) & (depth < budget)[:, None]
             toks[:, nodes] = cand.clamp_min(0)
+        if self.auto:
+            return self._ranked(toks.tolist(), ok.tolist())
         if not bool(ok.any()):
             return None
         return Draft(toks, self.shape.parents, None, None if bool(ok.all()) else ok)
+
+    def _ranked(self, toks: list[list[int]], ok: list[list[bool]]) -> Ranked | None:
+        """Each row's valid nodes best-first with their priors (an invalid node's descendants are
+        invalid too, so what is left of the order stays ancestor-closed)."""
+        paths, rows = self.shape.paths, []
+        for t, v in zip(toks, ok):
+            keep = [(i, p) for i, p in zip(self._order, self._prior) if v[i]]
+            rows.append([RankedRow([t[i] for i, _ in keep], [paths[i] for i, _ in keep], [p for _, p in keep])])
+        return Ranked(rows, auto=True) if any(r[0].size for r in rows) else None
 
     def observe(self, result: RoundRecord) -> None:
         z = result.target_logits
@@ -186,21 +213,3 @@ def _layers(tree: StaticTree) -> list[tuple[torch.Tensor, torch.Tensor | None, t
         out.append((torch.tensor(nodes, dtype=torch.long, device="cpu"), par,
                     torch.tensor([tree.paths[i][-1] for i in nodes], dtype=torch.long, device="cpu")[None]))
     return out
-
-
-def auto_tree_size(target: Any, max_size: int = 32, max_depth: int = 6) -> int:
-    """Tree size from the runtime's measured forward-cost curve (``spec_plugins.policy.cost``): the
-    size maximising expected tokens per second, (1 + E[accepted]) / T(size + 1), under
-    DEFAULT_ACCEPT. The curve is measured once per runtime (a few seconds) and cached."""
-    if target is None:
-        raise ValueError("tree_size='auto' needs the target runtime to measure its cost curve")
-    from spec_plugins.policy.cost import cost_for
-
-    cost = cost_for(target, max_positions=max_size + 1)
-    best, best_rate = 1, 0.0
-    for size in range(1, max_size + 1):
-        tree = best_static_tree(DEFAULT_ACCEPT, size, max_depth)
-        rate = (1.0 + expected_accepted(tree, DEFAULT_ACCEPT)) / cost(1, size + 1)
-        if rate > best_rate:
-            best, best_rate = size, rate
-    return best

@@ -21,18 +21,17 @@ deployment should keep ``request`` (the default) or ``tenant``.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Hashable, Literal, Sequence
 
 from pydantic import Field, model_validator
 
 from spec_plugins.config import ProposerConfig
-from spec_plugins.proposers.base import Draft, ProposeContext, Proposer, RoundRecord
+from spec_plugins.policy.tree_size import MAX_AUTO_NODES
+from spec_plugins.proposers.base import Metric, ProposeContext, Proposer, RoundRecord
 from spec_plugins.registry import register_proposer
 from spec_plugins.suffix_index import EMPTY, Cursor, GlobalIndex, RequestIndex, Speculation, speculate, union
-from spec_plugins.tree import RowTree, merge_trees, ordinal_paths
-
-AUTO_MAX_NODES = 32  # 'auto' tree sizes stay within the measured cost curve (N <= 33 positions)
+from spec_plugins.tree import ordinal_paths
+from spec_plugins.types import Ranked, RankedRow
 FINISHED = ("eos_token", "length", "stop")  # rows that end so go into the global index
 
 
@@ -41,6 +40,7 @@ class SuffixProposer(Proposer):
     """Point-mass draft trees from suffix indexes over this request and earlier ones."""
 
     tree = True
+    ranks = True
 
     class Config(ProposerConfig):
         type: Literal["suffix"] = "suffix"
@@ -59,6 +59,10 @@ class SuffixProposer(Proposer):
         max_match: int = Field(12, ge=1, le=127, description="Longest suffix matched (the rest of depth is for drafts).")
         global_max_tokens: int = Field(200_000, ge=1, description="Token cap of the global index (oldest evicted).")
 
+        @property
+        def auto_tree(self) -> bool:
+            return self.tree_nodes == "auto"
+
         @model_validator(mode="after")
         def _check(self) -> "SuffixProposer.Config":
             if self.tree_nodes != "auto" and not (1 <= self.tree_nodes <= 256):
@@ -74,20 +78,29 @@ class SuffixProposer(Proposer):
         self.cursors: list[Cursor | None] = []  # per row: its context in the global trie of its scope key
         self.keys: list[Hashable] = []
         self.epochs: list[int] = []  # the global index's epoch each cursor is in sync with
-        self.sizer = None
-        if c.tree_nodes == "auto":
-            if target is None or not hasattr(target, "forward"):
-                raise ValueError("tree_nodes='auto' needs the target runtime to measure its cost curve")
-            from spec_plugins.policy.tree_size import TreeSizer
-
-            self.sizer = TreeSizer.for_runtime(target, AUTO_MAX_NODES + 1)
-        self.last: list[Speculation] = []  # per row: what the last propose drafted (for stats)
+        self.last: list[Speculation] = []  # per row: what the last propose offered (for stats)
 
     def forget(self) -> None:
         """Drop the cross-request memory (the bench's independent requests; a tenant's reset)."""
         c = self.config
         self.index = GlobalIndex(c.depth, c.global_max_tokens)
         self.cursors = [None] * len(self.rows)
+
+    def metrics(self) -> list[Metric]:
+        """The global index's size and hit rate, for ``/metrics``."""
+        st, index = self.index.stats, self.index
+        return [
+            ("spec_suffix_index_requests", "gauge", "Finished requests held by the global suffix index.", st.requests),
+            ("spec_suffix_index_tokens", "gauge", "Tokens held by the global suffix index.", st.tokens),
+            ("spec_suffix_index_max_tokens", "gauge", "Token cap of the global suffix index.", index.max_tokens),
+            ("spec_suffix_index_nodes", "gauge", "Trie nodes of the global suffix index.", st.nodes),
+            ("spec_suffix_index_evicted_requests_total", "counter", "Requests evicted from the global suffix index.",
+             st.evicted_requests),
+            ("spec_suffix_index_lookups_total", "counter", "Global suffix index lookups (one per row and round).",
+             st.lookups),
+            ("spec_suffix_index_hits_total", "counter", "Lookups that matched a suffix with a continuation.", st.hits),
+            ("spec_suffix_index_hit_rate", "gauge", "Hits / lookups of the global suffix index.", st.hit_rate),
+        ]
 
     # ---- rows -----------------------------------------------------------------------------------
     def admit(self, prompts: Sequence[Sequence[int]]) -> None:
@@ -139,7 +152,7 @@ class SuffixProposer(Proposer):
             if budget <= 0:
                 out.append(EMPTY)
                 continue
-            cap = AUTO_MAX_NODES if c.tree_nodes == "auto" else c.tree_nodes
+            cap = MAX_AUTO_NODES if c.tree_nodes == "auto" else c.tree_nodes
             specs = [speculate(node, n, min(cap, max(1, int(c.max_spec_factor * n))), min(budget, c.depth - n),
                                c.min_token_prob)
                      for n, node in (self.rows[b].match(c.max_match), self._global_match(b)) if node is not None]
@@ -155,34 +168,16 @@ class SuffixProposer(Proposer):
         self.index.stats.hits += node is not None
         return n, node
 
-    def propose(self, ctx: ProposeContext) -> Draft | None:
-        t0 = time.perf_counter()
-        specs = self.speculations(ctx)
-        paths = [ordinal_paths(s.parents) for s in specs]  # a prefix of a tree keeps its nodes' paths
-        if self.sizer is not None:
-            counts = self.sizer.counts([list(s.probs) for s in specs], time.perf_counter() - t0, paths)
-            specs = [_prefix(s, n) for s, n in zip(specs, counts)]
-            paths = [ps[:n] for ps, n in zip(paths, counts)]
-        self.last = specs
+    def propose(self, ctx: ProposeContext) -> Ranked | None:
+        """Each row's tree best-first with its frequency estimates; the draft policy sizes it."""
+        specs = self.last = self.speculations(ctx)
         if not any(s.tokens for s in specs):
             return None
-        merged = merge_trees([(s.tokens, ps) for s, ps in zip(specs, paths)])
-        return Draft(merged.tokens, merged.parents, None, merged.valid)
-
-    @property
-    def expected(self) -> list[float]:
-        """Per row: accepted nodes the last draft expects (sum of its frequency estimates)."""
-        return [s.score for s in self.last]
-
-    @property
-    def row_drafts(self) -> list[RowTree]:
-        """Per row, best-first: the last draft's nodes and their frequency estimates."""
-        return [(list(s.tokens), ordinal_paths(s.parents), list(s.probs)) for s in self.last]
+        rows = [[RankedRow(s.tokens, ordinal_paths(s.parents), s.probs)] for s in specs]
+        return Ranked(rows, auto=self.config.tree_nodes == "auto")
 
     def observe(self, record: RoundRecord) -> None:
-        """Calibrate the tree sizes; finished rows go into the global index of their scope."""
-        if self.sizer is not None and record.draft is not None:
-            self.sizer.observe(sum(len(a) for a in record.accepted))
+        """Finished rows go into the global index of their scope."""
         if self.config.scope == "request":
             return
         tenants = record.tenants or [None] * record.rows

@@ -11,54 +11,9 @@ import typer
 
 from spec_plugins.cli import app, check_finite, fail, load_config
 
+from spec_plugins.server.setup import build_state
+
 log = logging.getLogger("spec_plugins.server")
-
-
-def build_state(decoder: Any, max_batch: int = 8, max_input_tokens: int | None = None,
-                max_total_tokens: int | None = None, draft_policy: str = "load", model_id: str = "",
-                calibrate_context: int = 32, max_queue: int = 1024, cpu_workers: int = 2) -> Any:
-    """Wire a SpeculativeDecoder into a Batch + Scheduler + ServerState.
-
-    ``draft_policy='load'``: ``AutoDraftLength`` over the forward cost measured once at startup
-    per (batch rows, positions per row), corrected online by the served forwards: per-row keys,
-    shadow drafts, and shorter drafts as the batch grows, down to none. ``'fixed'``: always the
-    configured length."""
-    from spec_plugins.loop import Batch
-    from spec_plugins.policy import AutoDraftLength, FixedLength
-    from spec_plugins.policy.cost import cost_for, draft_cost_for, online_for
-    from spec_plugins.server.app import ServerState
-    from spec_plugins.server.scheduler import Scheduler
-
-    target = decoder.target
-    total = max_total_tokens or min(target.max_context, 2048)
-    if total > target.max_context:
-        raise ValueError(f"--max-total-tokens {total} exceeds the model's context of {target.max_context}")
-    inputs = max_input_tokens or max(1, total // 2)
-    if draft_policy not in ("load", "fixed"):
-        raise ValueError(f"draft policy must be 'load' or 'fixed', got {draft_policy!r}")
-    proposer = decoder.proposer
-    k = 0
-    if proposer is not None:
-        k_cfg = decoder.config.proposer.num_draft_tokens if decoder.config and decoder.config.proposer else 5
-        k = 8 if k_cfg == "auto" else int(k_cfg)
-    policy: Any = None
-    cost_table: dict[str, float] = {}
-    if proposer is not None and k > 0 and draft_policy == "load":
-        sizes = sorted({b for b in (1, 4, 16, 64) if b < max_batch} | {max_batch})
-        base = cost_for(target, rows=sizes, max_positions=k + 1, context=calibrate_context)
-        cost_table = base.to_dict()["table"]
-        # a padded verify also processes B x (k+1) logits rows, which the timed forward does not:
-        # drafting must beat not drafting by 5 %
-        policy = AutoDraftLength(online_for(target, base), draft_cost_for(target, proposer), max_k=k, min_gain=1.05)
-    elif proposer is not None:
-        policy = FixedLength(k)
-    seed = decoder.config.sampling.seed if decoder.config else 0
-    batch = Batch(target, proposer, decoder.verifier, decoder.eos_ids(), seed=seed)
-    sched = Scheduler(batch, max_batch, max_queue, policy)
-    info = {"speculation": {"proposer": _proposer_name(proposer), "max_draft_length": k, "draft_policy": draft_policy if k else "off",
-                            "lossy": batch.lossy, "forward_cost_seconds": cost_table}}
-    return ServerState(sched, decoder.tokenizer, model_id or "spec-plugins", inputs, total, policy=policy,
-                       max_draft_length=k, info_extra=info, cpu_workers=cpu_workers)
 
 
 def _check_port(host: str, port: int) -> None:
@@ -71,14 +26,6 @@ def _check_port(host: str, port: int) -> None:
             s.bind((host, port))
     except OSError as exc:
         fail(f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})")
-
-
-def _proposer_name(proposer: Any) -> str | None:
-    """The registered ``type`` of a proposer object (from its Config), configured or built by hand."""
-    if proposer is None:
-        return None
-    cfg = getattr(proposer, "config", None)
-    return getattr(cfg, "type", None) or type(proposer).Config.model_fields["type"].default
 
 
 @app.command("serve")

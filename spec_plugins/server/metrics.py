@@ -140,20 +140,8 @@ class Metrics:
 
 
 def proposer_metrics(proposer: Any) -> list[tuple[str, str, str, float]]:
-    """What a proposer with cross-request memory reports (suffix decoding's global index)."""
-    index = getattr(proposer, "index", None)
-    st = getattr(index, "stats", None)
-    if st is None:
-        return []
-    return [
-        ("spec_suffix_index_requests", "gauge", "Finished requests held by the global suffix index.", st.requests),
-        ("spec_suffix_index_tokens", "gauge", "Tokens held by the global suffix index.", st.tokens),
-        ("spec_suffix_index_max_tokens", "gauge", "Token cap of the global suffix index.", index.max_tokens),
-        ("spec_suffix_index_nodes", "gauge", "Trie nodes of the global suffix index.", st.nodes),
-        ("spec_suffix_index_evicted_requests_total", "counter", "Requests evicted from the global suffix index.",
-         st.evicted_requests),
-        ("spec_suffix_index_lookups_total", "counter", "Global suffix index lookups (one per row and round).",
-         st.lookups),
-        ("spec_suffix_index_hits_total", "counter", "Lookups that matched a suffix with a continuation.", st.hits),
-        ("spec_suffix_index_hit_rate", "gauge", "Hits / lookups of the global suffix index.", st.hit_rate),
-    ]
+    """What a proposer reports of its own (``ReportsMetrics``: suffix decoding's global index,
+    a hybrid's children's)."""
+    from spec_plugins.proposers.base import ProposerTraits
+
+    return proposer.metrics() if proposer is not None and ProposerTraits.of(proposer).reports else []

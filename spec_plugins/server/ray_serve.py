@@ -74,7 +74,7 @@ def build_replica_app(options: ReplicaOptions) -> Any:
     from spec_plugins.config import SpecConfig
     from spec_plugins.decoder import SpeculativeDecoder
     from spec_plugins.server.app import create_app
-    from spec_plugins.server.cli import build_state
+    from spec_plugins.server.setup import build_state
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if options.threads:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spec_plugins.loop import Batch, run_round
-from spec_plugins.policy import DraftPolicy, FixedLength
+from spec_plugins.policy import DraftPolicy, build_policy
 from spec_plugins.types import Emission, RowRequest
 
 log = logging.getLogger("spec_plugins.server")
@@ -51,7 +51,7 @@ class Scheduler:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.batch, self.max_batch, self.max_queue = batch, max_batch, max_queue
-        self.policy = policy if policy is not None else FixedLength(0)
+        self.policy = policy if policy is not None else build_policy(None, None)  # plain decoding
         self._cv = threading.Condition()
         self._waiting: list[Job] = []
         self._jobs: dict[int, Job] = {}  # running, by row key
@@ -89,7 +89,7 @@ class Scheduler:
     def snapshot(self) -> dict[str, Any]:
         with self._cv:
             return {"batch": len(self._jobs), "queue": len(self._waiting), "max_batch": self.max_batch,
-                    "draft_length": int(getattr(self.policy, "last", {}).get("draft_length", 0))}
+                    "draft_length": int(self.policy.last.get("draft_length", 0))}
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:

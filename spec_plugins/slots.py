@@ -1,5 +1,7 @@
 """The hole-masked KV slot layer: positions per slot, plans for the KV tensors, attention masks.
 
+Core bookkeeping, not an engine: runtimes (``backends/``) and the EAGLE drafter's cache import it.
+
 Every runtime whose KV lives in tensors we hold (torch, ONNX Runtime, TensorRT) and the EAGLE
 drafter's own cache keep the same layout: one slot axis shared by the batch plus ``pos [B, S]``,
 the position held by each slot (-1 = a hole: left padding, a rejected tree node, or a token
