@@ -26,6 +26,7 @@ class TextStream:
         self.stops = [s for s in stops if s]
         self._span = max((len(s) for s in self.stops), default=1) - 1  # a stop may span two pushes
         self.ids: list[int] = []
+        self.pieces: list[str] = []  # per token: the text it completed ("" while held back or after a stop)
         self.text = ""  # everything emitted so far
         self.stop_at: int | None = None  # index in ``text`` where the first stop string starts
         self._prefix = self._read = 0
@@ -35,6 +36,10 @@ class TextStream:
         """Append one token; returns the text it completes ("" while a character is incomplete).
         After a stop string was found, nothing more is emitted."""
         self.ids.append(int(token))
+        self.pieces.append(self._decode_new())
+        return self.pieces[-1]
+
+    def _decode_new(self) -> str:
         if self.stop_at is not None:
             return ""
         done = self.tok.decode(self.ids[self._prefix:self._read], skip_special_tokens=self.skip)

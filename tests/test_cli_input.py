@@ -40,7 +40,8 @@ def test_generate_and_serve_refuse_before_loading(nothing_runs, args, msg):
     assert code == 2 and msg in out, out
 
 
-@pytest.mark.parametrize("budget,msg", [("nan", "must be a positive, finite time"), ("inf", "must be a positive, finite time"),
+@pytest.mark.parametrize("budget,msg", [("nan", "must be a positive, finite time"),
+                                        ("inf", "must be a positive, finite time"),
                                         ("1e99h", "at most 168 h"), ("-5m", "must be a positive, finite time")])
 def test_tune_refuses_non_finite_and_absurd_budgets(nothing_runs, tmp_path, budget, msg):
     code, out = run(["tune", "--budget", budget, "--limit", "1", "--out", str(tmp_path / "t.yaml")])

@@ -69,13 +69,15 @@ def test_models_list_and_retrieve(client, live):
 
 
 def test_chat_plain_system_developer_and_max_completion_tokens(client, model, tok):
-    for messages in (MSGS, [{"role": "system", "content": "w9"}] + MSGS, [{"role": "developer", "content": "w9"}] + MSGS):
+    for first in ([], [{"role": "system", "content": "w9"}], [{"role": "developer", "content": "w9"}]):
+        messages = first + MSGS
         want, text = greedy_text(model, tok, chat_ids(tok, messages), 7)
         r = client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=7)
         assert r.choices[0].message.content == text and r.usage.completion_tokens == len(want)
         assert r.usage.prompt_tokens == len(chat_ids(tok, messages))
     dev = [{"role": "developer", "content": "w9"}] + MSGS
-    assert chat_ids(tok, dev) != chat_ids(tok, [{"role": "user", "content": "w9"}] + MSGS)  # the role reached the template
+    # the role reached the template
+    assert chat_ids(tok, dev) != chat_ids(tok, [{"role": "user", "content": "w9"}] + MSGS)
     # the async client, several at once (rows of one batch): each equal to its solo output
     aclient = openai.AsyncOpenAI(base_url=client.base_url, api_key="unused", max_retries=0, timeout=60)
     jobs = [[{"role": "developer", "content": p}] + MSGS for p in ("w4 w5 w4", "w9 w8 w7 w9", "w17", "w3 w3 w3 w3")]
@@ -87,7 +89,8 @@ def test_chat_plain_system_developer_and_max_completion_tokens(client, model, to
     for m, r in zip(jobs, asyncio.run(main())):
         assert r.choices[0].message.content == greedy_text(model, tok, chat_ids(tok, m), 10)[1]
     # max_completion_tokens wins over max_tokens; 0 is refused, by its own name
-    r = client.chat.completions.create(model="tiny", messages=MSGS, temperature=0, max_completion_tokens=3, max_tokens=9)
+    r = client.chat.completions.create(model="tiny", messages=MSGS, temperature=0, max_completion_tokens=3,
+                                       max_tokens=9)
     assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
     with pytest.raises(openai.UnprocessableEntityError) as e:
         client.chat.completions.create(model="tiny", messages=MSGS, max_completion_tokens=0, max_tokens=3)
@@ -163,7 +166,8 @@ def test_text_completions(client, model, tok):
     assert c.logprobs.token_logprobs == pytest.approx(target_logprobs(model, ids, want), abs=1e-4)
     assert all(len(top) == 2 and tok_ in top for top, tok_ in zip(c.logprobs.top_logprobs, c.logprobs.tokens))
     # each offset is where the token's text starts (this word-level tokenizer puts the space before it)
-    assert [text[o:].lstrip().startswith(t) for o, t in zip(c.logprobs.text_offset, c.logprobs.tokens)] == [True] * len(want)
+    starts = [text[o:].lstrip().startswith(t) for o, t in zip(c.logprobs.text_offset, c.logprobs.tokens)]
+    assert starts == [True] * len(want)
     assert client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0).choices[0].text == text
     assert client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
                                      echo=True).choices[0].text == prompt + text

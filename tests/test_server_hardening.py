@@ -131,18 +131,54 @@ def test_a_non_streaming_client_that_hangs_up_leaves_the_batch(model):
 
 
 # ---- a seeded, bounded fuzz run -----------------------------------------------------------------
-def _fuzz_cases(rng: random.Random, n: int) -> list[tuple[str, str, bytes, dict | None]]:
-    """(class, route, body, expected greedy request or None) for ``n`` generated requests."""
+JSON = "application/json"
+TGI_ROUTES = ["/generate", "/generate_stream", "/"]
+OAI_ROUTES = ["/v1/chat/completions", "/v1/completions"]
+
+
+def _splice(body: dict, key: str, literal: str) -> bytes:
+    """``body`` as JSON with ``"key": literal`` added as raw text (values json.dumps cannot write)."""
+    text = json.dumps(body)
+    return (text[:-1] + f', "{key}": {literal}}}').encode()
+
+
+def _oai_body(rng: random.Random, route: str) -> dict:
+    """An OpenAI request as clients send them, with a few fields drawn from valid and junk values."""
+    if route == "/v1/chat/completions":
+        role = rng.choice(["user", "system", "developer", "tool", "bogus"])
+        content = rng.choice(["w2 w3", [{"type": "text", "text": "w2"}], 5, None])
+        body: dict = {"model": "tiny", "messages": [{"role": role, "content": content}]}
+        body.update(rng.choice([{"max_tokens": 3}, {"max_completion_tokens": rng.choice([0, 3, -2])},
+                                {"max_completion_tokens": 0, "max_tokens": 3}, {"max_tokens": "3"}]))
+        extra = {"logprobs": [True, False, 3], "top_logprobs": [0, 2, 21, -1],
+                 "response_format": [{"type": "text"}, {"type": "json_object"}, "text"]}
+    else:
+        body = {"model": "tiny", "prompt": rng.choice(["w2 w3", ["w2", "w3 w4"], [2, 3, 4], [[2, 3], [5]], [], [99],
+                                                       [-1], ""]),
+                "max_tokens": rng.choice([3, 0, -1, "3"])}
+        extra = {"logprobs": [0, 2, 6, True], "echo": [True, False, "yes"], "suffix": [None, "x"], "best_of": [1, 2]}
+    extra |= {"n": [1, 2, 4, 5, 0], "temperature": [0, 0.7, 2.5, None], "top_p": [1e-100, 0.5, 1.0, 0.0],
+              "seed": [0, -1, 2**64, 7], "stream": [True, False], "stop": ["w5", ["w5", ""], [], ["a"] * 5],
+              "stream_options": [{"include_usage": True}, {"include_obfuscation": True}, {"bogus": 1}],
+              "frequency_penalty": [0.0, 0.5]}
+    for key in rng.sample(sorted(extra), rng.randint(0, 4)):
+        body[key] = rng.choice(extra[key])
+    return body
+
+
+def _fuzz_cases(rng: random.Random, n: int) -> list[tuple[str, str, bytes, dict | None, str | None]]:
+    """(class, route, body, expected greedy request or None, content type) for ``n`` requests."""
     junk = [3, -1, 0, 1e-40, 1e40, "3", "yes", None, [], {}, True, float("inf"), 2**70, "\ud800", "w2" * 50]
     fields = ["max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "do_sample",
-              "truncate", "stop", "details", "best_of", "typical_p", "unknown"]
+              "truncate", "stop", "details", "best_of", "typical_p", "top_n_tokens", "unknown"]
     out = []
     for _ in range(n):
         kind = rng.choice(["good", "good", "good", "type", "range", "unicode", "nesting", "size", "extreme", "chat",
-                           "json"])
+                           "json", "bigint", "tiny", "oai", "oai", "media"])
         p = rng.choice(PROMPTS)
         body: object = {"inputs": p, "parameters": {"max_new_tokens": rng.randint(1, 10)}}
-        expect = None
+        expect, ctype = None, JSON
+        route = rng.choice(TGI_ROUTES)
         if kind == "good":
             expect = {"prompt": p, "n": body["parameters"]["max_new_tokens"]}
         elif kind in ("type", "range"):
@@ -155,42 +191,82 @@ def _fuzz_cases(rng: random.Random, n: int) -> list[tuple[str, str, bytes, dict 
         elif kind == "size":
             body = {"inputs": "w2 " * rng.choice([100, 5000, 3_000_000])}
         elif kind == "extreme":
-            body["parameters"].update({"do_sample": True, "temperature": rng.choice([1e-40, 1e-6, 50.0, 1e30]),
+            body["parameters"].update({"do_sample": True, "temperature": rng.choice([1e-40, 1e-6, 50.0, 1e30, 1e300]),
                                        "top_k": rng.choice([None, 1, 10**9]), "top_p": rng.choice([None, 1e-9, 0.999]),
                                        "repetition_penalty": rng.choice([None, 0.01, 100.0])})
         elif kind == "json":
-            body = rng.choice([b"", b"{", b"null", b'"str"', b"[1,2]", b'{"inputs": "w2",}', b"\xff\xfe"])
-        route = "/v1/chat/completions" if kind == "chat" else rng.choice(["/generate", "/generate_stream", "/"])
+            body = rng.choice([b"", b"{", b"null", b'"str"', b"[1,2]", b'{"inputs": "w2",}', b"\xff\xfe", b"1" * 5000,
+                               b'{"inputs": "w2"} x', b"\xef\xbb\xbf{}"])
+        elif kind == "bigint":  # any field, any route, any sign: Python's int() refuses > 4,300 digits
+            route = rng.choice(TGI_ROUTES + OAI_ROUTES)
+            base = _oai_body(rng, route) if route in OAI_ROUTES else body
+            digits = rng.choice([101, 4400, 100_000])
+            body = _splice(base, rng.choice(["x", "seed", "max_tokens", "n"]), rng.choice(["", "-"]) + "9" * digits)
+        elif kind == "tiny":  # sampling settings that round to nothing in float32
+            name, value = rng.choice([("top_p", 1e-100), ("top_p", 5e-324), ("top_p", 1e-45), ("min_p", 1e-100),
+                                      ("typical_p", 1e-100), ("typical_p", 5e-324)])
+            body["parameters"].update({"do_sample": True, name: value, "seed": rng.randrange(100)})
+            if name == "top_p":
+                expect = {"prompt": p, "n": body["parameters"]["max_new_tokens"]}  # only the argmax survives
+        elif kind == "oai":
+            route = rng.choice(OAI_ROUTES)
+            body = _oai_body(rng, route)
+        elif kind == "media":
+            ctype = rng.choice(["text/plain", "application/x-www-form-urlencoded", "application/json; charset=utf-16",
+                                "application/json; charset=UTF-8", None, "multipart/form-data; boundary=x"])
+            body = rng.choice([json.dumps(body).encode(), json.dumps(body).encode("utf-16"),
+                               b'{"inputs": "w2", "inputs": "w3"}', b'{"inputs": "w2", "parameters": {"seed": NaN}}'])
         if kind == "chat":
+            route = "/v1/chat/completions"
             body = {"messages": [{"role": rng.choice(["user", "bogus"]),
                                   "content": rng.choice(["w2 w3", [{"type": "text", "text": "w2"}], 5, None])}],
                     "max_tokens": rng.choice([3, -1, "3"])}
         raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-        out.append((kind, route, raw, expect))
+        out.append((kind, route, raw, expect, ctype))
     return out
+
+
+def _huge_bodies(limit: int) -> list[tuple[str, str, bytes]]:
+    """Bodies just under the size cap, each expensive in its own way (text to tokenize, brackets,
+    numbers, objects, a chat message, a list of prompts), and one over it; all refused but the
+    ``truncate`` one, which keeps the text's last 4 tokens and is answered."""
+    room = limit - 200
+    return [("text", "/generate", json.dumps({"inputs": "w3 " * (room // 3)}).encode()),
+            ("truncate", "/generate_stream", json.dumps({"inputs": "w3 w4 " * (room // 6),
+                                                     "parameters": {"truncate": 4, "max_new_tokens": 2}}).encode()),
+            ("brackets", "/generate", b'{"inputs": ' + b"[" * room + b"}"),
+            ("numbers", "/generate", b'{"inputs": [' + b"1," * (room // 2) + b"1]}"),
+            ("objects", "/", b'{"inputs": "w2", "x": [' + b"{}," * (room // 3) + b"{}]}"),
+            ("unicode", "/generate", json.dumps({"inputs": "é " * (room // 3)}, ensure_ascii=False).encode()),
+            ("chat", "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "w5 " * (room // 3)}]
+                                                         }).encode()),
+            ("prompts", "/v1/completions", json.dumps({"prompt": ["w2"] * (room // 7)}).encode()),
+            ("over", "/generate", json.dumps({"inputs": "w3 " * (limit // 3 + 10)}).encode())]
 
 
 def test_fuzz_no_500_good_requests_exact_and_serving_afterwards(live, model, tok, capsys):
     rng = random.Random(1234)
-    cases = _fuzz_cases(rng, 240)
+    cases = _fuzz_cases(rng, 360)
     statuses: dict[str, dict[int, int]] = {}
 
     async def run() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=120) as c:
             sem = asyncio.Semaphore(12)
 
-            async def one(route: str, raw: bytes) -> httpx.Response:
+            async def one(route: str, raw: bytes, ctype: str | None) -> httpx.Response:
                 async with sem:
-                    return await c.post(live.url + route, content=raw, headers={"content-type": "application/json"})
+                    return await c.post(live.url + route, content=raw, headers={"content-type": ctype} if ctype else {})
 
-            return await asyncio.gather(*(one(r, b) for _, r, b, _ in cases))
+            return await asyncio.gather(*(one(r, b, ct) for _, r, b, _, ct in cases))
 
     res = asyncio.run(run())
-    for (kind, route, raw, expect), r in zip(cases, res):
+    for (kind, route, raw, expect, _), r in zip(cases, res):
         statuses.setdefault(kind, {}).setdefault(r.status_code, 0)
         statuses[kind][r.status_code] += 1
         assert r.status_code != 500, (kind, raw[:120], r.text[:300])
         assert r.status_code < 500 or r.status_code == 503, (kind, r.status_code)
+        if r.status_code == 200:  # a stream's error event is a 500 in disguise
+            assert '"error_type"' not in r.text, (kind, raw[:120], r.text[-300:])
         if expect is not None and route == "/generate":
             assert r.status_code == 200, (raw[:120], r.text[:200])
             assert r.json()["generated_text"] == tok.decode(solo(model, tok, expect["prompt"], expect["n"]),
@@ -201,6 +277,57 @@ def test_fuzz_no_500_good_requests_exact_and_serving_afterwards(live, model, tok
                                                                                        "details": True}})
     assert [t["id"] for t in r.json()["details"]["tokens"]] == solo(model, tok, PROMPTS[1], 9)
     assert httpx.get(live.url + "/health").status_code == 200
+    settled_check(live)
+
+
+def test_fuzz_huge_bodies_while_health_answers(live, capsys):
+    """Bodies of ~4 MiB, four at a time, while a client polls /health: each refused (or answered),
+    /health
+    answering throughout. Its latency is printed (a measurement, not a pass mark: CI machines vary)."""
+    bodies = _huge_bodies(live.state.max_body_bytes)
+    latencies: list[float] = []
+    statuses: dict[str, dict[int, int]] = {}
+
+    async def run() -> list[httpx.Response]:
+        done = asyncio.Event()
+        async with httpx.AsyncClient(timeout=120) as c:
+            async def poll() -> None:
+                while not done.is_set():
+                    t = time.perf_counter()
+                    assert (await c.get(live.url + "/health")).status_code == 200
+                    latencies.append(time.perf_counter() - t)
+                    await asyncio.sleep(0.01)
+
+            sem = asyncio.Semaphore(4)
+
+            async def one(route: str, raw: bytes) -> httpx.Response:
+                async with sem, httpx.AsyncClient(timeout=120) as own:  # own connection each, as separate clients
+                    return await own.post(live.url + route, content=raw, headers={"content-type": JSON})
+
+            poller = asyncio.create_task(poll())
+            try:
+                return await asyncio.gather(*(one(r, b) for _, r, b in bodies + bodies))
+            finally:
+                done.set()
+                await poller
+
+    res = asyncio.run(run())
+    for (kind, route, raw), r in zip(bodies + bodies, res):
+        statuses.setdefault(kind, {}).setdefault(r.status_code, 0)
+        statuses[kind][r.status_code] += 1
+        if kind == "truncate":
+            answered = r.status_code == 200 and '"generated_text": "' in r.text
+            assert answered and '"error_type"' not in r.text, r.text[-300:]
+        else:
+            assert 400 <= r.status_code < 500 and r.json()["error_type"] == "validation", (kind, r.status_code,
+                                                                                           r.text[:200])
+    assert latencies, "/health was never answered"
+    lat = sorted(latencies)
+    with capsys.disabled():
+        print(f"\nhuge bodies: {len(res)} requests; statuses by class: {json.dumps(statuses, sort_keys=True)}; "
+              f"/health {len(lat)} answers, p50 {lat[len(lat) // 2] * 1e3:.0f} ms, "
+              f"p95 {lat[int(len(lat) * 0.95)] * 1e3:.0f} ms, max {lat[-1] * 1e3:.0f} ms (clients and server share "
+              "this process's GIL; python -m spec_plugins.server.hostile measures a server alone)")
     settled_check(live)
 
 

@@ -72,7 +72,8 @@ def test_json_is_strict_duplicates_nan_media_types_and_encodings(live):
         assert r.status_code == status and msg in r.json()["error"], (body[:40], ctype, r.status_code, r.text)
     # no Content-Type header is JSON; so is a +json media type
     assert post(live, "/generate", json.dumps(GOOD["/generate"]).encode(), None).status_code == 200
-    assert post(live, "/generate", json.dumps(GOOD["/generate"]).encode(), "application/vnd.api+json").status_code == 200
+    good = json.dumps(GOOD["/generate"]).encode()
+    assert post(live, "/generate", good, "application/vnd.api+json").status_code == 200
 
 
 @pytest.mark.parametrize("value", [1e-100, 5e-324])
@@ -139,6 +140,61 @@ def test_a_row_that_fails_while_generating_has_a_request_id_in_body_and_log(live
     assert httpx.post(live.url + "/generate", json=GOOD["/generate"]).status_code == 200
 
 
+def _reference_shape(v) -> tuple[int, int]:
+    """(commas + containers, depth) of ``json.dumps(v)``, from the value itself."""
+    if isinstance(v, (list, dict)):
+        kids = list(v.values()) if isinstance(v, dict) else v
+        inner = [_reference_shape(k) for k in kids]
+        return 1 + max(len(kids) - 1, 0) + sum(i for i, _ in inner), 1 + max((d for _, d in inner), default=0)
+    return 0, 0
+
+
+def test_shape_counts_values_and_depth_outside_strings():
+    """The byte-level pre-check agrees with the parsed value on random JSON whose strings are
+    full of quotes, backslash runs, brackets and commas."""
+    import random
+
+    from spec_plugins.server.body import shape
+
+    rng = random.Random(7)
+    alphabet = ['"', "\\", "\\\\", "[", "]", "{", "}", ",", ":", "a", " ", "é", "\\u00e9"]
+
+    def value(depth: int):
+        kind = rng.random()
+        if depth > 5 or kind < 0.3:
+            return rng.choice([1, -2.5, None, True, "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 8)))])
+        if kind < 0.65:
+            return [value(depth + 1) for _ in range(rng.randint(0, 4))]
+        return {"".join(rng.choice(alphabet) for _ in range(rng.randint(0, 4))): value(depth + 1)
+                for _ in range(rng.randint(0, 4))}
+
+    for _ in range(500):
+        v = {"inputs": value(0)}
+        for text in (json.dumps(v), json.dumps(v, ensure_ascii=False)):
+            assert shape(text.encode()) == _reference_shape(v), text
+
+
+def test_a_body_of_more_values_than_any_request_needs_is_refused_before_parsing(live, monkeypatch):
+    import types
+
+    import spec_plugins.server.body as body_mod
+
+    def no_parse(*a, **kw):
+        raise AssertionError("parsed")
+
+    cap = 4 * 48 + 1024  # max batch x max input tokens + 1024
+    r = post(live, "/generate", b'{"inputs": "w2", "x": [' + b"1," * 5000 + b"1]}")
+    assert r.status_code == 422 and r.json()["error"].startswith(f"the JSON body holds 5003 values; no request needs "
+                                                                 f"more than {cap}"), r.text
+    monkeypatch.setattr(body_mod, "json", types.SimpleNamespace(loads=no_parse))  # the server's parser only
+    r = post(live, "/v1/completions", json.dumps({"prompt": ["w2"] * 100_000}).encode())
+    assert r.status_code == 422 and "holds 100001 values" in r.json()["error"], r.text
+    monkeypatch.undo()
+    # a prompt of token ids up to the input limit is within the cap, and answered
+    r = post(live, "/v1/completions", json.dumps({"prompt": [5] * 40, "max_tokens": 2}).encode())
+    assert r.status_code == 200, r.text
+
+
 # ---- the event loop: size, deadline, and work in threads -----------------------------------------
 def _raw(srv, head: bytes, timeout: float = 20.0) -> socket.socket:
     s = socket.create_connection(("127.0.0.1", srv.port), timeout=timeout)
@@ -158,7 +214,8 @@ def _status(s: socket.socket) -> int:
 def test_a_body_sent_one_byte_at_a_time_is_cut_off(live):
     """Body timeout: a client dripping its body gets 408 after ``body_timeout`` (1.5 s here), and
     other clients are served meanwhile."""
-    s = _raw(live, b"POST /generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 400\r\n\r\n")
+    s = _raw(live, b"POST /generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                   b"content-length: 400\r\n\r\n")
     answered = []
 
     def drip() -> None:
@@ -214,3 +271,66 @@ def test_parsing_and_tokenizing_run_off_the_event_loop_on_bounded_text(live, mod
     assert r.status_code == 200, r.text
     assert [t["id"] for t in r.json()["details"]["tokens"]] == solo(model, tok, "w9 w9 w2 w3 w4", 2)
     assert max(n for _, n in seen) < 10_000
+
+
+def test_a_refused_body_is_freed_at_once_not_left_in_a_cycle(live):
+    """A refused request's memory is returned when it is answered: no frame of the server's
+    request handling (whose locals hold the body) is left in a reference cycle for the garbage
+    collector (an error raised across the worker thread's future made one per request)."""
+    import gc
+    import types
+
+    bodies = [json.dumps({"inputs": "w3 " * 1_000_000}).encode(), b'{"inputs": ' + b"[" * 3_000_000 + b"}",
+              with_raw_field("/generate", "seed", "9" * 5000), b'{"inputs": "w2", "inputs": "w3"}']
+    gc.collect()
+    gc.disable()
+    try:
+        for body in bodies:
+            assert 400 <= post(live, "/generate", body).status_code < 500
+        time.sleep(0.2)
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        left = sorted({o.f_code.co_name for o in gc.garbage if isinstance(o, types.FrameType)
+                       and "spec_plugins" in o.f_code.co_filename})
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert left == [], left
+
+
+# ---- rows: all of a request's choices queued at once, all cancelled when its client leaves --------
+def test_a_full_queue_is_a_429_before_a_stream_starts(live, monkeypatch):
+    # (queue room, route, body): no room for its one row; room for one of its two choices
+    for room, route, body in ((0, "/generate_stream", GOOD["/generate_stream"]),
+                              (1, "/v1/chat/completions", {**GOOD["/v1/chat/completions"], "n": 2, "stream": True})):
+        monkeypatch.setattr(live.state.scheduler, "max_queue", room)
+        r = httpx.post(live.url + route, json=body, timeout=30)
+        assert r.status_code == 429 and r.json()["error_type"] == "overloaded", (route, r.status_code, r.text[:200])
+    monkeypatch.setattr(live.state.scheduler, "max_queue", 1024)
+    assert httpx.post(live.url + "/generate", json=GOOD["/generate"]).status_code == 200
+
+
+def test_choices_of_a_stream_leave_the_batch_when_the_client_hangs_up():
+    from conftest import tiny_llama
+    from test_server import tiny_tokenizer
+
+    big = LiveServer(tiny_llama(seed=3, max_pos=4096), tiny_tokenizer(eos=False), max_total=4000, max_input=32,
+                     policy="fixed")
+    try:
+        body = {"prompt": "w2 w3", "max_tokens": 3900, "n": 3, "stream": True, "temperature": 0}
+        with httpx.Client(timeout=30) as c, c.stream("POST", big.url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            seen: set[int] = set()
+            for line in r.iter_lines():
+                if line.startswith("data:") and '"index"' in line:
+                    seen.add(json.loads(line[5:])["choices"][0]["index"])
+                if len(seen) == 3:
+                    break  # hang up with all three rows decoding
+        deadline = time.time() + 20
+        while big.metric("spec_batch_size") != 0:
+            assert time.time() < deadline, "the abandoned choices were not cancelled"
+            time.sleep(0.05)
+        assert big.metric("spec_requests_cancelled_total") >= 3 and big.metric("spec_decoded_tokens_total") < 3 * 3900
+    finally:
+        big.stop()

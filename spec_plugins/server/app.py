@@ -64,6 +64,11 @@ class ServerState:
         return self.scheduler.batch
 
     @property
+    def max_json_items(self) -> int:
+        """JSON values a body may hold: every row's prompt as token ids, and 1024 more."""
+        return self.scheduler.max_batch * self.max_input_tokens + 1024
+
+    @property
     def vocab_size(self) -> int:
         """Token ids a client may send: the tokenizer's, within the model's logits."""
         n = len(self.tokenizer)

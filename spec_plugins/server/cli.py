@@ -46,6 +46,8 @@ def serve(
                                            help="Seconds in-flight requests may finish after SIGTERM/SIGINT."),
     body_timeout: float = typer.Option(30.0, "--body-timeout", min=0.001,
                                        help="Seconds a client has to send its whole request body (then 408)."),
+    cpu_workers: int = typer.Option(2, "--cpu-workers", min=1,
+                                    help="Threads parsing and tokenizing request bodies at once (off the event loop)."),
     ray: bool = typer.Option(False, "--ray", help="Serve as a Ray Serve deployment (replicas behind Ray's proxy)."),
     replicas: int = typer.Option(1, "--replicas", min=1, help="--ray: replicas, each with its model and batch."),
     autoscale: Optional[str] = typer.Option(None, "--autoscale", help="--ray: MIN:MAX replicas, scaled on "
@@ -89,7 +91,7 @@ def serve(
             cfg = cfg.model_copy(update={"proposer": None})
         dec = SpeculativeDecoder.from_config(cfg)
         state = build_state(dec, max_batch, max_input_tokens, max_total_tokens, draft_policy,
-                            model_id=cfg.target.model)
+                            model_id=cfg.target.model, cpu_workers=cpu_workers)
     except (ConfigError, ValueError, FileNotFoundError, LookupError) as exc:
         fail(str(exc))
         return

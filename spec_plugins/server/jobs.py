@@ -43,23 +43,6 @@ class Finished:
     tokens: list[TokenOut] = field(default_factory=list)
 
 
-class Detokenizer:
-    """Incremental detokenization (TGI's prefix/read offsets): a token's text appears once the
-    bytes it completes decode to whole characters."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tok, self.ids, self.prefix, self.read = tokenizer, [], 0, 0
-
-    def add(self, t: int) -> str:
-        self.ids.append(t)
-        prev = self.tok.decode(self.ids[self.prefix:self.read], skip_special_tokens=False)
-        new = self.tok.decode(self.ids[self.prefix:], skip_special_tokens=False)
-        if len(new) > len(prev) and not new.endswith("\ufffd"):
-            self.prefix, self.read = self.read, len(self.ids)
-            return new[len(prev):]
-        return ""
-
-
 def submit(state: Any, prep: Prepared) -> Job:
     """Queue one row; 429 when the queue is full, 503 while shutting down."""
     return submit_all(state, [prep])[0]
@@ -89,11 +72,11 @@ def _generation_error(message: str) -> ApiError:
 
 
 async def follow(state: Any, job: Job, prep: Prepared, request: Request) -> AsyncIterator[TokenOut | Finished]:
-    """Yield a submitted row's tokens, then a Finished; cancels the row if abandoned."""
-    det = Detokenizer(state.tokenizer)
+    """Yield a submitted row's tokens, then a Finished; cancels the row if abandoned. Each token's
+    text is the row's text stream's (``spec_plugins/text.py``), fed in the batch, where a stop
+    sequence already finished the row."""
+    pieces = prep.text.pieces
     toks: list[TokenOut] = []
-    out_text = ""
-    stops = prep.params.stop
     done = False
     checked = time.perf_counter()
     try:
@@ -115,20 +98,18 @@ async def follow(state: Any, job: Job, prep: Prepared, request: Request) -> Asyn
             _, ids, lps, reason = item
             if reason is not None and not ids:
                 done = True
-                yield Finished(reason, state.tokenizer.decode([x.id for x in toks], skip_special_tokens=True), toks)
+                yield Finished("stop_sequence" if reason == "stop" else reason,
+                               state.tokenizer.decode([x.id for x in toks], skip_special_tokens=True), toks)
                 return
             for i, (t, lp) in enumerate(zip(ids, lps)):
-                text = det.add(t)
-                out_text += text
-                tok = TokenOut(t, text, float(lp), t in state.special_ids, getattr(lp, "top", ()))
+                tok = TokenOut(t, pieces[len(toks)], float(lp), t in state.special_ids, getattr(lp, "top", ()))
                 toks.append(tok)
-                hit = bool(stops) and any(s in out_text[-(len(s) + len(text)):] for s in stops)
-                if hit or (reason is not None and i == len(ids) - 1):
+                if reason is not None and i == len(ids) - 1:
                     tok.last = True
                     yield tok
                     gen = state.tokenizer.decode([x.id for x in toks], skip_special_tokens=True)
                     done = True
-                    yield Finished("stop_sequence" if hit else reason, gen, toks)
+                    yield Finished("stop_sequence" if reason == "stop" else reason, gen, toks)
                     return
                 yield tok
     finally:

@@ -13,17 +13,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from spec_plugins.config import MAX_SEED, REPETITION_PENALTY_RANGE
-from spec_plugins.server.schemas import MAX_STOP_SEQUENCES, GenerateParameters
+from spec_plugins.server.schemas import MAX_STOP_SEQUENCES, GenerateParameters, _neutral
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat; completions allow 5
 MAX_COMPLETION_LOGPROBS = 5
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
-
-
-def _neutral(name: str, value: Any, neutral: tuple = (None,)) -> Any:
-    if value not in neutral:
-        raise ValueError(f"`{name}` is not supported by this server (spec-plugins); leave it unset")
-    return value
 
 
 class StreamOptions(BaseModel):

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 from spec_plugins.config import SamplingConfig
 from spec_plugins.server.schemas import ApiError, GenerateParameters
+from spec_plugins.text import StopStrings, TextStream
 from spec_plugins.types import RowRequest
 
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -40,6 +41,7 @@ class Prepared:
     params: GenerateParameters
     row: RowRequest
     seed: int | None
+    text: TextStream | None = None  # the row's text, fed in the batch (its stop strings stop the row there)
 
 
 TENANT_HEADER = "x-tenant"
@@ -88,7 +90,11 @@ def prepare(state: Any, ids: list[int], params: GenerateParameters, key: int, te
                                   repetition_penalty=params.repetition_penalty, seed=seed)
     else:
         sampling = SamplingConfig(temperature=0.0, repetition_penalty=params.repetition_penalty, seed=None)
-    return Prepared(ids, params, RowRequest(key, ids, max_new, sampling, seed, logprobs=True, tenant=tenant), seed)
+    # per-token text as TGI sends it (special tokens spelled); a stop sequence stops the row in the
+    # round that completes it, so no token after it is computed
+    text = TextStream(state.tokenizer, params.stop or (), skip_special_tokens=False)
+    row = RowRequest(key, ids, max_new, sampling, seed, logprobs=True, tenant=tenant, stop=StopStrings(text))
+    return Prepared(ids, params, row, seed, text)
 
 
 def _tokenize(tokenizer: Any, text: str, special: bool) -> list[int]:

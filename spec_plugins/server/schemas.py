@@ -57,13 +57,13 @@ class GenerateParameters(BaseModel):
     details: bool = False
     return_full_text: bool | None = False
     truncate: int | None = None
+    top_n_tokens: int | None = Field(None, description="Most likely tokens reported per position (details).")
     # known to TGI, neutral values only
     best_of: int | None = None
     decoder_input_details: bool = False
     frequency_penalty: float | None = None
     typical_p: float | None = None
     watermark: bool = False
-    top_n_tokens: int | None = Field(None, description="Most likely tokens reported per position (details).")
     grammar: Any = None
     adapter_id: str | None = None
 

@@ -9,7 +9,7 @@ from typing import Any
 
 def build_state(decoder: Any, max_batch: int = 8, max_input_tokens: int | None = None,
                 max_total_tokens: int | None = None, draft_policy: str = "load", model_id: str = "",
-                calibrate_context: int = 32, max_queue: int = 1024) -> Any:
+                calibrate_context: int = 32, max_queue: int = 1024, cpu_workers: int = 2) -> Any:
     """Wire a SpeculativeDecoder into a Batch + Scheduler + ServerState.
 
     ``draft_policy='load'``: ``AutoDraftLength`` over the forward cost measured once at startup
@@ -44,4 +44,5 @@ def build_state(decoder: Any, max_batch: int = 8, max_input_tokens: int | None =
                             "draft_policy": draft_policy if k else "off", "lossy": batch.lossy,
                             "forward_cost_seconds": cost_table, "defaults": vars(DEFAULTS)}}
     return ServerState(sched, decoder.tokenizer, model_id or "spec-plugins", inputs, total,
-                       policy=policy if proposer is not None else None, max_draft_length=k, info_extra=info)
+                       policy=policy if proposer is not None else None, max_draft_length=k, info_extra=info,
+                       cpu_workers=cpu_workers)
