@@ -2,14 +2,15 @@
 
 1. Exactness matrix: every proposer (``tests/helpers.EVERY_PROPOSER``, heads loaded from disk as
    trained ones are), fp32 and bf16, one row at a time and three rows of different lengths as one
-   batch (holes), on a tiny random llama on the device. Each output is compared with an
+   batch (holes), on a tiny random llama on the device, on the growing cache and on the static
+   one (``backends/torch_static.py``), and n-gram through the compiled step (``--compile``). Each output is compared with an
    independent reference: transformers' own greedy ``generate()`` on the same model, device and
    dtype, one prompt at a time. A split is allowed only at a near-tie of the reference's own
    logits (bf16/fp32 arithmetic of a wider forward may rank those the other way), and the
    measured gap is printed. Host syncs per round are counted with
    ``torch.cuda.set_sync_debug_mode`` (CUDA only).
 2. Speed: random weights at SmolLM2-135M's shape (no weights to carry): plain and n-gram decoding,
-   tok/s and host syncs per round.
+   eager on the growing cache and compiled on the static one, tok/s and host syncs per round.
 3. The CUDA cases of ``tests/test_devices.py`` (the device audit on the GPU) and of
    ``tests/test_tensorrt.py`` (they skip, saying why, where TensorRT is not installed).
 
@@ -105,7 +106,7 @@ def decode_rows(rt, proposer, prompts, n: int, count_syncs: bool):
     return outs, stats.mean_accepted_tokens, per_round
 
 
-def exactness(rows: list[Row], dev: str, n: int, deadline: float) -> None:
+def exactness(rows: list[Row], dev: str, n: int, deadline: float, compiled: bool) -> None:
     import torch
     from conftest import tiny_llama
     from helpers import EVERY_PROPOSER, every_proposer, save_random_heads
@@ -120,16 +121,20 @@ def exactness(rows: list[Row], dev: str, n: int, deadline: float) -> None:
         draft = tiny_llama(vocab=64, seed=5, sharpness=3.0, layers=2, hidden=64, max_pos=1024).to(dev, dtype)
         refs = greedy_reference(model, PROMPTS, n)
         dname = str(dtype).removeprefix("torch.")
-        for kind in EVERY_PROPOSER:
+        # every proposer on the growing cache and on the static one; the compiled step with n-gram
+        # (each new shape bucket compiles, which costs device time)
+        cases = [(kind, kv) for kind in EVERY_PROPOSER for kv in ("dynamic", "static")]
+        cases += [("ngram", "compiled")] if compiled else []
+        for kind, kv in cases:
             for batched in (False, True):
-                row = Row(f"{kind} {dname} {'batch of 3' if batched else '1 row'}")
+                row = Row(f"{kind} {dname} {kv} {'batch of 3' if batched else '1 row'}")
                 rows.append(row)
                 if time.monotonic() > deadline:
                     row.note = "time budget spent"
                     continue
                 try:
-                    rt = TorchRuntime(model, matmul="native")
-                    prop = every_proposer(kind, rt, heads, draft=lambda: TorchRuntime(draft, matmul="native"))
+                    rt = runtime(kv, model)
+                    prop = every_proposer(kind, rt, heads, draft=lambda: runtime(kv, draft))
                     groups = [PROMPTS] if batched else [[p] for p in PROMPTS]
                     outs, acc, syncs = [], [], []
                     for g in groups:
@@ -145,6 +150,16 @@ def exactness(rows: list[Row], dev: str, n: int, deadline: float) -> None:
                     traceback.print_exc()
 
 
+def runtime(kv: str, model):
+    """The torch runtime over ``model``: a growing cache, the static one eager, or it compiled."""
+    from spec_plugins.backends.torch_runtime import TorchRuntime
+    from spec_plugins.backends.torch_static import StaticTorchRuntime
+
+    if kv == "dynamic":
+        return TorchRuntime(model, matmul="native")
+    return StaticTorchRuntime(model, compile=kv == "compiled")
+
+
 def smollm2_shape(dev: str, dtype):
     """Random weights at SmolLM2-135M's shape: the cost per forward of the real model, nothing to carry."""
     import torch
@@ -158,7 +173,7 @@ def smollm2_shape(dev: str, dtype):
     return LlamaForCausalLM(cfg).to(dev, dtype).eval()
 
 
-def speed(rows: list[Row], dev: str, n: int) -> None:
+def speed(rows: list[Row], dev: str, n: int, compiled: bool) -> None:
     """Plain and n-gram decoding at SmolLM2's shape: tok/s and host syncs per round."""
     import torch
 
@@ -169,12 +184,14 @@ def speed(rows: list[Row], dev: str, n: int) -> None:
     g = torch.Generator(device="cpu").manual_seed(0)
     block = torch.randint(0, 49152, (32,), generator=g, device="cpu").tolist()
     prompts = [(block * 8)[:200 + 13 * i] for i in range(4)]  # repetitive: n-gram finds drafts
-    for name, prop in (("plain", None), ("ngram (3 drafts)", NgramProposer(NgramProposer.Config()))):
+    plans = [(name, prop, kv) for name, prop in (("plain", None), ("ngram (3 drafts)", NgramProposer(NgramProposer.Config())))
+             for kv in ("dynamic", "compiled") if compiled or kv == "dynamic"]
+    for name, prop, kv in plans:
         for label, ps in (("1 row", prompts[:1]), ("batch of 4", prompts)):
-            row = Row(f"speed smollm2-shape {name} {label}")
+            row = Row(f"speed smollm2-shape {name} {kv} {label}")
             rows.append(row)
-            rt = TorchRuntime(model, matmul="native")
-            decode_rows(rt, prop, ps, 8, False)  # warm-up
+            rt = runtime(kv, model)
+            decode_rows(rt, prop, ps, 8, False)  # warm-up (and compiles the buckets it meets)
             if dev == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -204,6 +221,8 @@ def main() -> int:
     ap.add_argument("--max-new", type=int, default=24, help="tokens per prompt in the exactness matrix")
     ap.add_argument("--speed-tokens", type=int, default=128, help="tokens per prompt in the speed rows (0: none)")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds for all stages")
+    ap.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                    help="include the compiled static step (auto: on CUDA; compiling on a CPU takes minutes)")
     args = ap.parse_args()
     import torch
 
@@ -219,9 +238,10 @@ def main() -> int:
     t0 = time.monotonic()
     deadline = t0 + args.budget
     rows: list[Row] = []
-    exactness(rows, dev, args.max_new, deadline)
+    compiled = args.compile == "on" or (args.compile == "auto" and dev == "cuda")
+    exactness(rows, dev, args.max_new, deadline, compiled)
     if args.speed_tokens and time.monotonic() < deadline:
-        speed(rows, dev, args.speed_tokens)
+        speed(rows, dev, args.speed_tokens, compiled)
     if not args.cpu and time.monotonic() < deadline:
         device_tests(rows, deadline)
     print(f"\ngpu_check: {where}, {time.monotonic() - t0:.0f} s; exactness: greedy, {args.max_new} tokens x "

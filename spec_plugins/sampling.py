@@ -7,6 +7,7 @@ top-k and top-p do not depend on the prefix and are applied to all nodes at once
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Callable, Sequence
 
 import torch
@@ -92,14 +93,32 @@ class LogitsPipeline:
         parents: tuple[int, ...],
     ) -> torch.Tensor:
         """Process target logits [B, N, V] of a forward over ``tokens`` [B, N] (node 0 = root,
-        whose prefix is the row's whole sequence; ``parents`` over all N nodes)."""
+        whose prefix is the row's whole sequence ``sequences[b]``; ``parents`` over all N nodes).
+
+        Node prefixes are built on the logits' device, from each row's sequence there (the batch
+        keeps it, extended by the new tokens only) and the drafted tokens along each node's path:
+        no sequence crosses to or from the host. User processors run once per (row length,
+        depth) group."""
         if not self.processors:
             return self.warp(logits)
         B, N, V = logits.shape
-        node_paths = paths(parents)
-        tok = tokens.tolist()
-        prefixes = [list(sequences[b]) + [tok[b][i] for i in node_paths[j][1:]] for b in range(B) for j in range(N)]
-        return self.process_rows(logits.reshape(B * N, V), prefixes).reshape(B, N, V)
+        dev = logits.device
+        seqs = [s if isinstance(s, torch.Tensor) else torch.tensor(list(s), dtype=torch.long, device=dev)
+                for s in sequences]
+        out = logits.clone()
+        by_len: dict[int, list[int]] = {}
+        for b, s in enumerate(seqs):
+            by_len.setdefault(int(s.shape[0]), []).append(b)
+        for L, rows in by_len.items():
+            ridx = torch.tensor(rows, dtype=torch.long, device=dev)
+            seq, tok = torch.stack([seqs[b] for b in rows]), tokens[ridx]  # [R, L], [R, N]
+            R = len(rows)
+            for nodes, path in _depth_groups(parents, dev):
+                n, d = int(nodes.shape[0]), int(path.shape[1])
+                prefix = torch.cat([seq[:, None, :].expand(R, n, L), tok[:, path]], -1).reshape(R * n, L + d)
+                z = self.apply_user(prefix, logits[ridx][:, nodes].reshape(R * n, V))
+                out[ridx[:, None], nodes[None, :]] = z.reshape(R, n, V)
+        return self.warp(out)
 
 
 class RowPipelines:
@@ -143,6 +162,19 @@ class RowPipelines:
         if p.greedy and not self.greedy:
             return z.masked_fill(z < z.max(-1, keepdim=True).values, float("-inf"))
         return z
+
+
+@lru_cache(maxsize=256)
+def _depth_groups(parents: tuple[int, ...], device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Nodes of a forward grouped by depth (root = node 0, depth 0), each with the forward
+    indices of the drafted tokens on its path ([n, depth]): the tokens its prefix adds to the
+    row's sequence. Cached per draft shape and device."""
+    groups: dict[int, list[tuple[int, ...]]] = {}
+    for j, path in enumerate(paths(parents)):
+        groups.setdefault(len(path) - 1, []).append((j,) + path[1:])
+    return [(torch.tensor([p[0] for p in g], dtype=torch.long, device=device),
+             torch.tensor([p[1:] for p in g], dtype=torch.long, device=device).reshape(len(g), d))
+            for d, g in sorted(groups.items())]
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -9,11 +9,13 @@ Where each tensor lives (one place, so the round is device-correct by constructi
 | ``StepOutput.logits`` [B, N, V], ``hidden`` [B, N, H] | the runtime's ``device`` | the logits' device is the round's device |
 | processed logits ``z``, probabilities, uniforms, residuals | the logits' device | the verifier and sampler never move them |
 | generators | the logits' device | ``torch.rand``/``multinomial`` need the generator on the tensor's device |
-| ``Verdict.accepted/next_tokens`` | host lists | what acceptance needs: the round emits, stops and commits from them |
-| KV slot positions ``pos`` [B, S] | host | bookkeeping only; masks are moved to the engine's device when built |
+| ``DeviceVerdict.path/next`` | the logits' device | the verifier's decision, before the round reads it |
+| ``Verdict.accepted/next_tokens/tokens`` | host lists | fetched once (``DeviceVerdict.fetch``): the round emits, stops and commits from them |
+| KV slot positions ``pos`` [B, S] | host | bookkeeping only; masks are built from it (the static cache: on the device) |
 
-The only device -> host transfers of a round: the drafted tokens and the verifier's decisions
-(both O(nodes)), plus the logprobs of emitted tokens for rows that ask for them.
+The only device -> host transfer of a round is the verdict's one copy (the accepted paths, their
+tokens, the next tokens, the rows whose logits failed), plus the logprobs of emitted tokens for
+rows that ask for them.
 """
 
 from __future__ import annotations

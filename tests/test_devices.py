@@ -150,7 +150,8 @@ def test_gpu_check_runs_its_whole_matrix_on_the_cpu():
     rows = [line for line in res.stdout.splitlines() if line.startswith("| ")]
     for kind in EVERY_PROPOSER:
         for dtype in ("float32", "bfloat16"):
-            for layout in ("1 row", "batch of 3"):
-                row = next(r for r in rows if r.startswith(f"| {kind} {dtype} {layout} "))
-                assert "| exact " in row or "| near-tie " in row, row
+            for kv in ("dynamic", "static"):
+                for layout in ("1 row", "batch of 3"):
+                    row = next(r for r in rows if r.startswith(f"| {kind} {dtype} {kv} {layout} "))
+                    assert "| exact " in row or "| near-tie " in row, row
     assert sum("speed smollm2-shape" in r and "| ok " in r for r in rows) == 4

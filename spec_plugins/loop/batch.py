@@ -42,6 +42,7 @@ class Row:
     logprobs: bool = False
     tenant: Hashable = None
     hidden: torch.Tensor | None = None  # [T, H] target features the proposer has not consumed
+    seen: torch.Tensor | None = None  # [L] prefix + tokens on the device, for user logits processors
     done: bool = False
     finish_reason: str | None = None
     error: str | None = None  # set when this row's sampling failed; it leaves at the next round
@@ -299,9 +300,21 @@ class Batch:
             self._rp = (key, RowPipelines([r.pipeline for r in rows]))
         return self._rp[1]
 
-    def _seen(self, rows: Sequence[Row]) -> list[list[int]]:
-        """The sequences the rows' user processors see: the row's prefix + its tokens."""
-        return [list(r.prefix) + r.tokens if r.prefix else r.tokens for r in rows]
+    def _seen(self, rows: Sequence[Row]) -> list[Any]:
+        """The sequences the rows' user processors see (the row's prefix + its tokens), kept on
+        the device per row and extended by the tokens emitted since (a round copies those only)."""
+        if not self._row_pipelines(rows).needs_prefix:
+            return [r.tokens for r in rows]  # read by nothing: no processor looks at a prefix
+        out = []
+        for r in rows:
+            want = len(r.prefix) + len(r.tokens)
+            have = r.seen.shape[0] if r.seen is not None else 0
+            if have < want:
+                new = (list(r.prefix) + r.tokens)[have:] if have < len(r.prefix) else r.tokens[have - len(r.prefix):]
+                add = torch.tensor(new, dtype=torch.long, device=self.device)
+                r.seen = add if r.seen is None else torch.cat([r.seen, add])
+            out.append(r.seen)
+        return out
 
     def _verify(self, rows: Sequence[Row], draft: Draft | None, z: torch.Tensor) -> Verdict:
         """The registered verifier on row groups (greedy rows together, sampled rows by

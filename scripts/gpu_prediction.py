@@ -1,0 +1,112 @@
+"""A PREDICTION, not a measurement: speculative decoding on the H200 from recorded acceptance.
+
+Greedy acceptance does not depend on the device (the same model gives the same tokens), so the
+dev prompts' recorded greedy outputs (a bench report, with the token ids of plain decoding) are
+replayed through the real round (``spec_plugins.bench.replay``: the same policy, drafts,
+verifier and commits as a live run) with the forward costs measured on the H200
+(``../shared/gpu/*.jsonl``, random weights at SmolLM2's shape, bf16, context 512):
+
+- ``eager``: one eager forward over N positions (measured to N = 128);
+- ``graphed``: the same forward replayed as a CUDA graph, measured for N = 1 and 2 only, so wider
+  steps are an assumption, printed with every row: ``graphed-rel`` scales N = 1 by the eager
+  curve's relative cost, ``graphed-linear`` extends the N = 1 -> 2 step linearly (pessimistic).
+
+Per round, the host's work outside forwards is ``--overhead-ms`` (default: the report's measured
+per-round overhead on this CPU). Prints tokens/s per policy and category under each curve, and
+the speedups that the GPU issue asks for (compiled plain / eager plain, speculation / compiled
+plain).
+
+    python scripts/gpu_prediction.py --report bench-out/report.json --prompts examples/prompts/dev.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def curves(directory: Path, shape: str = "smollm2") -> dict[str, list[float]]:
+    """Seconds for N = 1..128 positions under each curve (module docstring)."""
+    verify = [json.loads(x) for x in (directory / "h200-verify-curve.jsonl").read_text().splitlines() if x.strip()]
+    graphs = [json.loads(x) for x in (directory / "h200-cuda-graphs.jsonl").read_text().splitlines() if x.strip()]
+    eager = next(r for r in verify if r["shape"] == shape and r["dtype"] == "bfloat16")
+    graph = {}
+    for r in graphs:
+        if r["shape"] == shape:
+            graph.update({int(k): v for k, v in r["graph_static"].items()})
+    rel = {int(k): v for k, v in eager["rel"].items()}
+    xs = sorted(rel)
+
+    def interp(n: int) -> float:
+        lo = max(x for x in xs if x <= n)
+        hi = min((x for x in xs if x >= n), default=lo)
+        return rel[lo] if hi == lo else rel[lo] + (rel[hi] - rel[lo]) * (n - lo) / (hi - lo)
+
+    t1, g1 = eager["t1_ms"] / 1e3, graph[1] / 1e3
+    g2 = graph.get(2, graph[1]) / 1e3
+    return {
+        "eager": [t1 * interp(n) for n in range(1, 129)],
+        "graphed-rel": [g1 * interp(n) for n in range(1, 129)],
+        "graphed-linear": [g1 + (g2 - g1) * (n - 1) for n in range(1, 129)],
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--report", required=True, help="report.json of a greedy bench run (plain's token ids)")
+    ap.add_argument("--prompts", required=True, help="the prompts file that run used")
+    ap.add_argument("--curves", default=str(ROOT.parent / "shared" / "gpu"), help="folder of the H200 jsonl files")
+    ap.add_argument("--overhead-ms", type=float, default=None, help="host work per round (default: the report's)")
+    ap.add_argument("--out", default=None, help="write the prediction as JSON here")
+    args = ap.parse_args()
+    from spec_plugins.backends import build_runtime
+    from spec_plugins.bench.replay import auto, fixed, replay_report, round_overhead, turns_from_report
+    from spec_plugins.config import SpecConfig
+    from spec_plugins.decoder import SpeculativeDecoder
+    from spec_plugins.policy import DraftCost, ForwardCost
+    from spec_plugins.registry import PROPOSERS
+
+    report = json.loads(Path(args.report).read_text())
+    cfg = SpecConfig.from_file(report["meta"]["config"])
+    cfg = SpecConfig.parse({**cfg.model_dump(mode="json"), "proposer": {"type": "ngram", "num_draft_tokens": "auto",
+                                                                        "max_ngram": 3}})
+    dec = SpeculativeDecoder(build_runtime(cfg.target), None, None, cfg)  # its tokenizer re-encodes the turns
+    turns = turns_from_report(report, args.prompts, dec)
+    overhead = args.overhead_ms / 1e3 if args.overhead_ms is not None else round_overhead(report)
+    cm = report["cost_model"]
+    draft = DraftCost(cm["draft_round_seconds"], cm["draft_step_seconds"])  # n-gram lookups: this CPU's
+    make = lambda: PROPOSERS.get("ngram")(PROPOSERS.get("ngram").Config(max_ngram=3))  # noqa: E731
+    out: dict = {"overhead_ms": overhead * 1e3, "prediction": True, "curves": {}}
+    cats = list(dict.fromkeys(c for c, _, _ in turns)) + ["all"]
+    print(f"PREDICTION (not measured): H200 SmolLM2-shape bf16 curves, {len(turns)} recorded greedy turns, "
+          f"host overhead {overhead * 1e3:.2f} ms/round")
+    for name, secs in curves(Path(args.curves)).items():
+        cost = ForwardCost.from_curve(secs)
+        pol = {"ngram-auto": auto(cost, draft, max_k=16), **{f"ngram-k{k}": fixed(k) for k in (2, 4, 8)}}
+        sim = replay_report(turns, make, pol, cost, overhead, draft)
+        out["curves"][name] = sim
+        print(f"\n[{name}] tokens/s (speedup over plain under the same curve)")
+        print("policy        " + "".join(f"{c:>16}" for c in cats))
+        for p, row in sim.items():
+            print(f"{p:14}" + "".join(f"{row[c]:9.1f} ({row[c] / sim['plain'][c]:.2f}x)" for c in cats))
+    e, g = out["curves"]["eager"]["plain"]["all"], out["curves"]["graphed-rel"]["plain"]["all"]
+    out["compiled_plain_over_eager_plain"] = g / e
+    for name in ("graphed-rel", "graphed-linear"):
+        s = out["curves"][name]
+        out[f"speculation_over_compiled_plain[{name}]"] = s["ngram-auto"]["all"] / s["plain"]["all"]
+    print(f"\ncompiled plain / eager plain: {g / e:.2f}x;  n-gram auto / compiled plain: "
+          + ", ".join(f"{out[f'speculation_over_compiled_plain[{n}]']:.2f}x ({n})" for n in ("graphed-rel", "graphed-linear")))
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main())
