@@ -167,3 +167,23 @@ def test_auto_shortens_drafts_when_the_loop_measures_expensive_forwards():
     assert min(run(False)[-40:]) >= 7
     late = run(True)[-60:]
     assert max(late) <= 1, late
+
+
+def test_a_configured_depth_over_a_cost_cut_tree_is_drafted_whole_or_not_at_all():
+    """suffix/EAGLE with a fixed num_draft_tokens and tree_nodes: auto: the tree sizer cuts the
+    width, the length policy only decides whether to pay the drafter (its whole depth or none):
+    with a flat curve and a free drafter it drafts all 16 positions deep; with a drafter that
+    costs ten forwards a round it does not draft."""
+    from spec_plugins.policy import build_policy
+    from spec_plugins.policy.cost import DraftCost
+    from spec_plugins.proposers.suffix import SuffixProposer
+
+    prop = SuffixProposer(SuffixProposer.Config(num_draft_tokens=16, tree_nodes="auto"))
+    view = BatchView([[1, 2, 3]], [99])
+    for draft, want in ((DraftCost(), 16), (DraftCost(per_call=0.1), 0)):
+        costs = Costs(ForwardCost.from_curve([0.01] * 33), frozen=True)
+        costs.set_drafter(prop, draft)
+        policy = build_policy(prop.config, prop, costs)
+        assert policy.length.all_or_nothing and policy.choose(view) == [want]
+    fixed_len = build_policy(prop.config.model_copy(update={"tree_nodes": 8}), prop, costs)
+    assert fixed_len.choose(view) == [16]  # nothing sized by cost: the configured depth, always

@@ -109,8 +109,8 @@ def build_policy(section: Any, proposer: Any, costs: Costs | None = None, sizer:
 
     ``length="config"``: ``num_draft_tokens: auto`` -> ``AutoDraftLength`` up to ``defaults.max_k``;
     a fixed length is drafted as is (``FixedLength``), except under a tree sized by cost
-    (``tree_nodes: auto``), where whether to pay the drafter at all is priced too
-    (``AutoDraftLength`` up to it). ``"load"`` (a server's load-aware policy): the fixed length is
+    (``tree_nodes: auto``), where whether to pay the drafter at all is priced too: each round
+    ``AutoDraftLength`` chooses between that depth and no draft (its width is the sizer's). ``"load"`` (a server's load-aware policy): the fixed length is
     an upper bound for ``AutoDraftLength``. ``"fixed"``: always the fixed length (``auto``:
     ``defaults.fixed_k``), trees still cut by cost where ``tree_nodes: auto``. ``costs`` must come
     from ``setup_costs`` when anything is priced; ``sizer``: a long-lived one whose calibrations
@@ -126,5 +126,7 @@ def build_policy(section: Any, proposer: Any, costs: Costs | None = None, sizer:
     max_k = defaults.max_k if k == "auto" else int(k)
     if max_k == 0:
         return DraftPolicy(FixedLength(0), sizer, costs)
-    auto = AutoDraftLength(costs, costs.drafter(proposer), max_k=max_k, min_gain=defaults.min_gain)
+    gate = k != "auto" and length == "config"  # a configured depth over a cost-cut tree: draft it, or not
+    auto = AutoDraftLength(costs, costs.drafter(proposer), max_k=max_k, min_gain=defaults.min_gain,
+                           all_or_nothing=gate)
     return DraftPolicy(auto, sizer, costs)

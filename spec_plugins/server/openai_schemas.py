@@ -12,8 +12,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from spec_plugins.config import MAX_SEED, REPETITION_PENALTY_RANGE
-from spec_plugins.server.schemas import MAX_STOP_SEQUENCES, GenerateParameters, _neutral
+from spec_plugins.config import MAX_SEED
+from spec_plugins.server.schemas import (GenerateParameters, _neutral, check_repetition_penalty, check_seed,
+                                         check_stops)
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat; completions allow 5
 MAX_COMPLETION_LOGPROBS = 5
@@ -89,30 +90,9 @@ class OpenAIRequest(BaseModel):
             raise ValueError("`n` must be at least 1")
         return v
 
-    @field_validator("seed")
-    @classmethod
-    def _seed(cls, v: int | None) -> int | None:
-        if v is not None and not (0 <= v <= MAX_SEED):
-            raise ValueError("`seed` must be a non-negative 64-bit integer")
-        return v
-
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
-        stops = [v] if isinstance(v, str) else list(v or [])
-        if len(stops) > MAX_STOP_SEQUENCES:
-            raise ValueError(f"`stop` supports up to {MAX_STOP_SEQUENCES} stop sequences. Given: {len(stops)}")
-        if any(s == "" for s in stops):
-            raise ValueError("`stop` sequences must not be empty")
-        return v
-
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _rep(cls, v: float | None) -> float | None:
-        lo, hi = REPETITION_PENALTY_RANGE
-        if v is not None and not (lo <= v <= hi):
-            raise ValueError(f"`repetition_penalty` must be between {lo:g} and {hi:g}")
-        return v
+    _seed = field_validator("seed")(classmethod(lambda cls, v: check_seed(v)))
+    _stop = field_validator("stop")(classmethod(lambda cls, v: check_stops(v)))
+    _rep = field_validator("repetition_penalty")(classmethod(lambda cls, v: check_repetition_penalty(v)))
 
     @model_validator(mode="after")
     def _shared(self) -> "OpenAIRequest":

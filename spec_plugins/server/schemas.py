@@ -40,6 +40,30 @@ def _neutral(name: str, value: Any, neutral: tuple = (None,)) -> Any:
     return value
 
 
+# ---- checks shared by the TGI and the OpenAI request schemas -------------------------------------
+def check_repetition_penalty(v: float | None) -> float | None:
+    lo, hi = REPETITION_PENALTY_RANGE
+    if v is not None and not (lo <= v <= hi):
+        raise ValueError(f"`repetition_penalty` must be between {lo:g} and {hi:g}")
+    return v
+
+
+def check_seed(v: int | None) -> int | None:
+    if v is not None and not (0 <= v <= MAX_SEED):
+        raise ValueError("`seed` must be a non-negative 64-bit integer")
+    return v
+
+
+def check_stops(v: Any) -> Any:
+    """A stop sequence or a list of them (as either API sends it): at most 4, none empty."""
+    stops = [v] if isinstance(v, str) else list(v or [])
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise ValueError(f"`stop` supports up to {MAX_STOP_SEQUENCES} stop sequences. Given: {len(stops)}")
+    if any(s == "" for s in stops):
+        raise ValueError("`stop` sequences must not be empty")
+    return v
+
+
 class GenerateParameters(BaseModel):
     """TGI ``parameters``; unknown names are refused, types are strict (``"3"`` is not an integer,
     ``"yes"`` not a boolean), as TGI's deserializer has them; ranges are ``SamplingConfig``'s."""
@@ -95,29 +119,9 @@ class GenerateParameters(BaseModel):
             raise ValueError("`top_p` must be > 0.0 and < 1.0")
         return v
 
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _rep(cls, v: float | None) -> float | None:
-        lo, hi = REPETITION_PENALTY_RANGE
-        if v is not None and not (lo <= v <= hi):
-            raise ValueError(f"`repetition_penalty` must be between {lo:g} and {hi:g}")
-        return v
-
-    @field_validator("seed")
-    @classmethod
-    def _seed(cls, v: int | None) -> int | None:
-        if v is not None and not (0 <= v <= MAX_SEED):
-            raise ValueError("`seed` must be a non-negative 64-bit integer")
-        return v
-
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v: list[str]) -> list[str]:
-        if len(v) > MAX_STOP_SEQUENCES:
-            raise ValueError(f"`stop` supports up to {MAX_STOP_SEQUENCES} stop sequences. Given: {len(v)}")
-        if any(s == "" for s in v):
-            raise ValueError("`stop` sequences must not be empty")
-        return v
+    _rep = field_validator("repetition_penalty")(classmethod(lambda cls, v: check_repetition_penalty(v)))
+    _seed = field_validator("seed")(classmethod(lambda cls, v: check_seed(v)))
+    _stop = field_validator("stop")(classmethod(lambda cls, v: check_stops(v)))
 
     @field_validator("top_n_tokens")
     @classmethod

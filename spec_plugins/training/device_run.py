@@ -24,6 +24,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from spec_plugins.backends.torch_runtime import pick_device
+
 HEAD_FILES = ("head.safetensors", "config.json", "train_report.json")
 
 
@@ -120,15 +122,6 @@ def load_target(bundle: Path, entry: dict, dtype: str, device: torch.device) -> 
     return model.to(device).eval()
 
 
-def pick(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda, but torch sees no CUDA device")
-    return dev
-
-
 def run(bundle: str | Path, out: str | Path, work: str | Path, opts: RunOptions) -> dict[str, Any]:
     """Train the heads from an unpacked bundle; returns the report also written to out/run.json."""
     from spec_plugins.heads.eagle import default_feature_layers
@@ -141,7 +134,7 @@ def run(bundle: str | Path, out: str | Path, work: str | Path, opts: RunOptions)
     bundle, out, work = Path(bundle), Path(out), Path(work)
     t_start = time.time()
     man = json.loads((bundle / "manifest.json").read_text())
-    dev = pick(opts.device)
+    dev = pick_device(opts.device)
     torch.manual_seed(opts.seed)
     report: dict[str, Any] = {"options": {k: (None if v == math.inf else v) for k, v in asdict(opts).items()},
                               "bundle": {k: man[k] for k in ("created", "model", "tokens", "smoke") if k in man},

@@ -22,7 +22,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Protocol, Sequence
+from typing import Any, ClassVar, Iterable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -225,8 +225,30 @@ class ShardSource(Protocol):
     def read(self, i: int, names: Sequence[str]) -> dict[str, torch.Tensor]: ...
 
 
-class FeatureStore:
+class ShardDirectory:
+    """What a directory of shards says of itself (its state file: ``meta``, ``tokens``, the shard
+    list), and loading shard i as its shard type. Features and token shards alike."""
+
+    shard_type: ClassVar[Any]
+    state: dict
+    shards: list[Path]
+
+    @property
+    def meta(self) -> dict:
+        return self.state["meta"]
+
+    @property
+    def tokens(self) -> int:
+        return int(self.state["tokens"])
+
+    def load(self, i: int) -> Any:
+        return self.shard_type.load(self.shards[i])
+
+
+class FeatureStore(ShardDirectory):
     """The shards of one extraction, read one at a time (the trainer streams them)."""
+
+    shard_type = Shard
 
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
@@ -238,17 +260,6 @@ class FeatureStore:
         self.shards = [self.directory / s for s in self.state["shards"]]
         if not self.shards:
             raise ValueError(f"{self.directory} has no feature shards yet")
-
-    @property
-    def meta(self) -> dict:
-        return self.state["meta"]
-
-    @property
-    def tokens(self) -> int:
-        return int(self.state["tokens"])
-
-    def load(self, i: int) -> Shard:
-        return Shard.load(self.shards[i])
 
     def read(self, i: int, names: Sequence[str]) -> dict[str, torch.Tensor]:
         """Some tensors of shard i (e.g. ``offsets``, ``trained``) without loading its features."""

@@ -21,6 +21,8 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
+from spec_plugins.training.features import ShardDirectory
+
 FORMAT = "spec-plugins-tokens/1"
 Example = tuple[Sequence[int], Sequence[bool]]
 
@@ -115,8 +117,10 @@ def write_token_shards(examples: Iterable[Example], out: str | Path, meta: dict,
     return state
 
 
-class TokenStore:
+class TokenStore(ShardDirectory):
     """The token shards of one directory; ``read`` gives torch tensors as ``FeatureStore.read`` does."""
+
+    shard_type = TokenShard
 
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
@@ -132,17 +136,6 @@ class TokenStore:
             raise FileNotFoundError(f"{self.directory} lacks token shards {missing[:3]}")
         if not self.shards:
             raise ValueError(f"{self.directory} holds no token shards")
-
-    @property
-    def meta(self) -> dict:
-        return self.state["meta"]
-
-    @property
-    def tokens(self) -> int:
-        return int(self.state["tokens"])
-
-    def load(self, i: int) -> TokenShard:
-        return TokenShard.load(self.shards[i])
 
     def read(self, i: int, names: Sequence[str]) -> dict[str, torch.Tensor]:
         """``tokens``/``offsets`` as int64 and ``trained`` as bool tensors of shard i."""
