@@ -21,7 +21,6 @@ from spec_plugins.backends.base import RuntimeCapabilities, StepOutput, Want
 from spec_plugins.backends.slot_runtime import SlotRuntime
 from spec_plugins.slots import KVSlots
 from spec_plugins.config import RuntimeConfig
-from spec_plugins.registry import register_backend
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -40,6 +39,21 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[name]
+
+
+def selects_static(config: Any) -> bool:
+    """Whether a torch config runs on the static cache: asked for, implied by compiling, or ``auto`` on
+    CUDA (on a CPU the compiled step was measured slower than the growing cache: docs/runtimes/torch.md)."""
+    if config.kv != "auto":
+        return config.kv == "static"
+    return config.compile == "on" or pick_device(config.device).type == "cuda"
+
+
+def load_for(config: Any) -> tuple[Any, Any]:
+    """The model and tokenizer a torch config names, on its device and in its dtype (threads set first)."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    return load_hf(config.model, config.dtype, config.device)
 
 
 def load_hf(model: str, dtype: str = "float32", device: str = "auto") -> tuple[Any, Any]:
@@ -86,7 +100,6 @@ def _save_converted(model: Any, tok: Any, target: Any) -> None:
     write_cache_dir(target, write)
 
 
-@register_backend("torch")
 class TorchRuntime(SlotRuntime):
     """A transformers model over the hole-masked slot layer (``spec_plugins/slots.py``)."""
 
@@ -116,19 +129,18 @@ class TorchRuntime(SlotRuntime):
         def _check_compile(self) -> "TorchRuntime.Config":
             if self.compile == "on" and self.kv == "dynamic":
                 raise ValueError("compile: on needs kv: static (a growing cache has no fixed shapes to compile)")
+            if self.matmul == "auto_transposed" and self.kv == "static":
+                raise ValueError("matmul: auto_transposed needs kv: dynamic (a static cache runs native kernels)")
             return self
 
     @classmethod
     def from_config(cls, config: "TorchRuntime.Config") -> "TorchRuntime":
-        if config.threads:
-            torch.set_num_threads(config.threads)
-        model, tok = load_hf(config.model, config.dtype, config.device)
-        on_cuda = next(model.parameters()).device.type == "cuda"
-        if config.kv == "static" or (config.kv == "auto" and on_cuda):
-            from spec_plugins.backends.torch_static import StaticTorchRuntime
-
-            compile_ = config.compile == "on" or (config.compile == "auto" and on_cuda)
-            return StaticTorchRuntime(model, tok, max_context=config.max_context, compile=compile_)
+        """The growing-cache runtime. The ``torch`` backend entry (``torch_backend.TorchBackend``)
+        chooses between it and the static one; a config that selects the static one is refused here."""
+        if selects_static(config):
+            raise ValueError("this torch config selects the static cache (kv: static, compile: on, or kv: auto on "
+                             "CUDA): build it with spec_plugins.backends.build_runtime")
+        model, tok = load_for(config)
         return cls(model, tok, max_context=config.max_context, matmul=config.matmul)
 
     def __init__(self, model: Any, tokenizer: Any = None, max_context: int | None = None,

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 
 from spec_plugins.backends.base import StepOutput, Want
-from spec_plugins.backends.torch_runtime import TorchRuntime
+from spec_plugins.backends.torch_runtime import TorchRuntime, load_for, pick_device, selects_static
 from spec_plugins.slots import HOST
 
 MIN_CAPACITY = 64  # slots; capacity doubles as rows grow (one graph per capacity, log2 of them)
@@ -90,6 +90,16 @@ class StaticTorchRuntime(TorchRuntime):
     """``TorchRuntime`` over a ``SlotCache``, with a compiled fixed-shape step (module docstring)."""
 
     always_mask = True  # attention reads the whole capacity: a mask always says which slots are past
+
+    @classmethod
+    def from_config(cls, config: "TorchRuntime.Config") -> "StaticTorchRuntime":
+        """Compiled where asked, or with ``compile: auto`` on CUDA (measured slower on a CPU)."""
+        if not selects_static(config):
+            raise ValueError(f"this torch config selects the growing cache (kv: {config.kv}): build it with "
+                             "spec_plugins.backends.build_runtime")
+        compile_ = config.compile == "on" or (config.compile == "auto" and pick_device(config.device).type == "cuda")
+        model, tok = load_for(config)
+        return cls(model, tok, max_context=config.max_context, compile=compile_)
 
     def __init__(self, model: Any, tokenizer: Any = None, max_context: int | None = None,
                  compile: bool = False) -> None:

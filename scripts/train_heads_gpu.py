@@ -114,9 +114,8 @@ def stage_wheels(args: argparse.Namespace, build: Path) -> list[Path]:
     else:
         src = build / "wheels-download"
         shutil.rmtree(src, ignore_errors=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", "--python-version", "3.12",
-                        "--platform", "manylinux2014_x86_64", "--implementation", "cp", "-d", str(src), "pydantic",
-                        "gguf"], check=True)
+        script = Path(__file__).with_name("gpu_wheels.sh")  # the one place that knows the image's wheels
+        subprocess.run(["bash", str(script)], check=True, env={**os.environ, "WHEELS_DIR": str(src.resolve())})
     wheels = sorted(w for w in src.glob("*.whl") if w.name.split("-")[0].lower() in WHEELS)
     found = {w.name.split("-")[0].lower() for w in wheels}
     if found != set(WHEELS):

@@ -131,7 +131,7 @@ VERIFIERS: Registry[Any] = Registry(
                                                    "typical": "spec_plugins.verifiers:TypicalVerifier"}
 )
 BACKENDS: Registry[Any] = Registry(
-    "backend", "spec_plugins.backends", builtins={"torch": "spec_plugins.backends.torch_runtime:TorchRuntime",
+    "backend", "spec_plugins.backends", builtins={"torch": "spec_plugins.backends.torch_backend:TorchBackend",
                                                  "onnxruntime": "spec_plugins.backends.onnxruntime_runtime:OnnxRuntime"},
     check=_check_runtime,
 )

@@ -134,3 +134,35 @@ def test_the_sync_counter_sees_a_read_of_device_data():
         _ = bool(x[0] > 0)
         _ = x.to("cpu")
     assert host and syncs.count == 3
+
+
+def test_the_static_settings_are_checked_where_they_are_read():
+    """``kv``/``compile``/``matmul`` combinations that cannot run are refused by name (nothing is
+    ignored), and ``auto`` keeps the CPU on the growing cache, where compiling was measured slower."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="compile: on needs kv: static"):
+        TorchRuntime.Config(model="x", kv="dynamic", compile="on")
+    with pytest.raises(ValidationError, match="auto_transposed needs kv: dynamic"):
+        TorchRuntime.Config(model="x", kv="static", matmul="auto_transposed")
+    cfg = TorchRuntime.Config(model="x")
+    assert (cfg.kv, cfg.compile, cfg.dtype) == ("auto", "auto", "auto")
+
+
+def test_auto_keeps_the_cpu_on_the_growing_eager_path():
+    """On a CPU ``kv: auto`` is the growing cache and ``compile: auto`` stays off on a static one
+    (compiling was measured slower here: docs/runtimes/torch.md); forcing either is honoured, and
+    ``compile: on`` alone implies the static cache (never ignored)."""
+    from spec_plugins.backends import build_runtime
+
+    def build(**kw):
+        return build_runtime(TorchRuntime.Config(model="smollm2-135m-instruct", device="cpu", **kw))
+
+    rt = build(matmul="native")
+    assert type(rt) is TorchRuntime and rt.dtype == torch.float32
+    static = build(kv="static")
+    assert isinstance(static, StaticTorchRuntime) and not static.compile
+    for forced in (build(kv="static", compile="on"), build(compile="on")):
+        assert isinstance(forced, StaticTorchRuntime) and forced.compile
+    with pytest.raises(ValueError, match="selects the static cache"):
+        TorchRuntime.from_config(TorchRuntime.Config(model="smollm2-135m-instruct", device="cpu", compile="on"))
