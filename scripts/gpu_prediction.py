@@ -13,7 +13,9 @@ verifier and commits as a live run) with the forward costs measured on the H200
 
 Per round, the host's work outside forwards is ``--overhead-ms`` (default: the report's measured
 per-round overhead on this CPU). Prints tokens/s per policy and category under each curve, and
-the speedups that the GPU issue asks for (compiled plain / eager plain, speculation / compiled
+the speedups that the GPU issue asks for (compiled plain / eager plain, n-gram `auto` and suffix
+(its own drafting cost measured here) / compiled plain), for SmolLM2's shape and Llama-3.2-1B's (the
+same acceptance: a prediction twice over for the larger shape; ``--shapes``); compiled
 plain).
 
     python scripts/gpu_prediction.py --report bench-out/report.json --prompts examples/prompts/dev.jsonl
@@ -62,6 +64,7 @@ def main() -> int:
     ap.add_argument("--prompts", required=True, help="the prompts file that run used")
     ap.add_argument("--curves", default=str(ROOT.parent / "shared" / "gpu"), help="folder of the H200 jsonl files")
     ap.add_argument("--overhead-ms", type=float, default=None, help="host work per round (default: the report's)")
+    ap.add_argument("--shapes", default="smollm2,llama1b", help="curve shapes to predict for (SmolLM2's acceptance)")
     ap.add_argument("--out", default=None, help="write the prediction as JSON here")
     args = ap.parse_args()
     from spec_plugins.backends import build_runtime
@@ -80,27 +83,39 @@ def main() -> int:
     overhead = args.overhead_ms / 1e3 if args.overhead_ms is not None else round_overhead(report)
     cm = report["cost_model"]
     draft = DraftCost(cm["draft_round_seconds"], cm["draft_step_seconds"])  # n-gram lookups: this CPU's
-    make = lambda: PROPOSERS.get("ngram")(PROPOSERS.get("ngram").Config(max_ngram=3))  # noqa: E731
-    out: dict = {"overhead_ms": overhead * 1e3, "prediction": True, "curves": {}}
+    ngram = PROPOSERS.get("ngram")
+    suffix = PROPOSERS.get("suffix")
+    make_ngram = lambda: ngram(ngram.Config(max_ngram=3))  # noqa: E731
+    make_suffix = lambda: suffix(suffix.Config(scope="request", num_draft_tokens=16, tree_nodes="auto"))  # noqa: E731
+    from spec_plugins.config import SamplingConfig
+    from spec_plugins.policy.cost import measure_draft
+    from spec_plugins.sampling import LogitsPipeline
+
+    suffix_draft = measure_draft(make_suffix(), LogitsPipeline(SamplingConfig()), dec.target)  # this CPU's
+    out: dict = {"overhead_ms": overhead * 1e3, "prediction": True, "shapes": {}}
     cats = list(dict.fromkeys(c for c, _, _ in turns)) + ["all"]
-    print(f"PREDICTION (not measured): H200 SmolLM2-shape bf16 curves, {len(turns)} recorded greedy turns, "
-          f"host overhead {overhead * 1e3:.2f} ms/round")
-    for name, secs in curves(Path(args.curves)).items():
-        cost = ForwardCost.from_curve(secs)
-        pol = {"ngram-auto": auto(cost, draft, max_k=16), **{f"ngram-k{k}": fixed(k) for k in (2, 4, 8)}}
-        sim = replay_report(turns, make, pol, cost, overhead, draft)
-        out["curves"][name] = sim
-        print(f"\n[{name}] tokens/s (speedup over plain under the same curve)")
-        print("policy        " + "".join(f"{c:>16}" for c in cats))
-        for p, row in sim.items():
-            print(f"{p:14}" + "".join(f"{row[c]:9.1f} ({row[c] / sim['plain'][c]:.2f}x)" for c in cats))
-    e, g = out["curves"]["eager"]["plain"]["all"], out["curves"]["graphed-rel"]["plain"]["all"]
-    out["compiled_plain_over_eager_plain"] = g / e
-    for name in ("graphed-rel", "graphed-linear"):
-        s = out["curves"][name]
-        out[f"speculation_over_compiled_plain[{name}]"] = s["ngram-auto"]["all"] / s["plain"]["all"]
-    print(f"\ncompiled plain / eager plain: {g / e:.2f}x;  n-gram auto / compiled plain: "
-          + ", ".join(f"{out[f'speculation_over_compiled_plain[{n}]']:.2f}x ({n})" for n in ("graphed-rel", "graphed-linear")))
+    print(f"PREDICTION (not measured): H200 bf16 curves (random weights at each shape), acceptance of "
+          f"{len(turns)} recorded greedy SmolLM2 turns, host overhead {overhead * 1e3:.2f} ms/round")
+    for shape in args.shapes.split(","):
+        res = out["shapes"][shape] = {}
+        for name, secs in curves(Path(args.curves), shape).items():
+            cost = ForwardCost.from_curve(secs)
+            pol = {"ngram-auto": auto(cost, draft, max_k=16), **{f"ngram-k{k}": fixed(k) for k in (2, 4, 8)}}
+            sim = replay_report(turns, make_ngram, pol, cost, overhead, draft)
+            sim["suffix-auto"] = replay_report(turns, make_suffix, {"s": auto(cost, suffix_draft, max_k=16)}, cost,
+                                               overhead, suffix_draft)["s"]
+            res[name] = sim
+            print(f"\n[{shape}, {name}] tokens/s (speedup over plain under the same curve)")
+            print("policy        " + "".join(f"{c:>16}" for c in cats))
+            for p, row in sim.items():
+                print(f"{p:14}" + "".join(f"{row[c]:9.1f} ({row[c] / sim['plain'][c]:.2f}x)" for c in cats))
+        e, g = res["eager"]["plain"]["all"], res["graphed-rel"]["plain"]["all"]
+        line = {"compiled_plain_over_eager_plain": g / e}
+        for name in ("graphed-rel", "graphed-linear"):
+            for p in ("ngram-auto", "suffix-auto"):
+                line[f"{p}_over_compiled_plain[{name}]"] = res[name][p]["all"] / res[name]["plain"]["all"]
+        res["summary"] = line
+        print(f"\n{shape}: " + ";  ".join(f"{k} {v:.2f}x" for k, v in line.items()))
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     return 0

@@ -272,6 +272,26 @@ def test_auto_tree_size_follows_the_cost_curve_and_calibration():
         EagleProposer.Config(heads="unused", tree_nodes=0)
 
 
+def test_a_source_cut_to_nothing_is_tried_again():
+    """A stretch the drafter cannot predict drives its calibration to the floor and the cut to zero;
+    rounds where it offers candidates and none are kept fade that evidence toward the prior, so it
+    drafts again later (before: never again, for every later prompt of a decoder or server)."""
+    from spec_plugins.policy import Costs, ForwardCost
+    from spec_plugins.types import Ranked
+
+    probs = [[0.9, 0.8, 0.7, 0.6]]
+    sizer = TreeSizer(Costs(ForwardCost.from_curve([0.01 * (1 + 0.2 * (n - 1)) for n in range(1, 41)])))
+    assert sizer.cut(_rows(probs))[0] > 0
+    cal = sizer.calibration(0)
+    cal.accepted, cal.predicted = 0.05 * 20.0, 20.0  # a long stretch with nothing accepted: the floor
+    assert sizer.cut(_rows(probs)) == [0]
+    idle = 0
+    while sizer.size(Ranked([_rows(probs)], auto=True)) is None:
+        idle += 1
+        assert idle < 60, "a source cut to nothing was never tried again"
+    assert idle > 3  # ... but not at once: the evidence fades, it is not dropped
+
+
 def test_auto_tree_size_prices_the_batch_padded_width():
     """Rows of a batch share one forward padded to the widest tree, so the sizer picks one width
     against T(B, w+1): on a curve where 4 rows pay steeply per position (as a CPU server batch

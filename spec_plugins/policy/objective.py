@@ -37,7 +37,7 @@ class Calibration:
     def __init__(self, decay: float = 0.9, prior: float = 2.0, bounds: tuple[float, float] = (0.05, 2.0)) -> None:
         if not 0.0 < decay <= 1.0 or prior <= 0 or not 0.0 < bounds[0] <= bounds[1]:
             raise ValueError(f"decay in (0, 1], prior > 0 and 0 < low <= high, got {decay}, {prior}, {bounds}")
-        self.decay, self.bounds = decay, bounds
+        self.decay, self.bounds, self.prior = decay, bounds, prior
         self.accepted, self.predicted = prior, prior
 
     @property
@@ -52,3 +52,12 @@ class Calibration:
         acc = self.decay * self.accepted + accepted
         pred = self.decay * self.predicted + predicted
         self.accepted, self.predicted = min(max(acc, lo * pred), hi * pred), pred
+
+    def idle(self) -> None:
+        """A round in which this source offered candidates and none were kept: its evidence fades
+        toward the prior by ``decay``, so a source switched off by one stretch it could not predict
+        is tried again some rounds later instead of never (a replay of the dev prompts found suffix
+        decoding off for every prompt after the first one it could not predict)."""
+        keep = self.decay
+        self.accepted = keep * self.accepted + (1.0 - keep) * self.prior
+        self.predicted = keep * self.predicted + (1.0 - keep) * self.prior

@@ -63,6 +63,8 @@ class TreeSizer:
         rows = [self._pick(alts) for alts in ranked.rows]
         if ranked.auto:
             counts = self.cut(rows, spent)
+            for source in {r.source for r, n in zip(rows, counts) if r.size and not n}:
+                self.calibration(source).idle()  # offered, not taken: re-tried later (Calibration.idle)
             rows = [r.prefix(n) for r, n in zip(rows, counts)]
         self._kept = [(r.source, sum(r.estimates)) for r in rows]
         for r in rows:
