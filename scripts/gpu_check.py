@@ -160,48 +160,73 @@ def runtime(kv: str, model):
     return StaticTorchRuntime(model, compile=kv == "compiled")
 
 
-def smollm2_shape(dev: str, dtype):
-    """Random weights at SmolLM2-135M's shape: the cost per forward of the real model, nothing to carry."""
+SHAPES = {  # random weights at a real model's shape: its cost per forward, nothing to carry
+    "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0),
+    "llama1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0),
+}
+
+
+def model_shape(name: str, dev: str, dtype):
+    """Random weights at the shape ``name`` (``SHAPES``), built on the device (fast at 1B)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                      rope_theta=100000.0, tie_word_embeddings=True)
+    cfg = LlamaConfig(**SHAPES[name], max_position_embeddings=8192, tie_word_embeddings=True)
     cfg._attn_implementation = "sdpa"
-    return LlamaForCausalLM(cfg).to(dev, dtype).eval()
+    with torch.device(dev):
+        return LlamaForCausalLM(cfg).to(dtype).eval()
 
 
-def speed(rows: list[Row], dev: str, n: int, compiled: bool) -> None:
-    """Plain and n-gram decoding at SmolLM2's shape: tok/s and host syncs per round."""
+def speed(rows: list[Row], dev: str, n: int, compiled: bool, deadline: float) -> None:
+    """Plain and n-gram decoding at SmolLM2's shape, plain at Llama-3.2-1B's: tok/s, host syncs per
+    round, and the warm-up (where the compiled step's buckets compile) in the note."""
     import torch
 
-    from spec_plugins.backends.torch_runtime import TorchRuntime
     from spec_plugins.proposers.ngram import NgramProposer
 
-    model = smollm2_shape(dev, torch.bfloat16 if dev == "cuda" else torch.float32)
-    g = torch.Generator(device="cpu").manual_seed(0)
-    block = torch.randint(0, 49152, (32,), generator=g, device="cpu").tolist()
-    prompts = [(block * 8)[:200 + 13 * i] for i in range(4)]  # repetitive: n-gram finds drafts
-    plans = [(name, prop, kv) for name, prop in (("plain", None), ("ngram (3 drafts)", NgramProposer(NgramProposer.Config())))
-             for kv in ("dynamic", "compiled") if compiled or kv == "dynamic"]
-    for name, prop, kv in plans:
-        for label, ps in (("1 row", prompts[:1]), ("batch of 4", prompts)):
-            row = Row(f"speed smollm2-shape {name} {kv} {label}")
-            rows.append(row)
+    kvs = ("dynamic", "compiled") if compiled else ("dynamic",)
+    ngram = NgramProposer(NgramProposer.Config())
+    plans = [("smollm2", name, prop, kv, label) for name, prop in (("plain", None), ("ngram (3 drafts)", ngram))
+             for kv in kvs for label in ("1 row", "batch of 4")]
+    plans += [("llama1b", "plain", None, kv, "1 row") for kv in kvs] if dev == "cuda" else []
+    models: dict = {}
+    for shape, name, prop, kv, label in plans:
+        row = Row(f"speed {shape}-shape {name} {kv} {label}")
+        rows.append(row)
+        if time.monotonic() > deadline:
+            row.note = "time budget spent"
+            continue
+        if shape not in models:
+            models.clear()  # one shape's weights on the device at a time
+            models[shape] = model_shape(shape, dev, torch.bfloat16 if dev == "cuda" else torch.float32)
+        model = models[shape]
+        g = torch.Generator(device="cpu").manual_seed(0)
+        block = torch.randint(0, model.config.vocab_size, (32,), generator=g, device="cpu").tolist()
+        prompts = [(block * 8)[:200 + 13 * i] for i in range(4)]  # repetitive: n-gram finds drafts
+        ps = prompts[:1] if label == "1 row" else prompts
+        try:
             rt = runtime(kv, model)
+            w0 = time.monotonic()
             decode_rows(rt, prop, ps, 8, False)  # warm-up (and compiles the buckets it meets)
+            decode_rows(rt, prop, ps, n, False)
             if dev == "cuda":
                 torch.cuda.synchronize()
+            warm = time.monotonic() - w0
             t0 = time.perf_counter()
-            outs, acc, syncs = decode_rows(rt, prop, ps, n, dev == "cuda")
+            outs, acc, _ = decode_rows(rt, prop, ps, n, False)
             if dev == "cuda":
                 torch.cuda.synchronize()
-            row.result, row.accepted = "ok", acc
             row.tps = f"{sum(map(len, outs)) / (time.perf_counter() - t0):.1f}"
-            if syncs and dev == "cuda":
-                row.syncs = f"{sorted(syncs)[len(syncs) // 2]} (max {max(syncs)})"
+            row.result, row.accepted, row.note = "ok", acc, f"warm-up {warm:.0f} s"
+            if dev == "cuda":  # an untimed pass under the sync debug mode
+                syncs = decode_rows(rt, prop, ps, min(n, 32), True)[2]
+                row.syncs = f"{sorted(syncs)[len(syncs) // 2]} (max {max(syncs)})" if syncs else "-"
+        except Exception as exc:
+            row.result, row.note = "FAIL", f"{type(exc).__name__}: {str(exc)[:140]}"
+            traceback.print_exc()
 
 
 def device_tests(rows: list[Row], deadline: float) -> None:
@@ -239,9 +264,9 @@ def main() -> int:
     deadline = t0 + args.budget
     rows: list[Row] = []
     compiled = args.compile == "on" or (args.compile == "auto" and dev == "cuda")
-    exactness(rows, dev, args.max_new, deadline, compiled)
+    exactness(rows, dev, args.max_new, t0 + 0.55 * args.budget, compiled)  # the rest is left for the speed rows
     if args.speed_tokens and time.monotonic() < deadline:
-        speed(rows, dev, args.speed_tokens, compiled)
+        speed(rows, dev, args.speed_tokens, compiled, deadline)
     if not args.cpu and time.monotonic() < deadline:
         device_tests(rows, deadline)
     print(f"\ngpu_check: {where}, {time.monotonic() - t0:.0f} s; exactness: greedy, {args.max_new} tokens x "
