@@ -21,6 +21,7 @@ from spec_plugins.backends.base import RuntimeCapabilities, StepOutput, Want
 from spec_plugins.backends.slot_runtime import SlotRuntime
 from spec_plugins.slots import KVSlots
 from spec_plugins.config import RuntimeConfig
+from spec_plugins.transfer import upload
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -196,10 +197,10 @@ class TorchRuntime(SlotRuntime):
         if self.cache is None:
             self.cache = DynamicCache(config=self.model.config)
         before = hf_compat.cached_length(self.cache)
-        kwargs: dict[str, Any] = dict(input_ids=ids.to(self.device), position_ids=pos.to(self.device),
+        kwargs: dict[str, Any] = dict(input_ids=upload(ids, self.device), position_ids=upload(pos, self.device),
                                       use_cache=True)
         if mask is not None:
-            kwargs["attention_mask"] = mask.to(self.device)
+            kwargs["attention_mask"] = upload(mask, self.device)
         with torch_kernels.active() if self.kernels is not None else contextlib.nullcontext():
             if not want_hidden:
                 if prefill:

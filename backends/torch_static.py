@@ -31,7 +31,7 @@ import torch
 
 from spec_plugins.backends.base import StepOutput, Want
 from spec_plugins.backends.torch_runtime import TorchRuntime, load_for, pick_device, selects_static
-from spec_plugins.slots import HOST
+from spec_plugins.transfer import upload
 
 MIN_CAPACITY = 64  # slots; capacity doubles as rows grow (one graph per capacity, log2 of them)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -168,15 +168,12 @@ class StaticTorchRuntime(TorchRuntime):
     def _forward_mask(self, ancestors: torch.Tensor) -> _Mask:
         n = int(ancestors.shape[0])
         past = (self.slots.pos[:, : self.slots.slots - n] >= 0)
-        return _Mask(past.to(self.device, non_blocking=True), self._on_device(ancestors))
+        return _Mask(upload(past, self.device), upload(ancestors, self.device))
 
     def _prefill_mask(self, start: int, end: int) -> torch.Tensor:
         """A prompt chunk's mask (left padding as holes): the slot layer's, as booleans, on the
         device (once per request)."""
-        return (self.slots.prefill_mask(start, end, torch.float32) == 0).to(self.device)
-
-    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
-        return t if t.device == self.device else t.to(self.device, non_blocking=True)
+        return upload(self.slots.prefill_mask(start, end, torch.float32) == 0, self.device)
 
     def _build(self, mask: Any, B: int, n: int, S: int, Bb: int, Nb: int) -> torch.Tensor:
         """The step's boolean mask [Bb, 1, Nb, capacity]: past slots, then the new nodes' own
@@ -208,8 +205,8 @@ class StaticTorchRuntime(TorchRuntime):
         self.cache.write_at.fill_(S)
         m = self._build(mask, B, n, S, Bb, Nb)
         # always new tensors made here (inference tensors: a graph guards on that too), padded to the bucket
-        ids = torch.nn.functional.pad(ids.to(self.device), (0, Nb - n, 0, Bb - B))
-        pos = torch.nn.functional.pad(pos.to(self.device), (0, Nb - n, 0, Bb - B))
+        ids = torch.nn.functional.pad(upload(ids, self.device), (0, Nb - n, 0, Bb - B))
+        pos = torch.nn.functional.pad(upload(pos, self.device), (0, Nb - n, 0, Bb - B))
         before = self.cache.updates
         logits, feats = (self._step(want_hidden) if compiled else self._eager)(ids, pos, m, want_hidden)
         if not compiled and self.cache.updates != before + self._layers:

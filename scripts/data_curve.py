@@ -53,7 +53,7 @@ def main() -> None:
     ap.add_argument("--curve", default="eagle-16000,eagle-48000,eagle-128000,eagle-full")
     ap.add_argument("--ablation", default="abl-b1-full,abl-b1-no-ttt,abl-b1-no-fused,abl-b1-top1,abl-b1-self")
     ap.add_argument("--medusa", default="medusa-full")
-    ap.add_argument("--longer", default="eagle-b1-e2,eagle-1.5M-b1",
+    ap.add_argument("--longer", default="eagle-b1-e2,eagle-1.5M-b1,gpu-eagle-19M",
                     help="the full recipe trained longer (batch 1, several epochs, more data): the next rungs")
     ap.add_argument("--only", default=None, help="measure only these runs (comma list)")
     ap.add_argument("--merge", action="store_true", help="keep the rows of --out that are not measured again")
@@ -90,7 +90,7 @@ def main() -> None:
         row = {"kind": kind, "train_tokens": rep["train_tokens"], "train_seconds": rep["train_seconds"],
                "steps": rep["steps"], "draft_vocab": rep["draft_vocab"], "coverage": rep["draft_vocab_coverage"],
                "heldout": rep.get("heldout"), "head_bytes": rep["head_bytes"], "train": rep["train"],
-               "features": rep["features"].get("responses"), "machine": machine()}
+               "features": rep["features"].get("responses"), "machine": rep.get("trained_on") or machine()}
         modes = ("tree", "chain")
         for mode in modes:
             row[f"accepted_{mode}"] = accepted(target, d, kind, mode, prompts, args.new_tokens)

@@ -21,7 +21,6 @@ Installs nothing and downloads nothing (``gpu_check.sh`` installs carried wheels
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import subprocess
 import sys
@@ -111,7 +110,6 @@ def exactness(rows: list[Row], dev: str, n: int, deadline: float, compiled: bool
     from conftest import tiny_llama
     from helpers import EVERY_PROPOSER, every_proposer, save_random_heads
 
-    from spec_plugins.backends.torch_runtime import TorchRuntime
     from spec_plugins.bench.reference import compare, greedy_reference
 
     heads = save_random_heads(tiny_llama(vocab=64, seed=2, sharpness=3.0, layers=4, hidden=128, max_pos=1024),

@@ -107,6 +107,7 @@ class DeviceAudit(TorchFunctionMode):
 
 
 # ---- host syncs, counted without a GPU --------------------------------------------------------------
+_UPLOADS = {"tensor", "as_tensor"}  # host data -> a device tensor, one blocking copy
 _SYNCS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu", "__array__"}
 
 
@@ -117,8 +118,11 @@ class HostSyncs(TorchFunctionMode):
     (``torch.device("cpu", 0)`` against ``HOST = torch.device("cpu")``, the same memory): every
     tensor made with that device, moved to it, or computed from such a tensor is "on the device";
     reading one back to Python (``tolist``, ``item``, ``bool``, ``int``, ``cpu``, ``numpy``,
-    ``.to(host)``) is what blocks on a GPU, and is counted. Tensors made on the host (slot
-    bookkeeping, drafts built there) are not device tensors."""
+    ``.to(host)``) is what blocks on a GPU, and is counted. So is a blocking upload of host data
+    (``torch.tensor(data, device=...)``, ``.to(device)`` without ``non_blocking``): on CUDA it
+    synchronizes the stream (``torch.cuda``'s sync debug mode counts both; the H200 run found 3
+    per greedy round where reads alone counted 1). Tensors made on the host (slot bookkeeping,
+    drafts built there) are not device tensors."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
@@ -144,9 +148,18 @@ class HostSyncs(TorchFunctionMode):
         if src is not None and self._on_dev(src) and (name in _SYNCS or to_host):
             self.count += 1
             self.where.append(f"{name} at {_caller() or '?'}")
-        out = func(*args, **kwargs)
         made_here = kwargs.get("device") == self.device or (name == "to" and any(
             a == self.device for a in (*args[1:], kwargs.get("device")) if isinstance(a, torch.device)))
+        # an upload of host data that waits for it (CUDA: a blocking copy synchronizes the stream);
+        # ``non_blocking=True`` (from pinned memory on CUDA, ``transfer.upload``) does not
+        blocking = not kwargs.get("non_blocking", False)
+        upload = made_here and blocking and (name in _UPLOADS or (name == "to" and src is not None and not on_dev))
+        upload = upload or (name == "copy_" and src is not None and self._on_dev(src) and blocking
+                            and isinstance(args[1], torch.Tensor) and not self._on_dev(args[1]))
+        if upload:
+            self.count += 1
+            self.where.append(f"upload {name} at {_caller() or '?'}")
+        out = func(*args, **kwargs)
         if (on_dev and not to_host and name not in _SYNCS) or made_here:
             for t in _flat((out,), {}):
                 if isinstance(t, torch.Tensor):

@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 import torch
 
 from spec_plugins.config import SamplingConfig
+from spec_plugins.transfer import upload_tensor
 from spec_plugins.tree import paths
 
 # transformers-compatible: processor(input_ids [R, L] long, scores [R, V] float) -> scores
@@ -103,14 +104,14 @@ class LogitsPipeline:
             return self.warp(logits)
         B, N, V = logits.shape
         dev = logits.device
-        seqs = [s if isinstance(s, torch.Tensor) else torch.tensor(list(s), dtype=torch.long, device=dev)
+        seqs = [s if isinstance(s, torch.Tensor) else upload_tensor(list(s), dev)
                 for s in sequences]
         out = logits.clone()
         by_len: dict[int, list[int]] = {}
         for b, s in enumerate(seqs):
             by_len.setdefault(int(s.shape[0]), []).append(b)
         for L, rows in by_len.items():
-            ridx = torch.tensor(rows, dtype=torch.long, device=dev)
+            ridx = upload_tensor(rows, dev)
             seq, tok = torch.stack([seqs[b] for b in rows]), tokens[ridx]  # [R, L], [R, N]
             R = len(rows)
             for nodes, path in _depth_groups(parents, dev):
@@ -172,8 +173,7 @@ def _depth_groups(parents: tuple[int, ...], device: torch.device) -> list[tuple[
     groups: dict[int, list[tuple[int, ...]]] = {}
     for j, path in enumerate(paths(parents)):
         groups.setdefault(len(path) - 1, []).append((j,) + path[1:])
-    return [(torch.tensor([p[0] for p in g], dtype=torch.long, device=device),
-             torch.tensor([p[1:] for p in g], dtype=torch.long, device=device).reshape(len(g), d))
+    return [(upload_tensor([p[0] for p in g], device), upload_tensor([p[1:] for p in g], device).reshape(len(g), d))
             for d, g in sorted(groups.items())]
 
 

@@ -18,6 +18,8 @@ from typing import Sequence
 
 import torch
 
+from spec_plugins.transfer import upload
+
 HOST = torch.device("cpu")  # where slot bookkeeping lives (positions, plans); KV tensors live with the engine
 
 
@@ -37,7 +39,7 @@ class SlotPlan:
         """The same plan with its gather index on ``device`` (copied once for every KV tensor)."""
         if self.gather is None or self.gather.device == device:
             return self
-        return SlotPlan(self.slots, self.start, self.gather.to(device))
+        return SlotPlan(self.slots, self.start, upload(self.gather, device))
 
     @torch.inference_mode()
     def apply(self, kv: torch.Tensor) -> torch.Tensor:

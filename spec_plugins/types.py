@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable, Sequence
 
 import torch
 
+from spec_plugins.transfer import upload
+
 if TYPE_CHECKING:
     from spec_plugins.config import SamplingConfig
     from spec_plugins.sampling import LogitsPipeline, LogitsProcessorFn
@@ -63,7 +65,7 @@ class Draft:
     def to(self, device: torch.device) -> "Draft":
         """The same draft with every tensor on ``device`` (a no-op where they already are); a
         host ``valid`` is kept for the host-side statistics."""
-        move = lambda t: t if t is None or t.device == device else t.to(device)  # noqa: E731
+        move = lambda t: t if t is None else upload(t, device)  # noqa: E731
         host = self.valid if self.valid is not None and self.valid.device.type == "cpu" else self.host_valid
         return Draft(move(self.tokens), self.parents, move(self.probs), move(self.valid), host)
 

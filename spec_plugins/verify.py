@@ -42,6 +42,7 @@ from functools import lru_cache
 import torch
 
 from spec_plugins.sampling import sample
+from spec_plugins.transfer import upload
 from spec_plugins.tree import children, layout
 from spec_plugins.types import DeviceVerdict, Verdict
 
@@ -59,7 +60,7 @@ def _topology(parents: tuple[int, ...], device: torch.device) -> tuple[torch.Ten
     for i, p in enumerate(parents):
         for j in range(i):
             earlier[i, j] = parents[j] == p
-    return tuple(t.to(device) for t in (par, lay.ancestors, earlier, lay.depth))
+    return tuple(upload(t, device) for t in (par, lay.ancestors, earlier, lay.depth))
 
 
 def follow(x: torch.Tensor, parents: tuple[int, ...], y: torch.Tensor, valid: torch.Tensor | None = None

@@ -46,19 +46,25 @@ def test_static_path_is_token_identical_to_the_dynamic_path(kind, rows, tmp_path
     assert got["static"] == got["dynamic"] == [plain_greedy(model, p, 16) for p in prompts]
 
 
-def test_rows_joining_a_running_static_batch_equal_their_solo_output():
+@pytest.mark.parametrize("kind", EVERY_PROPOSER)
+def test_rows_joining_a_running_static_batch_equal_their_solo_output(kind, tmp_path):
+    """The server's batch (``loop.Batch``) over the static cache: rows join a running batch
+    (prefilled apart and copied into the buffers) and leave it; each row's output is plain greedy
+    decoding's, for every proposer."""
     from test_batch import drive
 
     from spec_plugins.loop import Batch
-    from spec_plugins.proposers.ngram import NgramProposer
     from spec_plugins.types import RowRequest
 
     model = tiny_llama(seed=3, sharpness=2.0)
-    batch = Batch(StaticTorchRuntime(model), NgramProposer(NgramProposer.Config()), ExactVerifier())
+    heads = save_random_heads(model, tmp_path)
+    rt = StaticTorchRuntime(model)
+    batch = Batch(rt, every_proposer(kind, rt, heads, draft=lambda: StaticTorchRuntime(model)), ExactVerifier())
     reqs = [RowRequest(i, p, n) for i, (p, n) in enumerate(zip(PROMPTS * 2, [20, 7, 30, 12, 9, 25]))]
     outs = drive(batch, FixedLength(4), {0: reqs[:1], 2: reqs[1:3], 5: reqs[3:5], 9: reqs[5:]})
     for r in reqs:
-        assert outs[r.key] == plain_greedy(model, r.prompt, r.max_new_tokens), r.key
+        assert outs[r.key] == plain_greedy(model, r.prompt, r.max_new_tokens), (kind, r.key)
+    assert len(batch) == 0 and rt.lengths() == []
 
 
 def test_the_compiled_step_is_one_graph_and_equal_to_eager():
@@ -134,6 +140,15 @@ def test_the_sync_counter_sees_a_read_of_device_data():
         _ = bool(x[0] > 0)
         _ = x.to("cpu")
     assert host and syncs.count == 3
+    # uploads that wait (a blocking copy synchronizes a CUDA stream) count; transfer.upload's do not
+    from spec_plugins.transfer import upload, upload_tensor
+
+    with HostSyncs(dev) as syncs:
+        _ = torch.tensor([1, 2], device=dev)
+        _ = torch.ones(2, device="cpu").to(dev)
+        _ = torch.ones(2, device=dev) + 1  # made there: no transfer
+        _ = upload(torch.ones(2, device="cpu"), dev), upload_tensor([[1, 2]], dev)
+    assert syncs.count == 2, syncs.where
 
 
 def test_the_static_settings_are_checked_where_they_are_read():

@@ -23,6 +23,7 @@ from spec_plugins.stats import DecodeStats
 from spec_plugins.tree import TreeLayout, layout, with_root
 from spec_plugins.types import (BatchView, DeviceVerdict, Draft, Emission, ProposeContext, Ranked, RoundRecord,
                                 RowRequest, RowStop, Verdict)
+from spec_plugins.transfer import upload_tensor
 
 GREEDY = SamplingConfig()
 
@@ -122,7 +123,7 @@ class Batch:
         try:
             if self.traits.row_aware:
                 self.proposer.admit([r.prompt for r in live])
-            pending = torch.tensor([[r.tokens[-1]] for r in new], device=self.device)
+            pending = upload_tensor([[r.tokens[-1]] for r in new], self.device)
             z = self._process(new, step.logits[:, -1:], pending, (-1,))
             verdict = self._verify(new, None, z)
         except BaseException:
@@ -217,7 +218,7 @@ class Batch:
     def verify_input(self, draft: Draft | None) -> tuple[torch.Tensor, TreeLayout]:
         """The forward's input [B, 1 + n] (pending token + drafted nodes) on the runtime's device,
         and the layout of root + nodes."""
-        pending = torch.tensor([[r.tokens[-1]] for r in self.rows], dtype=torch.long, device=self.device)
+        pending = upload_tensor([[r.tokens[-1]] for r in self.rows], self.device)
         if draft is None:
             return pending, layout((-1,))
         return torch.cat([pending, draft.tokens.to(torch.long)], 1), layout(with_root(draft.parents))

@@ -182,6 +182,7 @@ def run(bundle: str | Path, out: str | Path, work: str | Path, opts: RunOptions)
         (out / kind).mkdir(parents=True, exist_ok=True)  # no snapshot yet when the run was short
         for f in HEAD_FILES:
             shutil.copyfile(work / kind / f, out / kind / f)
+        _stamp(out / kind / "train_report.json", report["device"])
         del running[kind]
         report["heads"][kind] = {**watch.summary(), "wall_s": round(time.time() - t0, 1), "steps": rep["steps"],
                                  "scheduled_steps": rep["scheduled_steps"], "train_tokens_per_epoch": rep["train_tokens"],
@@ -193,6 +194,13 @@ def run(bundle: str | Path, out: str | Path, work: str | Path, opts: RunOptions)
         report["device"]["max_memory_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 2)
     write()
     return report
+
+
+def _stamp(path: Path, device: dict[str, Any]) -> None:
+    """Name the machine a head was trained on in its report (the data curve's "machine" column)."""
+    rep = json.loads(path.read_text())
+    rep["trained_on"] = f"{device.get('name', device['type'])} (torch {device['torch']}, transformers {device['transformers']})"
+    path.write_text(json.dumps(rep, indent=2) + "\n")
 
 
 def _device_info(dev: torch.device) -> dict[str, Any]:
