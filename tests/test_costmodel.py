@@ -187,3 +187,19 @@ def test_a_configured_depth_over_a_cost_cut_tree_is_drafted_whole_or_not_at_all(
         assert policy.length.all_or_nothing and policy.choose(view) == [want]
     fixed_len = build_policy(prop.config.model_copy(update={"tree_nodes": 8}), prop, costs)
     assert fixed_len.choose(view) == [16]  # nothing sized by cost: the configured depth, always
+
+
+def test_a_hybrid_keeps_its_configured_depth_because_it_prices_its_drafters_itself():
+    """A hybrid skips each child in the rounds where its drafting does not pay (its own test), so
+    the length policy must not gate its depth on the children's summed cost as well: that gate
+    drafted nothing at all on the dev prompts (hybrid 0.98x plain, 1.00 accepted per forward)."""
+    from spec_plugins.policy import build_policy
+    from spec_plugins.policy.cost import DraftCost
+    from spec_plugins.proposers.hybrid import HybridProposer
+
+    hyb = HybridProposer(HybridProposer.Config(num_draft_tokens=16, proposers=[
+        {"type": "suffix", "tree_nodes": 8}, {"type": "suffix", "scope": "global", "tree_nodes": 8}]))
+    costs = Costs(ForwardCost.from_curve([0.01] * 33), frozen=True)
+    costs.set_drafter(hyb, DraftCost(per_call=0.1))  # dear in sum: ten forwards a round
+    policy = build_policy(hyb.config, hyb, costs)
+    assert policy.choose(BatchView([[1, 2, 3]], [99])) == [16]

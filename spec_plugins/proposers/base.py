@@ -16,6 +16,9 @@ class registers (``check_proposer_class``) and when a batch is built (``Proposer
   are trees; ``propose`` returns ranked candidates (``types.Ranked``) for the draft policy to size.
   A feature drafter that reads decoder-layer outputs rather than the last hidden state names
   them in ``feature_layers`` (EAGLE-3).
+- ``prices_drafting`` class flag: the proposer decides itself, per round, whether each of its
+  drafters is worth paying for (a hybrid's skip test), so the length policy does not gate its
+  configured depth a second time.
 
 A proposer is a subclass of ``Proposer`` (the flags have their defaults there), checked once.
 """
@@ -39,6 +42,7 @@ class Proposer:
     needs_hidden: bool = False  # ask the target for hidden states (a hybrid: if a child does)
     tree: bool = False  # drafts trees (needs a runtime with tree masks)
     ranks: ClassVar[bool] = False  # propose() returns ranked candidates (types.Ranked), sized by the policy
+    prices_drafting: ClassVar[bool] = False  # skips its own drafters when they do not pay (module docstring)
     feature_layers: tuple[int, ...] = ()  # decoder-layer outputs it reads instead of the last hidden state
 
     def propose(self, ctx: ProposeContext) -> Draft | None:
@@ -134,6 +138,7 @@ class ProposerTraits:
     ranks: bool = False
     remembers: bool = False
     reports: bool = False
+    prices_drafting: bool = False
 
     @property
     def want_hidden(self) -> "bool | tuple[int, ...]":
@@ -147,4 +152,5 @@ class ProposerTraits:
         check_proposer_class(type(proposer))
         return ProposerTraits(isinstance(proposer, RowAware), isinstance(proposer, Keyed), bool(proposer.needs_hidden),
                               bool(proposer.tree), tuple(proposer.feature_layers), type(proposer).ranks,
-                              isinstance(proposer, Remembers), isinstance(proposer, ReportsMetrics))
+                              isinstance(proposer, Remembers), isinstance(proposer, ReportsMetrics),
+                              type(proposer).prices_drafting)

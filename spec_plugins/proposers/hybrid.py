@@ -45,6 +45,7 @@ class HybridProposer(Proposer):
 
     tree = True
     ranks = True
+    prices_drafting = True  # each child is skipped in a round where its drafting does not pay
 
     class Config(ProposerConfig):
         type: Literal["hybrid"] = "hybrid"
