@@ -44,10 +44,10 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def selects_static(config: Any) -> bool:
     """Whether a torch config runs on the static cache: asked for, implied by compiling, or ``auto`` on
-    CUDA (on a CPU the compiled step was measured slower than the growing cache: docs/runtimes/torch.md)."""
+    CUDA (on a CPU compiling each bucket takes ~30 s, which a generation does not pay back: docs/runtimes/torch.md)."""
     if config.kv != "auto":
         return config.kv == "static"
-    return config.compile == "on" or pick_device(config.device).type == "cuda"
+    return config.compile in ("on", "graphs") or pick_device(config.device).type == "cuda"
 
 
 def load_for(config: Any) -> tuple[Any, Any]:
@@ -122,14 +122,17 @@ class TorchRuntime(SlotRuntime):
         kv: Literal["auto", "dynamic", "static"] = Field(
             "auto", description="'static': KV buffers preallocated on the device, written by slot, fixed shapes "
             "(backends/torch_static.py); 'dynamic': a growing transformers cache; 'auto': static on CUDA.")
-        compile: Literal["auto", "on", "off"] = Field(
+        compile: Literal["auto", "on", "off", "graphs"] = Field(
             "auto", description="Compile the static verify step per shape bucket (torch.compile fullgraph; CUDA "
-            "graphs on CUDA). 'auto': on CUDA only (measured slower on CPU); needs kv: static.")
+            "graphs on CUDA). 'auto': on CUDA only (on a CPU each bucket compiles ~30 s); 'graphs': CUDA only, the eager step "
+            "captured as CUDA graphs without a compiler (milliseconds per bucket instead of tens of seconds); "
+            "needs kv: static.")
 
         @model_validator(mode="after")
         def _check_compile(self) -> "TorchRuntime.Config":
-            if self.compile == "on" and self.kv == "dynamic":
-                raise ValueError("compile: on needs kv: static (a growing cache has no fixed shapes to compile)")
+            if self.compile in ("on", "graphs") and self.kv == "dynamic":
+                raise ValueError(f"compile: {self.compile} needs kv: static (a growing cache has no fixed shapes "
+                                 "to compile)")
             if self.matmul == "auto_transposed" and self.kv == "static":
                 raise ValueError("matmul: auto_transposed needs kv: dynamic (a static cache runs native kernels)")
             return self

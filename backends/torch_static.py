@@ -18,8 +18,9 @@ as a CUDA graph on an H200 (``../shared/gpu``). A graph needs fixed shapes and f
   (CUDA graphs). Padding rows and positions attend to their own slot only (finite, never read).
   Prefill stays eager.
 
-``compile: auto`` compiles on CUDA only: on the CPUs measured here the compiled step was not
-faster than eager (docs/runtimes/torch.md). The cost model measures whichever path runs.
+``compile: auto`` compiles on CUDA only: on the CPU measured here the compiled step was 15-23 %
+faster per forward but each bucket compiled for about 32 s, a cold start a generation does not
+pay back (docs/runtimes/torch.md). The cost model measures whichever path runs.
 """
 
 from __future__ import annotations
@@ -93,24 +94,33 @@ class StaticTorchRuntime(TorchRuntime):
 
     @classmethod
     def from_config(cls, config: "TorchRuntime.Config") -> "StaticTorchRuntime":
-        """Compiled where asked, or with ``compile: auto`` on CUDA (measured slower on a CPU)."""
+        """Compiled where asked, or with ``compile: auto`` on CUDA (a CPU's compile time is not paid back)."""
         if not selects_static(config):
             raise ValueError(f"this torch config selects the growing cache (kv: {config.kv}): build it with "
                              "spec_plugins.backends.build_runtime")
-        compile_ = config.compile == "on" or (config.compile == "auto" and pick_device(config.device).type == "cuda")
+        cuda = pick_device(config.device).type == "cuda"
+        if config.compile == "graphs" and not cuda:
+            raise ValueError(f"compile: graphs captures CUDA graphs: it needs a CUDA device, got {config.device!r} "
+                             f"({pick_device(config.device)}); use compile: on or off there")
+        compile_ = config.compile == "on" or (config.compile == "auto" and cuda)
         model, tok = load_for(config)
-        return cls(model, tok, max_context=config.max_context, compile=compile_)
+        return cls(model, tok, max_context=config.max_context, compile=compile_, graphs=config.compile == "graphs")
 
     def __init__(self, model: Any, tokenizer: Any = None, max_context: int | None = None,
-                 compile: bool = False) -> None:
+                 compile: bool = False, graphs: bool = False) -> None:
         # the measured few-row matmul kernels patch calls at run time: not inside a compiled graph
         super().__init__(model, tokenizer, max_context, matmul="native")
         cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
         self._layers = int(cfg.num_hidden_layers)
         self._kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
         self._head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-        self.compile = compile
+        if graphs and (compile or self.device.type != "cuda"):
+            raise ValueError(f"graphs: CUDA graphs of the eager step, on a CUDA device and instead of compiling "
+                             f"(device {self.device}, compile={compile})")
+        self.compile, self.graphs = compile, graphs
         self._steps: dict[Want, Callable] = {}
+        self._graphs: dict[tuple, CapturedStep] = {}  # (output kind, rows, positions, capacity) -> its graph
+        self._pool: Any = None  # one CUDA graph memory pool for all of them (replayed one at a time)
         self.cache: SlotCache | None = None
         self._live = (0, 0)  # rows and slots the buffers hold (what ``kv`` views)
         # SDPA and flash attention take a boolean mask; the eager implementation adds it to scores
@@ -126,8 +136,10 @@ class StaticTorchRuntime(TorchRuntime):
         cap = max(min(cap, self.max_context + WIDTH_BUCKETS[-1]), slots)
         live = self.kv
         self.cache = SlotCache(self._layers, bucket(rows, ROW_BUCKETS), cap, self._kv_heads, self._head_dim,
-                               self.dtype, self.device, static_addresses=self.compile and self.device.type == "cuda")
+                               self.dtype, self.device,
+                               static_addresses=(self.compile or self.graphs) and self.device.type == "cuda")
         self._steps.clear()  # new buffers: a graph captured on the old ones would write there
+        self._graphs.clear()
         if live:
             self.kv = live
 
@@ -199,7 +211,7 @@ class StaticTorchRuntime(TorchRuntime):
     def _call(self, ids: torch.Tensor, pos: torch.Tensor, mask: Any, want_hidden: Want, prefill: bool) -> StepOutput:
         B, n = ids.shape
         S = self.slots.slots - n if not prefill else 0
-        compiled = self.compile and not prefill and n <= WIDTH_BUCKETS[-1]
+        compiled = (self.compile or self.graphs) and not prefill and n <= WIDTH_BUCKETS[-1]
         Bb, Nb = (bucket(B, ROW_BUCKETS), bucket(n, WIDTH_BUCKETS)) if compiled else (B, n)
         self._ensure(Bb, S + Nb)
         self.cache.write_at.fill_(S)
@@ -208,7 +220,8 @@ class StaticTorchRuntime(TorchRuntime):
         ids = torch.nn.functional.pad(upload(ids, self.device), (0, Nb - n, 0, Bb - B))
         pos = torch.nn.functional.pad(upload(pos, self.device), (0, Nb - n, 0, Bb - B))
         before = self.cache.updates
-        logits, feats = (self._step(want_hidden) if compiled else self._eager)(ids, pos, m, want_hidden)
+        step = (self._captured if self.graphs else self._step(want_hidden)) if compiled else self._eager
+        logits, feats = step(ids, pos, m, want_hidden)
         if not compiled and self.cache.updates != before + self._layers:
             raise RuntimeError(f"{type(self.model).__name__} did not write into the static KV cache it was given "
                                f"({self.cache.updates - before} of {self._layers} layers): this transformers "
@@ -234,6 +247,16 @@ class StaticTorchRuntime(TorchRuntime):
             logits = torch.tanh(logits / self._softcap) * self._softcap
         return logits, torch.cat([dec.hidden_states[i] for i in layers], -1) if layers else h
 
+    def _captured(self, ids: torch.Tensor, pos: torch.Tensor, m: torch.Tensor, want_hidden: Want
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``graphs``: this bucket's CUDA graph of the eager step (captured on first use), replayed."""
+        key = (want_hidden, *ids.shape, m.shape[-1])
+        g = self._graphs.get(key)
+        if g is None:
+            self._pool = self._pool if self._pool is not None else torch.cuda.graph_pool_handle()
+            g = self._graphs[key] = CapturedStep(self._eager, ids, pos, m, want_hidden, self._pool)
+        return g(ids, pos, m)
+
     def _step(self, want_hidden: Want) -> Callable:
         """The compiled step for this output kind (one graph per shape bucket, compiled on first use)."""
         fn = self._steps.get(want_hidden)
@@ -246,3 +269,32 @@ class StaticTorchRuntime(TorchRuntime):
             mode = "reduce-overhead" if self.device.type == "cuda" else None
             fn = self._steps[want_hidden] = torch.compile(self._eager, fullgraph=True, dynamic=False, mode=mode)
         return fn
+
+
+class CapturedStep:
+    """One CUDA graph of a fixed-shape step: the inputs are copied into static buffers before each
+    replay and the outputs cloned after it (the next replay overwrites them). Capturing runs the
+    step twice on a side stream first (lazy kernel and workspace set-up), as CUDA graphs require;
+    those runs write the same KV slots the real call writes, with the same values."""
+
+    def __init__(self, step: Callable, ids: torch.Tensor, pos: torch.Tensor, m: torch.Tensor, want_hidden: Want,
+                 pool: Any) -> None:
+        self.ids, self.pos, self.m = ids.clone(), pos.clone(), m.clone()
+        side = torch.cuda.Stream(device=ids.device)
+        side.wait_stream(torch.cuda.current_stream(ids.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step(self.ids, self.pos, self.m, want_hidden)
+        torch.cuda.current_stream(ids.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.out = step(self.ids, self.pos, self.m, want_hidden)
+
+    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self.ids.copy_(ids)
+        self.pos.copy_(pos)
+        self.m.copy_(m)
+        self.graph.replay()
+        logits, feats = self.out
+        return logits.clone(), feats.clone() if feats is not None else None
+

@@ -123,6 +123,7 @@ def exactness(rows: list[Row], dev: str, n: int, deadline: float, compiled: bool
         # (each new shape bucket compiles, which costs device time)
         cases = [(kind, kv) for kind in EVERY_PROPOSER for kv in ("dynamic", "static")]
         cases += [("ngram", "compiled")] if compiled else []
+        cases += [("ngram", "graphs"), ("eagle-tree", "graphs")] if dev == "cuda" else []
         for kind, kv in cases:
             for batched in (False, True):
                 row = Row(f"{kind} {dname} {kv} {'batch of 3' if batched else '1 row'}")
@@ -149,13 +150,14 @@ def exactness(rows: list[Row], dev: str, n: int, deadline: float, compiled: bool
 
 
 def runtime(kv: str, model):
-    """The torch runtime over ``model``: a growing cache, the static one eager, or it compiled."""
+    """The torch runtime over ``model``: a growing cache, the static one eager, compiled, or its
+    eager step captured as CUDA graphs (``graphs``, no compiler)."""
     from spec_plugins.backends.torch_runtime import TorchRuntime
     from spec_plugins.backends.torch_static import StaticTorchRuntime
 
     if kv == "dynamic":
         return TorchRuntime(model, matmul="native")
-    return StaticTorchRuntime(model, compile=kv == "compiled")
+    return StaticTorchRuntime(model, compile=kv == "compiled", graphs=kv == "graphs")
 
 
 SHAPES = {  # random weights at a real model's shape: its cost per forward, nothing to carry
@@ -185,7 +187,8 @@ def speed(rows: list[Row], dev: str, n: int, compiled: bool, deadline: float) ->
 
     from spec_plugins.proposers.ngram import NgramProposer
 
-    kvs = ("dynamic", "compiled") if compiled else ("dynamic",)
+    kvs = ("dynamic", "graphs", "compiled") if compiled else ("dynamic",)
+    kvs = kvs if dev == "cuda" else tuple(k for k in kvs if k != "graphs")
     ngram = NgramProposer(NgramProposer.Config())
     plans = [("smollm2", name, prop, kv, label) for name, prop in (("plain", None), ("ngram (3 drafts)", ngram))
              for kv in kvs for label in ("1 row", "batch of 4")]

@@ -76,7 +76,8 @@ def main() -> int:
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--compile", default="on", choices=("on", "off"), help="off: the static cache eager (CPU smoke)")
+    ap.add_argument("--compile", default="graphs", choices=("graphs", "on", "off"),
+                    help="the static path: CUDA graphs of the eager step (graphs), torch.compile (on), eager (off: CPU smoke)")
     ap.add_argument("--eager-spec", action="store_true", help="also n-gram auto on the eager runtime")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds: stop starting new prompts after this")
     ap.add_argument("--out", default=None)
@@ -99,7 +100,7 @@ def main() -> int:
     print(f"loaded in {time.monotonic() - t0:.0f} s; {len(ids)} prompts of {min(map(len, ids))}-{max(map(len, ids))} "
           f"tokens, {args.max_new} new tokens each", flush=True)
     report: dict = {"device": where, "torch": torch.__version__, "transformers": transformers.__version__,
-                    "model": Path(args.model).name, "dtype": args.dtype, "max_new": args.max_new,
+                    "model": Path(args.model).name, "dtype": args.dtype, "compile": args.compile, "max_new": args.max_new,
                     "prompts": [p.question_id for p in prompts], "methods": {}}
 
     def save() -> None:

@@ -81,6 +81,34 @@ def test_the_compiled_step_is_one_graph_and_equal_to_eager():
     assert _outs(eager, NgramProposer(NgramProposer.Config()), PROMPTS, n=12) == out
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compile: graphs captures CUDA graphs; no CUDA device "
+                    "here (scripts/gpu_check.sh runs it on a lent GPU)")
+@pytest.mark.parametrize("kind", ["ngram", "eagle-tree"])
+def test_captured_cuda_graphs_equal_plain_greedy(kind, tmp_path):
+    """``compile: graphs``: the eager step captured per bucket (no compiler) gives plain greedy
+    decoding's tokens, one row and a batch with holes, and captured one graph per bucket."""
+    model = tiny_llama(seed=3, sharpness=2.0)
+    heads = save_random_heads(model, tmp_path)
+    model = model.to("cuda")
+    rt = StaticTorchRuntime(model, graphs=True)
+    for prompts in ([PROMPTS[0]], PROMPTS):
+        assert _outs(rt, every_proposer(kind, rt, heads), prompts, n=12) == [plain_greedy(model, p, 12) for p in prompts]
+    assert rt._graphs and len(rt._graphs) == len(set(rt._graphs))
+
+
+def test_graphs_are_refused_where_there_is_no_cuda():
+    """``compile: graphs`` needs CUDA: refused by name on a CPU (nothing falls back silently)."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValueError, match="graphs"):
+        StaticTorchRuntime(tiny_llama(seed=3), graphs=True)
+    with pytest.raises(ValidationError, match="compile: graphs needs kv: static"):
+        TorchRuntime.Config(model="x", kv="dynamic", compile="graphs")
+    cfg = TorchRuntime.Config(model="smollm2-135m-instruct", device="cpu", compile="graphs")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        StaticTorchRuntime.from_config(cfg)
+
+
 @pytest.mark.parametrize("kind", ["ngram", "draft"])
 def test_sampling_through_the_static_cache_is_exact(kind):
     from test_exact_sampling import PROMPT, V, _draft, speculative_samples
