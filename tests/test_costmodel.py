@@ -187,6 +187,11 @@ def test_a_configured_depth_over_a_cost_cut_tree_is_drafted_whole_or_not_at_all(
         assert policy.length.all_or_nothing and policy.choose(view) == [want]
     fixed_len = build_policy(prop.config.model_copy(update={"tree_nodes": 8}), prop, costs)
     assert fixed_len.choose(view) == [16]  # nothing sized by cost: the configured depth, always
+    # a steep curve: all 16 positions would not pay, a shallow cut would: the drafter (free) is paid
+    # and the sizer cuts (pricing the whole depth declined it: suffix 1.45x -> 1.28x on the dev prompts)
+    steep = Costs(ForwardCost.from_curve([0.01 * (1 + 0.1 * n) for n in range(33)]), frozen=True)
+    steep.set_drafter(prop, DraftCost())
+    assert build_policy(prop.config, prop, steep).choose(view) == [16]
 
 
 def test_a_hybrid_keeps_its_configured_depth_because_it_prices_its_drafters_itself():

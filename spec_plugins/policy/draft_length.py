@@ -80,7 +80,9 @@ class AutoDraftLength:
         """``costs``: the runtime's (a bare cost model is wrapped: its overhead starts at 0);
         ``draft``: the drafter's measured cost (``Costs.drafter``); ``all_or_nothing``: choose
         between ``max_k`` and no draft only (a tree drafter whose depth is configured and whose
-        width the tree sizer cuts: the length policy only decides whether to pay the drafter)."""
+        tree the sizer cuts: the length policy only decides whether to pay the drafter, which it
+        does when some depth pays for it; pricing the whole depth instead declined drafts the
+        sizer would have cut to a profitable few nodes: suffix 1.45x -> 1.28x on the dev prompts)."""
         costs = costs if isinstance(costs, Costs) else Costs(costs)
         max_k = min(max_k, costs.max_positions - 1)  # never extrapolate the cost model silently
         if max_k < 1:
@@ -137,8 +139,8 @@ class AutoDraftLength:
             drafted = max(curves[key][1][k] for key in mix)
             out.append((tokens, self.costs(rows, 1.0 + drafted) + self.costs.overhead
                         + (self.draft(drafted) if k else 0.0)))
-        if self.all_or_nothing:
-            return self.max_k * best_option([out[0], out[-1]], self.min_gain), out
+        if self.all_or_nothing:  # pay the drafter if some depth pays for it; the tree sizer cuts the draft
+            return self.max_k * (best_option(out, self.min_gain) > 0), out
         return best_option(out, self.min_gain), out
 
     def rates(self, estimate: AcceptanceEstimate | None = None, rows: int = 1) -> list[float]:
