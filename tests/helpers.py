@@ -13,7 +13,8 @@ from spec_plugins.sampling import LogitsPipeline
 @torch.no_grad()
 def full_logits(model, ids: Sequence[int]) -> torch.Tensor:
     """Next-token logits after ``ids`` from a full forward without any cache."""
-    return model(torch.tensor([list(ids)], device=model.device)).logits[0, -1].float()
+    dev = getattr(model, "device", None) or "cpu"  # a wrapper (tests of the plugin) has none: the CPU
+    return model(torch.tensor([list(ids)], device=dev)).logits[0, -1].float()
 
 
 @torch.no_grad()
