@@ -12,7 +12,7 @@ from conftest import tiny_llama
 from spec_plugins.backends.torch_runtime import TorchRuntime
 from spec_plugins.config import SamplingConfig
 from spec_plugins.decoder import SpeculativeDecoder
-from spec_plugins.policy import AutoDraftLength, Costs, DraftPolicy, ForwardCost, OnlineCost
+from spec_plugins.policy import AutoDraftLength, Costs, DraftPolicy, FixedLength, ForwardCost, OnlineCost
 from spec_plugins.policy.cost import DraftCost, measure, measure_draft
 from spec_plugins.proposers.draft_model import DraftModelProposer
 from spec_plugins.proposers.ngram import NgramProposer
@@ -172,26 +172,27 @@ def test_auto_shortens_drafts_when_the_loop_measures_expensive_forwards():
 def test_a_configured_depth_over_a_cost_cut_tree_is_drafted_whole_or_not_at_all():
     """suffix/EAGLE with a fixed num_draft_tokens and tree_nodes: auto: the tree sizer cuts the
     width, the length policy only decides whether to pay the drafter (its whole depth or none):
-    with a flat curve and a free drafter it drafts all 16 positions deep; with a drafter that
-    costs ten forwards a round it does not draft."""
+    a drafter costing a tenth of a forward is paid on a flat curve, and on a steep one where only
+    a shallow cut pays (pricing the whole depth declined it: suffix 1.45x -> 1.28x on the dev
+    prompts); one costing ten forwards is not; a drafter costing next to nothing is not gated."""
     from spec_plugins.policy import build_policy
     from spec_plugins.policy.cost import DraftCost
     from spec_plugins.proposers.suffix import SuffixProposer
 
     prop = SuffixProposer(SuffixProposer.Config(num_draft_tokens=16, tree_nodes="auto"))
     view = BatchView([[1, 2, 3]], [99])
-    for draft, want in ((DraftCost(), 16), (DraftCost(per_call=0.1), 0)):
-        costs = Costs(ForwardCost.from_curve([0.01] * 33), frozen=True)
+    flat = [0.01] * 33
+    steep = [0.01 * (1 + 0.1 * n) for n in range(33)]
+    for curve, draft, want in ((flat, DraftCost(per_call=0.001), 16), (flat, DraftCost(per_call=0.1), 0),
+                               (steep, DraftCost(per_call=0.001), 16)):
+        costs = Costs(ForwardCost.from_curve(curve), frozen=True)
         costs.set_drafter(prop, draft)
         policy = build_policy(prop.config, prop, costs)
         assert policy.length.all_or_nothing and policy.choose(view) == [want]
+    costs.set_drafter(prop, DraftCost(per_call=1e-5))  # 0.1 % of a forward: nothing to decide
+    assert isinstance(build_policy(prop.config, prop, costs).length, FixedLength)
     fixed_len = build_policy(prop.config.model_copy(update={"tree_nodes": 8}), prop, costs)
     assert fixed_len.choose(view) == [16]  # nothing sized by cost: the configured depth, always
-    # a steep curve: all 16 positions would not pay, a shallow cut would: the drafter (free) is paid
-    # and the sizer cuts (pricing the whole depth declined it: suffix 1.45x -> 1.28x on the dev prompts)
-    steep = Costs(ForwardCost.from_curve([0.01 * (1 + 0.1 * n) for n in range(33)]), frozen=True)
-    steep.set_drafter(prop, DraftCost())
-    assert build_policy(prop.config, prop, steep).choose(view) == [16]
 
 
 def test_a_hybrid_keeps_its_configured_depth_because_it_prices_its_drafters_itself():

@@ -36,6 +36,7 @@ class PolicyDefaults:
 
 
 DEFAULTS = PolicyDefaults()
+NEGLIGIBLE = 0.02  # a drafter whose whole depth costs less than this share of one forward is not gated
 
 
 class DraftPolicy:
@@ -132,6 +133,10 @@ def build_policy(section: Any, proposer: Any, costs: Costs | None = None, sizer:
         # the sum of their costs drafted nothing at all (dev bench: hybrid 0.98x, 1.00 accepted)
         return DraftPolicy(FixedLength(int(k)), sizer, costs)
     gate = k != "auto" and length == "config"  # a configured depth over a cost-cut tree: draft it, or not
+    if gate and costs.drafter(proposer)(max_k) < NEGLIGIBLE * costs(1, 1):
+        # nothing to decide: drafting costs next to nothing, and the sizer's cut can keep no node
+        # (suffix decoding: its gate, priced on a chain estimate, declined drafts the sizer would keep)
+        return DraftPolicy(FixedLength(max_k), sizer, costs)
     auto = AutoDraftLength(costs, costs.drafter(proposer), max_k=max_k, min_gain=defaults.min_gain,
                            all_or_nothing=gate)
     return DraftPolicy(auto, sizer, costs)
