@@ -128,15 +128,13 @@ def build_policy(section: Any, proposer: Any, costs: Costs | None = None, sizer:
     max_k = defaults.max_k if k == "auto" else int(k)
     if max_k == 0:
         return DraftPolicy(FixedLength(0), sizer, costs)
-    if k != "auto" and length == "config" and ProposerTraits.of(proposer).prices_drafting:
-        # the proposer already prices its drafters per round (a hybrid): gating its depth again on
-        # the sum of their costs drafted nothing at all (dev bench: hybrid 0.98x, 1.00 accepted)
-        return DraftPolicy(FixedLength(int(k)), sizer, costs)
     gate = k != "auto" and length == "config"  # a configured depth over a cost-cut tree: draft it, or not
-    if gate and costs.drafter(proposer)(max_k) < NEGLIGIBLE * costs(1, 1):
-        # nothing to decide: drafting costs next to nothing, and the sizer's cut can keep no node
-        # (suffix decoding: its gate, priced on a chain estimate, declined drafts the sizer would keep)
+    draft = costs.drafter(proposer)
+    if gate and (ProposerTraits.of(proposer).prices_drafting or draft(max_k) < NEGLIGIBLE * costs(1, 1)):
+        # nothing for the gate to decide: the proposer prices its drafters itself per round (a hybrid;
+        # gated on their summed cost it drafted nothing), or drafting costs next to nothing and the
+        # sizer's cut can keep no node (suffix; gated on a chain estimate it lost drafts the sizer keeps)
         return DraftPolicy(FixedLength(max_k), sizer, costs)
-    auto = AutoDraftLength(costs, costs.drafter(proposer), max_k=max_k, min_gain=defaults.min_gain,
+    auto = AutoDraftLength(costs, draft, max_k=max_k, min_gain=defaults.min_gain,
                            all_or_nothing=gate)
     return DraftPolicy(auto, sizer, costs)
