@@ -155,7 +155,7 @@ class HostSyncs(TorchFunctionMode):
         blocking = not kwargs.get("non_blocking", False)
         upload = made_here and blocking and (name in _UPLOADS or (name == "to" and src is not None and not on_dev))
         upload = upload or (name == "copy_" and src is not None and self._on_dev(src) and blocking
-                            and isinstance(args[1], torch.Tensor) and not self._on_dev(args[1]))
+                            and len(args) > 1 and isinstance(args[1], torch.Tensor) and not self._on_dev(args[1]))
         if upload:
             self.count += 1
             self.where.append(f"upload {name} at {_caller() or '?'}")
