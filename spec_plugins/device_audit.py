@@ -151,7 +151,7 @@ class HostSyncs(TorchFunctionMode):
         made_here = kwargs.get("device") == self.device or (name == "to" and any(
             a == self.device for a in (*args[1:], kwargs.get("device")) if isinstance(a, torch.device)))
         # an upload of host data that waits for it (CUDA: a blocking copy synchronizes the stream);
-        # ``non_blocking=True`` (from pinned memory on CUDA, ``transfer.upload``) does not
+        # ``non_blocking=True`` (``transfer.upload``: the driver stages it and returns) does not
         blocking = not kwargs.get("non_blocking", False)
         upload = made_here and blocking and (name in _UPLOADS or (name == "to" and src is not None and not on_dev))
         upload = upload or (name == "copy_" and src is not None and self._on_dev(src) and blocking
