@@ -303,3 +303,27 @@ def test_shadow_drafts_are_scored_after_the_horizon_not_the_whole_draft():
     assert pol._shadows == []
     with pytest.raises(ValueError, match="shadow_horizon"):
         AutoDraftLength(STEEP, shadow_horizon=0)
+
+
+def test_positions_past_a_real_draft_are_learnt_from_its_shadow_not_by_drafting_them():
+    """A key whose first drafted token is always right and whose later ones never are: drafting one
+    position pays on a steep (llama.cpp-like) curve, drafting three does not. Positions past the
+    real draft are scored for free against what the row emits (a tail shadow), so the policy must
+    learn that the second position is never accepted without paying a wide verify to find out.
+    (Before: deeper positions borrowed the first one's estimate, and drafts grew to 3 positions
+    and kept being retried: the math prompt on llama.cpp lost to plain decoding that way.)"""
+    costs = Costs(ForwardCost.from_curve([1.0, 1.4, 1.93, 2.17, 2.72, 2.91, 3.42, 3.61, 4.28]), frozen=True)
+    pol = AutoDraftLength(costs, max_k=8, min_gain=1.05)
+    text = list(range(100, 400))
+    seq, i, ks = [1, 2], 0, []
+    while i < 250:
+        free = lambda rows, k, i=i: [[text[i]] + [7] * (k - 1)]  # noqa: E731
+        (k,) = pol.choose(BatchView([seq], [99], [3], free))
+        ks.append(k)
+        a = min(k, 1)  # only the first position is ever accepted
+        pol.observe(record([k], [k], [a], [3]))
+        seq += text[i: i + a + 1]  # the accepted token and the target's own next one
+        i += a + 1
+    wide = sum(k > 1 for k in ks)
+    assert ks.count(1) > 0.8 * len(ks), f"one position pays here and must be drafted, got {ks}"
+    assert wide <= 2, f"{wide} rounds drafted past the first position, never accepted: {ks}"

@@ -36,18 +36,21 @@ class AcceptanceEstimate:
         self.offer_trials = [0.0] * max_k  # rows with a budget > j
         self.offered = [0.0] * max_k  # ... of which the proposer drafted position j
 
-    def update(self, k: int, rows: int, drafted: list[int], accepted: list[int]) -> None:
+    def update(self, k: int, rows: int, drafted: list[int], accepted: list[int], start: int = 0,
+               fade: bool = True) -> None:
         """One round: draft length ``k`` over ``rows`` rows; ``drafted[j]`` / ``accepted[j]``
         rows drafted / accepted position j (the DecodeStats by-position deltas). Evidence fades
-        by ``decay`` per drafting round and, slower, by ``idle_decay`` per round without drafts."""
+        by ``decay`` per drafting round and, slower, by ``idle_decay`` per round without drafts.
+        ``start``: evidence for positions from ``start`` on only, all ``rows`` having reached it
+        (a shadow past a real draft; ``fade=False``: the round already faded the evidence)."""
         lam = self.decay if k > 0 else self.idle_decay
-        for j in range(self.max_k):
+        for j in range(self.max_k if fade else 0):
             self.reach[j] *= lam
             self.hits[j] *= lam
             self.offer_trials[j] *= lam
             self.offered[j] *= lam
         reach = float(rows)
-        for j in range(min(k, self.max_k)):
+        for j in range(start, min(k, self.max_k)):
             d = drafted[j] if j < len(drafted) else 0
             a = accepted[j] if j < len(accepted) else 0
             self.offer_trials[j] += rows
