@@ -70,7 +70,9 @@ class ForwardCost:
             raise ValueError(f"forward costs need rows, positions >= 1 and positive seconds, got {table}")
         self.table = dict(table)
         self.rows = sorted({b for b, _ in table})
-        self._curves = {b: sorted((n, t) for (bb, n), t in table.items() if bb == b) for b in self.rows}
+        curves = {b: sorted((n, t) for (bb, n), t in table.items() if bb == b) for b in self.rows}
+        # positions and seconds per row count, split once: the policy prices tens of (rows, n) a round
+        self._curves = {b: ([n for n, _ in c], [t for _, t in c]) for b, c in curves.items()}
         self.context, self.runtime, self.repeats = context, runtime, repeats
 
     @classmethod
@@ -81,11 +83,10 @@ class ForwardCost:
     @property
     def max_positions(self) -> int:
         """Widths measured for every row count (beyond them the curve is extrapolated)."""
-        return min(c[-1][0] for c in self._curves.values())
+        return min(xs[-1] for xs, _ in self._curves.values())
 
     def _row(self, b: int, n: float) -> float:
-        c = self._curves[b]
-        return _interp([p for p, _ in c], [t for _, t in c], n)
+        return _interp(*self._curves[b], n)
 
     def __call__(self, b: float, n: float) -> float:
         if n < 1 or b < 1:
@@ -128,6 +129,7 @@ class OnlineCost:
         self._sum, self._cnt = [0.0] * n, [0.0] * n  # forgetting sums of observed / measured, per N
         self._ratios: list[float] | None = None
         self._seconds: dict[int, list[float]] = {}  # corrected seconds per N, per row count priced
+        self._measured: dict[int, list[float]] = {}  # the base's seconds per N, per row count (fixed)
 
     @property
     def max_positions(self) -> int:
@@ -138,9 +140,16 @@ class OnlineCost:
         if not (1 <= positions <= self.max_positions and rows >= 1 and seconds > 0):
             return  # beyond the model (nothing to correct) or a clock glitch
         i, lam = positions - 1, self.decay
-        self._sum[i] = lam * self._sum[i] + seconds / self.base(rows, positions)
+        self._sum[i] = lam * self._sum[i] + seconds / self._measured_curve(rows)[i]
         self._cnt[i] = lam * self._cnt[i] + 1.0
         self._ratios, self._seconds = None, {}
+
+    def _measured_curve(self, b: int) -> list[float]:
+        """The base model's seconds for N = 1..max_positions on ``b`` rows, interpolated once."""
+        m = self._measured.get(b)
+        if m is None:
+            m = self._measured[b] = [self.base(b, j + 1) for j in range(self.max_positions)]
+        return m
 
     def ratio(self, positions: int) -> float:
         """Observed / measured for width N (1 until something near it was observed)."""
@@ -161,10 +170,10 @@ class OnlineCost:
         if n < 1:
             raise ValueError(f"a forward covers at least 1 position, got {n}")
         c = self._seconds.get(b)
-        if c is None:
-            c = self._seconds[b] = [self.base(b, j + 1) * r for j, r in enumerate(self._table())]
+        if c is None:  # after an observation: the fixed measured curve times the new ratios
+            c = self._seconds[b] = [t * r for t, r in zip(self._measured_curve(b), self._table())]
         lo = int(n)
-        if lo >= len(c):
+        if n > len(c):  # beyond the measured widths
             return self.base(b, n) * self._table()[-1]
         return c[lo - 1] if n == lo else c[lo - 1] + (n - lo) * (c[lo] - c[lo - 1])
 
