@@ -118,6 +118,7 @@ class StaticTorchRuntime(TorchRuntime):
             raise ValueError(f"graphs: CUDA graphs of the eager step, on a CUDA device and instead of compiling "
                              f"(device {self.device}, compile={compile})")
         self.compile, self.graphs = compile, graphs
+        self.fixed_shapes = compile or graphs  # verify steps padded to buckets (compiled or captured)
         self._steps: dict[Want, Callable] = {}
         self._graphs: dict[tuple, CapturedStep] = {}  # (output kind, rows, positions, capacity) -> its graph
         self._pool: Any = None  # one CUDA graph memory pool for all of them (replayed one at a time)
@@ -137,7 +138,7 @@ class StaticTorchRuntime(TorchRuntime):
         live = self.kv
         self.cache = SlotCache(self._layers, bucket(rows, ROW_BUCKETS), cap, self._kv_heads, self._head_dim,
                                self.dtype, self.device,
-                               static_addresses=(self.compile or self.graphs) and self.device.type == "cuda")
+                               static_addresses=self.fixed_shapes and self.device.type == "cuda")
         self._steps.clear()  # new buffers: a graph captured on the old ones would write there
         self._graphs.clear()
         if live:
@@ -211,7 +212,7 @@ class StaticTorchRuntime(TorchRuntime):
     def _call(self, ids: torch.Tensor, pos: torch.Tensor, mask: Any, want_hidden: Want, prefill: bool) -> StepOutput:
         B, n = ids.shape
         S = self.slots.slots - n if not prefill else 0
-        compiled = (self.compile or self.graphs) and not prefill and n <= WIDTH_BUCKETS[-1]
+        compiled = self.fixed_shapes and not prefill and n <= WIDTH_BUCKETS[-1]
         Bb, Nb = (bucket(B, ROW_BUCKETS), bucket(n, WIDTH_BUCKETS)) if compiled else (B, n)
         self._ensure(Bb, S + Nb)
         self.cache.write_at.fill_(S)
@@ -297,4 +298,3 @@ class CapturedStep:
         self.graph.replay()
         logits, feats = self.out
         return logits.clone(), feats.clone() if feats is not None else None
-

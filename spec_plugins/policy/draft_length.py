@@ -114,7 +114,7 @@ class AutoDraftLength:
         k, rates = self._best(view.rows, mix, ests)
         if view.keys is not None and view.free_drafts is not None and k < self.shadow_horizon:
             rows = list(range(view.rows))
-            self._shadow(view.keys, view.sequences, view.free_drafts(rows, self.max_k), drafted=k)
+            self._shadow(view.keys, view.sequences, view.free_drafts(rows, self.shadow_horizon), drafted=k)
         self.chosen[k] += 1
         self.last = {"batch": view.rows, "draft_length": k, "expected_tokens": rates[k][0] / view.rows}
         return [k] * view.rows
