@@ -11,7 +11,7 @@ written by the last forward (O(draft) per round), ``rollback`` crops.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -20,7 +20,7 @@ from spec_plugins.backends import hf_compat, torch_kernels
 from spec_plugins.backends.base import RuntimeCapabilities, StepOutput, Want
 from spec_plugins.backends.slot_runtime import SlotRuntime
 from spec_plugins.slots import KVSlots
-from spec_plugins.config import RuntimeConfig
+from spec_plugins.config import SWITCH, RuntimeConfig
 from spec_plugins.transfer import upload
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -122,7 +122,7 @@ class TorchRuntime(SlotRuntime):
         kv: Literal["auto", "dynamic", "static"] = Field(
             "auto", description="'static': KV buffers preallocated on the device, written by slot, fixed shapes "
             "(backends/torch_static.py); 'dynamic': a growing transformers cache; 'auto': static on CUDA.")
-        compile: Literal["auto", "on", "off", "graphs"] = Field(
+        compile: Annotated[Literal["auto", "on", "off", "graphs"], SWITCH] = Field(
             "auto", description="Compile the static verify step per shape bucket (torch.compile fullgraph; CUDA "
             "graphs on CUDA). 'auto': on CUDA only (on a CPU each bucket compiles ~30 s); 'graphs': CUDA only, the eager step "
             "captured as CUDA graphs without a compiler (milliseconds per bucket instead of tens of seconds); "

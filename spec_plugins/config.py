@@ -29,6 +29,21 @@ class ConfigError(ValueError):
     """A config that does not validate; the message names the field."""
 
 
+def _switch_from_yaml(value: Any) -> Any:
+    """YAML 1.1 (PyYAML) reads an unquoted ``on``/``off`` (and ``yes``/``no``, ``true``/``false``) as a
+    boolean, so ``compile: on`` arrives as ``True``: a switch maps booleans to its ``on``/``off``
+    explicitly; every other value is checked against the switch's own choices."""
+    if value is True:
+        return "on"
+    if value is False:
+        return "off"
+    return value
+
+
+# An ``auto | on | off`` field (and any extra choices it lists) that takes what YAML gives for it.
+SWITCH = BeforeValidator(_switch_from_yaml)
+
+
 class PluginConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 

@@ -77,6 +77,37 @@ class TextStream:
         return self.text if self.stop_at is None else self.text[: self.stop_at]
 
 
+class StopFreeText:
+    """The text a client that must never see a stop string (OpenAI's routes) is sent, piece by
+    piece: up to where the first stop string starts, and, while the row runs, without a tail that
+    may still grow into one (``" of"`` waits while ``"of N"`` is a stop). Fed a row's
+    ``TextStream.pieces`` in order with the stream's ``stop_at``; any thread may read those."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.text = ""
+        self.sent = 0
+
+    def push(self, piece: str, stop_at: int | None, final: bool) -> str:
+        """Add a token's piece; the text that may be shown now (``final``: the row's last token)."""
+        self.text += piece
+        end = len(self.text) if stop_at is None else min(len(self.text), stop_at)
+        if stop_at is None and not final:
+            end -= self._partial()
+        out = self.text[self.sent:end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return out
+
+    def _partial(self) -> int:
+        """Length of the longest tail of the text that begins some stop string."""
+        longest = min(len(self.text), max((len(s) for s in self.stops), default=1) - 1)
+        for n in range(longest, 0, -1):
+            tail = self.text[-n:]
+            if any(s.startswith(tail) for s in self.stops):
+                return n
+        return 0
+
+
 class StopStrings:
     """A ``RowStop`` over a row's ``TextStream``: the row stops at the token that completes a
     stop string (its text then holds the stop string; ``stream.visible`` the text before it)."""

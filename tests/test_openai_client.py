@@ -156,6 +156,30 @@ def test_response_format_text_and_refusals(client):
     assert "`n` must be <= 4" in e.value.body
 
 
+def test_stop_strings_end_the_text_before_the_stop_streaming_or_not(client, model, tok):
+    """OpenAI's clients expect the text to end where the stop string starts: not the stop, not the
+    rest of the token that completed it, and (streaming) not the stop's beginning sent early."""
+    _, text = greedy_text(model, tok, chat_ids(tok, MSGS), 12)
+    words = text.split()
+    stop = f"{words[3][-1]} {words[4][:2]}"  # spans two tokens: '5 w4' in '... w5 w4 ...'
+    want = text[:text.find(stop)]
+    assert want and stop not in want
+    r = client.chat.completions.create(model="tiny", messages=MSGS, temperature=0, max_tokens=12, stop=[stop])
+    assert r.choices[0].message.content == want and r.choices[0].finish_reason == "stop"
+    chunks = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="tiny", messages=MSGS, temperature=0, max_tokens=12, stop=[stop], stream=True) if c.choices]
+    assert "".join(chunks) == want
+    prompt = "w2 w3 w4 w2 w3"
+    _, text = greedy_text(model, tok, tok(prompt)["input_ids"], 10)
+    words = text.split()
+    stop = f"{words[2][-1]} {words[3][:2]}"
+    want = text[:text.find(stop)]
+    c = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0, stop=stop).choices[0]
+    assert c.text == want and c.finish_reason == "stop"
+    assert "".join(ch.choices[0].text for ch in client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=10, temperature=0, stop=stop, stream=True) if ch.choices) == want
+
+
 def test_text_completions(client, model, tok):
     prompt = "w2 w3 w4 w2 w3"
     ids = tok(prompt)["input_ids"]

@@ -76,6 +76,22 @@ def test_json_is_strict_duplicates_nan_media_types_and_encodings(live):
     assert post(live, "/generate", good, "application/vnd.api+json").status_code == 200
 
 
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_compressed_body_is_a_415_naming_its_content_encoding(live, route):
+    import gzip
+
+    body = gzip.compress(json.dumps(GOOD[route]).encode())
+    for coding in ("gzip", "br", "gzip, identity"):
+        r = httpx.post(live.url + route, content=body, headers={"content-type": "application/json",
+                                                                "content-encoding": coding}, timeout=60)
+        assert r.status_code == 415, (coding, r.status_code, r.text)
+        assert f"Content-Encoding `{coding}` is not supported" in r.json()["error"]
+    plain = json.dumps(GOOD[route]).encode()
+    r = httpx.post(live.url + route, content=plain, headers={"content-type": "application/json",
+                                                             "content-encoding": "identity"}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
 @pytest.mark.parametrize("value", [1e-100, 5e-324])
 def test_a_top_p_below_float32_keeps_the_top_token(live, model, tok, value):
     """A top_p that rounds to 0 in float32 leaves exactly the most likely token: the greedy output."""

@@ -97,6 +97,75 @@ def test_global_index_evicts_oldest_under_its_cap():
     assert g.tries["*"].walk([0, 1]) is None and g.tries["*"].walk([9, 10]) is not None
 
 
+def _node_total(g):
+    return sum(t.nodes for t in g.tries.values())
+
+
+def test_a_tenant_whose_last_request_is_evicted_leaves_no_trie():
+    """A key exists only while it holds requests: evicting its last one drops its trie, and
+    looking a key up (every round of a new tenant's row) stores nothing."""
+    g = GlobalIndex(depth=4, max_tokens=40)
+    assert g.trie(("tenant", "x")).nodes == 0 and len(g.tries) == 0
+    for i in range(200):
+        g.add(("tenant", i), [i, i + 1, i + 2, i + 3, i + 4])
+    assert len(g.tries) == 8 and g.stats.requests == 8 and g.stats.tokens == 40
+    assert set(g.tries) == {("tenant", i) for i in range(192, 200)}
+    assert g.stats.nodes == _node_total(g) and len(g.held) == 8
+    assert len(g.fifo) <= 2 * g.stats.requests + 64
+
+
+def test_tenants_over_the_bound_evict_the_least_recently_used_whole():
+    g = GlobalIndex(depth=4, max_tokens=10_000, max_keys=2)
+    g.add("a", [1, 2, 3])
+    g.add("b", [4, 5, 6])
+    g.add("a", [1, 2, 7])
+    g.trie("b")  # b is now the most recently used
+    g.add("c", [8, 9])  # evicts a, with both its requests
+    assert set(g.tries) == {"b", "c"}
+    assert g.stats.requests == 2 and g.stats.tokens == 5 and g.stats.evicted_keys == 1
+    assert g.stats.evicted_requests == 2 and g.stats.nodes == _node_total(g)
+    assert g.trie("a").walk([1, 2]) is None
+
+
+def test_index_sizes_are_running_counts_that_match_the_tries():
+    """Random adds under a token cap and a key bound: the running node, token and request counts
+    equal what the tries hold (they are never summed per add)."""
+    rng = random.Random(5)
+    g = GlobalIndex(depth=5, max_tokens=300, max_keys=6)
+    for _ in range(400):
+        key = rng.randrange(12)
+        g.add(key, [rng.randrange(8) for _ in range(rng.randrange(1, 30))])
+        if rng.random() < 0.3:
+            g.trie(rng.randrange(12))
+        assert g.stats.nodes == _node_total(g)
+        assert g.stats.tokens == sum(h[1] for h in g.held.values()) <= 300
+        assert g.stats.requests == sum(h[0] for h in g.held.values())
+        assert len(g.tries) <= 6 and all(h[0] > 0 for h in g.held.values())
+    live = [toks for key, trie, toks in g.fifo if g.tries.get(key) is trie]
+    for key, trie in g.tries.items():
+        mine = [toks for k, t, toks in g.fifo if k == key and t is trie]
+        assert trie_counts(trie) == substring_counts(mine, 5)
+    assert sum(len(t) for t in live) == g.stats.tokens
+
+
+def test_tenant_scope_keeps_at_most_max_tenants_through_the_proposer():
+    """Finished requests of 3,000 rotating tenants through the proposer's own observe: the index
+    holds at most ``max_tenants`` tenants and never an empty one."""
+    from spec_plugins.types import Emission, RoundRecord
+
+    prop = SuffixProposer(SuffixProposer.Config(scope="tenant", max_tenants=50))
+    for i in range(3000):
+        seq = [i % 97, (i * 7) % 97, 3, 4, 5, 6]
+        record = RoundRecord(keys=[i], sequences=[seq], budgets=[0], draft_keys=None, draft=None, accepted=[[]],
+                             emitted=[[6]], emissions=[Emission(i, [6], [], "length")], positions=1,
+                             tenants=[f"t{i}"])
+        prop.observe(record)
+    assert len(prop.index.tries) == 50 and prop.index.stats.evicted_keys == 2950
+    assert prop.index.stats.nodes == _node_total(prop.index)
+    names = {m[0]: m[3] for m in prop.metrics()}
+    assert names["spec_suffix_index_keys"] == 50 and names["spec_suffix_index_evicted_keys_total"] == 2950
+
+
 def test_speculate_grows_best_first_by_frequency():
     t = Trie(6)
     for s in ([1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6, 7]):

@@ -58,6 +58,9 @@ class SuffixProposer(Proposer):
         depth: int = Field(32, ge=2, le=128, description="Longest substring the indexes hold (work per token).")
         max_match: int = Field(12, ge=1, le=127, description="Longest suffix matched (the rest of depth is for drafts).")
         global_max_tokens: int = Field(200_000, ge=1, description="Token cap of the global index (oldest evicted).")
+        max_tenants: int = Field(10_000, ge=1, description="scope: tenant: tenants whose finished requests are "
+                                                             "held at once; a new one evicts the least recently "
+                                                             "used tenant with all its requests.")
 
         @property
         def auto_tree(self) -> bool:
@@ -72,8 +75,8 @@ class SuffixProposer(Proposer):
             return self
 
     def __init__(self, config: "SuffixProposer.Config | None" = None, target: Any = None, **_: object) -> None:
-        self.config = c = config or self.Config()
-        self.index = GlobalIndex(c.depth, c.global_max_tokens)
+        self.config = config or self.Config()
+        self.index = self._new_index()
         self.rows: list[RequestIndex] = []
         self.cursors: list[Cursor | None] = []  # per row: its context in the global trie of its scope key
         self.keys: list[Hashable] = []
@@ -82,9 +85,12 @@ class SuffixProposer(Proposer):
 
     def forget(self) -> None:
         """Drop the cross-request memory (the bench's independent requests; a tenant's reset)."""
-        c = self.config
-        self.index = GlobalIndex(c.depth, c.global_max_tokens)
+        self.index = self._new_index()
         self.cursors = [None] * len(self.rows)
+
+    def _new_index(self) -> GlobalIndex:
+        c = self.config
+        return GlobalIndex(c.depth, c.global_max_tokens, c.max_tenants if c.scope == "tenant" else None)
 
     def metrics(self) -> list[Metric]:
         """The global index's size and hit rate, for ``/metrics``."""
@@ -96,6 +102,10 @@ class SuffixProposer(Proposer):
             ("spec_suffix_index_nodes", "gauge", "Trie nodes of the global suffix index.", st.nodes),
             ("spec_suffix_index_evicted_requests_total", "counter", "Requests evicted from the global suffix index.",
              st.evicted_requests),
+            ("spec_suffix_index_keys", "gauge", "Scope keys (tenants) with requests in the global suffix index.",
+             len(index.tries)),
+            ("spec_suffix_index_evicted_keys_total", "counter", "Tenants evicted whole from the global suffix index "
+             "(least recently used, over max_tenants).", st.evicted_keys),
             ("spec_suffix_index_lookups_total", "counter", "Global suffix index lookups (one per row and round).",
              st.lookups),
             ("spec_suffix_index_hits_total", "counter", "Lookups that matched a suffix with a continuation.", st.hits),

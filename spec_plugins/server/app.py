@@ -47,6 +47,7 @@ class ServerState:
     body_timeout: float = 30.0  # seconds a client has to send its whole body
     max_body_bytes: int = MAX_BODY_BYTES
     cpu_workers: int = 2  # threads parsing and tokenizing request bodies at once
+    escape_special_tokens: bool = False  # chat message text spelling a special token stays text (requests.py)
 
     def __post_init__(self) -> None:
         if self.max_input_tokens >= self.max_total_tokens:

@@ -66,6 +66,17 @@ def check_media_type(value: str | None) -> None:
             raise ApiError(415, f"Content-Type `{value}`: JSON bodies must be UTF-8")
 
 
+def check_content_encoding(value: str | None) -> None:
+    """Bodies come as they are (``identity``); a compressed one is refused by name, not parsed."""
+    if value is None:
+        return
+    codings = [c.strip().lower() for c in value.split(",") if c.strip()]
+    other = [c for c in codings if c != "identity"]
+    if other:
+        raise ApiError(415, f"Content-Encoding `{value}` is not supported: send the body uncompressed (no "
+                            "Content-Encoding, or `identity`)")
+
+
 async def read_body(request: Request, limit: int = MAX_BODY_BYTES, timeout: float = 30.0) -> bytes:
     """The body, at most ``limit`` bytes, all of it within ``timeout`` seconds (413 / 408 else).
 
@@ -73,6 +84,7 @@ async def read_body(request: Request, limit: int = MAX_BODY_BYTES, timeout: floa
     comes: a server that answers and closes while the client still sends resets the connection,
     and the client never sees the 413 (nginx's lingering close does the same)."""
     check_media_type(request.headers.get("content-type"))
+    check_content_encoding(request.headers.get("content-encoding"))
     declared = request.headers.get("content-length")
     declared_n = int(declared) if declared is not None and declared.isdigit() else None
     if declared_n is not None and declared_n > limit + DRAIN_BYTES:

@@ -48,6 +48,23 @@ def serve(
                                        help="Seconds a client has to send its whole request body (then 408)."),
     cpu_workers: int = typer.Option(2, "--cpu-workers", min=1,
                                     help="Threads parsing and tokenizing request bodies at once (off the event loop)."),
+    header_timeout: float = typer.Option(10.0, "--header-timeout", min=0.001,
+                                         help="Seconds a connection has for a request line and its headers "
+                                              "(then 408 and close)."),
+    max_header_bytes: int = typer.Option(8 << 10, "--max-header-bytes", min=256,
+                                         help="Longest header line, bytes (then 431 and close)."),
+    max_headers_bytes: int = typer.Option(64 << 10, "--max-headers-bytes", min=256,
+                                          help="Request line and all headers of one request, bytes (then 431)."),
+    idle_timeout: float = typer.Option(5.0, "--idle-timeout", min=0.001,
+                                       help="Seconds a kept-alive connection may wait between requests."),
+    max_connections: int = typer.Option(1024, "--max-connections", min=1,
+                                        help="Open connections; past it the oldest without a request in "
+                                             "progress is closed, and a few more are kept for /health and "
+                                             "/metrics (others get 503)."),
+    escape_special_tokens: bool = typer.Option(False, "--escape-special-tokens",
+                                               help="Chat message text that spells a special token "
+                                                    "(<|im_end|>) is encoded as text, not as the control "
+                                                    "token (off: as transformers, TGI and vLLM)."),
     ray: bool = typer.Option(False, "--ray", help="Serve as a Ray Serve deployment (replicas behind Ray's proxy)."),
     replicas: int = typer.Option(1, "--replicas", min=1, help="--ray: replicas, each with its model and batch."),
     autoscale: Optional[str] = typer.Option(None, "--autoscale", help="--ray: MIN:MAX replicas, scaled on "
@@ -65,20 +82,37 @@ def serve(
     if draft_policy not in ("load", "fixed"):
         fail(f"--draft-policy must be 'load' or 'fixed', got {draft_policy!r}")
     for flag, value in (("--shutdown-timeout", shutdown_timeout), ("--body-timeout", body_timeout),
-                        ("--num-cpus", num_cpus), ("--num-gpus", num_gpus)):
+                        ("--num-cpus", num_cpus), ("--num-gpus", num_gpus), ("--header-timeout", header_timeout),
+                        ("--idle-timeout", idle_timeout)):
         check_finite(value, flag)
     if max_input_tokens is not None and max_total_tokens is not None and max_input_tokens >= max_total_tokens:
         fail(f"--max-input-tokens ({max_input_tokens}) must be < --max-total-tokens ({max_total_tokens})")
+    try:
+        from spec_plugins.server.connections import ConnectionLimits, ensure_file_limit
+    except ImportError as exc:
+        fail(f"the server needs the [server] extra (pip install -e '.[server]'): {exc}")
+        return
+    limits = ConnectionLimits(header_timeout, max_header_bytes, max_headers_bytes, idle_timeout, max_connections)
+    if (ray or write_config is not None) and limits != ConnectionLimits():
+        fail("--header-timeout, --max-header-bytes, --max-headers-bytes, --idle-timeout and --max-connections "
+             "apply to the single-machine server; with --ray, Ray Serve's proxy holds the connections")
     if ray or write_config is not None:
         _serve_ray(config, host, port, max_batch, max_input_tokens, max_total_tokens, draft_policy, no_speculation,
-                   shutdown_timeout, replicas, autoscale, ray_address, num_cpus, num_gpus, write_config)
+                   shutdown_timeout, replicas, autoscale, ray_address, num_cpus, num_gpus, write_config,
+                   escape_special_tokens)
         return
+    try:
+        limits.check()
+        ensure_file_limit(limits)
+    except ValueError as exc:
+        fail(str(exc))
     _check_port(host, port)  # before the model loads (tens of seconds)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         import uvicorn
 
         from spec_plugins.server.app import create_app
+        from spec_plugins.server.connections import uvicorn_config
     except ImportError as exc:
         fail(f"the server needs the [server] extra (pip install -e '.[server]'): {exc}")
         return
@@ -97,17 +131,20 @@ def serve(
         return
     state.shutdown_timeout = shutdown_timeout
     state.body_timeout = body_timeout
+    state.escape_special_tokens = escape_special_tokens
     if host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding %s: the server has no authentication", host)
-    uvicorn.run(create_app(state), host=host, port=port, log_level="info",
-                timeout_graceful_shutdown=int(shutdown_timeout) or None)
+    server_config, _ = uvicorn_config(create_app(state), host, port, limits, log_level="info",
+                                      timeout_graceful_shutdown=int(shutdown_timeout) or None)
+    uvicorn.Server(server_config).run()
 
 
 def _serve_ray(config: Optional[Path], host: str, port: int, max_batch: int, max_input_tokens: Optional[int],
                max_total_tokens: Optional[int], draft_policy: str, no_speculation: bool, shutdown_timeout: float,
                replicas: int, autoscale: Optional[str], ray_address: Optional[str], num_cpus: float, num_gpus: float,
-               write_config: Optional[Path]) -> None:
-    """``serve --ray``: the same app on Ray Serve replicas (``spec_plugins.server.ray_serve``)."""
+               write_config: Optional[Path], escape_special_tokens: bool = False) -> None:
+    """``serve --ray``: the same app on Ray Serve replicas (``spec_plugins.server.ray_serve``).
+    Connections are Ray's proxy's (its own timeouts): the connection limits above are not applied."""
     import json
     import signal
 
@@ -120,7 +157,8 @@ def _serve_ray(config: Optional[Path], host: str, port: int, max_batch: int, max
         if no_speculation:
             cfg = cfg.model_copy(update={"proposer": None})
         opts = ReplicaOptions(cfg.model_dump(mode="json"), max_batch, max_input_tokens, max_total_tokens, draft_policy,
-                              shutdown_timeout, max(1, int(num_cpus)) if num_cpus >= 1 else None)
+                              shutdown_timeout, max(1, int(num_cpus)) if num_cpus >= 1 else None,
+                              escape_special_tokens)
         scaling = Scaling(replicas, parse_autoscale(autoscale) if autoscale else None, num_cpus, num_gpus,
                           max_ongoing_requests=max(2 * max_batch, 8))
     except (ConfigError, ValueError, FileNotFoundError, LookupError) as exc:

@@ -131,11 +131,16 @@ def main(argv: list[str] | None = None) -> int:
               "health": {"samples": len(lat), "p50_ms": round(_pct(lat, 0.5) * 1e3, 1),
                          "p95_ms": round(_pct(lat, 0.95) * 1e3, 1), "max_ms": round(max(lat) * 1e3, 1)},
               "rss_mib": {"before": rss_before, "after": rss_after, f"after_{args.settle:g}s": rss_settled}}
+    write_report(report, args.out)
+    return 0
+
+
+def write_report(report: dict[str, Any], out: Path | None) -> None:
+    """Print a JSON report, and write it to ``out`` when given."""
     text = json.dumps(report, indent=1)
     print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
-    return 0
+    if out:
+        out.write_text(text + "\n")
 
 
 if __name__ == "__main__":

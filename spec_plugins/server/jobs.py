@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from spec_plugins.server.requests import Prepared
 from spec_plugins.server.scheduler import Job
 from spec_plugins.server.schemas import ApiError
+from spec_plugins.text import StopFreeText
 
 log = logging.getLogger("spec_plugins.server")
 
@@ -39,8 +40,9 @@ class TokenOut:
 @dataclass
 class Finished:
     reason: str  # "length" | "eos_token" | "stop_sequence"
-    text: str  # generated text (special tokens skipped)
+    text: str  # generated text (special tokens skipped; ``Prepared.hide_stop``: up to the stop string)
     tokens: list[TokenOut] = field(default_factory=list)
+    tail: str = ""  # ``hide_stop``: text held back from the tokens' pieces, shown only now
 
 
 def submit(state: Any, prep: Prepared) -> Job:
@@ -76,6 +78,7 @@ async def follow(state: Any, job: Job, prep: Prepared, request: Request) -> Asyn
     text is the row's text stream's (``spec_plugins/text.py``), fed in the batch, where a stop
     sequence already finished the row."""
     pieces = prep.text.pieces
+    shown = StopFreeText(prep.text.stops) if prep.hide_stop else None
     toks: list[TokenOut] = []
     done = False
     checked = time.perf_counter()
@@ -98,24 +101,39 @@ async def follow(state: Any, job: Job, prep: Prepared, request: Request) -> Asyn
             _, ids, lps, reason = item
             if reason is not None and not ids:
                 done = True
-                yield Finished("stop_sequence" if reason == "stop" else reason,
-                               state.tokenizer.decode([x.id for x in toks], skip_special_tokens=True), toks)
+                tail = shown.push("", prep.text.stop_at, True) if shown is not None else ""
+                yield Finished(_reason(reason), _final_text(state, prep, toks, reason), toks, tail)
                 return
             for i, (t, lp) in enumerate(zip(ids, lps)):
-                tok = TokenOut(t, pieces[len(toks)], float(lp), t in state.special_ids, getattr(lp, "top", ()))
+                last = reason is not None and i == len(ids) - 1
+                piece = pieces[len(toks)]
+                if shown is not None:
+                    piece = shown.push(piece, prep.text.stop_at, last)
+                tok = TokenOut(t, piece, float(lp), t in state.special_ids, getattr(lp, "top", ()))
                 toks.append(tok)
-                if reason is not None and i == len(ids) - 1:
+                if last:
                     tok.last = True
                     yield tok
-                    gen = state.tokenizer.decode([x.id for x in toks], skip_special_tokens=True)
                     done = True
-                    yield Finished("stop_sequence" if reason == "stop" else reason, gen, toks)
+                    yield Finished(_reason(reason), _final_text(state, prep, toks, reason), toks)
                     return
                 yield tok
     finally:
         if not done:
             state.metrics.request_cancelled()
         state.scheduler.cancel(job)  # no-op when finished; frees the slot otherwise
+
+
+def _reason(reason: str) -> str:
+    return "stop_sequence" if reason == "stop" else reason
+
+
+def _final_text(state: Any, prep: Prepared, toks: Sequence[TokenOut], reason: str) -> str:
+    """The row's generated text without special tokens; ``hide_stop``: ending before its stop
+    string (the row is finished, so its text stream no longer changes)."""
+    if prep.hide_stop and reason == "stop":
+        return prep.text.visible
+    return state.tokenizer.decode([x.id for x in toks], skip_special_tokens=True)
 
 
 async def merged(streams: Sequence[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:

@@ -117,8 +117,8 @@ def add_openai_routes(app: FastAPI, state: Any) -> None:
         names = Names("messages", req.max_field)
         ids = await offload(state.cpu_limiter, encode_chat, state, req.messages, names)
         tenant = tenant_of(request)
-        preps = [prepare(state, ids, req.parameters(req.max_new_tokens, i), state.scheduler.new_key(), tenant, names)
-                 for i in range(req.choices)]
+        preps = [prepare(state, ids, req.parameters(req.max_new_tokens, i), state.scheduler.new_key(), tenant, names,
+                         hide_stop=True) for i in range(req.choices)]
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_id
         top = req.top_logprobs or 0
 
@@ -142,6 +142,8 @@ def add_openai_routes(app: FastAPI, state: Any) -> None:
                         waiting[i] = []
                 else:
                     completion += len(ev.tokens)
+                    if ev.tail:
+                        yield sse(chunk(i, {"content": ev.tail}, None))
                     yield sse(chunk(i, {}, FINISH[ev.reason], waiting[i]))
             if req.include_usage:
                 yield sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -184,8 +186,8 @@ def add_openai_routes(app: FastAPI, state: Any) -> None:
         names = Names("prompt", "max_tokens")
         ids = await offload(state.cpu_limiter, encode_prompts, prompts, names)
         tenant = tenant_of(request)
-        preps = [prepare(state, p, req.parameters(req.max_tokens, j), state.scheduler.new_key(), tenant, names)
-                 for p in ids for j in range(n)]
+        preps = [prepare(state, p, req.parameters(req.max_tokens, j), state.scheduler.new_key(), tenant, names,
+                         hide_stop=True) for p in ids for j in range(n)]
         echo = [(p if isinstance(p, str) else state.tokenizer.decode(p)) if req.echo else "" for p in prompts]
         cid, created, model = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_id
         top = req.logprobs or 0
@@ -216,6 +218,9 @@ def add_openai_routes(app: FastAPI, state: Any) -> None:
                         waiting[i] = []
                 else:
                     completion += len(ev.tokens)
+                    if ev.tail:
+                        yield sse(body([choice(i, ev.tail, None, (), offsets[i])], **more))
+                        offsets[i] += len(ev.tail)
                     yield sse(body([choice(i, "", FINISH[ev.reason], waiting[i], offsets[i])], **more))
             if req.include_usage:
                 yield sse(body([], usage=usage(prompt_tokens, completion)))

@@ -31,6 +31,7 @@ class ReplicaOptions:
     draft_policy: str = "load"
     shutdown_timeout: float = 30.0
     threads: int | None = None  # torch threads per replica (None: its num_cpus)
+    escape_special_tokens: bool = False  # chat message text spelling a special token stays text
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ def build_replica_app(options: ReplicaOptions) -> Any:
     state = build_state(dec, options.max_batch, options.max_input_tokens, options.max_total_tokens,
                         options.draft_policy, model_id=cfg.target.model)
     state.shutdown_timeout = options.shutdown_timeout
+    state.escape_special_tokens = options.escape_special_tokens
     replica = _replica_id()
     state.info_extra["replica"] = replica
     state.metrics.labels = {"replica": replica}

@@ -42,6 +42,7 @@ class Prepared:
     row: RowRequest
     seed: int | None
     text: TextStream | None = None  # the row's text, fed in the batch (its stop strings stop the row there)
+    hide_stop: bool = False  # OpenAI's routes: the text ends before a stop string and has no special tokens
 
 
 TENANT_HEADER = "x-tenant"
@@ -67,8 +68,9 @@ def max_token_chars(tokenizer: Any) -> int:
 
 
 def prepare(state: Any, ids: list[int], params: GenerateParameters, key: int, tenant: str | None = None,
-            names: Names = TGI) -> Prepared:
-    """Token limits and sampling, with TGI's messages."""
+            names: Names = TGI, hide_stop: bool = False) -> Prepared:
+    """Token limits and sampling, with TGI's messages. ``hide_stop`` (OpenAI's routes): the text
+    shown ends before a stop string and skips special tokens; TGI's keeps both, as TGI does."""
     if params.truncate is not None:
         ids = ids[-params.truncate:]
     n_in = len(ids)
@@ -90,11 +92,11 @@ def prepare(state: Any, ids: list[int], params: GenerateParameters, key: int, te
                                   repetition_penalty=params.repetition_penalty, seed=seed)
     else:
         sampling = SamplingConfig(temperature=0.0, repetition_penalty=params.repetition_penalty, seed=None)
-    # per-token text as TGI sends it (special tokens spelled); a stop sequence stops the row in the
-    # round that completes it, so no token after it is computed
-    text = TextStream(state.tokenizer, params.stop or (), skip_special_tokens=False)
+    # per-token text as TGI sends it (special tokens spelled; OpenAI's routes skip them); a stop
+    # sequence stops the row in the round that completes it, so no token after it is computed
+    text = TextStream(state.tokenizer, params.stop or (), skip_special_tokens=hide_stop)
     row = RowRequest(key, ids, max_new, sampling, seed, logprobs=True, tenant=tenant, stop=StopStrings(text))
-    return Prepared(ids, params, row, seed, text)
+    return Prepared(ids, params, row, seed, text, hide_stop)
 
 
 def _tokenize(tokenizer: Any, text: str, special: bool) -> list[int]:
@@ -152,8 +154,50 @@ def render_chat(state: Any, messages: Sequence[Any]) -> str:
 
 def encode_chat(state: Any, messages: Sequence[Any], names: Names = CHAT) -> list[int]:
     """Token ids of the rendered chat (as ``apply_chat_template(tokenize=True)``: the template
-    writes the special tokens itself), under the same limits as ``encode_text``."""
-    return encode_text(state, render_chat(state, messages), None, names, special=False)
+    writes the special tokens itself), under the same limits as ``encode_text``.
+
+    Message text that spells a special token (``<|im_end|>``) becomes that control token, as in
+    transformers, TGI and vLLM. With ``state.escape_special_tokens`` it is encoded as the plain
+    text it is (``escape_special``), so a user cannot open a system turn."""
+    text = render_chat(state, messages)
+    ids = encode_text(state, text, None, names, special=False)
+    if getattr(state, "escape_special_tokens", False):
+        ids = escape_special(state.tokenizer, text, ids, [m.text() for m in messages])
+    return ids
+
+
+def escape_special(tokenizer: Any, text: str, ids: list[int], contents: Sequence[str]) -> list[int]:
+    """``ids`` (``text`` tokenized with its special tokens) with every message's own text encoded
+    as plain text: the tokens covering a message that holds a special token's spelling are
+    re-tokenized with ``split_special_tokens``; the template's tokens stay. Each message's text is
+    found verbatim in ``text``, in order; one the template changed cannot be told from the
+    template's own tokens and is refused."""
+    specials = [t for t in getattr(tokenizer, "all_special_tokens", []) if t]
+    spans, at = [], 0
+    for i, content in enumerate(contents):
+        if not any(t in content for t in specials):
+            continue
+        start = text.find(content, at)
+        if start < 0:
+            raise ApiError(422, f"`messages.{i}` holds special-token text that cannot be escaped: the chat "
+                                "template does not copy this message verbatim")
+        spans.append((start, start + len(content)))
+        at = start + len(content)
+    if not spans:
+        return ids
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    if len(offsets) != len(ids):  # ``ids`` is ``text`` tokenized the same way; a mismatch is a bug here
+        raise RuntimeError("escape_special: the token offsets do not match the tokenized chat")
+    out: list[int] = []
+    j = 0
+    for start, end in spans:
+        first = next(k for k in range(j, len(ids)) if offsets[k][1] > start)  # the first token reaching the span
+        last = max(k for k in range(first, len(ids)) if offsets[k][0] < end)  # the last one starting inside it
+        out += ids[j:first]
+        piece = text[offsets[first][0]:offsets[last][1]]
+        out += list(tokenizer(piece, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+        j = last + 1
+    return out + ids[j:]
 
 
 def check_token_ids(state: Any, ids: Sequence[int], field: str) -> list[int]:
