@@ -65,7 +65,7 @@ def load_hf(model: str, dtype: str = "float32", device: str = "auto") -> tuple[A
     import os
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from spec_plugins.models import converted_dir, resolve_model
 
@@ -75,11 +75,20 @@ def load_hf(model: str, dtype: str = "float32", device: str = "auto") -> tuple[A
     if cached is not None and (cached / "config.json").exists():
         path, kwargs = str(cached), {}
     tok = AutoTokenizer.from_pretrained(path, **kwargs)
-    m = AutoModelForCausalLM.from_pretrained(path, dtype=pick_dtype(dtype, pick_device(device)), **kwargs)
+    dev = pick_device(device)
+    m = load_weights(path, pick_dtype(dtype, dev), torch.device("cpu"), kwargs.get("gguf_file"))
     if cached is not None and kwargs:
         _save_converted(m, tok, cached)
-    m.to(pick_device(device)).eval()
-    return m, tok
+    return m.to(dev), tok
+
+
+def load_weights(path: str, dtype: torch.dtype, device: torch.device, gguf_file: str | None = None) -> Any:
+    """A transformers model from a directory (or a GGUF file in it, dequantised by transformers),
+    on ``device``, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device).eval()
 
 
 def _save_converted(model: Any, tok: Any, target: Any) -> None:
@@ -193,6 +202,25 @@ class TorchRuntime(SlotRuntime):
         self.cache = None
 
     # ---- the engine call -------------------------------------------------------------------------
+    def _model_call(self, kwargs: dict[str, Any], cache: Any, want_hidden: Want, last_only: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model over ``kwargs`` with ``cache``: float logits and, if wanted, the last hidden
+        state or the named decoder layers' outputs (concatenated). ``last_only``: logits of the last
+        position only (a prefill). Traceable: the static runtime compiles it into its step."""
+        if not want_hidden:
+            if last_only:
+                kwargs["logits_to_keep"] = 1
+            kwargs[self._cache_kw] = cache
+            return self.model(**kwargs).logits.float(), None
+        layers = want_hidden if isinstance(want_hidden, tuple) else ()
+        kwargs[self._decoder_cache_kw] = cache
+        dec = self.model.get_decoder()(**kwargs, output_hidden_states=bool(layers))
+        h = dec.last_hidden_state
+        logits = self.model.get_output_embeddings()(h[:, -1:] if last_only else h).float()
+        if self._softcap:
+            logits = torch.tanh(logits / self._softcap) * self._softcap
+        return logits, torch.cat([dec.hidden_states[i] for i in layers], -1) if layers else h
+
     def _call(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, want_hidden: Want,
               prefill: bool) -> StepOutput:
         from transformers import DynamicCache
@@ -205,19 +233,7 @@ class TorchRuntime(SlotRuntime):
         if mask is not None:
             kwargs["attention_mask"] = upload(mask, self.device)
         with torch_kernels.active() if self.kernels is not None else contextlib.nullcontext():
-            if not want_hidden:
-                if prefill:
-                    kwargs["logits_to_keep"] = 1
-                kwargs[self._cache_kw] = self.cache
-                out = StepOutput(self.model(**kwargs).logits.float())
-            else:
-                layers = want_hidden if isinstance(want_hidden, tuple) else ()
-                kwargs[self._decoder_cache_kw] = self.cache
-                dec = self.model.get_decoder()(**kwargs, output_hidden_states=bool(layers))
-                h = dec.last_hidden_state
-                logits = self.model.get_output_embeddings()(h[:, -1:] if prefill else h).float()
-                if self._softcap:
-                    logits = torch.tanh(logits / self._softcap) * self._softcap
-                out = StepOutput(logits, torch.cat([dec.hidden_states[i] for i in layers], -1) if layers else h)
+            logits, hidden = self._model_call(kwargs, self.cache, want_hidden, last_only=prefill)
+        out = StepOutput(logits, hidden)
         hf_compat.check_cache_grew(self.cache, before, int(ids.shape[1]), self.model)
         return out

@@ -236,17 +236,7 @@ class StaticTorchRuntime(TorchRuntime):
     def _eager(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, want_hidden: Want
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         kwargs: dict[str, Any] = dict(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True)
-        if not want_hidden:
-            kwargs[self._cache_kw] = self.cache
-            return self.model(**kwargs).logits.float(), None
-        layers = want_hidden if isinstance(want_hidden, tuple) else ()
-        kwargs[self._decoder_cache_kw] = self.cache
-        dec = self.model.get_decoder()(**kwargs, output_hidden_states=bool(layers))
-        h = dec.last_hidden_state
-        logits = self.model.get_output_embeddings()(h).float()
-        if self._softcap:
-            logits = torch.tanh(logits / self._softcap) * self._softcap
-        return logits, torch.cat([dec.hidden_states[i] for i in layers], -1) if layers else h
+        return self._model_call(kwargs, self.cache, want_hidden)
 
     def _captured(self, ids: torch.Tensor, pos: torch.Tensor, m: torch.Tensor, want_hidden: Want
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -186,9 +186,6 @@ class SpecConfig(PluginConfig):
         except ValidationError as exc:
             raise ConfigError(f"invalid {source}: {_format_errors(exc)}") from None
 
-    def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
-
 
 def default_config() -> SpecConfig:
     """The built-in default: SmolLM2-135M-Instruct on PyTorch with the n-gram proposer."""

@@ -15,13 +15,12 @@ import torch
 from spec_plugins.backends import build_runtime
 from spec_plugins.config import SamplingConfig, SpecConfig
 from spec_plugins.loop import Step, decode
-from spec_plugins.loop.batch import check_pairing
-from spec_plugins.policy import Costs, DraftPolicy, build_policy, setup_costs
-from spec_plugins.policy.tree_size import TreeSizer
-from spec_plugins.registry import PROPOSERS, VERIFIERS
+from spec_plugins.policy import Costs, DraftPolicy
+from spec_plugins.registry import VERIFIERS
 from spec_plugins.sampling import LogitsPipeline, LogitsProcessorFn
 from spec_plugins.stats import DecodeStats
 from spec_plugins.text import StopStrings, TextStream
+from spec_plugins.wiring import Wiring, wire
 
 Prompt = Union[str, Sequence[dict], Sequence[int]]
 
@@ -48,18 +47,35 @@ class StreamEvent:
 
 class SpeculativeDecoder:
     def __init__(self, target: Any, proposer: Any = None, verifier: Any = None, config: SpecConfig | None = None,
-                 tokenizer: Any = None, costs: Costs | None = None) -> None:
+                 tokenizer: Any = None, costs: Costs | None = None, wiring: Wiring | None = None) -> None:
         """``costs``: the runtime's measured costs to reuse; measured here (setup) when the
-        proposer's section sizes anything ``auto`` and they are missing."""
+        proposer's section sizes anything ``auto`` and they are missing. ``wiring``: the proposer
+        already wired to ``target`` (``from_config``)."""
         self.target = target
-        self.proposer = proposer
         self.verifier = verifier or VERIFIERS.get("exact")()
         self.config = config
         self.tokenizer = tokenizer if tokenizer is not None else getattr(target, "tokenizer", None)
         self.last_stats: DecodeStats | None = None
-        self.section = (config.proposer if config is not None else proposer.config) if proposer is not None else None
-        self.costs = setup_costs(target, proposer, self.section, costs=costs)
-        self.sizer = TreeSizer()  # its calibrations carry across generations
+        if wiring is None:
+            section = (config.proposer if config is not None else proposer.config) if proposer is not None else None
+            wiring = wire(target, section, proposer=proposer, costs=costs)
+        self.wiring = wiring  # proposer, costs and the tree sizer, whose calibrations carry across generations
+
+    @property
+    def proposer(self) -> Any:
+        return self.wiring.proposer
+
+    @property
+    def section(self) -> Any:
+        return self.wiring.section
+
+    @property
+    def costs(self) -> Costs | None:
+        return self.wiring.costs
+
+    @property
+    def sizer(self) -> Any:
+        return self.wiring.sizer
 
     @classmethod
     def from_config(cls, config: SpecConfig | dict | str, target: Any = None, costs: Costs | None = None
@@ -71,13 +87,9 @@ class SpeculativeDecoder:
         elif isinstance(config, dict):
             config = SpecConfig.parse(config)
         target = target if target is not None else build_runtime(config.target)
-        proposer = None
-        if config.proposer is not None:
-            cls_ = PROPOSERS.get(config.proposer.type)
-            proposer = cls_(config.proposer, target=target, tokenizer=getattr(target, "tokenizer", None))
-            check_pairing(target, proposer)
+        wiring = wire(target, config.proposer, costs=costs, tokenizer=getattr(target, "tokenizer", None))
         verifier = VERIFIERS.get(config.verifier.type)(config.verifier)
-        return cls(target, proposer, verifier, config, costs=costs)
+        return cls(target, verifier=verifier, config=config, wiring=wiring)
 
     def without_speculation(self) -> "SpeculativeDecoder":
         """The same runtime and sampling, plain autoregressive decoding (for comparisons)."""
@@ -124,7 +136,7 @@ class SpeculativeDecoder:
     def policy(self) -> DraftPolicy:
         """The draft policy of one generation (fresh acceptance estimates) over this decoder's
         costs and tree sizer, which carry across generations."""
-        return build_policy(self.section, self.proposer, self.costs, self.sizer)
+        return self.wiring.policy()
 
     def _generator(self, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -229,7 +241,7 @@ class SpeculativeDecoder:
         stop = (lambda i, toks, n: row_stop[i](toks, n)) if streams else None
         for step in decode(self.target, self.proposer, self.verifier, list(pipes), ids, limits, self.eos_ids(),
                            self._generator(seed), stats, self.policy(), stop=stop, seeds=seeds,
-                           observers=observers):
+                           observers=observers, traits=self.wiring.traits):
             for i in step.finished:
                 if streams:
                     streams[i].flush()

@@ -79,18 +79,10 @@ def children(parents: tuple[int, ...]) -> list[list[int]]:
     return out
 
 
-def path_to(parents: Sequence[int], node: int) -> list[int]:
-    """Node indices from the top of the tree down to ``node`` inclusive."""
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]
-
-
 @lru_cache(maxsize=256)
 def paths(parents: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
-    """``path_to`` of every node, built in one pass (what per-node logits processors read)."""
+    """Each node's path of node indices from the top of the tree down to it, built in one pass
+    (what per-node logits processors read)."""
     out: list[tuple[int, ...]] = []
     for j, p in enumerate(parents):
         out.append((out[p] if p >= 0 else ()) + (j,))

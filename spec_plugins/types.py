@@ -105,9 +105,6 @@ class RankedRow:
         return RankedRow(self.tokens[:n], self.paths[:n], self.estimates[:n], self.source)
 
 
-EMPTY_ROW = RankedRow((), (), ())
-
-
 @dataclass(frozen=True)
 class Ranked:
     """What a tree drafter returns instead of a ``Draft``: per row, its candidates best-first with
@@ -118,6 +115,10 @@ class Ranked:
 
     rows: Sequence[Sequence[RankedRow]]  # per row: its alternatives ([] or empty rows: nothing)
     auto: bool = False  # cut by the cost model (tree_nodes: auto), else keep every node given
+
+    def tagged(self, source: int) -> list[list[RankedRow]]:
+        """Per row, the non-empty candidates tagged as coming from ``source`` (a composition's child)."""
+        return [[RankedRow(r.tokens, r.paths, r.estimates, source) for r in alts if r.size] for alts in self.rows]
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,6 @@ class ProposeContext:
     tree_ok: bool = False  # the target runtime can verify a tree in one forward
     hidden: Sequence[torch.Tensor] | None = None  # per row: target hidden states not yet consumed
     tenants: Sequence[Hashable] | None = None  # per row: whose traffic it is (cross-request memory scope)
-    sizing: "Any" = None  # the round's tree sizer (``policy.tree_size.TreeSizer``): prices a candidate for a hybrid
 
 
 @dataclass

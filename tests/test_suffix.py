@@ -18,7 +18,7 @@ from spec_plugins.config import SamplingConfig
 from spec_plugins.loop import decode
 from spec_plugins.policy import DraftPolicy, FixedLength
 from spec_plugins.policy import Costs
-from spec_plugins.policy.cost import ForwardCost
+from spec_plugins.policy.cost import DraftCost, ForwardCost
 from spec_plugins.proposers.suffix import SuffixProposer
 from spec_plugins.sampling import LogitsPipeline
 from spec_plugins.stats import DecodeStats
@@ -335,11 +335,12 @@ def test_hybrid_picks_per_row_and_keeps_greedy_identity():
     first, _ = run(target, hyb, prompts, 24, policy=policy)
     for p, o in zip(prompts, first):
         assert o == plain_greedy(model, p, 24)
-    assert hyb.used[1] > 0  # fresh text: the model drafter had rows
-    before = list(hyb.used)
+    used = policy.sizer.picked  # rows whose kept draft came from each child, in all
+    assert used.get(1, 0) > 0  # fresh text: the model drafter had rows
+    before = dict(used)
     again, _ = run(target, hyb, prompts, 24, policy=policy)
     assert again == first
-    assert hyb.used[0] - before[0] > hyb.used[1] - before[1]  # repeated text: mostly suffix
+    assert used[0] - before.get(0, 0) > used.get(1, 0) - before.get(1, 0)  # repeated text: mostly suffix
     with pytest.raises(ValueError, match="exactly two"):
         HybridProposer.Config(proposers=[{"type": "suffix"}])
     with pytest.raises(ValueError, match="tree_nodes must be a number"):
@@ -347,8 +348,9 @@ def test_hybrid_picks_per_row_and_keeps_greedy_identity():
 
 
 def test_hybrid_skips_a_child_whose_drafting_costs_more_than_it_gains():
-    """A child measured as dear (here: 100 s per propose) is asked only on probe rounds; the
-    rounds it sits out leave gaps in its drafter cache, and output still equals plain greedy."""
+    """The policy's gate asks a child measured as dear (here: 100 s per propose) only on probe
+    rounds; the rounds it sits out leave gaps in its drafter cache, and output still equals plain
+    greedy."""
     from test_heads import eagle
 
     from spec_plugins.proposers.eagle import EagleProposer
@@ -363,15 +365,18 @@ def test_hybrid_skips_a_child_whose_drafting_costs_more_than_it_gains():
     propose = eag.propose
     eag.propose = lambda ctx: (calls.append(1), propose(ctx))[1]  # type: ignore[method-assign]
     flat = Costs(ForwardCost.from_curve([1.0] * 33), frozen=True)  # flat: the sizer keeps every node, whatever the machine
-    hyb = HybridProposer(HybridProposer.Config(proposers=[{"type": "suffix"}, {"type": "eagle", "heads": "x"}],
-                                               probe_every=8), target=target, children=[suffix, eag])
-    hyb.draft_s = [1e-6, 100.0]
+    flat.set_drafter(suffix, DraftCost(per_call=1e-6))
+    flat.set_drafter(eag, DraftCost(per_call=100.0))
+    hyb = HybridProposer(HybridProposer.Config(proposers=[{"type": "suffix"}, {"type": "eagle", "heads": "x"}]),
+                         target=target, children=[suffix, eag])
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8]]
-    out, _ = run(target, hyb, prompts, 24, policy=DraftPolicy(FixedLength(6), costs=flat))
+    policy = DraftPolicy(FixedLength(6), costs=flat, gated=True, probe_every=8)
+    out, _ = run(target, hyb, prompts, 24, policy=policy)
     for p, o in zip(prompts, out):
         assert o == plain_greedy(model, p, 24)
-    assert 1 <= len(calls) <= -(-hyb._round // 8) and hyb.skipped[1] == hyb._round - len(calls)
-    assert hyb.skipped[0] == 0  # the cheap child drafts every round
+    gate = policy.gate
+    assert 1 <= len(calls) <= -(-gate._round // 8) and gate.skipped[1] == gate._round - len(calls)
+    assert gate.skipped[0] == 0  # the cheap child drafts every round
 
 
 def test_hybrid_cuts_the_chosen_trees_for_the_batch():

@@ -24,7 +24,7 @@ from transformers import (
 
 from conftest import tiny_llama
 from spec_plugins.config import SamplingConfig
-from spec_plugins.integrations.transformers import speculative_generate
+from spec_plugins.integrations.transformers import CUSTOM_GENERATE, speculative_generate
 from spec_plugins.proposers.ngram import NgramProposer
 from spec_plugins.sampling import LogitsPipeline
 from spec_plugins.stats import DecodeStats
@@ -70,13 +70,17 @@ def test_greedy_equals_plain_generate(draft, batch, spec_kw):
         assert stats.draft_tokens > 0 and stats.accepted_tokens == stats.draft_tokens
 
 
-def test_assistant_model_is_used_as_draft(spec_kw):
+@pytest.mark.parametrize("form", ["callable", "directory"])
+def test_assistant_model_is_used_as_draft(spec_kw, form):
+    """The callable takes the draft model as ``draft_model=`` (transformers keeps
+    ``assistant_model=`` from a callable); the directory form takes ``assistant_model=``."""
     model = tiny_llama(seed=3)
     stats = DecodeStats()
     inputs = left_padded(PROMPTS)
     plain = model.generate(**inputs, max_new_tokens=16, pad_token_id=PAD)
-    spec = model.generate(**inputs, max_new_tokens=16, pad_token_id=PAD, custom_generate=speculative_generate,
-                          assistant_model=model, spec_stats=stats)
+    how = ({"custom_generate": speculative_generate, "draft_model": model} if form == "callable" else
+           {"custom_generate": CUSTOM_GENERATE, "trust_remote_code": True, "assistant_model": model})
+    spec = model.generate(**inputs, max_new_tokens=16, pad_token_id=PAD, spec_stats=stats, **how)
     assert torch.equal(spec, plain)
     assert stats.draft_tokens > 0 and stats.accepted_tokens == stats.draft_tokens
 
@@ -145,7 +149,10 @@ class Recorder:
         self.ended = True
 
 
-def test_streamer_batch1_and_batched_columns(spec_kw):
+@pytest.mark.parametrize("form", ["callable", "directory"])
+def test_streamer_batch1_and_batched_columns(spec_kw, form):
+    """The streamer reaches the loop as an argument: ``spec_streamer=`` for the callable, the
+    standard ``streamer=`` in the directory form (no caller frame is read)."""
     model = tiny_llama(seed=3)
     spec_kw["spec_config"] = {"proposer": {"type": "ngram", "num_draft_tokens": 4}}
     one = {"input_ids": torch.tensor([PROMPTS[0]])}
@@ -153,8 +160,9 @@ def test_streamer_batch1_and_batched_columns(spec_kw):
     for inputs, eos in ((one, 31), (left_padded(PROMPTS), int(ref[1, -4]))):  # batched: a row ends early
         rp, rs = Recorder(), Recorder()
         plain = model.generate(**inputs, max_new_tokens=12, pad_token_id=PAD, eos_token_id=eos, streamer=rp)
-        spec = model.generate(**inputs, max_new_tokens=12, pad_token_id=PAD, eos_token_id=eos, streamer=rs,
-                              custom_generate=speculative_generate, **spec_kw)
+        how = ({"custom_generate": speculative_generate, "spec_streamer": rs} if form == "callable" else
+               {"custom_generate": CUSTOM_GENERATE, "trust_remote_code": True, "streamer": rs})
+        spec = model.generate(**inputs, max_new_tokens=12, pad_token_id=PAD, eos_token_id=eos, **how, **spec_kw)
         assert torch.equal(spec, plain) and rs.ended and rp.ended
         assert rs.puts[0] == rp.puts[0]  # the prompt, put by generate() itself
         if inputs is one:  # batch 1: whole rounds per put, same token stream

@@ -17,13 +17,15 @@ that reads a batch index or keeps state between calls is refused or mis-applied 
 changes acceptance, never the output law, because the verifier uses the target's scores.
 
 transformers 5.x does not pass ``streamer`` or ``assistant_model`` to a callable
-``custom_generate`` (it forwards only the parameters ``_sample`` lacks), so both are read from
-the calling ``generate()`` frame; ``draft_model=`` is the explicit spelling of the latter.
+``custom_generate`` (it forwards only the keyword arguments that ``_sample`` lacks), so the
+callable takes them under its own names: ``spec_streamer=`` and ``draft_model=``. The directory
+form, ``custom_generate=CUSTOM_GENERATE`` with ``trust_remote_code=True``, receives every
+``generate()`` argument (transformers' documented way for custom decoding methods) and hands
+``streamer=`` and ``assistant_model=`` to the callable under those names.
 """
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -34,15 +36,20 @@ from spec_plugins.backends import hf_compat
 from spec_plugins.backends.torch_runtime import TorchRuntime
 from spec_plugins.config import SamplingConfig, SpecConfig, default_config
 from spec_plugins.loop import decode
-from spec_plugins.policy import Costs, build_policy, setup_costs
+from spec_plugins.policy import Costs
 from spec_plugins.policy.tree_size import TreeSizer
 from spec_plugins.proposers.base import Proposer
 from spec_plugins.proposers.draft_model import DraftModelProposer
-from spec_plugins.registry import PROPOSERS, VERIFIERS
+from spec_plugins.registry import VERIFIERS
 from spec_plugins.sampling import LogitsPipeline
 from spec_plugins.stats import DecodeStats
+from spec_plugins.wiring import Wiring, wire
 
-__all__ = ["speculative_generate"]
+__all__ = ["CUSTOM_GENERATE", "speculative_generate"]
+
+# ``model.generate(..., custom_generate=CUSTOM_GENERATE, trust_remote_code=True)``: a directory
+# holding ``custom_generate/generate.py``, which receives every ``generate()`` argument
+CUSTOM_GENERATE = str(Path(__file__).resolve().parent / "hf_generate")
 
 # model_kwargs transformers always prepares for decoder-only models; anything else is a model
 # input we do not forward (images, embeddings, token types...).
@@ -57,7 +64,7 @@ def speculative_generate(
     stopping_criteria: Sequence[Any] | None = None,
     generation_config: Any = None,
     synced_gpus: bool = False,
-    streamer: Any = None,
+    spec_streamer: Any = None,
     spec_config: SpecConfig | dict | str | Path | None = None,
     draft_model: Any = None,
     proposer: Proposer | None = None,
@@ -67,12 +74,11 @@ def speculative_generate(
     """Speculative ``generate()`` loop. Extra ``generate()`` kwargs: ``spec_config`` (file, dict or
     SpecConfig; its proposer/verifier are used, its target and sampling sections are not: the
     model and ``generation_config`` are), ``draft_model`` (a loaded model for the draft_model
-    proposer; ``assistant_model=`` works too), ``proposer`` (a Proposer instance), ``spec_stats``
-    (a DecodeStats to fill)."""
+    proposer), ``spec_streamer`` (a streamer: transformers keeps ``streamer=`` from a callable;
+    the ``CUSTOM_GENERATE`` directory form takes ``streamer=`` and ``assistant_model=``),
+    ``proposer`` (a Proposer instance), ``spec_stats`` (a DecodeStats to fill)."""
     gc = generation_config if generation_config is not None else model.generation_config
-    frame = _generate_locals()
-    streamer = streamer if streamer is not None else frame.get("streamer")
-    draft_model = draft_model if draft_model is not None else frame.get("assistant_model")
+    streamer = spec_streamer
     _check_supported(model, gc, synced_gpus, model_kwargs)
 
     # 1. rows: strip left padding, keep the pads for the processors' view
@@ -82,29 +88,28 @@ def speculative_generate(
     eos = _ids(getattr(gc, "_eos_token_tensor", gc.eos_token_id))
     pad_id = next(iter(_ids(getattr(gc, "_pad_token_tensor", gc.pad_token_id))), None)
 
-    # 2. components: the user's model as target (its runtime wrapper, costs and proposers kept on
-    # the model, so later calls measure nothing), proposer/verifier from the spec config
+    # 2. components: the user's model as target (its runtime wrapper, costs and wired proposers kept
+    # on the model, so later calls measure nothing), proposer/verifier from the spec config
     cfg = _spec_config(spec_config)
     setup = _Setup.of(model)
     target = setup.runtime
-    prop, section = _build_proposer(setup, cfg, draft_model, spec_config is None) if proposer is None else (
-        proposer, proposer.config)
+    wiring = setup.wired(cfg, draft_model, spec_config is None, proposer)
     verifier = VERIFIERS.get(cfg.verifier.type)(cfg.verifier)
     # transformers' processor list already holds its warpers (temperature, top-k, top-p, ...):
     # sample from the processed scores as they are (temperature 1), or take their argmax.
     sampling = SamplingConfig(temperature=1.0 if gc.do_sample else 0.0, seed=None)
     pipeline = LogitsPipeline(sampling, _adapt_processors(logits_processor or [], rows, pads, pad_id))
     stop = _stop_fn(stopping_criteria or [], gc, pads, eos, input_ids.device)
-    setup.costs = setup_costs(target, prop, section, costs=setup.costs)
-    draft_length = build_policy(section, prop, setup.costs, setup.sizer)
 
     # 3. decode, streaming as we go (global torch RNG, like plain generate)
     stats = spec_stats if spec_stats is not None else DecodeStats()
     out: list[list[int]] = [[] for _ in rows]
     done = [False] * len(rows)
     sent = 0
-    for step in decode(target, prop, verifier, pipeline, rows, max_new, eos, None, stats, draft_length,
-                       processor_prefix=pads, stop=stop):
+    if streamer is not None:
+        streamer.put(input_ids.cpu())  # the prompt first, as generate() puts it
+    for step in decode(target, wiring.proposer, verifier, pipeline, rows, max_new, eos, None, stats, wiring.policy(),
+                       processor_prefix=pads, stop=stop, traits=wiring.traits):
         for i, toks in step.emitted.items():
             out[i].extend(toks)
         for i in step.finished:
@@ -206,7 +211,7 @@ def _spec_config(spec: SpecConfig | dict | str | Path | None) -> SpecConfig:
 @dataclass
 class _Setup:
     """What the plugin keeps per loaded model, on the model itself (``model._spec_plugins``): its
-    runtime wrapper, the measured costs, the tree sizer and the proposers built for it. A second
+    runtime wrapper, the measured costs, the tree sizer and the proposers wired to it. A second
     ``generate()`` then costs one forward per round plus its prefill (re-measuring the runtime
     and rebuilding proposers every call cost 56 extra forwards per call on SmolLM2). Rebuilt when
     the model moves to another device or dtype."""
@@ -214,7 +219,7 @@ class _Setup:
     runtime: TorchRuntime
     costs: Costs | None = None
     sizer: TreeSizer = field(default_factory=TreeSizer)
-    proposers: dict[tuple, Proposer] = field(default_factory=dict)
+    wirings: dict[tuple, Wiring] = field(default_factory=dict)
 
     @staticmethod
     def of(model: Any) -> "_Setup":
@@ -225,32 +230,35 @@ class _Setup:
             model.__dict__["_spec_plugins"] = setup  # a plain attribute: not a submodule, never saved
         return setup
 
+    def wired(self, cfg: SpecConfig, draft_model: Any, implicit: bool, proposer: Proposer | None) -> Wiring:
+        """The proposer of the spec config (or of the draft model, or the instance given), wired to
+        this model once per section (``wiring.wire``)."""
+        section = cfg.proposer
+        if proposer is not None:
+            key: tuple = ("instance", id(proposer))
+            build: dict[str, Any] = {"proposer": proposer}
+            section = proposer.config
+        elif draft_model is not None:
+            if section is not None and section.type != "draft_model" and not implicit:
+                raise ValueError(f"draft_model/assistant_model given, but spec_config's proposer is {section.type!r}; "
+                                 "use proposer type draft_model (or drop the model)")
+            if section is None or section.type != "draft_model":
+                section = DraftModelProposer.Config.model_validate(_DRAFT_ALONE)
+            key = (section.model_dump_json(), id(draft_model))
+            build = {"proposer": DraftModelProposer(section, target=self.runtime, runtime=TorchRuntime(draft_model))
+                     if key not in self.wirings else None}
+        else:
+            key = (section.model_dump_json(),) if section is not None else ()
+            build = {"tokenizer": None}
+        if key not in self.wirings:
+            self.wirings[key] = wire(self.runtime, section, costs=self.costs, sizer=self.sizer, **build)
+            self.costs = self.wirings[key].costs or self.costs
+        return self.wirings[key]
+
 
 # a draft model given alone (no spec_config): 5 draft tokens per round
 _DRAFT_ALONE = {"type": "draft_model", "num_draft_tokens": 5,
                 "model": {"backend": "torch", "model": "<the draft model given to generate()>"}}
-
-
-def _build_proposer(setup: _Setup, cfg: SpecConfig, draft_model: Any, implicit: bool) -> tuple[Proposer | None, Any]:
-    """The proposer of the spec config (or of the draft model given) and its section, built once
-    per loaded model and section."""
-    section = cfg.proposer
-    if draft_model is not None:
-        if section is not None and section.type != "draft_model" and not implicit:
-            raise ValueError(f"draft_model/assistant_model given, but spec_config's proposer is {section.type!r}; "
-                             "use proposer type draft_model (or drop the model)")
-        if section is None or section.type != "draft_model":
-            section = DraftModelProposer.Config.model_validate(_DRAFT_ALONE)
-        key = (section.model_dump_json(), id(draft_model))
-        if key not in setup.proposers:
-            setup.proposers[key] = DraftModelProposer(section, target=setup.runtime, runtime=TorchRuntime(draft_model))
-        return setup.proposers[key], section
-    if section is None:
-        return None, None
-    key = (section.model_dump_json(),)
-    if key not in setup.proposers:
-        setup.proposers[key] = PROPOSERS.get(section.type)(section, target=setup.runtime, tokenizer=None)
-    return setup.proposers[key], section
 
 
 class _PadBlindRepetitionPenalty:
@@ -352,16 +360,3 @@ def _assemble(input_ids: torch.Tensor, out: list[list[int]], pad_id: int | None)
     new = [o + [_pad(pad_id)] * (T - len(o)) if len(o) < T else o for o in out]
     new_t = torch.tensor(new, dtype=torch.long, device=input_ids.device).reshape(len(out), T)
     return torch.cat([input_ids, new_t], dim=1)
-
-
-def _generate_locals() -> dict:
-    """``streamer`` / ``assistant_model`` from the ``GenerationMixin.generate`` frame that called
-    us (transformers drops them for callables); empty when called directly."""
-    frame = inspect.currentframe()
-    try:
-        caller = frame.f_back.f_back if frame is not None and frame.f_back is not None else None
-        if caller is None or caller.f_code.co_name != "generate" or "custom_generate" not in caller.f_locals:
-            return {}
-        return {k: caller.f_locals.get(k) for k in ("streamer", "assistant_model")}
-    finally:
-        del frame

@@ -81,9 +81,11 @@ class Batch:
 
     def __init__(self, runtime: Any, proposer: Any, verifier: Callable, eos_ids: Sequence[int] = (),
                  seed: int | None = 0, generator: torch.Generator | None = None, stats: DecodeStats | None = None,
-                 observers: Sequence[Any] = (), clock: Callable[[], float] = time.perf_counter) -> None:
+                 observers: Sequence[Any] = (), clock: Callable[[], float] = time.perf_counter,
+                 traits: ProposerTraits | None = None) -> None:
+        """``traits``: the pairing already checked (``wiring.wire``); checked here otherwise."""
         self.runtime, self.proposer, self.verifier = runtime, proposer, verifier
-        self.traits = check_pairing(runtime, proposer)
+        self.traits = traits if traits is not None else check_pairing(runtime, proposer)
         self.device = torch.device(getattr(runtime, "device", "cpu"))
         self.eos = {int(e) for e in eos_ids}
         self.lossy = bool(getattr(verifier, "lossy", False))
@@ -198,18 +200,18 @@ class Batch:
         free = lambda rows, k: self.proposer.free_drafts([seqs[b] for b in rows], k)  # noqa: E731
         return BatchView(seqs, room, self.proposer.draft_keys(seqs), free)
 
-    def draft(self, view: BatchView, ks: Sequence[int], sizing: Any = None) -> tuple[list[int], Draft | Ranked | None]:
+    def draft(self, view: BatchView, ks: Sequence[int], policy: Any) -> tuple[list[int], Draft | Ranked | None]:
         """Per-row budgets (lengths within each row's room) and the proposer's draft (a tree
-        drafter's ranked candidates, for the policy to size), or None. ``sizing``: the policy's
-        tree sizer, which a hybrid prices its children's candidates with."""
+        drafter's ranked candidates, for the policy to size), or None; the policy runs the
+        proposer's sources (``DraftPolicy.draft``)."""
         budgets = [max(0, min(int(k), room)) for k, room in zip(ks, view.room)]
         if self.proposer is None or max(budgets, default=0) == 0:
             return budgets, None
         hidden = [r.hidden for r in self.rows] if self.traits.needs_hidden else None
         ctx = ProposeContext(view.sequences, budgets, self._row_pipelines(self.rows),
                              self.generator, self.runtime.capabilities.tree_mask, hidden,
-                             [r.tenant for r in self.rows], sizing)
-        return budgets, self.proposer.propose(ctx)
+                             [r.tenant for r in self.rows])
+        return budgets, policy.draft(self.traits.sources, ctx)
 
     def place(self, draft: Draft | None) -> Draft | None:
         """The sized draft on the runtime's device (moved once)."""

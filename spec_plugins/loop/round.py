@@ -18,6 +18,7 @@ import torch
 from spec_plugins.loop.batch import Batch
 from spec_plugins.policy.draft_length import LengthPolicy
 from spec_plugins.policy.draft_policy import DraftPolicy, build_policy
+from spec_plugins.proposers.base import ProposerTraits
 from spec_plugins.sampling import LogitsPipeline
 from spec_plugins.stats import DecodeStats
 from spec_plugins.types import Emission, RoundRecord, RoundTimes, RowRequest
@@ -33,7 +34,7 @@ def run_round(batch: Batch, policy: DraftPolicy) -> RoundRecord | None:
     t0 = clock()
     view = batch.view()
     ks = policy.choose(view)                                     # 1. per-row draft depths (0 = none)
-    budgets, proposed = batch.draft(view, ks, policy.sizer)      # 2. chains, or ranked tree candidates
+    budgets, proposed = batch.draft(view, ks, policy)            # 2. each paying source drafts
     draft = batch.place(policy.size(proposed, clock() - t0))     # 3. cut + merged by cost, on the device
     t1 = clock()
     tokens, tree = batch.verify_input(draft)                     # 4. pending token + drafted nodes
@@ -94,16 +95,18 @@ def decode(
     seeds: Sequence[int | None] | None = None,
     observers: Sequence[Any] = (),
     clock: Callable[[], float] = time.perf_counter,
+    traits: ProposerTraits | None = None,
 ) -> Iterator[Step]:
     """A fixed batch: add every prompt, run rounds until no row is left; yields a Step per
     prefill/round. ``pipeline``: one for all rows or one per row; ``seeds[i]``: row i's own
     generator (None: the shared ``generator``); ``processor_prefix[i]``: tokens prepended to row
-    i's sequence where its user processors see it (transformers' left pads)."""
+    i's sequence where its user processors see it (transformers' left pads); ``traits``: the
+    pairing already checked (``wiring.wire``)."""
     n = len(prompts)
     limits = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
     pipes = [pipeline] * n if isinstance(pipeline, LogitsPipeline) else list(pipeline)
     batch = Batch(target, proposer, verifier, eos_ids, seed=None, generator=generator, stats=stats,
-                  observers=observers, clock=clock)  # generator None: torch's global RNG, as plain generate()
+                  observers=observers, clock=clock, traits=traits)  # generator None: torch's global RNG, as plain generate()
     requests = [RowRequest(i, list(p), limits[i], seed=seeds[i] if seeds else None, pipeline=pipes[i],
                            prefix=processor_prefix[i] if processor_prefix else (), stop=_row_stop(stop, i))
                 for i, p in enumerate(prompts)]

@@ -33,6 +33,7 @@ class Costs:
         self.overhead = 0.0  # seconds per round outside forwards and drafting (verify, commit, Python)
         self._decay = overhead_decay
         self._drafts: "weakref.WeakKeyDictionary[Any, DraftCost]" = weakref.WeakKeyDictionary()
+        self._drafted: "weakref.WeakKeyDictionary[Any, float]" = weakref.WeakKeyDictionary()  # seconds per call, seen
         self.context = forward.context if isinstance(forward, ForwardCost) else forward.base.context
 
     # ---- setup ------------------------------------------------------------------------------------
@@ -77,6 +78,14 @@ class Costs:
             raise ValueError(f"no measured drafting cost for {type(proposer).__name__}: call "
                              "costs.measure_drafter(proposer, runtime) at setup") from None
 
+    def draft_seconds(self, proposer: Any, depth: float) -> float:
+        """Seconds of one of ``proposer``'s drafting calls: what its calls took in the rounds (their
+        catch-up included), or before any, its measured cost at ``depth``."""
+        seen = self._drafted.get(proposer)
+        if seen is not None:
+            return seen
+        return self._drafts[proposer](depth) if proposer in self._drafts else 0.0
+
     def __call__(self, rows: float, positions: float) -> float:
         """Seconds of the target forward over ``rows`` x ``positions`` (corrected)."""
         return self.forward(rows, positions)
@@ -95,6 +104,15 @@ class Costs:
         lam = self._decay
         self.overhead = spent if self.overhead == 0.0 else lam * self.overhead + (1 - lam) * spent
         self.forward.observe(record.rows, record.positions, width)
+
+    def observe_drafter(self, proposer: Any, seconds: float) -> None:
+        """One drafting call of ``proposer`` took ``seconds`` (a round's clock): smoothed, it prices
+        the next decision whether to pay that drafter (``policy.sources``)."""
+        if self.frozen:
+            return
+        seen = self._drafted.get(proposer)
+        lam = self._decay
+        self._drafted[proposer] = seconds if seen is None else lam * seen + (1 - lam) * seconds
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.forward.base.to_dict(), "overhead_seconds": self.overhead}

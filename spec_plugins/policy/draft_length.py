@@ -76,13 +76,9 @@ class AutoDraftLength:
     def __init__(self, costs: Costs | ForwardCost | OnlineCost, draft: DraftCost = DraftCost(), max_k: int = 16,
                  decay: float = 0.8, prior_accept: float = 0.5, prior_weight: float = 1.0, idle_decay: float = 0.97,
                  chain_weight: float | None = 3.0, keyed: dict[str, Any] | None = None,
-                 shadow_horizon: int = 4, min_gain: float = 1.0, all_or_nothing: bool = False) -> None:
+                 shadow_horizon: int = 4, min_gain: float = 1.0) -> None:
         """``costs``: the runtime's (a bare cost model is wrapped: its overhead starts at 0);
-        ``draft``: the drafter's measured cost (``Costs.drafter``); ``all_or_nothing``: choose
-        between ``max_k`` and no draft only (a tree drafter whose depth is configured and whose
-        tree the sizer cuts: the length policy only decides whether to pay the drafter, which it
-        does when some depth pays for it; pricing the whole depth instead declined drafts the
-        sizer would have cut to a profitable few nodes: suffix 1.45x -> 1.28x on the dev prompts)."""
+        ``draft``: the drafter's measured cost (``Costs.drafter``)."""
         costs = costs if isinstance(costs, Costs) else Costs(costs)
         max_k = min(max_k, costs.max_positions - 1)  # never extrapolate the cost model silently
         if max_k < 1:
@@ -90,7 +86,7 @@ class AutoDraftLength:
         if shadow_horizon < 1 or min_gain < 1.0:
             raise ValueError(f"shadow_horizon must be >= 1 and min_gain >= 1, got {shadow_horizon}, {min_gain}")
         self.costs, self.draft, self.max_k = costs, draft, max_k
-        self.shadow_horizon, self.min_gain, self.all_or_nothing = shadow_horizon, min_gain, all_or_nothing
+        self.shadow_horizon, self.min_gain = shadow_horizon, min_gain
         self.estimate = AcceptanceEstimate(max_k, decay, prior_accept, prior_weight, idle_decay, chain_weight)
         kp = {**self.KEYED, **(keyed or {})}
         self._keyed_args = tuple(kp[n] for n in ("decay", "prior_accept", "prior_weight", "idle_decay",
@@ -139,8 +135,6 @@ class AutoDraftLength:
             drafted = max(curves[key][1][k] for key in mix)
             out.append((tokens, self.costs(rows, 1.0 + drafted) + self.costs.overhead
                         + (self.draft(drafted) if k else 0.0)))
-        if self.all_or_nothing:  # pay the drafter if some depth pays for it; the tree sizer cuts the draft
-            return self.max_k * (best_option(out, self.min_gain) > 0), out
         return best_option(out, self.min_gain), out
 
     def rates(self, estimate: AcceptanceEstimate | None = None, rows: int = 1) -> list[float]:

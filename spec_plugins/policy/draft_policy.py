@@ -1,13 +1,16 @@
 """How much to draft, in one place: the draft policy of a round and the one factory that builds it
 from a config for every caller (decoder, server, transformers plugin, bench, tune).
 
-A ``DraftPolicy`` is two steps of the round and what they learn from:
+A ``DraftPolicy`` is three steps of the round and what they learn from, and owns every decision
+of how much to draft:
 1. ``choose(view)``: each row's draft depth before the drafter runs (0 = no draft), by a length
    policy: ``FixedLength`` or ``AutoDraftLength``, which prices the drafter's own seconds, so not
    drafting at all is the same decision as drafting k;
-2. ``size(draft, spent)``: a tree drafter's ranked candidates (``types.Ranked``) picked per row and
-   cut against the cost model (``TreeSizer``), merged into the ``Draft`` the target verifies;
-3. ``observe(record)``: the costs correct themselves (``Costs.observe``), the length policy and the
+2. ``draft(sources, ctx)``: the proposer's sources (itself, or a composition's children) draft,
+   each where its drafting pays (``SourceGate``, ``policy/sources.py``);
+3. ``size(draft, spent)``: ranked candidates (``types.Ranked``) picked per row and cut against
+   the cost model (``TreeSizer``), merged into the ``Draft`` the target verifies;
+4. ``observe(record)``: the costs correct themselves (``Costs.observe``), the length policy and the
    sizer's calibrations learn.
 
 Defaults, one set for every caller (``DEFAULTS``): ``auto`` drafts up to 16 positions (the cost
@@ -22,9 +25,10 @@ from typing import Any, Literal, Sequence
 
 from spec_plugins.policy.costs import Costs
 from spec_plugins.policy.draft_length import AutoDraftLength, FixedLength, LengthPolicy
+from spec_plugins.policy.sources import SourceGate
 from spec_plugins.policy.tree_size import MAX_AUTO_NODES, TreeSizer
 from spec_plugins.proposers.base import ProposerTraits
-from spec_plugins.types import BatchView, Draft, Ranked, RoundRecord
+from spec_plugins.types import BatchView, Draft, ProposeContext, Ranked, RoundRecord
 
 
 @dataclass(frozen=True)
@@ -36,17 +40,21 @@ class PolicyDefaults:
 
 
 DEFAULTS = PolicyDefaults()
-NEGLIGIBLE = 0.02  # a drafter whose whole depth costs less than this share of one forward is not gated
 
 
 class DraftPolicy:
-    """A length policy, a tree sizer and the costs both price against (module docstring)."""
+    """A length policy, the sources' gate, a tree sizer and the costs they price against (module docstring)."""
 
-    def __init__(self, length: LengthPolicy, sizer: TreeSizer | None = None, costs: Costs | None = None) -> None:
+    def __init__(self, length: LengthPolicy, sizer: TreeSizer | None = None, costs: Costs | None = None,
+                 gated: bool = False, min_gain: float = 1.0, probe_every: int = 16) -> None:
+        """``gated``: a source may be skipped in a round where its drafting does not pay
+        (``policy.sources``); otherwise every source drafts every round it is asked to."""
         self.length = length
         self.costs = costs if costs is not None else length.costs if isinstance(length, AutoDraftLength) else None
         self.sizer = sizer if sizer is not None else TreeSizer()
         self.sizer.costs = self.costs  # a long-lived sizer prices with the costs of the policy using it
+        self.gated, self.min_gain, self.probe_every = gated, min_gain, probe_every
+        self.gate: SourceGate | None = None  # built for the proposer's sources when they first draft
 
     @classmethod
     def of(cls, policy: "DraftPolicy | LengthPolicy") -> "DraftPolicy":
@@ -60,8 +68,19 @@ class DraftPolicy:
     def choose(self, view: BatchView) -> list[int]:
         return self.length.choose(view)
 
+    def draft(self, sources: Sequence[Any], ctx: ProposeContext) -> Draft | Ranked | None:
+        """The proposer's sources draft, each where it pays (``policy.sources``)."""
+        if self.gate is None or self.gate.sources != list(sources):
+            self.gate = SourceGate(sources, self.sizer, self.costs, self.gated, self.min_gain, self.probe_every)
+        return self.gate.draft(ctx)
+
     def size(self, draft: Draft | Ranked | None, spent: float = 0.0) -> Draft | None:
-        return self.sizer.size(draft, spent) if isinstance(draft, Ranked) else draft
+        if not isinstance(draft, Ranked):
+            return draft
+        sized = self.sizer.size(draft, spent)
+        if self.gate is not None:
+            self.gate.kept(draft, self.sizer.last_rows)
+        return sized
 
     def observe(self, record: RoundRecord) -> None:
         if self.costs is not None:
@@ -109,32 +128,28 @@ def build_policy(section: Any, proposer: Any, costs: Costs | None = None, sizer:
                  length: Length = "config", defaults: PolicyDefaults = DEFAULTS) -> DraftPolicy:
     """The policy of a proposer section (``None``: plain decoding).
 
-    ``length="config"``: ``num_draft_tokens: auto`` -> ``AutoDraftLength`` up to ``defaults.max_k``;
-    a fixed length is drafted as is (``FixedLength``), except under a tree sized by cost
-    (``tree_nodes: auto``), where whether to pay the drafter at all is priced too: each round
-    ``AutoDraftLength`` chooses between that depth and no draft (its width is the sizer's). ``"load"`` (a server's load-aware policy): the fixed length is
-    an upper bound for ``AutoDraftLength``. ``"fixed"``: always the fixed length (``auto``:
-    ``defaults.fixed_k``), trees still cut by cost where ``tree_nodes: auto``. ``costs`` must come
-    from ``setup_costs`` when anything is priced; ``sizer``: a long-lived one whose calibrations
-    carry across generations (a decoder's, a loaded model's)."""
+    ``length="config"``: ``num_draft_tokens: auto`` -> ``AutoDraftLength`` up to ``defaults.max_k``
+    (the depth, its drafting cost included, is chosen each round); a fixed length is drafted as
+    is (``FixedLength``). ``"load"`` (a server's load-aware policy): the fixed length is an upper
+    bound for ``AutoDraftLength``. ``"fixed"``: always the fixed length (``auto``:
+    ``defaults.fixed_k``). Trees with ``tree_nodes: auto`` are cut by cost in every mode. Whether
+    a source pays for its drafting at all is the gate's decision (``policy.sources``) wherever the
+    length policy does not price it: a configured depth over a cost-cut tree, and every child of a
+    composition. ``costs`` must come from ``setup_costs`` when anything is priced; ``sizer``: a
+    long-lived one whose calibrations carry across generations (a decoder's, a loaded model's)."""
     if proposer is None or section is None:
         return DraftPolicy(FixedLength(0), sizer, costs)
     k = section.num_draft_tokens
-    if wants_costs(section, length) and costs is None:
+    priced = wants_costs(section, length)
+    if priced and costs is None:
         raise ValueError(f"proposer {section.type}: sizing by cost needs the runtime's measured costs "
                          "(policy.draft_policy.setup_costs) before its policy is built")
-    if length == "fixed" or not wants_costs(section, length):
-        return DraftPolicy(FixedLength(defaults.fixed_k if k == "auto" else int(k)), sizer, costs)
-    max_k = defaults.max_k if k == "auto" else int(k)
-    if max_k == 0:
-        return DraftPolicy(FixedLength(0), sizer, costs)
-    gate = k != "auto" and length == "config"  # a configured depth over a cost-cut tree: draft it, or not
-    draft = costs.drafter(proposer)
-    if gate and (ProposerTraits.of(proposer).prices_drafting or draft(max_k) < NEGLIGIBLE * costs(1, 1)):
-        # nothing for the gate to decide: the proposer prices its drafters itself per round (a hybrid;
-        # gated on their summed cost it drafted nothing), or drafting costs next to nothing and the
-        # sizer's cut can keep no node (suffix; gated on a chain estimate it lost drafts the sizer keeps)
-        return DraftPolicy(FixedLength(max_k), sizer, costs)
-    auto = AutoDraftLength(costs, draft, max_k=max_k, min_gain=defaults.min_gain,
-                           all_or_nothing=gate)
-    return DraftPolicy(auto, sizer, costs)
+    gated = priced and (len(ProposerTraits.of(proposer).sources) > 1 or (k != "auto" and length == "config"))
+    if length == "fixed" or not priced:
+        length_policy: LengthPolicy = FixedLength(defaults.fixed_k if k == "auto" else int(k))
+    elif k != "auto" and length == "config" or k == 0:
+        length_policy = FixedLength(int(k))
+    else:
+        max_k = defaults.max_k if k == "auto" else int(k)
+        length_policy = AutoDraftLength(costs, costs.drafter(proposer), max_k=max_k, min_gain=defaults.min_gain)
+    return DraftPolicy(length_policy, sizer, costs, gated=gated, min_gain=defaults.min_gain)

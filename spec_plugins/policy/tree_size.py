@@ -43,6 +43,7 @@ class TreeSizer:
         self.calib: dict[int, Calibration] = {}
         self.picked: dict[int, int] = {}  # rows that kept a non-empty draft from each source, in all
         self._kept: list[tuple[int, float]] = []  # per row of the round being verified: (source, predicted)
+        self.last_rows: list[RankedRow] = []  # per row: what the last ``size`` kept
 
     def calibration(self, source: int) -> Calibration:
         c = self.calib.get(source)
@@ -66,6 +67,7 @@ class TreeSizer:
             for source in {r.source for r, n in zip(rows, counts) if r.size and not n}:
                 self.calibration(source).idle()  # offered, not taken: re-tried later (Calibration.idle)
             rows = [r.prefix(n) for r, n in zip(rows, counts)]
+        self.last_rows = rows
         self._kept = [(r.source, sum(r.estimates)) for r in rows]
         for r in rows:
             if r.size:

@@ -16,9 +16,8 @@ class registers (``check_proposer_class``) and when a batch is built (``Proposer
   are trees; ``propose`` returns ranked candidates (``types.Ranked``) for the draft policy to size.
   A feature drafter that reads decoder-layer outputs rather than the last hidden state names
   them in ``feature_layers`` (EAGLE-3).
-- ``prices_drafting`` class flag: the proposer decides itself, per round, whether each of its
-  drafters is worth paying for (a hybrid's skip test), so the length policy does not gate its
-  configured depth a second time.
+- ``sources()``: the drafters the draft policy runs, each where it pays: the proposer itself, or
+  a composition's children (a hybrid).
 
 A proposer is a subclass of ``Proposer`` (the flags have their defaults there), checked once.
 """
@@ -42,11 +41,14 @@ class Proposer:
     needs_hidden: bool = False  # ask the target for hidden states (a hybrid: if a child does)
     tree: bool = False  # drafts trees (needs a runtime with tree masks)
     ranks: ClassVar[bool] = False  # propose() returns ranked candidates (types.Ranked), sized by the policy
-    prices_drafting: ClassVar[bool] = False  # skips its own drafters when they do not pay (module docstring)
     feature_layers: tuple[int, ...] = ()  # decoder-layer outputs it reads instead of the last hidden state
 
     def propose(self, ctx: ProposeContext) -> Draft | None:
         raise NotImplementedError
+
+    def sources(self) -> "Sequence[Proposer]":
+        """The drafters the draft policy runs (a composition: its children)."""
+        return (self,)
 
     def observe(self, record: RoundRecord) -> None:
         """Learn from a round (adaptive state, rolling back a draft model's cache)."""
@@ -138,7 +140,7 @@ class ProposerTraits:
     ranks: bool = False
     remembers: bool = False
     reports: bool = False
-    prices_drafting: bool = False
+    sources: tuple = ()  # the drafters the draft policy runs (``Proposer.sources``)
 
     @property
     def want_hidden(self) -> "bool | tuple[int, ...]":
@@ -153,4 +155,4 @@ class ProposerTraits:
         return ProposerTraits(isinstance(proposer, RowAware), isinstance(proposer, Keyed), bool(proposer.needs_hidden),
                               bool(proposer.tree), tuple(proposer.feature_layers), type(proposer).ranks,
                               isinstance(proposer, Remembers), isinstance(proposer, ReportsMetrics),
-                              type(proposer).prices_drafting)
+                              tuple(proposer.sources()))

@@ -1,31 +1,20 @@
-"""Hybrid drafting: two proposers, and per row and round the draft with the most expected
-accepted tokens per unit of verify cost (SuffixDecoding's pairing with a model drafter).
+"""Hybrid drafting: two proposers as one composition, each row taking the draft with the most
+expected accepted tokens per unit of verify cost (SuffixDecoding's pairing with a model drafter).
 
-Each child offers per row its ranked candidates (best-first nodes with suffix frequencies or
-EAGLE path probabilities; ``types.Ranked``), tagged with the child's index as their source. The
-draft policy's tree sizer (``policy/tree_size.py``) then does the sizing in one place: each row
-takes the alternative with the most
+The hybrid only composes: its children follow the batch's rows, learn from every round and report
+their metrics. Everything about how much to draft is the draft policy's (``policy/``): it asks
+each child to draft where its drafting pays, cheapest first (``policy/sources.py``), and its tree
+sizer (``policy/tree_size.py``) picks per row the alternative with the most
 
     (1 + scale_c x expected_c) / T(1, 1 + nodes_c)
 
-(``scale_c``: the child's own calibration, accepted / predicted over the rows that took its
-drafts; T: the runtime's forward costs), so a long suffix match wins with a big tree and free
-text goes to the model drafter; the chosen trees are cut for the batch and merged.
-
-Drafting is not free: a model drafter's propose() can cost as much as a target forward on a CPU.
-Children are therefore asked cheapest first (their measured propose time), and a dearer child is
-skipped in a round when, for every row, the draft already in hand beats what the dearer child has
-delivered on average, its own drafting time included (priced by the same sizer):
-
-    (1 + scale_c x mean expected_c) / (T(1, 1 + mean nodes_c) + draft seconds_c)
-
-Every ``probe_every`` rounds all children draft, so a skipped child's estimates stay current.
+(``scale_c``: the child's own calibration; T: the runtime's forward costs), so a long suffix match
+wins with a big tree and free text goes to the model drafter; the chosen trees are cut for the
+batch and merged.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import replace
 from typing import Any, Literal, Sequence
 
 from pydantic import Field, model_validator
@@ -45,7 +34,6 @@ class HybridProposer(Proposer):
 
     tree = True
     ranks = True
-    prices_drafting = True  # each child is skipped in a round where its drafting does not pay
 
     class Config(ProposerConfig):
         type: Literal["hybrid"] = "hybrid"
@@ -54,8 +42,6 @@ class HybridProposer(Proposer):
                         "each must rank its candidates (suffix, eagle) and use a fixed tree_nodes.")
         tree_nodes: Literal["auto"] = Field("auto", description="Always 'auto': the draft policy picks each row's "
                                                                  "child and cuts the trees by the measured costs.")
-        probe_every: int = Field(16, ge=1, description="Every this many rounds all children draft (a child "
-                                                         "skipped as too dear for its gain is re-measured).")
 
         @property
         def auto_tree(self) -> bool:
@@ -92,13 +78,10 @@ class HybridProposer(Proposer):
         traits = [ProposerTraits.of(c) for c in self.children]
         self.needs_hidden = any(t.needs_hidden for t in traits)
         self.feature_layers = next((t.feature_layers for t in traits if t.feature_layers), ())
-        n = len(self.children)
-        self._sizer: Any = None  # the sizer of the last round (its picks per child)
-        self.draft_s = [0.0] * n  # per child: smoothed seconds of one propose() (0 = not measured yet)
-        self.mean_exp = [1.0] * n  # per child: smoothed expected accepted nodes of its non-empty row drafts
-        self.mean_nodes = [1.0] * n  # per child: smoothed nodes of its non-empty row drafts
-        self.skipped = [0] * n  # rounds in which each child was not asked to draft
-        self._round = 0
+
+    def sources(self) -> list[Proposer]:
+        """The children: the draft policy asks each to draft where it pays."""
+        return self.children
 
     def forget(self) -> None:
         """Drop the children's cross-request memory."""
@@ -109,12 +92,6 @@ class HybridProposer(Proposer):
     def metrics(self) -> list[Metric]:
         """Every child's own metrics (suffix decoding's index inside a suffix + EAGLE hybrid)."""
         return [m for c in self.children if ProposerTraits.of(c).reports for m in c.metrics()]
-
-    @property
-    def used(self) -> list[int]:
-        """Rows whose kept draft came from each child, in all (the sizer's picks)."""
-        picked = self._sizer.picked if self._sizer is not None else {}
-        return [picked.get(i, 0) for i in range(len(self.children))]
 
     # ---- rows: every child follows the batch ---------------------------------------------------------
     def admit(self, prompts: Sequence[Sequence[int]]) -> None:
@@ -132,53 +109,15 @@ class HybridProposer(Proposer):
 
     # ---- drafting ---------------------------------------------------------------------------------
     def propose(self, ctx: ProposeContext) -> Ranked | None:
-        """Every (not skipped) child's candidates per row, tagged with the child as their source."""
-        B = len(ctx.sequences)
-        self._sizer = ctx.sizing
-        probe = self._round % self.config.probe_every == 0 or ctx.sizing is None
-        self._round += 1
-        alts: list[list[RankedRow]] = [[] for _ in range(B)]
-        best_rate: list[float] | None = None  # per row: the best rate in hand (nothing: plain's), drafting sunk
-        for i in sorted(range(len(self.children)), key=lambda c: self.draft_s[c]):
-            if not probe and best_rate is not None and min(best_rate) >= self._prospect(ctx.sizing, i):
-                self.skipped[i] += 1
-                continue
-            if ctx.sizing is not None and best_rate is None:
-                best_rate = [ctx.sizing.rate(0.0, 0, i)] * B
-            c = self.children[i]
-            t0 = time.perf_counter()
-            ranked = c.propose(self._capped(c, ctx))
-            dt = time.perf_counter() - t0
-            self.draft_s[i] = dt if self.draft_s[i] == 0.0 else 0.8 * self.draft_s[i] + 0.2 * dt
-            if ranked is None:
-                continue
-            for b, row_alts in enumerate(ranked.rows):
-                for r in row_alts:
-                    if not r.size:
-                        continue
-                    r = RankedRow(r.tokens, r.paths, r.estimates, i)
-                    alts[b].append(r)
-                    exp = sum(r.estimates)
-                    self.mean_exp[i] = 0.9 * self.mean_exp[i] + 0.1 * exp
-                    self.mean_nodes[i] = 0.9 * self.mean_nodes[i] + 0.1 * r.size
-                    if best_rate is not None:
-                        best_rate[b] = max(best_rate[b], ctx.sizing.rate(exp, r.size, i))
-        if not any(alts):
-            return None
-        return Ranked(alts, auto=True)
-
-    def _prospect(self, sizing: Any, i: int) -> float:
-        """Child ``i``'s average rate with its own drafting time counted (the skip test)."""
-        return sizing.rate(self.mean_exp[i], round(self.mean_nodes[i]), i, extra=self.draft_s[i])
-
-    @staticmethod
-    def _capped(child: Any, ctx: ProposeContext) -> ProposeContext:
-        """The round's budgets within the child's own depth limit (an EAGLE drafter of depth 6
-        inside a hybrid whose suffix side drafts 16 deep)."""
-        cap = child.config.num_draft_tokens
-        if not isinstance(cap, int):
-            return ctx
-        return replace(ctx, budgets=[min(b, cap) for b in ctx.budgets])
+        """Every child's candidates per row, tagged with the child as their source (what the draft
+        policy's gate does with the children that pay; this is the composition drafted whole, as
+        a caller without a policy sees it)."""
+        alts: list[list[RankedRow]] = [[] for _ in ctx.sequences]
+        for i, c in enumerate(self.children):
+            ranked = c.propose(ctx)
+            for b, row in enumerate(ranked.tagged(i) if ranked is not None else ()):
+                alts[b] += row
+        return Ranked(alts, auto=True) if any(alts) else None
 
     def observe(self, record: RoundRecord) -> None:
         """Each child learns from the round (suffix: finished rows enter its index)."""

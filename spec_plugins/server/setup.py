@@ -17,10 +17,11 @@ def build_state(decoder: Any, max_batch: int = 8, max_input_tokens: int | None =
     shadow drafts, and shorter drafts as the batch grows, down to none. ``'fixed'``: always the
     configured length (``policy.draft_policy.build_policy``)."""
     from spec_plugins.loop import Batch
-    from spec_plugins.policy import DEFAULTS, build_policy, setup_costs
+    from spec_plugins.policy import DEFAULTS
     from spec_plugins.policy.draft_length import FixedLength
     from spec_plugins.server.app import ServerState
     from spec_plugins.server.scheduler import Scheduler
+    from spec_plugins.wiring import wire
 
     target = decoder.target
     total = max_total_tokens or min(target.max_context, 2048)
@@ -29,16 +30,16 @@ def build_state(decoder: Any, max_batch: int = 8, max_input_tokens: int | None =
     inputs = max_input_tokens or max(1, total // 2)
     if draft_policy not in ("load", "fixed"):
         raise ValueError(f"draft policy must be 'load' or 'fixed', got {draft_policy!r}")
-    proposer, section = decoder.proposer, decoder.section
     # the forward costs of every batch size the server runs (measured once, here)
     sizes = sorted({b for b in (1, 4, 16, 64) if b < max_batch} | {max_batch})
-    costs = setup_costs(target, proposer, section, rows=sizes, costs=decoder.costs, length=draft_policy,
-                        context=calibrate_context)
-    policy = build_policy(section, proposer, costs, decoder.sizer, length=draft_policy)
+    wiring = wire(target, decoder.section, proposer=decoder.proposer, costs=decoder.costs, sizer=decoder.sizer,
+                  rows=sizes, length=draft_policy, context=calibrate_context)
+    proposer, section, costs = wiring.proposer, wiring.section, wiring.costs
+    policy = wiring.policy()
     k = policy.length.max_k if not isinstance(policy.length, FixedLength) else policy.length.k
     cost_table = costs.forward.base.to_dict()["table"] if costs is not None else {}
     seed = decoder.config.sampling.seed if decoder.config else 0
-    batch = Batch(target, proposer, decoder.verifier, decoder.eos_ids(), seed=seed)
+    batch = Batch(target, proposer, decoder.verifier, decoder.eos_ids(), seed=seed, traits=wiring.traits)
     sched = Scheduler(batch, max_batch, max_queue, policy)
     info = {"speculation": {"proposer": section.type if section is not None else None, "max_draft_length": k,
                             "draft_policy": draft_policy if k else "off", "lossy": batch.lossy,

@@ -109,17 +109,15 @@ class Watch:
 def load_target(bundle: Path, entry: dict, dtype: str, device: torch.device) -> Any:
     """The bundle's target: a GGUF (dequantised by transformers, as ``load_hf`` does) or a
     transformers directory; no tokenizer (the tokens were made where the data is)."""
-    from transformers import AutoModelForCausalLM
+    from spec_plugins.backends.torch_runtime import load_weights
 
     dt = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
     path = bundle / entry["path"]
     if entry["format"] == "gguf":
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dt)
-    elif entry["format"] == "transformers":
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt)
-    else:
-        raise ValueError(f"bundle model format {entry['format']!r}: expected gguf or transformers")
-    return model.to(device).eval()
+        return load_weights(str(path.parent), dt, device, gguf_file=path.name)
+    if entry["format"] == "transformers":
+        return load_weights(str(path), dt, device)
+    raise ValueError(f"bundle model format {entry['format']!r}: expected gguf or transformers")
 
 
 def run(bundle: str | Path, out: str | Path, work: str | Path, opts: RunOptions) -> dict[str, Any]:

@@ -1,0 +1,125 @@
+"""Which drafters draft this round: the policy's step that runs a proposer's sources.
+
+A proposer is one drafting source, or a composition of several (a hybrid's children). Drafting is
+not free (a model drafter's call can cost as much as a target forward on a CPU), so for a tree
+drafter whose depth is configured, and for every child of a composition, the policy decides each
+round whether the source pays, by the one objective (``policy.objective``): sources are asked
+cheapest first, and one is skipped when, for every row, the rate already in hand (no draft, or a
+cheaper source's draft) beats what this source has delivered on average with its own drafting
+seconds counted:
+
+    (1 + scale_s x expected_s) / (T(1, 1 + nodes_s) + draft seconds_s)
+
+``expected_s`` and ``nodes_s`` are what the source delivers per row when it drafts, smoothed: for
+a single source what the sizer's cut kept of its drafts (nothing, where the cut kept nothing); in
+a composition what it offered (any row may take it). ``scale_s`` is its calibration, T the
+runtime's forward costs, the drafting seconds the costs' online estimate (``Costs.draft_seconds``)
+and the per-round overhead counted on both sides; a draft must beat no draft by ``min_gain``. Every ``probe_every`` rounds every
+source drafts, so a skipped source's estimates stay current. A chain drafter with ``auto`` depth
+is priced by its length policy instead (the depth, drafting cost included, is its decision), and
+a fixed chain drafts what it is configured to.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any, Callable, Sequence
+
+from spec_plugins.types import Draft, ProposeContext, Ranked, RankedRow
+
+
+class SourceStats:
+    """Smoothed (uncalibrated) expected accepted nodes and nodes one source delivers per row when it drafts."""
+
+    def __init__(self, decay: float = 0.9) -> None:
+        self.decay = decay
+        self.expected, self.nodes = 1.0, 1.0
+
+    def update(self, expected: float, nodes: int) -> None:
+        d = self.decay
+        self.expected = d * self.expected + (1 - d) * expected
+        self.nodes = d * self.nodes + (1 - d) * nodes
+
+
+class SourceGate:
+    """Runs a proposer's sources cheapest first and skips those that do not pay (module docstring)."""
+
+    def __init__(self, sources: Sequence[Any], sizer: Any, costs: Any, gated: bool, min_gain: float = 1.0,
+                 probe_every: int = 16, clock: Callable[[], float] = time.perf_counter) -> None:
+        """``gated``: whether a source may be skipped (a configured-depth tree drafter, or a
+        composition); ``sizer``: the policy's tree sizer (prices and calibrates drafts)."""
+        self.sources, self.sizer, self.costs, self.gated = list(sources), sizer, costs, gated
+        self.min_gain, self.probe_every, self.clock = min_gain, probe_every, clock
+        self.stats = [SourceStats() for _ in self.sources]
+        self.skipped = [0] * len(self.sources)
+        self._round = 0
+
+    def order(self) -> list[int]:
+        """Source indices, cheapest drafting first."""
+        return sorted(range(len(self.sources)), key=lambda i: self._draft_seconds(i, 1))
+
+    def _draft_seconds(self, i: int, depth: int) -> float:
+        return self.costs.draft_seconds(self.sources[i], depth) if self.costs is not None else 0.0
+
+    def _seconds(self, nodes: float, extra: float = 0.0) -> float:
+        overhead = self.costs.overhead if self.costs is not None else 0.0
+        return self.sizer.seconds(1, 1 + nodes) + overhead + extra
+
+    @property
+    def plain(self) -> float:
+        """One row's tokens per second without a draft."""
+        return 1.0 / self._seconds(0)
+
+    def prospect(self, i: int, depth: int) -> float:
+        """Source ``i``'s average rate for one row, its drafting seconds included."""
+        st = self.stats[i]
+        tokens = 1.0 + self.sizer.calibration(i).scale * st.expected
+        return tokens / self._seconds(round(st.nodes), self._draft_seconds(i, depth))
+
+    def draft(self, ctx: ProposeContext) -> Draft | Ranked | None:
+        """The round's drafting: one source as it drafts, or every paying source's candidates as
+        alternatives per row, each tagged with its source index."""
+        probe = not self.gated or self._round % self.probe_every == 0
+        self._round += 1
+        depth = max(ctx.budgets)
+        if len(self.sources) == 1:
+            if not probe and self.prospect(0, depth) <= self.min_gain * self.plain:
+                self.skipped[0] += 1
+                return None
+            return self._propose(0, ctx)
+        B = len(ctx.sequences)
+        alts: list[list[RankedRow]] = [[] for _ in range(B)]
+        in_hand = [self.min_gain * self.plain] * B  # per row: the rate to beat (nothing in hand: plain's, with margin)
+        for i in self.order():
+            if not probe and min(in_hand) >= self.prospect(i, depth):
+                self.skipped[i] += 1
+                continue
+            ranked = self._propose(i, ctx)
+            for b, row in enumerate(ranked.tagged(i) if ranked is not None else ()):
+                alts[b] += row
+                for r in row:
+                    self.stats[i].update(sum(r.estimates), r.size)  # what it offers (any row may take it)
+                    in_hand[b] = max(in_hand[b], self.sizer.rate(sum(r.estimates), r.size, i))
+        return Ranked(alts, auto=True) if any(alts) else None
+
+    def _propose(self, i: int, ctx: ProposeContext) -> Draft | Ranked | None:
+        source = self.sources[i]
+        if len(self.sources) > 1:  # a child's own depth limit (EAGLE 6 deep inside a hybrid of 16)
+            cap = source.config.num_draft_tokens
+            if isinstance(cap, int):
+                ctx = replace(ctx, budgets=[min(b, cap) for b in ctx.budgets])
+        t0 = self.clock()
+        out = source.propose(ctx)
+        if self.costs is not None:
+            self.costs.observe_drafter(source, self.clock() - t0)
+        return out
+
+    def kept(self, offered: Ranked, rows: Sequence[RankedRow]) -> None:
+        """A single source's sized draft: per row that it offered candidates, what the cut kept
+        (nothing counts: the draft did not pay there)."""
+        if len(self.sources) != 1:
+            return
+        for alts, r in zip(offered.rows, rows):
+            if any(a.size for a in alts):
+                self.stats[0].update(sum(r.estimates), r.size)
