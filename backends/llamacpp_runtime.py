@@ -29,6 +29,7 @@ from pydantic import Field
 from spec_plugins.backends.base import RuntimeCapabilities, StepOutput, Want
 from spec_plugins.config import RuntimeConfig
 from spec_plugins.models import load_gguf_tokenizer
+from spec_plugins.row_trees import LeafPaths
 from spec_plugins.tree import TreeLayout
 
 INSTALL_HINT = (
@@ -241,7 +242,7 @@ class LlamaCppRuntime:
             if max(self._len) + N > self.max_context:
                 raise ValueError(f"position {max(self._len) + N - 1} exceeds the context of {self.max_context}")
             items = [(toks[b][j], self._len[b] + j, (s,), True) for b, s in enumerate(self._seq) for j in range(N)]
-            self._pending = {"before": list(self._len), "tree": None, "leaves": None}
+            self._pending = {"before": list(self._len), "tree": None, "rows": None}
             self._len = [n + N for n in self._len]
         else:
             items = self._tree_items(toks, tree)
@@ -249,35 +250,32 @@ class LlamaCppRuntime:
         return StepOutput(logits.view(B, N, self.vocab_size))
 
     def _tree_items(self, toks: list[list[int]], tree: TreeLayout) -> list[tuple[int, int, Sequence[int], bool]]:
-        """Give each leaf a sequence holding the row's prefix; tag nodes with their leaves' ids."""
+        """Give each leaf of a row's tree a sequence holding the row's prefix; tag nodes with their
+        leaves' ids (rows share one topology, or each has its own: ``TreeLayout.rows``)."""
         N = tree.size
-        has_child = [False] * N
-        for p in tree.parents:
-            if p >= 0:
-                has_child[p] = True
-        leaves = [i for i in range(N) if not has_child[i]]
         depth = tree.depth.tolist()
         if max(self._len) + max(depth) + 1 > self.max_context:
             raise ValueError(f"tree depth {max(depth) + 1} exceeds the context of {self.max_context}")
-        extra = len(self._seq) * (len(leaves) - 1)
+        shared = LeafPaths.of(tree, 0) if tree.rows is None else None
+        rows = [shared or LeafPaths.of(tree, b) for b in range(len(self._seq))]
+        extra = sum(len(r.leaves) - 1 for r in rows)
         free = sorted(set(range(self.config.max_sequences)) - set(self._seq))
         if extra > len(free):
             raise ValueError(
-                f"a tree with {len(leaves)} leaves over {len(self._seq)} rows needs {len(self._seq) + extra} llama.cpp "
-                f"sequences; raise max_sequences (now {self.config.max_sequences}) in the llamacpp runtime config"
-            )
-        anc = tree.ancestors  # anc[leaf, j]: node j lies on the leaf's path
-        on_leaf = [[k for k, leaf in enumerate(leaves) if bool(anc[leaf, j])] for j in range(N)]
+                f"a tree with {max(len(r.leaves) for r in rows)} leaves over {len(self._seq)} rows needs "
+                f"{len(self._seq) + extra} llama.cpp sequences; raise max_sequences (now {self.config.max_sequences}) "
+                "in the llamacpp runtime config")
         row_ids: list[list[int]] = []
         items = []
-        for b, home in enumerate(self._seq):
-            ids = [home] + free[b * (len(leaves) - 1) : (b + 1) * (len(leaves) - 1)]
+        for b, (home, rt) in enumerate(zip(self._seq, rows)):
+            ids = [home] + free[:len(rt.leaves) - 1]
+            free = free[len(rt.leaves) - 1:]
             for s in ids[1:]:
                 self._L.llama_memory_seq_cp(self._mem, home, s, -1, -1)
             row_ids.append(ids)
             base = self._len[b]
-            items.extend((toks[b][j], base + depth[j], [ids[k] for k in on_leaf[j]], True) for j in range(N))
-        self._pending = {"before": list(self._len), "tree": tree, "leaves": leaves, "ids": row_ids}
+            items.extend((toks[b][j], base + depth[j], [ids[k] for k in rt.on_leaf[j]], True) for j in range(N))
+        self._pending = {"before": list(self._len), "tree": tree, "rows": rows, "ids": row_ids}
         self._len = [n + max(depth) + 1 for n in self._len]
         return items
 
@@ -317,12 +315,13 @@ class LlamaCppRuntime:
         if not keep:
             self._seq_rm(home, base)
             return
+        rt = pend["rows"][b]
         for d, j in enumerate(keep):
             want_parent = keep[d - 1] if d else -1
-            if tree.parents[j] != want_parent:
+            if rt.parents[j] != want_parent:
                 raise ValueError(f"row {b}: kept nodes {keep} are not a root-to-node path of the tree")
         last, ids = keep[-1], pend["ids"][b]
-        leaf_k = next(k for k, leaf in enumerate(pend["leaves"]) if bool(tree.ancestors[leaf, last]))
+        leaf_k = next(k for k, nodes in enumerate(rt.paths) if last in nodes)
         if leaf_k == 0:  # the path lies on the home sequence already
             self._seq_rm(home, base + len(keep))
             return

@@ -17,6 +17,7 @@ import torch
 
 from spec_plugins.backends.base import StepOutput, Want
 from spec_plugins.slots import HOST, KVSlots, SlotPlan, pad_slots
+from spec_plugins.transfer import upload
 from spec_plugins.tree import TreeLayout
 
 
@@ -126,7 +127,7 @@ class SlotRuntime:
     def select_rows(self, rows: Sequence[int]) -> None:
         idx, plan = self.slots.select_rows(rows)
         if self.kv:
-            dev_idx, plan = idx.to(self.kv[0].device), plan.to(self.kv[0].device)
+            dev_idx, plan = upload(idx, self.kv[0].device), plan.to(self.kv[0].device)
             self.kv = [plan.apply(t[dev_idx]) for t in self.kv]
             if self.slots.hole_share() > self.compact_holes:  # the longest row may have left
                 self._apply(self.slots.compact())

@@ -179,7 +179,7 @@ class StaticTorchRuntime(TorchRuntime):
 
     # ---- masks: the live-slot flags go to the device, not a float mask ------------------------------
     def _forward_mask(self, ancestors: torch.Tensor) -> _Mask:
-        n = int(ancestors.shape[0])
+        n = int(ancestors.shape[-1])  # [n, n], or [B, n, n] each row its own
         past = (self.slots.pos[:, : self.slots.slots - n] >= 0)
         return _Mask(upload(past, self.device), upload(ancestors, self.device))
 

@@ -122,7 +122,14 @@ class HostSyncs(TorchFunctionMode):
     (``torch.tensor(data, device=...)``, ``.to(device)`` without ``non_blocking``): on CUDA it
     synchronizes the stream (``torch.cuda``'s sync debug mode counts both; the H200 run found 3
     per greedy round where reads alone counted 1). Tensors made on the host (slot bookkeeping,
-    drafts built there) are not device tensors."""
+    drafts built there) are not device tensors.
+
+    As on a GPU, a device tensor *says* it is on the device while the counter runs (on a CPU every
+    tensor says ``cpu``): code that follows a tensor's ``.device`` (``x.to(y.device)``,
+    ``torch.tensor(..., device=y.device)``) then runs there and is counted as it would be, not as a
+    read back. A read back gives a host copy (the CPU would return the device tensor itself, and
+    reading that again would count again). ``mark`` a tensor made outside the counter (a model's
+    weights) as device data."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
@@ -139,13 +146,23 @@ class HostSyncs(TorchFunctionMode):
         ref = self._dev.get(id(t)) if isinstance(t, torch.Tensor) else None
         return ref is not None and ref() is t
 
+    def __enter__(self) -> "HostSyncs":
+        real = torch._C.TensorBase.device.__get__
+        torch.Tensor.device = property(lambda t: self.device if self._on_dev(t) else real(t))  # type: ignore[assignment]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        del torch.Tensor.device
+        return super().__exit__(*exc)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         src = args[0] if args and isinstance(args[0], torch.Tensor) else None
         on_dev = any(self._on_dev(t) for t in _flat(args, kwargs))
         to_host = name == "to" and any(_is_host(a) for a in (*args[1:], kwargs.get("device")))
-        if src is not None and self._on_dev(src) and (name in _SYNCS or to_host):
+        read = src is not None and self._on_dev(src) and (name in _SYNCS or to_host)
+        if read:
             self.count += 1
             self.where.append(f"{name} at {_caller() or '?'}")
         made_here = kwargs.get("device") == self.device or (name == "to" and any(
@@ -160,6 +177,8 @@ class HostSyncs(TorchFunctionMode):
             self.count += 1
             self.where.append(f"upload {name} at {_caller() or '?'}")
         out = func(*args, **kwargs)
+        if read and out is src:  # the CPU returned the device tensor itself: the host gets a copy
+            return out.clone()
         if (on_dev and not to_host and name not in _SYNCS) or made_here:
             for t in _flat((out,), {}):
                 if isinstance(t, torch.Tensor):

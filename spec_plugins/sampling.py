@@ -14,6 +14,7 @@ import torch
 
 from spec_plugins.config import SamplingConfig
 from spec_plugins.transfer import upload_tensor
+from spec_plugins.row_trees import Parents, rows_of
 from spec_plugins.tree import paths
 
 # transformers-compatible: processor(input_ids [R, L] long, scores [R, V] float) -> scores
@@ -73,17 +74,22 @@ class LogitsPipeline:
             logits = self.apply_user(prefix, logits)
         return self.warp(logits)
 
-    def process_rows(self, logits: torch.Tensor, prefixes: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Logits [R, V], row r continuing ``prefixes[r]`` (ragged) -> processed logits.
-        Rows with equal prefix length go through each user processor in one call."""
+    def process_rows(self, logits: torch.Tensor, prefixes: Sequence[Sequence[int] | torch.Tensor]) -> torch.Tensor:
+        """Logits [R, V], row r continuing ``prefixes[r]`` (ragged: token lists, or 1-D tensors on
+        the logits' device, as a draft model keeps them) -> processed logits. Rows with equal
+        prefix length go through each user processor in one call."""
         if self.processors:
             logits = logits.clone()
             by_len: dict[int, list[int]] = {}
             for r, pre in enumerate(prefixes):
                 by_len.setdefault(len(pre), []).append(r)
             for rows in by_len.values():
-                prefix = torch.tensor([list(prefixes[r]) for r in rows], dtype=torch.long, device=logits.device)
-                logits[rows] = self.apply_user(prefix, logits[rows])
+                if isinstance(prefixes[rows[0]], torch.Tensor):
+                    prefix = torch.stack([prefixes[r] for r in rows])
+                else:
+                    prefix = upload_tensor([list(prefixes[r]) for r in rows], logits.device)
+                at = upload_tensor(rows, logits.device)
+                logits[at] = self.apply_user(prefix, logits[at])
         return self.warp(logits)
 
     def process_tree(
@@ -91,15 +97,16 @@ class LogitsPipeline:
         logits: torch.Tensor,
         sequences: Sequence[Sequence[int]],
         tokens: torch.Tensor,
-        parents: tuple[int, ...],
+        parents: Parents,
     ) -> torch.Tensor:
         """Process target logits [B, N, V] of a forward over ``tokens`` [B, N] (node 0 = root,
-        whose prefix is the row's whole sequence ``sequences[b]``; ``parents`` over all N nodes).
+        whose prefix is the row's whole sequence ``sequences[b]``; ``parents`` over all N nodes,
+        shared or per row).
 
         Node prefixes are built on the logits' device, from each row's sequence there (the batch
         keeps it, extended by the new tokens only) and the drafted tokens along each node's path:
         no sequence crosses to or from the host. User processors run once per (row length,
-        depth) group."""
+        depth) group: a node's depth is the same in every row, its path may be each row's own."""
         if not self.processors:
             return self.warp(logits)
         B, N, V = logits.shape
@@ -110,13 +117,16 @@ class LogitsPipeline:
         by_len: dict[int, list[int]] = {}
         for b, s in enumerate(seqs):
             by_len.setdefault(int(s.shape[0]), []).append(b)
+        groups = _depth_groups(parents, dev)
         for L, rows in by_len.items():
             ridx = upload_tensor(rows, dev)
             seq, tok = torch.stack([seqs[b] for b in rows]), tokens[ridx]  # [R, L], [R, N]
             R = len(rows)
-            for nodes, path in _depth_groups(parents, dev):
-                n, d = int(nodes.shape[0]), int(path.shape[1])
-                prefix = torch.cat([seq[:, None, :].expand(R, n, L), tok[:, path]], -1).reshape(R * n, L + d)
+            for nodes, path in groups:  # path [1 or B, n, d]: forward indices of each node's path
+                n, d = int(nodes.shape[0]), int(path.shape[2])
+                path = path.expand(B, n, d)[ridx] if path.shape[0] > 1 else path.expand(R, n, d)
+                steps = tok.gather(1, path.reshape(R, n * d)).reshape(R, n, d)
+                prefix = torch.cat([seq[:, None, :].expand(R, n, L), steps], -1).reshape(R * n, L + d)
                 z = self.apply_user(prefix, logits[ridx][:, nodes].reshape(R * n, V))
                 out[ridx[:, None], nodes[None, :]] = z.reshape(R, n, V)
         return self.warp(out)
@@ -140,13 +150,14 @@ class RowPipelines:
             groups.setdefault(id(p), []).append(r)
         self.groups = list(groups.values())
 
-    def process_rows(self, logits: torch.Tensor, prefixes: Sequence[Sequence[int]]) -> torch.Tensor:
+    def process_rows(self, logits: torch.Tensor, prefixes: Sequence[Sequence[int] | torch.Tensor]) -> torch.Tensor:
         if len(self.groups) == 1:
             return self._point_mass(self.pipelines[0], self.pipelines[0].process_rows(logits, prefixes))
         out = torch.empty_like(logits)
         for rows in self.groups:
             p = self.pipelines[rows[0]]
-            out[rows] = self._point_mass(p, p.process_rows(logits[rows], [prefixes[r] for r in rows]))
+            at = upload_tensor(rows, logits.device)
+            out[at] = self._point_mass(p, p.process_rows(logits[at], [prefixes[r] for r in rows]))
         return out
 
     def process_tree(self, logits: torch.Tensor, sequences: Sequence[Sequence[int]], tokens: torch.Tensor,
@@ -155,8 +166,9 @@ class RowPipelines:
             return self.pipelines[0].process_tree(logits, sequences, tokens, parents)
         out = torch.empty_like(logits)
         for rows in self.groups:
-            out[rows] = self.pipelines[rows[0]].process_tree(logits[rows], [sequences[r] for r in rows],
-                                                             tokens[rows], parents)
+            idx = upload_tensor(rows, logits.device)
+            out[idx] = self.pipelines[rows[0]].process_tree(logits[idx], [sequences[r] for r in rows], tokens[idx],
+                                                            rows_of(parents, idx))
         return out
 
     def _point_mass(self, p: LogitsPipeline, z: torch.Tensor) -> torch.Tensor:
@@ -165,16 +177,34 @@ class RowPipelines:
         return z
 
 
+def _depth_groups(parents: Parents, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Nodes of a forward grouped by depth (root = node 0, depth 0), each with the forward indices
+    of the drafted tokens on its path ([1, n, depth], or [B, n, depth] for per-row trees): the
+    tokens its prefix adds to the row's sequence."""
+    if isinstance(parents, tuple):
+        return _shared_groups(parents, device)
+    depth = parents.depth
+    out = []
+    for d in sorted(set(depth)):
+        nodes = [j for j, dj in enumerate(depth) if dj == d]
+        cur = parents.parents[:, nodes]  # [B, n]: walking up from each node, one step per depth
+        steps = [upload_tensor(nodes, device)[None].expand_as(cur)]
+        for _ in range(d - 1):
+            steps.append(cur)
+            cur = parents.parents.gather(1, cur.clamp_min(0))
+        path = torch.stack(steps[::-1], -1) if d else cur.new_zeros(cur.shape + (0,))
+        out.append((upload_tensor(nodes, device), path))
+    return out
+
+
 @lru_cache(maxsize=256)
-def _depth_groups(parents: tuple[int, ...], device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Nodes of a forward grouped by depth (root = node 0, depth 0), each with the forward
-    indices of the drafted tokens on its path ([n, depth]): the tokens its prefix adds to the
-    row's sequence. Cached per draft shape and device."""
+def _shared_groups(parents: tuple[int, ...], device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``_depth_groups`` of one topology for every row, cached per draft shape and device."""
     groups: dict[int, list[tuple[int, ...]]] = {}
     for j, path in enumerate(paths(parents)):
         groups.setdefault(len(path) - 1, []).append((j,) + path[1:])
-    return [(upload_tensor([p[0] for p in g], device), upload_tensor([p[1:] for p in g], device).reshape(len(g), d))
-            for d, g in sorted(groups.items())]
+    return [(upload_tensor([p[0] for p in g], device),
+             upload_tensor([p[1:] for p in g], device).reshape(1, len(g), d)) for d, g in sorted(groups.items())]
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -18,9 +18,7 @@ from typing import Sequence
 
 import torch
 
-from spec_plugins.transfer import upload
-
-HOST = torch.device("cpu")  # where slot bookkeeping lives (positions, plans); KV tensors live with the engine
+from spec_plugins.transfer import HOST, upload  # HOST: where slot bookkeeping lives; KV tensors live with the engine
 
 
 @dataclass(frozen=True)
@@ -207,14 +205,16 @@ class KVSlots:
         return (pos >= 0)[:, None, None, :].expand(pos.shape[0], 1, queries, pos.shape[1])
 
     def forward_mask(self, ancestors: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Additive mask ``[B, 1, N, S+N]`` for the last forward: non-hole past + tree ancestors.
+        """Additive mask ``[B, 1, N, S+N]`` for the last forward: non-hole past + tree ancestors
+        (``[N, N]``, or ``[B, N, N]`` per row).
 
         Call after ``forward`` (the tail is then part of ``pos``)."""
         if self._tail is None:
             raise RuntimeError("forward_mask() needs a preceding forward()")
         S, N = self._tail
         B = self.pos.shape[0]
-        new_ok = ancestors[None, None].expand(B, 1, N, N)
+        anc = ancestors.to(HOST)  # [N, N] for every row, or [B, N, N] each row's own (a read off a device)
+        new_ok = (anc[None] if anc.dim() == 2 else anc).expand(B, N, N)[:, None]
         return additive(torch.cat([self.past_ok(N, 0, S), new_ok], dim=-1), dtype)
 
     def prefill_mask(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:

@@ -15,9 +15,10 @@ the expected accepted length is the sum over nodes. A child never scores above i
 the best N-node tree is the N best-scoring rank paths (``best_static_tree``): the tree size is
 the one knob, and the cost model picks it.
 
-Rows of a batch may draft different trees; ``merge_trees`` lays them over one shared topology
-(the union of their rank paths) with a per-row ``valid`` mask, because a ``Draft`` has one
-``parents`` tuple per batch.
+Rows of a batch may draft different trees, two ways: ``merge_trees`` lays host-built trees over
+one shared topology (the union of their rank paths) with a per-row ``valid`` mask;
+``row_trees.RowTrees`` keeps each row's own parents on the drafting device (EAGLE-2's dynamic
+trees), so no tree crosses to the host.
 """
 
 from __future__ import annotations
@@ -36,14 +37,21 @@ RowTree = tuple[list[int], list[RankPath], list[float]]  # one row's draft, best
 # ---- topology ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TreeLayout:
-    parents: tuple[int, ...]  # parent index per node, -1 = child of the last committed token
-    depth: torch.Tensor  # [N] long, 0 for children of the committed prefix
-    ancestors: torch.Tensor  # [N, N] bool, ancestors[i, j] = j is i or an ancestor of i
+    """What a runtime needs of a forward's nodes (the pending token + the draft)."""
+
+    parents: tuple[int, ...] | None  # parent index per node, -1 = child of the last committed token (None: per row)
+    depth: torch.Tensor  # [N] long on the host, 0 for children of the committed prefix (the same in every row)
+    ancestors: torch.Tensor  # [N, N] bool, or [B, N, N] per row: ancestors[..., i, j] = j is i or an ancestor of i
     is_chain: bool
+    rows: torch.Tensor | None = None  # [B, N] long: each row's own parents, on the drafting device (RowTrees)
 
     @property
     def size(self) -> int:
-        return len(self.parents)
+        return int(self.depth.numel())
+
+    def row_parents(self, b: int) -> list[int]:
+        """Row ``b``'s parents (a host read of per-row trees: for runtimes that live on the host)."""
+        return list(self.parents) if self.rows is None else self.rows[b].tolist()
 
 
 @lru_cache(maxsize=256)
@@ -87,14 +95,6 @@ def paths(parents: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
     for j, p in enumerate(parents):
         out.append((out[p] if p >= 0 else ()) + (j,))
     return tuple(out)
-
-
-def depth_counts(parents: tuple[int, ...], valid: torch.Tensor | None = None) -> list[int]:
-    """Nodes per depth (``valid`` [n] bool: only those), for acceptance-by-position counts."""
-    depth = layout(parents).depth
-    if valid is not None:
-        depth = depth[valid.cpu()]
-    return torch.bincount(depth).tolist() if depth.numel() else []
 
 
 # ---- static shapes ------------------------------------------------------------------------------

@@ -25,25 +25,27 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable, Sequence
 
 import torch
 
-from spec_plugins.transfer import upload
+from spec_plugins.transfer import HOST, upload
 
 if TYPE_CHECKING:
     from spec_plugins.config import SamplingConfig
     from spec_plugins.sampling import LogitsPipeline, LogitsProcessorFn
+    from spec_plugins.row_trees import Parents
 
 
 @dataclass(frozen=True)
 class Draft:
-    """One round's draft for a batch: a chain or a tree shared by all rows.
+    """One round's draft for a batch: a chain or a tree, shared by all rows or each row's own.
 
     tokens  [B, n] long
-    parents tuple of n ints, -1 = child of the pending token (chain: -1, 0, 1, ...)
+    parents tuple of n ints, -1 = child of the pending token (chain: -1, 0, 1, ...), the same for
+            every row; or ``tree.RowTrees``: each row's own parents, where the drafter built them
     probs   [B, n, V] the distribution each node's token was drawn from, or None (point mass)
     valid   [B, n] bool, rows may draft fewer nodes (None = all valid)
     """
 
     tokens: torch.Tensor
-    parents: tuple[int, ...]
+    parents: "Parents"
     probs: torch.Tensor | None = None
     valid: torch.Tensor | None = None
     host_valid: torch.Tensor | None = field(default=None, compare=False, repr=False)  # ``valid`` before ``to``
@@ -66,8 +68,9 @@ class Draft:
         """The same draft with every tensor on ``device`` (a no-op where they already are); a
         host ``valid`` is kept for the host-side statistics."""
         move = lambda t: t if t is None else upload(t, device)  # noqa: E731
-        host = self.valid if self.valid is not None and self.valid.device.type == "cpu" else self.host_valid
-        return Draft(move(self.tokens), self.parents, move(self.probs), move(self.valid), host)
+        host = self.valid if self.valid is not None and self.valid.device == HOST else self.host_valid
+        parents = self.parents if isinstance(self.parents, tuple) else self.parents.to(device)
+        return Draft(move(self.tokens), parents, move(self.probs), move(self.valid), host)
 
     @staticmethod
     def from_chains(chains: Sequence[Sequence[int]], device: torch.device | str = "cpu") -> "Draft | None":
@@ -106,6 +109,26 @@ class RankedRow:
 
 
 @dataclass(frozen=True)
+class Shaped:
+    """A drafter's draft over one static shape of node slots, built where the drafter runs (every
+    row has the same slots at the same depths; each row's own tokens, parents and valid mask), with
+    the drafter's estimate that each slot is accepted: host data, the same for every row (a static
+    tree's priors, or a model drafter's running means of its own scores), so the draft policy can
+    keep the slots that pay without reading the draft (``TreeSizer``)."""
+
+    draft: "Draft"
+    estimates: tuple[float, ...]  # per slot
+    source: int = 0  # which drafter made it (a composition's child index)
+
+    def order(self) -> list[int]:
+        """Slots best-first (ties: the shallower, then the earlier slot)."""
+        from spec_plugins.row_trees import node_depths
+
+        depth = node_depths(self.draft.parents)
+        return sorted(range(len(self.estimates)), key=lambda j: (-self.estimates[j], depth[j], j))
+
+
+@dataclass(frozen=True)
 class Ranked:
     """What a tree drafter returns instead of a ``Draft``: per row, its candidates best-first with
     their estimates (several alternatives per row when several drafters offered one), not yet
@@ -115,10 +138,15 @@ class Ranked:
 
     rows: Sequence[Sequence[RankedRow]]  # per row: its alternatives ([] or empty rows: nothing)
     auto: bool = False  # cut by the cost model (tree_nodes: auto), else keep every node given
+    shaped: Sequence[Shaped] = ()  # drafts built on a device: an alternative for every row
 
-    def tagged(self, source: int) -> list[list[RankedRow]]:
-        """Per row, the non-empty candidates tagged as coming from ``source`` (a composition's child)."""
-        return [[RankedRow(r.tokens, r.paths, r.estimates, source) for r in alts if r.size] for alts in self.rows]
+    def tagged(self, source: int) -> "Ranked":
+        """The same candidates tagged as coming from ``source`` (a composition's child)."""
+        return Ranked([[RankedRow(r.tokens, r.paths, r.estimates, source) for r in alts if r.size] for alts in self.rows],
+                      self.auto, [Shaped(s.draft, s.estimates, source) for s in self.shaped])
+
+    def __bool__(self) -> bool:
+        return bool(self.shaped) or any(r.size for alts in self.rows for r in alts)
 
 
 @dataclass(frozen=True)
@@ -148,6 +176,13 @@ class Verdict:
         """Forward indices whose KV survives: the root plus every accepted node."""
         return [[0] + [i + 1 for i in acc] for acc in self.accepted]
 
+    @staticmethod
+    def of(host: dict[str, Any]) -> "Verdict":
+        """A verdict from the host arrays of ``DeviceVerdict.parts`` (the round's one fetch)."""
+        path, toks = host["path"], host["accepted_tokens"]
+        accepted = [[int(j) for j in row.nonzero()[0]] for row in path]
+        return Verdict(accepted, host["next"].tolist(), [[int(t) for t in tr[acc]] for tr, acc in zip(toks, accepted)])
+
 
 @dataclass(frozen=True)
 class DeviceVerdict:
@@ -162,13 +197,15 @@ class DeviceVerdict:
     def fetch(self, x: torch.Tensor, flags: torch.Tensor | None = None) -> "tuple[Verdict, list[bool]]":
         """The verdict on the host in ONE device-to-host copy: path, the accepted tokens of ``x``
         [B, n], the next tokens and per-row ``flags`` [B] bool (e.g. rows whose logits failed)."""
-        B, n = self.path.shape
-        f = flags if flags is not None else torch.zeros(B, dtype=torch.bool, device=self.next.device)
-        packed = torch.cat([self.path.long(), torch.where(self.path, x, 0), self.next[:, None], f.long()[:, None]], 1)
-        host = packed.tolist()  # the round's one sync
-        accepted = [[j for j in range(n) if row[j]] for row in host]
-        tokens = [[row[n + j] for j in acc] for row, acc in zip(host, accepted)]
-        return Verdict(accepted, [row[2 * n] for row in host], tokens), [bool(row[-1]) for row in host]
+        from spec_plugins.transfer import fetch
+
+        f = flags if flags is not None else torch.zeros(self.next.shape[0], dtype=torch.bool, device=self.next.device)
+        host = fetch(self.parts(x) | {"flags": f})
+        return Verdict.of(host), host["flags"].tolist()
+
+    def parts(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What the host needs of this verdict (``transfer.fetch``; ``Verdict.of`` reads it back)."""
+        return {"path": self.path, "accepted_tokens": torch.where(self.path, x, 0), "next": self.next}
 
 
 # stop(row_tokens, n_new) -> None to go on, or how many of the row's n_new newest tokens to keep
@@ -251,6 +288,7 @@ class RoundRecord:
     times: RoundTimes = field(default_factory=RoundTimes)
     lossy: bool = False
     tenants: list[Hashable] | None = None  # per row (``RowRequest.tenant``)
+    fetched: dict[str, Any] = field(default_factory=dict)  # host arrays of the round's one read (``loop.verdicts``)
     _by_depth: list[list[int]] | None = field(default=None, init=False, repr=False)
 
     @property
@@ -264,7 +302,7 @@ class RoundRecord:
     def drafted_by_depth(self) -> list[list[int]]:
         """Per row: how many nodes it drafted at each depth (computed once; stats and policy read it)."""
         if self._by_depth is None:
-            from spec_plugins.tree import depth_counts
+            from spec_plugins.row_trees import depth_counts
 
             d = self.draft
             if d is None:
@@ -272,6 +310,6 @@ class RoundRecord:
             elif d.valid is None:
                 self._by_depth = [depth_counts(d.parents)] * self.rows
             else:
-                valid = d.valid_on_host().cpu()
+                valid = d.valid_on_host()  # the host copy (sized there, or read in the round's one fetch)
                 self._by_depth = [depth_counts(d.parents, valid[b]) for b in range(self.rows)]
         return self._by_depth

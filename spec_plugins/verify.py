@@ -14,7 +14,8 @@ Tree rule (exact, recursive rejection sampling over siblings). At a node with re
 distribution r (initially p at that node), try its children c_1..c_m in order:
 accept c_k with probability min(1, r(x_k) / q(x_k)); on rejection r <- norm(max(0, r - q)).
 If a child is accepted, descend with r = p at that child; if all are rejected (or there are
-no children), emit a token from r.
+no children), emit a token from r. Every tree drafter here drafts point masses (top-k of a head,
+lookups), for which the rule below is exact; a tree of sampled nodes is refused by name.
 
 Point-mass drafts (every model-free proposer and the trained heads' top-k) make this rule a
 one-liner over tensors: sample one token y_j from p at every position j at once; a node is
@@ -43,16 +44,17 @@ import torch
 
 from spec_plugins.sampling import sample
 from spec_plugins.transfer import upload
-from spec_plugins.tree import children, layout
+from spec_plugins.row_trees import Parents
+from spec_plugins.tree import layout
 from spec_plugins.types import DeviceVerdict, Verdict
 
 __all__ = ["DeviceVerdict", "Verdict", "greedy_verify", "rejection_verify", "typical_verify"]
 
 
 @lru_cache(maxsize=256)
-def _topology(parents: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """On ``device``, once per draft shape: each node's parent's forward index [n], its ancestors
-    (itself included) [n, n], its earlier siblings [n, n] and its depth [n]."""
+def _shared(parents: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """On ``device``, once per draft shape: each node's parent's forward index [1, n], its ancestors
+    (itself included) [1, n, n], its earlier siblings [1, n, n] and its depth [n]."""
     lay = layout(parents)
     n = len(parents)
     par = torch.tensor([p + 1 for p in parents], dtype=torch.long, device="cpu")
@@ -60,10 +62,21 @@ def _topology(parents: tuple[int, ...], device: torch.device) -> tuple[torch.Ten
     for i, p in enumerate(parents):
         for j in range(i):
             earlier[i, j] = parents[j] == p
-    return tuple(upload(t, device) for t in (par, lay.ancestors, earlier, lay.depth))
+    return tuple(upload(t, device) for t in (par[None], lay.ancestors[None], earlier[None], lay.depth))
 
 
-def follow(x: torch.Tensor, parents: tuple[int, ...], y: torch.Tensor, valid: torch.Tensor | None = None
+def _topology(parents: Parents, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """``_shared``'s tensors, or per row [B, ...] for ``RowTrees`` (computed on their device)."""
+    if isinstance(parents, tuple):
+        return _shared(parents, device)
+    par = parents.parents
+    n = par.shape[1]
+    earlier = (par[:, :, None] == par[:, None, :]) & torch.ones(n, n, dtype=torch.bool, device=par.device).tril(-1)
+    return par + 1, parents.ancestors(), earlier, upload(torch.tensor(parents.depth, dtype=torch.long,
+                                                                         device="cpu"), par.device)
+
+
+def follow(x: torch.Tensor, parents: Parents, y: torch.Tensor, valid: torch.Tensor | None = None
            ) -> DeviceVerdict:
     """The walk from the root: a node is taken iff its token equals ``y`` at its parent's forward
     position (the first such sibling, skipping invalid nodes); the emitted token is ``y`` at the
@@ -71,21 +84,21 @@ def follow(x: torch.Tensor, parents: tuple[int, ...], y: torch.Tensor, valid: to
     B, n = x.shape
     if n == 0:
         return DeviceVerdict(torch.zeros(B, 0, dtype=torch.bool, device=y.device), y[:, 0])
-    par, anc, earlier, depth = _topology(parents, y.device)
-    match = x == y[:, par]  # [B, n]
+    par, anc, earlier, depth = _topology(parents, y.device)  # leading dim 1 (shared) or B (per row)
+    match = x == y.gather(1, par.expand(B, n))  # [B, n]
     if valid is not None:
         match &= valid
-    first = match & ~(match[:, None, :] & earlier[None]).any(-1)  # no earlier sibling matched
-    on_path = ~(anc[None] & ~first[:, None, :]).any(-1)  # every node from the root to it was taken
+    first = match & ~(match[:, None, :] & earlier).any(-1)  # no earlier sibling matched
+    on_path = ~(anc & ~first[:, None, :]).any(-1)  # every node from the root to it was taken
     reach = torch.where(on_path, depth[None] + 1, 0)  # [B, n]: the taken nodes form one root path
     got, leaf = reach.max(1)
     taken = got > 0
-    path = anc[leaf] & taken[:, None]  # [B, n]: the leaf and its ancestors
+    path = anc.expand(B, n, n).gather(1, leaf[:, None, None].expand(B, 1, n))[:, 0] & taken[:, None]  # [B, n]
     nxt = y.gather(1, torch.where(taken, leaf + 1, 0)[:, None]).squeeze(1)
     return DeviceVerdict(path, nxt)
 
 
-def greedy_verify(x: torch.Tensor, parents: tuple[int, ...], target: torch.Tensor,
+def greedy_verify(x: torch.Tensor, parents: Parents, target: torch.Tensor,
                   valid: torch.Tensor | None = None) -> DeviceVerdict:
     """x [B, n] drafted tokens; target [B, n+1, V] processed logits (or [B, n+1] argmax ids)."""
     return follow(x, parents, target.argmax(-1) if target.dim() == 3 else target, valid)
@@ -93,7 +106,7 @@ def greedy_verify(x: torch.Tensor, parents: tuple[int, ...], target: torch.Tenso
 
 def rejection_verify(
     x: torch.Tensor,
-    parents: tuple[int, ...],
+    parents: Parents,
     p: torch.Tensor,
     q: torch.Tensor | None,
     generator: torch.Generator | None,
@@ -104,9 +117,10 @@ def rejection_verify(
     if q is None or n == 0:  # point masses, chain or tree: one sample per position, follow the matches
         y = sample(p.reshape(B * (n + 1), -1), generator).view(B, n + 1)
         return follow(x, parents, y, valid)
-    if layout(parents).is_chain:
-        return _chain(x, p, q, generator, valid)
-    return _tree(x, parents, p, q, generator, valid)
+    if not (isinstance(parents, tuple) and layout(parents).is_chain):
+        raise ValueError("drafts with their own distributions (a draft model's) are verified as chains; "
+                         "a tree of sampled nodes has no drafter here")
+    return _chain(x, p, q, generator, valid)
 
 
 def _chain(x, p, q, generator, valid) -> DeviceVerdict:
@@ -133,46 +147,9 @@ def _chain(x, p, q, generator, valid) -> DeviceVerdict:
     return DeviceVerdict(path, nxt)
 
 
-def _tree(x, parents, p, q, generator, valid) -> DeviceVerdict:
-    """Trees of children drawn i.i.d. from q: the sequential sibling rule (a loop over rows and
-    children; no proposer here drafts such trees, the tests do). Point-mass trees never come here."""
-    kids = children(parents)
-    B, n = x.shape
-    xs = x.tolist()
-    ok = valid.tolist() if valid is not None else None
-    path = torch.zeros(B, n, dtype=torch.bool, device=p.device)
-    nxt = []
-    for b in range(B):
-        node = -1
-        while True:
-            r = p[b, node + 1].clone()  # residual starts as the target distribution here
-            chosen = None
-            for c in kids[node]:
-                if ok is not None and not ok[b][c]:
-                    continue
-                t = xs[b][c]
-                u = torch.rand((), generator=generator, device=p.device)
-                qc = q[b, c]
-                if u * qc[t] < r[t]:
-                    chosen = c
-                    break
-                r = (r - qc).clamp_min(0.0)
-                s = r.sum()
-                if s <= 0:  # nothing left to reject into: only possible if r was fully covered
-                    r = p[b, node + 1].clone()
-                    break
-                r = r / s
-            if chosen is None:
-                nxt.append(sample(r[None], generator)[0])
-                break
-            path[b, chosen] = True
-            node = chosen
-    return DeviceVerdict(path, torch.stack(nxt))
-
-
 def typical_verify(
     x: torch.Tensor,
-    parents: tuple[int, ...],
+    parents: Parents,
     p: torch.Tensor,
     epsilon: float,
     delta: float,
@@ -197,19 +174,20 @@ def typical_verify(
     path = torch.zeros(B, n, dtype=torch.bool, device=p.device)
     if n > 0:
         par_fwd, anc, _, depth = _topology(parents, p.device)
-        p_x = p[:, par_fwd].gather(-1, x[..., None]).squeeze(-1)  # [B, n]
-        ok = p_x > thresh[:, par_fwd]
+        par_fwd = par_fwd.expand(B, n)
+        p_x = p.gather(1, par_fwd[..., None].expand(B, n, p.shape[-1])).gather(-1, x[..., None]).squeeze(-1)  # [B, n]
+        ok = p_x > thresh.gather(1, par_fwd)
         if valid is not None:
             ok &= valid
-        path_ok = ~(anc[None] & ~ok[:, None, :]).any(-1)  # every node on the path passes
+        path_ok = ~(anc & ~ok[:, None, :]).any(-1)  # every node on the path passes
         length = torch.where(path_ok, depth[None] + 1, 0)
-        path_lp = (anc[None].float() * p_x.clamp_min(1e-30).log()[:, None, :]).sum(-1)
+        path_lp = (anc.float() * p_x.clamp_min(1e-30).log()[:, None, :]).sum(-1)
         key = torch.where(path_ok, path_lp, torch.full_like(path_lp, float("-inf")))
         longest = length.max(1, keepdim=True).values
         key = torch.where(length == longest, key, torch.full_like(key, float("-inf")))
         cand = key.argmax(1)
         best = torch.where(longest.squeeze(1) > 0, cand, best)
-        path = anc[best.clamp_min(0)] & (best >= 0)[:, None]
+        path = anc.expand(B, n, n).gather(1, best.clamp_min(0)[:, None, None].expand(B, 1, n))[:, 0] & (best >= 0)[:, None]
     p_last = p[rows, best + 1]  # [B, V]
     keep = p_last > thresh[rows, best + 1][:, None]
     keep |= torch.nn.functional.one_hot(p_last.argmax(-1), p_last.shape[-1]).bool()

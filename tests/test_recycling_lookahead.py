@@ -75,10 +75,10 @@ def test_recycling_table_update_and_bfs_draft():
     ctx = ProposeContext([[5, 4]], [3], GREEDY, tree_ok=True)
     d = prop.propose(ctx)
     assert d.parents == (-1, -1, 0, 0, 1)
-    assert d.tokens.tolist() == [[7, 2, 1, 3, 9]] and d.valid is None and d.probs is None
-    # unknown successors and the depth budget make nodes invalid
+    assert d.tokens.tolist() == [[7, 2, 1, 3, 9]] and bool(d.valid.all()) and d.probs is None
+    # unknown successors and the depth budget make nodes invalid (on the device: nothing is read back)
     d = prop.propose(ProposeContext([[5, 3]], [3], GREEDY, tree_ok=True))
-    assert d is None  # token 3 was never scored
+    assert not bool(d.valid.any())  # token 3 was never scored
     d = prop.propose(ProposeContext([[5, 4]], [1], GREEDY, tree_ok=True))
     assert d.valid.tolist() == [[True, True, False, False, False]]
     # banned (-inf) logits never become candidates
@@ -326,9 +326,10 @@ def test_typical_accepts_more_than_exact_at_high_temperature():
 
 
 def test_auto_tree_size_follows_the_cost_curve():
-    """tree_size: auto offers the 32-node tree best-first with each node's prior; the draft
-    policy's sizer keeps what pays: all of it on a flat curve (GPU-like), nothing where every
-    position costs a full forward, something in between on a CPU-like curve."""
+    """tree_size: auto offers the 32-node tree, built on the table's device, with each node's
+    prior (host data: nothing is read back); the draft policy's sizer keeps what pays: all of it
+    on a flat curve (GPU-like), nothing where every position costs a full forward, something in
+    between on a CPU-like curve, always an ancestor-closed subtree."""
     from spec_plugins.policy import Costs, ForwardCost
     from spec_plugins.policy.tree_size import TreeSizer
     from spec_plugins.types import ProposeContext
@@ -337,13 +338,17 @@ def test_auto_tree_size_follows_the_cost_curve():
     V = 40
     prop.update(torch.arange(V)[None], torch.randn(1, V, V, generator=torch.Generator().manual_seed(0)))
     ranked = prop.propose(ProposeContext([[1, 2, 3]], [6], None, None, True))
-    (row,) = ranked.rows[0]
-    assert ranked.auto and row.size == 32 and list(row.estimates) == sorted(row.estimates, reverse=True)
+    (shaped,) = ranked.shaped
+    assert ranked.auto and len(shaped.estimates) == 32 and bool(shaped.draft.valid.all())
     flat = ForwardCost.from_curve([0.05] * 40)
     steep = ForwardCost.from_curve([0.05 * n for n in range(1, 41)])
     curved = ForwardCost.from_curve([0.05 * (1 + 0.12 * (n - 1)) for n in range(1, 41)])
-    sizes = {name: TreeSizer(Costs(m, frozen=True)).cut([row])[0]
-             for name, m in (("flat", flat), ("steep", steep), ("curved", curved))}
+    sizes = {}
+    for name, m in (("flat", flat), ("steep", steep), ("curved", curved)):
+        d = TreeSizer(Costs(m, frozen=True)).size(ranked)
+        sizes[name] = 0 if d is None else d.size
+        if d is not None:
+            assert all(p < i for i, p in enumerate(d.parents))  # a tree: every kept node's parent kept before it
     assert sizes["flat"] == 32 and sizes["steep"] == 0 and 0 < sizes["curved"] < 32, sizes
 
 

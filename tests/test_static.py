@@ -1,8 +1,9 @@
-"""The static-cache torch path (``backends/torch_static.py``) and the one host sync per round.
+"""The static-cache torch path (``backends/torch_static.py``).
 
 Token-identical to the dynamic path and to plain greedy decoding for every proposer (one row, a
 batch with holes, rows joining a running batch), exact under sampling (chi-square), compiled with
-``fullgraph=True`` on the CPU, and one device-to-host read per round, counted without a GPU."""
+``fullgraph=True`` on the CPU; the host-sync counter's own checks (the matrix of one sync per round
+is ``tests/test_host_syncs.py``)."""
 
 from __future__ import annotations
 
@@ -123,39 +124,7 @@ def test_sampling_through_the_static_cache_is_exact(kind):
     assert chi_square_pvalue(samples, exact) > 1e-3
 
 
-# ---- host syncs --------------------------------------------------------------------------------------
-def _syncs_per_round(rt, prompts, temperature, kind="ngram", tmp_path=None):
-    from spec_plugins.device_audit import HostSyncs
-    from spec_plugins.proposers.ngram import NgramProposer
-
-    rt.device = torch.device("cpu", 0)  # the same memory, a device unequal to the host's: see HostSyncs
-    gen = torch.Generator().manual_seed(0) if temperature else None
-    pipe = LogitsPipeline(SamplingConfig(temperature=temperature, top_k=8 if temperature else None))
-    per_round = []
-    with HostSyncs(rt.device) as syncs:
-        prev = None
-        for _ in decode(rt, NgramProposer(NgramProposer.Config()), ExactVerifier(), pipe, prompts, 12, (), gen,
-                        None, FixedLength(3)):
-            if prev is not None:
-                per_round.append(syncs.count - prev)
-            prev = syncs.count
-    return per_round, syncs.where
-
-
-@pytest.mark.parametrize("runtime", ["dynamic", "static"])
-def test_one_host_sync_per_round(runtime):
-    """Counted without a GPU (``device_audit.HostSyncs``): a greedy chain row reads the device
-    once per round (the verdict), a batch with holes, greedy or sampled, at most twice."""
-    model = tiny_llama(seed=3, sharpness=2.0)
-    make = (lambda: TorchRuntime(model, matmul="native")) if runtime == "dynamic" else (
-        lambda: StaticTorchRuntime(model))
-    one, where = _syncs_per_round(make(), PROMPTS[:1], 0.0)
-    assert one and max(one) <= 1, where
-    for temperature in (0.0, 0.9):
-        batch, where = _syncs_per_round(make(), PROMPTS, temperature)
-        assert batch and max(batch) <= 2, where
-
-
+# ---- host syncs (the whole matrix: tests/test_host_syncs.py) -----------------------------------------
 def test_the_sync_counter_sees_a_read_of_device_data():
     from spec_plugins.device_audit import HostSyncs
 

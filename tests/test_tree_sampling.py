@@ -1,7 +1,8 @@
 """Tree sampling is exact through the whole engine: chi-square of the first 3 tokens against the
-enumerated target law, with draft trees of several siblings per node, point-mass children and
-children drawn from q, under temperature / top-k / top-p; a deliberately wrong tree rule must
-fail the very same test (power check).
+enumerated target law, with draft trees of several point-mass siblings per node (every tree
+drafter here drafts point masses: top-k of a head, lookups), shared and per-row topologies
+(``tree.RowTrees``), under temperature / top-k / top-p; a deliberately wrong tree rule must fail
+the very same test (power check). A tree of sampled nodes is refused by name.
 
 Each sample row generates 4 tokens: the first comes from the prefill, the next round drafts a
 depth-2 tree (budget = 4 - 1 - 1 = 2), so tokens 2 and 3 are decided by the tree rule."""
@@ -20,6 +21,7 @@ from spec_plugins.policy import FixedLength
 from spec_plugins.proposers.base import Draft, ProposeContext, Proposer
 from spec_plugins.proposers.recycling import RecyclingProposer
 from spec_plugins.sampling import LogitsPipeline, sample
+from spec_plugins.row_trees import RowTrees, node_depths
 from spec_plugins.tree import children
 from spec_plugins.verifiers import ExactVerifier
 from spec_plugins.verify import Verdict
@@ -31,49 +33,43 @@ ALPHA = 1e-3
 
 # root -> 3 children; child 0 -> 2 children, child 1 -> 1 child
 TREE = (-1, -1, -1, 0, 0, 1)
-# per node: "q" = drawn from the draft distribution at its parent, "point" = deterministic
-MIXED = ("q", "q", "point", "point", "q", "q")
-ALL_Q = ("q",) * 6
+POINT = ("point",) * 6
+# node 3 hangs under the first child in even rows and under the second in odd rows (per-row trees)
+ROW_TREES = ((-1, -1, -1, 0, 0, 1), (-1, -1, -1, 1, 0, 1))
 
 
 class TreeSampler(Proposer):
-    """Test drafter: a tiny draft model scores each parent; children are drawn i.i.d. from its q
-    ("q" nodes) or are the parent's top draft token not yet used by a sibling ("point" nodes,
-    q = one-hot). Every draw depends only on the past, as the exact tree rule requires."""
+    """Test drafter: a tiny draft model scores each parent; its children are the parent's top draft
+    tokens in rank order ("point" nodes: point masses). With ``rows`` (two parent tuples of one
+    layered shape), rows alternate between them as ``RowTrees``."""
 
     tree = True
 
-    def __init__(self, draft_model, kinds, parents=TREE) -> None:
-        self.model, self.kinds, self.parents = draft_model, kinds, parents
+    def __init__(self, draft_model, kinds=POINT, parents=TREE, rows=None) -> None:
+        self.model, self.kinds, self.parents, self.rows = draft_model, kinds, parents, rows
 
     @torch.no_grad()
     def propose(self, ctx: ProposeContext) -> Draft | None:
         if max(ctx.budgets) < 2:
             return None
         B, n = len(ctx.sequences), len(self.parents)
-        kids = children(self.parents)
         toks = torch.zeros(B, n, dtype=torch.long)
-        probs = torch.zeros(B, n, V)
-        prefix = {-1: [list(s) for s in ctx.sequences]}
-        for parent in [-1] + list(range(n)):
-            if not kids[parent]:
-                continue
-            seqs = prefix[parent]
-            logits = self.model(torch.tensor(seqs)).logits[:, -1].float()
-            q = ctx.pipeline.process_rows(logits, seqs).softmax(-1)
-            ranked = q.argsort(-1, descending=True)
-            used = 0
-            for c in kids[parent]:
-                if self.kinds[c] == "q":
-                    toks[:, c] = sample(q, ctx.generator)
-                    probs[:, c] = q
-                else:
-                    toks[:, c] = ranked[:, used]
-                    used += 1
-                    probs[:, c] = torch.nn.functional.one_hot(toks[:, c], V).float()
-                prefix[c] = [s + [int(t)] for s, t in zip(seqs, toks[:, c].tolist())]
+        per_row = [self.rows[b % 2] if self.rows else self.parents for b in range(B)]
+        for b, parents in enumerate(per_row):
+            kids = children(parents)
+            prefix = {-1: list(ctx.sequences[b])}
+            for parent in [-1] + list(range(n)):
+                if not kids[parent]:
+                    continue
+                seq = prefix[parent]
+                logits = self.model(torch.tensor([seq])).logits[:, -1].float()
+                ranked = ctx.pipeline.process_rows(logits, [seq]).argsort(-1, descending=True)[0]
+                for used, c in enumerate(kids[parent]):
+                    toks[b, c] = ranked[used]
+                    prefix[c] = seq + [int(toks[b, c])]
         valid = torch.tensor([[True] * n if b >= 2 else [False] * n for b in ctx.budgets])
-        return Draft(toks, self.parents, probs, None if bool(valid.all()) else valid)
+        parents = RowTrees(torch.tensor(per_row), node_depths(self.parents)) if self.rows else self.parents
+        return Draft(toks, parents, None, None if bool(valid.all()) else valid)
 
 
 class NoResidualTree(ExactVerifier):
@@ -82,9 +78,9 @@ class NoResidualTree(ExactVerifier):
 
     def __call__(self, x, parents, target_logits, q, pipeline, generator, valid=None):
         p = target_logits.float().softmax(-1)
-        kids = children(parents)
         accepted, nxt = [], []
         for b in range(x.shape[0]):
+            kids = children(parents if isinstance(parents, tuple) else tuple(parents.parents[b].tolist()))
             path, node = [], -1
             while True:
                 chosen = None
@@ -126,13 +122,21 @@ def _models():
     return tiny_llama(vocab=V, seed=11, sharpness=6.0), tiny_llama(vocab=V, seed=12, sharpness=6.0)
 
 
-@pytest.mark.parametrize("name,kinds", [("t1", MIXED), ("t0.7_topk5", MIXED), ("t1.3_topp0.8", ALL_Q)])
-def test_tree_sampling_is_exact(name, kinds):
+@pytest.mark.parametrize("name,rows", [("t1", None), ("t0.7_topk5", ROW_TREES), ("t1.3_topp0.8", ROW_TREES)])
+def test_tree_sampling_is_exact(name, rows):
     model, draft = _models()
     pipe = LogitsPipeline(SETTINGS[name])
     exact = exact_joint(model, PROMPT, 3, pipe)
-    samples = tree_samples(model, TreeSampler(draft, kinds), pipe, ExactVerifier())
+    samples = tree_samples(model, TreeSampler(draft, rows=rows), pipe, ExactVerifier())
     assert chi_square_pvalue(samples, exact) > ALPHA
+
+
+def test_a_tree_of_sampled_nodes_is_refused_by_name():
+    from spec_plugins.verify import rejection_verify
+
+    p = torch.full((1, 3, V), 1.0 / V)
+    with pytest.raises(ValueError, match="verified as chains"):
+        rejection_verify(torch.zeros(1, 2, dtype=torch.long), (-1, -1), p, p[:, :2], None)
 
 
 def test_recycling_point_mass_tree_sampling_is_exact():
@@ -148,13 +152,13 @@ def test_recycling_point_mass_tree_sampling_is_exact():
     assert chi_square_pvalue(samples, exact) > ALPHA
 
 
-@pytest.mark.parametrize("kinds", [MIXED, ("point",) * 6])
-def test_power_wrong_tree_rule_fails_same_test(kinds):
+@pytest.mark.parametrize("rows", [None, ROW_TREES])
+def test_power_wrong_tree_rule_fails_same_test(rows):
     model, draft = _models()
     pipe = LogitsPipeline(SETTINGS["t1"])
     exact = exact_joint(model, PROMPT, 3, pipe)
-    # 6000 samples: the wrong rule scored p ~ 1e-148 (mixed) and 1e-28 (point masses) at 10000
-    samples = tree_samples(model, TreeSampler(draft, kinds), pipe, NoResidualTree(), n_samples=6000)
+    # 6000 samples: the wrong rule scored p ~ 1e-28 (point masses) at 10000
+    samples = tree_samples(model, TreeSampler(draft, rows=rows), pipe, NoResidualTree(), n_samples=6000)
     assert chi_square_pvalue(samples, exact) < 1e-6
 
 
@@ -175,7 +179,7 @@ def test_tree_draft_differs_from_target_and_uses_depth_two():
             return v
 
     target = TorchRuntime(model)
-    for _ in decode(target, TreeSampler(draft, MIXED), Spy(), pipe, [PROMPT] * 2000, 4, (),
+    for _ in decode(target, TreeSampler(draft, rows=ROW_TREES), Spy(), pipe, [PROMPT] * 2000, 4, (),
                     torch.Generator().manual_seed(0), None, FixedLength(2)):
         pass
     firsts = {acc[0] for acc in seen if acc}

@@ -10,19 +10,21 @@ steps below in order; they hold the mechanics, the round holds the order.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
 from spec_plugins.config import SamplingConfig
-from spec_plugins.loop.logprobs import logprobs
+from spec_plugins.loop.logprobs import row_logprobs
+from spec_plugins.loop.verdicts import read_round, verify_groups
 from spec_plugins.proposers.base import ProposerTraits
 from spec_plugins.sampling import LogitsPipeline, RowPipelines
 from spec_plugins.stats import DecodeStats
-from spec_plugins.tree import TreeLayout, layout, with_root
-from spec_plugins.types import (BatchView, DeviceVerdict, Draft, Emission, ProposeContext, Ranked, RoundRecord,
-                                RowRequest, RowStop, Verdict)
+from spec_plugins.row_trees import Parents, RowTrees, forward_layout, rows_of
+from spec_plugins.tree import TreeLayout, layout
+from spec_plugins.types import (BatchView, Draft, Emission, ProposeContext, Ranked, RoundRecord, RowRequest, RowStop,
+                                Verdict)
 from spec_plugins.transfer import upload_tensor
 
 GREEDY = SamplingConfig()
@@ -100,6 +102,7 @@ class Batch:
         self._rp: tuple[tuple, RowPipelines] | None = None  # the current rows' RowPipelines, by pipeline ids
         self.top_logprobs = 0  # alternatives reported with each emitted token's logprob (a server sets it)
         self._logits: torch.Tensor | None = None  # this round's raw target logits: logprobs read them
+        self.fetched: dict = {}  # what the round's one fetch read (``loop.verdicts.read_round``)
         self._select([])  # the runtime and proposer start with no rows (a previous batch may have left some)
 
     def __len__(self) -> int:
@@ -127,7 +130,7 @@ class Batch:
                 self.proposer.admit([r.prompt for r in live])
             pending = upload_tensor([[r.tokens[-1]] for r in new], self.device)
             z = self._process(new, step.logits[:, -1:], pending, (-1,))
-            verdict = self._verify(new, None, z)
+            verdict, host = self._verify(new, None, z, step.logits[:, -1:])
         except BaseException:
             self._select(list(range(n0)))  # admission is atomic: the running rows as before
             raise
@@ -135,7 +138,7 @@ class Batch:
             r.hidden = step.hidden[b] if step.hidden is not None else None
         self.rows += new
         out += [Emission(r.key, [], [], "error", r.error) if r.error
-                else self._emit(r, [verdict.next_tokens[b]], step.logits[b, -1:], [0]) for b, r in enumerate(new)]
+                else self._emit(r, [verdict.next_tokens[b]], host, b) for b, r in enumerate(new)]
         self.stats.observe_admit(len(new), self.clock() - t0)
         return out
 
@@ -219,19 +222,20 @@ class Batch:
 
     def verify_input(self, draft: Draft | None) -> tuple[torch.Tensor, TreeLayout]:
         """The forward's input [B, 1 + n] (pending token + drafted nodes) on the runtime's device,
-        and the layout of root + nodes."""
+        and the layout of root + nodes (each row's own, for per-row trees)."""
         pending = upload_tensor([[r.tokens[-1]] for r in self.rows], self.device)
         if draft is None:
             return pending, layout((-1,))
-        return torch.cat([pending, draft.tokens.to(torch.long)], 1), layout(with_root(draft.parents))
+        return torch.cat([pending, draft.tokens.to(torch.long)], 1), forward_layout(draft.parents)
 
     def process(self, logits: torch.Tensor, tokens: torch.Tensor, tree: TreeLayout) -> torch.Tensor:
         """Each row's sampling pipeline over every node, with the prefix that node would have."""
         self._logits = logits
-        return self._process(self.rows, logits, tokens, tree.parents)
+        parents = tree.parents if tree.rows is None else RowTrees(tree.rows, tuple(tree.depth.tolist()))
+        return self._process(self.rows, logits, tokens, parents)
 
     def _process(self, rows: Sequence[Row], logits: torch.Tensor, tokens: torch.Tensor,
-                 parents: tuple[int, ...]) -> torch.Tensor:
+                 parents: Parents) -> torch.Tensor:
         """Processed logits of ``rows``; a row whose processing raises fails alone (``_fail``) and
         gets a harmless placeholder (rows whose result is not a distribution are found by
         ``_verify``, on the device, without a sync)."""
@@ -242,13 +246,24 @@ class Batch:
             z = torch.zeros_like(logits)
             for b, r in enumerate(rows):
                 try:
-                    z[b] = r.pipeline.process_tree(logits[b:b + 1], [seen[b]], tokens[b:b + 1], parents)[0]
+                    z[b] = r.pipeline.process_tree(logits[b:b + 1], [seen[b]], tokens[b:b + 1],
+                                                   rows_of(parents, slice(b, b + 1)))[0]
                 except Exception as exc:  # noqa: BLE001
                     self._fail(r, f"logits processing failed: {type(exc).__name__}: {exc}")
             return z
 
     def verify(self, draft: Draft | None, z: torch.Tensor) -> Verdict:
-        return self._verify(self.rows, draft, z)
+        """The only accept/reject code (``verify.py``) over the rows, read in the round's one fetch
+        (kept for ``emit`` and the round's record: ``fetched``)."""
+        verdict, self.fetched = self._verify(self.rows, draft, z, self._logits)
+        return verdict
+
+    def seen(self, draft: Draft | None) -> Draft | None:
+        """The draft as the round's record keeps it: its valid mask on the host too, where the
+        round's one fetch read it."""
+        if draft is None or "valid" not in self.fetched:
+            return draft
+        return replace(draft, host_valid=torch.from_numpy(self.fetched["valid"]))
 
     def _fail(self, row: Row, message: str) -> None:
         row.error, row.done, row.finish_reason = message, True, "error"
@@ -269,19 +284,26 @@ class Batch:
              hidden: torch.Tensor | None) -> list[Emission]:
         """Append each row's accepted tokens and its next token, stopping at EOS, its limit or its
         stop rule; keep the target features of the committed path for the proposer."""
-        host = verdict.tokens if verdict.tokens is not None else [  # a verifier that returned host lists
-            [row[j + 1] for j in acc] for row, acc in zip(tokens.tolist(), verdict.accepted)]
+        kept = self._kept_hidden(hidden, keep)
         out = []
         for b, r in enumerate(self.rows):
             if r.error is not None:
                 out.append(Emission(r.key, [], [], "error", r.error))
                 continue
-            toks = host[b] + [verdict.next_tokens[b]]
-            out.append(self._emit(r, toks, self._logits[b], keep[b]))
-            if hidden is not None:
-                r.hidden = hidden[b, keep[b]]
+            out.append(self._emit(r, verdict.tokens[b] + [verdict.next_tokens[b]], self.fetched, b))
+            if kept is not None:
+                r.hidden = kept[b, : len(keep[b])]
         self._logits = None  # not held between rounds
         return out
+
+    def _kept_hidden(self, hidden: torch.Tensor | None, keep: list[list[int]]) -> torch.Tensor | None:
+        """The target features of each row's committed nodes [B, max kept, H], gathered on the device
+        with one index upload (each row then reads its first len(keep) of them)."""
+        if hidden is None:
+            return None
+        width = max(len(k) for k in keep)
+        idx = upload_tensor([list(k) + [0] * (width - len(k)) for k in keep], hidden.device)
+        return hidden.gather(1, idx[..., None].expand(*idx.shape, hidden.shape[-1]))
 
     def observe(self, record: RoundRecord) -> None:
         """The proposer learns (and rolls back its own cache) first, then stats and observers."""
@@ -314,42 +336,34 @@ class Batch:
             have = r.seen.shape[0] if r.seen is not None else 0
             if have < want:
                 new = (list(r.prefix) + r.tokens)[have:] if have < len(r.prefix) else r.tokens[have - len(r.prefix):]
-                add = torch.tensor(new, dtype=torch.long, device=self.device)
+                add = upload_tensor(new, self.device)
                 r.seen = add if r.seen is None else torch.cat([r.seen, add])
             out.append(r.seen)
         return out
 
-    def _verify(self, rows: Sequence[Row], draft: Draft | None, z: torch.Tensor) -> Verdict:
+    def _verify(self, rows: Sequence[Row], draft: Draft | None, z: torch.Tensor, logits: torch.Tensor | None
+                ) -> tuple[Verdict, dict]:
         """The registered verifier on row groups (greedy rows together, sampled rows by
-        generator), fetched to the host in one copy with the rows whose processed logits are no
+        generator), read in the round's one fetch with the rows whose processed logits are no
         distribution (NaN, +inf, every token masked): those fail alone, their verdict ignored."""
-        B = len(rows)
-        x = draft.tokens if draft is not None else torch.zeros(B, 0, dtype=torch.long, device=z.device)
-        parents = draft.parents if draft is not None else ()
         bad = ~torch.isfinite(z.amax(-1)).all(-1)  # [B], on the device
         known = [b for b, r in enumerate(rows) if r.error is not None]
         if known:
-            bad[known] = True
+            bad[upload_tensor(known, bad.device)] = True
         z = torch.where(bad[:, None, None], torch.zeros((), dtype=z.dtype, device=z.device), z)
-        groups: dict[Hashable, list[int]] = {}
-        for b, r in enumerate(rows):
-            groups.setdefault("greedy" if r.pipeline.greedy else id(r.generator), []).append(b)
-        parts = []
-        for idx in groups.values():
-            r0, sel = rows[idx[0]], (slice(None) if len(groups) == 1 else idx)
-            q = draft.probs[sel] if draft is not None and draft.probs is not None else None
-            valid = draft.valid[sel] if draft is not None and draft.valid is not None else None
-            parts.append((idx, self.verifier(x[sel], parents, z[sel], q, r0.pipeline, r0.generator, valid)))
-        verdict, failed = _fetch(parts, x, bad)
-        for b, f in enumerate(failed):
+        dv = verify_groups(self.verifier, rows, draft, z, lambda r: "greedy" if r.pipeline.greedy else id(r.generator))
+        lp = logits if any(r.logprobs for r in rows) else None
+        extra = {k: v for src in self.traits.sources for k, v in src.to_fetch(z).items()}
+        verdict, host = read_round(dv, draft, z, bad, lp, self.top_logprobs, extra)
+        for b, f in enumerate(host["bad"].tolist()):
             if f and rows[b].error is None:
                 self._fail(rows[b], "sampling failed: the processed logits are not finite (NaN, inf, or every "
                                     "token masked)")
-        return verdict
+        return verdict, host
 
-    def _emit(self, row: Row, toks: list[int], logits_row: torch.Tensor, at: Sequence[int]) -> Emission:
-        """Append tokens to a row, stopping at EOS, its limit or its stop rule (``logits_row``
-        [N, V]: the row's raw target logits, for logprobs)."""
+    def _emit(self, row: Row, toks: list[int], host: dict, b: int) -> Emission:
+        """Append tokens to a row, stopping at EOS, its limit or its stop rule (``host``: the
+        round's fetch, row ``b``'s logprobs in it)."""
         out: list[int] = []
         for t in toks[: row.max_new - row.n_new]:
             out.append(t)
@@ -365,27 +379,5 @@ class Batch:
         if row.finish_reason is None and row.n_new >= row.max_new:
             row.finish_reason = "length"
         row.done = row.finish_reason is not None
-        lps = logprobs(logits_row, at, out, self.top_logprobs) if row.logprobs else []
+        lps = row_logprobs(host, b, len(out)) if row.logprobs else []
         return Emission(row.key, out, lps, row.finish_reason)
-
-
-def _fetch(parts: list[tuple[list[int], Any]], x: torch.Tensor, bad: torch.Tensor) -> tuple[Verdict, list[bool]]:
-    """Row groups' verdicts as one host ``Verdict``: device verdicts gathered into one and copied
-    in one transfer (the round's one sync), with the failed-rows flags."""
-    B = int(bad.shape[0])
-    if all(isinstance(v, DeviceVerdict) for _, v in parts):
-        if len(parts) == 1:
-            return parts[0][1].fetch(x, bad)
-        path = torch.zeros(B, x.shape[1], dtype=torch.bool, device=bad.device)
-        nxt = torch.zeros(B, dtype=torch.long, device=bad.device)
-        for idx, v in parts:
-            rows = torch.tensor(idx, dtype=torch.long, device=bad.device)
-            path[rows], nxt[rows] = v.path, v.next
-        return DeviceVerdict(path, nxt).fetch(x, bad)
-    accepted: list[list[int]] = [[] for _ in range(B)]  # a verifier that returns host verdicts (tests)
-    nxt_host = [0] * B
-    for idx, v in parts:
-        v = v.fetch(x[idx])[0] if isinstance(v, DeviceVerdict) else v
-        for j, b in enumerate(idx):
-            accepted[b], nxt_host[b] = list(v.accepted[j]), int(v.next_tokens[j])
-    return Verdict(accepted, nxt_host), bad.tolist()

@@ -41,7 +41,8 @@ def run_round(batch: Batch, policy: DraftPolicy) -> RoundRecord | None:
     out = batch.runtime.forward(tokens, None if tree.is_chain else tree, want_hidden=batch.traits.want_hidden)
     t2 = clock()
     z = batch.process(out.logits, tokens, tree)                  # 5. sampling + processors per node
-    verdict = batch.verify(draft, z)                             # 6. the only accept/reject code
+    verdict = batch.verify(draft, z)                             # 6. the only accept/reject code, one host read
+    draft = batch.seen(draft)
     t3 = clock()
     keep = verdict.keep()
     batch.runtime.commit(keep)                                   # 7. KV of the accepted paths
@@ -51,7 +52,8 @@ def run_round(batch: Batch, policy: DraftPolicy) -> RoundRecord | None:
     record = RoundRecord(keys=batch.keys(), sequences=[r.tokens for r in batch.rows], budgets=budgets,
                          draft_keys=view.keys, draft=draft, accepted=verdict.accepted,
                          emitted=[e.tokens for e in emissions], emissions=emissions, positions=int(tokens.shape[1]),
-                         target_logits=z, times=times, lossy=batch.lossy, tenants=[r.tenant for r in batch.rows])
+                         target_logits=z, times=times, lossy=batch.lossy, tenants=[r.tenant for r in batch.rows],
+                         fetched=batch.fetched)
     batch.observe(record)                                        # 9. proposer, stats, observers learn
     policy.observe(record)
     return record

@@ -90,18 +90,27 @@ class SourceGate:
             return self._propose(0, ctx)
         B = len(ctx.sequences)
         alts: list[list[RankedRow]] = [[] for _ in range(B)]
+        shaped = []
         in_hand = [self.min_gain * self.plain] * B  # per row: the rate to beat (nothing in hand: plain's, with margin)
         for i in self.order():
             if not probe and min(in_hand) >= self.prospect(i, depth):
                 self.skipped[i] += 1
                 continue
             ranked = self._propose(i, ctx)
-            for b, row in enumerate(ranked.tagged(i) if ranked is not None else ()):
+            if not ranked:
+                continue
+            tagged = ranked.tagged(i)
+            for b, row in enumerate(tagged.rows):
                 alts[b] += row
                 for r in row:
                     self.stats[i].update(sum(r.estimates), r.size)  # what it offers (any row may take it)
                     in_hand[b] = max(in_hand[b], self.sizer.rate(sum(r.estimates), r.size, i))
-        return Ranked(alts, auto=True) if any(alts) else None
+            for sh in tagged.shaped:  # the same offer for every row
+                self.stats[i].update(sum(sh.estimates), len(sh.estimates))
+                in_hand = [max(h, self.sizer.rate(sum(sh.estimates), len(sh.estimates), i)) for h in in_hand]
+            shaped += tagged.shaped
+        out = Ranked(alts, True, shaped)
+        return out if out else None
 
     def _propose(self, i: int, ctx: ProposeContext) -> Draft | Ranked | None:
         source = self.sources[i]

@@ -27,8 +27,10 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from spec_plugins.policy.objective import Calibration, best_option
+from spec_plugins.transfer import upload
+from spec_plugins.row_trees import combine, keep_slots, upload_index
 from spec_plugins.tree import merge_trees
-from spec_plugins.types import Draft, Ranked, RankedRow, RoundRecord
+from spec_plugins.types import Draft, Ranked, RankedRow, RoundRecord, Shaped
 
 
 MAX_AUTO_NODES = 32  # candidates a drafter offers for an 'auto' cut (costs are measured to 33 positions)
@@ -61,12 +63,20 @@ class TreeSizer:
     # ---- the step ---------------------------------------------------------------------------------
     def size(self, ranked: Ranked, spent: float = 0.0) -> Draft | None:
         """Each row's best alternative, cut for the batch (``auto``), merged into one draft."""
-        rows = [self._pick(alts) for alts in ranked.rows]
+        B = len(ranked.rows)
+        offers = {sh.source: (sh, self._cut_shaped(sh, B, spent) if ranked.auto else list(range(len(sh.estimates))))
+                  for sh in ranked.shaped}
+        picks = [self._pick(alts, offers) for alts in ranked.rows]  # a host row, or the source of a shaped draft
+        host = [p if isinstance(p, RankedRow) else RankedRow((), (), ()) for p in picks]
         if ranked.auto:
-            counts = self.cut(rows, spent)
-            for source in {r.source for r, n in zip(rows, counts) if r.size and not n}:
+            counts = self.cut(host, spent)
+            for source in {r.source for r, n in zip(host, counts) if r.size and not n}:
                 self.calibration(source).idle()  # offered, not taken: re-tried later (Calibration.idle)
-            rows = [r.prefix(n) for r, n in zip(rows, counts)]
+            host = [r.prefix(n) for r, n in zip(host, counts)]
+        for source, (_, slots) in offers.items():
+            if not slots or source not in picks:
+                self.calibration(source).idle()
+        rows = [host[b] if isinstance(p, RankedRow) else _as_row(*offers[p]) for b, p in enumerate(picks)]
         self.last_rows = rows
         self._kept = [(r.source, sum(r.estimates)) for r in rows]
         for r in rows:
@@ -74,15 +84,32 @@ class TreeSizer:
                 self.picked[r.source] = self.picked.get(r.source, 0) + 1
         if not any(r.size for r in rows):
             return None
-        merged = merge_trees([(r.tokens, r.paths) for r in rows])
-        return Draft(merged.tokens, merged.parents, None, merged.valid)
+        return _assemble(host, picks, offers)
 
-    def _pick(self, alternatives: Sequence[RankedRow]) -> RankedRow:
-        best, best_rate = RankedRow((), (), ()), float("-inf")
+    def _cut_shaped(self, shaped: Shaped, rows: int, spent: float) -> list[int]:
+        """The slots of a shaped draft worth verifying for ``rows`` rows (the same for every row:
+        its estimates are): the best-first prefix with the most expected tokens per second."""
+        order, scale = shaped.order(), self.calibration(shaped.source).scale
+        options, gain = [(float(rows), self.seconds(rows, 1) + spent)], 0.0
+        for w, j in enumerate(order, 1):
+            if shaped.estimates[j] <= 0.0:
+                break
+            gain += min(1.0, shaped.estimates[j] * scale)
+            options.append((rows * (1.0 + gain), self.seconds(rows, 1 + w) + spent))
+        return sorted(order[:best_option(options)])
+
+    def _pick(self, alternatives: Sequence[RankedRow], offers: dict[int, tuple[Shaped, list[int]]]
+              ) -> RankedRow | int:
+        best: RankedRow | int = RankedRow((), (), ())
+        best_rate = float("-inf")
         for r in alternatives:
             rate = self.rate(sum(r.estimates), r.size, r.source)
             if r.size and rate > best_rate:
                 best, best_rate = r, rate
+        for source, (shaped, slots) in offers.items():
+            rate = self.rate(sum(shaped.estimates[j] for j in slots), len(slots), source)
+            if slots and rate > best_rate:
+                best, best_rate = source, rate
         return best
 
     def cut(self, rows: Sequence[RankedRow], spent: float = 0.0) -> list[int]:
@@ -120,3 +147,35 @@ class TreeSizer:
         for source, (acc, pred) in by_source.items():
             self.calibration(source).observe(acc, pred)
         self._kept = []
+
+
+def _as_row(shaped: Shaped, slots: list[int]) -> RankedRow:
+    """What a row takes from a shaped draft, as the sizer's bookkeeping sees a candidate row."""
+    return RankedRow([0] * len(slots), [(j,) for j in slots], [shaped.estimates[j] for j in slots], shaped.source)
+
+
+def _assemble(host: Sequence[RankedRow], picks: Sequence[Any], offers: dict[int, tuple[Shaped, list[int]]]
+              ) -> Draft:
+    """The draft the target verifies: the host rows merged over one topology, the shaped drafts
+    cut to their kept slots, one of them per row (combined on the device when rows differ)."""
+    parts, owner = [], [-1] * len(picks)
+    if any(r.size for r in host):
+        merged = merge_trees([(r.tokens, r.paths) for r in host])
+        parts.append((merged.tokens, merged.parents, merged.valid))
+        owner = [0 if r.size else -1 for r in host]
+    for source, (shaped, slots) in offers.items():
+        if source in picks:
+            d = shaped.draft
+            parents, valid = keep_slots(d.parents, slots, d.valid, d.tokens.device)
+            parts.append((d.tokens[:, upload_index(slots, d.tokens.device)], parents, valid))
+            owner = [len(parts) - 1 if p == source else o for p, o in zip(picks, owner)]
+    if len(parts) == 1:
+        tokens, parents, valid = parts[0]
+        if any(o < 0 for o in owner):
+            mask = upload_index([o >= 0 for o in owner], tokens.device).bool()[:, None]
+            valid = mask if valid is None else valid & mask.to(valid.device)
+        return Draft(tokens, parents, None, valid)
+    device = parts[-1][0].device  # the shaped drafts' (host parts are moved there)
+    moved = [(upload(t, device), p, upload(v, device) if v is not None else None) for t, p, v in parts]
+    tokens, parents, valid = combine(moved, owner, device)
+    return Draft(tokens, parents, None, valid)

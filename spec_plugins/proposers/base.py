@@ -18,6 +18,9 @@ class registers (``check_proposer_class``) and when a batch is built (``Proposer
   them in ``feature_layers`` (EAGLE-3).
 - ``sources()``: the drafters the draft policy runs, each where it pays: the proposer itself, or
   a composition's children (a hybrid).
+- ``to_fetch(z)``: device tensors the proposer's ``observe`` reads (its draft's scores, the
+  processed logits' argmax), read in the round's one copy and handed back in
+  ``RoundRecord.fetched`` under the names it gave (names unique to the proposer).
 
 A proposer is a subclass of ``Proposer`` (the flags have their defaults there), checked once.
 """
@@ -26,6 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, Sequence, runtime_checkable
+
+import torch
 
 from spec_plugins.types import Draft, ProposeContext, RoundRecord
 
@@ -49,6 +54,11 @@ class Proposer:
     def sources(self) -> "Sequence[Proposer]":
         """The drafters the draft policy runs (a composition: its children)."""
         return (self,)
+
+    def to_fetch(self, z: "torch.Tensor") -> "dict[str, torch.Tensor]":
+        """Device tensors ``observe`` will read, given the round's processed logits ``z`` [B, N, V]
+        (module docstring); none by default."""
+        return {}
 
     def observe(self, record: RoundRecord) -> None:
         """Learn from a round (adaptive state, rolling back a draft model's cache)."""

@@ -8,14 +8,15 @@ ancestors and are never written to the cache, so rejected drafts need no rollbac
 
 Modes: ``chain`` (top-1, ``num_draft_tokens`` deep) and ``tree`` (EAGLE-2 dynamic tree: at
 each depth expand the ``top_k`` nodes with the highest cumulative draft log-probability, each
-into its ``top_k`` best children; finally keep the ``tree_nodes`` best nodes overall, which is
-closed under ancestors since a child never scores above its parent). Drafts are deterministic,
-hence point masses (``probs=None``) for the exact verifier.
+into its ``top_k`` best children), built on the drafter's device and laid over a layered shape
+of ``tree_nodes`` slots chosen on the host (``proposers/eagle_tree.py``); a chain is the same with
+one candidate per depth. The draft stays on the device: the policy prices its slots by the
+drafter's running mean scores, which the round's one fetch brings back (``to_fetch``). Drafts
+are deterministic, hence point masses (``probs=None``) for the exact verifier.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Literal, Sequence
 
 import torch
@@ -27,13 +28,12 @@ from spec_plugins.config import ProposerConfig
 from spec_plugins.heads.eagle import EagleDrafter
 from spec_plugins.heads.runner import OrtEagleLayer, head_session, pick_engine
 from spec_plugins.policy.tree_size import MAX_AUTO_NODES
-from spec_plugins.proposers.base import ProposeContext, Proposer
+from spec_plugins.proposers.base import ProposeContext, Proposer, RoundRecord
+from spec_plugins.proposers.eagle_tree import SlotMeans, expand, select
 from spec_plugins.proposers.medusa import resolve_head_dir
 from spec_plugins.registry import register_proposer
-from spec_plugins.tree import rank_paths
-from spec_plugins.types import Ranked, RankedRow
-
-NEG = float("-inf")
+from spec_plugins.transfer import upload, upload_tensor
+from spec_plugins.types import Draft, Ranked, Shaped
 
 
 @register_proposer("eagle")
@@ -83,6 +83,8 @@ class EagleProposer(Proposer):
         self.k, self.v = drafter.empty_past(0, self.dtype)  # [B, H, S, D] over the slot layer's slots
         self.slots = KVSlots()  # position of each cached pair, -1 = hole (``spec_plugins/slots.py``)
         self.fed: list[int] = []  # per row: pairs (f_j, x_{j+1}) cached for j < fed
+        self.means = SlotMeans(config.top_k if self.tree else 1)  # the drafter's mean score per slot
+        self._scored: tuple[torch.Tensor, tuple[int, ...]] | None = None  # last draft's slot scores, to fetch
 
     # ---- cache: the shared slot layer, one drafter layer ------------------------------------------
     def admit(self, prompts: Sequence[Sequence[int]]) -> None:
@@ -97,7 +99,7 @@ class EagleProposer(Proposer):
 
     def select_rows(self, rows: Sequence[int]) -> None:
         idx, plan = self.slots.select_rows(rows)
-        idx, plan = idx.to(self.device), plan.to(self.device)
+        idx, plan = upload(idx, self.device), plan.to(self.device)
         self.k, self.v = plan.apply(self.k[idx]), plan.apply(self.v[idx])
         self.fed = [self.fed[r] for r in rows]
         self._compact()
@@ -136,20 +138,20 @@ class EagleProposer(Proposer):
                 pos[b, N - m:] = torch.arange(start, start + m, device=HOST)
         new_ok = (pos >= 0)[:, None, :] & torch.ones(N, N, dtype=torch.bool, device=HOST).tril()[None]
         new_ok |= torch.eye(N, dtype=torch.bool, device=HOST)[None]  # padding queries see themselves
-        ok = torch.cat([self.slots.past_ok(N), new_ok[:, None]], -1).to(self.device)
-        out, k, v = self.layer(self.drafter.project(feat), tok.to(self.device), pos.clamp_min(0).to(self.device),
-                               self.k, self.v, additive(ok, self.dtype))
+        ok = upload(torch.cat([self.slots.past_ok(N), new_ok[:, None]], -1), self.device)
+        out, k, v = self.layer(self.drafter.project(feat), upload(tok, self.device),
+                               upload(pos.clamp_min(0), self.device), self.k, self.v, additive(ok, self.dtype))
         self.k, self.v = torch.cat([self.k, k], 2), torch.cat([self.v, v], 2)
         self.slots.append(pos)
         self._compact()
-        self._past = (self.slots.pos >= 0).to(self.device)  # [B, S] cached pairs each draft step may see
+        self._past = upload(self.slots.pos >= 0, self.device)  # [B, S] cached pairs each draft step may see
         return out[:, -1]
 
     # ---- drafting ----------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, ctx: ProposeContext) -> Ranked | None:
-        """Each row's chain or tree best-first with the drafter's path probabilities; the draft
-        policy sizes it (``tree_nodes: auto``) and merges the rows."""
+        """Each row's chain or tree over the shape the host chose, on the device, with each slot's
+        estimate (the drafter's mean score there) for the draft policy to keep what pays."""
         if ctx.hidden is None:
             raise RuntimeError("eagle needs target hidden states (needs_hidden) but the loop passed none")
         with torch_kernels.active():
@@ -157,10 +159,36 @@ class EagleProposer(Proposer):
             depth = max(ctx.budgets, default=0)
             if depth <= 0:
                 return None
-            base = torch.tensor([len(s) - 1 for s in ctx.sequences], dtype=torch.long, device=self.device)  # pending
-            if self.tree and ctx.tree_ok:
-                return self._tree(f, base, list(ctx.budgets), depth)
-            return self._chain(f, base, list(ctx.budgets), depth)
+            tree = self.tree and ctx.tree_ok
+            nodes = (MAX_AUTO_NODES if self.config.tree_nodes == "auto" else self.config.tree_nodes) if tree else depth
+            widths = self.means.widths(nodes, depth) if tree else (1,) * depth
+            B = len(ctx.sequences)
+            base = upload_tensor([len(s) - 1 for s in ctx.sequences], self.device)  # the pending token's position
+            past = list(self.drafter.empty_past(B, self.dtype))
+
+            def step(feat: torch.Tensor, tok: torch.Tensor, pos: torch.Tensor, anc: torch.Tensor) -> torch.Tensor:
+                out, k, v = self._step(feat, tok, pos, past[0], past[1], anc)
+                past[0], past[1] = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)
+                return out
+
+            cands = expand(step, self.drafter.logits, f, base, len(widths), self.config.top_k if tree else 1,
+                           self.drafter.vocab_ids)
+            tokens, parents, valid, probs = select(cands, widths, list(ctx.budgets))
+        self._scored = (probs, widths)
+        shape = parents if tree else tuple(range(-1, len(widths) - 1))  # a chain: one topology for every row
+        draft = Draft(tokens, shape, None, valid)
+        return Ranked([[] for _ in range(B)], tree and self.config.tree_nodes == "auto",
+                      [Shaped(draft, self.means.estimates(widths))])
+
+    def to_fetch(self, z: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The last draft's slot scores, read in the round's one fetch (they update the means)."""
+        return {"eagle.scores": self._scored[0]} if self._scored is not None else {}
+
+    def observe(self, record: RoundRecord) -> None:
+        scores = record.fetched.get("eagle.scores")
+        if scores is not None and self._scored is not None:
+            self.means.observe(scores, self._scored[1])
+        self._scored = None
 
     def _step(self, feat: torch.Tensor, tok: torch.Tensor, pos: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
               anc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -172,84 +200,3 @@ class EagleProposer(Proposer):
         out, k, v = self.layer(feat, tok, pos, torch.cat([self.k, dk], 2), torch.cat([self.v, dv], 2),
                                additive(ok, self.dtype))
         return out, k, v
-
-    def _chain(self, f: torch.Tensor, base: torch.Tensor, budgets: list[int], depth: int) -> Ranked:
-        B = f.shape[0]
-        vocab = self.drafter.vocab_ids
-        toks = torch.zeros(B, depth, dtype=torch.long, device=self.device)
-        path_p = torch.zeros(B, depth, device=self.device)  # probability of the path up to each node, by the drafter
-        run = torch.ones(B, device=self.device)
-        dk, dv = self.drafter.empty_past(B, self.dtype)
-        for d in range(depth):
-            top = self.drafter.logits(f).float().softmax(-1).max(-1)
-            toks[:, d] = vocab[top.indices]
-            run = run * top.values
-            path_p[:, d] = run
-            if d + 1 == depth:
-                break
-            anc = torch.ones(B, 1, d, dtype=torch.bool, device=self.device)
-            out, k, v = self._step(f[:, None], toks[:, d: d + 1], (base + d)[:, None], dk, dv, anc)
-            dk, dv, f = torch.cat([dk, k], 2), torch.cat([dv, v], 2), out[:, 0]
-        chain = [(0,) * (d + 1) for d in range(depth)]
-        rows = [[RankedRow(t[:n], chain[:n], p[:n])] for t, p, n in zip(toks.tolist(), path_p.tolist(), budgets)]
-        return Ranked(rows, auto=False)
-
-    def _tree(self, f: torch.Tensor, base: torch.Tensor, budgets: list[int], depth: int) -> Ranked:
-        B, kk = f.shape[0], self.config.top_k
-        vocab = self.drafter.vocab_ids
-        # all candidate nodes, per row: token, cumulative log-prob, parent (-1 root), rank, depth
-        lp = self.drafter.logits(f).float().log_softmax(-1)
-        top = lp.topk(kk, -1)
-        tok, score = vocab[top.indices], top.values  # [B, k]
-        parent = torch.full((B, kk), -1, dtype=torch.long, device=self.device)
-        rank = torch.arange(kk, device=self.device).expand(B, kk)
-        dep = [0] * kk
-        feat_of = f[:, None].expand(B, kk, -1)  # feature each node's token was drawn from
-        level = torch.arange(kk, device=self.device).expand(B, kk)  # node ids of the newest level
-        dk, dv = self.drafter.empty_past(B, self.dtype)
-        slot_anc = torch.zeros(B, 0, 0, dtype=torch.bool, device=self.device)  # [B, E, E] ancestry among expanded nodes
-        slot_of = torch.full((B, kk), -1, dtype=torch.long, device=self.device)  # node -> draft slot once expanded
-        rows = torch.arange(B, device=self.device)[:, None]
-        for d in range(1, depth):
-            # expand the top_k newest nodes by cumulative score
-            lvl_score = score.gather(1, level)
-            pick = level.gather(1, lvl_score.topk(min(kk, level.shape[1]), -1).indices)  # [B, F] node ids
-            F = pick.shape[1]
-            E = dk.shape[2]
-            par_slot = slot_of.gather(1, parent.gather(1, pick).clamp_min(0))  # parent's slot (or junk for roots)
-            is_root = parent.gather(1, pick) < 0
-            anc = torch.zeros(B, F, E, dtype=torch.bool, device=self.device)
-            if E:
-                from_par = slot_anc[rows, par_slot.clamp_min(0)]  # [B, F, E] parent's ancestry row
-                anc = torch.where(is_root[..., None], anc, from_par)
-            out, k, v = self._step(feat_of[rows, pick], tok.gather(1, pick), base[:, None] + d - 1, dk, dv, anc)
-            # register the new slots: ancestry = parent's ancestry + itself
-            new_anc = torch.cat([anc, torch.eye(F, dtype=torch.bool, device=self.device).expand(B, F, F)], -1)  # [B, F, E+F]
-            slot_anc = torch.cat([torch.cat([slot_anc, torch.zeros(B, E, F, dtype=torch.bool, device=self.device)], -1), new_anc], 1)
-            dk, dv = torch.cat([dk, k], 2), torch.cat([dv, v], 2)
-            slot_of = slot_of.scatter(1, pick, E + torch.arange(F, device=self.device).expand(B, F))
-            # children: top_k of each expanded node
-            lp = self.drafter.logits(out).float().log_softmax(-1)  # [B, F, Vd]
-            top = lp.topk(kk, -1)
-            n0 = tok.shape[1]
-            tok = torch.cat([tok, vocab[top.indices].reshape(B, F * kk)], 1)
-            score = torch.cat([score, (score.gather(1, pick)[..., None] + top.values).reshape(B, F * kk)], 1)
-            parent = torch.cat([parent, pick[..., None].expand(B, F, kk).reshape(B, F * kk)], 1)
-            rank = torch.cat([rank, torch.arange(kk, device=self.device).expand(B, F, kk).reshape(B, F * kk)], 1)
-            dep += [d] * (F * kk)
-            feat_of = torch.cat([feat_of, out[:, :, None].expand(B, F, kk, -1).reshape(B, F * kk, -1)], 1)
-            slot_of = torch.cat([slot_of, torch.full((B, F * kk), -1, dtype=torch.long, device=self.device)], 1)
-            level = torch.arange(n0, n0 + F * kk, device=self.device).expand(B, F * kk)
-        # keep the best tree_nodes per row within its depth budget; ties favour shallower nodes
-        dep_t = torch.tensor(dep, device=self.device)
-        key = score - 1e-6 * dep_t[None]
-        key = key.masked_fill(dep_t[None] >= torch.tensor(budgets, device=self.device)[:, None], NEG)
-        auto = self.config.tree_nodes == "auto"
-        keep = key.topk(min(MAX_AUTO_NODES if auto else self.config.tree_nodes, key.shape[1]), -1)
-        par_l, rank_l, tok_l, score_l = parent.tolist(), rank.tolist(), tok.tolist(), score.tolist()
-        cand = [[n for n, s in zip(idx, val) if s != NEG] for idx, val in zip(keep.indices.tolist(), keep.values.tolist())]
-        rows = []
-        for b in range(B):  # best-first: every prefix is a tree (a child never scores above its parent)
-            rows.append([RankedRow([tok_l[b][n] for n in cand[b]], rank_paths(par_l[b], rank_l[b], cand[b]),
-                                   [min(1.0, math.exp(score_l[b][n])) for n in cand[b]])])
-        return Ranked(rows, auto=auto)

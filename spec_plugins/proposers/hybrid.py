@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Sequence
 
+import torch
 from pydantic import Field, model_validator
 
 from spec_plugins.config import ProposerConfig
@@ -113,11 +114,22 @@ class HybridProposer(Proposer):
         policy's gate does with the children that pay; this is the composition drafted whole, as
         a caller without a policy sees it)."""
         alts: list[list[RankedRow]] = [[] for _ in ctx.sequences]
+        shaped = []
         for i, c in enumerate(self.children):
             ranked = c.propose(ctx)
-            for b, row in enumerate(ranked.tagged(i) if ranked is not None else ()):
-                alts[b] += row
-        return Ranked(alts, auto=True) if any(alts) else None
+            if ranked:
+                tagged = ranked.tagged(i)
+                for b, row in enumerate(tagged.rows):
+                    alts[b] += row
+                shaped += tagged.shaped
+        out = Ranked(alts, True, shaped)
+        return out if out else None
+
+    def to_fetch(self, z: torch.Tensor) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for c in self.children:
+            out |= c.to_fetch(z)
+        return out
 
     def observe(self, record: RoundRecord) -> None:
         """Each child learns from the round (suffix: finished rows enter its index)."""

@@ -29,6 +29,7 @@ import random
 from collections import OrderedDict, deque
 from typing import Any, Literal, Sequence
 
+import torch
 from pydantic import Field
 
 from spec_plugins.config import ProposerConfig
@@ -155,18 +156,21 @@ class LookaheadProposer(Proposer):
             return None
         return Draft(merged.tokens, merged.parents, None, merged.valid)
 
+    def to_fetch(self, z: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The Jacobi update reads the target's argmax at the root and every node."""
+        return {"lookahead.argmax": z.argmax(-1)}
+
     def observe(self, result: RoundRecord) -> None:
-        z = result.target_logits
-        if z is None or result.draft is None:
+        if result.draft is None:
             return
-        top = z.argmax(-1).tolist()  # [B, n+1]: greedy Jacobi update at the root and every node
+        top = result.fetched["lookahead.argmax"]  # [B, n+1] on the host (the round's one read)
         for b, (st, seq, em) in enumerate(zip(self.rows, result.sequences, result.emitted)):
             if not st.window_nodes:
                 continue
             P = len(seq) - len(em) - 1  # the pending position when the draft was made
             m = self._node_maps[b]
             # guess for P+1 comes from the root; for P+2+j from window node j
-            new = [top[b][0]] + [top[b][m[j] + 1] for j in st.window_nodes]
+            new = [int(top[b][0])] + [int(top[b][m[j] + 1]) for j in st.window_nodes]
             st.harvest(P + 1, new)
 
 

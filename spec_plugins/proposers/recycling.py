@@ -27,7 +27,8 @@ from spec_plugins.policy.tree_size import MAX_AUTO_NODES
 from spec_plugins.proposers.base import Draft, ProposeContext, Proposer, RoundRecord
 from spec_plugins.registry import register_proposer
 from spec_plugins.tree import StaticTree, best_static_tree, path_scores, static_tree
-from spec_plugins.types import Ranked, RankedRow
+from spec_plugins.transfer import upload, upload_tensor
+from spec_plugins.types import Ranked, Shaped
 
 # P(rank-r successor is the target's token | parent accepted), per depth, for shaping and sizing
 # the static tree. Measured with ``rank_stats`` on SmolLM2-135M-Instruct, greedy, 6 varied chat
@@ -79,11 +80,9 @@ class RecyclingProposer(Proposer):
         self.auto = self.config.paths is None and self.config.tree_size == "auto"
         self.shape = self._shape()
         self._layers = _layers(self.shape)
-        # 'auto': the nodes best-first by their prior (ancestor-closed: a child's product never
-        # exceeds its parent's; ties keep the shallower node first) and the prior of each
-        prior = path_scores(self.shape, DEFAULT_ACCEPT)
-        self._order = sorted(range(self.shape.size), key=lambda i: (-prior[i], len(self.shape.paths[i])))
-        self._prior = [prior[i] for i in self._order]
+        # 'auto': each node's prior (the product of the priors along its path: a child never scores
+        # above its parent, so the policy's best-first cut keeps ancestors)
+        self._prior = tuple(path_scores(self.shape, DEFAULT_ACCEPT))
         # (depth, rank) -> [times reachable, times accepted]: acceptance statistics of the shape
         self.rank_stats: dict[tuple[int, int], list[int]] = {}
 
@@ -97,9 +96,10 @@ class RecyclingProposer(Proposer):
 
     # ---- table --------------------------------------------------------------------------------
     def _ensure_table(self, vocab: int, device: torch.device) -> torch.Tensor:
-        """The table lives where the target's logits are: recycling them is then a device scatter."""
-        if self.table is None or self.table.shape[0] < vocab or self.table.device != device:
-            self.table = torch.full((vocab, self.config.candidates), -1, dtype=torch.long, device=device)
+        """The table lives where the target's logits are: recycling them is then a device scatter.
+        Row ``vocab`` is scratch: writes of invalid nodes land there (no data-dependent shapes)."""
+        if self.table is None or self.table.shape[0] < vocab + 1 or self.table.device != device:
+            self.table = torch.full((vocab + 1, self.config.candidates), -1, dtype=torch.long, device=device)
         return self.table
 
     def update(self, tokens: torch.Tensor, logits: torch.Tensor, valid: torch.Tensor | None = None) -> None:
@@ -110,11 +110,8 @@ class RecyclingProposer(Proposer):
         idx = top.indices.masked_fill(top.values == float("-inf"), -1)  # banned tokens are not candidates
         toks = tokens.to(table.device)
         if valid is not None:
-            valid = valid.to(table.device)
-            toks, idx = toks[valid], idx[valid]
-        else:
-            toks, idx = toks.reshape(-1), idx.reshape(-1, k)
-        table[toks, :k] = idx
+            toks = torch.where(valid.to(table.device), toks, table.shape[0] - 1)
+        table[toks.reshape(-1), :k] = idx.reshape(-1, k)
 
     def admit(self, prompts: Sequence[Sequence[int]]) -> None:
         """Rows need no state of their own (the table is shared); a batch that starts empty is a
@@ -130,12 +127,15 @@ class RecyclingProposer(Proposer):
         return self._rows
 
     # ---- draft --------------------------------------------------------------------------------
-    def propose(self, ctx: ProposeContext) -> Draft | None:
+    def propose(self, ctx: ProposeContext) -> Draft | Ranked | None:
+        """The static tree filled from the table, breadth-first, on the table's device (nothing is
+        read back: a node whose lookup is missing is marked invalid); with ``tree_size: auto`` a
+        shaped draft with each node's prior, for the draft policy to cut."""
         if self.table is None or max(ctx.budgets, default=0) <= 0 or self.shape.size == 0:
             return None
         B, n, dev = len(ctx.sequences), self.shape.size, self.table.device
-        pending = torch.tensor([s[-1] for s in ctx.sequences], dtype=torch.long, device=dev)
-        budget = torch.tensor(list(ctx.budgets), dtype=torch.long, device=dev)
+        pending = upload_tensor([s[-1] for s in ctx.sequences], dev)
+        budget = upload_tensor(list(ctx.budgets), dev)
         toks = torch.zeros(B, n, dtype=torch.long, device=dev)
         ok = torch.zeros(B, n, dtype=torch.bool, device=dev)
         for depth, (nodes, parents, ranks) in enumerate(self._layers_on(dev)):  # breadth-first, a gather per depth
@@ -147,27 +147,15 @@ class RecyclingProposer(Proposer):
             cand = self.table[src, ranks.expand(B, -1)]
             ok[:, nodes] = src_ok & (cand >= 0) & (depth < budget)[:, None]
             toks[:, nodes] = cand.clamp_min(0)
-        if self.auto:
-            return self._ranked(toks.tolist(), ok.tolist())
-        if not bool(ok.any()):
-            return None
-        return Draft(toks, self.shape.parents, None, None if bool(ok.all()) else ok)
-
-    def _ranked(self, toks: list[list[int]], ok: list[list[bool]]) -> Ranked | None:
-        """Each row's valid nodes best-first with their priors (an invalid node's descendants are
-        invalid too, so what is left of the order stays ancestor-closed)."""
-        paths, rows = self.shape.paths, []
-        for t, v in zip(toks, ok):
-            keep = [(i, p) for i, p in zip(self._order, self._prior) if v[i]]
-            rows.append([RankedRow([t[i] for i, _ in keep], [paths[i] for i, _ in keep], [p for _, p in keep])])
-        return Ranked(rows, auto=True) if any(r[0].size for r in rows) else None
+        draft = Draft(toks, self.shape.parents, None, ok)
+        return Ranked([[] for _ in range(B)], True, [Shaped(draft, self._prior)]) if self.auto else draft
 
     def observe(self, result: RoundRecord) -> None:
         z = result.target_logits
         if z is None:
             return
         roots = [seq[len(seq) - len(em) - 1] for seq, em in zip(result.sequences, result.emitted)]
-        root = torch.tensor(roots, dtype=torch.long, device=z.device)[:, None]
+        root = upload_tensor(roots, z.device)[:, None]
         d = result.draft
         if d is None or d.size == 0:
             self.update(root, z[:, :1])
@@ -178,18 +166,18 @@ class RecyclingProposer(Proposer):
             valid = torch.cat([torch.ones(len(roots), 1, dtype=torch.bool, device=z.device), d.valid.to(z.device)], 1)
         self.update(tokens, z, valid)
         if d.parents == self.shape.parents:
-            self._count(result.accepted, d.valid)
+            self._count(result.accepted, d.valid_on_host())
 
     def _layers_on(self, device: torch.device) -> list:
         """The per-depth index tensors on ``device`` (moved once, not every round)."""
         if self._layers[0][0].device != device:
-            self._layers = [tuple(None if t is None else t.to(device) for t in lay) for lay in self._layers]
+            self._layers = [tuple(None if t is None else upload(t, device) for t in lay) for lay in self._layers]
         return self._layers
 
     def _count(self, accepted: Sequence[Sequence[int]], valid: torch.Tensor | None) -> None:
         """Per (depth, rank): how often a node was reachable (parent accepted) and accepted."""
         paths, parents = self.shape.paths, self.shape.parents
-        ok = valid.tolist() if valid is not None else None  # one copy, not one per node
+        ok = valid.tolist() if valid is not None else None  # host data: the round's one fetch read it
         kids: dict[int, list[int]] = {}
         for i, p in enumerate(parents):
             kids.setdefault(p, []).append(i)

@@ -1,0 +1,76 @@
+"""The verifier over a batch's row groups, and the round's one read of the device.
+
+Rows are verified in groups (greedy rows together, sampled rows by generator: each group's
+verifier draws from its own generator). The groups' decisions are laid out over the whole batch
+on the logits' device, and everything the host needs of the round is read in ONE copy
+(``transfer.fetch``): the accepted paths, their tokens and the next tokens, the rows whose
+processed logits are no distribution, the logprobs of the emitted tokens for rows that ask, the
+draft's valid mask where only the device has it, and what the proposer reads (``to_fetch``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Hashable, Sequence
+
+import numpy as np
+import torch
+
+from spec_plugins.loop.logprobs import emitted_logprobs
+from spec_plugins.transfer import HOST, fetch, upload_tensor
+from spec_plugins.row_trees import node_depths, rows_of
+from spec_plugins.types import DeviceVerdict, Draft, Verdict
+
+
+def verify_groups(verifier: Callable, rows: Sequence[Any], draft: Draft | None, z: torch.Tensor,
+                  generator_of: Callable[[Any], Hashable]) -> DeviceVerdict:
+    """The verifier on each group of rows (``generator_of(row)``: the group's key), its decisions
+    laid out over the batch on the logits' device (no host read)."""
+    B, dev = len(rows), z.device
+    x = draft.tokens if draft is not None else torch.zeros(B, 0, dtype=torch.long, device=dev)
+    parents = draft.parents if draft is not None else ()
+    groups: dict[Hashable, list[int]] = {}
+    for b, r in enumerate(rows):
+        groups.setdefault(generator_of(r), []).append(b)
+    parts = []
+    for idx in groups.values():
+        r0 = rows[idx[0]]
+        sel: Any = slice(None) if len(groups) == 1 else upload_tensor(idx, dev)
+        q = draft.probs[sel] if draft is not None and draft.probs is not None else None
+        valid = draft.valid[sel] if draft is not None and draft.valid is not None else None
+        v = verifier(x[sel], rows_of(parents, sel), z[sel], q, r0.pipeline, r0.generator, valid)
+        parts.append((idx, v if isinstance(v, DeviceVerdict) else _on_device(v, x[sel].shape, dev)))
+    if len(parts) == 1:
+        return parts[0][1]
+    path = torch.zeros(B, x.shape[1], dtype=torch.bool, device=dev)
+    nxt = torch.zeros(B, dtype=torch.long, device=dev)
+    for idx, v in parts:
+        at = upload_tensor(idx, dev)
+        path[at], nxt[at] = v.path, v.next
+    return DeviceVerdict(path, nxt)
+
+
+def _on_device(v: Verdict, shape: torch.Size, device: torch.device) -> DeviceVerdict:
+    """A host verdict (a verifier written that way, in tests) as the device form the round reads."""
+    path = torch.zeros(shape, dtype=torch.bool, device="cpu")
+    for b, acc in enumerate(v.accepted):
+        path[b, list(acc)] = True
+    return DeviceVerdict(upload_tensor(path.tolist(), device, torch.bool), upload_tensor(list(v.next_tokens), device))
+
+
+def read_round(verdict: DeviceVerdict, draft: Draft | None, z: torch.Tensor, bad: torch.Tensor,
+               logits: torch.Tensor | None = None, top: int = 0, extra: dict[str, torch.Tensor] | None = None
+               ) -> tuple[Verdict, dict[str, np.ndarray]]:
+    """Everything the host needs of the round, in one read (module docstring). ``logits``: the
+    raw logits, when some row reports logprobs (``top`` alternatives each); ``extra``: what the
+    proposer's ``observe`` reads (``Proposer.to_fetch``)."""
+    B, dev = bad.shape[0], z.device
+    x = draft.tokens if draft is not None else torch.zeros(B, 0, dtype=torch.long, device=dev)
+    reads = verdict.parts(x) | {"bad": bad}
+    if logits is not None:
+        depths = node_depths(draft.parents) if draft is not None else ()
+        reads |= emitted_logprobs(logits, x, verdict.path, verdict.next, depths, top)
+    if draft is not None and draft.valid is not None and draft.host_valid is None and draft.valid.device != HOST:
+        reads["valid"] = draft.valid
+    reads |= extra or {}
+    host = fetch(reads)
+    return Verdict.of(host), host

@@ -1,0 +1,83 @@
+"""One device-to-host sync per round, for every proposer and every kind of batch, on the static cache.
+
+Counted without a GPU (``device_audit.HostSyncs``): the target runtime (and the draft model's) is
+given ``torch.device("cpu", 0)``, a device unequal to the host's, so what it computes is "on the
+device" and reading it back (or a blocking upload to it) counts. The model's weights are marked as
+device data and everything else (proposer, heads, batch, rows) is built inside the counter, so
+every device tensor is marked; only the rounds (``run_round`` calls after the rows' admission) are
+counted. While the counter runs a device tensor *says* it is on the device, as on a GPU (see
+``HostSyncs``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import EVERY_PROPOSER, every_proposer, save_random_heads
+
+from conftest import tiny_llama
+from spec_plugins.backends.torch_static import StaticTorchRuntime
+from spec_plugins.config import SamplingConfig
+from spec_plugins.device_audit import HostSyncs
+from spec_plugins.loop import Batch, run_round
+from spec_plugins.policy import DraftPolicy, FixedLength
+from spec_plugins.types import RowRequest
+from spec_plugins.verifiers import ExactVerifier
+
+DEV = torch.device("cpu", 0)  # the same memory, a device unequal to the host's: see HostSyncs
+PROMPTS = [[1, 2, 3, 1, 2, 3, 1], [5, 6, 5, 6, 5, 6, 7, 5, 6], [9, 4]]  # lengths 7, 9, 2: holes
+N = 12
+HOT = SamplingConfig(temperature=0.9, top_k=8)
+WARM = SamplingConfig(temperature=0.7)
+REP = SamplingConfig(repetition_penalty=1.3)
+
+# cell -> (rows as (prompt, sampling, seed, logprobs), the batch's top_logprobs)
+CELLS = {
+    "one-greedy": ([(PROMPTS[0], None, None, False)], 0),
+    "holes-greedy": ([(p, None, None, False) for p in PROMPTS], 0),
+    "seeded-sampled": ([(p, HOT, 10 + i, False) for i, p in enumerate(PROMPTS)], 0),
+    "mixed": ([(PROMPTS[0], None, None, False), (PROMPTS[1], HOT, 11, False), (PROMPTS[2], WARM, 12, False)], 0),
+    "rep-penalty": ([(PROMPTS[0], REP, None, False)], 0),
+    "logprobs": ([(PROMPTS[0], None, None, True)], 5),
+}
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    model = tiny_llama(seed=3, sharpness=2.0)
+    return model, save_random_heads(model, tmp_path_factory.mktemp("heads"))
+
+
+def _runtime(model) -> StaticTorchRuntime:
+    rt = StaticTorchRuntime(model)
+    rt.device = DEV
+    return rt
+
+
+def syncs_per_round(model, heads, kind: str, cell: str) -> tuple[list[int], list[str]]:
+    """Host syncs of each round of ``cell`` decoded with ``kind`` (the last entry: the call that
+    finds every row finished), and where the rounds' syncs happened."""
+    rows, top = CELLS[cell]
+    policy = DraftPolicy.of(FixedLength(3))
+    with HostSyncs(DEV) as syncs:
+        for t in (*model.parameters(), *model.buffers()):
+            syncs.mark(t)  # the weights live on the device too
+        rt = _runtime(model)
+        batch = Batch(rt, every_proposer(kind, rt, heads, draft=lambda: _runtime(model)), ExactVerifier())
+        batch.top_logprobs = top
+        batch.add([RowRequest(i, list(p), N, sampling=s, seed=seed, logprobs=lp)
+                   for i, (p, s, seed, lp) in enumerate(rows)])
+        start, per_round = len(syncs.where), []
+        while len(batch):
+            before = syncs.count
+            record = run_round(batch, policy)
+            per_round.append(syncs.count - before)
+            # the counter sees the round's logits as device data (else every read would be free)
+            assert record is None or syncs._on_dev(record.target_logits), "device tensors are not marked"
+        return per_round, syncs.where[start:]
+
+
+@pytest.mark.parametrize("cell", list(CELLS))
+@pytest.mark.parametrize("kind", EVERY_PROPOSER)
+def test_at_most_one_host_sync_per_round(target, kind, cell):
+    per_round, where = syncs_per_round(*target, kind, cell)
+    assert len(per_round) > 1 and max(per_round) <= 1, f"{kind}/{cell}: syncs per round {per_round}, where: {where}"
