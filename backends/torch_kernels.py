@@ -1,11 +1,9 @@
 """Measured choice of the matmul kernel for the few-row linears of decoding and verification.
 
 Why: speculative decoding lives on forwards over 1-16 new positions, and on some CPUs the
-BLAS behind ``F.linear`` is poor exactly there. On this project's 2-core AMD EPYC (torch 2.13
-CPU, MKL) ``F.linear`` over SmolLM2's weights costs 46 ms for one row but 75-90 ms for 2-4 rows,
-while the same product issued as ``weight @ x.T`` (row-major weight, no transposed operand)
-costs 36-44 ms for 1-4 rows. That one change turns "verifying 4 tokens costs 1.8x one token"
-into ~1.2x, which is what decides whether drafting pays.
+BLAS behind ``F.linear`` is poor exactly there: a few rows can cost far more than one, while
+the same product issued as ``weight @ x.T`` (row-major weight, no transposed operand) need not.
+How much verifying a few tokens costs over one token is what decides whether drafting pays.
 
 Nothing is assumed: at load the runtime times both kernels over the model's own linear layers
 for each row count (interleaved, median) and uses ``weight @ x.T`` only where it is faster by a

@@ -44,7 +44,7 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def selects_static(config: Any) -> bool:
     """Whether a torch config runs on the static cache: asked for, implied by compiling, or ``auto`` on
-    CUDA (on a CPU compiling each bucket takes ~30 s, which a generation does not pay back: docs/runtimes/torch.md)."""
+    CUDA (on a CPU compiling every bucket costs more than a generation wins back: docs/runtimes/torch.md)."""
     if config.kv != "auto":
         return config.kv == "static"
     return config.compile in ("on", "graphs") or pick_device(config.device).type == "cuda"

@@ -1,7 +1,7 @@
 """The torch runtime with a static KV cache and a compiled, fixed-shape verify step.
 
-Eager PyTorch on a GPU is launch-bound: one SmolLM2 forward is 15-30 ms eager and 3.2 ms replayed
-as a CUDA graph on an H200 (``../shared/gpu``). A graph needs fixed shapes and fixed addresses, so:
+Eager PyTorch on a GPU is launch-bound: a small model's forward spends most of its time launching
+kernels, which a replayed CUDA graph does not. A graph needs fixed shapes and fixed addresses, so:
 
 - **KV buffers** ``[rows, kv_heads, capacity, head_dim]`` per layer are allocated once on the
   device (capacity and rows grown in powers of two, so a few graphs cover every length) and written by
@@ -18,20 +18,21 @@ as a CUDA graph on an H200 (``../shared/gpu``). A graph needs fixed shapes and f
   (CUDA graphs). Padding rows and positions attend to their own slot only (finite, never read).
   Prefill stays eager.
 
-``compile: auto`` compiles on CUDA only: on the CPU measured here the compiled step was 15-23 %
-faster per forward but each bucket compiled for about 32 s, a cold start a generation does not
-pay back (docs/runtimes/torch.md). The cost model measures whichever path runs.
+``compile: auto`` compiles on CUDA only: on a CPU the compiled step is faster per forward, but
+compiling every bucket is a cold start a generation does not pay back (docs/runtimes/torch.md).
+The cost model measures whichever path runs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from spec_plugins.backends.base import StepOutput, Want
 from spec_plugins.backends.torch_runtime import TorchRuntime, load_for, pick_device, selects_static
+from spec_plugins.fixed_steps import FixedSteps, Mode
 from spec_plugins.transfer import upload
 
 MIN_CAPACITY = 64  # slots; capacity doubles as rows grow (one graph per capacity, log2 of them)
@@ -119,9 +120,8 @@ class StaticTorchRuntime(TorchRuntime):
                              f"(device {self.device}, compile={compile})")
         self.compile, self.graphs = compile, graphs
         self.fixed_shapes = compile or graphs  # verify steps padded to buckets (compiled or captured)
-        self._steps: dict[Want, Callable] = {}
-        self._graphs: dict[tuple, CapturedStep] = {}  # (output kind, rows, positions, capacity) -> its graph
-        self._pool: Any = None  # one CUDA graph memory pool for all of them (replayed one at a time)
+        self.step_mode: Mode = "graphs" if graphs else "compile" if compile else "eager"  # drafters over it follow
+        self._steps: dict[Want, FixedSteps] = {}  # per output kind: one graph per (rows, positions, capacity)
         self.cache: SlotCache | None = None
         self._live = (0, 0)  # rows and slots the buffers hold (what ``kv`` views)
         # SDPA and flash attention take a boolean mask; the eager implementation adds it to scores
@@ -140,7 +140,6 @@ class StaticTorchRuntime(TorchRuntime):
                                self.dtype, self.device,
                                static_addresses=self.fixed_shapes and self.device.type == "cuda")
         self._steps.clear()  # new buffers: a graph captured on the old ones would write there
-        self._graphs.clear()
         if live:
             self.kv = live
 
@@ -221,8 +220,13 @@ class StaticTorchRuntime(TorchRuntime):
         ids = torch.nn.functional.pad(upload(ids, self.device), (0, Nb - n, 0, Bb - B))
         pos = torch.nn.functional.pad(upload(pos, self.device), (0, Nb - n, 0, Bb - B))
         before = self.cache.updates
-        step = (self._captured if self.graphs else self._step(want_hidden)) if compiled else self._eager
-        logits, feats = step(ids, pos, m, want_hidden)
+        if compiled:
+            if want_hidden not in self._steps:
+                self._steps[want_hidden] = FixedSteps(lambda i, p, mm, w=want_hidden: self._eager(i, p, mm, w),
+                                                      self.step_mode, len(ROW_BUCKETS) * len(WIDTH_BUCKETS) * 4)
+            logits, feats = self._steps[want_hidden](ids, pos, m)
+        else:
+            logits, feats = self._eager(ids, pos, m, want_hidden)
         if not compiled and self.cache.updates != before + self._layers:
             raise RuntimeError(f"{type(self.model).__name__} did not write into the static KV cache it was given "
                                f"({self.cache.updates - before} of {self._layers} layers): this transformers "
@@ -237,54 +241,3 @@ class StaticTorchRuntime(TorchRuntime):
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         kwargs: dict[str, Any] = dict(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True)
         return self._model_call(kwargs, self.cache, want_hidden)
-
-    def _captured(self, ids: torch.Tensor, pos: torch.Tensor, m: torch.Tensor, want_hidden: Want
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``graphs``: this bucket's CUDA graph of the eager step (captured on first use), replayed."""
-        key = (want_hidden, *ids.shape, m.shape[-1])
-        g = self._graphs.get(key)
-        if g is None:
-            self._pool = self._pool if self._pool is not None else torch.cuda.graph_pool_handle()
-            g = self._graphs[key] = CapturedStep(self._eager, ids, pos, m, want_hidden, self._pool)
-        return g(ids, pos, m)
-
-    def _step(self, want_hidden: Want) -> Callable:
-        """The compiled step for this output kind (one graph per shape bucket, compiled on first use)."""
-        fn = self._steps.get(want_hidden)
-        if fn is None:
-            # one graph per (rows, positions, capacity) bucket: room for all of them, no silent fallback
-            limit = len(ROW_BUCKETS) * len(WIDTH_BUCKETS) * 4
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-            torch._dynamo.config.accumulated_recompile_limit = max(
-                torch._dynamo.config.accumulated_recompile_limit, 4 * limit)
-            mode = "reduce-overhead" if self.device.type == "cuda" else None
-            fn = self._steps[want_hidden] = torch.compile(self._eager, fullgraph=True, dynamic=False, mode=mode)
-        return fn
-
-
-class CapturedStep:
-    """One CUDA graph of a fixed-shape step: the inputs are copied into static buffers before each
-    replay and the outputs cloned after it (the next replay overwrites them). Capturing runs the
-    step twice on a side stream first (lazy kernel and workspace set-up), as CUDA graphs require;
-    those runs write the same KV slots the real call writes, with the same values."""
-
-    def __init__(self, step: Callable, ids: torch.Tensor, pos: torch.Tensor, m: torch.Tensor, want_hidden: Want,
-                 pool: Any) -> None:
-        self.ids, self.pos, self.m = ids.clone(), pos.clone(), m.clone()
-        side = torch.cuda.Stream(device=ids.device)
-        side.wait_stream(torch.cuda.current_stream(ids.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step(self.ids, self.pos, self.m, want_hidden)
-        torch.cuda.current_stream(ids.device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.out = step(self.ids, self.pos, self.m, want_hidden)
-
-    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        self.ids.copy_(ids)
-        self.pos.copy_(pos)
-        self.m.copy_(m)
-        self.graph.replay()
-        logits, feats = self.out
-        return logits.clone(), feats.clone() if feats is not None else None

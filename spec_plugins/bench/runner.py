@@ -76,7 +76,7 @@ class RejectionCounter:
 
     def observe(self, record: RoundRecord) -> None:
         d = record.draft
-        if d is None or any(p != i - 1 for i, p in enumerate(d.parents)):
+        if d is None or not isinstance(d.parents, tuple) or any(p != i - 1 for i, p in enumerate(d.parents)):
             return  # nothing drafted, or a tree (no single rejected token)
         toks = d.tokens.tolist()
         for b, (acc, n) in enumerate(zip(record.accepted, record.drafted())):

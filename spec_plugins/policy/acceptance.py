@@ -65,14 +65,13 @@ class AcceptanceEstimate:
         """p_j, each unseen position borrowing the previous position's estimate as its prior, and
         0 beyond ``max_growth`` positions past the deepest one with evidence (half a row or more).
 
-        Why the cap: after a few fully accepted short drafts the borrowed prior made the policy
-        jump from 3 to 15 tokens on one lucky key; on a CPU a 16-position forward costs 2-3.7x a
-        single one, and a repetitive translation lost 10 % to such jumps (replays of recorded
-        bench outputs). Growing by at most ``max_growth`` per round of evidence (like TCP's slow
-        start) bounds what one wrong guess costs, while a key that keeps being accepted still
-        reaches max_k in a few rounds. (Shrinking the borrowed prior with depth instead stalls:
-        on a steep cost curve the next position never looks worth one try, so it is never
-        learnt.)"""
+        Why the cap: after a few fully accepted short drafts the borrowed prior alone would let
+        the policy jump to a long draft on one lucky key, and where a wide forward costs several
+        single ones such a jump wastes most of a round. Growing by at most ``max_growth`` per
+        round of evidence (like TCP's slow start) bounds what one wrong guess costs, while a key
+        that keeps being accepted still reaches max_k in a few rounds. (Shrinking the borrowed
+        prior with depth instead stalls: on a steep cost curve the next position never looks
+        worth one try, so it is never learnt.)"""
         out, prior, w = [], self.prior_accept, self.prior_weight
         limit = self.max_k
         if self.max_growth is not None:

@@ -1,20 +1,19 @@
 """One forward-cost model: seconds of a target forward over (batch rows, positions per row).
 
 A draft of k tokens pays one target forward over k+1 positions per row plus the drafting. On a
-GPU that forward costs about the same for 1 or 9 positions; on a CPU it does not (SmolLM2 fp32
-on torch: 8 positions ~1.6x one; llama.cpp: 3-4.5x), and it grows with the rows of the batch,
-so the best draft length depends on the machine and the load. The model is measured once per
-runtime through the Runtime contract only (prefill, forward, rollback), so it works on every
-backend; the 1-D curve of a single generation is its one-row case.
+GPU that forward costs about the same for 1 or 9 positions; on a CPU it grows with the
+positions, and it grows with the rows of the batch, so the best draft length depends on the
+machine and the load. The model is measured once per runtime through the Runtime contract only
+(prefill, forward, rollback), so it works on every backend; the 1-D curve of a single
+generation is its one-row case.
 
-One statistic, one smoothing rule, one online correction, chosen by measurement:
-- **minimum of the repeats**: on a shared machine noise only ever adds time. A burst that hit
-  two of three repeats of one width made a median-based curve read N=5 as 2.5x N=1 (measured
-  here), and ``auto`` then stopped drafting more than 3. The minimum also drops the first,
-  allocating call of a shape, so a single warm-up suffices.
-- **no smoothing**: matmul kernels make some widths cheaper than narrower ones (bench runs here:
-  verifying 4 positions cost less than 3, at load time and in the loop alike); a monotone fit
-  hid that from the policy, and the online correction below absorbs what is noise.
+One statistic, one smoothing rule, one online correction:
+- **minimum of the repeats**: on a shared machine noise only ever adds time. A burst that hits
+  most repeats of one width makes a median read that width as far dearer than it is, and
+  ``auto`` then stops drafting that deep. The minimum also drops the first, allocating call of
+  a shape, so a single warm-up suffices.
+- **no smoothing**: matmul kernels make some widths cheaper than narrower ones; a monotone fit
+  would hide that from the policy, and the online correction below absorbs what is noise.
 - **online correction** (``OnlineCost``): the forwards the round actually runs correct the curve
   per width (longer contexts, machine drift), shared by every batch size and generation.
 

@@ -93,9 +93,8 @@ class Costs:
     # ---- learning ---------------------------------------------------------------------------------
     def observe(self, record: RoundRecord) -> None:
         """Correct the forward curve by the width-dependent part of the round (the forward plus
-        what scales with its B x N logits: processing, accept/reject, the KV commit; measured on
-        ONNX Runtime with 16 rows, verify + commit took 12-14 ms per drafting round against 7 ms
-        per plain one), and learn the rest as a per-round overhead equal for every width."""
+        what scales with its B x N logits: processing, accept/reject, the KV commit, which a wider
+        draft makes dearer too), and learn the rest as a per-round overhead equal for every width."""
         if self.frozen:
             return
         t = record.times

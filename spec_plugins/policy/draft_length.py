@@ -15,9 +15,8 @@ is the same formula at a larger B. With one row it is argmax_k E(k) / cost(k).
 
 With a ``Keyed`` proposer (n-gram: the matched suffix length and agreement) each row's E and D
 come from the estimate of its own key; rows that did not draft learn from free shadow drafts.
-Defaults were chosen by replaying greedy SmolLM2 outputs on the dev prompts (exact acceptance for
-any policy) against measured CPU cost curves (``spec_plugins.bench.replay``), then checked with
-the bench. Each call is O(max_k x distinct keys).
+Defaults are tuned by replaying recorded greedy outputs (exact acceptance for any policy) against
+measured cost curves (``spec_plugins.bench.replay``). Each call is O(max_k x distinct keys).
 """
 
 from __future__ import annotations
@@ -67,9 +66,8 @@ class AutoDraftLength:
     """The length with the most expected tokens per second (module docstring)."""
 
     # per-key estimates: a key already separates copy phases from free text, so its evidence is
-    # kept longer, and a key that stopped drafting is re-probed sooner. From replays of 8 bench
-    # runs (recorded outputs and cost curves): the growth cap and decay 0.9 took the worst run's
-    # auto / best fixed gamma from 0.90 to 0.97 (translation), 0.96 to 1.00 (RAG).
+    # kept longer, and a key that stopped drafting is re-probed sooner; the growth cap keeps one
+    # lucky key from jumping to a long draft (``AcceptanceEstimate.accept_probs``)
     KEYED = {"decay": 0.9, "prior_accept": 0.6, "prior_weight": 1.0, "idle_decay": 0.9, "chain_weight": 3.0,
              "max_growth": 2}
 
@@ -171,9 +169,9 @@ class AutoDraftLength:
         ``drafted`` > 0: the rows draft that many positions for real (the round's ``observe``
         scores them); the shadow scores only the positions past them, and only where the real
         ones were all accepted (it is then evidence of exactly those positions' acceptance). Why:
-        deeper positions were otherwise learnt only by drafting them, priced on a prior borrowed
-        from the position before; on llama.cpp, where 4 positions cost 2.2x one, math drafted 3
-        where the third was accepted 7 % of the time, and lost to plain decoding."""
+        otherwise deeper positions are learnt only by drafting them, priced on a prior borrowed
+        from the position before, and where verifying more positions is dear the policy keeps
+        drafting positions that are rarely accepted, which can lose to plain decoding."""
         self._shadowing = self._shadowing or drafted == 0
         for key, seq, d in zip(keys, sequences, drafts):
             if len(d) > drafted:
@@ -181,10 +179,9 @@ class AutoDraftLength:
 
     def _resolve_shadows(self) -> None:
         """Score each shadow on its first ``shadow_horizon`` positions once the row has emitted
-        that many tokens (or missed earlier). Waiting for the whole draft kept a row that stopped
-        drafting blind for up to max_k rounds exactly when its drafts started to match (replays:
-        a repetitive translation sat 12 rounds at k=0 with every shadow matching). Every shadow is
-        cut at the same horizon, so positions < horizon stay unbiased."""
+        that many tokens (or missed earlier). Waiting for the whole draft would keep a row that
+        stopped drafting blind for up to max_k rounds, exactly when its drafts start to match.
+        Every shadow is cut at the same horizon, so positions < horizon stay unbiased."""
         keep = []
         for key, seq, start, d, drafted in self._shadows:
             d = d[: self.shadow_horizon]

@@ -56,8 +56,7 @@ class Calibration:
     def idle(self) -> None:
         """A round in which this source offered candidates and none were kept: its evidence fades
         toward the prior by ``decay``, so a source switched off by one stretch it could not predict
-        is tried again some rounds later instead of never (a replay of the dev prompts found suffix
-        decoding off for every prompt after the first one it could not predict)."""
+        is tried again some rounds later instead of never."""
         keep = self.decay
         self.accepted = keep * self.accepted + (1.0 - keep) * self.prior
         self.predicted = keep * self.predicted + (1.0 - keep) * self.prior

@@ -14,8 +14,8 @@ position), so every row pays for the batch's width. Two choices, both by the one
    argmax (B + scale x sum_rows sum_{i<min(w, n_row)} p_i) / (T(B, width(w) + 1) + spent),
    ``spent`` being the drafting already paid this round (sunk: it counts the same for every w,
    including w = 0, which drafts nothing). Within the paid width an extra node of a row is almost
-   free. A per-row choice against the one-row curve over-drafts a batch: measured on a 4-row
-   server batch, 8 drafted positions cost 3.8x one position against 1.8x for one row.
+   free. A per-row choice against the one-row curve over-drafts a batch: over many rows, a
+   wider forward costs relatively more than it does for one row.
 
 Whether to draft at all before paying the drafter is the draft-length policy's choice
 (``draft_length``), which prices the drafter's own seconds. T is the runtime's ``Costs`` (without

@@ -23,6 +23,7 @@ import torch
 from pydantic import Field, model_validator
 
 from spec_plugins.backends import torch_kernels
+from spec_plugins.fixed_steps import FixedSteps, Mode
 from spec_plugins.slots import HOST, KVSlots, additive, pad_slots
 from spec_plugins.config import ProposerConfig
 from spec_plugins.heads.eagle import EagleDrafter
@@ -65,7 +66,9 @@ class EagleProposer(Proposer):
             return self
 
     def __init__(self, config: "EagleProposer.Config", target: Any = None, drafter: EagleDrafter | None = None,
-                 **_: object) -> None:
+                 step_mode: Mode | None = None, **_: object) -> None:
+        """``step_mode``: how the draft steps run (``fixed_steps``); by default as the target's verify
+        step does (compiled or captured over a static cache), eagerly in ONNX Runtime."""
         self.config = config
         if drafter is None:
             if target is None:
@@ -74,9 +77,14 @@ class EagleProposer(Proposer):
         self.drafter = drafter.eval()
         self.feature_layers = drafter.config.feature_layers  # () = the target's last hidden state
         self.layer: Any = self.drafter  # the drafter's layer, in PyTorch or ONNX Runtime
-        self.kernels = self.drafter.use_measured_kernels()  # few-row matmuls (the LM head runs in PyTorch always)
-        if pick_engine(config.engine, target) == "onnxruntime":
+        ort = pick_engine(config.engine, target) == "onnxruntime"
+        self.step_mode: Mode = "eager" if ort else step_mode or getattr(target, "step_mode", "eager")
+        # few-row matmuls measured for eager steps (a compiled or captured step runs native kernels)
+        self.kernels = self.drafter.use_measured_kernels() if self.step_mode == "eager" else None
+        if ort:
             self.layer = OrtEagleLayer(head_session(self.drafter))
+        self._draft_step = FixedSteps(self._fixed_step, self.step_mode)
+        self._padded: tuple[torch.Tensor, ...] = ()  # the cache padded to its capacity bucket (fixed steps)
         self.tree = config.mode == "tree"
         self.dtype = drafter.lm_weight.dtype
         self.device = drafter.lm_weight.device  # the target's: the head was built there
@@ -145,6 +153,11 @@ class EagleProposer(Proposer):
         self.slots.append(pos)
         self._compact()
         self._past = upload(self.slots.pos >= 0, self.device)  # [B, S] cached pairs each draft step may see
+        if self.step_mode != "eager":  # fixed shapes: the cache padded to a power of two (few shapes)
+            pad = max(64, 1 << (self._past.shape[1] - 1).bit_length()) - self._past.shape[1]
+            pad4 = (0, 0, 0, pad)
+            pad_ = torch.nn.functional.pad
+            self._padded = (pad_(self.k, pad4), pad_(self.v, pad4), pad_(self._past, (0, pad)))
         return out[:, -1]
 
     # ---- drafting ----------------------------------------------------------------------------
@@ -193,10 +206,19 @@ class EagleProposer(Proposer):
     def _step(self, feat: torch.Tensor, tok: torch.Tensor, pos: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
               anc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One drafter call for F new nodes per row [B, F]; ``anc`` [B, F, E] marks which of the
-        E earlier draft slots (dk, dv) each new node may see (its ancestors)."""
-        B, F = tok.shape
-        past = self._past[:, None, None, :].expand(B, 1, F, self._past.shape[1])
-        ok = torch.cat([past, anc[:, None], torch.eye(F, dtype=torch.bool, device=self.device).expand(B, 1, F, F)], -1)
-        out, k, v = self.layer(feat, tok, pos, torch.cat([self.k, dk], 2), torch.cat([self.v, dv], 2),
-                               additive(ok, self.dtype))
-        return out, k, v
+        E earlier draft slots (dk, dv) each new node may see (its ancestors). Eager, or compiled
+        / captured per shape over the padded cache (``step_mode``)."""
+        if self.step_mode == "eager":
+            return self._fixed_step(feat, tok, pos, self.k, self.v, self._past, dk, dv, anc, self.layer)
+        return self._draft_step(feat, tok, pos, *self._padded, dk, dv, anc)
+
+    def _fixed_step(self, feat: torch.Tensor, tok: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    past: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, anc: torch.Tensor, layer: Any = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The draft step as a function of tensors only (what is compiled or captured): the cached
+        pairs ``k``, ``v`` [B, h, S, d] with ``past`` [B, S] saying which are live."""
+        B, F_ = tok.shape
+        seen = past[:, None, None, :].expand(B, 1, F_, past.shape[1])
+        ok = torch.cat([seen, anc[:, None], torch.eye(F_, dtype=torch.bool, device=tok.device).expand(B, 1, F_, F_)], -1)
+        return (layer or self.drafter)(feat, tok, pos, torch.cat([k, dk], 2), torch.cat([v, dv], 2),
+                                       additive(ok, self.dtype))

@@ -31,9 +31,8 @@ from spec_plugins.transfer import upload, upload_tensor
 from spec_plugins.types import Ranked, Shaped
 
 # P(rank-r successor is the target's token | parent accepted), per depth, for shaping and sizing
-# the static tree. Measured with ``rank_stats`` on SmolLM2-135M-Instruct, greedy, 6 varied chat
-# prompts x 128 tokens, 12-node tree (depth 0: 0.29/0.11/0.045 for ranks 0-2; deeper: 0.55/0.12
-# for ranks 0-1, 0.54/0.08 at depth 2); ranks not in that tree are extrapolated downwards.
+# the static tree (depth 0, then every deeper depth): acceptance rates read with ``rank_stats``
+# on a default-size tree; ranks that tree did not hold are extrapolated downwards.
 DEFAULT_ACCEPT: tuple[tuple[float, ...], ...] = (
     (0.29, 0.11, 0.045, 0.03, 0.02, 0.015, 0.01, 0.01),
     (0.55, 0.12, 0.05, 0.03, 0.02, 0.015, 0.01, 0.01),
