@@ -180,6 +180,13 @@ def test_auto_keeps_the_cpu_on_the_growing_eager_path():
         TorchRuntime.from_config(TorchRuntime.Config(model="smollm2-135m-instruct", device="cpu", compile="on"))
 
 
+def _drafted(ranked) -> list:
+    """What a tree drafter offered: its device-built tree's tokens, or its host rows' tokens."""
+    if ranked.shaped:
+        return ranked.shaped[0].draft.tokens.tolist()
+    return [[list(r.tokens) for r in alts] for alts in ranked.rows]
+
+
 def test_the_eagle_draft_step_compiles_as_one_graph_and_drafts_as_eager(tmp_path):
     """The EAGLE draft step as a function of tensors over the cache padded to its capacity bucket,
     compiled with ``torch.compile(fullgraph=True)`` (a graph break would raise): the same drafts as
@@ -195,7 +202,7 @@ def test_the_eagle_draft_step_compiles_as_one_graph_and_drafts_as_eager(tmp_path
                              step_mode=mode)
         seen = drafts[mode] = []
         propose = prop.propose
-        prop.propose = lambda ctx, p=propose, seen=seen: (r := p(ctx), seen.append(r.shaped[0].draft.tokens.tolist()))[0]
+        prop.propose = lambda ctx, p=propose, seen=seen: (r := p(ctx), seen.append(_drafted(r)))[0]
         assert _outs(rt, prop, PROMPTS, n=10) == [plain_greedy(model, p, 10) for p in PROMPTS]
         assert prop._draft_step.used == (mode == "compile")
     assert drafts["compile"] == drafts["eager"] and drafts["eager"]

@@ -46,14 +46,14 @@ class DraftPolicy:
     """A length policy, the sources' gate, a tree sizer and the costs they price against (module docstring)."""
 
     def __init__(self, length: LengthPolicy, sizer: TreeSizer | None = None, costs: Costs | None = None,
-                 gated: bool = False, min_gain: float = 1.0, probe_every: int = 16) -> None:
+                 gated: bool = False, probe_every: int = 16) -> None:
         """``gated``: a source may be skipped in a round where its drafting does not pay
         (``policy.sources``); otherwise every source drafts every round it is asked to."""
         self.length = length
         self.costs = costs if costs is not None else length.costs if isinstance(length, AutoDraftLength) else None
         self.sizer = sizer if sizer is not None else TreeSizer()
         self.sizer.costs = self.costs  # a long-lived sizer prices with the costs of the policy using it
-        self.gated, self.min_gain, self.probe_every = gated, min_gain, probe_every
+        self.gated, self.probe_every = gated, probe_every
         self.gate: SourceGate | None = None  # built for the proposer's sources when they first draft
 
     @classmethod
@@ -71,7 +71,7 @@ class DraftPolicy:
     def draft(self, sources: Sequence[Any], ctx: ProposeContext) -> Draft | Ranked | None:
         """The proposer's sources draft, each where it pays (``policy.sources``)."""
         if self.gate is None or self.gate.sources != list(sources):
-            self.gate = SourceGate(sources, self.sizer, self.costs, self.gated, self.min_gain, self.probe_every)
+            self.gate = SourceGate(sources, self.sizer, self.costs, self.gated, self.probe_every)
         return self.gate.draft(ctx)
 
     def size(self, draft: Draft | Ranked | None, spent: float = 0.0) -> Draft | None:
@@ -152,4 +152,4 @@ def build_policy(section: Any, proposer: Any, costs: Costs | None = None, sizer:
     else:
         max_k = defaults.max_k if k == "auto" else int(k)
         length_policy = AutoDraftLength(costs, costs.drafter(proposer), max_k=max_k, min_gain=defaults.min_gain)
-    return DraftPolicy(length_policy, sizer, costs, gated=gated, min_gain=defaults.min_gain)
+    return DraftPolicy(length_policy, sizer, costs, gated=gated)

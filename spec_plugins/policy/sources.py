@@ -14,7 +14,9 @@ seconds counted:
 a single source what the sizer's cut kept of its drafts (nothing, where the cut kept nothing); in
 a composition what it offered (any row may take it). ``scale_s`` is its calibration, T the
 runtime's forward costs, the drafting seconds the costs' online estimate (``Costs.draft_seconds``)
-and the per-round overhead counted on both sides; a draft must beat no draft by ``min_gain``. Every ``probe_every`` rounds every
+and the per-round overhead counted on both sides. No margin: these are what drafts delivered, and
+the sizer already cuts a draft that does not pay to nothing, so a drafter that costs nothing is
+never skipped. Every ``probe_every`` rounds every
 source drafts, so a skipped source's estimates stay current. A chain drafter with ``auto`` depth
 is priced by its length policy instead (the depth, drafting cost included, is its decision), and
 a fixed chain drafts what it is configured to.
@@ -45,12 +47,12 @@ class SourceStats:
 class SourceGate:
     """Runs a proposer's sources cheapest first and skips those that do not pay (module docstring)."""
 
-    def __init__(self, sources: Sequence[Any], sizer: Any, costs: Any, gated: bool, min_gain: float = 1.0,
-                 probe_every: int = 16, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, sources: Sequence[Any], sizer: Any, costs: Any, gated: bool, probe_every: int = 16,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         """``gated``: whether a source may be skipped (a configured-depth tree drafter, or a
         composition); ``sizer``: the policy's tree sizer (prices and calibrates drafts)."""
         self.sources, self.sizer, self.costs, self.gated = list(sources), sizer, costs, gated
-        self.min_gain, self.probe_every, self.clock = min_gain, probe_every, clock
+        self.probe_every, self.clock = probe_every, clock
         self.stats = [SourceStats() for _ in self.sources]
         self.skipped = [0] * len(self.sources)
         self._round = 0
@@ -84,14 +86,14 @@ class SourceGate:
         self._round += 1
         depth = max(ctx.budgets)
         if len(self.sources) == 1:
-            if not probe and self.prospect(0, depth) <= self.min_gain * self.plain:
+            if not probe and self.prospect(0, depth) < self.plain:
                 self.skipped[0] += 1
                 return None
             return self._propose(0, ctx)
         B = len(ctx.sequences)
         alts: list[list[RankedRow]] = [[] for _ in range(B)]
         shaped = []
-        in_hand = [self.min_gain * self.plain] * B  # per row: the rate to beat (nothing in hand: plain's, with margin)
+        in_hand = [self.plain] * B  # per row: the best rate in hand (nothing: plain's)
         for i in self.order():
             if not probe and min(in_hand) >= self.prospect(i, depth):
                 self.skipped[i] += 1

@@ -30,10 +30,10 @@ from spec_plugins.heads.eagle import EagleDrafter
 from spec_plugins.heads.runner import OrtEagleLayer, head_session, pick_engine
 from spec_plugins.policy.tree_size import MAX_AUTO_NODES
 from spec_plugins.proposers.base import ProposeContext, Proposer, RoundRecord
-from spec_plugins.proposers.eagle_tree import SlotMeans, expand, select
+from spec_plugins.proposers.eagle_tree import SlotMeans, expand, ranked_rows, select
 from spec_plugins.proposers.medusa import resolve_head_dir
 from spec_plugins.registry import register_proposer
-from spec_plugins.transfer import upload, upload_tensor
+from spec_plugins.transfer import HOST, upload, upload_tensor
 from spec_plugins.types import Draft, Ranked, Shaped
 
 
@@ -184,8 +184,11 @@ class EagleProposer(Proposer):
                 past[0], past[1] = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)
                 return out
 
-            cands = expand(step, self.drafter.logits, f, base, len(widths), self.config.top_k if tree else 1,
-                           self.drafter.vocab_ids)
+            host = self.device == HOST  # reading the candidates is free: each row priced by its own scores
+            cands = expand(step, self.drafter.logits, f, base, depth if host else len(widths),
+                           self.config.top_k if tree else 1, self.drafter.vocab_ids)
+            if host:
+                return ranked_rows(cands, nodes, list(ctx.budgets), tree and self.config.tree_nodes == "auto")
             tokens, parents, valid, probs = select(cands, widths, list(ctx.budgets))
         self._scored = (probs, widths)
         shape = parents if tree else tuple(range(-1, len(widths) - 1))  # a chain: one topology for every row

@@ -12,10 +12,15 @@ What each slot is worth is the drafter's own estimate, its path probability; ``S
 the running mean per (depth, rank) from the scores the round's one fetch reads, which is how the
 host chooses the widths (the best slots by mean) and how the draft policy prices the slots
 (``types.Shaped``), without reading the draft.
+
+Where the drafter runs on the host, its candidates cost nothing to read, and each row's actual
+scores price its tree better than running means: ``ranked_rows`` hands the policy each row's best
+candidates with their own path probabilities (``types.Ranked``), for a cut by this round's data.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -24,6 +29,7 @@ import torch
 
 from spec_plugins.transfer import upload_tensor
 from spec_plugins.row_trees import RowTrees
+from spec_plugins.types import Ranked, RankedRow
 
 NEG = float("-inf")
 
@@ -111,6 +117,32 @@ def select(c: Candidates, widths: tuple[int, ...], budgets: list[int]
         depth += [d] * chosen.shape[1]
         start += chosen.shape[1]
     return (torch.cat(toks, 1), RowTrees(torch.cat(pars, 1), tuple(depth)), torch.cat(oks, 1), torch.cat(probs, 1))
+
+
+def ranked_rows(c: Candidates, nodes: int, budgets: list[int], auto: bool) -> Ranked:
+    """Each row's ``nodes`` best candidates within its depth budget, best-first (a child never
+    scores above its parent, so every prefix is a tree), with their path probabilities: read
+    from candidates that live on the host (module docstring). Ties favour shallower nodes."""
+    from spec_plugins.tree import rank_paths
+
+    C = c.tokens.shape[1]
+    depth = torch.tensor(c.depth, device=c.logp.device)
+    key = (c.logp - 1e-6 * depth[None]).masked_fill(depth[None] >= torch.tensor(budgets, device=c.logp.device)[:, None],
+                                                     NEG)
+    keep = key.topk(min(nodes, C), -1)
+    rank = [j if d == 0 else (j - c.depth.index(d)) % _width0(c) for j, d in enumerate(c.depth)]
+    parent, tok, logp = c.parent.tolist(), c.tokens.tolist(), c.logp.tolist()
+    rows = []
+    for b, (idx, val) in enumerate(zip(keep.indices.tolist(), keep.values.tolist())):
+        cand = [n for n, v in zip(idx, val) if v != NEG]
+        rows.append([RankedRow([tok[b][n] for n in cand], rank_paths(parent[b], rank, cand),
+                               [min(1.0, math.exp(logp[b][n])) for n in cand])])
+    return Ranked(rows, auto=auto)
+
+
+def _width0(c: Candidates) -> int:
+    """Children per expanded candidate (the expansion's top_k): the depth-0 candidates."""
+    return sum(1 for d in c.depth if d == 0)
 
 
 class SlotMeans:
