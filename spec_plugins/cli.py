@@ -7,7 +7,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -72,6 +72,10 @@ def generate(
     no_speculation: bool = typer.Option(False, "--no-speculation", help="Plain decoding on the same runtime."),
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
+    json_schema: Optional[Path] = typer.Option(None, "--json-schema", help="Hold the output to this JSON schema file."),
+    regex: Optional[str] = typer.Option(None, "--regex", help="Hold the output to this regular expression."),
+    no_forced_drafts: bool = typer.Option(False, "--no-forced-drafts",
+                                          help="Do not draft the tokens a grammar forces (for comparisons)."),
 ) -> None:
     """Generate text for one prompt and report what speculation did."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -84,6 +88,7 @@ def generate(
     check_finite(temperature, "--temperature")
     if any(s == "" for s in stop):
         fail("--stop: stop strings must not be empty")
+    grammar = _grammar(json_schema, regex)
     try:
         cfg = load_config(config)
         if no_speculation:
@@ -94,7 +99,8 @@ def generate(
         toks: list[int] = []
         text = ""
         reason = "length"
-        for ev in dec.stream(prompt, max_new_tokens, stop, chat=chat, temperature=temperature, seed=seed, stats=stats):
+        for ev in dec.stream(prompt, max_new_tokens, stop, chat=chat, temperature=temperature, seed=seed, stats=stats,
+                             grammar=grammar, forced_drafts=not no_forced_drafts):
             toks.extend(ev.token_ids)
             text += ev.text
             reason = ev.finish_reason or reason
@@ -112,8 +118,25 @@ def generate(
         sys.stdout.write("\n")
         typer.secho(
             f"[{len(toks)} tokens, {s.tokens_per_second:.1f} tok/s, {s.target_forwards} target forwards, "
-            f"mean accepted {s.mean_accepted_tokens:.2f}, acceptance {s.acceptance_rate:.2%}, finish: {reason}]",
+            f"mean accepted {s.mean_accepted_tokens:.2f}, acceptance {s.acceptance_rate:.2%}, finish: {reason}"
+            + (f", forced {s.forced_tokens}" if grammar is not None else "") + "]",
             err=True, fg=typer.colors.CYAN)
+
+
+def _grammar(json_schema: Optional[Path], regex: Optional[str]) -> Any:
+    """The output constraint the options name (one at most), read and parsed here."""
+    from spec_plugins.grammar import GrammarSpec
+
+    if json_schema is not None and regex is not None:
+        fail("give --json-schema or --regex, not both")
+    if regex is not None:
+        return GrammarSpec.regex(regex) if regex else fail("--regex cannot be empty")
+    if json_schema is None:
+        return None
+    try:
+        return GrammarSpec.json_schema(json.loads(json_schema.read_text()))
+    except (OSError, json.JSONDecodeError) as exc:
+        fail(f"--json-schema {json_schema}: {exc}")
 
 
 def _tune_hint(config: Optional[Path]) -> None:

@@ -14,6 +14,8 @@ import torch
 
 from spec_plugins.backends import build_runtime
 from spec_plugins.config import SamplingConfig, SpecConfig
+from spec_plugins.grammar import GrammarSpec, RowGrammar, compile_grammar, ll_tokenizer
+from spec_plugins.grammar.spec import GrammarError, from_response_format, from_tgi
 from spec_plugins.loop import Step, decode
 from spec_plugins.policy import Costs, DraftPolicy
 from spec_plugins.registry import VERIFIERS
@@ -23,6 +25,8 @@ from spec_plugins.text import StopStrings, TextStream
 from spec_plugins.wiring import Wiring, wire
 
 Prompt = Union[str, Sequence[dict], Sequence[int]]
+# a constraint on the output: a GrammarSpec, or TGI's {"type": "json" | "regex", "value": ...}
+Grammar = Union[GrammarSpec, dict, None]
 
 
 @dataclass
@@ -155,19 +159,26 @@ class SpeculativeDecoder:
         seed: int | None = None,
         stats: DecodeStats | None = None,
         observers: Sequence[Any] = (),
+        grammar: Grammar = None,
+        response_format: dict | None = None,
+        forced_drafts: bool = True,
     ) -> Iterator[StreamEvent]:
         """Yield new tokens/text each round; stops at EOS, max_new_tokens or a stop string (the
-        text then ends before it; finish reason ``stop_sequence``)."""
+        text then ends before it; finish reason ``stop_sequence``). ``grammar`` or OpenAI's
+        ``response_format``: the output is held to it at every drafted node (``grammar.rounds``);
+        ``forced_drafts``: draft the tokens it forces."""
         ids = self.encode(prompt, chat)
         pipeline = LogitsPipeline(self._sampling(temperature, seed), processors)
-        yield from self._stream_ids(ids, max_new_tokens, stop, pipeline, stats, observers)
+        rows = self.row_grammars([grammar], response_format, forced_drafts)
+        yield from self._stream_ids(ids, max_new_tokens, stop, pipeline, stats, observers, rows)
 
     def _stream_ids(self, ids: list[int], max_new_tokens: int, stop: Sequence[str], pipeline: LogitsPipeline,
-                    stats: DecodeStats | None, observers: Sequence[Any]) -> Iterator[StreamEvent]:
+                    stats: DecodeStats | None, observers: Sequence[Any], grammars: list | None = None
+                    ) -> Iterator[StreamEvent]:
         streams = self._text_streams(1, stop)
         sent = 0
         for step, _ in self._rounds([ids], [pipeline], max_new_tokens, streams, None, stats, observers,
-                                    pipeline.sampling.seed):
+                                    pipeline.sampling.seed, grammars):
             reason = step.finished.get(0)
             text = streams[0].visible if streams else ""
             yield StreamEvent(step.emitted.get(0, []), text[sent:], _reason(reason))
@@ -178,14 +189,17 @@ class SpeculativeDecoder:
     def generate(self, prompt: Prompt, max_new_tokens: int = 128, stop: Sequence[str] = (),
                  processors: Sequence[LogitsProcessorFn] = (), chat: bool | None = None,
                  temperature: float | None = None, seed: int | None = None,
-                 observers: Sequence[Any] = ()) -> GenerationResult:
+                 observers: Sequence[Any] = (), grammar: Grammar = None, response_format: dict | None = None,
+                 forced_drafts: bool = True) -> GenerationResult:
+        """One prompt to the end (``stream``'s arguments)."""
         ids = self.encode(prompt, chat)
         pipeline = LogitsPipeline(self._sampling(temperature, seed), processors)
+        rows = self.row_grammars([grammar], response_format, forced_drafts)
         stats = DecodeStats()
         toks: list[int] = []
         text = ""
         reason = "length"
-        for ev in self._stream_ids(ids, max_new_tokens, stop, pipeline, stats, observers):
+        for ev in self._stream_ids(ids, max_new_tokens, stop, pipeline, stats, observers, rows):
             toks.extend(ev.token_ids)
             text += ev.text
             reason = ev.finish_reason or reason
@@ -195,11 +209,17 @@ class SpeculativeDecoder:
                        processors: Sequence[LogitsProcessorFn] = (), chat: bool | None = None,
                        temperature: float | None = None, seed: int | None = None,
                        sampling: Sequence[SamplingConfig] | None = None, seeds: Sequence[int | None] | None = None,
-                       observers: Sequence[Any] = (), stop: Sequence[str] = ()) -> list[GenerationResult]:
+                       observers: Sequence[Any] = (), stop: Sequence[str] = (),
+                       grammar: Grammar | Sequence[Grammar] = None, forced_drafts: bool = True) -> list[GenerationResult]:
         """Decode several prompts as one batch (one target forward per round for all rows).
         ``sampling[i]`` / ``seeds[i]``: row i's own sampling and generator (default: the config's
-        sampling, one generator shared by the rows); ``stop``: stop strings for every row."""
+        sampling, one generator shared by the rows); ``stop``: stop strings for every row;
+        ``grammar``: one for every row, or one per row (None: that row is free)."""
         ids = [self.encode(p, chat) for p in prompts]
+        per_row = list(grammar) if isinstance(grammar, (list, tuple)) else [grammar] * len(ids)
+        if len(per_row) != len(ids):
+            raise ValueError(f"grammar needs one entry per prompt ({len(ids)}), got {len(per_row)}")
+        rows = self.row_grammars(per_row, None, forced_drafts)
         base = self._sampling(temperature, seed)
         if sampling is not None and len(sampling) != len(ids) or seeds is not None and len(seeds) != len(ids):
             raise ValueError(f"sampling and seeds need one entry per prompt ({len(ids)})")
@@ -211,7 +231,7 @@ class SpeculativeDecoder:
         outs: list[list[int]] = [[] for _ in ids]
         reasons = ["length"] * len(ids)
         stats = DecodeStats()
-        for step, _ in self._rounds(ids, pipes, max_new_tokens, streams, seeds, stats, observers, base.seed):
+        for step, _ in self._rounds(ids, pipes, max_new_tokens, streams, seeds, stats, observers, base.seed, rows):
             for i, t in step.emitted.items():
                 outs[i].extend(t)
             for i, r in step.finished.items():
@@ -229,7 +249,8 @@ class SpeculativeDecoder:
 
     def _rounds(self, ids: Sequence[list[int]], pipes: Sequence[LogitsPipeline], max_new_tokens: int | Sequence[int],
                 streams: Sequence[TextStream], seeds: Sequence[int | None] | None, stats: DecodeStats | None,
-                observers: Sequence[Any], seed: int | None = None) -> Iterator[tuple[Step, DecodeStats]]:
+                observers: Sequence[Any], seed: int | None = None, grammars: list | None = None
+                ) -> Iterator[tuple[Step, DecodeStats]]:
         """The one decode behind every method: rows' text streams see each token once (their stop
         strings are row stops), and end flushed."""
         limits = [max_new_tokens] * len(ids) if isinstance(max_new_tokens, int) else list(max_new_tokens)
@@ -241,11 +262,32 @@ class SpeculativeDecoder:
         stop = (lambda i, toks, n: row_stop[i](toks, n)) if streams else None
         for step in decode(self.target, self.proposer, self.verifier, list(pipes), ids, limits, self.eos_ids(),
                            self._generator(seed), stats, self.policy(), stop=stop, seeds=seeds,
-                           observers=observers, traits=self.wiring.traits):
+                           observers=observers, traits=self.wiring.traits, grammars=grammars):
             for i in step.finished:
                 if streams:
                     streams[i].flush()
             yield step, stats
+
+    def row_grammars(self, grammars: Sequence[Grammar], response_format: dict | None = None,
+                     forced_drafts: bool = True) -> list[RowGrammar | None] | None:
+        """Each row's grammar state (None: no row is constrained), compiled and checked before any
+        row starts (``GrammarError`` names what is wrong)."""
+        specs = [g if isinstance(g, GrammarSpec) or g is None else from_tgi(g) for g in grammars]
+        if response_format is not None:
+            if any(specs):
+                raise GrammarError("give grammar or response_format, not both")
+            specs = [from_response_format(response_format)] * len(specs)
+        if not any(specs):
+            return None
+        if self.tokenizer is None:
+            raise GrammarError("a grammar needs the model's tokenizer; this runtime has none")
+        tok = ll_tokenizer(self.tokenizer, int(self.target.vocab_size), self.eos_ids())
+        compiled: dict[int, Any] = {}
+        for s in specs:
+            if s is not None and id(s) not in compiled:
+                compiled[id(s)] = compile_grammar(s, tok)
+        return [None if s is None else RowGrammar(compiled[id(s)], self.eos_ids(), int(self.target.vocab_size),
+                                                  forced_drafts) for s in specs]
 
     def _sampling(self, temperature: float | None, seed: int | None) -> SamplingConfig:
         base = self.config.sampling if self.config else SamplingConfig()

@@ -22,6 +22,7 @@ class DecodeStats:
     draft_tokens: int = 0  # drafted nodes offered to the verifier
     accepted_tokens: int = 0  # drafted nodes accepted
     emitted_tokens: int = 0  # tokens emitted by rounds (accepted + corrected/bonus, after truncation)
+    forced_tokens: int = 0  # of the accepted: a grammar's forced tokens, drafted ahead (free)
     new_tokens: int = 0  # all generated tokens, the prefill's first token included
     accepted_by_position: list[int] = field(default_factory=list)  # accepted count per draft depth
     drafted_by_position: list[int] = field(default_factory=list)  # drafted count per draft depth
@@ -42,6 +43,7 @@ class DecodeStats:
         for drafted, acc, em in zip(record.drafted_by_depth(), record.accepted, record.emitted):
             self.observe_round(drafted, len(acc), len(em))
             self.new_tokens += len(em)
+        self.forced_tokens += sum(min(f, len(a)) for f, a in zip(record.ahead, record.accepted))
         t = record.times
         self.time_draft += t.draft
         self.time_draft_forward += t.draft_forward

@@ -161,6 +161,8 @@ class ProposeContext:
     tree_ok: bool = False  # the target runtime can verify a tree in one forward
     hidden: Sequence[torch.Tensor] | None = None  # per row: target hidden states not yet consumed
     tenants: Sequence[Hashable] | None = None  # per row: whose traffic it is (cross-request memory scope)
+    ahead: Sequence[Sequence[int]] = ()  # per row: tokens drafted ahead of this draft (a grammar's forced
+    # tokens); a proposer that ``continues_ahead`` drafts what follows sequence + ahead
 
 
 @dataclass
@@ -228,6 +230,7 @@ class RowRequest:
     logprobs: bool = False  # report log p of each emitted token
     pipeline: "LogitsPipeline | None" = None  # a ready pipeline to use as is (overrides sampling, processors)
     tenant: Hashable = None  # whose traffic this is: proposers with cross-request memory keep tenants apart
+    grammar: Any = None  # ``grammar.RowGrammar``: a constraint on the output, applied at every drafted node
 
 
 @dataclass
@@ -289,6 +292,7 @@ class RoundRecord:
     lossy: bool = False
     tenants: list[Hashable] | None = None  # per row (``RowRequest.tenant``)
     fetched: dict[str, Any] = field(default_factory=dict)  # host arrays of the round's one read (``loop.verdicts``)
+    ahead: list[int] = field(default_factory=list)  # per row: forced tokens drafted ahead of the proposer's (a grammar)
     _by_depth: list[list[int]] | None = field(default=None, init=False, repr=False)
 
     @property

@@ -53,3 +53,16 @@ def test_tune_checks_out_before_measuring(nothing_runs, tmp_path):
     assert code == 2 and "is a directory; give a file name" in out, out
     code, out = run(["tune", "--budget", "1s", "--out", str(tmp_path / "missing" / "t.yaml")])
     assert code == 2 and "does not exist" in out, out
+
+
+def test_generate_refuses_a_bad_grammar_option_before_loading(nothing_runs, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    good = tmp_path / "schema.json"
+    good.write_text('{"type": "object"}')
+    for args, msg in [(["--json-schema", str(tmp_path / "missing.json")], "missing.json"),
+                      (["--json-schema", str(bad)], "bad.json: Expecting property name"),
+                      (["--json-schema", str(good), "--regex", "a+"], "not both"),
+                      (["--regex", ""], "--regex cannot be empty")]:
+        code, out = run(["generate", "--prompt", "hi"] + args)
+        assert code == 2 and msg in out, out

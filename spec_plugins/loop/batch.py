@@ -16,6 +16,7 @@ from typing import Any, Callable, Hashable, Sequence
 import torch
 
 from spec_plugins.config import SamplingConfig
+from spec_plugins.grammar import rounds as grammar
 from spec_plugins.loop.logprobs import row_logprobs
 from spec_plugins.loop.verdicts import read_round, verify_groups
 from spec_plugins.proposers.base import ProposerTraits
@@ -46,6 +47,7 @@ class Row:
     tenant: Hashable = None
     hidden: torch.Tensor | None = None  # [T, H] target features the proposer has not consumed
     seen: torch.Tensor | None = None  # [L] prefix + tokens on the device, for user logits processors
+    grammar: Any = None  # ``grammar.RowGrammar``: the constraint on this row's output
     done: bool = False
     finish_reason: str | None = None
     error: str | None = None  # set when this row's sampling failed; it leaves at the next round
@@ -103,6 +105,8 @@ class Batch:
         self.top_logprobs = 0  # alternatives reported with each emitted token's logprob (a server sets it)
         self._logits: torch.Tensor | None = None  # this round's raw target logits: logprobs read them
         self.fetched: dict = {}  # what the round's one fetch read (``loop.verdicts.read_round``)
+        self.forced: list[list[int]] = []  # this round's forced tokens per row (``grammar.rounds``)
+        self._masks: torch.Tensor | None = None  # this round's grammar masks per node
         self._select([])  # the runtime and proposer start with no rows (a previous batch may have left some)
 
     def __len__(self) -> int:
@@ -129,7 +133,8 @@ class Batch:
             if self.traits.row_aware:
                 self.proposer.admit([r.prompt for r in live])
             pending = upload_tensor([[r.tokens[-1]] for r in new], self.device)
-            z = self._process(new, step.logits[:, -1:], pending, (-1,))
+            masks = grammar.round_masks(new, None, self.device)
+            z = self._process(new, grammar.apply_masks(step.logits[:, -1:], masks), pending, (-1,))
             verdict, host = self._verify(new, None, z, step.logits[:, -1:])
         except BaseException:
             self._select(list(range(n0)))  # admission is atomic: the running rows as before
@@ -169,7 +174,7 @@ class Batch:
             gen = torch.Generator(device=self.device).manual_seed(r.seed)
         limit = min(r.max_new_tokens, self.runtime.max_context - len(r.prompt))
         return Row(r.key, list(r.prompt), len(r.prompt), limit, pipeline, gen, tuple(r.prefix), r.stop,
-                   r.logprobs, r.tenant)
+                   r.logprobs, r.tenant, grammar=r.grammar)
 
     # ---- rows leave -------------------------------------------------------------------------------
     def remove(self, keys: Sequence[Hashable]) -> None:
@@ -208,16 +213,23 @@ class Batch:
         drafter's ranked candidates, for the policy to size), or None; the policy runs the
         proposer's sources (``DraftPolicy.draft``)."""
         budgets = [max(0, min(int(k), room)) for k, room in zip(ks, view.room)]
+        self.forced = []
+        if grammar.constrained(self.rows) and (self.proposer is None or type(self.proposer).continues_ahead):
+            self.forced = grammar.forced(self.rows, view.room)  # drafted ahead; the proposer goes on after
+            budgets = [max(0, min(k, room - len(f))) for k, room, f in zip(budgets, view.room, self.forced)]
         if self.proposer is None or max(budgets, default=0) == 0:
             return budgets, None
         hidden = [r.hidden for r in self.rows] if self.traits.needs_hidden else None
         ctx = ProposeContext(view.sequences, budgets, self._row_pipelines(self.rows),
                              self.generator, self.runtime.capabilities.tree_mask, hidden,
-                             [r.tenant for r in self.rows])
+                             [r.tenant for r in self.rows], self.forced)
         return budgets, policy.draft(self.traits.sources, ctx)
 
     def place(self, draft: Draft | None) -> Draft | None:
-        """The sized draft on the runtime's device (moved once)."""
+        """The sized draft (forced tokens ahead) on the runtime's device (moved once), and its rows'
+        grammar masks built where its tokens are."""
+        draft = grammar.splice(draft, self.forced)
+        self._masks = grammar.round_masks(self.rows, draft, self.device)
         return draft.to(self.device) if draft is not None else None
 
     def verify_input(self, draft: Draft | None) -> tuple[torch.Tensor, TreeLayout]:
@@ -232,7 +244,7 @@ class Batch:
         """Each row's sampling pipeline over every node, with the prefix that node would have."""
         self._logits = logits
         parents = tree.parents if tree.rows is None else RowTrees(tree.rows, tuple(tree.depth.tolist()))
-        return self._process(self.rows, logits, tokens, parents)
+        return self._process(self.rows, grammar.apply_masks(logits, self._masks), tokens, parents)
 
     def _process(self, rows: Sequence[Row], logits: torch.Tensor, tokens: torch.Tensor,
                  parents: Parents) -> torch.Tensor:
@@ -371,6 +383,9 @@ class Batch:
                 row.finish_reason = "eos_token"
                 break
         row.tokens.extend(out)
+        if row.grammar is not None and not row.grammar.advance(out):
+            self._fail(row, f"the output left its grammar: {row.grammar.error}")
+            return Emission(row.key, [], [], "error", row.error)
         if row.stop is not None and out:
             keep = row.stop(row.tokens, len(out))
             if keep is not None:

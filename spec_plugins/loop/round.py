@@ -53,7 +53,7 @@ def run_round(batch: Batch, policy: DraftPolicy) -> RoundRecord | None:
                          draft_keys=view.keys, draft=draft, accepted=verdict.accepted,
                          emitted=[e.tokens for e in emissions], emissions=emissions, positions=int(tokens.shape[1]),
                          target_logits=z, times=times, lossy=batch.lossy, tenants=[r.tenant for r in batch.rows],
-                         fetched=batch.fetched)
+                         fetched=batch.fetched, ahead=[len(f) for f in batch.forced])
     batch.observe(record)                                        # 9. proposer, stats, observers learn
     policy.observe(record)
     return record
@@ -98,19 +98,21 @@ def decode(
     observers: Sequence[Any] = (),
     clock: Callable[[], float] = time.perf_counter,
     traits: ProposerTraits | None = None,
+    grammars: Sequence[Any] | None = None,
 ) -> Iterator[Step]:
     """A fixed batch: add every prompt, run rounds until no row is left; yields a Step per
     prefill/round. ``pipeline``: one for all rows or one per row; ``seeds[i]``: row i's own
     generator (None: the shared ``generator``); ``processor_prefix[i]``: tokens prepended to row
     i's sequence where its user processors see it (transformers' left pads); ``traits``: the
-    pairing already checked (``wiring.wire``)."""
+    pairing already checked (``wiring.wire``); ``grammars[i]``: row i's ``grammar.RowGrammar`` or None."""
     n = len(prompts)
     limits = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
     pipes = [pipeline] * n if isinstance(pipeline, LogitsPipeline) else list(pipeline)
     batch = Batch(target, proposer, verifier, eos_ids, seed=None, generator=generator, stats=stats,
                   observers=observers, clock=clock, traits=traits)  # generator None: torch's global RNG, as plain generate()
     requests = [RowRequest(i, list(p), limits[i], seed=seeds[i] if seeds else None, pipeline=pipes[i],
-                           prefix=processor_prefix[i] if processor_prefix else (), stop=_row_stop(stop, i))
+                           prefix=processor_prefix[i] if processor_prefix else (), stop=_row_stop(stop, i),
+                           grammar=grammars[i] if grammars else None)
                 for i, p in enumerate(prompts)]
     if draft_length is None and proposer is not None:
         raise ValueError("decode() with a proposer needs its draft policy (policy.draft_policy.build_policy)")

@@ -144,13 +144,17 @@ class AutoDraftLength:
     def observe(self, record: RoundRecord) -> None:
         """Acceptance by key or by position (the costs learn from the round in ``Costs.observe``)."""
         drafted, accepted = record.drafted(), [len(a) for a in record.accepted]
+        ahead = record.ahead or [0] * record.rows  # a grammar's forced tokens: not this drafter's evidence
         if record.draft_keys is not None:
-            for key, k, d, a in zip(record.draft_keys, record.budgets, drafted, accepted):
-                if not (k == 0 and self._shadowing):  # a shadow brings its evidence; no idle fading
-                    self._keyed(key).update(k, 1, [1] * d, [1] * a)
+            for key, k, d, a, f in zip(record.draft_keys, record.budgets, drafted, accepted, ahead):
+                if not (k == 0 and self._shadowing) and a >= f:  # a shadow brings its evidence; no idle fading
+                    self._keyed(key).update(k, 1, [1] * (d - f), [1] * (a - f))
             return
         by_depth, reached = [0] * self.max_k, [0] * self.max_k
-        for row, a in zip(record.drafted_by_depth(), accepted):
+        for row, a, f in zip(record.drafted_by_depth(), accepted, ahead):
+            if a < f:
+                continue  # a forced token was declined (another tokenization): the draft after it went unseen
+            row, a = row[f:], a - f
             for j, n in enumerate(row[: self.max_k]):
                 by_depth[j] += n
             for j in range(min(a, self.max_k)):

@@ -16,7 +16,7 @@ a composition what it offered (any row may take it). ``scale_s`` is its calibrat
 runtime's forward costs, the drafting seconds the costs' online estimate (``Costs.draft_seconds``)
 and the per-round overhead counted on both sides. No margin: these are what drafts delivered, and
 the sizer already cuts a draft that does not pay to nothing, so a drafter that costs nothing is
-never skipped. Every ``probe_every`` rounds every
+never skipped. A skipped source's estimates drift back to the prior (``SourceStats.idle``), and every ``probe_every`` rounds every
 source drafts, so a skipped source's estimates stay current. A chain drafter with ``auto`` depth
 is priced by its length policy instead (the depth, drafting cost included, is its decision), and
 a fixed chain drafts what it is configured to.
@@ -32,16 +32,27 @@ from spec_plugins.types import Draft, ProposeContext, Ranked, RankedRow
 
 
 class SourceStats:
-    """Smoothed (uncalibrated) expected accepted nodes and nodes one source delivers per row when it drafts."""
+    """Smoothed (uncalibrated) expected accepted nodes and nodes one source delivers per row when
+    it drafts. While skipped, they drift back to the prior (one node, accepted) by ``idle_decay``
+    a round, as the length policy's estimates do: text changes (a prompt of free prose is followed
+    by one of arithmetic), and a source skipped on old evidence would otherwise learn that only
+    from its rare probes."""
 
-    def __init__(self, decay: float = 0.9) -> None:
-        self.decay = decay
-        self.expected, self.nodes = 1.0, 1.0
+    PRIOR = 1.0
+
+    def __init__(self, decay: float = 0.9, idle_decay: float = 0.95) -> None:
+        self.decay, self.idle_decay = decay, idle_decay
+        self.expected, self.nodes = self.PRIOR, self.PRIOR
 
     def update(self, expected: float, nodes: int) -> None:
         d = self.decay
         self.expected = d * self.expected + (1 - d) * expected
         self.nodes = d * self.nodes + (1 - d) * nodes
+
+    def idle(self) -> None:
+        d = self.idle_decay
+        self.expected = d * self.expected + (1 - d) * self.PRIOR
+        self.nodes = d * self.nodes + (1 - d) * self.PRIOR
 
 
 class SourceGate:
@@ -88,6 +99,7 @@ class SourceGate:
         if len(self.sources) == 1:
             if not probe and self.prospect(0, depth) < self.plain:
                 self.skipped[0] += 1
+                self.stats[0].idle()
                 return None
             return self._propose(0, ctx)
         B = len(ctx.sequences)
@@ -97,6 +109,7 @@ class SourceGate:
         for i in self.order():
             if not probe and min(in_hand) >= self.prospect(i, depth):
                 self.skipped[i] += 1
+                self.stats[i].idle()
                 continue
             ranked = self._propose(i, ctx)
             if not ranked:

@@ -45,6 +45,7 @@ class Proposer:
     config: Any  # the proposer's own section (a ``Config``): its draft policy is built from it
     needs_hidden: bool = False  # ask the target for hidden states (a hybrid: if a child does)
     tree: bool = False  # drafts trees (needs a runtime with tree masks)
+    continues_ahead: ClassVar[bool] = False  # drafts after ``ProposeContext.ahead`` (a grammar's forced tokens)
     ranks: ClassVar[bool] = False  # propose() returns ranked candidates (types.Ranked), sized by the policy
     feature_layers: tuple[int, ...] = ()  # decoder-layer outputs it reads instead of the last hidden state
 

@@ -35,18 +35,20 @@ class NgramIndex:
                     self.prev[key] = self.last[key]
                 self.last[key] = end
 
-    def lookup(self, k: int) -> list[int]:
-        """Up to k tokens following the longest suffix n-gram seen earlier in the sequence."""
-        return self.match(k)[1]
+    def lookup(self, k: int, tail: Sequence[int] = ()) -> list[int]:
+        """Up to k tokens following the longest suffix n-gram seen earlier in the sequence (the
+        sequence followed by ``tail``, tokens drafted ahead and not indexed)."""
+        return self.match(k, tail)[1]
 
-    def match(self, k: int) -> tuple[int, list[int]]:
+    def match(self, k: int, tail: Sequence[int] = ()) -> tuple[int, list[int]]:
         """(n, tokens): the longest matching suffix length (0 = none) and up to k tokens after it."""
         toks = self.tokens
         end = len(toks)
-        for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
-            key = tuple(toks[end - n :])
+        seq = toks[-self.max_n:] + list(tail) if tail else toks
+        for n in range(min(self.max_n, len(seq) - 1), self.min_n - 1, -1):
+            key = tuple(seq[len(seq) - n :])
             pos = self.last.get(key)
-            if pos == end:  # the suffix itself; use the occurrence before it
+            if pos == end:  # the suffix itself (nothing follows it yet): the occurrence before it
                 pos = self.prev.get(key)
             if pos is not None and pos < end:
                 return n, toks[pos : min(pos + k, end)]
@@ -85,15 +87,19 @@ class NgramProposer(Proposer):
         self.config = config
         self._index: list[NgramIndex] = []
 
-    def propose(self, ctx: ProposeContext) -> Draft | None:
-        return Draft.from_chains(self._chains(ctx.sequences, ctx.budgets))
+    continues_ahead = True
 
-    def _chains(self, sequences: Sequence[Sequence[int]], budgets: Sequence[int]) -> list[list[int]]:
-        """Per row: up to its budget of tokens after the longest matched suffix (a lookup)."""
+    def propose(self, ctx: ProposeContext) -> Draft | None:
+        return Draft.from_chains(self._chains(ctx.sequences, ctx.budgets, ctx.ahead))
+
+    def _chains(self, sequences: Sequence[Sequence[int]], budgets: Sequence[int],
+                ahead: Sequence[Sequence[int]] = ()) -> list[list[int]]:
+        """Per row: up to its budget of tokens after the longest matched suffix (a lookup), of
+        the sequence followed by the row's tokens drafted ahead, if any."""
         chains = []
-        for idx, seq, k in zip(self._index, sequences, budgets):
+        for b, (idx, seq, k) in enumerate(zip(self._index, sequences, budgets)):
             idx.extend(seq[len(idx.tokens) :])  # catch up with tokens emitted since last round
-            chains.append(idx.lookup(k) if k > 0 else [])
+            chains.append(idx.lookup(k, ahead[b] if ahead else ()) if k > 0 else [])
         return chains
 
     def draft_keys(self, sequences: Sequence[Sequence[int]]) -> list[int]:

@@ -130,7 +130,10 @@ def create_app(state: ServerState) -> FastAPI:
 
     async def prepared(request: Request, req: GenerateRequest) -> Prepared:
         ids = await offload(state.cpu_limiter, encode_text, state, req.inputs, req.parameters.truncate)
-        return prepare(state, ids, req.parameters, state.scheduler.new_key(), tenant_of(request))
+        controls = req.parameters.controls()
+        compiled = await offload(state.cpu_limiter, controls.compile, state)
+        return prepare(state, ids, req.parameters, state.scheduler.new_key(), tenant_of(request), controls=controls,
+                       compiled=compiled)
 
     async def generate_body(request: Request, req: GenerateRequest, t0: float, route: str) -> dict[str, Any]:
         prep = await prepared(request, req)

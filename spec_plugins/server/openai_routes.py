@@ -117,8 +117,10 @@ def add_openai_routes(app: FastAPI, state: Any) -> None:
         names = Names("messages", req.max_field)
         ids = await offload(state.cpu_limiter, encode_chat, state, req.messages, names)
         tenant = tenant_of(request)
+        controls = req.controls()
+        compiled = await offload(state.cpu_limiter, controls.compile, state)
         preps = [prepare(state, ids, req.parameters(req.max_new_tokens, i), state.scheduler.new_key(), tenant, names,
-                         hide_stop=True) for i in range(req.choices)]
+                         hide_stop=True, controls=controls, compiled=compiled) for i in range(req.choices)]
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_id
         top = req.top_logprobs or 0
 
@@ -186,8 +188,10 @@ def add_openai_routes(app: FastAPI, state: Any) -> None:
         names = Names("prompt", "max_tokens")
         ids = await offload(state.cpu_limiter, encode_prompts, prompts, names)
         tenant = tenant_of(request)
+        controls = req.controls()
+        compiled = await offload(state.cpu_limiter, controls.compile, state)
         preps = [prepare(state, p, req.parameters(req.max_tokens, j), state.scheduler.new_key(), tenant, names,
-                         hide_stop=True) for p in ids for j in range(n)]
+                         hide_stop=True, controls=controls, compiled=compiled) for p in ids for j in range(n)]
         echo = [(p if isinstance(p, str) else state.tokenizer.decode(p)) if req.echo else "" for p in prompts]
         cid, created, model = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_id
         top = req.logprobs or 0

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from spec_plugins.config import MAX_SEED
+from spec_plugins.server.controls import Controls, check_penalty, openai_logit_bias
 from spec_plugins.server.schemas import (GenerateParameters, _neutral, check_repetition_penalty, check_seed,
                                          check_stops)
 
@@ -33,20 +34,37 @@ class StreamOptions(BaseModel):
         return self
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+    schema_: dict[str, Any] = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = Field(None, description="Held to the schema either way: the output always matches it.")
+
+
 class ResponseFormat(BaseModel):
-    """Only ``{"type": "text"}`` (OpenAI's default); JSON modes would need constrained decoding."""
+    """``text`` (OpenAI's default), ``json_object`` or ``json_schema``: the output is constrained
+    at every drafted node (``spec_plugins.grammar``)."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    type: str
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
-    @field_validator("type")
-    @classmethod
-    def _text(cls, v: str) -> str:
-        if v != "text":
-            raise ValueError(f"`response_format` type `{v}` is not supported by this server (spec-plugins); "
-                             "only `text`")
-        return v
+    @model_validator(mode="after")
+    def _schema(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("`response_format.json_schema` is required with type `json_schema`, and only there")
+        return self
+
+    def spec(self) -> Any:
+        from spec_plugins.grammar.spec import from_response_format
+
+        body = {"type": self.type}
+        if self.json_schema is not None:
+            body["json_schema"] = {"schema": self.json_schema.schema_}
+        return from_response_format(body)
 
 
 class OpenAIRequest(BaseModel):
@@ -64,10 +82,9 @@ class OpenAIRequest(BaseModel):
     stream_options: StreamOptions | None = None
     repetition_penalty: float | None = Field(None, description="TGI's extension (CTRL penalty).")
     user: str | None = None
-    # accepted at their neutral values only
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: Any = None
+    frequency_penalty: float | None = Field(None, description="Minus penalty x the token's count in the completion.")
+    presence_penalty: float | None = Field(None, description="Minus penalty if the token is in the completion.")
+    logit_bias: Any = Field(None, description='{"token id": bias in [-100, 100]}.')
 
     @field_validator("temperature")
     @classmethod
@@ -93,15 +110,21 @@ class OpenAIRequest(BaseModel):
     _seed = field_validator("seed")(classmethod(lambda cls, v: check_seed(v)))
     _stop = field_validator("stop")(classmethod(lambda cls, v: check_stops(v)))
     _rep = field_validator("repetition_penalty")(classmethod(lambda cls, v: check_repetition_penalty(v)))
+    _freq = field_validator("frequency_penalty")(classmethod(lambda cls, v: check_penalty("frequency_penalty", v)))
+    _pres = field_validator("presence_penalty")(classmethod(lambda cls, v: check_penalty("presence_penalty", v)))
+    _bias = field_validator("logit_bias")(classmethod(lambda cls, v: openai_logit_bias(v)))
 
     @model_validator(mode="after")
     def _shared(self) -> "OpenAIRequest":
         if self.stream_options is not None and not self.stream:
             raise ValueError("`stream_options` is only allowed with `stream: true`")
-        _neutral("frequency_penalty", self.frequency_penalty, (None, 0.0))
-        _neutral("presence_penalty", self.presence_penalty, (None, 0.0))
-        _neutral("logit_bias", self.logit_bias, (None, {}, []))
         return self
+
+    def controls(self) -> Controls:
+        """Penalties and bias (OpenAI's: over the completion), and the response format's grammar."""
+        rf = getattr(self, "response_format", None)
+        return Controls(rf.spec() if rf is not None else None, self.logit_bias or (), self.presence_penalty or 0.0,
+                        self.frequency_penalty or 0.0)
 
     @property
     def choices(self) -> int:

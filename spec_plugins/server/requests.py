@@ -68,9 +68,10 @@ def max_token_chars(tokenizer: Any) -> int:
 
 
 def prepare(state: Any, ids: list[int], params: GenerateParameters, key: int, tenant: str | None = None,
-            names: Names = TGI, hide_stop: bool = False) -> Prepared:
+            names: Names = TGI, hide_stop: bool = False, controls: Any = None, compiled: Any = None) -> Prepared:
     """Token limits and sampling, with TGI's messages. ``hide_stop`` (OpenAI's routes): the text
-    shown ends before a stop string and skips special tokens; TGI's keeps both, as TGI does."""
+    shown ends before a stop string and skips special tokens; TGI's keeps both, as TGI does.
+    ``controls``: grammar, bias and penalties (``server.controls``), the grammar ``compiled``."""
     if params.truncate is not None:
         ids = ids[-params.truncate:]
     n_in = len(ids)
@@ -95,7 +96,8 @@ def prepare(state: Any, ids: list[int], params: GenerateParameters, key: int, te
     # per-token text as TGI sends it (special tokens spelled; OpenAI's routes skip them); a stop
     # sequence stops the row in the round that completes it, so no token after it is computed
     text = TextStream(state.tokenizer, params.stop or (), skip_special_tokens=hide_stop)
-    row = RowRequest(key, ids, max_new, sampling, seed, logprobs=True, tenant=tenant, stop=StopStrings(text))
+    extra = controls.row(state, compiled, n_in) if controls is not None else {}
+    row = RowRequest(key, ids, max_new, sampling, seed, logprobs=True, tenant=tenant, stop=StopStrings(text), **extra)
     return Prepared(ids, params, row, seed, text, hide_stop)
 
 

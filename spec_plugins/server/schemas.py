@@ -83,12 +83,12 @@ class GenerateParameters(BaseModel):
     truncate: int | None = None
     top_n_tokens: int | None = Field(None, description="Most likely tokens reported per position (details).")
     # known to TGI, neutral values only
+    frequency_penalty: float | None = Field(None, description="TGI's: minus penalty x the token's share of the text.")
+    grammar: Any = Field(None, description='{"type": "json" | "regex", "value": schema or pattern}.')
     best_of: int | None = None
     decoder_input_details: bool = False
-    frequency_penalty: float | None = None
     typical_p: float | None = None
     watermark: bool = False
-    grammar: Any = None
     adapter_id: str | None = None
 
     @field_validator("max_new_tokens")
@@ -137,14 +137,31 @@ class GenerateParameters(BaseModel):
             raise ValueError("`truncate` must be strictly positive")
         return v
 
+    @field_validator("frequency_penalty")
+    @classmethod
+    def _frequency(cls, v: float | None) -> float | None:
+        if v is not None and not -2.0 <= v <= 2.0:  # NaN fails
+            raise ValueError("`frequency_penalty` must be >= -2.0 and <= 2.0")
+        return v
+
+    def controls(self) -> Any:
+        """The grammar and penalty this request asks for (``server.controls``)."""
+        from spec_plugins.grammar import GrammarError
+        from spec_plugins.grammar.spec import from_tgi
+        from spec_plugins.server.controls import Controls
+
+        try:
+            spec = from_tgi(self.grammar)
+        except GrammarError as exc:
+            raise ApiError(422, str(exc)) from None
+        return Controls(spec, frequency=self.frequency_penalty or 0.0, per_length=True)
+
     @model_validator(mode="after")
     def _unsupported(self) -> "GenerateParameters":
         _neutral("best_of", self.best_of, (None, 1))
         _neutral("decoder_input_details", self.decoder_input_details, (False,))
-        _neutral("frequency_penalty", self.frequency_penalty, (None, 0.0))
         _neutral("typical_p", self.typical_p, (None, 1.0))
         _neutral("watermark", self.watermark, (False,))
-        _neutral("grammar", self.grammar)
         _neutral("adapter_id", self.adapter_id)
         return self
 

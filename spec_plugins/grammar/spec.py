@@ -1,0 +1,183 @@
+"""What a request asks its output to match, compiled once into an llguidance grammar.
+
+Why llguidance: it compiles JSON schema, regex and Lark grammars lazily (no ahead-of-time
+automaton over the vocabulary, so a new schema costs milliseconds), computes a token mask in a few
+microseconds, rolls back consumed tokens (a round walks its drafted tree and returns), and names
+the tokens a grammar forces next (``compute_ff_tokens``), which we draft for free. It has no
+dependencies beyond its own wheel, runs on any CPU, and is what llama.cpp and vLLM use for the
+same job. xgrammar compiles per-tokenizer automata ahead of time and needs triton on Linux.
+
+Every way a user names a constraint (OpenAI ``response_format``, TGI ``grammar``, the CLI's
+``--json-schema``, the Python ``grammar=``) becomes one ``GrammarSpec``; ``compile`` checks it
+against the limits and raises ``GrammarError`` (a clear 4xx on the routes) before any row starts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Kind = Literal["json_schema", "json_object", "regex", "lark"]
+KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "lark")
+
+
+class GrammarError(ValueError):
+    """A grammar that cannot be used: invalid, unsupported, too large, or matching nothing."""
+
+
+@dataclass(frozen=True)
+class GrammarLimits:
+    """Bounds on what one request's grammar may cost the server.
+
+    ``max_chars``: the grammar's text (a schema serialised, a regex, a Lark grammar);
+    ``max_compile_ms``: building the matcher (llguidance builds lazily, so this is the up-front
+    part); ``max_grammar_size``: llguidance's symbol count over all productions."""
+
+    max_chars: int = 64_000
+    max_compile_ms: float = 2_000.0
+    max_grammar_size: int = 200_000
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """One constraint on a row's output. ``value``: the schema (a dict, or JSON text), the regex
+    or the Lark grammar; unused for ``json_object`` (any JSON object)."""
+
+    kind: Kind
+    value: Any = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise GrammarError(f"grammar type {self.kind!r} is not supported; use one of {', '.join(KINDS)}")
+        if self.kind != "json_object" and self.value in (None, ""):
+            raise GrammarError(f"a {self.kind} grammar needs a value")
+
+    @staticmethod
+    def json_schema(schema: Any) -> "GrammarSpec":
+        return GrammarSpec("json_schema", schema)
+
+    @staticmethod
+    def regex(pattern: str) -> "GrammarSpec":
+        return GrammarSpec("regex", pattern)
+
+    def text(self) -> str:
+        """The llguidance grammar (JSON text) this spec compiles to."""
+        import llguidance
+
+        if self.kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+        if self.kind == "json_schema":
+            schema = self.value
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as exc:
+                    raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from None
+            if not isinstance(schema, dict):
+                raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}")
+            try:
+                return llguidance.LLMatcher.grammar_from_json_schema(schema)
+            except (ValueError, TypeError) as exc:
+                raise GrammarError(f"invalid JSON schema: {exc}") from None
+        if not isinstance(self.value, str):
+            raise GrammarError(f"a {self.kind} grammar must be a string, got {type(self.value).__name__}")
+        if self.kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(self.value)
+        return llguidance.LLMatcher.grammar_from_lark(self.value)
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """A checked grammar for one tokenizer: what each row's matcher is built from."""
+
+    spec: GrammarSpec
+    grammar: str
+    tokenizer: Any  # llguidance.LLTokenizer
+    limits: Any  # llguidance.LLParserLimits
+    compile_ms: float
+
+    def matcher(self) -> Any:
+        import llguidance
+
+        m = llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0, limits=self.limits)
+        if m.is_error():
+            raise GrammarError(f"grammar rejected: {_first_line(m.get_error())}")
+        return m
+
+
+def compile_grammar(spec: GrammarSpec, tokenizer: Any, limits: GrammarLimits = GrammarLimits()) -> Compiled:
+    """``spec`` checked for ``tokenizer`` (an ``llguidance.LLTokenizer``, see
+    ``grammar.tokenizer``): valid, within ``limits``, and able to match at least one output.
+    Raises ``GrammarError`` naming the problem."""
+    import llguidance
+
+    t0 = time.perf_counter()
+    text = spec.text()
+    if len(text) > limits.max_chars:
+        raise GrammarError(f"the grammar has {len(text)} characters; the limit is {limits.max_chars}")
+    ll_limits = llguidance.LLParserLimits(max_grammar_size=limits.max_grammar_size)
+    message = llguidance.LLMatcher.validate_grammar(text, tokenizer, limits=ll_limits)
+    if message and not message.startswith("WARNING"):
+        raise GrammarError(f"invalid {spec.kind.replace('_', ' ')}: {_first_line(message)}")
+    compiled = Compiled(spec, text, tokenizer, ll_limits, 0.0)
+    m = compiled.matcher()
+    mask = m.compute_bitmask()
+    ms = (time.perf_counter() - t0) * 1e3
+    if ms > limits.max_compile_ms:
+        raise GrammarError(f"the grammar took {ms:.0f} ms to compile; the limit is {limits.max_compile_ms:.0f} ms")
+    if m.is_error() or not any(mask):
+        raise GrammarError("the grammar cannot match any output: no token of this model's vocabulary can start it"
+                           + (f" ({_first_line(m.get_error())})" if m.is_error() else ""))
+    return Compiled(spec, text, tokenizer, ll_limits, ms)
+
+
+def _first_line(message: str) -> str:
+    """llguidance's message without its source excerpt: the first line, and the line naming the
+    error where the first only says where it is."""
+    lines = [ln.strip() for ln in message.strip().splitlines() if ln.strip()]
+    if not lines:
+        return message
+    cause = next((ln for ln in lines[1:] if ln.startswith("error:")), None)
+    head = lines[0].removesuffix(":").strip()
+    return f"{head}: {cause.removeprefix('error:').strip()}" if cause else head
+
+
+def from_response_format(response_format: Any) -> GrammarSpec | None:
+    """OpenAI's ``response_format``: ``{"type": "text"}`` (no constraint), ``{"type":
+    "json_object"}``, or ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``.
+    Strict or not, the output is held to the schema: a constraint that may be broken is no help."""
+    if response_format is None:
+        return None
+    rf = dict(response_format)
+    kind = rf.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec("json_object")
+    if kind == "json_schema":
+        body = rf.get("json_schema")
+        if not isinstance(body, dict) or "schema" not in body:
+            raise GrammarError("`response_format.json_schema` needs an object with a `schema`")
+        return GrammarSpec("json_schema", body["schema"])
+    raise GrammarError(f"`response_format` type `{kind}` is not supported; use text, json_object or json_schema")
+
+
+def from_tgi(grammar: Any) -> GrammarSpec | None:
+    """TGI's ``grammar``: ``{"type": "json", "value": schema}`` or ``{"type": "regex", "value":
+    pattern}`` (``json_schema``, TGI's newer spelling, takes ``value.schema``)."""
+    if grammar is None:
+        return None
+    if not isinstance(grammar, dict):
+        raise GrammarError("`grammar` must be an object with `type` and `value`")
+    kind, value = grammar.get("type"), grammar.get("value")
+    if set(grammar) - {"type", "value"}:
+        raise GrammarError(f"`grammar` takes `type` and `value` only, got {sorted(grammar)}")
+    if kind == "json":
+        return GrammarSpec("json_schema", value)
+    if kind == "regex":
+        return GrammarSpec("regex", value)
+    if kind == "json_schema" and isinstance(value, dict) and "schema" in value:
+        return GrammarSpec("json_schema", value["schema"])
+    raise GrammarError(f"`grammar` type `{kind}` is not supported; use json or regex")

@@ -1,0 +1,80 @@
+"""What a request asks of its output beyond sampling: a grammar, ``logit_bias``, penalties.
+
+Both routes name them their own way (OpenAI: ``response_format``, ``logit_bias``,
+``presence_penalty``, ``frequency_penalty`` over the completion; TGI: ``grammar`` and
+``frequency_penalty`` as a share of the whole sequence); both become one ``Controls``. The grammar
+is compiled in a worker thread (``compile``) and checked against the limits before any row
+starts; every problem is a 422 naming it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from spec_plugins.grammar import Compiled, GrammarError, GrammarLimits, GrammarSpec, RowGrammar, compile_grammar
+from spec_plugins.grammar import ll_tokenizer
+from spec_plugins.processors import FrequencyPresencePenalty, LogitBias
+from spec_plugins.server.schemas import ApiError
+
+
+@dataclass(frozen=True)
+class Controls:
+    grammar: GrammarSpec | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence: float = 0.0
+    frequency: float = 0.0
+    per_length: bool = False  # TGI's frequency_penalty: the token's share of the whole sequence
+
+    def compile(self, state: Any, limits: GrammarLimits = GrammarLimits()) -> Compiled | None:
+        """The grammar checked for the served model (run it in a worker thread: up to the limit's
+        milliseconds)."""
+        if self.grammar is None:
+            return None
+        batch = state.scheduler.batch
+        try:
+            tok = ll_tokenizer(state.tokenizer, int(batch.runtime.vocab_size), sorted(batch.eos))
+            return compile_grammar(self.grammar, tok, limits)
+        except GrammarError as exc:
+            raise ApiError(422, str(exc)) from None
+
+    def row(self, state: Any, compiled: Compiled | None, prompt_len: int) -> dict[str, Any]:
+        """A row's ``processors`` and ``grammar`` (``RowRequest`` fields) for a prompt of
+        ``prompt_len`` tokens (OpenAI's penalties count the completion only)."""
+        batch = state.scheduler.batch
+        vocab = int(batch.runtime.vocab_size)
+        procs: list[Any] = []
+        try:
+            if self.logit_bias:
+                procs.append(LogitBias(dict(self.logit_bias), vocab))
+            if self.presence or self.frequency:
+                start = 0 if self.per_length else prompt_len
+                procs.append(FrequencyPresencePenalty(self.frequency, self.presence, start, self.per_length))
+        except ValueError as exc:
+            raise ApiError(422, str(exc)) from None
+        grammar = RowGrammar(compiled, sorted(batch.eos), vocab) if compiled is not None else None
+        return {"processors": tuple(procs), "grammar": grammar}
+
+
+def openai_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: ``{"token id": bias}``, bias in [-100, 100], at most 300 tokens."""
+    if value is None or value == {}:
+        return ()
+    if not isinstance(value, dict):
+        raise ValueError("`logit_bias` must be an object mapping token ids to biases")
+    if len(value) > 300:
+        raise ValueError(f"`logit_bias` takes at most 300 tokens, got {len(value)}")
+    out = []
+    for k, v in value.items():
+        if not (isinstance(k, str) and k.lstrip("-").isdigit()):
+            raise ValueError(f"`logit_bias` keys must be token ids, got {k!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+            raise ValueError(f"`logit_bias` of token {k} must be a number between -100 and 100, got {v!r}")
+        out.append((int(k), float(v)))
+    return tuple(out)
+
+
+def check_penalty(name: str, v: float | None) -> float | None:
+    if v is not None and not -2.0 <= v <= 2.0:  # NaN fails
+        raise ValueError(f"`{name}` must be between -2 and 2")
+    return v
