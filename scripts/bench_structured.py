@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import time
 from pathlib import Path
 
@@ -30,6 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import jsonschema  # noqa: E402
 
+from spec_plugins.bench.docs import machine  # noqa: E402
 from spec_plugins.decoder import SpeculativeDecoder  # noqa: E402
 from spec_plugins.grammar import GrammarSpec, RowGrammar  # noqa: E402
 from spec_plugins.grammar import rounds  # noqa: E402
@@ -101,7 +101,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"config": args.config, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
-            "cpu": platform.processor() or platform.machine(), "cpu_model": _cpu_model()}
+            "machine": machine()}
     (out / "report.json").write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1))
     (out / "summary.md").write_text(table(summary, meta))
     print(table(summary, meta))
@@ -135,7 +135,7 @@ def summarise(rows, methods):
 
 
 def table(summary, meta):
-    lines = [f"# Structured outputs ({meta['config']}, {meta['cpu_model']})", "",
+    lines = [f"# Structured outputs ({meta['config']}, {meta['machine']})", "",
              "| category | method | tok/s | speedup | tokens/forward | forced share | constraint us/round | "
              "valid/finished | identical to plain |", "|---|---|---|---|---|---|---|---|---|"]
     for cat, ms in summary.items():
@@ -147,16 +147,6 @@ def table(summary, meta):
     lines.append("")
     lines.append("speedup: over `plain` (constrained) for constrained methods, over `free` for `ngram-free`.")
     return "\n".join(lines) + "\n"
-
-
-def _cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":

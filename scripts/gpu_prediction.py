@@ -65,6 +65,9 @@ def main() -> int:
     ap.add_argument("--curves", default=str(ROOT.parent / "shared" / "gpu"), help="folder of the H200 jsonl files")
     ap.add_argument("--overhead-ms", type=float, default=None, help="host work per round (default: the report's)")
     ap.add_argument("--shapes", default="smollm2,llama1b", help="curve shapes to predict for (SmolLM2's acceptance)")
+    ap.add_argument("--eagle-report", default=None,
+                    help="a bench report.json with an EAGLE tree method (its acceptance and drafting, measured on the CPU)")
+    ap.add_argument("--eagle-method", default="eagle-tree-auto", help="that method's name in the report")
     ap.add_argument("--out", default=None, help="write the prediction as JSON here")
     args = ap.parse_args()
     from spec_plugins.backends import build_runtime
@@ -116,9 +119,47 @@ def main() -> int:
                 line[f"{p}_over_compiled_plain[{name}]"] = res[name][p]["all"] / res[name]["plain"]["all"]
         res["summary"] = line
         print(f"\n{shape}: " + ";  ".join(f"{k} {v:.2f}x" for k, v in line.items()))
+    if args.eagle_report:
+        out["eagle"] = eagle_rows(json.loads(Path(args.eagle_report).read_text()), args.eagle_method,
+                                  Path(args.curves), args.shapes.split(","), overhead)
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     return 0
+
+
+def eagle_rows(report: dict, method: str, directory: Path, shapes: list[str], overhead: float) -> dict:
+    """EAGLE tree rows, a PREDICTION from the CPU bench: its hidden-state drafter cannot be replayed
+    from token ids, so each category's measured rounds (tokens emitted, nodes verified per round)
+    are priced under the H200 curves, with the drafting of a round priced as it measured on the
+    CPU relative to one target forward there (``r``: draft seconds per round / plain's seconds
+    per forward), i.e. ``r x T(1)`` on the GPU. Plain: one position per token."""
+    summ = report["summary"]
+    out: dict = {}
+    print(f"\nPREDICTION (not measured): {method} from the CPU bench {report['meta'].get('config', '')}")
+    for shape in shapes:
+        for name, secs in curves(directory, shape).items():
+            rows = out.setdefault(shape, {}).setdefault(name, {})
+            for cat in report["categories"]:
+                e, p = summ[method][cat], summ["plain"][cat]
+                st, pst = e["stats"], p["stats"]
+                rounds = st["target_forwards"]
+                nodes = st["draft_tokens"] / rounds
+                t_cpu = pst["time_share"]["target_forward"] * p["seconds"] / pst["target_forwards"]
+                r = st["time_share"]["draft"] * e["seconds"] / rounds / t_cpu
+                t_round = _at(secs, 1 + nodes) + r * secs[0] + overhead
+                tok_s = e["tokens"] / (rounds * t_round)
+                plain = 1.0 / (secs[0] + overhead)
+                rows[cat] = {"tok_s": tok_s, "plain_tok_s": plain, "speedup": tok_s / plain, "nodes": nodes,
+                             "tokens_per_round": e["tokens"] / rounds, "draft_over_forward": r}
+            print(f"[{shape}, {name}] " + "  ".join(f"{c}: {v['speedup']:.2f}x" for c, v in rows.items()))
+    return out
+
+
+def _at(secs: list[float], n: float) -> float:
+    """The curve at a fractional width (linear between neighbours)."""
+    lo = max(1, min(int(n), len(secs)))
+    hi = min(lo + 1, len(secs))
+    return secs[lo - 1] + (secs[hi - 1] - secs[lo - 1]) * (n - lo)
 
 
 if __name__ == "__main__":

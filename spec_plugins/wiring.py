@@ -2,7 +2,7 @@
 runtime: the decoder, the transformers plugin and the server.
 
 ``wire`` builds a proposer section's proposer over the runtime (unless one is given), checks the
-pairing once (``loop.batch.check_pairing``: trees need tree masks, feature drafters hidden
+pairing once (``proposers.base.check_pairing``: trees need tree masks, feature drafters hidden
 states, ...), and measures what its policy will price, once (``policy.setup_costs``, reusing the
 costs given when they cover it). The ``Wiring`` it returns keeps all of it with the tree sizer
 whose calibrations carry across generations; ``Wiring.policy()`` is a fresh draft policy for one
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from spec_plugins.loop.batch import check_pairing
+from spec_plugins.proposers.base import check_pairing
 from spec_plugins.policy import Costs, DraftPolicy, build_policy, setup_costs
 from spec_plugins.policy.draft_policy import Length
 from spec_plugins.policy.tree_size import TreeSizer

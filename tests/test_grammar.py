@@ -259,3 +259,29 @@ def test_grammar_limits(lltok):
         compile_grammar(GrammarSpec.json_schema(big), lltok, GrammarLimits(max_grammar_size=100))
     with pytest.raises(GrammarError, match="not supported"):
         GrammarSpec("yaml", "a: b")
+
+
+@pytest.mark.parametrize("draft", ["ngram", "same_draft"])
+def test_the_transformers_plugin_with_a_grammar_processor_equals_generate(tok, draft):
+    """``GrammarLogitsProcessor`` (a function of each row's prefix) in ``logits_processor``:
+    speculative ``generate()`` equals plain ``generate()`` with the same processor, left-padded
+    batch, chain and draft model; and it holds the output to the grammar."""
+    from transformers import LogitsProcessorList
+
+    from spec_plugins.grammar.hf import GrammarLogitsProcessor
+    from spec_plugins.integrations.transformers import speculative_generate
+
+    model = tiny_llama(seed=3, sharpness=2.0)
+    prompts = _prompts(tok)
+    width = max(map(len, prompts))
+    inputs = {"input_ids": torch.tensor([[EOS] * (width - len(p)) + p for p in prompts]),
+              "attention_mask": torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])}
+    kw = dict(max_new_tokens=N, do_sample=False, pad_token_id=EOS, eos_token_id=EOS)
+    proc = lambda: LogitsProcessorList([GrammarLogitsProcessor(GrammarSpec.regex(REGEX), tok, VOCAB, [EOS])])  # noqa: E731
+    plain = model.generate(**inputs, **kw, logits_processor=proc())
+    extra = {"draft_model": model} if draft == "same_draft" else {}
+    spec = model.generate(**inputs, **kw, logits_processor=proc(), custom_generate=speculative_generate, **extra)
+    assert torch.equal(spec, plain)
+    for row in plain[:, width:].tolist():
+        text = tok.decode([t for t in _cut(row) if t != EOS])
+        assert __import__("re").fullmatch(REGEX, text) or not _cut(row)[-1] == EOS, text

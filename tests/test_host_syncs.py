@@ -53,9 +53,10 @@ def _runtime(model) -> StaticTorchRuntime:
     return rt
 
 
-def syncs_per_round(model, heads, kind: str, cell: str) -> tuple[list[int], list[str]]:
+def syncs_per_round(model, heads, kind: str, cell: str, grammar=None) -> tuple[list[int], list[str]]:
     """Host syncs of each round of ``cell`` decoded with ``kind`` (the last entry: the call that
-    finds every row finished), and where the rounds' syncs happened."""
+    finds every row finished), and where the rounds' syncs happened; ``grammar()``: a
+    ``RowGrammar`` for each row."""
     rows, top = CELLS[cell]
     policy = DraftPolicy.of(FixedLength(3))
     with HostSyncs(DEV) as syncs:
@@ -64,8 +65,8 @@ def syncs_per_round(model, heads, kind: str, cell: str) -> tuple[list[int], list
         rt = _runtime(model)
         batch = Batch(rt, every_proposer(kind, rt, heads, draft=lambda: _runtime(model)), ExactVerifier())
         batch.top_logprobs = top
-        batch.add([RowRequest(i, list(p), N, sampling=s, seed=seed, logprobs=lp)
-                   for i, (p, s, seed, lp) in enumerate(rows)])
+        batch.add([RowRequest(i, list(p), N, sampling=s, seed=seed, logprobs=lp,
+                              grammar=grammar() if grammar else None) for i, (p, s, seed, lp) in enumerate(rows)])
         start, per_round = len(syncs.where), []
         while len(batch):
             before = syncs.count
@@ -81,3 +82,22 @@ def syncs_per_round(model, heads, kind: str, cell: str) -> tuple[list[int], list
 def test_at_most_one_host_sync_per_round(target, kind, cell):
     per_round, where = syncs_per_round(*target, kind, cell)
     assert len(per_round) > 1 and max(per_round) <= 1, f"{kind}/{cell}: syncs per round {per_round}, where: {where}"
+
+
+# proposers whose drafts start on the host: a grammar's masks are built where their tokens are
+HOST_DRAFTED = ("ngram", "suffix")
+
+
+@pytest.mark.parametrize("kind", EVERY_PROPOSER)
+def test_grammar_rows_keep_one_sync_for_host_drafts_and_two_for_device_trees(target, kind):
+    """Rows under a grammar: host-drafted rounds keep their one read (the masks go up with the
+    draft); a draft built on the device is read once more for its tokens (the grammar runs on the
+    CPU): at most 2 (docs/structured-outputs.md)."""
+    from grammar_helpers import REGEX, tiny_tokenizer
+
+    from spec_plugins.grammar import GrammarSpec, RowGrammar, compile_grammar, ll_tokenizer
+
+    compiled = compile_grammar(GrammarSpec.regex(REGEX), ll_tokenizer(tiny_tokenizer(), 32, [0]))
+    per_round, where = syncs_per_round(*target, kind, "holes-greedy", lambda: RowGrammar(compiled, [0], 32))
+    limit = 1 if kind in HOST_DRAFTED else 2
+    assert len(per_round) > 1 and max(per_round) <= limit, f"{kind}: syncs per round {per_round}, where: {where}"

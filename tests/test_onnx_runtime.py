@@ -292,7 +292,7 @@ def test_eagle_drafts_on_onnxruntime_with_greedy_identity(exported, layers, tmp_
 
 def test_feature_layers_the_graph_lacks_are_refused_at_pairing(exported):
     from spec_plugins.heads import EagleConfig, EagleDrafter, target_lm_parts
-    from spec_plugins.loop.batch import check_pairing
+    from spec_plugins.proposers.base import check_pairing
     from spec_plugins.proposers.eagle import EagleProposer
 
     out, target, _ = exported
@@ -334,7 +334,7 @@ def test_quantized_graphs_pad_lone_positions_so_speculation_stays_exact(tiny_mod
     """int8 activations: ONNX Runtime's one-row kernel computes a position differently from wider
     forwards, so one-position forwards run as two (pad_single: auto); a position's logits are
     then the same whatever the forward's width, and without the padding speculation is refused."""
-    from spec_plugins.loop.batch import check_pairing
+    from spec_plugins.proposers.base import check_pairing
     from spec_plugins.proposers.ngram import NgramProposer
 
     monkeypatch.setenv("SPEC_PLUGINS_CACHE", str(tmp_path))

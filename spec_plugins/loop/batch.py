@@ -19,7 +19,7 @@ from spec_plugins.config import SamplingConfig
 from spec_plugins.grammar import rounds as grammar
 from spec_plugins.loop.logprobs import row_logprobs
 from spec_plugins.loop.verdicts import read_round, verify_groups
-from spec_plugins.proposers.base import ProposerTraits
+from spec_plugins.proposers.base import ProposerTraits, check_pairing
 from spec_plugins.sampling import LogitsPipeline, RowPipelines
 from spec_plugins.stats import DecodeStats
 from spec_plugins.row_trees import Parents, RowTrees, forward_layout, rows_of
@@ -55,29 +55,6 @@ class Row:
     @property
     def n_new(self) -> int:
         return len(self.tokens) - self.prompt_len
-
-
-def check_pairing(runtime: Any, proposer: Any) -> ProposerTraits:
-    """The proposer's traits, refused where the runtime cannot serve them (checked once)."""
-    traits = ProposerTraits.of(proposer)
-    caps = runtime.capabilities
-    if traits.tree and not caps.tree_mask:
-        raise ValueError(f"proposer {type(proposer).__name__} drafts token trees, but the {caps.name or 'target'} "
-                         "runtime cannot verify a tree mask; use a chain proposer on this runtime")
-    if traits.needs_hidden and not caps.hidden_states:
-        raise ValueError(f"proposer {type(proposer).__name__} needs the target's hidden states, which the "
-                         f"{caps.name or 'target'} runtime does not return")
-    if proposer is not None and not getattr(caps, "batch_invariant", True):
-        raise ValueError(f"the {caps.name or 'target'} runtime computes a position differently in a one-position "
-                         "forward than in a wider one (quantized kernels with int8 activations), so speculative "
-                         "output would leave its plain output; set pad_single: true (or auto) on the target, or "
-                         "decode without speculation")
-    if traits.feature_layers and not caps.serves(traits.feature_layers):
-        have = "none" if not caps.feature_layers else list(caps.feature_layers)
-        raise ValueError(f"proposer {type(proposer).__name__} reads decoder layers {list(traits.feature_layers)}, "
-                         f"but the {caps.name or 'target'} runtime returns {have}; export the target again with "
-                         f"--feature-layers {','.join(map(str, traits.feature_layers))}")
-    return traits
 
 
 class Batch:

@@ -167,3 +167,26 @@ class ProposerTraits:
                               bool(proposer.tree), tuple(proposer.feature_layers), type(proposer).ranks,
                               isinstance(proposer, Remembers), isinstance(proposer, ReportsMetrics),
                               tuple(proposer.sources()))
+
+
+def check_pairing(runtime: Any, proposer: Any) -> ProposerTraits:
+    """The proposer's traits, refused where the runtime cannot serve them (checked once)."""
+    traits = ProposerTraits.of(proposer)
+    caps = runtime.capabilities
+    if traits.tree and not caps.tree_mask:
+        raise ValueError(f"proposer {type(proposer).__name__} drafts token trees, but the {caps.name or 'target'} "
+                         "runtime cannot verify a tree mask; use a chain proposer on this runtime")
+    if traits.needs_hidden and not caps.hidden_states:
+        raise ValueError(f"proposer {type(proposer).__name__} needs the target's hidden states, which the "
+                         f"{caps.name or 'target'} runtime does not return")
+    if proposer is not None and not getattr(caps, "batch_invariant", True):
+        raise ValueError(f"the {caps.name or 'target'} runtime computes a position differently in a one-position "
+                         "forward than in a wider one (quantized kernels with int8 activations), so speculative "
+                         "output would leave its plain output; set pad_single: true (or auto) on the target, or "
+                         "decode without speculation")
+    if traits.feature_layers and not caps.serves(traits.feature_layers):
+        have = "none" if not caps.feature_layers else list(caps.feature_layers)
+        raise ValueError(f"proposer {type(proposer).__name__} reads decoder layers {list(traits.feature_layers)}, "
+                         f"but the {caps.name or 'target'} runtime returns {have}; export the target again with "
+                         f"--feature-layers {','.join(map(str, traits.feature_layers))}")
+    return traits

@@ -56,6 +56,13 @@ class Controls:
         return {"processors": tuple(procs), "grammar": grammar}
 
 
+async def compiled(state: Any, controls: "Controls") -> Compiled | None:
+    """The request's grammar compiled in a worker thread (an unconstrained request skips it)."""
+    from spec_plugins.server.body import offload
+
+    return None if controls.grammar is None else await offload(state.cpu_limiter, controls.compile, state)
+
+
 def openai_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     """OpenAI's ``logit_bias``: ``{"token id": bias}``, bias in [-100, 100], at most 300 tokens."""
     if value is None or value == {}:

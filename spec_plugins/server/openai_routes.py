@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from spec_plugins.server.body import offload, read_request
+from spec_plugins.server.controls import compiled
 from spec_plugins.server.jobs import Finished, JobStream, TokenOut, follow, merged, sse, submit_all, timed
 from spec_plugins.server.openai_schemas import ChatRequest, CompletionRequest, OpenAIRequest
 from spec_plugins.server.requests import Names, Prepared, check_token_ids, encode_chat, encode_text, prepare, tenant_of
@@ -118,9 +119,9 @@ def add_openai_routes(app: FastAPI, state: Any) -> None:
         ids = await offload(state.cpu_limiter, encode_chat, state, req.messages, names)
         tenant = tenant_of(request)
         controls = req.controls()
-        compiled = await offload(state.cpu_limiter, controls.compile, state)
+        grammar = await compiled(state, controls)
         preps = [prepare(state, ids, req.parameters(req.max_new_tokens, i), state.scheduler.new_key(), tenant, names,
-                         hide_stop=True, controls=controls, compiled=compiled) for i in range(req.choices)]
+                         hide_stop=True, controls=controls, compiled=grammar) for i in range(req.choices)]
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_id
         top = req.top_logprobs or 0
 
@@ -189,9 +190,9 @@ def add_openai_routes(app: FastAPI, state: Any) -> None:
         ids = await offload(state.cpu_limiter, encode_prompts, prompts, names)
         tenant = tenant_of(request)
         controls = req.controls()
-        compiled = await offload(state.cpu_limiter, controls.compile, state)
+        grammar = await compiled(state, controls)
         preps = [prepare(state, p, req.parameters(req.max_tokens, j), state.scheduler.new_key(), tenant, names,
-                         hide_stop=True, controls=controls, compiled=compiled) for p in ids for j in range(n)]
+                         hide_stop=True, controls=controls, compiled=grammar) for p in ids for j in range(n)]
         echo = [(p if isinstance(p, str) else state.tokenizer.decode(p)) if req.echo else "" for p in prompts]
         cid, created, model = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_id
         top = req.logprobs or 0
