@@ -16,8 +16,8 @@ a composition what it offered (any row may take it). ``scale_s`` is its calibrat
 runtime's forward costs, the drafting seconds the costs' online estimate (``Costs.draft_seconds``)
 and the per-round overhead counted on both sides. No margin: these are what drafts delivered, and
 the sizer already cuts a draft that does not pay to nothing, so a drafter that costs nothing is
-never skipped. Every ``probe_every`` rounds every source drafts, and a probe of a skipped source
-weighs more (``SourceStats``), so a skipped source's estimates stay current. A chain drafter with ``auto`` depth
+never skipped. Every ``probe_every`` rounds every source drafts, and a skipped source's estimates
+are kept able to recover (``SourceStats``). A chain drafter with ``auto`` depth
 is priced by its length policy instead (the depth, drafting cost included, is its decision), and
 a fixed chain drafts what it is configured to.
 """
@@ -33,19 +33,31 @@ from spec_plugins.types import Draft, ProposeContext, Ranked, RankedRow
 
 class SourceStats:
     """Smoothed (uncalibrated) expected accepted nodes and nodes one source delivers per row when
-    it drafts. A probe of a source the gate had skipped weighs ``probe_weight``: probes are rare,
-    and text changes (free prose followed by arithmetic), so one probe that finds the source paying
-    again must be able to bring it back; a probe that finds it still poor keeps it skipped."""
+    it drafts. Text changes (free prose followed by arithmetic), so a skipped source must be able
+    to come back:
+    - a composition's child is measured by what it offers, before any cut: a probe of a skipped
+      child is a true measurement, and weighs ``probe_weight``; one that finds it paying brings it
+      back, one that finds it poor keeps it skipped;
+    - a single source is measured by what the sizer's cut kept, which a stale calibration keeps
+      small, so a probe cannot tell; while skipped, its estimates drift back to the prior (one
+      node, accepted) by ``idle_decay`` a round (``idle``), as the length policy's estimates do."""
 
-    def __init__(self, decay: float = 0.9, probe_weight: float = 0.5) -> None:
-        self.decay, self.probe_weight = decay, probe_weight
-        self.expected, self.nodes = 1.0, 1.0
-        self.probing = False  # this round's draft is a probe of a skipped source
+    PRIOR = 1.0
+
+    def __init__(self, decay: float = 0.9, probe_weight: float = 0.5, idle_decay: float = 0.95) -> None:
+        self.decay, self.probe_weight, self.idle_decay = decay, probe_weight, idle_decay
+        self.expected, self.nodes = self.PRIOR, self.PRIOR
+        self.probing = False  # this round's draft is a probe of a skipped child
 
     def update(self, expected: float, nodes: int) -> None:
         w = self.probe_weight if self.probing else 1 - self.decay
         self.expected = (1 - w) * self.expected + w * expected
         self.nodes = (1 - w) * self.nodes + w * nodes
+
+    def idle(self) -> None:
+        d = self.idle_decay
+        self.expected = d * self.expected + (1 - d) * self.PRIOR
+        self.nodes = d * self.nodes + (1 - d) * self.PRIOR
 
 
 class SourceGate:
@@ -90,11 +102,10 @@ class SourceGate:
         self._round += 1
         depth = max(ctx.budgets)
         if len(self.sources) == 1:
-            skip = self.prospect(0, depth) < self.plain
-            if skip and not probe:
+            if not probe and self.prospect(0, depth) < self.plain:
                 self.skipped[0] += 1
+                self.stats[0].idle()
                 return None
-            self.stats[0].probing = skip and self.gated
             return self._propose(0, ctx)
         B = len(ctx.sequences)
         alts: list[list[RankedRow]] = [[] for _ in range(B)]
