@@ -132,10 +132,11 @@ def build_policy(section: Any, proposer: Any, costs: Costs | None = None, sizer:
     (the depth, its drafting cost included, is chosen each round); a fixed length is drafted as
     is (``FixedLength``). ``"load"`` (a server's load-aware policy): the fixed length is an upper
     bound for ``AutoDraftLength``. ``"fixed"``: always the fixed length (``auto``:
-    ``defaults.fixed_k``). Trees with ``tree_nodes: auto`` are cut by cost in every mode. Whether
-    a source pays for its drafting at all is the gate's decision (``policy.sources``) wherever the
-    length policy does not price it: a configured depth over a cost-cut tree, and every child of a
-    composition. ``costs`` must come from ``setup_costs`` when anything is priced; ``sizer``: a
+    ``defaults.fixed_k``). Trees with ``tree_nodes: auto`` are cut by cost in every mode (to nothing
+    where no node pays). Whether a composition's child pays for its drafting at all is the gate's
+    decision (``policy.sources``); a single source drafts every round it is asked to: its evidence
+    would be what the cut kept, which a stale calibration keeps small, so a skipped drafter could
+    not tell when the text turned its way again. ``costs`` must come from ``setup_costs`` when anything is priced; ``sizer``: a
     long-lived one whose calibrations carry across generations (a decoder's, a loaded model's)."""
     if proposer is None or section is None:
         return DraftPolicy(FixedLength(0), sizer, costs)
@@ -144,7 +145,7 @@ def build_policy(section: Any, proposer: Any, costs: Costs | None = None, sizer:
     if priced and costs is None:
         raise ValueError(f"proposer {section.type}: sizing by cost needs the runtime's measured costs "
                          "(policy.draft_policy.setup_costs) before its policy is built")
-    gated = priced and (len(ProposerTraits.of(proposer).sources) > 1 or (k != "auto" and length == "config"))
+    gated = priced and len(ProposerTraits.of(proposer).sources) > 1
     if length == "fixed" or not priced:
         length_policy: LengthPolicy = FixedLength(defaults.fixed_k if k == "auto" else int(k))
     elif k != "auto" and length == "config" or k == 0:
