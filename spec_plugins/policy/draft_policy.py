@@ -77,10 +77,7 @@ class DraftPolicy:
     def size(self, draft: Draft | Ranked | None, spent: float = 0.0) -> Draft | None:
         if not isinstance(draft, Ranked):
             return draft
-        sized = self.sizer.size(draft, spent)
-        if self.gate is not None:
-            self.gate.kept(draft, self.sizer.last_rows)
-        return sized
+        return self.sizer.size(draft, spent)
 
     def observe(self, record: RoundRecord) -> None:
         if self.costs is not None:

@@ -1,25 +1,22 @@
 """Which drafters draft this round: the policy's step that runs a proposer's sources.
 
-A proposer is one drafting source, or a composition of several (a hybrid's children). Drafting is
-not free (a model drafter's call can cost as much as a target forward on a CPU), so for a tree
-drafter whose depth is configured, and for every child of a composition, the policy decides each
-round whether the source pays, by the one objective (``policy.objective``): sources are asked
-cheapest first, and one is skipped when, for every row, the rate already in hand (no draft, or a
-cheaper source's draft) beats what this source has delivered on average with its own drafting
-seconds counted:
+A proposer is one drafting source, or a composition of several (a hybrid's children). A single
+source drafts every round it is asked to: the sizer cuts its tree to what pays (to nothing where no
+node does), and its length policy prices a chain's depth. Drafting is not free (a model drafter's
+call can cost as much as a target forward on a CPU), so for every child of a composition the
+policy decides each round whether it pays, by the one objective (``policy.objective``): children
+are asked cheapest first, and one is skipped when, for every row, the rate already in hand (no
+draft, or a cheaper child's draft) beats what this child has offered on average with its own
+drafting seconds counted:
 
     (1 + scale_s x expected_s) / (T(1, 1 + nodes_s) + draft seconds_s)
 
-``expected_s`` and ``nodes_s`` are what the source delivers per row when it drafts, smoothed: for
-a single source what the sizer's cut kept of its drafts (nothing, where the cut kept nothing); in
-a composition what it offered (any row may take it). ``scale_s`` is its calibration, T the
-runtime's forward costs, the drafting seconds the costs' online estimate (``Costs.draft_seconds``)
-and the per-round overhead counted on both sides. No margin: these are what drafts delivered, and
-the sizer already cuts a draft that does not pay to nothing, so a drafter that costs nothing is
-never skipped. Every ``probe_every`` rounds every source drafts, and a skipped source's estimates
-are kept able to recover (``SourceStats``). A chain drafter with ``auto`` depth
-is priced by its length policy instead (the depth, drafting cost included, is its decision), and
-a fixed chain drafts what it is configured to.
+``expected_s`` and ``nodes_s`` are what the child offered per row, smoothed (``SourceStats``),
+``scale_s`` its calibration, T the runtime's forward costs, the drafting seconds the costs' online
+estimate (``Costs.draft_seconds``) and the per-round overhead counted on both sides. No margin:
+the sizer already cuts a draft that does not pay, so a drafter that costs nothing is never
+skipped. Every ``probe_every`` rounds every child drafts, and such a probe weighs more, so a
+child skipped through one kind of text comes back when the text turns its way.
 """
 
 from __future__ import annotations
@@ -32,32 +29,20 @@ from spec_plugins.types import Draft, ProposeContext, Ranked, RankedRow
 
 
 class SourceStats:
-    """Smoothed (uncalibrated) expected accepted nodes and nodes one source delivers per row when
-    it drafts. Text changes (free prose followed by arithmetic), so a skipped source must be able
-    to come back:
-    - a composition's child is measured by what it offers, before any cut: a probe of a skipped
-      child is a true measurement, and weighs ``probe_weight``; one that finds it paying brings it
-      back, one that finds it poor keeps it skipped;
-    - a single source is measured by what the sizer's cut kept, which a stale calibration keeps
-      small, so a probe cannot tell; while skipped, its estimates drift back to the prior (one
-      node, accepted) by ``idle_decay`` a round (``idle``), as the length policy's estimates do."""
+    """Smoothed (uncalibrated) expected accepted nodes and nodes a composition's child offers per
+    row when it drafts, before any cut. Text changes (free prose followed by arithmetic), so a
+    probe of a skipped child weighs ``probe_weight``: one that finds it paying brings it back, one
+    that finds it poor keeps it skipped."""
 
-    PRIOR = 1.0
-
-    def __init__(self, decay: float = 0.9, probe_weight: float = 0.5, idle_decay: float = 0.95) -> None:
-        self.decay, self.probe_weight, self.idle_decay = decay, probe_weight, idle_decay
-        self.expected, self.nodes = self.PRIOR, self.PRIOR
+    def __init__(self, decay: float = 0.9, probe_weight: float = 0.5) -> None:
+        self.decay, self.probe_weight = decay, probe_weight
+        self.expected, self.nodes = 1.0, 1.0
         self.probing = False  # this round's draft is a probe of a skipped child
 
     def update(self, expected: float, nodes: int) -> None:
         w = self.probe_weight if self.probing else 1 - self.decay
         self.expected = (1 - w) * self.expected + w * expected
         self.nodes = (1 - w) * self.nodes + w * nodes
-
-    def idle(self) -> None:
-        d = self.idle_decay
-        self.expected = d * self.expected + (1 - d) * self.PRIOR
-        self.nodes = d * self.nodes + (1 - d) * self.PRIOR
 
 
 class SourceGate:
@@ -101,11 +86,7 @@ class SourceGate:
         probe = not self.gated or self._round % self.probe_every == 0
         self._round += 1
         depth = max(ctx.budgets)
-        if len(self.sources) == 1:
-            if not probe and self.prospect(0, depth) < self.plain:
-                self.skipped[0] += 1
-                self.stats[0].idle()
-                return None
+        if len(self.sources) == 1:  # drafts whenever asked: the sizer cuts it to what pays
             return self._propose(0, ctx)
         B = len(ctx.sequences)
         alts: list[list[RankedRow]] = [[] for _ in range(B)]
@@ -144,12 +125,3 @@ class SourceGate:
         if self.costs is not None:
             self.costs.observe_drafter(source, self.clock() - t0)
         return out
-
-    def kept(self, offered: Ranked, rows: Sequence[RankedRow]) -> None:
-        """A single source's sized draft: per row that it offered candidates, what the cut kept
-        (nothing counts: the draft did not pay there)."""
-        if len(self.sources) != 1:
-            return
-        for alts, r in zip(offered.rows, rows):
-            if any(a.size for a in alts):
-                self.stats[0].update(sum(r.estimates), r.size)
