@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from spec_plugins.loop import Batch
 from spec_plugins.server.body import MAX_BODY_BYTES, offload, read_request
-from spec_plugins.server.controls import compiled
+from spec_plugins.server.controls import compiled, tgi_controls
 from spec_plugins.server.jobs import Finished, JobStream, TokenOut, follow, sse, submit, timed
 from spec_plugins.server.metrics import Metrics, proposer_metrics
 from spec_plugins.server.requests import Prepared, encode_text, max_token_chars, prepare, tenant_of
@@ -131,7 +131,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     async def prepared(request: Request, req: GenerateRequest) -> Prepared:
         ids = await offload(state.cpu_limiter, encode_text, state, req.inputs, req.parameters.truncate)
-        controls = req.parameters.controls()
+        controls = tgi_controls(req.parameters)
         grammar = await compiled(state, controls)
         return prepare(state, ids, req.parameters, state.scheduler.new_key(), tenant_of(request), controls=controls,
                        compiled=grammar)

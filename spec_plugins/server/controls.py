@@ -14,7 +14,9 @@ from typing import Any
 
 from spec_plugins.grammar import Compiled, GrammarError, GrammarLimits, GrammarSpec, RowGrammar, compile_grammar
 from spec_plugins.grammar import ll_tokenizer
+from spec_plugins.grammar.spec import from_tgi
 from spec_plugins.processors import FrequencyPresencePenalty, LogitBias
+from spec_plugins.server.body import offload
 from spec_plugins.server.schemas import ApiError
 
 
@@ -56,10 +58,17 @@ class Controls:
         return {"processors": tuple(procs), "grammar": grammar}
 
 
+def tgi_controls(params: Any) -> Controls:
+    """TGI ``parameters``' grammar and frequency penalty (TGI's: a share of the whole text)."""
+    try:
+        spec = from_tgi(params.grammar)
+    except GrammarError as exc:
+        raise ApiError(422, str(exc)) from None
+    return Controls(spec, frequency=params.frequency_penalty or 0.0, per_length=True)
+
+
 async def compiled(state: Any, controls: "Controls") -> Compiled | None:
     """The request's grammar compiled in a worker thread (an unconstrained request skips it)."""
-    from spec_plugins.server.body import offload
-
     return None if controls.grammar is None else await offload(state.cpu_limiter, controls.compile, state)
 
 

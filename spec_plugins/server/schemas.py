@@ -144,18 +144,6 @@ class GenerateParameters(BaseModel):
             raise ValueError("`frequency_penalty` must be >= -2.0 and <= 2.0")
         return v
 
-    def controls(self) -> Any:
-        """The grammar and penalty this request asks for (``server.controls``)."""
-        from spec_plugins.grammar import GrammarError
-        from spec_plugins.grammar.spec import from_tgi
-        from spec_plugins.server.controls import Controls
-
-        try:
-            spec = from_tgi(self.grammar)
-        except GrammarError as exc:
-            raise ApiError(422, str(exc)) from None
-        return Controls(spec, frequency=self.frequency_penalty or 0.0, per_length=True)
-
     @model_validator(mode="after")
     def _unsupported(self) -> "GenerateParameters":
         _neutral("best_of", self.best_of, (None, 1))
