@@ -23,8 +23,8 @@ class LogitBias:
                 raise ValueError(f"logit_bias: token id {token} is outside the vocabulary (0..{vocab - 1})")
             if not -100.0 <= float(value) <= 100.0:
                 raise ValueError(f"logit_bias: the bias of token {token} must be between -100 and 100, got {value}")
-        self.ids = torch.tensor([int(t) for t in bias], dtype=torch.long)
-        self.values = torch.tensor([float(v) for v in bias.values()])
+        self.ids = torch.tensor([int(t) for t in bias], dtype=torch.long, device="cpu")
+        self.values = torch.tensor([float(v) for v in bias.values()], device="cpu")
         self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:

@@ -38,7 +38,7 @@ class GrammarLogitsProcessor:
         if self.prompt_len is None:
             self.prompt_len = int(input_ids.shape[1])
         ids = input_ids.tolist()
-        masks = torch.full((len(ids), self.words), -1, dtype=torch.int32)
+        masks = torch.full((len(ids), self.words), -1, dtype=torch.int32, device="cpu")  # the grammar's, on the host
         for r, row in enumerate(ids):
             done = row[self.prompt_len:]
             if any(t in self.eos for t in done):
@@ -46,7 +46,7 @@ class GrammarLogitsProcessor:
             bits = self._matcher(tuple(row[: self.prompt_len]), done)
             if bits is not None:
                 masks[r] = torch.frombuffer(bytearray(bits), dtype=torch.int32)[: self.words]
-        shifts = torch.arange(32, dtype=torch.int32)
+        shifts = torch.arange(32, dtype=torch.int32, device="cpu")
         allowed = ((masks[..., None] >> shifts) & 1).bool().reshape(len(ids), -1)[:, : scores.shape[-1]]
         return scores.masked_fill(~allowed.to(scores.device), float("-inf"))
 

@@ -45,7 +45,6 @@ class TreeSizer:
         self.calib: dict[int, Calibration] = {}
         self.picked: dict[int, int] = {}  # rows that kept a non-empty draft from each source, in all
         self._kept: list[tuple[int, float]] = []  # per row of the round being verified: (source, predicted)
-        self.last_rows: list[RankedRow] = []  # per row: what the last ``size`` kept
 
     def calibration(self, source: int) -> Calibration:
         c = self.calib.get(source)
@@ -77,7 +76,6 @@ class TreeSizer:
             if not slots or source not in picks:
                 self.calibration(source).idle()
         rows = [host[b] if isinstance(p, RankedRow) else _as_row(*offers[p]) for b, p in enumerate(picks)]
-        self.last_rows = rows
         self._kept = [(r.source, sum(r.estimates)) for r in rows]
         for r in rows:
             if r.size:
