@@ -248,7 +248,11 @@ def unpack(args: argparse.Namespace) -> None:
 def device(args: argparse.Namespace) -> None:
     from spec_plugins.training.device_run import RunOptions, run
 
-    opts = RunOptions(device=args.device, dtype=args.dtype, batch_size=args.batch_size, window=args.window,
+    opts = RunOptions(heads=tuple(h for h in args.heads.split(",") if h), block_size=args.block_size,
+                      anchors=args.anchors, distill_s=args.distill_s,
+                      temperatures=tuple(float(t) for t in args.temperatures.split(",")), samples=args.samples,
+                      gen_rows=args.gen_rows, gen_max_new=args.gen_max_new, gen_max_seq=args.gen_max_seq,
+                      device=args.device, dtype=args.dtype, batch_size=args.batch_size, window=args.window,
                       epochs=args.epochs, lr=args.lr, unroll=args.unroll, draft_vocab=args.draft_vocab,
                       max_steps=args.max_steps, prefill_tokens=args.prefill_tokens, medusa=args.medusa,
                       medusa_batch=args.medusa_batch, medusa_min_s=args.medusa_min_s, until=args.until or math.inf, reserve_s=args.reserve_s,
@@ -296,6 +300,16 @@ def main() -> None:
     d.add_argument("--draft-vocab", type=int, default=8192)
     d.add_argument("--max-steps", type=int, default=None)
     d.add_argument("--prefill-tokens", type=int, default=65536)
+    d.add_argument("--heads", default="eagle", help="comma-separated, trained in order: eagle, parallel")
+    d.add_argument("--block-size", type=int, default=8, help="parallel drafter: draft positions per forward")
+    d.add_argument("--anchors", type=int, default=64, help="parallel drafter: blocks per window per step")
+    d.add_argument("--distill-s", type=float, default=0.0,
+                   help="seconds of self-distillation (the target answering every turn) before the features")
+    d.add_argument("--temperatures", default="0,0.7,1.0", help="self-distillation: 0 = greedy once, others sampled")
+    d.add_argument("--samples", type=int, default=1, help="self-distillation: draws per sampled temperature")
+    d.add_argument("--gen-rows", type=int, default=128, help="self-distillation: batch rows")
+    d.add_argument("--gen-max-new", type=int, default=512, help="self-distillation: longest answer per turn")
+    d.add_argument("--gen-max-seq", type=int, default=2048, help="self-distillation: conversations cut here")
     d.add_argument("--medusa", action=argparse.BooleanOptionalAction, default=True)
     d.add_argument("--medusa-batch", type=int, default=8)
     d.add_argument("--medusa-min-s", type=float, default=60.0, help="start Medusa only with this much time left")

@@ -25,6 +25,14 @@
 #    config.json, train_report.json), run.json (tokens seen, time per step and per phase), log.txt.
 #    Copy eagle/ to runs/gpu-eagle and measure it here: python scripts/data_curve.py --only gpu-eagle --merge
 #
+# The parallel drafter on the target's own answers (issue 47): the same stage and receive calls, then
+#      run(command="BUDGET_S=520 bash scripts/train_heads_gpu.sh train 3 --heads parallel,eagle --no-medusa \
+#                   --distill-s 200 --gen-rows 256 --block-size 8", carry=["gpu-stage/call3"], timeout_s=580)
+#    answers every turn of the staged conversations greedily and at temperatures 0.7 and 1.0 for 200 s
+#    (batched 256 rows on the static cache, CUDA graphs), computes the features over those answers and
+#    trains the parallel drafter, then the EAGLE head on the same data (the data curve's equal-data rung).
+#    run.json's self_distill says the tokens made and the seconds per million tokens.
+#
 # CPU smoke run of the same steps at toy scale (a tiny random model, a few thousand tokens; CI runs
 # it in tests/test_train_gpu_script.py):  bash scripts/train_heads_gpu.sh smoke DIR
 set -euo pipefail

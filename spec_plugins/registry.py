@@ -121,6 +121,7 @@ PROPOSERS: Registry[Any] = Registry(
         "lookahead": "spec_plugins.proposers.lookahead:LookaheadProposer",
         "medusa": "spec_plugins.proposers.medusa:MedusaProposer",
         "eagle": "spec_plugins.proposers.eagle:EagleProposer",
+        "parallel": "spec_plugins.proposers.parallel:ParallelProposer",
         "suffix": "spec_plugins.proposers.suffix:SuffixProposer",
         "hybrid": "spec_plugins.proposers.hybrid:HybridProposer",
     },

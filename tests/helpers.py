@@ -81,16 +81,18 @@ def all_sequences(vocab: int, n: int):
 
 # ---- every proposer over one target, heads from disk as trained ones load -----------------------------
 EVERY_PROPOSER = ("ngram", "suffix", "recycling", "lookahead", "draft", "medusa-tree", "medusa-chain",
-                  "eagle-chain", "eagle-tree", "hybrid")
+                  "eagle-chain", "eagle-tree", "parallel-chain", "parallel-tree", "hybrid")
 
 
 def save_random_heads(model, directory):
     """A random EAGLE-3 drafter (fused layers 1, 2) and random Medusa heads for ``model``, saved as
-    trained heads are; returns ``{"eagle": dir, "medusa": dir}``. Built on the host from the
-    model's host weights (as training does)."""
+    trained heads are, and a random parallel drafter (fused layers 1, 2, a block of 4); returns
+    ``{"eagle": dir, "medusa": dir, "parallel": dir}``. Built on the host from the model's host
+    weights (as training does)."""
     from pathlib import Path
 
     from test_heads import eagle, medusa
+    from test_parallel import drafter
 
     from spec_plugins.heads import save_head
 
@@ -100,7 +102,9 @@ def save_random_heads(model, directory):
     d, m = eagle(model, layers=(1, 2)), medusa(model)
     save_head(d, d.config.to_dict(), directory / "eagle")
     save_head(m, m.config.to_dict(), directory / "medusa")
-    return {"eagle": directory / "eagle", "medusa": directory / "medusa"}
+    p = drafter(model)
+    save_head(p, p.config.to_dict(), directory / "parallel")
+    return {"eagle": directory / "eagle", "medusa": directory / "medusa", "parallel": directory / "parallel"}
 
 
 def every_proposer(kind, target, heads, draft=None):
@@ -113,11 +117,13 @@ def every_proposer(kind, target, heads, draft=None):
     from spec_plugins.proposers.lookahead import LookaheadProposer
     from spec_plugins.proposers.medusa import MedusaProposer
     from spec_plugins.proposers.ngram import NgramProposer
+    from spec_plugins.proposers.parallel import ParallelProposer
     from spec_plugins.proposers.recycling import RecyclingProposer
     from spec_plugins.proposers.suffix import SuffixProposer
 
     e = dict(heads=str(heads["eagle"]), top_k=2)
     m = str(heads["medusa"])
+    p = dict(heads=str(heads["parallel"]), top_k=2)
     build = {
         "ngram": lambda: NgramProposer(NgramProposer.Config()),
         "suffix": lambda: SuffixProposer(SuffixProposer.Config(tree_nodes=6, min_token_prob=0.0), target=target),
@@ -128,6 +134,8 @@ def every_proposer(kind, target, heads, draft=None):
         "medusa-chain": lambda: MedusaProposer(MedusaProposer.Config(heads=m, mode="chain"), target=target),
         "eagle-chain": lambda: EagleProposer(EagleProposer.Config(mode="chain", **e), target=target),
         "eagle-tree": lambda: EagleProposer(EagleProposer.Config(tree_nodes=6, **e), target=target),
+        "parallel-chain": lambda: ParallelProposer(ParallelProposer.Config(mode="chain", **p), target=target),
+        "parallel-tree": lambda: ParallelProposer(ParallelProposer.Config(tree_nodes=6, **p), target=target),
         "hybrid": lambda: HybridProposer(HybridProposer.Config(proposers=[
             {"type": "suffix", "tree_nodes": 6, "min_token_prob": 0.0}, {"type": "eagle", "tree_nodes": 6, **e}]),
             target=target),

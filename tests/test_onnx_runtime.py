@@ -253,15 +253,17 @@ def test_failed_admission_leaves_the_running_rows_as_they_were(exported):
     assert got == plain_greedy(target, [1, 2, 3, 1, 2], 20)
 
 
-@pytest.mark.parametrize("layers", [(), (2, 1, 1)])
-def test_eagle_drafts_on_onnxruntime_with_greedy_identity(exported, layers, tmp_path, monkeypatch):
-    """With an ONNX Runtime target the drafter runs in ONNX Runtime too (its head graph exported
-    on first use), reading the verify graph's hidden state or fused layer outputs (EAGLE-3);
-    greedy output is identical to plain decoding and the drafter's features are the torch
-    runtime's."""
+@pytest.mark.parametrize("kind,layers", [("eagle", ()), ("eagle", (2, 1, 1)), ("parallel", (2, 1, 1))])
+def test_eagle_drafts_on_onnxruntime_with_greedy_identity(exported, kind, layers, tmp_path, monkeypatch):
+    """With an ONNX Runtime target the drafter (EAGLE's, or the parallel one's block) runs in ONNX
+    Runtime too (its head graph exported on first use), reading the verify graph's hidden state or
+    fused layer outputs (EAGLE-3); greedy output is identical to plain decoding, the drafter's
+    features are the torch runtime's, and it accepts what the same drafter in PyTorch accepts."""
     from spec_plugins.heads import EagleConfig, EagleDrafter, target_lm_parts
+    from spec_plugins.heads.parallel import ParallelConfig, ParallelDrafter
     from spec_plugins.heads.runner import OrtEagleLayer
     from spec_plugins.proposers.eagle import EagleProposer
+    from spec_plugins.proposers.parallel import ParallelProposer
     from spec_plugins.stats import DecodeStats
 
     monkeypatch.setenv("SPEC_PLUGINS_CACHE", str(tmp_path))
@@ -269,10 +271,16 @@ def test_eagle_drafts_on_onnxruntime_with_greedy_identity(exported, layers, tmp_
     rt = ort_runtime(out)
     torch.manual_seed(0)
     lm, emb = target_lm_parts(target)
-    drafter = EagleDrafter(EagleConfig(32, num_heads=4, num_kv_heads=2, intermediate_size=64, draft_vocab_size=32,
-                                       feature_layers=layers), lm, emb, torch.arange(32))
-    prop = EagleProposer(EagleProposer.Config(heads="unused", mode="tree", tree_nodes=6, top_k=2), target=rt,
-                         drafter=drafter)
+    cls, ccls, pcls = ((EagleDrafter, EagleConfig, EagleProposer) if kind == "eagle"
+                       else (ParallelDrafter, ParallelConfig, ParallelProposer))
+    drafter = cls(ccls(32, num_heads=4, num_kv_heads=2, intermediate_size=64, draft_vocab_size=32,
+                       feature_layers=layers), lm, emb, torch.arange(32))
+
+    def proposer(engine):
+        return pcls(pcls.Config(heads="unused", mode="tree", tree_nodes=6, top_k=2, engine=engine), target=rt,
+                    drafter=drafter)
+
+    prop = proposer("auto")
     assert isinstance(prop.layer, OrtEagleLayer) and list((tmp_path / "onnx-heads").glob("*/head.onnx"))
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
     want = rt.capabilities.feature_layers if layers else True
@@ -288,6 +296,11 @@ def test_eagle_drafts_on_onnxruntime_with_greedy_identity(exported, layers, tmp_
     for p, o in zip(prompts, outs):
         assert o == plain_greedy(target, p, 16)
     assert stats.draft_tokens > 0
+    torch_stats = DecodeStats()
+    for _ in decode(rt, proposer("torch"), ExactVerifier(), LogitsPipeline(SamplingConfig()), prompts, 16, (), None,
+                    torch_stats, FixedLength(3)):
+        pass
+    assert torch_stats.accepted_by_position == stats.accepted_by_position
 
 
 def test_feature_layers_the_graph_lacks_are_refused_at_pairing(exported):

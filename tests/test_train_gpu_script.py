@@ -168,3 +168,32 @@ def test_token_shards_budget_dtype_and_bad_ids(tmp_path):
         write_token_shards([([1, 40], [False, True])], tmp_path / "c", {}, vocab=32, max_tokens=10)
     with pytest.raises(FileNotFoundError, match="no token shards"):
         TokenStore(tmp_path / "missing")
+
+
+def test_the_device_step_self_distills_then_trains_the_parallel_drafter(smoke, tmp_path):
+    """``--distill-s``: the target answers the bundle's conversations itself (greedy and sampled,
+    every turn) before the features; ``--heads parallel,eagle`` trains both on those answers."""
+    from spec_plugins.heads import EagleDrafter
+    from spec_plugins.heads.parallel import ParallelDrafter
+    from spec_plugins.training.device_run import RunOptions, load_target, run
+
+    bundle = smoke / "home" / "bundle"
+    opts = RunOptions(device="cpu", dtype="float32", batch_size=2, window=64, draft_vocab=512, max_steps=6,
+                      prefill_tokens=2048, reserve_s=0.0, medusa=False, heads=("parallel", "eagle"), block_size=4,
+                      anchors=8, distill_s=20.0, temperatures=(0.0, 1.0), gen_rows=8, gen_max_new=24, gen_max_seq=128)
+    rep = run(bundle, tmp_path / "out", tmp_path / "work", opts)
+    sd = rep["self_distill"]
+    assert sd["tokens"] > 0 and sd["trained_tokens"] > 0 and sd["seconds_per_million_tokens"] > 0
+    made = TokenStore(tmp_path / "work" / "self-tokens")
+    assert made.state["meta"]["responses"] == "self" and len(made.state["meta"]["variants"]) == 2
+    staged = TokenStore(bundle / "tokens" / "train")
+    first = staged.conversations(0)[0]
+    ctx0 = first[0][: first[1].index(True)]
+    ids, trained = made.conversations(0)[0]
+    assert ids[: len(ctx0)] == ctx0 and not any(trained[: len(ctx0)]) and any(trained)  # the prompt kept, answers new
+    model = load_target(bundle, json.loads((bundle / "manifest.json").read_text())["model"], "float32",
+                        torch.device("cpu"))
+    par = ParallelDrafter.from_pretrained(str(tmp_path / "out" / "parallel"), model)
+    EagleDrafter.from_pretrained(str(tmp_path / "out" / "eagle"), model)
+    assert par.config.block_size == 4 and len(rep["heads"]["parallel"]["heldout"]["top1_by_step"]) == 4
+    assert rep["heads"]["parallel"]["steps"] == 6 and rep["heads"]["eagle"]["steps"] == 6

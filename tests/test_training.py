@@ -12,6 +12,7 @@ from helpers import plain_greedy
 
 from conftest import tiny_llama
 from spec_plugins.heads import EagleDrafter, MedusaHeads
+from spec_plugins.heads.parallel import ParallelDrafter
 from spec_plugins.training.features import FeatureStore, Shard, extract, target_outputs
 from spec_plugins.training.trainer import TrainConfig
 
@@ -88,7 +89,7 @@ def test_an_interrupted_extraction_checkpoint_holds_its_time(model, tmp_path):
     assert state["shards"] and state["seconds"] > 0
 
 
-@pytest.mark.parametrize("kind,fused", [("eagle", True), ("eagle", False), ("medusa", False)])
+@pytest.mark.parametrize("kind,fused", [("eagle", True), ("eagle", False), ("parallel", True), ("medusa", False)])
 def test_train_loss_falls_and_resume_roundtrips(kind, fused, model, features, tmp_path):
     from spec_plugins.training.eagle_train import train_eagle
     from spec_plugins.training.medusa_train import train_medusa
@@ -97,8 +98,9 @@ def test_train_loss_falls_and_resume_roundtrips(kind, fused, model, features, tm
 
     def train(out, **extra):
         c = TrainConfig(**cfg, **extra)
-        if kind == "eagle":
-            return train_eagle(features, model, c, out, fused, vocab_size=24, heldout=features, progress=False)
+        if kind != "medusa":
+            return train_eagle(features, model, c, out, fused, vocab_size=24, heldout=features, progress=False,
+                               block_size=4 if kind == "parallel" else None, anchors=4)
         return train_medusa(features, model, c, out, num_heads=2, vocab_size=24, heldout=features, progress=False)
 
     full = train(tmp_path / "full")
@@ -110,7 +112,7 @@ def test_train_loss_falls_and_resume_roundtrips(kind, fused, model, features, tm
     assert not (tmp_path / "resumed" / "head.safetensors").exists()
     done = train(tmp_path / "resumed")
     assert done["finished"] and done["resumed_from"] == 10
-    cls = MedusaHeads if kind == "medusa" else EagleDrafter
+    cls = {"medusa": MedusaHeads, "eagle": EagleDrafter, "parallel": ParallelDrafter}[kind]
     a = cls.from_pretrained(str(tmp_path / "full"), model).state_dict()
     b = cls.from_pretrained(str(tmp_path / "resumed"), model).state_dict()
     for name in a:
@@ -118,11 +120,13 @@ def test_train_loss_falls_and_resume_roundtrips(kind, fused, model, features, tm
     conf = json.loads((tmp_path / "full" / "config.json").read_text())
     assert conf["kind"] == kind and conf["steps"] == 60 and conf["draft_vocab_size"] == 24
     held = full["heldout"]
-    if kind == "eagle":
+    if kind != "medusa":
         assert conf["feature_layers"] == (list(LAYERS) if fused else [])
         top1 = held["top1_by_step"]
-        assert len(top1) == 5 and top1[0] > 0.35, held  # learnt (a random drafter: ~1/24)
+        assert len(top1) == (5 if kind == "eagle" else 4) and top1[0] > 0.35, held  # learnt (random: ~1/24)
         assert 1.0 <= held["accepted_along_text"] <= 6.0
+        if kind == "parallel":  # the block learns the rule too: depths 1..3 from one forward (random: ~1/24)
+            assert min(top1[1:]) > 0.2, held
     else:
         assert held["top1_by_head"][0] > 0.35, held
 
@@ -161,3 +165,22 @@ def test_cli_validates_before_loading(tmp_path):
     assert res.exit_code == 2 and "soft, top1, data" in res.output
     res = r.invoke(app, ["train", "eagle", "--features", str(tmp_path / "none"), "--out", str(tmp_path / "h")])
     assert res.exit_code == 2 and "no features" in res.output
+
+
+def test_a_parallel_drafter_starts_from_a_trained_eagle_head(model, features, tmp_path):
+    """``init``: the parallel drafter starts from the EAGLE head's layer and draft vocabulary (the
+    block inputs fresh); a head that reads other feature layers is refused by name."""
+    from spec_plugins.training.eagle_train import train_eagle
+
+    cfg = TrainConfig(epochs=1, max_steps=2, batch_size=2, window=16, lr=1e-12, unroll=1)
+    train_eagle(features, model, cfg, tmp_path / "eagle", True, vocab_size=20, progress=False)
+    rep = train_eagle(features, model, cfg, tmp_path / "par", True, vocab_size=24, progress=False, block_size=3,
+                      init=tmp_path / "eagle")
+    e = EagleDrafter.from_pretrained(str(tmp_path / "eagle"), model).state_dict()
+    p = ParallelDrafter.from_pretrained(str(tmp_path / "par"), model).state_dict()
+    assert rep["draft_vocab"] == 20 and set(p) - set(e) == {"block_inputs"}
+    for name in e:
+        torch.testing.assert_close(p[name], e[name], atol=1e-3, rtol=1e-3)
+    train_eagle(features, model, cfg, tmp_path / "last", False, vocab_size=20, progress=False)
+    with pytest.raises(ValueError, match=r"reads feature layers \[\], these features hold \[1, 2\]"):
+        train_eagle(features, model, cfg, tmp_path / "bad", True, progress=False, block_size=3, init=tmp_path / "last")

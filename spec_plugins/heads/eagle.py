@@ -85,6 +85,9 @@ class EagleDrafter(nn.Module):
     """forward(features [B,T,H], tokens [B,T], positions [B,T], past_k, past_v [B,kv,S,d],
     mask [B,1,T,S+T] additive) -> (next features [B,T,H], new keys, new values [B,kv,T,d])."""
 
+    config_class: type = EagleConfig
+    kind = "eagle"
+
     def __init__(self, config: EagleConfig, lm_weight: torch.Tensor, embed_weight: torch.Tensor,
                  vocab_ids: torch.Tensor, dtype: torch.dtype | None = None) -> None:
         """Built where the target's LM head lives, in ``dtype`` (default: the LM head's)."""
@@ -123,12 +126,15 @@ class EagleDrafter(nn.Module):
         lm, emb = target_lm_parts(model)
 
         def build() -> "EagleDrafter":
-            names = {f.name for f in fields(EagleConfig)}
-            drafter = cls(EagleConfig(**{k: v for k, v in cfg.items() if k in names}), lm, emb, state["vocab_ids"])
+            if cfg.get("kind", cls.kind) != cls.kind:
+                raise KeyError(f"its config.json says kind {cfg.get('kind')!r}")
+            names = {f.name for f in fields(cls.config_class)}
+            config = cls.config_class(**{k: v for k, v in cfg.items() if k in names})
+            drafter = cls(config, lm, emb, state["vocab_ids"])
             drafter.load_state_dict(state, strict=True)  # copies (and casts) into the target's device and dtype
             return drafter.eval()
 
-        return build_head("eagle", directory, build)
+        return build_head(cls.kind, directory, build)
 
     def project(self, target_features: torch.Tensor) -> torch.Tensor:
         """Target features [..., feature_size] -> the drafter's feature space [..., H]."""

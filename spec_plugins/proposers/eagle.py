@@ -30,7 +30,7 @@ from spec_plugins.heads.eagle import EagleDrafter
 from spec_plugins.heads.runner import OrtEagleLayer, head_session, pick_engine
 from spec_plugins.policy.tree_size import MAX_AUTO_NODES
 from spec_plugins.proposers.base import ProposeContext, Proposer, RoundRecord
-from spec_plugins.proposers.eagle_tree import SlotMeans, expand, ranked_rows, select
+from spec_plugins.proposers.eagle_tree import Candidates, SlotMeans, expand, ranked_rows, select
 from spec_plugins.proposers.medusa import resolve_head_dir
 from spec_plugins.registry import register_proposer
 from spec_plugins.transfer import HOST, upload, upload_tensor
@@ -41,6 +41,7 @@ from spec_plugins.types import Draft, Ranked, Shaped
 class EagleProposer(Proposer):
     needs_hidden = True
     ranks = True
+    drafter_class: type[EagleDrafter] = EagleDrafter
 
     class Config(ProposerConfig):
         type: Literal["eagle"] = "eagle"
@@ -73,7 +74,7 @@ class EagleProposer(Proposer):
         if drafter is None:
             if target is None:
                 raise ValueError("eagle needs the target (its LM head and embeddings are shared with the drafter)")
-            drafter = EagleDrafter.from_pretrained(str(resolve_head_dir(config.heads)), target)
+            drafter = self.drafter_class.from_pretrained(str(resolve_head_dir(config.heads)), target)
         self.drafter = drafter.eval()
         self.feature_layers = drafter.config.feature_layers  # () = the target's last hidden state
         self.layer: Any = self.drafter  # the drafter's layer, in PyTorch or ONNX Runtime
@@ -93,6 +94,7 @@ class EagleProposer(Proposer):
         self.fed: list[int] = []  # per row: pairs (f_j, x_{j+1}) cached for j < fed
         self.means = SlotMeans(config.top_k if self.tree else 1)  # the drafter's mean score per slot
         self._scored: tuple[torch.Tensor, tuple[int, ...]] | None = None  # last draft's slot scores, to fetch
+        self.max_depth = 1 << 30  # a sequential drafter drafts as deep as the policy asks
 
     # ---- cache: the shared slot layer, one drafter layer ------------------------------------------
     def admit(self, prompts: Sequence[Sequence[int]]) -> None:
@@ -169,7 +171,7 @@ class EagleProposer(Proposer):
             raise RuntimeError("eagle needs target hidden states (needs_hidden) but the loop passed none")
         with torch_kernels.active():
             f = self._catch_up(ctx)
-            depth = max(ctx.budgets, default=0)
+            depth = min(max(ctx.budgets, default=0), self.max_depth)
             if depth <= 0:
                 return None
             tree = self.tree and ctx.tree_ok
@@ -177,16 +179,8 @@ class EagleProposer(Proposer):
             widths = self.means.widths(nodes, depth) if tree else (1,) * depth
             B = len(ctx.sequences)
             base = upload_tensor([len(s) - 1 for s in ctx.sequences], self.device)  # the pending token's position
-            past = list(self.drafter.empty_past(B, self.dtype))
-
-            def step(feat: torch.Tensor, tok: torch.Tensor, pos: torch.Tensor, anc: torch.Tensor) -> torch.Tensor:
-                out, k, v = self._step(feat, tok, pos, past[0], past[1], anc)
-                past[0], past[1] = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)
-                return out
-
             host = self.device == HOST  # reading the candidates is free: each row priced by its own scores
-            cands = expand(step, self.drafter.logits, f, base, depth if host else len(widths),
-                           self.config.top_k if tree else 1, self.drafter.vocab_ids)
+            cands = self._candidates(f, base, depth if host else len(widths), self.config.top_k if tree else 1)
             if host:
                 return ranked_rows(cands, nodes, list(ctx.budgets), tree and self.config.tree_nodes == "auto")
             tokens, parents, valid, probs = select(cands, widths, list(ctx.budgets))
@@ -195,6 +189,17 @@ class EagleProposer(Proposer):
         draft = Draft(tokens, shape, None, valid)
         return Ranked([[] for _ in range(B)], tree and self.config.tree_nodes == "auto",
                       [Shaped(draft, self.means.estimates(widths))])
+
+    def _candidates(self, f: torch.Tensor, base: torch.Tensor, depth: int, top_k: int) -> Candidates:
+        """EAGLE-2's expansion: one drafter step per depth, each feeding the expanded nodes."""
+        past = list(self.drafter.empty_past(f.shape[0], self.dtype))
+
+        def step(feat: torch.Tensor, tok: torch.Tensor, pos: torch.Tensor, anc: torch.Tensor) -> torch.Tensor:
+            out, k, v = self._step(feat, tok, pos, past[0], past[1], anc)
+            past[0], past[1] = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)
+            return out
+
+        return expand(step, self.drafter.logits, f, base, depth, top_k, self.drafter.vocab_ids)
 
     def to_fetch(self, z: torch.Tensor) -> dict[str, torch.Tensor]:
         """The last draft's slot scores, read in the round's one fetch (they update the means)."""

@@ -74,14 +74,45 @@ def expand(step: Callable, head: Callable, f: torch.Tensor, base: torch.Tensor, 
                          torch.cat([own, eye], -1)], 1)
         slot_of = slot_of.scatter(1, pick, E + torch.arange(kk, device=dev).expand(B, kk))
         top = head(out).float().log_softmax(-1).topk(kk, -1)  # [B, k, k]: children of each expanded candidate
-        n0 = tok.shape[1]
-        tok = torch.cat([tok, vocab[top.indices].reshape(B, kk * kk)], 1)
-        logp = torch.cat([logp, (logp.gather(1, pick)[..., None] + top.values).reshape(B, kk * kk)], 1)
-        parent = torch.cat([parent, pick[..., None].expand(B, kk, kk).reshape(B, kk * kk)], 1)
+        tok, logp, parent, level = _grow(tok, logp, parent, pick, vocab[top.indices], top.values)
         feat_of = torch.cat([feat_of, out[:, :, None].expand(B, kk, kk, -1).reshape(B, kk * kk, -1)], 1)
         slot_of = torch.cat([slot_of, torch.full((B, kk * kk), -1, dtype=torch.long, device=dev)], 1)
-        level = torch.arange(n0, n0 + kk * kk, device=dev).expand(B, kk * kk)
         dep += [d] * (kk * kk)
+    return Candidates(tok, logp, parent, tuple(dep))
+
+
+def _grow(tok: torch.Tensor, logp: torch.Tensor, parent: torch.Tensor, pick: torch.Tensor, child_tok: torch.Tensor,
+          child_logp: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Append the children [B, k, k] (tokens, log-probabilities given their parent) of the k
+    expanded candidates ``pick`` [B, k]; returns the grown (tokens, logp, parent) and the ids of
+    the new level."""
+    B, kk = pick.shape
+    n0 = tok.shape[1]
+    tok = torch.cat([tok, child_tok.reshape(B, kk * kk)], 1)
+    logp = torch.cat([logp, (logp.gather(1, pick)[..., None] + child_logp).reshape(B, kk * kk)], 1)
+    parent = torch.cat([parent, pick[..., None].expand(B, kk, kk).reshape(B, kk * kk)], 1)
+    return tok, logp, parent, torch.arange(n0, n0 + kk * kk, device=tok.device).expand(B, kk * kk)
+
+
+def marginal_candidates(logq: torch.Tensor, vocab: torch.Tensor, top_k: int) -> Candidates:
+    """The candidates of a parallel draft: ``logq`` [B, D, Vd] holds one log-distribution per
+    depth that does not depend on the path, so every expanded candidate at depth d - 1 gets the
+    same ``top_k`` children, scored by the product of the marginals along its path (DDTree's
+    best-first tree over per-position marginals, laid out as ``expand``'s so ``select`` and
+    ``ranked_rows`` serve both)."""
+    B, D, _ = logq.shape
+    top = logq.float().topk(top_k, -1)  # [B, D, k]
+    toks = vocab[top.indices]
+    tok, logp = toks[:, 0], top.values[:, 0]
+    parent = torch.full((B, top_k), -1, dtype=torch.long, device=logq.device)
+    level = torch.arange(top_k, device=logq.device).expand(B, top_k)
+    dep = [0] * top_k
+    for d in range(1, D):
+        pick = level.gather(1, logp.gather(1, level).topk(top_k, -1).indices)
+        kids = (B, top_k, top_k)
+        tok, logp, parent, level = _grow(tok, logp, parent, pick, toks[:, d, None].expand(kids),
+                                         top.values[:, d, None].expand(kids))
+        dep += [d] * (top_k * top_k)
     return Candidates(tok, logp, parent, tuple(dep))
 
 

@@ -27,7 +27,9 @@ app.add_typer(train_app, name="train")
 def features_cmd(
     out: Path = typer.Option(..., "--out", help="Directory for the shards and progress.json (resumable)."),
     target: str = typer.Option("smollm2-135m-instruct", "--target", help="Target model (built-in name, .gguf, dir)."),
-    source: str = typer.Option("sharegpt", "--source", help="sharegpt (the [train] extra) or prompts (a JSONL file)."),
+    source: str = typer.Option("sharegpt", "--source", help="sharegpt (the [train] extra), prompts (a JSONL file), "
+                                                            "or tokens (token shards, e.g. from `train self-distill`)."),
+    tokens: Optional[Path] = typer.Option(None, "--tokens", help="--source tokens: the token shard directory."),
     responses: str = typer.Option("fixed", "--responses",
                                   help="fixed: answers as written; self: the target regenerates them (greedy)."),
     split: str = typer.Option("train", "--split", help="ShareGPT split by conversation id: train or heldout."),
@@ -48,12 +50,15 @@ def features_cmd(
 ) -> None:
     """Run the target once over training conversations and write feature shards."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    for name, val, allowed in (("--source", source, ("sharegpt", "prompts")), ("--responses", responses, ("fixed", "self")),
+    for name, val, allowed in (("--source", source, ("sharegpt", "prompts", "tokens")),
+                               ("--responses", responses, ("fixed", "self")),
                                ("--split", split, ("train", "heldout")), ("--language", language, ("en", "any"))):
         if val not in allowed:
             fail(f"{name} {val!r}; allowed values: {', '.join(allowed)}")
     if source == "prompts" and responses == "fixed":
         fail("--source prompts has no written answers; use --responses self")
+    if (source == "tokens") != (tokens is not None):
+        fail("--tokens DIR goes with --source tokens (and --source tokens needs it)")
     check_output_dir(out)
     import torch
 
@@ -64,6 +69,10 @@ def features_cmd(
 
     torch.set_num_threads(threads)
     try:
+        if source == "tokens":
+            from spec_plugins.training.tokens import TokenStore
+
+            store = TokenStore(tokens)  # type: ignore[arg-type]
         if source == "sharegpt":
             from spec_plugins.training.sharegpt import dataset_file
 
@@ -83,8 +92,12 @@ def features_cmd(
     meta = {"target": target, "source": source, "responses": responses, "split": split, "max_seq": max_seq,
             "layers": list(keep), "language": language, "heldout_share": heldout_share,
             "prompts": str(prompts) if prompts else None, "max_new_tokens": max_new_tokens if responses == "self" else None}
-    examples = _examples(source, responses, split, tok, max_seq, flt, heldout_share, counts, texts, target,
-                         gen_backend, max_new_tokens, gen_batch, not no_progress)
+    if source == "tokens":
+        meta |= {"tokens": str(tokens), "token_meta": store.state.get("meta")}
+        examples = (c for i in range(len(store.shards)) for c in store.conversations(i))
+    else:
+        examples = _examples(source, responses, split, tok, max_seq, flt, heldout_share, counts, texts, target,
+                             gen_backend, max_new_tokens, gen_batch, not no_progress)
     t0 = time.perf_counter()
     state = extract(model, examples, out, meta, keep, max_tokens, shard_tokens, progress=not no_progress)
     state = {**state, "filter_counts_this_run": counts.as_dict(), "wall_seconds_this_run": round(time.perf_counter() - t0, 1)}
@@ -139,6 +152,58 @@ def _load(features: Path, heldout: Optional[Path], target: Optional[str]):
     return store, held, model
 
 
+@train_app.command("self-distill")
+def self_distill_cmd(
+    out: Path = typer.Option(..., "--out", help="Directory for the token shards (meta.json, shard-*.npz)."),
+    target: str = typer.Option("smollm2-135m-instruct", "--target", help="Target model (built-in name, .gguf, dir)."),
+    split: str = typer.Option("train", "--split", help="ShareGPT split by conversation id: train or heldout."),
+    max_tokens: int = typer.Option(1_000_000, "--max-tokens", min=1, help="Stop after this many tokens in all."),
+    max_seq: int = typer.Option(1024, "--max-seq", min=16, help="Cut each conversation to this many tokens."),
+    temperatures: str = typer.Option("0,0.7,1.0", "--temperatures",
+                                     help="Comma-separated; 0 = greedy (once), others sampled --samples times each."),
+    samples: int = typer.Option(1, "--samples", min=1, help="Draws per sampled temperature."),
+    max_new_tokens: int = typer.Option(512, "--max-new-tokens", min=1, help="Longest answer per turn."),
+    backend: str = typer.Option("onnxruntime", "--backend", help="Runtime that answers (torch, onnxruntime, ...)."),
+    rows: int = typer.Option(16, "--rows", min=1, help="Batch rows per target forward."),
+    language: str = typer.Option("en", "--language", help="en (mostly Latin script) or any."),
+    heldout_share: float = typer.Option(0.02, "--heldout-share", min=0.0, max=0.5),
+    shard_tokens: int = typer.Option(1_000_000, "--shard-tokens", min=256),
+) -> None:
+    """The target's own answers to every turn of ShareGPT's conversations, greedy and sampled, as
+    token shards (`train features --source tokens` reads them)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if split not in ("train", "heldout") or language not in ("en", "any"):
+        fail(f"--split {split!r} / --language {language!r}; allowed: train|heldout, en|any")
+    check_output_dir(out)
+    from spec_plugins.config import SpecConfig
+    from spec_plugins.decoder import SpeculativeDecoder
+    from spec_plugins.training.self_distill import regenerate, variants
+    from spec_plugins.training.sharegpt import DataFilter
+    from spec_plugins.training.sources import sharegpt_examples
+    from spec_plugins.training.tokens import write_token_shards
+
+    try:
+        ways = variants([float(t) for t in temperatures.split(",")], samples)
+        from spec_plugins.training.sharegpt import dataset_file
+
+        dataset_file()
+        dec = SpeculativeDecoder.from_config(SpecConfig.parse({"target": {"backend": backend, "model": target},
+                                                               "proposer": None}))
+    except (FileNotFoundError, ValueError, LookupError) as exc:
+        fail(str(exc))
+        return
+    convs = sharegpt_examples(dec.tokenizer, split, max_seq, DataFilter(language=language), heldout_share)  # type: ignore[arg-type]
+    meta = {"target": target, "source": "sharegpt", "responses": "self", "split": split, "max_seq": max_seq,
+            "variants": [vars(w) for w in ways], "max_new_tokens": max_new_tokens, "backend": backend, "rows": rows}
+    t0 = time.perf_counter()
+    state = write_token_shards(regenerate(dec, convs, ways, max_new_tokens, max_seq, rows), out, meta,
+                               len(dec.tokenizer), max_tokens, shard_tokens)
+    took = time.perf_counter() - t0
+    state |= {"wall_seconds": round(took, 1), "seconds_per_million_tokens": round(took / max(state["tokens"], 1) * 1e6, 1)}
+    (out / "meta.json").write_text(json.dumps(state, indent=1) + "\n")
+    typer.echo(json.dumps({k: v for k, v in state.items() if k != "shards"} | {"shards": len(state["shards"])}, indent=1))
+
+
 @train_app.command("eagle")
 def eagle_cmd(
     features: Path = typer.Option(..., "--features", help="Feature shards from `spec-plugins train features`."),
@@ -172,6 +237,46 @@ def eagle_cmd(
         from spec_plugins.training.eagle_train import train_eagle
 
         return train_eagle(store, model, tcfg, out, fused, draft_vocab, intermediate, held, not no_progress)
+
+    _run_training(features, heldout, out, threads, cfg, go)
+
+
+@train_app.command("parallel")
+def parallel_cmd(
+    features: Path = typer.Option(..., "--features", help="Feature shards from `spec-plugins train features`."),
+    out: Path = typer.Option(..., "--out", help="Head directory (head.safetensors, config.json, checkpoint.pt)."),
+    heldout: Optional[Path] = typer.Option(None, "--heldout", help="Held-out feature shards for the report."),
+    block_size: int = typer.Option(6, "--block-size", min=2, max=32,
+                                   help="Draft positions per drafter forward: depth 0 plus block_size - 1 block queries."),
+    anchors: int = typer.Option(32, "--anchors", min=1, help="Blocks trained per window per step."),
+    fused: bool = typer.Option(True, "--fused/--no-fused", help="EAGLE-3 fused low/mid/high layers, or the last hidden."),
+    draft_vocab: int = typer.Option(8192, "--draft-vocab", min=16, help="Most frequent answer tokens drafted."),
+    intermediate: Optional[int] = typer.Option(None, "--intermediate", min=1, help="MLP width (default 2 x hidden)."),
+    step_decay: float = typer.Option(0.8, "--depth-decay", min=0.0, max=1.0, help="Loss weight of depth d: decay ** d."),
+    init: Optional[Path] = typer.Option(None, "--init", help="Start from a trained EAGLE (or parallel) head: its layer, "
+                                                            "draft vocabulary and width; the block inputs start fresh."),
+    epochs: float = typer.Option(1.0, "--epochs", min=0.0),
+    batch_size: int = typer.Option(4, "--batch-size", min=1, help="Windows per step."),
+    window: int = typer.Option(512, "--window", min=8, help="Positions per window."),
+    lr: float = typer.Option(1e-3, "--lr"),
+    max_train_tokens: Optional[int] = typer.Option(None, "--max-train-tokens", min=1,
+                                                   help="Train on the first N tokens only (data-size sweep)."),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps", min=1),
+    stop_after: Optional[int] = typer.Option(None, "--stop-after", min=1, help="Leave after N steps; rerun to resume."),
+    finalize: bool = typer.Option(False, "--finalize", help="Write the head from the last checkpoint now."),
+    threads: int = typer.Option(2, "--threads", min=1),
+    seed: int = typer.Option(0, "--seed"),
+    no_progress: bool = typer.Option(False, "--no-progress"),
+) -> None:
+    """Train a parallel drafter (a whole block per drafter forward) on feature shards; resumable."""
+    cfg = dict(epochs=epochs, batch_size=batch_size, window=window, lr=lr, max_steps=max_steps, stop_after=stop_after,
+               finalize=finalize, seed=seed, max_train_tokens=max_train_tokens, loss="soft", step_decay=step_decay)
+
+    def go(store, model, tcfg, held):
+        from spec_plugins.training.eagle_train import train_eagle
+
+        return train_eagle(store, model, tcfg, out, fused, draft_vocab, intermediate, held, not no_progress,
+                           block_size=block_size, anchors=anchors, init=init)
 
     _run_training(features, heldout, out, threads, cfg, go)
 

@@ -51,6 +51,15 @@ class RunOptions:
     save_every: int = 500  # optimizer checkpoints (work dir, resumable) every N steps
     tf32: bool = True  # TF32 float32 matmuls: the soft labels' logsumexp and their rebuild alike (~1e-3 relative)
     seed: int = 0
+    heads: tuple[str, ...] = ("eagle",)  # trained in this order: eagle, parallel (medusa: the ``medusa`` switch)
+    block_size: int = 8  # the parallel drafter's draft positions per forward
+    anchors: int = 64  # blocks trained per window per step
+    distill_s: float = 0.0  # seconds of self-distillation before training (0: train on the bundle's answers)
+    temperatures: tuple[float, ...] = (0.0, 0.7, 1.0)  # self-distillation: greedy once, the others sampled
+    samples: int = 1  # draws per sampled temperature
+    gen_rows: int = 128  # batch rows per target forward while answering
+    gen_max_new: int = 512  # longest answer per turn
+    gen_max_seq: int = 2048  # regenerated conversations cut here
 
 
 class Watch:
@@ -152,7 +161,15 @@ def run(bundle: str | Path, out: str | Path, work: str | Path, opts: RunOptions)
         torch.set_float32_matmul_precision("high")
     layers = default_feature_layers(int(model.config.num_hidden_layers))
     name = man["model"]["name"]
-    train = LiveFeatures(TokenStore(bundle / "tokens" / "train"), model, layers, name, opts.prefill_tokens)
+    tokens = TokenStore(bundle / "tokens" / "train")
+    if opts.distill_s > 0:  # the target's own answers first, then features over them
+        t0 = time.time()
+        tokens = distill(model, tokens, work / "self-tokens", opts, min(opts.until, t0 + opts.distill_s), dev)
+        report["self_distill"] = {k: tokens.state[k] for k in ("tokens", "trained_tokens", "conversations")}
+        report["self_distill"] |= {"seconds": round(time.time() - t0, 1), "seconds_per_million_tokens":
+                                   round((time.time() - t0) / max(1, tokens.state["tokens"]) * 1e6, 1)}
+        write()
+    train = LiveFeatures(tokens, model, layers, name, opts.prefill_tokens)
     held = LiveFeatures(TokenStore(bundle / "tokens" / "heldout"), model, layers, name, opts.prefill_tokens)
     base = TrainConfig(epochs=opts.epochs, batch_size=opts.batch_size, window=opts.window, lr=opts.lr,
                        max_steps=opts.max_steps, save_every=opts.save_every, seed=opts.seed, loss="soft",
@@ -161,15 +178,23 @@ def run(bundle: str | Path, out: str | Path, work: str | Path, opts: RunOptions)
     def eagle(cfg: TrainConfig, hook: Any) -> dict:
         return train_eagle(train, model, cfg, work / "eagle", True, opts.draft_vocab, None, held, False, hook)
 
+    def parallel(cfg: TrainConfig, hook: Any) -> dict:
+        return train_eagle(train, model, cfg, work / "parallel", True, opts.draft_vocab, None, held, False, hook,
+                           block_size=opts.block_size, anchors=opts.anchors)
+
     def medusa(cfg: TrainConfig, hook: Any) -> dict:
         return train_medusa(train, model, cfg, work / "medusa", 4, opts.draft_vocab, held, False, hook)
 
-    plans: list[tuple[str, TrainConfig, Callable[[TrainConfig, Any], dict]]] = [("eagle", base, eagle)]
+    known = {"eagle": eagle, "parallel": parallel}
+    unknown = [h for h in opts.heads if h not in known]
+    if unknown or not opts.heads:
+        raise ValueError(f"heads {list(opts.heads)}: expected one or more of {sorted(known)}")
+    plans: list[tuple[str, TrainConfig, Callable[[TrainConfig, Any], dict]]] = [(h, base, known[h]) for h in opts.heads]
     if opts.medusa:
         plans.append(("medusa", replace(base, batch_size=opts.medusa_batch), medusa))
-    for kind, cfg, train_head in plans:
+    for n, (kind, cfg, train_head) in enumerate(plans):
         left = opts.until - time.time()
-        if kind != "eagle" and left < opts.medusa_min_s + opts.reserve_s:
+        if n and left < opts.medusa_min_s + opts.reserve_s:
             report["heads"][kind] = {"skipped": f"{left:.0f} s left, fewer than {opts.medusa_min_s + opts.reserve_s:.0f}"}
             continue
         watch = running[kind] = Watch(kind, train, out / kind, opts, write)
@@ -192,6 +217,33 @@ def run(bundle: str | Path, out: str | Path, work: str | Path, opts: RunOptions)
         report["device"]["max_memory_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 2)
     write()
     return report
+
+
+def distill(model: Any, prompts: Any, out: Path, opts: RunOptions, deadline: float, dev: torch.device) -> Any:
+    """The target's own answers to every turn of the bundle's conversations (``self_distill``),
+    on the static cache (CUDA graphs on a GPU), until ``deadline``; returns their token shards."""
+    from spec_plugins.backends.torch_runtime import TorchRuntime
+    from spec_plugins.backends.torch_static import StaticTorchRuntime
+    from spec_plugins.decoder import SpeculativeDecoder
+    from spec_plugins.training.self_distill import regenerate, variants
+    from spec_plugins.training.tokens import TokenStore, write_token_shards
+
+    cuda = dev.type == "cuda"
+    runtime = StaticTorchRuntime(model, graphs=True) if cuda else TorchRuntime(model)
+    ways = variants(opts.temperatures, opts.samples)
+    convs = (c for i in range(len(prompts.shards)) for c in prompts.conversations(i))
+
+    def until_deadline(rows: Any) -> Any:
+        for row in rows:
+            if time.time() >= deadline:
+                return
+            yield row
+
+    meta = {**prompts.state.get("meta", {}), "responses": "self", "variants": [asdict(w) for w in ways],
+            "max_new_tokens": opts.gen_max_new, "rows": opts.gen_rows}
+    rows = regenerate(SpeculativeDecoder(runtime), convs, ways, opts.gen_max_new, opts.gen_max_seq, opts.gen_rows)
+    write_token_shards(until_deadline(rows), out, meta, prompts.state["vocab"], 1 << 40, 1_000_000)
+    return TokenStore(out)
 
 
 def _stamp(path: Path, device: dict[str, Any]) -> None:

@@ -141,8 +141,9 @@ def chain_lengths(right: list[torch.Tensor], start: torch.Tensor) -> list[int]:
 
 
 def build_drafter(target_model: Any, vocab_ids: torch.Tensor, feature_layers: tuple[int, ...],
-                  intermediate: int | None = None) -> EagleDrafter:
-    """A fresh drafter sized from the target's config."""
+                  intermediate: int | None = None, cls: type[EagleDrafter] = EagleDrafter, **extra: Any) -> EagleDrafter:
+    """A fresh drafter of class ``cls`` sized from the target's config (``extra``: the fields
+    its config class adds)."""
     from spec_plugins.heads.common import target_lm_parts
 
     mc = target_model.config
@@ -151,9 +152,10 @@ def build_drafter(target_model: Any, vocab_ids: torch.Tensor, feature_layers: tu
     kv = int(getattr(mc, "num_key_value_heads", heads) or heads)
     rope = (getattr(mc, "rope_parameters", None) or {}).get("rope_theta") or getattr(mc, "rope_theta", 1e4)
     H = lm.shape[1]
-    hcfg = EagleConfig(H, num_heads=heads, num_kv_heads=kv, intermediate_size=intermediate or 2 * H,
-                       rope_theta=float(rope), draft_vocab_size=int(vocab_ids.numel()), feature_layers=feature_layers)
-    return EagleDrafter(hcfg, lm.float(), emb.float(), vocab_ids).to(lm.device)  # trained where the target is
+    hcfg = cls.config_class(H, num_heads=heads, num_kv_heads=kv, intermediate_size=intermediate or 2 * H,
+                            rope_theta=float(rope), draft_vocab_size=int(vocab_ids.numel()),
+                            feature_layers=feature_layers, **extra)
+    return cls(hcfg, lm.float(), emb.float(), vocab_ids).to(lm.device)  # trained where the target is
 
 
 def draft_vocab(store: ShardSource, windows: list[Window], size: int, vocab: int) -> tuple[torch.Tensor, float]:
@@ -168,9 +170,15 @@ def draft_vocab(store: ShardSource, windows: list[Window], size: int, vocab: int
 
 def train_eagle(store: ShardSource, target_model: Any, cfg: TrainConfig, out: str | Path, fused: bool = True,
                 vocab_size: int = 8192, intermediate: int | None = None, heldout: ShardSource | None = None,
-                progress: bool = True, hook: StepHook | None = None) -> dict[str, Any]:
+                progress: bool = True, hook: StepHook | None = None, block_size: int | None = None,
+                anchors: int = 32, init: str | Path | None = None) -> dict[str, Any]:
     """Train (or resume) a drafter on ``store``; returns the report written to train_report.json.
-    ``hook`` runs after every step (snapshots, a deadline: ``trainer.StepHook``)."""
+    ``hook`` runs after every step (snapshots, a deadline: ``trainer.StepHook``). With
+    ``block_size`` the drafter is a parallel one (``parallel_train``: ``anchors`` blocks per window).
+    ``init``: a trained EAGLE or parallel head to start from (its layer, draft vocabulary and
+    width; a parallel drafter's block inputs start fresh when the head is an EAGLE one)."""
+    from spec_plugins.training import parallel_train as par
+
     out = Path(out)
     torch.manual_seed(cfg.seed)
     layers = tuple(store.meta["layers"]) if fused else ()
@@ -180,38 +188,68 @@ def train_eagle(store: ShardSource, target_model: Any, cfg: TrainConfig, out: st
     if not windows:
         raise ValueError(f"no training windows in {store.directory}")
     V = target_model.get_output_embeddings().weight.shape[0]
-    vocab_ids, coverage = draft_vocab(store, windows, vocab_size, V)
-    model = build_drafter(target_model, vocab_ids, layers, intermediate)
+    start = _start_from(init, layers) if init is not None else None
+    if start is not None:
+        vocab_ids, intermediate = start[1]["vocab_ids"], int(start[0]["intermediate_size"])
+        counts = token_counts(store, V, windows)
+        coverage = float(counts[vocab_ids].sum()) / max(1, int(counts.sum()))
+    else:
+        vocab_ids, coverage = draft_vocab(store, windows, vocab_size, V)
+    if block_size:
+        model = build_drafter(target_model, vocab_ids, layers, intermediate, par.ParallelDrafter, block_size=block_size)
+    else:
+        model = build_drafter(target_model, vocab_ids, layers, intermediate)
+    if start is not None:
+        missing, unexpected = model.load_state_dict(start[1], strict=False)
+        if unexpected or set(missing) - {"block_inputs"}:
+            raise ValueError(f"{init} does not hold weights this drafter can start from "
+                             f"(missing {sorted(missing)}, unexpected {sorted(unexpected)})")
     vmap = map_vocab(model.vocab_ids, V)
     per_epoch = -(-len(windows) // cfg.batch_size)
-    loop = Loop(model, cfg, out, per_epoch, "eagle", model.config.to_dict(), progress, hook)
+    loop = Loop(model, cfg, out, per_epoch, model.kind, model.config.to_dict(), progress, hook)
     plan = dict(batches_for_steps(windows, cfg.batch_size, cfg.seed, loop.total))
     cache = ShardCache(store)
 
     def loss_at(step: int) -> torch.Tensor:
         bw = plan[step]
-        torch.manual_seed(cfg.seed * 7919 + step)  # noise reproducible across resume
-        return eagle_loss(model, eagle_batch(cache.get(bw[0].shard), bw, fused), cfg, vmap)
+        torch.manual_seed(cfg.seed * 7919 + step)  # noise and anchors reproducible across resume
+        b = eagle_batch(cache.get(bw[0].shard), bw, fused)
+        if block_size:
+            return par.parallel_loss(model, b, cfg, anchors)  # type: ignore[arg-type]
+        return eagle_loss(model, b, cfg, vmap)
 
     res = loop.run(loss_at, lambda step: sum(w.length for w in plan[step]))
     return _finish(model, res, cfg, out, store, windows, coverage, heldout)
 
 
+def _start_from(init: str | Path, layers: tuple[int, ...]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A trained head's (config, weights) to start from, checked against the features."""
+    from spec_plugins.heads.common import load_head
+
+    cfg, state = load_head(init)
+    if tuple(cfg.get("feature_layers", ())) != layers:
+        raise ValueError(f"{init} reads feature layers {cfg.get('feature_layers')}, these features hold {list(layers)}")
+    return cfg, state
+
+
 def _finish(model: EagleDrafter, res: TrainResult, cfg: TrainConfig, out: Path, store: ShardSource,
             windows: list[Window], coverage: float, heldout: ShardSource | None) -> dict[str, Any]:
     if not res.finished:
-        return {"kind": "eagle", "finished": False, "steps_done": res.steps, "steps": res.scheduled,
+        return {"kind": model.kind, "finished": False, "steps_done": res.steps, "steps": res.scheduled,
                 "checkpoint": str(out / "checkpoint.pt")}
     tokens = sum(w.length for w in windows)
     report: dict[str, Any] = {
-        "kind": "eagle", "finished": True, "target": store.meta["target"], "features": store.meta,
+        "kind": model.kind, "finished": True, "target": store.meta["target"], "features": store.meta,
         "train_tokens": tokens, "train_windows": len(windows), "draft_vocab": int(model.vocab_ids.numel()),
         "draft_vocab_coverage": round(coverage, 4), "train_seconds": round(res.seconds, 1), "steps": res.steps,
         "scheduled_steps": res.scheduled, "resumed_from": res.resumed_from, "train": asdict(cfg),
         "first_losses": [round(x, 4) for x in res.losses[:5]], "last_losses": [round(x, 4) for x in res.losses[-5:]],
     }
     if heldout is not None:
-        report["heldout"] = evaluate(model, heldout, cfg.window)
+        from spec_plugins.training.parallel_train import ParallelDrafter, evaluate_parallel
+
+        score = evaluate_parallel if isinstance(model, ParallelDrafter) else evaluate
+        report["heldout"] = score(model, heldout, cfg.window)
     save_head(model, {**model.config.to_dict(), "train": asdict(cfg), "train_seconds": report["train_seconds"],
                       "steps": res.steps, "train_tokens": tokens, "heldout": report.get("heldout")}, out)
     report["head_bytes"] = (out / "head.safetensors").stat().st_size
