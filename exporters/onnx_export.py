@@ -137,10 +137,10 @@ def export_config(config: Any, out: str | Path, opset: int = OPSET, log: Log = _
         dm = prop.model
         dmodel, _ = load_hf(dm.model, getattr(dm, "dtype", "float32"), "cpu")
         draft = (dmodel, dm.model)
-    elif prop is not None and prop.type in ("medusa", "eagle"):
-        from spec_plugins.heads import EagleDrafter, MedusaHeads
+    elif prop is not None and prop.type in ("medusa", "eagle", "parallel"):
+        from spec_plugins.heads import MedusaHeads, drafter_class
 
-        cls = MedusaHeads if prop.type == "medusa" else EagleDrafter
+        cls = MedusaHeads if prop.type == "medusa" else drafter_class(prop.heads)
         heads.append((prop.type, cls.from_pretrained(prop.heads, model), str(prop.heads)))
     layers = parse_feature_layers(feature_layers, int(model.config.get_text_config(decoder=True).num_hidden_layers))
     drafter_layers = tuple(getattr(heads[0][1].config, "feature_layers", ())) if heads else ()

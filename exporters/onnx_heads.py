@@ -147,11 +147,11 @@ def drop_noop_casts(path: Path) -> int:
 
 
 def load_head_module(entry: GraphEntry, model: Any) -> Any:
-    from spec_plugins.heads import EagleDrafter, MedusaHeads
+    from spec_plugins.heads import MedusaHeads, drafter_class
 
     if entry.source_heads is None:
         raise ValueError(f"graph {entry.name!r} has no source_heads directory to compare against")
-    cls = MedusaHeads if entry.kind == "medusa_heads" else EagleDrafter
+    cls = MedusaHeads if entry.kind == "medusa_heads" else drafter_class(entry.source_heads)
     return cls.from_pretrained(entry.source_heads, model)
 
 

@@ -33,9 +33,10 @@ def accepted(target, head: Path, kind: str, mode: str, prompts: list[list[int]],
     from spec_plugins.config import SpecConfig
     from spec_plugins.decoder import SpeculativeDecoder
 
-    section = {"type": kind, "heads": str(head), "mode": mode, "num_draft_tokens": 6 if kind == "eagle" else 4}
+    layer = kind in ("eagle", "parallel")  # drafters of the EAGLE layer: the same tree settings
+    section = {"type": kind, "heads": str(head), "mode": mode, "num_draft_tokens": 6 if layer else 4}
     if mode == "tree":
-        section.update(tree_nodes=16 if kind == "eagle" else 12, top_k=4)
+        section.update(tree_nodes=16 if layer else 12, top_k=4)
     cfg = SpecConfig.parse({"target": {"backend": "onnxruntime", "model": "smollm2-135m-instruct"},
                             "proposer": section})
     dec = SpeculativeDecoder.from_config(cfg, target=target)

@@ -89,11 +89,11 @@ def test_drafting_runs_the_block_exactly_as_training_does(tmp_path):
         return eagle_batch(FeatureStore(out).load(0), [Window(0, 0, len(ids) - 2, 0)], True)
 
     with torch.no_grad():
-        out0, _, _ = real_pass(d, batch(ids))
+        out0 = real_pass(d, batch(ids))[0]
         ids[a + 2] = int(d.vocab_ids[d.logits(out0[0, a]).argmax()])  # training feeds the data; make it the draft
         b = batch(ids)
-        out0, keys, values = real_pass(d, b)
-        want = d.logits(block_pass(d, b, keys, values, torch.tensor([[a]])))[0, 0].log_softmax(-1)
+        out0, keys, values, inputs = real_pass(d, b)
+        want = d.logits(block_pass(d, b, keys, values, inputs, torch.tensor([[a]])))[0, 0].log_softmax(-1)
 
     seen = []
     real = parallel_module.marginal_candidates
@@ -209,3 +209,21 @@ def test_the_marginal_tree_scores_paths_by_the_product_of_marginals():
     # depth 2 grows from the 3 best depth-1 candidates by score
     best1 = set(c.logp[0, 3:12].topk(3).indices.add(3).tolist())
     assert set(c.parent[0, 12:].tolist()) == best1
+
+
+def test_the_parallel_drafter_exports_to_onnx_and_checks_against_its_saved_head(tmp_path):
+    """Its layer exports as the EAGLE layer's graph; the parity check loads the saved head by its
+    kind (a parallel head is not an EAGLE head) and compares ONNX Runtime with PyTorch."""
+    pytest.importorskip("onnxruntime")
+    from spec_plugins.exporters.onnx_export import export_models
+    from spec_plugins.exporters.parity import check_export
+
+    model = tiny_llama(vocab=32, seed=2)
+    d = drafter(model, layers=())
+    save_head(d, d.config.to_dict(), tmp_path / "par")  # fp16 on disk: export what loads, as export_config does
+    d = ParallelDrafter.from_pretrained(str(tmp_path / "par"), model)
+    man = export_models(tmp_path / "export", (model, None, "tiny"), heads=[("parallel", d, str(tmp_path / "par"))])
+    assert [(g.name, g.kind) for g in man.graphs[1:]] == [("parallel", "eagle_layer")]
+    rep = check_export(tmp_path / "export", gamma=1, max_new_tokens=4, models={"tiny": model})
+    assert rep.ok, rep.format()
+    assert sum(c.graph == "parallel" for c in rep.cases) == 3

@@ -2,10 +2,13 @@
 
 The anchor query (the last committed pair (f_j, x_{j+1}), fed by the catch-up) predicts depth 0,
 as EAGLE does. Depths 1..K-1 come from one more forward over K-1 *block queries* at the next
-positions, whose inputs are unknown at drafting time: each block query i reads a learned input
-``block_inputs[i]`` in place of the target feature, and a token: block query 0 reads the depth-0
-draft (the drafter's own top-1), the others a fixed ``mask_token`` (its embedding is absorbed by
-the learned input: ``fuse`` is linear in both). Block queries attend to the drafter's cache of
+positions, whose inputs are unknown at drafting time: each block query i reads the anchor's own
+(projected) target feature plus a learned offset ``block_inputs[i]`` in place of its feature, and
+a token: block query 0 reads the depth-0 draft (the drafter's own top-1), the others a fixed
+``mask_token`` (its embedding is absorbed by the offset: ``fuse`` is linear in both). The anchor's
+feature is the richest summary of the context there is; without it (``anchor_input`` off: the
+offsets alone) one layer's attention learnt depth 2 no better than a bigram (docs/training.md).
+Block queries attend to the drafter's cache of
 committed pairs and causally to each other, never to one another's drafts, so the block's output
 is K-1 marginals, one per position, from one fixed-shape forward (PARD's mask tokens over EAGLE-3's
 fused features). The layer is ``EagleDrafter``'s, so its ONNX graph is the same graph.
@@ -25,6 +28,7 @@ from spec_plugins.heads.eagle import EagleConfig, EagleDrafter
 class ParallelConfig(EagleConfig):
     block_size: int = 6  # draft positions per round: depth 0 from the anchor, 1..K-1 from the block
     mask_token: int = 0  # the token id block queries 1..K-2 read (any fixed id: see the module docstring)
+    anchor_input: bool = True  # block queries read the anchor's feature plus their offset (else the offset)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -53,15 +57,17 @@ class ParallelDrafter(EagleDrafter):
         """Block queries per round (depths 1..K-1)."""
         return self.config.block_size - 1
 
-    def block_query(self, first: torch.Tensor, base: torch.Tensor, count: int | None = None
+    def block_query(self, anchor: torch.Tensor, first: torch.Tensor, base: torch.Tensor, count: int | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Inputs of the block queries after anchor queries at positions ``base`` [...] (the last
-        committed pair's; the pending token sits at base + 1): features
-        [..., n, H], tokens [..., n] (``first`` [...], the depth-0 token, then the mask token) and
-        positions [..., n] = base + 1 + i, for the first ``count`` (default all) block queries."""
+        committed pair's; the pending token sits at base + 1) whose projected features are
+        ``anchor`` [..., H]: features [..., n, H], tokens [..., n] (``first`` [...], the depth-0
+        token, then the mask token) and positions [..., n] = base + 1 + i, for the first ``count``
+        (default all) block queries."""
         n = self.block if count is None else count
         lead = first.shape
-        feat = self.block_inputs[:n].expand(*lead, n, -1)
+        offsets = self.block_inputs[:n].to(anchor.dtype)
+        feat = anchor[..., None, :] + offsets if self.config.anchor_input else offsets.expand(*lead, n, -1)
         tok = torch.full((*lead, n), self.config.mask_token, dtype=torch.long, device=first.device)
         tok[..., 0] = first
         pos = base[..., None] + 1 + torch.arange(n, device=base.device)

@@ -149,7 +149,9 @@ class EagleProposer(Proposer):
         new_ok = (pos >= 0)[:, None, :] & torch.ones(N, N, dtype=torch.bool, device=HOST).tril()[None]
         new_ok |= torch.eye(N, dtype=torch.bool, device=HOST)[None]  # padding queries see themselves
         ok = upload(torch.cat([self.slots.past_ok(N), new_ok[:, None]], -1), self.device)
-        out, k, v = self.layer(self.drafter.project(feat), upload(tok, self.device),
+        proj = self.drafter.project(feat)
+        self._anchor = proj[:, -1]  # the last committed pair's input: a parallel drafter's blocks read it
+        out, k, v = self.layer(proj, upload(tok, self.device),
                                upload(pos.clamp_min(0), self.device), self.k, self.v, additive(ok, self.dtype))
         self.k, self.v = torch.cat([self.k, k], 2), torch.cat([self.v, v], 2)
         self.slots.append(pos)

@@ -2,7 +2,7 @@
 
 Each round: (1) the catch-up feeds last round's committed pairs into the drafter's cache, exactly
 as EAGLE's does, and its last query predicts depth 0; (2) one fixed-shape forward of the K-1
-block queries after it gives the marginals of depths 1..K-1; (3) the candidates are every path
+block queries after it (each reading the anchor's feature) gives the marginals of depths 1..K-1; (3) the candidates are every path
 through the per-depth top-k, scored by the product of the marginals (DDTree's best-first tree,
 ``eagle_tree.marginal_candidates``), laid over the shape the host chose and priced by the policy
 exactly as EAGLE's tree is. So a round costs two drafter forwards whatever the depth, where
@@ -47,7 +47,7 @@ class ParallelProposer(EagleProposer):
         d = self.drafter
         logq = d.logits(f).float().log_softmax(-1)[:, None]  # [B, 1, Vd]
         if depth > 1:
-            feat, tok, pos = d.block_query(d.vocab_ids[logq[:, 0].argmax(-1)], base - 1)  # after the anchor
+            feat, tok, pos = d.block_query(self._anchor, d.vocab_ids[logq[:, 0].argmax(-1)], base - 1)
             feat = feat.to(self.dtype)
             if self.step_mode == "eager":
                 out = self._block_fixed(feat, tok, pos, self.k, self.v, self._past, self.layer)

@@ -253,6 +253,8 @@ def parallel_cmd(
     draft_vocab: int = typer.Option(8192, "--draft-vocab", min=16, help="Most frequent answer tokens drafted."),
     intermediate: Optional[int] = typer.Option(None, "--intermediate", min=1, help="MLP width (default 2 x hidden)."),
     step_decay: float = typer.Option(0.8, "--depth-decay", min=0.0, max=1.0, help="Loss weight of depth d: decay ** d."),
+    anchor_input: bool = typer.Option(True, "--anchor-input/--no-anchor-input",
+                                      help="Block queries read the anchor's feature plus a learned offset (else the offset)."),
     init: Optional[Path] = typer.Option(None, "--init", help="Start from a trained EAGLE (or parallel) head: its layer, "
                                                             "draft vocabulary and width; the block inputs start fresh."),
     epochs: float = typer.Option(1.0, "--epochs", min=0.0),
@@ -276,7 +278,7 @@ def parallel_cmd(
         from spec_plugins.training.eagle_train import train_eagle
 
         return train_eagle(store, model, tcfg, out, fused, draft_vocab, intermediate, held, not no_progress,
-                           block_size=block_size, anchors=anchors, init=init)
+                           block_size=block_size, anchors=anchors, init=init, anchor_input=anchor_input)
 
     _run_training(features, heldout, out, threads, cfg, go)
 

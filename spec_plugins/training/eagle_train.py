@@ -171,7 +171,7 @@ def draft_vocab(store: ShardSource, windows: list[Window], size: int, vocab: int
 def train_eagle(store: ShardSource, target_model: Any, cfg: TrainConfig, out: str | Path, fused: bool = True,
                 vocab_size: int = 8192, intermediate: int | None = None, heldout: ShardSource | None = None,
                 progress: bool = True, hook: StepHook | None = None, block_size: int | None = None,
-                anchors: int = 32, init: str | Path | None = None) -> dict[str, Any]:
+                anchors: int = 32, init: str | Path | None = None, anchor_input: bool = True) -> dict[str, Any]:
     """Train (or resume) a drafter on ``store``; returns the report written to train_report.json.
     ``hook`` runs after every step (snapshots, a deadline: ``trainer.StepHook``). With
     ``block_size`` the drafter is a parallel one (``parallel_train``: ``anchors`` blocks per window).
@@ -196,7 +196,8 @@ def train_eagle(store: ShardSource, target_model: Any, cfg: TrainConfig, out: st
     else:
         vocab_ids, coverage = draft_vocab(store, windows, vocab_size, V)
     if block_size:
-        model = build_drafter(target_model, vocab_ids, layers, intermediate, par.ParallelDrafter, block_size=block_size)
+        model = build_drafter(target_model, vocab_ids, layers, intermediate, par.ParallelDrafter, block_size=block_size,
+                              anchor_input=anchor_input)
     else:
         model = build_drafter(target_model, vocab_ids, layers, intermediate)
     if start is not None:
@@ -219,7 +220,9 @@ def train_eagle(store: ShardSource, target_model: Any, cfg: TrainConfig, out: st
         return eagle_loss(model, b, cfg, vmap)
 
     res = loop.run(loss_at, lambda step: sum(w.length for w in plan[step]))
-    return _finish(model, res, cfg, out, store, windows, coverage, heldout)
+    recipe = {"init": str(init) if init is not None else None, "anchors": anchors if block_size else None,
+              "anchor_input": anchor_input if block_size else None}
+    return _finish(model, res, cfg, out, store, windows, coverage, heldout, recipe)
 
 
 def _start_from(init: str | Path, layers: tuple[int, ...]) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -233,7 +236,8 @@ def _start_from(init: str | Path, layers: tuple[int, ...]) -> tuple[dict, dict[s
 
 
 def _finish(model: EagleDrafter, res: TrainResult, cfg: TrainConfig, out: Path, store: ShardSource,
-            windows: list[Window], coverage: float, heldout: ShardSource | None) -> dict[str, Any]:
+            windows: list[Window], coverage: float, heldout: ShardSource | None,
+            recipe: dict[str, Any] | None = None) -> dict[str, Any]:
     if not res.finished:
         return {"kind": model.kind, "finished": False, "steps_done": res.steps, "steps": res.scheduled,
                 "checkpoint": str(out / "checkpoint.pt")}
@@ -242,7 +246,7 @@ def _finish(model: EagleDrafter, res: TrainResult, cfg: TrainConfig, out: Path, 
         "kind": model.kind, "finished": True, "target": store.meta["target"], "features": store.meta,
         "train_tokens": tokens, "train_windows": len(windows), "draft_vocab": int(model.vocab_ids.numel()),
         "draft_vocab_coverage": round(coverage, 4), "train_seconds": round(res.seconds, 1), "steps": res.steps,
-        "scheduled_steps": res.scheduled, "resumed_from": res.resumed_from, "train": asdict(cfg),
+        "scheduled_steps": res.scheduled, "resumed_from": res.resumed_from, "train": asdict(cfg) | (recipe or {}),
         "first_losses": [round(x, 4) for x in res.losses[:5]], "last_losses": [round(x, 4) for x in res.losses[-5:]],
     }
     if heldout is not None:

@@ -25,25 +25,26 @@ from spec_plugins.training.trainer import TrainConfig
 NEG = float("-inf")
 
 
-def real_pass(model: ParallelDrafter, b: EagleBatch, noise: float = 0.0
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The window's real queries, causally: outputs [B, T, H] and their keys and values."""
+def real_pass(model: ParallelDrafter, b: EagleBatch, noise: float = 0.0) -> tuple[torch.Tensor, ...]:
+    """The window's real queries, causally: outputs [B, T, H], their keys and values, and their
+    projected input features [B, T, H] (each block reads its anchor's)."""
     x = model.project(b.feat)
     if noise:
         x = x + noise * x.detach().std() * torch.randn_like(x)
     B = x.shape[0]
     empty = x.new_zeros(B, model.config.num_kv_heads, 0, model.config.head_dim)
-    return model(x, b.tok, b.pos, empty, empty, unroll_masks(b.valid, 1)[0])
+    return (*model(x, b.tok, b.pos, empty, empty, unroll_masks(b.valid, 1)[0]), x)
 
 
 def block_pass(model: ParallelDrafter, b: EagleBatch, keys: torch.Tensor, values: torch.Tensor,
-               anchors: torch.Tensor) -> torch.Tensor:
-    """The block queries of ``anchors`` [B, S] (query indices) in one forward: outputs
-    [B, S, K-1, H] (module docstring)."""
+               inputs: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """The block queries of ``anchors`` [B, S] (query indices) in one forward, reading the anchors'
+    projected features from ``inputs`` [B, T, H]: outputs [B, S, K-1, H] (module docstring)."""
     B, T = b.valid.shape
     S, n = anchors.shape[1], model.block
     first = b.data_next.gather(1, anchors)  # x_{a+2}: the depth-0 token
-    feat, tok, pos = model.block_query(first, b.pos.gather(1, anchors))
+    anchor = inputs.gather(1, anchors[..., None].expand(-1, -1, inputs.shape[-1]))
+    feat, tok, pos = model.block_query(anchor, first, b.pos.gather(1, anchors))
     j = torch.arange(T, device=anchors.device)
     real = (j[None, None] <= anchors[..., None]) & b.valid[:, None]  # [B, S, T]
     own = torch.ones(n, n, dtype=torch.bool, device=anchors.device).tril()
@@ -81,12 +82,12 @@ def parallel_loss(model: ParallelDrafter, b: EagleBatch, cfg: TrainConfig, ancho
                   gen: torch.Generator | None = None) -> torch.Tensor:
     """Depth 0 plus each block depth, weighted ``step_decay ** depth``, on the target's own
     distribution (soft labels over the draft vocabulary)."""
-    out0, keys, values = real_pass(model, b, cfg.noise)
+    out0, keys, values, inputs = real_pass(model, b, cfg.noise)
     p = soft_labels(b.next_hidden, b.next_lse, model.lm_weight)  # [B, T, Vd]: the label of query j
     ok0 = step_mask(b, 0)
     total = _soft_ce(model.logits(out0), p, ok0)
     a, real = draw_anchors(b, anchors, gen)
-    out = block_pass(model, b, keys, values, a)
+    out = block_pass(model, b, keys, values, inputs, a)
     at, scored = block_labels(b, a, real, model.block)
     pb = p.gather(1, at.flatten(1)[..., None].expand(-1, -1, p.shape[-1])).view(*at.shape, -1)
     logits = model.logits(out)
@@ -114,7 +115,7 @@ def evaluate_parallel(model: ParallelDrafter, store: ShardSource, window: int = 
     hit, seen, chain, starts = [0] * K, [0] * K, [0] * K, 0
     for bw in epoch_batches(windows, batch, seed=0, epoch=0):
         b = eagle_batch(cache.get(bw[0].shard), bw, fused)
-        out0, keys, values = real_pass(model, b)
+        out0, keys, values, inputs = real_pass(model, b)
         right0 = model.vocab_ids[model.logits(out0).argmax(-1)] == b.top1
         ok0 = step_mask(b, 0)
         T = ok0.shape[1]
@@ -122,7 +123,7 @@ def evaluate_parallel(model: ParallelDrafter, store: ShardSource, window: int = 
             a = torch.arange(s, min(s + chunk, T), device=ok0.device).expand(ok0.shape[0], -1)
             real = ok0.gather(1, a)
             at, scored = block_labels(b, a, real, model.block)
-            pred = model.vocab_ids[model.logits(block_pass(model, b, keys, values, a)).argmax(-1)]
+            pred = model.vocab_ids[model.logits(block_pass(model, b, keys, values, inputs, a)).argmax(-1)]
             right = [right0.gather(1, a)] + [pred[..., i] == b.top1.gather(1, at[..., i]) for i in range(model.block)]
             oks = [real] + [scored[..., i] for i in range(model.block)]
             alive = real.clone()

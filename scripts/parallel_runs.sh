@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The parallel drafter's CPU rungs of docs/training.md, in order, beside the EAGLE rungs of
+# scripts/train_heads.sh (same features: the first tokens of one deterministic ShareGPT
+# extraction, so a --max-train-tokens rung is the same data as the EAGLE rung of that size).
+# Each step is resumable: a finished run (train_report.json) is skipped, an interrupted one resumes.
+#   FEATURES=data/feat-train HELDOUT=data/feat-heldout RUNS=runs bash scripts/parallel_runs.sh
+# then: python scripts/parallel_curve.py --runs runs --names <the runs below>,shipped-eagle
+set -euo pipefail
+F=${FEATURES:-data/feat-train}
+H=${HELDOUT:-data/feat-heldout}
+R=${RUNS:-runs}
+SHIPPED=examples/heads/smollm2-135m-instruct/eagle
+P="--block-size 6 --anchors 64"
+
+run() {  # run NAME ARGS...: one training run unless its report exists
+  local name=$1; shift
+  if [ -f "$R/$name/train_report.json" ]; then echo "skip $name"; return; fi
+  local t0=$(date +%s)
+  "$@" --out "$R/$name" --no-progress > "$R/$name.log" 2>&1
+  echo "$name: $(( $(date +%s) - t0 )) s" | tee -a "$R/times.txt"
+}
+mkdir -p "$R"
+# equal data with the EAGLE rungs abl-b1-full (the first 48k tokens, batch 1, 1 epoch) and eagle-b1-e2
+# (the first 0.5M tokens, batch 1, 2 epochs); -masks: the block queries read learned inputs only
+for a in "" "-masks"; do
+  A=$([ -z "$a" ] && echo --anchor-input || echo --no-anchor-input)
+  run parallel-b1-48k$a spec-plugins train parallel --features "$F" --heldout "$H" $P $A --max-train-tokens 48000 \
+    --batch-size 1
+  run parallel-b1-e2$a spec-plugins train parallel --features "$F" --heldout "$H" $P $A --max-train-tokens 500000 \
+    --batch-size 1 --epochs 2
+  # from the shipped EAGLE head (19.4M ShareGPT positions on a GPU): its layer and vocabulary, then
+  # one epoch over the first 0.5M tokens
+  run parallel-from-eagle$a spec-plugins train parallel --features "$F" --heldout "$H" $P $A \
+    --max-train-tokens 500000 --batch-size 1 --init "$SHIPPED"
+done
+run parallel-from-eagle-lr3e-4 spec-plugins train parallel --features "$F" --heldout "$H" $P --max-train-tokens 500000 \
+  --batch-size 1 --init "$SHIPPED" --lr 3e-4
+# self-distilled vs ShareGPT answers at equal size: the target answers every turn of the same
+# conversations (greedy, and sampled at 0.7 and 1.0), then the same start from the EAGLE head
+N=${SELF_TOKENS:-20000}
+S=${SELF_TOKENS_DIR:-data/tok-self}
+[ -f "$S/meta.json" ] || spec-plugins train self-distill --out "$S" --max-tokens "$N" --temperatures 0,0.7,1.0 \
+  --max-new-tokens 256 --rows 12 --backend onnxruntime | tee "$R/self-distill.json"
+[ -f "$S-feat/progress.json" ] && grep -q '"exhausted": true' "$S-feat/progress.json" || \
+  spec-plugins train features --source tokens --tokens "$S" --max-tokens "$N" --out "$S-feat" --no-progress
+run parallel-from-eagle-self spec-plugins train parallel --features "$S-feat" --heldout "$H" $P --batch-size 1 \
+  --init "$SHIPPED" --lr 3e-4
+run parallel-from-eagle-sharegpt spec-plugins train parallel --features "$F" --heldout "$H" $P --batch-size 1 \
+  --max-train-tokens "$N" --init "$SHIPPED" --lr 3e-4
