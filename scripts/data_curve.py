@@ -29,6 +29,16 @@ def dev_turns(n: int = 7) -> list[str]:
     return [r["turns"][0] for r in rows][:n]
 
 
+def target_and_prompts() -> tuple:
+    """SmolLM2 on ONNX Runtime (fp32) and the dev prompts' first turns in its chat template."""
+    from spec_plugins.backends.onnxruntime_runtime import OnnxRuntime
+
+    target = OnnxRuntime.from_config(OnnxRuntime.Config(model="smollm2-135m-instruct"))
+    tok = target.tokenizer
+    return target, [list(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                                 tokenize=True)["input_ids"]) for t in dev_turns()]
+
+
 def accepted(target, head: Path, kind: str, mode: str, prompts: list[list[int]], new: int) -> float:
     from spec_plugins.config import SpecConfig
     from spec_plugins.decoder import SpeculativeDecoder
@@ -64,12 +74,7 @@ def main() -> None:
     ap.add_argument("--markdown", default="docs/benchmarks.md")
     args = ap.parse_args()
 
-    from spec_plugins.backends.onnxruntime_runtime import OnnxRuntime
-
-    target = OnnxRuntime.from_config(OnnxRuntime.Config(model="smollm2-135m-instruct"))
-    tok = target.tokenizer
-    prompts = [list(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                            tokenize=True)["input_ids"]) for t in dev_turns()]
+    target, prompts = target_and_prompts()
     from spec_plugins.bench.docs import machine
 
     runs = Path(args.runs)

@@ -73,15 +73,11 @@ def main() -> None:
     ap.add_argument("--out", default="docs/reports/parallel-curve.json")
     ap.add_argument("--markdown", default="docs/benchmarks.md")
     args = ap.parse_args()
-    from data_curve import dev_turns
+    from data_curve import target_and_prompts
 
-    from spec_plugins.backends.onnxruntime_runtime import OnnxRuntime
     from spec_plugins.bench.docs import update
 
-    target = OnnxRuntime.from_config(OnnxRuntime.Config(model="smollm2-135m-instruct"))
-    tok = target.tokenizer
-    prompts = [list(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                            tokenize=True)["input_ids"]) for t in dev_turns()]
+    target, prompts = target_and_prompts()
     rows = {}
     for name in args.names.split(","):
         d = SHIPPED if name == "shipped-eagle" else Path(args.runs) / name

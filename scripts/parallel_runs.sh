@@ -12,13 +12,7 @@ R=${RUNS:-runs}
 SHIPPED=examples/heads/smollm2-135m-instruct/eagle
 P="--block-size 6 --anchors 64"
 
-run() {  # run NAME ARGS...: one training run unless its report exists
-  local name=$1; shift
-  if [ -f "$R/$name/train_report.json" ]; then echo "skip $name"; return; fi
-  local t0=$(date +%s)
-  "$@" --out "$R/$name" --no-progress > "$R/$name.log" 2>&1
-  echo "$name: $(( $(date +%s) - t0 )) s" | tee -a "$R/times.txt"
-}
+source "$(dirname "$0")/runs_lib.sh"  # run NAME ARGS...: one training run unless its report exists
 mkdir -p "$R"
 # equal data with the EAGLE rungs abl-b1-full (the first 48k tokens, batch 1, 1 epoch) and eagle-b1-e2
 # (the first 0.5M tokens, batch 1, 2 epochs); -masks: the block queries read learned inputs only

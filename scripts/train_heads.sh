@@ -8,13 +8,7 @@ F=${FEATURES:-data/feat-train}
 H=${HELDOUT:-data/feat-heldout}
 R=${RUNS:-runs}
 
-run() {  # run NAME ARGS...: one training run unless its report exists
-  local name=$1; shift
-  if [ -f "$R/$name/train_report.json" ]; then echo "skip $name"; return; fi
-  local t0=$(date +%s)
-  "$@" --out "$R/$name" --no-progress > "$R/$name.log" 2>&1
-  echo "$name: $(( $(date +%s) - t0 )) s" | tee -a "$R/times.txt"
-}
+source "$(dirname "$0")/runs_lib.sh"  # run NAME ARGS...: one training run unless its report exists
 mkdir -p "$R"
 # the shipped heads first: every training token, one epoch (full EAGLE-3 recipe: fused layers,
 # 3 training-time-test steps, soft labels, 8192-token draft vocabulary)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import chi_square_pvalue, exact_joint, plain_greedy
+from test_heads import run
 
 from conftest import tiny_llama
 from spec_plugins.backends.torch_runtime import TorchRuntime
@@ -20,7 +21,6 @@ from spec_plugins.policy import FixedLength
 from spec_plugins.proposers import parallel as parallel_module
 from spec_plugins.proposers.parallel import ParallelProposer
 from spec_plugins.sampling import LogitsPipeline
-from spec_plugins.stats import DecodeStats
 from spec_plugins.types import ProposeContext
 from spec_plugins.verifiers import ExactVerifier
 
@@ -40,15 +40,6 @@ def drafter(model, seed=0, block=4, vocab=VOCAB_IDS, layers=LAYERS):
 def proposer(model, mode="tree", nodes=8, top_k=2, **kw):
     cfg = ParallelProposer.Config(heads="unused", mode=mode, tree_nodes=nodes, top_k=top_k)
     return ParallelProposer(cfg, drafter=drafter(model, **kw))
-
-
-def run(target, prop, prompts, n, k, pipeline=GREEDY, generator=None):
-    outs = [[] for _ in prompts]
-    stats = DecodeStats()
-    for step in decode(target, prop, ExactVerifier(), pipeline, prompts, n, (), generator, stats, FixedLength(k)):
-        for i, t in step.emitted.items():
-            outs[i].extend(t)
-    return outs, stats
 
 
 PROMPTS = [[3, 7, 1, 9, 4], [5, 5, 2], [8, 1, 6, 2, 7, 3, 3, 10]]
