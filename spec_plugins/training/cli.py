@@ -23,6 +23,26 @@ train_app = typer.Typer(no_args_is_help=True, help="Train drafters: extract targ
 app.add_typer(train_app, name="train")
 
 
+# options the head commands share (one declaration each)
+FEATURES = typer.Option(..., "--features", help="Feature shards from `spec-plugins train features`.")
+HEAD_OUT = typer.Option(..., "--out", help="Head directory (head.safetensors, config.json, checkpoint.pt).")
+HELDOUT = typer.Option(None, "--heldout", help="Held-out feature shards for the report.")
+FUSED = typer.Option(True, "--fused/--no-fused", help="EAGLE-3 fused low/mid/high layers, or the last hidden.")
+DRAFT_VOCAB = typer.Option(8192, "--draft-vocab", min=16, help="Most frequent answer tokens drafted.")
+INTERMEDIATE = typer.Option(None, "--intermediate", min=1, help="MLP width (default 2 x hidden).")
+EPOCHS = typer.Option(1.0, "--epochs", min=0.0)
+WINDOW = typer.Option(512, "--window", min=8, help="Positions per window.")
+LR = typer.Option(1e-3, "--lr")
+MAX_TRAIN_TOKENS = typer.Option(None, "--max-train-tokens", min=1,
+                                help="Train on the first N tokens only (data-size sweep).")
+MAX_STEPS = typer.Option(None, "--max-steps", min=1)
+STOP_AFTER = typer.Option(None, "--stop-after", min=1, help="Leave after N steps; rerun to resume.")
+FINALIZE = typer.Option(False, "--finalize", help="Write the head from the last checkpoint now.")
+THREADS = typer.Option(2, "--threads", min=1)
+SEED = typer.Option(0, "--seed")
+NO_PROGRESS = typer.Option(False, "--no-progress")
+
+
 @train_app.command("features")
 def features_cmd(
     out: Path = typer.Option(..., "--out", help="Directory for the shards and progress.json (resumable)."),
@@ -46,7 +66,7 @@ def features_cmd(
     gen_batch: int = typer.Option(16, "--gen-batch", min=1, help="--responses self: rows per target forward."),
     shard_tokens: int = typer.Option(32768, "--shard-tokens", min=256),
     threads: int = typer.Option(2, "--threads", min=1, help="torch threads."),
-    no_progress: bool = typer.Option(False, "--no-progress"),
+    no_progress: bool = NO_PROGRESS,
 ) -> None:
     """Run the target once over training conversations and write feature shards."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -206,27 +226,26 @@ def self_distill_cmd(
 
 @train_app.command("eagle")
 def eagle_cmd(
-    features: Path = typer.Option(..., "--features", help="Feature shards from `spec-plugins train features`."),
-    out: Path = typer.Option(..., "--out", help="Head directory (head.safetensors, config.json, checkpoint.pt)."),
-    heldout: Optional[Path] = typer.Option(None, "--heldout", help="Held-out feature shards for the report."),
-    fused: bool = typer.Option(True, "--fused/--no-fused", help="EAGLE-3 fused low/mid/high layers, or the last hidden."),
+    features: Path = FEATURES,
+    out: Path = HEAD_OUT,
+    heldout: Optional[Path] = HELDOUT,
+    fused: bool = FUSED,
     unroll: int = typer.Option(3, "--unroll", min=1, help="Training-time test steps (1 = none)."),
     loss: str = typer.Option("soft", "--loss", help="soft (target distribution), top1 (target greedy), data."),
     reg_weight: float = typer.Option(0.0, "--reg-weight", min=0.0, help="Feature regression (EAGLE-1: 1.0)."),
-    draft_vocab: int = typer.Option(8192, "--draft-vocab", min=16, help="Most frequent answer tokens drafted."),
-    intermediate: Optional[int] = typer.Option(None, "--intermediate", min=1, help="MLP width (default 2 x hidden)."),
-    epochs: float = typer.Option(1.0, "--epochs", min=0.0),
+    draft_vocab: int = DRAFT_VOCAB,
+    intermediate: Optional[int] = INTERMEDIATE,
+    epochs: float = EPOCHS,
     batch_size: int = typer.Option(4, "--batch-size", min=1, help="Windows per step."),
-    window: int = typer.Option(512, "--window", min=8, help="Positions per window."),
-    lr: float = typer.Option(1e-3, "--lr"),
-    max_train_tokens: Optional[int] = typer.Option(None, "--max-train-tokens", min=1,
-                                                   help="Train on the first N tokens only (data-size sweep)."),
-    max_steps: Optional[int] = typer.Option(None, "--max-steps", min=1),
-    stop_after: Optional[int] = typer.Option(None, "--stop-after", min=1, help="Leave after N steps; rerun to resume."),
-    finalize: bool = typer.Option(False, "--finalize", help="Write the head from the last checkpoint now."),
-    threads: int = typer.Option(2, "--threads", min=1),
-    seed: int = typer.Option(0, "--seed"),
-    no_progress: bool = typer.Option(False, "--no-progress"),
+    window: int = WINDOW,
+    lr: float = LR,
+    max_train_tokens: Optional[int] = MAX_TRAIN_TOKENS,
+    max_steps: Optional[int] = MAX_STEPS,
+    stop_after: Optional[int] = STOP_AFTER,
+    finalize: bool = FINALIZE,
+    threads: int = THREADS,
+    seed: int = SEED,
+    no_progress: bool = NO_PROGRESS,
 ) -> None:
     """Train an EAGLE drafter (EAGLE-3 elements switchable) on feature shards; resumable."""
     cfg = dict(epochs=epochs, batch_size=batch_size, window=window, lr=lr, max_steps=max_steps, stop_after=stop_after,
@@ -243,32 +262,31 @@ def eagle_cmd(
 
 @train_app.command("parallel")
 def parallel_cmd(
-    features: Path = typer.Option(..., "--features", help="Feature shards from `spec-plugins train features`."),
-    out: Path = typer.Option(..., "--out", help="Head directory (head.safetensors, config.json, checkpoint.pt)."),
-    heldout: Optional[Path] = typer.Option(None, "--heldout", help="Held-out feature shards for the report."),
+    features: Path = FEATURES,
+    out: Path = HEAD_OUT,
+    heldout: Optional[Path] = HELDOUT,
     block_size: int = typer.Option(6, "--block-size", min=2, max=32,
                                    help="Draft positions per drafter forward: depth 0 plus block_size - 1 block queries."),
     anchors: int = typer.Option(32, "--anchors", min=1, help="Blocks trained per window per step."),
-    fused: bool = typer.Option(True, "--fused/--no-fused", help="EAGLE-3 fused low/mid/high layers, or the last hidden."),
-    draft_vocab: int = typer.Option(8192, "--draft-vocab", min=16, help="Most frequent answer tokens drafted."),
-    intermediate: Optional[int] = typer.Option(None, "--intermediate", min=1, help="MLP width (default 2 x hidden)."),
+    fused: bool = FUSED,
+    draft_vocab: int = DRAFT_VOCAB,
+    intermediate: Optional[int] = INTERMEDIATE,
     step_decay: float = typer.Option(0.8, "--depth-decay", min=0.0, max=1.0, help="Loss weight of depth d: decay ** d."),
     anchor_input: bool = typer.Option(True, "--anchor-input/--no-anchor-input",
                                       help="Block queries read the anchor's feature plus a learned offset (else the offset)."),
     init: Optional[Path] = typer.Option(None, "--init", help="Start from a trained EAGLE (or parallel) head: its layer, "
                                                             "draft vocabulary and width; the block inputs start fresh."),
-    epochs: float = typer.Option(1.0, "--epochs", min=0.0),
+    epochs: float = EPOCHS,
     batch_size: int = typer.Option(4, "--batch-size", min=1, help="Windows per step."),
-    window: int = typer.Option(512, "--window", min=8, help="Positions per window."),
-    lr: float = typer.Option(1e-3, "--lr"),
-    max_train_tokens: Optional[int] = typer.Option(None, "--max-train-tokens", min=1,
-                                                   help="Train on the first N tokens only (data-size sweep)."),
-    max_steps: Optional[int] = typer.Option(None, "--max-steps", min=1),
-    stop_after: Optional[int] = typer.Option(None, "--stop-after", min=1, help="Leave after N steps; rerun to resume."),
-    finalize: bool = typer.Option(False, "--finalize", help="Write the head from the last checkpoint now."),
-    threads: int = typer.Option(2, "--threads", min=1),
-    seed: int = typer.Option(0, "--seed"),
-    no_progress: bool = typer.Option(False, "--no-progress"),
+    window: int = WINDOW,
+    lr: float = LR,
+    max_train_tokens: Optional[int] = MAX_TRAIN_TOKENS,
+    max_steps: Optional[int] = MAX_STEPS,
+    stop_after: Optional[int] = STOP_AFTER,
+    finalize: bool = FINALIZE,
+    threads: int = THREADS,
+    seed: int = SEED,
+    no_progress: bool = NO_PROGRESS,
 ) -> None:
     """Train a parallel drafter (a whole block per drafter forward) on feature shards; resumable."""
     cfg = dict(epochs=epochs, batch_size=batch_size, window=window, lr=lr, max_steps=max_steps, stop_after=stop_after,
@@ -285,23 +303,23 @@ def parallel_cmd(
 
 @train_app.command("medusa")
 def medusa_cmd(
-    features: Path = typer.Option(..., "--features", help="Feature shards from `spec-plugins train features`."),
-    out: Path = typer.Option(..., "--out", help="Head directory (head.safetensors, config.json, checkpoint.pt)."),
-    heldout: Optional[Path] = typer.Option(None, "--heldout", help="Held-out feature shards for the report."),
+    features: Path = FEATURES,
+    out: Path = HEAD_OUT,
+    heldout: Optional[Path] = HELDOUT,
     num_heads: int = typer.Option(4, "--num-heads", min=1),
     loss: str = typer.Option("soft", "--loss", help="soft (target distribution), top1 (target greedy), data."),
     draft_vocab: int = typer.Option(8192, "--draft-vocab", min=16),
-    epochs: float = typer.Option(1.0, "--epochs", min=0.0),
+    epochs: float = EPOCHS,
     batch_size: int = typer.Option(8, "--batch-size", min=1, help="Windows per step."),
     window: int = typer.Option(512, "--window", min=8),
-    lr: float = typer.Option(1e-3, "--lr"),
+    lr: float = LR,
     max_train_tokens: Optional[int] = typer.Option(None, "--max-train-tokens", min=1),
-    max_steps: Optional[int] = typer.Option(None, "--max-steps", min=1),
+    max_steps: Optional[int] = MAX_STEPS,
     stop_after: Optional[int] = typer.Option(None, "--stop-after", min=1),
     finalize: bool = typer.Option(False, "--finalize"),
-    threads: int = typer.Option(2, "--threads", min=1),
-    seed: int = typer.Option(0, "--seed"),
-    no_progress: bool = typer.Option(False, "--no-progress"),
+    threads: int = THREADS,
+    seed: int = SEED,
+    no_progress: bool = NO_PROGRESS,
 ) -> None:
     """Train Medusa heads on feature shards; resumable."""
     cfg = dict(epochs=epochs, batch_size=batch_size, window=window, lr=lr, max_steps=max_steps, stop_after=stop_after,
