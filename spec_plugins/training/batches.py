@@ -151,3 +151,27 @@ def batches_for_steps(windows: Sequence[Window], batch: int, seed: int, steps: i
                 return
             yield step, bw
             step += 1
+
+
+def unroll_masks(valid: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Additive masks for unroll step s over keys [step0 | step1 | ... | step s], each T long:
+    query j sees step-0 keys i <= j-s and the step-r key at exactly i = j-s+r (its draft path)."""
+    B, T = valid.shape
+    dev = valid.device
+    j = torch.arange(T, device=dev)[:, None]
+    i = torch.arange(T, device=dev)[None, :]
+    out = []
+    for s in range(steps):
+        parts = [(i <= j - s)] + [(i == j - s + r) for r in range(1, s + 1)]
+        ok = torch.cat(parts, 1)[None] & valid.repeat(1, s + 1)[:, None, :]
+        ok = ok | torch.cat([torch.zeros(T, T * s, dtype=torch.bool, device=dev),
+                             torch.eye(T, dtype=torch.bool, device=dev)], 1)[None]
+        out.append(torch.zeros(B, 1, T, T * (s + 1), device=dev).masked_fill(~ok[:, None], float("-inf")))
+    return out
+
+
+def step_mask(b: EagleBatch, s: int) -> torch.Tensor:
+    """Queries whose step-s prediction is scored: real, with s earlier queries, answer token."""
+    ok = b.valid & b.label_ok
+    ok[:, :s] = False
+    return ok

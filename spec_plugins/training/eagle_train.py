@@ -23,26 +23,10 @@ from torch import nn
 from spec_plugins.heads.common import save_head
 from spec_plugins.heads.eagle import EagleConfig, EagleDrafter
 from spec_plugins.training.batches import (EagleBatch, ShardCache, Window, batches_for_steps, eagle_batch,
-                                           epoch_batches, plan_windows, soft_labels, token_counts)
+                                           epoch_batches, plan_windows, soft_labels, step_mask, token_counts,
+                                           unroll_masks)
 from spec_plugins.training.features import ShardSource
 from spec_plugins.training.trainer import IGNORE, Loop, StepHook, TrainConfig, TrainResult, map_vocab
-
-
-def unroll_masks(valid: torch.Tensor, steps: int) -> list[torch.Tensor]:
-    """Additive masks for unroll step s over keys [step0 | step1 | ... | step s], each T long:
-    query j sees step-0 keys i <= j-s and the step-r key at exactly i = j-s+r (its draft path)."""
-    B, T = valid.shape
-    dev = valid.device
-    j = torch.arange(T, device=dev)[:, None]
-    i = torch.arange(T, device=dev)[None, :]
-    out = []
-    for s in range(steps):
-        parts = [(i <= j - s)] + [(i == j - s + r) for r in range(1, s + 1)]
-        ok = torch.cat(parts, 1)[None] & valid.repeat(1, s + 1)[:, None, :]
-        ok = ok | torch.cat([torch.zeros(T, T * s, dtype=torch.bool, device=dev),
-                             torch.eye(T, dtype=torch.bool, device=dev)], 1)[None]
-        out.append(torch.zeros(B, 1, T, T * (s + 1), device=dev).masked_fill(~ok[:, None], float("-inf")))
-    return out
 
 
 def unrolled(model: EagleDrafter, b: EagleBatch, steps: int, noise: float = 0.0) -> list[torch.Tensor]:
@@ -63,13 +47,6 @@ def unrolled(model: EagleDrafter, b: EagleBatch, steps: int, noise: float = 0.0)
         outs.append(out)
         x = torch.cat([x0[:, :1], out[:, :-1]], 1)  # next step's input at j: this step's output at j-1
     return outs
-
-
-def step_mask(b: EagleBatch, s: int) -> torch.Tensor:
-    """Queries whose step-s prediction is scored: real, with s earlier queries, answer token."""
-    ok = b.valid & b.label_ok
-    ok[:, :s] = False
-    return ok
 
 
 def eagle_loss(model: EagleDrafter, b: EagleBatch, cfg: TrainConfig, vmap: torch.Tensor) -> torch.Tensor:

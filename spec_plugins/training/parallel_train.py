@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from spec_plugins.heads.parallel import ParallelConfig, ParallelDrafter
-from spec_plugins.training.batches import EagleBatch, ShardCache, eagle_batch, epoch_batches, plan_windows, soft_labels
+from spec_plugins.training.batches import (EagleBatch, ShardCache, eagle_batch, epoch_batches, plan_windows,
+                                           soft_labels, step_mask, unroll_masks)
 from spec_plugins.training.features import ShardSource
-from spec_plugins.training.eagle_train import step_mask, unroll_masks
 from spec_plugins.training.trainer import TrainConfig
 
 NEG = float("-inf")
