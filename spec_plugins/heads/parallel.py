@@ -7,7 +7,8 @@ positions, whose inputs are unknown at drafting time: each block query i reads t
 a token: block query 0 reads the depth-0 draft (the drafter's own top-1), the others a fixed
 ``mask_token`` (its embedding is absorbed by the offset: ``fuse`` is linear in both). The anchor's
 feature is the richest summary of the context there is; without it (``anchor_input`` off: the
-offsets alone) one layer's attention learnt depth 2 no better than a bigram (docs/training.md).
+offsets alone) one layer's attention must recover that summary from the cache (the ablation in
+docs/training.md).
 Block queries attend to the drafter's cache of
 committed pairs and causally to each other, never to one another's drafts, so the block's output
 is K-1 marginals, one per position, from one fixed-shape forward (PARD's mask tokens over EAGLE-3's

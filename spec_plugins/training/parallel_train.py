@@ -57,11 +57,11 @@ def block_pass(model: ParallelDrafter, b: EagleBatch, keys: torch.Tensor, values
     return out.view(B, S, n, -1)
 
 
-def draw_anchors(b: EagleBatch, count: int, gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+def draw_anchors(b: EagleBatch, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to ``count`` anchors per window among the queries whose depth 0 is trained; returns
     (anchors [B, S], which are real [B, S])."""
     ok = step_mask(b, 0)
-    r = torch.rand(ok.shape, generator=gen, device=ok.device) if gen is not None else torch.rand_like(ok.float())
+    r = torch.rand(ok.shape, device=ok.device)  # the global generator: the trainer seeds it per step
     top = r.masked_fill(~ok, -1.0).topk(min(count, ok.shape[1]), -1)
     return top.indices, top.values >= 0
 
@@ -78,15 +78,14 @@ def block_labels(b: EagleBatch, anchors: torch.Tensor, real: torch.Tensor, n: in
     return at, scored
 
 
-def parallel_loss(model: ParallelDrafter, b: EagleBatch, cfg: TrainConfig, anchors: int,
-                  gen: torch.Generator | None = None) -> torch.Tensor:
+def parallel_loss(model: ParallelDrafter, b: EagleBatch, cfg: TrainConfig, anchors: int) -> torch.Tensor:
     """Depth 0 plus each block depth, weighted ``step_decay ** depth``, on the target's own
     distribution (soft labels over the draft vocabulary)."""
     out0, keys, values, inputs = real_pass(model, b, cfg.noise)
     p = soft_labels(b.next_hidden, b.next_lse, model.lm_weight)  # [B, T, Vd]: the label of query j
     ok0 = step_mask(b, 0)
     total = _soft_ce(model.logits(out0), p, ok0)
-    a, real = draw_anchors(b, anchors, gen)
+    a, real = draw_anchors(b, anchors)
     out = block_pass(model, b, keys, values, inputs, a)
     at, scored = block_labels(b, a, real, model.block)
     pb = p.gather(1, at.flatten(1)[..., None].expand(-1, -1, p.shape[-1])).view(*at.shape, -1)

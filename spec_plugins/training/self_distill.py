@@ -111,9 +111,8 @@ def _answer(plain: Any, chunk: list[tuple[int, list[tuple[list[int], int]]]], wa
             built[r] = p + list(out.token_ids)
             marks[r] += [False] * len(ctx) + [True] * len(out.token_ids)
             alive[r] = out.finish_reason != "length"
-        for r, (_, t, _) in enumerate(rows):
-            if r not in todo:
-                alive[r] = False
+        answered = set(todo)  # a row with no turn left, or no room for it, ends here
+        alive = [a and r in answered for r, a in enumerate(alive)]
     for r in range(len(rows)):
         if any(marks[r]):
             yield built[r][:max_seq], marks[r][:max_seq]
