@@ -73,12 +73,13 @@ def export_models(out: str | Path, target: tuple[Any, Any, str], draft: tuple[An
             log(f"exporting draft graph of {dsource} ...")
             graphs.append(graph_entry("draft", dmodel, dsource, tmp / "draft.onnx", opset))
             log(f"  draft.onnx: {graphs[1].size_bytes / 2**20:.1f} MiB in {graphs[1].export_seconds:.1f} s")
-        for name, module, head_dir in heads or []:
-            from spec_plugins.exporters.onnx_heads import export_head
+        for head, whole, head_dir in heads or []:
+            from spec_plugins.exporters.onnx_heads import export_head, head_graphs
 
-            log(f"exporting {name} head graph from {head_dir} ...")
-            graphs.append(export_head(module, tmp / f"{name}.onnx", name, source, head_dir, opset))
-            log(f"  {name}.onnx: {graphs[-1].size_bytes / 2**20:.1f} MiB in {graphs[-1].export_seconds:.1f} s")
+            for name, module in head_graphs(head, whole):
+                log(f"exporting {name} head graph from {head_dir} ...")
+                graphs.append(export_head(module, tmp / f"{name}.onnx", name, source, head_dir, opset))
+                log(f"  {name}.onnx: {graphs[-1].size_bytes / 2**20:.1f} MiB in {graphs[-1].export_seconds:.1f} s")
         if quantize is not None:
             for g in graphs:
                 _quantize_entry(tmp, g, quantize, log)

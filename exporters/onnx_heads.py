@@ -1,17 +1,20 @@
-"""ONNX graphs of the trained draft heads (``spec_plugins.heads``): Medusa heads, EAGLE layer.
+"""ONNX graphs of the trained draft heads (``spec_plugins.heads``): Medusa heads, EAGLE layer,
+a parallel drafter's block layers.
 
     medusa  hidden [B, H]                                 -> logits [B, K, Vd]
     eagle   features [B, T, H], tokens [B, T], positions [B, T],
             past_key / past_value [B, kv, S, d], attention_mask [B, 1, T, S+T] (additive)
                                                           -> features [B, T, H],
                                                              new_key / new_value [B, kv, T, d]
+    block   features [B, T, H]                            -> features [B, T, H]
 
 Medusa logits are over the head's draft vocabulary (``vocab_ids`` in the head directory). The
 EAGLE graph is the drafter's layer alone: its input features are already in the drafter's
 space (``EagleDrafter.project``) and the draft-vocabulary LM head on its output is one matmul
 the proposer does where it needs it (the last catch-up position, the expanded nodes), rather
-than on every position in the graph. The heads are plain modules without caches, so the tracer
-sees every shape; B, T and S are dynamic.
+than on every position in the graph. A parallel drafter is the EAGLE layer's graph plus, with
+block layers, the block graph (``BlockRefiner``: its own entry, ``<name>-block``). The heads are
+plain modules without caches, so the tracer sees every shape; B, T and S are dynamic.
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ def _io(kind: str, c: Any, vd: int) -> tuple[list[dict], list[dict], dict]:
         ins = [{"name": "hidden", "dtype": "float32", "shape": ["B", c.hidden_size]}]
         outs = [{"name": "logits", "dtype": "float32", "shape": ["B", c.num_heads, vd]}]
         return ins, outs, {"hidden": {0: "B"}, "logits": {0: "B"}}
+    if kind == "block_refiner":
+        ins = [{"name": "features", "dtype": "float32", "shape": ["B", "T", c.hidden_size]}]
+        outs = [{"name": "features_out", "dtype": "float32", "shape": ["B", "T", c.hidden_size]}]
+        return ins, outs, {"features": {0: "B", 1: "T"}, "features_out": {0: "B", 1: "T"}}
     kv_in, kv_new = ["B", c.num_kv_heads, "S", c.head_dim], ["B", c.num_kv_heads, "T", c.head_dim]
     ins = [{"name": "features", "dtype": "float32", "shape": ["B", "T", c.hidden_size]},
            {"name": "tokens", "dtype": "int64", "shape": ["B", "T"]},
@@ -55,6 +62,8 @@ def head_inputs(kind: str, module: Any, B: int = 2, T: int = 3, S: int = 4, seed
     c = module.config
     if kind == "medusa_heads":
         return (torch.randn(B, c.hidden_size, generator=g),)
+    if kind == "block_refiner":
+        return (torch.randn(B, T, c.hidden_size, generator=g),)
     vocab = module.embed_weight.shape[0]
     ok = torch.cat([torch.ones(T, S, dtype=torch.bool), torch.ones(T, T, dtype=torch.bool).tril()], -1)
     mask = torch.zeros(B, 1, T, S + T).masked_fill_(~ok[None, None], torch.finfo(torch.float32).min)
@@ -66,12 +75,21 @@ def head_inputs(kind: str, module: Any, B: int = 2, T: int = 3, S: int = 4, seed
 
 def _kind(module: Any) -> str:
     from spec_plugins.heads import EagleDrafter, MedusaHeads
+    from spec_plugins.heads.parallel import BlockRefiner
 
     if isinstance(module, MedusaHeads):
         return "medusa_heads"
     if isinstance(module, EagleDrafter):
         return "eagle_layer"
-    raise TypeError(f"cannot export {type(module).__name__}: expected MedusaHeads or EagleDrafter")
+    if isinstance(module, BlockRefiner):
+        return "block_refiner"
+    raise TypeError(f"cannot export {type(module).__name__}: expected MedusaHeads, EagleDrafter or BlockRefiner")
+
+
+def head_graphs(name: str, module: Any) -> list[tuple[str, Any]]:
+    """The graphs a trained head exports as: (graph name, module) pairs."""
+    refiner = getattr(module, "refiner", None)
+    return [(name, module)] + ([(f"{name}-block", refiner)] if refiner is not None else [])
 
 
 @torch.no_grad()
@@ -82,7 +100,7 @@ def export_head(module: Any, path: str | Path, name: str, source_model: str, sou
 
     kind = _kind(module)
     module = module.float().eval()
-    vd = int(module.vocab_ids.numel())
+    vd = int(module.vocab_ids.numel()) if hasattr(module, "vocab_ids") else 0
     ins, outs, axes = _io(kind, module.config, vd)
     path = Path(path)
     t0 = time.perf_counter()
@@ -152,7 +170,8 @@ def load_head_module(entry: GraphEntry, model: Any) -> Any:
     if entry.source_heads is None:
         raise ValueError(f"graph {entry.name!r} has no source_heads directory to compare against")
     cls = MedusaHeads if entry.kind == "medusa_heads" else drafter_class(entry.source_heads)
-    return cls.from_pretrained(entry.source_heads, model)
+    module = cls.from_pretrained(entry.source_heads, model)
+    return module.refiner if entry.kind == "block_refiner" else module
 
 
 @torch.no_grad()
@@ -168,9 +187,10 @@ def check_head(directory: str | Path, entry: GraphEntry, model: Any, rtol: float
     cases = []
     for B, T, S in ((1, 1, 0), (2, 3, 5), (3, 6, 9)):
         args = head_inputs(entry.kind, module, B, T, S, seed=B + T + S)
-        want = module(*args) if entry.kind == "medusa_heads" else module(*args)[0]
+        want = module(*args) if entry.kind != "eagle_layer" else module(*args)[0]
         out = "logits" if entry.kind == "medusa_heads" else "features_out"
         got = session.run([out], {n: a.numpy() for n, a in zip(names, args)})[0]
-        label = f"random B={B}" if entry.kind == "medusa_heads" else f"random B={B} T={T} S={S}"
+        label = {"medusa_heads": f"random B={B}", "block_refiner": f"random B={B} T={T}"}.get(
+            entry.kind, f"random B={B} T={T} S={S}")
         cases.append(compare(entry.name, label, got, want, rtol))
     return cases

@@ -29,6 +29,12 @@ for a in "" "-masks"; do
 done
 run parallel-from-eagle-lr3e-4 spec-plugins train parallel --features "$F" --heldout "$H" $P --max-train-tokens 500000 \
   --batch-size 1 --init "$SHIPPED" --lr 3e-4
+# deeper block drafters, same recipe as parallel-from-eagle-lr3e-4: 2 and 4 decoder layers over
+# each block (fresh, starting as the identity) after the EAGLE layer
+for L in 2 4; do
+  run parallel-deep$L-from-eagle spec-plugins train parallel --features "$F" --heldout "$H" $P \
+    --max-train-tokens 500000 --batch-size 1 --init "$SHIPPED" --lr 3e-4 --block-layers $L
+done
 # self-distilled vs ShareGPT answers at equal size: the target answers every turn of the same
 # conversations (greedy, and sampled at 0.7 and 1.0), then the same start from the EAGLE head
 N=${SELF_TOKENS:-20000}

@@ -86,7 +86,8 @@ EVERY_PROPOSER = ("ngram", "suffix", "recycling", "lookahead", "draft", "medusa-
 
 def save_random_heads(model, directory):
     """A random EAGLE-3 drafter (fused layers 1, 2) and random Medusa heads for ``model``, saved as
-    trained heads are, and a random parallel drafter (fused layers 1, 2, a block of 4); returns
+    trained heads are, and a random parallel drafter (fused layers 1, 2, a block of 4, one block
+    layer); returns
     ``{"eagle": dir, "medusa": dir, "parallel": dir}``. Built on the host from the model's host
     weights (as training does)."""
     from pathlib import Path
@@ -102,7 +103,7 @@ def save_random_heads(model, directory):
     d, m = eagle(model, layers=(1, 2)), medusa(model)
     save_head(d, d.config.to_dict(), directory / "eagle")
     save_head(m, m.config.to_dict(), directory / "medusa")
-    p = drafter(model)
+    p = drafter(model, block_layers=1)
     save_head(p, p.config.to_dict(), directory / "parallel")
     return {"eagle": directory / "eagle", "medusa": directory / "medusa", "parallel": directory / "parallel"}
 

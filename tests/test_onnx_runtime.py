@@ -253,15 +253,17 @@ def test_failed_admission_leaves_the_running_rows_as_they_were(exported):
     assert got == plain_greedy(target, [1, 2, 3, 1, 2], 20)
 
 
-@pytest.mark.parametrize("kind,layers", [("eagle", ()), ("eagle", (2, 1, 1)), ("parallel", (2, 1, 1))])
+@pytest.mark.parametrize("kind,layers", [("eagle", ()), ("eagle", (2, 1, 1)), ("parallel", (2, 1, 1)),
+                                         ("parallel-deep", (2, 1, 1))])
 def test_eagle_drafts_on_onnxruntime_with_greedy_identity(exported, kind, layers, tmp_path, monkeypatch):
-    """With an ONNX Runtime target the drafter (EAGLE's, or the parallel one's block) runs in ONNX
-    Runtime too (its head graph exported on first use), reading the verify graph's hidden state or
-    fused layer outputs (EAGLE-3); greedy output is identical to plain decoding, the drafter's
-    features are the torch runtime's, and it accepts what the same drafter in PyTorch accepts."""
+    """With an ONNX Runtime target the drafter (EAGLE's, or the parallel one's block, with block
+    layers or without) runs in ONNX Runtime too (its head graphs exported on first use), reading
+    the verify graph's hidden state or fused layer outputs (EAGLE-3); greedy output is identical
+    to plain decoding, the drafter's features are the torch runtime's, and it accepts what the
+    same drafter in PyTorch accepts."""
     from spec_plugins.heads import EagleConfig, EagleDrafter, target_lm_parts
     from spec_plugins.heads.parallel import ParallelConfig, ParallelDrafter
-    from spec_plugins.heads.runner import OrtEagleLayer
+    from spec_plugins.heads.runner import OrtBlockRefiner, OrtEagleLayer
     from spec_plugins.proposers.eagle import EagleProposer
     from spec_plugins.proposers.parallel import ParallelProposer
     from spec_plugins.stats import DecodeStats
@@ -273,8 +275,12 @@ def test_eagle_drafts_on_onnxruntime_with_greedy_identity(exported, kind, layers
     lm, emb = target_lm_parts(target)
     cls, ccls, pcls = ((EagleDrafter, EagleConfig, EagleProposer) if kind == "eagle"
                        else (ParallelDrafter, ParallelConfig, ParallelProposer))
+    extra = {"block_layers": 2} if kind == "parallel-deep" else {}
     drafter = cls(ccls(32, num_heads=4, num_kv_heads=2, intermediate_size=64, draft_vocab_size=32,
-                       feature_layers=layers), lm, emb, torch.arange(32))
+                       feature_layers=layers, **extra), lm, emb, torch.arange(32))
+    for layer in drafter.refiner.layers if extra else ():  # trained block layers are not the identity
+        torch.nn.init.normal_(layer.o.weight, std=0.5)
+        torch.nn.init.normal_(layer.down.weight, std=0.5)
 
     def proposer(engine):
         return pcls(pcls.Config(heads="unused", mode="tree", tree_nodes=6, top_k=2, engine=engine), target=rt,
@@ -282,6 +288,11 @@ def test_eagle_drafts_on_onnxruntime_with_greedy_identity(exported, kind, layers
 
     prop = proposer("auto")
     assert isinstance(prop.layer, OrtEagleLayer) and list((tmp_path / "onnx-heads").glob("*/head.onnx"))
+    if extra:
+        x = torch.randn(3, 4, 32)
+        assert isinstance(prop.refiner, OrtBlockRefiner)
+        torch.testing.assert_close(prop.refiner(x), drafter.refiner(x), atol=1e-4, rtol=1e-4)
+        assert not torch.allclose(drafter.refiner(x), x)
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
     want = rt.capabilities.feature_layers if layers else True
     ref = TorchRuntime(target)

@@ -169,18 +169,25 @@ def test_cli_validates_before_loading(tmp_path):
 
 def test_a_parallel_drafter_starts_from_a_trained_eagle_head(model, features, tmp_path):
     """``init``: the parallel drafter starts from the EAGLE head's layer and draft vocabulary (the
-    block inputs fresh); a head that reads other feature layers is refused by name."""
+    block inputs fresh), a deeper one from a parallel head (the block layers fresh); a head that
+    reads other feature layers is refused by name."""
     from spec_plugins.training.eagle_train import train_eagle
 
     cfg = TrainConfig(epochs=1, max_steps=2, batch_size=2, window=16, lr=1e-12, unroll=1)
     train_eagle(features, model, cfg, tmp_path / "eagle", True, vocab_size=20, progress=False)
     rep = train_eagle(features, model, cfg, tmp_path / "par", True, vocab_size=24, progress=False, block_size=3,
-                      init=tmp_path / "eagle")
+                      init=tmp_path / "eagle", heldout=features)
     e = EagleDrafter.from_pretrained(str(tmp_path / "eagle"), model).state_dict()
     p = ParallelDrafter.from_pretrained(str(tmp_path / "par"), model).state_dict()
     assert rep["draft_vocab"] == 20 and set(p) - set(e) == {"block_inputs"}
     for name in e:
         torch.testing.assert_close(p[name], e[name], atol=1e-3, rtol=1e-3)
+    deep = train_eagle(features, model, cfg, tmp_path / "deep", True, progress=False, block_size=3, block_layers=2,
+                       init=tmp_path / "par", heldout=features)
+    assert deep["heldout"] == rep["heldout"]  # block layers start as the identity (lr 1e-12: unchanged)
+    d = ParallelDrafter.from_pretrained(str(tmp_path / "deep"), model)
+    assert d.config.block_layers == 2 and deep["train"]["block_layers"] == 2
+    assert {k.split(".")[0] for k in set(d.state_dict()) - set(p)} == {"refiner"}
     train_eagle(features, model, cfg, tmp_path / "last", False, vocab_size=20, progress=False)
     with pytest.raises(ValueError, match=r"reads feature layers \[\], these features hold \[1, 2\]"):
         train_eagle(features, model, cfg, tmp_path / "bad", True, progress=False, block_size=3, init=tmp_path / "last")

@@ -26,7 +26,7 @@ class GraphEntry:
     """One exported graph."""
 
     name: str  # "verify" (target), "draft" (draft model), "medusa", "eagle"
-    kind: str  # "decoder_with_past" (the layout of onnx_verify.py), "medusa_heads", "eagle_layer"
+    kind: str  # "decoder_with_past" (the layout of onnx_verify.py), "medusa_heads", "eagle_layer", "block_refiner"
     file: str  # relative to the export directory
     source_model: str  # the config's model string (built-in name or path)
     dtype: str

@@ -81,6 +81,42 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
+def add_decoder_weights(m: nn.Module, c: EagleConfig, fk: dict) -> None:
+    """A pre-norm decoder layer's weights as attributes of ``m`` (attention with grouped KV heads,
+    then a SwiGLU MLP): the EAGLE layer's, and a parallel drafter's block layers'."""
+    H, d = c.hidden_size, c.head_dim
+    m.in_norm = RMSNorm(H, c.rms_norm_eps, **fk)
+    m.q = nn.Linear(H, c.num_heads * d, bias=False, **fk)
+    m.k = nn.Linear(H, c.num_kv_heads * d, bias=False, **fk)
+    m.v = nn.Linear(H, c.num_kv_heads * d, bias=False, **fk)
+    m.o = nn.Linear(c.num_heads * d, H, bias=False, **fk)
+    m.mlp_norm = RMSNorm(H, c.rms_norm_eps, **fk)
+    m.gate = nn.Linear(H, c.intermediate_size, bias=False, **fk)
+    m.up = nn.Linear(H, c.intermediate_size, bias=False, **fk)
+    m.down = nn.Linear(c.intermediate_size, H, bias=False, **fk)
+
+
+def decoder_block(m: Any, c: EagleConfig, x: torch.Tensor, positions: torch.Tensor, past_k: torch.Tensor,
+                  past_v: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layer of ``add_decoder_weights`` on the residual stream x [B, T, H] at ``positions``
+    [B, T], over cached keys/values [B, kv, S, d] and an additive mask [B, 1, T, S+T] (None: every
+    query sees every key): (x after the layer, its new keys, its new values)."""
+    B, T, _ = x.shape
+    h = m.in_norm(x)
+    q = m.q(h).view(B, T, c.num_heads, c.head_dim).transpose(1, 2)
+    k = m.k(h).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+    v = m.v(h).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+    q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
+    keys, values = torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)
+    rep = c.num_heads // c.num_kv_heads
+    att = nn.functional.scaled_dot_product_attention(
+        q, keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1),
+        attn_mask=None if mask is None else mask.to(q.dtype))
+    x = x + m.o(att.transpose(1, 2).reshape(B, T, -1))
+    g = m.mlp_norm(x)
+    return x + m.down(nn.functional.silu(m.gate(g)) * m.up(g)), k, v
+
+
 class EagleDrafter(nn.Module):
     """forward(features [B,T,H], tokens [B,T], positions [B,T], past_k, past_v [B,kv,S,d],
     mask [B,1,T,S+T] additive) -> (next features [B,T,H], new keys, new values [B,kv,T,d])."""
@@ -93,20 +129,12 @@ class EagleDrafter(nn.Module):
         """Built where the target's LM head lives, in ``dtype`` (default: the LM head's)."""
         super().__init__()
         c = self.config = config
-        H, d = c.hidden_size, c.head_dim
+        H = c.hidden_size
         dev = lm_weight.device
         fk = dict(device=dev, dtype=dtype or lm_weight.dtype)  # every weight on the target's device
         self.fc = nn.Linear(c.feature_size, H, bias=False, **fk) if c.feature_layers else None
         self.fuse = nn.Linear(2 * H, H, **fk)
-        self.in_norm = RMSNorm(H, c.rms_norm_eps, **fk)
-        self.q = nn.Linear(H, c.num_heads * d, bias=False, **fk)
-        self.k = nn.Linear(H, c.num_kv_heads * d, bias=False, **fk)
-        self.v = nn.Linear(H, c.num_kv_heads * d, bias=False, **fk)
-        self.o = nn.Linear(c.num_heads * d, H, bias=False, **fk)
-        self.mlp_norm = RMSNorm(H, c.rms_norm_eps, **fk)
-        self.gate = nn.Linear(H, c.intermediate_size, bias=False, **fk)
-        self.up = nn.Linear(H, c.intermediate_size, bias=False, **fk)
-        self.down = nn.Linear(c.intermediate_size, H, bias=False, **fk)
+        add_decoder_weights(self, c, fk)
         self.out_norm = RMSNorm(H, c.rms_norm_eps, **fk)
         ids = vocab_ids.to(device=dev, dtype=torch.long)
         self.register_buffer("vocab_ids", ids.clone())
@@ -148,22 +176,9 @@ class EagleDrafter(nn.Module):
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                 past_k: torch.Tensor, past_v: torch.Tensor, mask: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        c = self.config
-        B, T, _ = features.shape
         emb = nn.functional.embedding(tokens, self.embed_weight).to(features.dtype)
         x = self.fuse(torch.cat([features, emb], -1))  # [B, T, H]
-        h = self.in_norm(x)
-        q = self.q(h).view(B, T, c.num_heads, c.head_dim).transpose(1, 2)
-        k = self.k(h).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        v = self.v(h).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
-        keys, values = torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)
-        rep = c.num_heads // c.num_kv_heads
-        att = nn.functional.scaled_dot_product_attention(
-            q, keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1), attn_mask=mask.to(q.dtype))
-        x = x + self.o(att.transpose(1, 2).reshape(B, T, -1))
-        m = self.mlp_norm(x)
-        x = x + self.down(nn.functional.silu(self.gate(m)) * self.up(m))
+        x, k, v = decoder_block(self, self.config, x, positions, past_k, past_v, mask)
         return self.out_norm(x), k, v
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:

@@ -13,16 +13,23 @@ Block queries attend to the drafter's cache of
 committed pairs and causally to each other, never to one another's drafts, so the block's output
 is K-1 marginals, one per position, from one fixed-shape forward (PARD's mask tokens over EAGLE-3's
 fused features). The layer is ``EagleDrafter``'s, so its ONNX graph is the same graph.
+
+One layer sees the block's own inputs only, so a query two ahead must infer the token in between
+in one attention. ``block_layers`` adds that many decoder layers over the block alone: the
+anchor's output (depth 0) and the K-1 block outputs attend to each other, with no cache (so the
+catch-up is unchanged and a round is still two drafter forwards). Their output projections start
+at zero, so a deeper drafter starts as exactly the one-layer drafter it is trained from.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from spec_plugins.heads.eagle import EagleConfig, EagleDrafter
+from spec_plugins.heads.eagle import EagleConfig, EagleDrafter, add_decoder_weights, decoder_block
 
 
 @dataclass(frozen=True)
@@ -30,14 +37,49 @@ class ParallelConfig(EagleConfig):
     block_size: int = 6  # draft positions per round: depth 0 from the anchor, 1..K-1 from the block
     mask_token: int = 0  # the token id block queries 1..K-2 read (any fixed id: see the module docstring)
     anchor_input: bool = True  # block queries read the anchor's feature plus their offset (else the offset)
+    block_layers: int = 0  # decoder layers over the block alone (the anchor's output and the block outputs)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.block_size < 2:
             raise ValueError(f"block_size must be at least 2 (depth 0 and one block query), got {self.block_size}")
+        if not 0 <= self.block_layers <= 16:
+            raise ValueError(f"block_layers must be 0..16, got {self.block_layers}")
 
     def to_dict(self) -> dict:
         return {"kind": "parallel", **asdict(self)}
+
+
+class BlockLayer(nn.Module):
+    """One decoder layer over the block (``add_decoder_weights``), output projections zeroed."""
+
+    def __init__(self, config: ParallelConfig, fk: dict) -> None:
+        super().__init__()
+        add_decoder_weights(self, config, fk)
+        nn.init.zeros_(self.o.weight)
+        nn.init.zeros_(self.down.weight)
+
+
+class BlockRefiner(nn.Module):
+    """forward(x [B, T, H]: the anchor's output then the block outputs) -> [B, T, H]: the
+    ``block_layers`` layers, every row seeing every other. Positions are 0..T-1: rotary attention
+    depends only on their differences, which are the block's own."""
+
+    kind = "block_refiner"
+
+    def __init__(self, config: ParallelConfig, fk: dict) -> None:
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(BlockLayer(config, fk) for _ in range(config.block_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        pos = torch.arange(T, device=x.device).expand(B, T)
+        c = self.config
+        empty = x.new_zeros(B, c.num_kv_heads, 0, c.head_dim)
+        for layer in self.layers:
+            x = decoder_block(layer, c, x, pos, empty, empty, None)[0]
+        return x
 
 
 class ParallelDrafter(EagleDrafter):
@@ -52,6 +94,19 @@ class ParallelDrafter(EagleDrafter):
         H = config.hidden_size
         w = torch.randn(config.block_size - 1, H, device=self.fuse.weight.device) * H ** -0.5
         self.block_inputs = nn.Parameter(w.to(self.fuse.weight.dtype))
+        fk = dict(device=self.fuse.weight.device, dtype=self.fuse.weight.dtype)
+        self.refiner = BlockRefiner(config, fk) if config.block_layers else None
+
+    def refine(self, depth0: torch.Tensor, block: torch.Tensor, refiner: Any = None) -> torch.Tensor:
+        """The block layers over the anchor's output ``depth0`` [..., H] and the block's outputs
+        ``block`` [..., n, H] -> the block's refined outputs [..., n, H] (``refiner``: where the
+        layers run, default here); the block unchanged without block layers."""
+        if self.refiner is None:
+            return block
+        z = torch.cat([depth0[..., None, :].to(block.dtype), block], -2)
+        lead = z.shape[:-2]
+        out = (refiner or self.refiner)(z.reshape(-1, *z.shape[-2:]))
+        return out.view(*lead, *z.shape[-2:])[..., 1:, :]
 
     @property
     def block(self) -> int:

@@ -64,6 +64,16 @@ class OrtEagleLayer:
         return torch.from_numpy(out), torch.from_numpy(k), torch.from_numpy(v)
 
 
+class OrtBlockRefiner:
+    """A parallel drafter's block layers in ONNX Runtime, called like ``BlockRefiner.forward``."""
+
+    def __init__(self, session: Any) -> None:
+        self.session = session
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(self.session.run(["features_out"], {"features": x.float().contiguous().numpy()})[0])
+
+
 class OrtMedusaHeads:
     """Medusa heads in ONNX Runtime, called like ``MedusaHeads.forward``."""
 

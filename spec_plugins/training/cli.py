@@ -274,8 +274,10 @@ def parallel_cmd(
     step_decay: float = typer.Option(0.8, "--depth-decay", min=0.0, max=1.0, help="Loss weight of depth d: decay ** d."),
     anchor_input: bool = typer.Option(True, "--anchor-input/--no-anchor-input",
                                       help="Block queries read the anchor's feature plus a learned offset (else the offset)."),
+    block_layers: int = typer.Option(0, "--block-layers", min=0, max=16,
+                                     help="Decoder layers over the block alone, after the drafter's layer."),
     init: Optional[Path] = typer.Option(None, "--init", help="Start from a trained EAGLE (or parallel) head: its layer, "
-                                                            "draft vocabulary and width; the block inputs start fresh."),
+                                                            "draft vocabulary and width; what it lacks starts fresh."),
     epochs: float = EPOCHS,
     batch_size: int = typer.Option(4, "--batch-size", min=1, help="Windows per step."),
     window: int = WINDOW,
@@ -296,7 +298,8 @@ def parallel_cmd(
         from spec_plugins.training.eagle_train import train_eagle
 
         return train_eagle(store, model, tcfg, out, fused, draft_vocab, intermediate, held, not no_progress,
-                           block_size=block_size, anchors=anchors, init=init, anchor_input=anchor_input)
+                           block_size=block_size, anchors=anchors, init=init, anchor_input=anchor_input,
+                           block_layers=block_layers)
 
     _run_training(features, heldout, out, threads, cfg, go)
 

@@ -148,12 +148,14 @@ def draft_vocab(store: ShardSource, windows: list[Window], size: int, vocab: int
 def train_eagle(store: ShardSource, target_model: Any, cfg: TrainConfig, out: str | Path, fused: bool = True,
                 vocab_size: int = 8192, intermediate: int | None = None, heldout: ShardSource | None = None,
                 progress: bool = True, hook: StepHook | None = None, block_size: int | None = None,
-                anchors: int = 32, init: str | Path | None = None, anchor_input: bool = True) -> dict[str, Any]:
+                anchors: int = 32, init: str | Path | None = None, anchor_input: bool = True,
+                block_layers: int = 0) -> dict[str, Any]:
     """Train (or resume) a drafter on ``store``; returns the report written to train_report.json.
     ``hook`` runs after every step (snapshots, a deadline: ``trainer.StepHook``). With
-    ``block_size`` the drafter is a parallel one (``parallel_train``: ``anchors`` blocks per window).
+    ``block_size`` the drafter is a parallel one (``parallel_train``: ``anchors`` blocks per window,
+    ``block_layers`` layers over each block).
     ``init``: a trained EAGLE or parallel head to start from (its layer, draft vocabulary and
-    width; a parallel drafter's block inputs start fresh when the head is an EAGLE one)."""
+    width; a parallel drafter's block inputs and block layers start fresh where the head has none)."""
     from spec_plugins.training import parallel_train as par
 
     out = Path(out)
@@ -174,12 +176,12 @@ def train_eagle(store: ShardSource, target_model: Any, cfg: TrainConfig, out: st
         vocab_ids, coverage = draft_vocab(store, windows, vocab_size, V)
     if block_size:
         model = build_drafter(target_model, vocab_ids, layers, intermediate, par.ParallelDrafter, block_size=block_size,
-                              anchor_input=anchor_input)
+                              anchor_input=anchor_input, block_layers=block_layers)
     else:
         model = build_drafter(target_model, vocab_ids, layers, intermediate)
     if start is not None:
         missing, unexpected = model.load_state_dict(start[1], strict=False)
-        if unexpected or set(missing) - {"block_inputs"}:
+        if unexpected or [k for k in missing if k != "block_inputs" and not k.startswith("refiner.")]:
             raise ValueError(f"{init} does not hold weights this drafter can start from "
                              f"(missing {sorted(missing)}, unexpected {sorted(unexpected)})")
     vmap = map_vocab(model.vocab_ids, V)
@@ -198,7 +200,8 @@ def train_eagle(store: ShardSource, target_model: Any, cfg: TrainConfig, out: st
 
     res = loop.run(loss_at, lambda step: sum(w.length for w in plan[step]))
     recipe = {"init": str(init) if init is not None else None, "anchors": anchors if block_size else None,
-              "anchor_input": anchor_input if block_size else None}
+              "anchor_input": anchor_input if block_size else None,
+              "block_layers": block_layers if block_size else None}
     return _finish(model, res, cfg, out, store, windows, coverage, heldout, recipe)
 
 

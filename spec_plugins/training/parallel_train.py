@@ -7,6 +7,8 @@ as the proposer runs them: block query i sits at position a + 1 + i, reads ``blo
 token x_{a+2} (i = 0) or the mask token, and sees the real keys up to a and the earlier block
 queries of its own anchor; it is scored on the target's distribution at a + 2 + i (depth i + 1).
 No training-time test unroll is needed: the block queries' inputs are the same when drafting.
+With block layers, each anchor's output (depth 0) and its block outputs then run through them
+together, as ``ParallelDrafter.refine`` does when drafting.
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ def real_pass(model: ParallelDrafter, b: EagleBatch, noise: float = 0.0) -> tupl
 
 
 def block_pass(model: ParallelDrafter, b: EagleBatch, keys: torch.Tensor, values: torch.Tensor,
-               inputs: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+               inputs: torch.Tensor, out0: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
     """The block queries of ``anchors`` [B, S] (query indices) in one forward, reading the anchors'
-    projected features from ``inputs`` [B, T, H]: outputs [B, S, K-1, H] (module docstring)."""
+    projected features from ``inputs`` [B, T, H], then the block layers with the anchors' outputs
+    from ``out0`` [B, T, H]: outputs [B, S, K-1, H] (module docstring)."""
     B, T = b.valid.shape
     S, n = anchors.shape[1], model.block
     first = b.data_next.gather(1, anchors)  # x_{a+2}: the depth-0 token
@@ -54,7 +57,8 @@ def block_pass(model: ParallelDrafter, b: EagleBatch, keys: torch.Tensor, values
     mask = torch.zeros(ok.shape, device=keys.device).masked_fill(~ok, NEG)[:, None]
     out, _, _ = model(feat.reshape(B, S * n, -1).to(keys.dtype), tok.reshape(B, S * n), pos.reshape(B, S * n),
                       keys, values, mask)
-    return out.view(B, S, n, -1)
+    depth0 = out0.gather(1, anchors[..., None].expand(-1, -1, out0.shape[-1]))
+    return model.refine(depth0, out.view(B, S, n, -1))
 
 
 def draw_anchors(b: EagleBatch, count: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,7 +90,7 @@ def parallel_loss(model: ParallelDrafter, b: EagleBatch, cfg: TrainConfig, ancho
     ok0 = step_mask(b, 0)
     total = _soft_ce(model.logits(out0), p, ok0)
     a, real = draw_anchors(b, anchors)
-    out = block_pass(model, b, keys, values, inputs, a)
+    out = block_pass(model, b, keys, values, inputs, out0, a)
     at, scored = block_labels(b, a, real, model.block)
     pb = p.gather(1, at.flatten(1)[..., None].expand(-1, -1, p.shape[-1])).view(*at.shape, -1)
     logits = model.logits(out)
@@ -122,7 +126,7 @@ def evaluate_parallel(model: ParallelDrafter, store: ShardSource, window: int = 
             a = torch.arange(s, min(s + chunk, T), device=ok0.device).expand(ok0.shape[0], -1)
             real = ok0.gather(1, a)
             at, scored = block_labels(b, a, real, model.block)
-            pred = model.vocab_ids[model.logits(block_pass(model, b, keys, values, inputs, a)).argmax(-1)]
+            pred = model.vocab_ids[model.logits(block_pass(model, b, keys, values, inputs, out0, a)).argmax(-1)]
             right = [right0.gather(1, a)] + [pred[..., i] == b.top1.gather(1, at[..., i]) for i in range(model.block)]
             oks = [real] + [scored[..., i] for i in range(model.block)]
             alive = real.clone()
