@@ -9,6 +9,7 @@ Runtime fp32, a 16-node tree (top-4, depth 6) and a chain of 6: ``data_curve.acc
 Acceptance does not depend on timing, so this may run beside other work.
 
     python scripts/parallel_curve.py --runs runs --names eagle-1M,parallel-1M,parallel-init-1M,shipped-eagle
+    python scripts/parallel_curve.py --runs runs --names parallel-2M --keep   # add a rung to the report
 """
 
 from __future__ import annotations
@@ -75,20 +76,23 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--out", default="docs/reports/parallel-curve.json")
     ap.add_argument("--markdown", default="docs/benchmarks.md")
+    ap.add_argument("--keep", action="store_true", help="keep --out's other rows (measured earlier) and add "
+                                                       "or replace the named ones")
     args = ap.parse_args()
     from data_curve import target_and_prompts
 
     from spec_plugins.bench.docs import update
 
     target, prompts = target_and_prompts()
-    rows = {}
+    out = Path(args.out)
+    rows = json.loads(out.read_text()) if args.keep and out.is_file() else {}
     for name in args.names.split(","):
         d = SHIPPED if name == "shipped-eagle" else Path(args.runs) / name
         if not (d / "train_report.json").is_file():
             sys.exit(f"parallel_curve: {d} holds no finished run (train_report.json)")
         rows[name] = row(d, target, prompts, args.new_tokens)
         print(name, json.dumps(rows[name]), flush=True)
-    Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
+    out.write_text(json.dumps(rows, indent=1) + "\n")
     update(Path(args.markdown), "Parallel drafter: data curve beside the EAGLE head", markdown(rows, args.new_tokens))
 
 

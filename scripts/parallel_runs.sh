@@ -47,3 +47,13 @@ run parallel-from-eagle-self spec-plugins train parallel --features "$S-feat" --
   --init "$SHIPPED" --lr 3e-4
 run parallel-from-eagle-sharegpt spec-plugins train parallel --features "$F" --heldout "$H" $P --batch-size 1 \
   --max-train-tokens "$N" --init "$SHIPPED" --lr 3e-4
+# the few-million-token rung: the extraction extended to 2M tokens (`train features` with a larger
+# --max-tokens continues after its last shard), then the parallel drafter against the EAGLE head at
+# equal data from scratch (batch 1, 1 epoch), and the shipped recipe (from the EAGLE head) on 4x its data
+[ -f "$F/DONE-2M" ] || { t0=$(date +%s)
+  spec-plugins train features --split train --max-tokens 2000000 --out "$F" --no-progress && touch "$F/DONE-2M"
+  echo "feat-train-to-2M: $(( $(date +%s) - t0 )) s" | tee -a "$R/times.txt"; }
+M="--max-train-tokens 2000000 --batch-size 1"
+run parallel-2M-from-eagle spec-plugins train parallel --features "$F" --heldout "$H" $P $M --init "$SHIPPED" --lr 3e-4
+run parallel-2M-b1 spec-plugins train parallel --features "$F" --heldout "$H" $P $M
+run eagle-2M-b1 spec-plugins train eagle --features "$F" --heldout "$H" $M --epochs 1

@@ -13,16 +13,14 @@ from spec_plugins.sampling import LogitsPipeline
 from spec_plugins.verify import Verdict, greedy_verify, rejection_verify, typical_verify
 
 
-@register_verifier("exact")
-class ExactVerifier:
-    """Lossless: greedy match at temperature 0, exact rejection sampling otherwise."""
+class _Verifier:
+    """The verifier protocol: greedy match at temperature 0, else ``sample`` over the target's
+    probabilities. ``target_logits`` [B, n+1, V] are already processed by ``pipeline``."""
 
-    lossy: ClassVar[bool] = False
+    lossy: ClassVar[bool]
+    Config: ClassVar[type[VerifierConfig]]
 
-    class Config(VerifierConfig):
-        type: Literal["exact"] = "exact"
-
-    def __init__(self, config: "ExactVerifier.Config | None" = None) -> None:
+    def __init__(self, config: VerifierConfig | None = None) -> None:
         self.config = config or self.Config()
 
     def __call__(
@@ -35,15 +33,30 @@ class ExactVerifier:
         generator: torch.Generator | None,
         valid: torch.Tensor | None = None,
     ) -> Verdict:
-        """``target_logits`` [B, n+1, V] are already processed by ``pipeline``."""
         if pipeline.greedy:
             return greedy_verify(x, parents, target_logits, valid)
-        p = target_logits.float().softmax(-1)
+        return self.sample(x, parents, target_logits.float().softmax(-1), q, generator, valid)
+
+    def sample(self, x: torch.Tensor, parents: tuple[int, ...], p: torch.Tensor, q: torch.Tensor | None,
+               generator: torch.Generator | None, valid: torch.Tensor | None) -> Verdict:
+        raise NotImplementedError
+
+
+@register_verifier("exact")
+class ExactVerifier(_Verifier):
+    """Lossless: greedy match at temperature 0, exact rejection sampling otherwise."""
+
+    lossy: ClassVar[bool] = False
+
+    class Config(VerifierConfig):
+        type: Literal["exact"] = "exact"
+
+    def sample(self, x, parents, p, q, generator, valid) -> Verdict:
         return rejection_verify(x, parents, p, q, generator, valid)
 
 
 @register_verifier("typical")
-class TypicalVerifier:
+class TypicalVerifier(_Verifier):
     """LOSSY: Medusa's typical acceptance at temperature > 0 (greedy match at temperature 0).
 
     Output no longer follows the target distribution exactly; ``DecodeStats.lossy`` is True."""
@@ -59,21 +72,6 @@ class TypicalVerifier:
         lossy: Literal[True] = Field(True,
                                      description="Always true: typical acceptance changes the output distribution.")
 
-    def __init__(self, config: "TypicalVerifier.Config | None" = None) -> None:
-        self.config = config or self.Config()
-
-    def __call__(
-        self,
-        x: torch.Tensor,
-        parents: tuple[int, ...],
-        target_logits: torch.Tensor,
-        q: torch.Tensor | None,
-        pipeline: LogitsPipeline,
-        generator: torch.Generator | None,
-        valid: torch.Tensor | None = None,
-    ) -> Verdict:
-        """Same signature as ExactVerifier; ``q`` is ignored (the rule only looks at p)."""
-        if pipeline.greedy:
-            return greedy_verify(x, parents, target_logits, valid)
-        p = target_logits.float().softmax(-1)
+    def sample(self, x, parents, p, q, generator, valid) -> Verdict:
+        """``q`` is ignored: the rule only looks at p."""
         return typical_verify(x, parents, p, self.config.epsilon, self.config.delta, generator, valid)
