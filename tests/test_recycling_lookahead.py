@@ -354,7 +354,9 @@ def test_auto_tree_size_follows_the_cost_curve():
 
 def test_auto_tree_size_on_a_real_runtime_measures_and_stays_exact():
     """Through the policy the factory builds (costs measured at setup): exact, and the offered
-    32-node tree is cut."""
+    32-node tree is cut once the estimates have seen rounds. The first rounds may keep the whole
+    tree (uncalibrated estimates, and a measured curve flatter under load), so only the cut is
+    asserted, not its round: a policy that never sizes keeps 32 nodes every round and fails."""
     from spec_plugins.policy import build_policy, setup_costs
 
     model = tiny_llama(seed=3)
@@ -367,4 +369,4 @@ def test_auto_tree_size_on_a_real_runtime_measures_and_stays_exact():
     policy.size = lambda r, spent=0.0: (d := size(r, spent), widths.append(0 if d is None else d.size))[0]
     outs, _ = run(target, prop, [[1, 2, 3, 1, 2, 3]], 20, policy=policy)
     assert outs[0] == plain_greedy(model, [1, 2, 3, 1, 2, 3], 20)
-    assert widths and max(widths) < 32
+    assert widths and max(widths) <= 32 and any(0 < w < 32 for w in widths), widths
