@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import ClassVar, Literal
 
 import torch
@@ -13,7 +14,7 @@ from spec_plugins.sampling import LogitsPipeline
 from spec_plugins.verify import Verdict, greedy_verify, rejection_verify, typical_verify
 
 
-class _Verifier:
+class _Verifier(ABC):
     """The verifier protocol: greedy match at temperature 0, else ``sample`` over the target's
     probabilities. ``target_logits`` [B, n+1, V] are already processed by ``pipeline``."""
 
@@ -37,9 +38,10 @@ class _Verifier:
             return greedy_verify(x, parents, target_logits, valid)
         return self.sample(x, parents, target_logits.float().softmax(-1), q, generator, valid)
 
+    @abstractmethod
     def sample(self, x: torch.Tensor, parents: tuple[int, ...], p: torch.Tensor, q: torch.Tensor | None,
                generator: torch.Generator | None, valid: torch.Tensor | None) -> Verdict:
-        raise NotImplementedError
+        """The rule at temperature > 0 over the target's probabilities ``p`` [B, n+1, V]."""
 
 
 @register_verifier("exact")
@@ -51,7 +53,8 @@ class ExactVerifier(_Verifier):
     class Config(VerifierConfig):
         type: Literal["exact"] = "exact"
 
-    def sample(self, x, parents, p, q, generator, valid) -> Verdict:
+    def sample(self, x: torch.Tensor, parents: tuple[int, ...], p: torch.Tensor, q: torch.Tensor | None,
+               generator: torch.Generator | None, valid: torch.Tensor | None) -> Verdict:
         return rejection_verify(x, parents, p, q, generator, valid)
 
 
@@ -72,6 +75,7 @@ class TypicalVerifier(_Verifier):
         lossy: Literal[True] = Field(True,
                                      description="Always true: typical acceptance changes the output distribution.")
 
-    def sample(self, x, parents, p, q, generator, valid) -> Verdict:
+    def sample(self, x: torch.Tensor, parents: tuple[int, ...], p: torch.Tensor, q: torch.Tensor | None,
+               generator: torch.Generator | None, valid: torch.Tensor | None) -> Verdict:
         """``q`` is ignored: the rule only looks at p."""
         return typical_verify(x, parents, p, self.config.epsilon, self.config.delta, generator, valid)
