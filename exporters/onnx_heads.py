@@ -6,7 +6,10 @@ a parallel drafter's block layers.
             past_key / past_value [B, kv, S, d], attention_mask [B, 1, T, S+T] (additive)
                                                           -> features [B, T, H],
                                                              new_key / new_value [B, kv, T, d]
+            (kv: the cache's heads, ``cache_heads``)
     block   features [B, T, H]                            -> features [B, T, H]
+            (with block_context also positions, past_key / past_value [B, L*kv, S, d],
+            attention_mask [B, 1, T, S+T])
 
 Medusa logits are over the head's draft vocabulary (``vocab_ids`` in the head directory). The
 EAGLE graph is the drafter's layer alone: its input features are already in the drafter's
@@ -35,25 +38,26 @@ def _io(kind: str, c: Any, vd: int) -> tuple[list[dict], list[dict], dict]:
         ins = [{"name": "hidden", "dtype": "float32", "shape": ["B", c.hidden_size]}]
         outs = [{"name": "logits", "dtype": "float32", "shape": ["B", c.num_heads, vd]}]
         return ins, outs, {"hidden": {0: "B"}, "logits": {0: "B"}}
+    feats = {"name": "features", "dtype": "float32", "shape": ["B", "T", c.hidden_size]}
+    outs = [{"name": "features_out", "dtype": "float32", "shape": ["B", "T", c.hidden_size]}]
+    axes = {"features": {0: "B", 1: "T"}, "features_out": {0: "B", 1: "T"}}
+    if kind == "block_refiner" and not getattr(c, "block_context", False):
+        return [feats], outs, axes
+    heads = c.cache_heads - c.num_kv_heads if kind == "block_refiner" else c.cache_heads
+    kv_in, kv_new = ["B", heads, "S", c.head_dim], ["B", heads, "T", c.head_dim]
+    ins = [feats] + [{"name": "tokens", "dtype": "int64", "shape": ["B", "T"]}] * (kind == "eagle_layer") + [
+        {"name": "positions", "dtype": "int64", "shape": ["B", "T"]},
+        {"name": "past_key", "dtype": "float32", "shape": kv_in},
+        {"name": "past_value", "dtype": "float32", "shape": kv_in},
+        {"name": "attention_mask", "dtype": "float32", "shape": ["B", 1, "T", "S+T"]}]
+    axes |= {"tokens": {0: "B", 1: "T"}, "positions": {0: "B", 1: "T"}, "past_key": {0: "B", 2: "S"},
+             "past_value": {0: "B", 2: "S"}, "attention_mask": {0: "B", 2: "T", 3: "ST"}}
     if kind == "block_refiner":
-        ins = [{"name": "features", "dtype": "float32", "shape": ["B", "T", c.hidden_size]}]
-        outs = [{"name": "features_out", "dtype": "float32", "shape": ["B", "T", c.hidden_size]}]
-        return ins, outs, {"features": {0: "B", 1: "T"}, "features_out": {0: "B", 1: "T"}}
-    kv_in, kv_new = ["B", c.num_kv_heads, "S", c.head_dim], ["B", c.num_kv_heads, "T", c.head_dim]
-    ins = [{"name": "features", "dtype": "float32", "shape": ["B", "T", c.hidden_size]},
-           {"name": "tokens", "dtype": "int64", "shape": ["B", "T"]},
-           {"name": "positions", "dtype": "int64", "shape": ["B", "T"]},
-           {"name": "past_key", "dtype": "float32", "shape": kv_in},
-           {"name": "past_value", "dtype": "float32", "shape": kv_in},
-           {"name": "attention_mask", "dtype": "float32", "shape": ["B", 1, "T", "S+T"]}]
-    outs = [{"name": "features_out", "dtype": "float32", "shape": ["B", "T", c.hidden_size]},
-            {"name": "new_key", "dtype": "float32", "shape": kv_new},
-            {"name": "new_value", "dtype": "float32", "shape": kv_new}]
-    axes = {"features": {0: "B", 1: "T"}, "tokens": {0: "B", 1: "T"}, "positions": {0: "B", 1: "T"},
-            "past_key": {0: "B", 2: "S"}, "past_value": {0: "B", 2: "S"}, "attention_mask": {0: "B", 2: "T", 3: "ST"},
-            "features_out": {0: "B", 1: "T"}, "new_key": {0: "B", 2: "T"},
-            "new_value": {0: "B", 2: "T"}}
-    return ins, outs, axes
+        del axes["tokens"]
+        return ins, outs, axes
+    outs += [{"name": "new_key", "dtype": "float32", "shape": kv_new},
+             {"name": "new_value", "dtype": "float32", "shape": kv_new}]
+    return ins, outs, axes | {"new_key": {0: "B", 2: "T"}, "new_value": {0: "B", 2: "T"}}
 
 
 def head_inputs(kind: str, module: Any, B: int = 2, T: int = 3, S: int = 4, seed: int = 0) -> tuple:
@@ -62,15 +66,16 @@ def head_inputs(kind: str, module: Any, B: int = 2, T: int = 3, S: int = 4, seed
     c = module.config
     if kind == "medusa_heads":
         return (torch.randn(B, c.hidden_size, generator=g),)
-    if kind == "block_refiner":
+    refiner = kind == "block_refiner"
+    if refiner and not getattr(c, "block_context", False):
         return (torch.randn(B, T, c.hidden_size, generator=g),)
-    vocab = module.embed_weight.shape[0]
     ok = torch.cat([torch.ones(T, S, dtype=torch.bool), torch.ones(T, T, dtype=torch.bool).tril()], -1)
     mask = torch.zeros(B, 1, T, S + T).masked_fill_(~ok[None, None], torch.finfo(torch.float32).min)
-    return (torch.randn(B, T, c.hidden_size, generator=g), torch.randint(0, vocab, (B, T), generator=g),
-            (torch.arange(T) + S)[None].expand(B, T).contiguous(),
-            torch.randn(B, c.num_kv_heads, S, c.head_dim, generator=g),
-            torch.randn(B, c.num_kv_heads, S, c.head_dim, generator=g), mask)
+    heads = c.cache_heads - c.num_kv_heads if refiner else c.cache_heads
+    feats = torch.randn(B, T, c.hidden_size, generator=g)
+    tokens = () if refiner else (torch.randint(0, module.embed_weight.shape[0], (B, T), generator=g),)
+    return (feats, *tokens, (torch.arange(T) + S)[None].expand(B, T).contiguous(),
+            torch.randn(B, heads, S, c.head_dim, generator=g), torch.randn(B, heads, S, c.head_dim, generator=g), mask)
 
 
 def _kind(module: Any) -> str:
@@ -176,8 +181,9 @@ def load_head_module(entry: GraphEntry, model: Any) -> Any:
 
 @torch.no_grad()
 def check_head(directory: str | Path, entry: GraphEntry, model: Any, rtol: float, module: Any = None) -> list:
-    """ORT vs the PyTorch head on random inputs of a few shapes (Medusa: logits; EAGLE: the
-    drafter's output features, which its LM head reads)."""
+    """ORT vs the PyTorch head on random inputs of a few shapes, every output (Medusa: logits;
+    EAGLE: the drafter's output features, which its LM head reads, and the keys and values it
+    caches)."""
     from spec_plugins.backends.onnxruntime_runtime import create_session
     from spec_plugins.exporters.parity_rule import compare
 
@@ -187,10 +193,10 @@ def check_head(directory: str | Path, entry: GraphEntry, model: Any, rtol: float
     cases = []
     for B, T, S in ((1, 1, 0), (2, 3, 5), (3, 6, 9)):
         args = head_inputs(entry.kind, module, B, T, S, seed=B + T + S)
-        want = module(*args) if entry.kind != "eagle_layer" else module(*args)[0]
-        out = "logits" if entry.kind == "medusa_heads" else "features_out"
-        got = session.run([out], {n: a.numpy() for n, a in zip(names, args)})[0]
-        label = {"medusa_heads": f"random B={B}", "block_refiner": f"random B={B} T={T}"}.get(
-            entry.kind, f"random B={B} T={T} S={S}")
-        cases.append(compare(entry.name, label, got, want, rtol))
+        want = module(*args)
+        outs = [o["name"] for o in entry.outputs]
+        got = session.run(outs, {n: a.numpy() for n, a in zip(names, args)})
+        label = f"random B={B}" if entry.kind == "medusa_heads" else f"random B={B} T={T}" + f" S={S}" * (len(args) > 1)
+        for name, g, w in zip(outs, got, want if isinstance(want, tuple) else (want,)):
+            cases.append(compare(entry.name, label + f" {name}" * (name != outs[0]), g, w, rtol))
     return cases

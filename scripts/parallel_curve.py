@@ -38,6 +38,7 @@ def row(d: Path, target, prompts: list[list[int]], new: int) -> dict:
            (feats.get("token_meta") or {}).get("responses") == "self" else "ShareGPT answers",
            "init": (rep.get("train") or {}).get("init"), "heldout": rep.get("heldout"),
            "block_layers": (rep.get("train") or {}).get("block_layers") or 0,
+           "block_context": bool((rep.get("train") or {}).get("block_context")),
            "machine": rep.get("trained_on") or machine(), "head_bytes": rep["head_bytes"]}
     for mode in ("tree", "chain"):
         out[f"accepted_{mode}"] = accepted(target, d, rep["kind"], mode, prompts, new)
@@ -61,6 +62,7 @@ def markdown(rows: dict[str, dict], new: int) -> str:
         top = ", ".join(f"{x:.3f}" for x in h.get("top1_by_step", [])[:6])
         layers = r.get("block_layers") or 0
         kind = r["kind"] + (f", {layers} block layers" if layers else "")
+        kind += " seeing the context" if r.get("block_context") else ""
         kind += " (from the EAGLE head)" if r.get("init") else ""
         lines.append(f"| {name} | {kind} | {r['data']} | {r['train_tokens']:,} | {r['steps']:,} | "
                      f"{r['train_seconds'] / 60:.1f} min | {chr(65 + machines.index(r['machine']))} | {top} | "

@@ -35,6 +35,9 @@ for L in 2 4; do
   run parallel-deep$L-from-eagle spec-plugins train parallel --features "$F" --heldout "$H" $P \
     --max-train-tokens 500000 --batch-size 1 --init "$SHIPPED" --lr 3e-4 --block-layers $L
 done
+# the same 2 block layers seeing the context (each caches the committed pairs, as DFlash's layers do)
+run parallel-ctx2-from-eagle spec-plugins train parallel --features "$F" --heldout "$H" $P \
+  --max-train-tokens 500000 --batch-size 1 --init "$SHIPPED" --lr 3e-4 --block-layers 2 --block-context
 # self-distilled vs ShareGPT answers at equal size: the target answers every turn of the same
 # conversations (greedy, and sampled at 0.7 and 1.0), then the same start from the EAGLE head
 N=${SELF_TOKENS:-20000}

@@ -249,7 +249,8 @@ def device(args: argparse.Namespace) -> None:
     from spec_plugins.training.device_run import RunOptions, run
 
     opts = RunOptions(heads=tuple(h for h in args.heads.split(",") if h), block_size=args.block_size,
-                      anchors=args.anchors, block_layers=args.block_layers, distill_s=args.distill_s,
+                      anchors=args.anchors, block_layers=args.block_layers,
+                      block_context=args.block_context, distill_s=args.distill_s,
                       temperatures=tuple(float(t) for t in args.temperatures.split(",")), samples=args.samples,
                       gen_rows=args.gen_rows, gen_max_new=args.gen_max_new, gen_max_seq=args.gen_max_seq,
                       device=args.device, dtype=args.dtype, batch_size=args.batch_size, window=args.window,
@@ -304,6 +305,8 @@ def main() -> None:
     d.add_argument("--block-size", type=int, default=8, help="parallel drafter: draft positions per forward")
     d.add_argument("--anchors", type=int, default=64, help="parallel drafter: blocks per window per step")
     d.add_argument("--block-layers", type=int, default=2, help="parallel drafter: decoder layers over each block")
+    d.add_argument("--block-context", action=argparse.BooleanOptionalAction, default=False,
+                   help="parallel drafter: the block layers attend to the committed pairs too")
     d.add_argument("--distill-s", type=float, default=0.0,
                    help="seconds of self-distillation (the target answering every turn) before the features")
     d.add_argument("--temperatures", default="0,0.7,1.0", help="self-distillation: 0 = greedy once, others sampled")

@@ -254,7 +254,7 @@ def test_failed_admission_leaves_the_running_rows_as_they_were(exported):
 
 
 @pytest.mark.parametrize("kind,layers", [("eagle", ()), ("eagle", (2, 1, 1)), ("parallel", (2, 1, 1)),
-                                         ("parallel-deep", (2, 1, 1))])
+                                         ("parallel-deep", (2, 1, 1)), ("parallel-context", (2, 1, 1))])
 def test_eagle_drafts_on_onnxruntime_with_greedy_identity(exported, kind, layers, tmp_path, monkeypatch):
     """With an ONNX Runtime target the drafter (EAGLE's, or the parallel one's block, with block
     layers or without) runs in ONNX Runtime too (its head graphs exported on first use), reading
@@ -275,7 +275,8 @@ def test_eagle_drafts_on_onnxruntime_with_greedy_identity(exported, kind, layers
     lm, emb = target_lm_parts(target)
     cls, ccls, pcls = ((EagleDrafter, EagleConfig, EagleProposer) if kind == "eagle"
                        else (ParallelDrafter, ParallelConfig, ParallelProposer))
-    extra = {"block_layers": 2} if kind == "parallel-deep" else {}
+    extra = {"parallel-deep": {"block_layers": 2},
+             "parallel-context": {"block_layers": 2, "block_context": True}}.get(kind, {})
     drafter = cls(ccls(32, num_heads=4, num_kv_heads=2, intermediate_size=64, draft_vocab_size=32,
                        feature_layers=layers, **extra), lm, emb, torch.arange(32))
     for layer in drafter.refiner.layers if extra else ():  # trained block layers are not the identity
@@ -290,9 +291,13 @@ def test_eagle_drafts_on_onnxruntime_with_greedy_identity(exported, kind, layers
     assert isinstance(prop.layer, OrtEagleLayer) and list((tmp_path / "onnx-heads").glob("*/head.onnx"))
     if extra:
         x = torch.randn(3, 4, 32)
+        context = ()  # with block_context: positions, each layer's cached keys and values, a mask
+        if "block_context" in extra:
+            context = (torch.arange(4).expand(3, 4) + 5, torch.randn(3, 4, 5, 8), torch.randn(3, 4, 5, 8),
+                       torch.zeros(3, 1, 4, 9))
         assert isinstance(prop.refiner, OrtBlockRefiner)
-        torch.testing.assert_close(prop.refiner(x), drafter.refiner(x), atol=1e-4, rtol=1e-4)
-        assert not torch.allclose(drafter.refiner(x), x)
+        torch.testing.assert_close(prop.refiner(x, *context), drafter.refiner(x, *context), atol=1e-4, rtol=1e-4)
+        assert not torch.allclose(drafter.refiner(x, *context), x)
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
     want = rt.capabilities.feature_layers if layers else True
     ref = TorchRuntime(target)

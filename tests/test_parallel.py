@@ -29,14 +29,17 @@ VOCAB_IDS = torch.arange(2, 30)
 LAYERS = (1, 2)
 
 
-def drafter(model, seed=0, block=4, vocab=VOCAB_IDS, layers=LAYERS, block_layers=0):
+DEEP = [(0, False), (2, False), (2, True)]  # one layer; block layers; block layers that see the context
+
+
+def drafter(model, seed=0, block=4, vocab=VOCAB_IDS, layers=LAYERS, block_layers=0, context=False):
     """A random parallel drafter; its block layers' output projections random too (a trained
     drafter's are not the zeros it starts from), so they change what it drafts."""
     torch.manual_seed(seed)
     lm, emb = target_lm_parts(model)
     cfg = ParallelConfig(lm.shape[1], num_heads=4, num_kv_heads=2, intermediate_size=64,
                          draft_vocab_size=len(vocab), feature_layers=layers, block_size=block,
-                         block_layers=block_layers)
+                         block_layers=block_layers, block_context=context)
     d = ParallelDrafter(cfg, lm, emb, vocab)
     for layer in d.refiner.layers if d.refiner is not None else ():
         torch.nn.init.normal_(layer.o.weight, std=0.5)
@@ -52,25 +55,25 @@ def proposer(model, mode="tree", nodes=8, top_k=2, **kw):
 PROMPTS = [[3, 7, 1, 9, 4], [5, 5, 2], [8, 1, 6, 2, 7, 3, 3, 10]]
 
 
-@pytest.mark.parametrize("block_layers", [0, 2])
+@pytest.mark.parametrize("block_layers,context", DEEP)
 @pytest.mark.parametrize("mode", ["chain", "tree"])
-def test_greedy_output_is_plain_greedy_one_row_and_a_batch(mode, block_layers):
+def test_greedy_output_is_plain_greedy_one_row_and_a_batch(mode, block_layers, context):
     model = tiny_llama(seed=3)
     target = TorchRuntime(model)
     for k in (1, 3, 6):  # 6: deeper than the block (4): drafting stops at the block
-        prop = proposer(model, mode, block_layers=block_layers)
+        prop = proposer(model, mode, block_layers=block_layers, context=context)
         outs, stats = run(target, prop, [PROMPTS[0]], 17, k)
         assert outs[0] == plain_greedy(model, PROMPTS[0], 17), (mode, k)
         assert max(len(stats.drafted_by_position), 0) <= 4
-        prop = proposer(model, mode, block_layers=block_layers)
+        prop = proposer(model, mode, block_layers=block_layers, context=context)
         limits = [5, 17, 11]
         outs, stats = run(target, prop, PROMPTS, limits, k)
         assert outs == [plain_greedy(model, p, n) for p, n in zip(PROMPTS, limits)], (mode, k)
         assert stats.draft_tokens > 0
 
 
-@pytest.mark.parametrize("block_layers", [0, 2])
-def test_drafting_runs_the_block_exactly_as_training_does(tmp_path, block_layers):
+@pytest.mark.parametrize("block_layers,context", DEEP)
+def test_drafting_runs_the_block_exactly_as_training_does(tmp_path, block_layers, context):
     """The marginals the proposer drafts from equal the training pass's (``parallel_train``) for the
     same prefix: the same positions, inputs and attention (and block layers over the same rows),
     so what is trained is what drafts."""
@@ -79,7 +82,7 @@ def test_drafting_runs_the_block_exactly_as_training_does(tmp_path, block_layers
     from spec_plugins.training.parallel_train import block_pass, real_pass
 
     model = tiny_llama(seed=4, sharpness=2.0)
-    d = drafter(model, seed=1, block=5, block_layers=block_layers).eval()
+    d = drafter(model, seed=1, block=5, block_layers=block_layers, context=context).eval()
     ids = [4, 9, 2, 7, 7, 1, 3, 12, 5, 8, 0, 0, 0, 0]
     a = 8  # the anchor: the drafter's cache holds pairs j <= a, the pending token is ids[a + 1]
 
@@ -147,13 +150,13 @@ def test_sampling_is_exact_and_the_test_has_power(mode):
         assert chi_square_pvalue(_samples(model, prop(), pipe, NoResidualTree()), exact) < 1e-3
 
 
-@pytest.mark.parametrize("block_layers", [0, 2])
-def test_the_block_step_compiles_as_one_graph_and_drafts_as_eager(tmp_path, block_layers):
+@pytest.mark.parametrize("block_layers,context", DEEP)
+def test_the_block_step_compiles_as_one_graph_and_drafts_as_eager(tmp_path, block_layers, context):
     """The block forward over the padded cache (and the block layers), ``torch.compile(fullgraph=True)``
     on the CPU (a graph break would raise): the same drafts as eager, greedy output equal to plain
     decoding."""
     model = tiny_llama(seed=3, sharpness=2.0)
-    d = drafter(model, block_layers=block_layers)
+    d = drafter(model, block_layers=block_layers, context=context)
     save_head(d, d.config.to_dict(), tmp_path / "par")
     drafts = {}
     for mode in ("eager", "compile"):
@@ -214,8 +217,8 @@ def test_the_marginal_tree_scores_paths_by_the_product_of_marginals():
     assert set(c.parent[0, 12:].tolist()) == best1
 
 
-@pytest.mark.parametrize("block_layers", [0, 2])
-def test_the_parallel_drafter_exports_to_onnx_and_checks_against_its_saved_head(tmp_path, block_layers):
+@pytest.mark.parametrize("block_layers,context", DEEP)
+def test_the_parallel_drafter_exports_to_onnx_and_checks_against_its_saved_head(tmp_path, block_layers, context):
     """Its layer exports as the EAGLE layer's graph, its block layers as a graph of their own; the
     parity check loads the saved head by its kind (a parallel head is not an EAGLE head) and
     compares ONNX Runtime with PyTorch on each graph."""
@@ -224,7 +227,7 @@ def test_the_parallel_drafter_exports_to_onnx_and_checks_against_its_saved_head(
     from spec_plugins.exporters.parity import check_export
 
     model = tiny_llama(vocab=32, seed=2)
-    d = drafter(model, layers=(), block_layers=block_layers)
+    d = drafter(model, layers=(), block_layers=block_layers, context=context)
     save_head(d, d.config.to_dict(), tmp_path / "par")  # fp16 on disk: export what loads, as export_config does
     d = ParallelDrafter.from_pretrained(str(tmp_path / "par"), model)
     man = export_models(tmp_path / "export", (model, None, "tiny"), heads=[("parallel", d, str(tmp_path / "par"))])
@@ -232,7 +235,7 @@ def test_the_parallel_drafter_exports_to_onnx_and_checks_against_its_saved_head(
     assert [(g.name, g.kind) for g in man.graphs[1:]] == want
     rep = check_export(tmp_path / "export", gamma=1, max_new_tokens=4, models={"tiny": model})
     assert rep.ok, rep.format()
-    assert sum(c.graph == "parallel" for c in rep.cases) == 3
+    assert sum(c.graph == "parallel" for c in rep.cases) == 9  # 3 shapes: features, new keys, new values
     assert sum(c.graph == "parallel-block" for c in rep.cases) == 3 * (block_layers > 0)
 
 
@@ -256,3 +259,29 @@ def test_block_layers_start_as_the_one_layer_drafter_and_load_by_name(tmp_path):
     torch.testing.assert_close(loaded.refine(depth0, block), deep.refine(depth0, block), atol=2e-2, rtol=2e-2)
     with pytest.raises(ValueError, match="block_layers must be 0..16"):
         ParallelConfig(32, block_layers=-1)
+    with pytest.raises(ValueError, match="block_context needs block layers"):
+        ParallelConfig(32, block_context=True)
+
+
+def test_block_layers_with_context_start_as_the_one_layer_drafter_and_read_the_cache():
+    """Fresh context layers are the identity too; trained ones read the cached pairs: which pairs
+    an anchor sees changes its block, and a refine without the cache is refused by name."""
+    model = tiny_llama(seed=3)
+    lm, emb = target_lm_parts(model)
+    cfg = ParallelConfig(lm.shape[1], num_heads=4, num_kv_heads=2, intermediate_size=64, draft_vocab_size=28,
+                         feature_layers=LAYERS, block_size=4, block_layers=2, block_context=True)
+    assert cfg.cache_heads == 6
+    g = torch.Generator().manual_seed(0)
+    depth0, block = torch.randn(2, lm.shape[1], generator=g), torch.randn(2, 3, lm.shape[1], generator=g)
+    keys, values = torch.randn(2, 6, 5, cfg.head_dim, generator=g), torch.randn(2, 6, 5, cfg.head_dim, generator=g)
+    base, every = torch.tensor([4, 7]), torch.ones(2, 5, dtype=torch.bool)
+    fresh = ParallelDrafter(cfg, lm, emb, VOCAB_IDS)
+    torch.testing.assert_close(fresh.refine(depth0, block, None, base, keys, values, every), block)
+    d = drafter(model, block_layers=2, context=True)
+    some = every.clone()
+    some[:, 2:] = False
+    full, part = d.refine(depth0, block, None, base, keys, values, every), d.refine(depth0, block, None, base, keys,
+                                                                                  values, some)
+    assert not torch.allclose(full, part) and not torch.allclose(full, block)
+    with pytest.raises(ValueError, match="block_context refines with the cache"):
+        d.refine(depth0, block)

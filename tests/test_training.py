@@ -188,6 +188,10 @@ def test_a_parallel_drafter_starts_from_a_trained_eagle_head(model, features, tm
     d = ParallelDrafter.from_pretrained(str(tmp_path / "deep"), model)
     assert d.config.block_layers == 2 and deep["train"]["block_layers"] == 2
     assert {k.split(".")[0] for k in set(d.state_dict()) - set(p)} == {"refiner"}
+    ctx = train_eagle(features, model, cfg, tmp_path / "ctx", True, progress=False, block_size=3, block_layers=2,
+                      block_context=True, init=tmp_path / "par", heldout=features)
+    assert ctx["heldout"] == rep["heldout"]  # context layers start as the identity too
+    assert ParallelDrafter.from_pretrained(str(tmp_path / "ctx"), model).config.block_context
     train_eagle(features, model, cfg, tmp_path / "last", False, vocab_size=20, progress=False)
     with pytest.raises(ValueError, match=r"reads feature layers \[\], these features hold \[1, 2\]"):
         train_eagle(features, model, cfg, tmp_path / "bad", True, progress=False, block_size=3, init=tmp_path / "last")

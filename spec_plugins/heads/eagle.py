@@ -67,6 +67,11 @@ class EagleConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    @property
+    def cache_heads(self) -> int:
+        """Key/value heads per cached pair (the drafter's layer's; a parallel drafter may add more)."""
+        return self.num_kv_heads
+
     def to_dict(self) -> dict:
         return {"kind": "eagle", **asdict(self)}
 
@@ -96,6 +101,15 @@ def add_decoder_weights(m: nn.Module, c: EagleConfig, fk: dict) -> None:
     m.down = nn.Linear(c.intermediate_size, H, bias=False, **fk)
 
 
+def layer_kv(m: Any, c: EagleConfig, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys (rotated to ``positions`` [B, T]) and values [B, kv, T, d] a layer of
+    ``add_decoder_weights`` makes of its normalised input h [B, T, H]."""
+    B, T, _ = h.shape
+    k = m.k(h).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+    v = m.v(h).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+    return rope(k, positions, c.rope_theta), v
+
+
 def decoder_block(m: Any, c: EagleConfig, x: torch.Tensor, positions: torch.Tensor, past_k: torch.Tensor,
                   past_v: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The layer of ``add_decoder_weights`` on the residual stream x [B, T, H] at ``positions``
@@ -103,10 +117,8 @@ def decoder_block(m: Any, c: EagleConfig, x: torch.Tensor, positions: torch.Tens
     query sees every key): (x after the layer, its new keys, its new values)."""
     B, T, _ = x.shape
     h = m.in_norm(x)
-    q = m.q(h).view(B, T, c.num_heads, c.head_dim).transpose(1, 2)
-    k = m.k(h).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
-    v = m.v(h).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
-    q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
+    q = rope(m.q(h).view(B, T, c.num_heads, c.head_dim).transpose(1, 2), positions, c.rope_theta)
+    k, v = layer_kv(m, c, h, positions)
     keys, values = torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)
     rep = c.num_heads // c.num_kv_heads
     att = nn.functional.scaled_dot_product_attention(
@@ -203,5 +215,5 @@ class EagleDrafter(nn.Module):
 
     def empty_past(self, batch: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
-        z = torch.zeros(batch, c.num_kv_heads, 0, c.head_dim, dtype=dtype, device=self.lm_weight.device)
+        z = torch.zeros(batch, c.cache_heads, 0, c.head_dim, dtype=dtype, device=self.lm_weight.device)
         return z, z.clone()

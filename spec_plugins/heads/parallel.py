@@ -19,6 +19,12 @@ in one attention. ``block_layers`` adds that many decoder layers over the block 
 anchor's output (depth 0) and the K-1 block outputs attend to each other, with no cache (so the
 catch-up is unchanged and a round is still two drafter forwards). Their output projections start
 at zero, so a deeper drafter starts as exactly the one-layer drafter it is trained from.
+
+With ``block_context`` the block layers also see the context, as DFlash's layers do: each keeps
+keys and values of the committed pairs, made from the drafter layer's output there (the same kind
+of row the block layers refine, at its own position), and its block rows attend to them. They live
+in the drafter's one cache, stacked after the layer's own heads (``cache_heads``), so the catch-up
+writes them in the same forward and every cache operation (rows, holes, padding) covers them.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from spec_plugins.heads.eagle import EagleConfig, EagleDrafter, add_decoder_weights, decoder_block
+from spec_plugins.heads.eagle import EagleConfig, EagleDrafter, add_decoder_weights, decoder_block, layer_kv
+from spec_plugins.slots import additive
 
 
 @dataclass(frozen=True)
@@ -37,7 +44,8 @@ class ParallelConfig(EagleConfig):
     block_size: int = 6  # draft positions per round: depth 0 from the anchor, 1..K-1 from the block
     mask_token: int = 0  # the token id block queries 1..K-2 read (any fixed id: see the module docstring)
     anchor_input: bool = True  # block queries read the anchor's feature plus their offset (else the offset)
-    block_layers: int = 0  # decoder layers over the block alone (the anchor's output and the block outputs)
+    block_layers: int = 0  # decoder layers over the block (the anchor's output and the block outputs)
+    block_context: bool = False  # the block layers also attend to the committed pairs (module docstring)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -45,6 +53,13 @@ class ParallelConfig(EagleConfig):
             raise ValueError(f"block_size must be at least 2 (depth 0 and one block query), got {self.block_size}")
         if not 0 <= self.block_layers <= 16:
             raise ValueError(f"block_layers must be 0..16, got {self.block_layers}")
+        if self.block_context and not self.block_layers:
+            raise ValueError("block_context needs block layers (block_layers >= 1): they attend to the context")
+
+    @property
+    def cache_heads(self) -> int:
+        """The drafter layer's key/value heads, then each block layer's with ``block_context``."""
+        return self.num_kv_heads * (1 + (self.block_layers if self.block_context else 0))
 
     def to_dict(self) -> dict:
         return {"kind": "parallel", **asdict(self)}
@@ -61,9 +76,11 @@ class BlockLayer(nn.Module):
 
 
 class BlockRefiner(nn.Module):
-    """forward(x [B, T, H]: the anchor's output then the block outputs) -> [B, T, H]: the
-    ``block_layers`` layers, every row seeing every other. Positions are 0..T-1: rotary attention
-    depends only on their differences, which are the block's own."""
+    """forward(x [B, T, H]: anchors' outputs and their block outputs) -> [B, T, H]: the
+    ``block_layers`` layers. Without context every row sees every other at positions 0..T-1
+    (rotary attention depends only on differences, which are the block's own). With context:
+    forward(x, positions [B, T], past_key / past_value [B, L*kv, S, d] (each layer's keys of the
+    committed pairs, ``context``), additive mask [B, 1, T, S+T])."""
 
     kind = "block_refiner"
 
@@ -72,13 +89,23 @@ class BlockRefiner(nn.Module):
         self.config = config
         self.layers = nn.ModuleList(BlockLayer(config, fk) for _ in range(config.block_layers))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def context(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each layer's keys and values of committed rows x [B, T, H] at ``positions`` [B, T],
+        stacked along heads: [B, L*kv, T, d] twice."""
+        kvs = [layer_kv(layer, self.config, layer.in_norm(x), positions) for layer in self.layers]
+        return torch.cat([k for k, _ in kvs], 1), torch.cat([v for _, v in kvs], 1)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, past_k: torch.Tensor | None = None,
+                past_v: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
-        pos = torch.arange(T, device=x.device).expand(B, T)
         c = self.config
-        empty = x.new_zeros(B, c.num_kv_heads, 0, c.head_dim)
-        for layer in self.layers:
-            x = decoder_block(layer, c, x, pos, empty, empty, None)[0]
+        if past_k is None or past_v is None:
+            positions = torch.arange(T, device=x.device).expand(B, T)
+            past_k = past_v = x.new_zeros(B, c.num_kv_heads * len(self.layers), 0, c.head_dim)
+        kv = c.num_kv_heads
+        for i, layer in enumerate(self.layers):
+            part = slice(i * kv, (i + 1) * kv)
+            x = decoder_block(layer, c, x, positions, past_k[:, part], past_v[:, part], mask)[0]
         return x
 
 
@@ -97,16 +124,49 @@ class ParallelDrafter(EagleDrafter):
         fk = dict(device=self.fuse.weight.device, dtype=self.fuse.weight.dtype)
         self.refiner = BlockRefiner(config, fk) if config.block_layers else None
 
-    def refine(self, depth0: torch.Tensor, block: torch.Tensor, refiner: Any = None) -> torch.Tensor:
-        """The block layers over the anchor's output ``depth0`` [..., H] and the block's outputs
-        ``block`` [..., n, H] -> the block's refined outputs [..., n, H] (``refiner``: where the
-        layers run, default here); the block unchanged without block layers."""
+    def forward(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                past_k: torch.Tensor, past_v: torch.Tensor, mask: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``EagleDrafter.forward`` over the cache's first heads; with ``block_context`` the new
+        keys and values also hold each block layer's of the output rows (module docstring)."""
+        if not self.config.block_context:
+            return super().forward(features, tokens, positions, past_k, past_v, mask)
+        kv = self.config.num_kv_heads
+        out, k, v = super().forward(features, tokens, positions, past_k[:, :kv], past_v[:, :kv], mask)
+        ck, cv = self.refiner.context(out, positions)
+        return out, torch.cat([k, ck], 1), torch.cat([v, cv], 1)
+
+    def refine(self, depth0: torch.Tensor, block: torch.Tensor, refiner: Any = None, base: torch.Tensor | None = None,
+               keys: torch.Tensor | None = None, values: torch.Tensor | None = None, seen: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """The block layers over the anchors' outputs ``depth0`` [B, (S,) H] and their blocks'
+        outputs ``block`` [B, (S,) n, H] -> the blocks' refined outputs (``refiner``: where the
+        layers run, default here); the block unchanged without block layers. With
+        ``block_context``: the anchors' positions ``base`` [B, (S)], the drafter's cache ``keys``
+        / ``values`` [B, cache_heads, P, d] and which cached pairs each anchor sees, ``seen``
+        [B, (S,) P]; each anchor's rows see those and each other."""
         if self.refiner is None:
             return block
+        run = refiner or self.refiner
         z = torch.cat([depth0[..., None, :].to(block.dtype), block], -2)
-        lead = z.shape[:-2]
-        out = (refiner or self.refiner)(z.reshape(-1, *z.shape[-2:]))
-        return out.view(*lead, *z.shape[-2:])[..., 1:, :]
+        if not self.config.block_context:
+            lead = z.shape[:-2]
+            out = run(z.reshape(-1, *z.shape[-2:]))
+            return out.view(*lead, *z.shape[-2:])[..., 1:, :]
+        if base is None or keys is None or values is None or seen is None:
+            raise ValueError("a drafter with block_context refines with the cache: base, keys, values and seen")
+        one = z.dim() == 3  # one anchor per row (drafting)
+        if one:
+            z, base, seen = z[:, None], base[:, None], seen[:, None]
+        B, S, m, H = z.shape
+        pos = (base[..., None] + torch.arange(m, device=z.device)).reshape(B, S * m)
+        own = torch.eye(S, dtype=torch.bool, device=z.device).repeat_interleave(m, 0).repeat_interleave(m, 1)
+        ok = torch.cat([seen[:, :, None].expand(B, S, m, seen.shape[-1]).reshape(B, S * m, -1),
+                        own.expand(B, -1, -1)], -1)
+        kv = self.config.num_kv_heads
+        out = run(z.reshape(B, S * m, H), pos, keys[:, kv:], values[:, kv:], additive(ok[:, None], z.dtype))
+        out = out.view(B, S, m, H)[..., 1:, :]
+        return out[:, 0] if one else out
 
     @property
     def block(self) -> int:

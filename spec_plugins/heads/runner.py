@@ -70,8 +70,11 @@ class OrtBlockRefiner:
     def __init__(self, session: Any) -> None:
         self.session = session
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(self.session.run(["features_out"], {"features": x.float().contiguous().numpy()})[0])
+    def __call__(self, x: torch.Tensor, *context: torch.Tensor) -> torch.Tensor:
+        """``context``: positions, past keys, past values and the mask (``block_context``), or none."""
+        args = (x.float(), *(a.long() if i == 0 else a.float() for i, a in enumerate(context)))
+        feeds = {i.name: a.contiguous().numpy() for i, a in zip(self.session.get_inputs(), args)}
+        return torch.from_numpy(self.session.run(["features_out"], feeds)[0])
 
 
 class OrtMedusaHeads:

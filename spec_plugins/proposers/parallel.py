@@ -73,4 +73,4 @@ class ParallelProposer(EagleProposer):
         seen = past[:, None, None, :].expand(B, 1, n, past.shape[1])
         causal = torch.ones(n, n, dtype=torch.bool, device=tok.device).tril().expand(B, 1, n, n)
         out, _, _ = (layer or self.drafter)(feat, tok, pos, k, v, additive(torch.cat([seen, causal], -1), self.dtype))
-        return self.drafter.refine(depth0, out, refiner)
+        return self.drafter.refine(depth0, out, refiner, pos[:, 0] - 1, k, v, past)

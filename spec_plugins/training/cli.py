@@ -275,7 +275,10 @@ def parallel_cmd(
     anchor_input: bool = typer.Option(True, "--anchor-input/--no-anchor-input",
                                       help="Block queries read the anchor's feature plus a learned offset (else the offset)."),
     block_layers: int = typer.Option(0, "--block-layers", min=0, max=16,
-                                     help="Decoder layers over the block alone, after the drafter's layer."),
+                                     help="Decoder layers over each block, after the drafter's layer."),
+    block_context: bool = typer.Option(False, "--block-context/--no-block-context",
+                                       help="The block layers also attend to the committed pairs (each caches "
+                                            "their keys and values, as DFlash's layers see the context)."),
     init: Optional[Path] = typer.Option(None, "--init", help="Start from a trained EAGLE (or parallel) head: its layer, "
                                                             "draft vocabulary and width; what it lacks starts fresh."),
     epochs: float = EPOCHS,
@@ -299,7 +302,7 @@ def parallel_cmd(
 
         return train_eagle(store, model, tcfg, out, fused, draft_vocab, intermediate, held, not no_progress,
                            block_size=block_size, anchors=anchors, init=init, anchor_input=anchor_input,
-                           block_layers=block_layers)
+                           block_layers=block_layers, block_context=block_context)
 
     _run_training(features, heldout, out, threads, cfg, go)
 

@@ -55,6 +55,7 @@ class RunOptions:
     block_size: int = 8  # the parallel drafter's draft positions per forward
     anchors: int = 64  # blocks trained per window per step
     block_layers: int = 2  # the parallel drafter's decoder layers over each block
+    block_context: bool = False  # ... and whether they attend to the committed pairs too
     distill_s: float = 0.0  # seconds of self-distillation before training (0: train on the bundle's answers)
     temperatures: tuple[float, ...] = (0.0, 0.7, 1.0)  # self-distillation: greedy once, the others sampled
     samples: int = 1  # draws per sampled temperature
@@ -181,7 +182,8 @@ def run(bundle: str | Path, out: str | Path, work: str | Path, opts: RunOptions)
 
     def parallel(cfg: TrainConfig, hook: Any) -> dict:
         return train_eagle(train, model, cfg, work / "parallel", True, opts.draft_vocab, None, held, False, hook,
-                           block_size=opts.block_size, anchors=opts.anchors, block_layers=opts.block_layers)
+                           block_size=opts.block_size, anchors=opts.anchors, block_layers=opts.block_layers,
+                           block_context=opts.block_context)
 
     def medusa(cfg: TrainConfig, hook: Any) -> dict:
         return train_medusa(train, model, cfg, work / "medusa", 4, opts.draft_vocab, held, False, hook)

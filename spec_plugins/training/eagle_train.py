@@ -149,11 +149,11 @@ def train_eagle(store: ShardSource, target_model: Any, cfg: TrainConfig, out: st
                 vocab_size: int = 8192, intermediate: int | None = None, heldout: ShardSource | None = None,
                 progress: bool = True, hook: StepHook | None = None, block_size: int | None = None,
                 anchors: int = 32, init: str | Path | None = None, anchor_input: bool = True,
-                block_layers: int = 0) -> dict[str, Any]:
+                block_layers: int = 0, block_context: bool = False) -> dict[str, Any]:
     """Train (or resume) a drafter on ``store``; returns the report written to train_report.json.
     ``hook`` runs after every step (snapshots, a deadline: ``trainer.StepHook``). With
     ``block_size`` the drafter is a parallel one (``parallel_train``: ``anchors`` blocks per window,
-    ``block_layers`` layers over each block).
+    ``block_layers`` layers over each block, seeing the context with ``block_context``).
     ``init``: a trained EAGLE or parallel head to start from (its layer, draft vocabulary and
     width; a parallel drafter's block inputs and block layers start fresh where the head has none)."""
     from spec_plugins.training import parallel_train as par
@@ -176,7 +176,7 @@ def train_eagle(store: ShardSource, target_model: Any, cfg: TrainConfig, out: st
         vocab_ids, coverage = draft_vocab(store, windows, vocab_size, V)
     if block_size:
         model = build_drafter(target_model, vocab_ids, layers, intermediate, par.ParallelDrafter, block_size=block_size,
-                              anchor_input=anchor_input, block_layers=block_layers)
+                              anchor_input=anchor_input, block_layers=block_layers, block_context=block_context)
     else:
         model = build_drafter(target_model, vocab_ids, layers, intermediate)
     if start is not None:
@@ -201,7 +201,8 @@ def train_eagle(store: ShardSource, target_model: Any, cfg: TrainConfig, out: st
     res = loop.run(loss_at, lambda step: sum(w.length for w in plan[step]))
     recipe = {"init": str(init) if init is not None else None, "anchors": anchors if block_size else None,
               "anchor_input": anchor_input if block_size else None,
-              "block_layers": block_layers if block_size else None}
+              "block_layers": block_layers if block_size else None,
+              "block_context": block_context if block_size else None}
     return _finish(model, res, cfg, out, store, windows, coverage, heldout, recipe)
 
 

@@ -8,7 +8,8 @@ token x_{a+2} (i = 0) or the mask token, and sees the real keys up to a and the 
 queries of its own anchor; it is scored on the target's distribution at a + 2 + i (depth i + 1).
 No training-time test unroll is needed: the block queries' inputs are the same when drafting.
 With block layers, each anchor's output (depth 0) and its block outputs then run through them
-together, as ``ParallelDrafter.refine`` does when drafting.
+together, as ``ParallelDrafter.refine`` does when drafting (with ``block_context``, seeing the
+real pairs up to the anchor too, from the same cache the real queries wrote).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def real_pass(model: ParallelDrafter, b: EagleBatch, noise: float = 0.0) -> tupl
     if noise:
         x = x + noise * x.detach().std() * torch.randn_like(x)
     B = x.shape[0]
-    empty = x.new_zeros(B, model.config.num_kv_heads, 0, model.config.head_dim)
+    empty = x.new_zeros(B, model.config.cache_heads, 0, model.config.head_dim)
     return (*model(x, b.tok, b.pos, empty, empty, unroll_masks(b.valid, 1)[0]), x)
 
 
@@ -58,7 +59,7 @@ def block_pass(model: ParallelDrafter, b: EagleBatch, keys: torch.Tensor, values
     out, _, _ = model(feat.reshape(B, S * n, -1).to(keys.dtype), tok.reshape(B, S * n), pos.reshape(B, S * n),
                       keys, values, mask)
     depth0 = out0.gather(1, anchors[..., None].expand(-1, -1, out0.shape[-1]))
-    return model.refine(depth0, out.view(B, S, n, -1))
+    return model.refine(depth0, out.view(B, S, n, -1), None, b.pos.gather(1, anchors), keys, values, real)
 
 
 def draw_anchors(b: EagleBatch, count: int) -> tuple[torch.Tensor, torch.Tensor]:
