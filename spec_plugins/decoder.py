@@ -21,7 +21,7 @@ from spec_plugins.policy import Costs, DraftPolicy
 from spec_plugins.registry import VERIFIERS
 from spec_plugins.sampling import LogitsPipeline, LogitsProcessorFn
 from spec_plugins.stats import DecodeStats
-from spec_plugins.text import StopStrings, TextStream
+from spec_plugins.text import StopFreeText, StopStrings, TextStream
 from spec_plugins.wiring import Wiring, wire
 
 Prompt = Union[str, Sequence[dict], Sequence[int]]
@@ -176,13 +176,17 @@ class SpeculativeDecoder:
                     stats: DecodeStats | None, observers: Sequence[Any], grammars: list | None = None
                     ) -> Iterator[StreamEvent]:
         streams = self._text_streams(1, stop)
-        sent = 0
+        shown = StopFreeText(stop)  # text sent never holds a stop string, nor a tail that may become one
+        pushed = 0
         for step, _ in self._rounds([ids], [pipeline], max_new_tokens, streams, None, stats, observers,
                                     pipeline.sampling.seed, grammars):
             reason = step.finished.get(0)
-            text = streams[0].visible if streams else ""
-            yield StreamEvent(step.emitted.get(0, []), text[sent:], _reason(reason))
-            sent = len(text)
+            text = ""
+            if streams:
+                s = streams[0]
+                text = shown.push(s.text[pushed:], s.stop_at, bool(reason))
+                pushed = len(s.text)
+            yield StreamEvent(step.emitted.get(0, []), text, _reason(reason))
             if reason:
                 return
 
@@ -253,7 +257,12 @@ class SpeculativeDecoder:
                 ) -> Iterator[tuple[Step, DecodeStats]]:
         """The one decode behind every method: rows' text streams see each token once (their stop
         strings are row stops), and end flushed."""
-        limits = [max_new_tokens] * len(ids) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        many = isinstance(max_new_tokens, (list, tuple))
+        limits = list(max_new_tokens) if many else [max_new_tokens] * len(ids)
+        if len(limits) != len(ids):
+            raise ValueError(f"max_new_tokens needs one entry per prompt ({len(ids)}), got {len(limits)}")
+        if any(isinstance(n, bool) or not isinstance(n, int) for n in limits):
+            raise ValueError(f"max_new_tokens must be an integer (or one per prompt), got {max_new_tokens!r}")
         if min(limits, default=0) < 0:
             raise ValueError("max_new_tokens must be >= 0")
         stats = stats if stats is not None else DecodeStats()
@@ -296,7 +305,7 @@ class SpeculativeDecoder:
             upd["temperature"] = temperature
         if seed is not None:
             upd["seed"] = seed
-        return base.model_copy(update=upd) if upd else base
+        return SamplingConfig.model_validate(base.model_dump() | upd) if upd else base  # checked as a config is
 
 
 def _reason(reason: str | None) -> str | None:

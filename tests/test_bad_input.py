@@ -45,6 +45,27 @@ def test_max_new_tokens_zero_and_negative():
         dec.generate([1, 2, 3], max_new_tokens=-1)
 
 
+@pytest.mark.parametrize("bad", [dict(temperature=-1.0), dict(temperature=float("nan")),
+                                 dict(temperature=float("inf")), dict(seed=-3), dict(seed=2 ** 80)])
+def test_generate_checks_its_sampling_options_as_a_config_does(bad):
+    """``generate``'s temperature and seed are checked as ``SamplingConfig`` checks them (a negative
+    temperature ran greedy, NaN failed the row, a huge seed overflowed)."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=next(iter(bad))):
+        _decoder().generate([1, 2, 3], max_new_tokens=4, **bad)
+
+
+def test_generate_batch_needs_one_max_new_tokens_per_prompt_and_integers():
+    dec = _decoder()
+    with pytest.raises(ValueError, match=r"one entry per prompt \(2\), got 1"):
+        dec.generate_batch([[1, 2], [3, 4]], max_new_tokens=[5])
+    with pytest.raises(ValueError, match=r"one entry per prompt \(2\), got 3"):
+        dec.generate_batch([[1, 2], [3, 4]], max_new_tokens=[5, 6, 7])
+    with pytest.raises(ValueError, match="must be an integer"):
+        dec.generate([1, 2], max_new_tokens=2.0)
+
+
 class _Tok:
     def __init__(self, vocab):
         self._v = vocab

@@ -94,6 +94,27 @@ def test_stop_strings_in_generate_batch_and_generate():
     assert "".join(e.text for e in dec.stream(prompts[0], max_new_tokens=16, stop=[" " + stop])) == one.text
 
 
+@pytest.mark.parametrize("speculate", [False, True])
+def test_a_stop_string_completed_a_round_later_never_reaches_generate_or_stream(speculate):
+    """A stop string whose first token comes a round before its last (always so in plain decoding):
+    ``generate`` and ``stream`` hold its first part back, as ``generate_batch``'s text does."""
+    from test_bench import tiny_decoder
+
+    dec, _ = tiny_decoder(k=3)
+    dec = dec if speculate else dec.without_speculation()
+    prompt = "w5 w6 w5"
+    free = dec.generate(prompt, max_new_tokens=12).text
+    words = free.split()
+    stop = f" {words[2]} {words[3]}"  # two tokens
+    want = free[: free.find(stop)]
+    assert dec.generate_batch([prompt], max_new_tokens=12, stop=[stop])[0].text == want
+    one = dec.generate(prompt, max_new_tokens=12, stop=[stop])
+    assert (one.text, one.finish_reason) == (want, "stop_sequence")
+    pieces = [e.text for e in dec.stream(prompt, max_new_tokens=12, stop=[stop])]
+    assert "".join(pieces) == want
+    assert dec.generate(prompt, max_new_tokens=2, stop=[stop]).text == " ".join(words[:2])  # held back only while it may grow
+
+
 def test_stop_strings_without_a_tokenizer_are_refused():
     from conftest import tiny_llama
 
