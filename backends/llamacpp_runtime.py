@@ -132,7 +132,7 @@ class LlamaCppRuntime:
             self.close()
             raise ValueError(f"llama.cpp could not create a context (n_ctx={cfg.n_ctx}) for {gguf_path}")
         self._mem = L.llama_get_memory(self._ctx)
-        self._n_batch = cfg.n_batch
+        self._n_batch = int(L.llama_n_batch(self._ctx))  # llama.cpp caps n_batch at n_ctx: its limit, not the asked one
         self._batch = L.llama_batch_init(self._n_batch, 0, cfg.max_sequences)
         vocab = L.llama_model_get_vocab(self._model)
         self.vocab_size = int(L.llama_vocab_n_tokens(vocab))

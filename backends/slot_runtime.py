@@ -96,13 +96,13 @@ class SlotRuntime:
     def forward(self, tokens: torch.Tensor, tree: TreeLayout | None = None, want_hidden: Want = False) -> StepOutput:
         B, N = tokens.shape
         depth = tree.depth if tree is not None else torch.arange(N, device=HOST)
-        top = max(self.slots.next) + int(depth.max())
-        if top >= self.max_context:
+        top = max(self.slots.next)  # the pending token's: a node past the context is never valid (the loop
+        if top >= self.max_context:  # cuts each row's draft to its room), only a longer row's padding is there
             raise ValueError(f"position {top} exceeds the context of {self.max_context}")
         if self.max_slots is not None and self.slots.slots > self.max_slots:
             self._apply(self.slots.compact())  # holes grew the slot axis past the engine's bound
         masked = self.always_mask or self.slots.holes or not (tree is None or tree.is_chain)
-        new_pos = self.slots.forward(depth)
+        new_pos = self.slots.forward(depth, self.max_context - 1)
         mask = None
         if masked:
             anc = tree.ancestors if tree is not None else torch.ones(N, N, dtype=torch.bool, device=HOST).tril()

@@ -109,9 +109,13 @@ class KVSlots:
         """Append slots holding ``pos [B, N]`` (-1 = hole), e.g. a drafter's right-aligned catch-up."""
         self.pos = torch.cat([self.pos, pos], dim=1) if self.pos.numel() else pos.clone()
 
-    def forward(self, depth: torch.Tensor) -> torch.Tensor:
-        """Append N nodes at ``next[b] + depth``; returns their positions ``[B, N]``."""
+    def forward(self, depth: torch.Tensor, last: int | None = None) -> torch.Tensor:
+        """Append N nodes at ``next[b] + depth``, clamped to position ``last`` (the context's end:
+        only a batch's padding reaches past a row's end, and it is never kept); returns their
+        positions ``[B, N]``."""
         new_pos = torch.tensor(self.next, dtype=torch.long, device=HOST)[:, None] + depth[None, :]
+        if last is not None:
+            new_pos = new_pos.clamp_max(last)
         self._tail = (self.slots, int(depth.numel()))
         self._before = list(self.next)
         self.append(new_pos)

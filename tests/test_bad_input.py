@@ -113,3 +113,22 @@ def test_cli_invalid_config_exits_with_message(tmp_path):
     res = CliRunner().invoke(app, ["generate", "--config", str(bad), "--prompt", "hi"])
     assert res.exit_code == 2
     assert "max_ngram" in res.output
+
+
+@pytest.mark.parametrize("kind", ["ngram", "lookahead", "medusa-tree", "eagle-tree", "parallel-tree"])
+def test_rows_at_the_context_end_decode_beside_rows_that_draft_deeper(kind, tmp_path):
+    """A row a few positions from the context's end, alone and beside a row with room to draft deep:
+    the batch's draft is padded to its deepest row (and a static tree keeps its depths), so nodes
+    past the short row's end reach the forward; they are never valid, and the output is plain
+    greedy up to the context (a forward used to refuse the whole round)."""
+    from helpers import every_proposer, plain_greedy, save_random_heads
+
+    model = tiny_llama(seed=3, sharpness=2.0, max_pos=40)
+    heads = save_random_heads(model, tmp_path)
+    short = [5, 6, 5, 6, 5, 6, 7, 5, 6]
+    for prompts in ([([4, 7] * 20)[:37]], [short + plain_greedy(model, short, 12), [7, 3, 9, 12, 30, 2] * 6]):
+        rt = TorchRuntime(model)
+        dec = SpeculativeDecoder(rt, every_proposer(kind, rt, heads), ExactVerifier())
+        got = dec.generate_batch(prompts, max_new_tokens=20)
+        assert [g.token_ids for g in got] == [plain_greedy(model, p, min(20, 40 - len(p))) for p in prompts]
+        assert [g.finish_reason for g in got] == ["length"] * len(prompts)

@@ -417,3 +417,21 @@ def test_failed_admission_leaves_the_running_rows_as_they_were(rt):
     added = rt.add_rows([_ids(rt, "Hello there")])  # and rows can join again
     assert added.logits.shape[0] == 1 and len(rt.lengths()) == 2
 
+
+
+@_model_test
+def test_inputs_longer_than_llama_cpp_s_own_batch_are_split_at_it(ref):
+    """llama.cpp rounds a small n_ctx up (64 -> 256 cells) but caps n_batch at the n_ctx asked for:
+    a 100-token prompt must go in chunks of that cap (one llama_decode of more tokens aborts the
+    process), with the logits of a runtime whose batch holds it whole."""
+    from spec_plugins.backends import build_runtime
+
+    small = build_runtime(SpecConfig.parse(_cfg(n_ctx=64)).target)
+    try:
+        assert small.max_context >= 128
+        prompt = (_ids(ref, "The quick brown fox jumps over the lazy dog. ") * 12)[:100]
+        got = small.prefill([prompt]).logits[0, -1]
+        want = ref.prefill([prompt]).logits[0, -1]
+        assert int(got.argmax()) == int(want.argmax()) and _kl(got, want) < 1e-2  # as the other batch checks
+    finally:
+        small.close()
