@@ -77,6 +77,41 @@ def test_a_row_whose_sampling_fails_fails_alone(bad, temperature):
     assert len(batch) == 0 and target.lengths() == []
 
 
+class NoDeadEnds:
+    """Bans token ``x`` and leaves no token at all after a prefix ending in it: a state plain
+    decoding never reaches, which a drafted ``x`` puts in the verify forward."""
+
+    def __init__(self, x: int) -> None:
+        self.x = x
+
+    def __call__(self, ids, scores):
+        scores = scores.clone()
+        scores[:, self.x] = float("-inf")
+        scores[ids[:, -1] == self.x] = float("-inf")
+        return scores
+
+
+@pytest.mark.parametrize("kind", ["ngram", "suffix"])
+def test_a_node_after_a_drafted_token_the_processor_bans_does_not_fail_the_row(kind, tmp_path):
+    """Processed logits with no token left at a drafted node the row's path never reaches are not
+    the row's failure: the output is transformers' greedy under the same processor."""
+    from helpers import every_proposer, save_random_heads
+    from transformers import LogitsProcessorList
+
+    model = tiny_llama(seed=3)
+    x = 7
+    prompt = [6, 19, 18, x, 19, 18, 6, 19, 18, x, 19]  # the n-gram and suffix proposers draft x
+    target = TorchRuntime(model)
+    batch = Batch(target, every_proposer(kind, target, save_random_heads(model, tmp_path)), ExactVerifier())
+    first = batch.add([RowRequest(0, prompt, 12, processors=[NoDeadEnds(x)])])
+    more, errors = drive(batch)
+    assert not errors and not first[0].error
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                              logits_processor=LogitsProcessorList([NoDeadEnds(x)]))[0, len(prompt):].tolist()
+    assert first[0].tokens + more[0] == want
+
+
 def test_admission_is_atomic_when_the_proposer_fails():
     model = tiny_llama(seed=3)
     target = TorchRuntime(model)

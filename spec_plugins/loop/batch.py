@@ -334,13 +334,17 @@ class Batch:
                 ) -> tuple[Verdict, dict]:
         """The registered verifier on row groups (greedy rows together, sampled rows by
         generator), read in the round's one fetch with the rows whose processed logits are no
-        distribution (NaN, +inf, every token masked): those fail alone, their verdict ignored."""
-        bad = ~torch.isfinite(z.amax(-1)).all(-1)  # [B], on the device
+        distribution (NaN, +inf, every token masked) at a node the row's path reads (the root or
+        an accepted node, as plain decoding would read them): those fail alone, their verdict
+        ignored. Such a node off the path (after a drafted token its parent never allows) is a
+        placeholder the verdict does not read."""
+        broken = ~torch.isfinite(z.amax(-1))  # [B, 1 + n] nodes, on the device
         known = [b for b, r in enumerate(rows) if r.error is not None]
         if known:
-            bad[upload_tensor(known, bad.device)] = True
-        z = torch.where(bad[:, None, None], torch.zeros((), dtype=z.dtype, device=z.device), z)
+            broken[upload_tensor(known, broken.device)] = True
+        z = torch.where(broken[..., None], torch.zeros((), dtype=z.dtype, device=z.device), z)
         dv = verify_groups(self.verifier, rows, draft, z, lambda r: "greedy" if r.pipeline.greedy else id(r.generator))
+        bad = broken[:, 0] | (broken[:, 1:] & dv.path).any(-1)  # [B]: the root, or a node on the path
         lp = logits if any(r.logprobs for r in rows) else None
         extra = {k: v for src in self.traits.sources for k, v in src.to_fetch(z).items()}
         verdict, host = read_round(dv, draft, z, bad, lp, self.top_logprobs, extra)
