@@ -61,6 +61,57 @@ class NaiveGrammar:
             m = llguidance.LLMatcher(self.tok, self.grammar, log_level=0)
             assert m.consume_tokens(done), m.get_error()
             bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), np.uint8), bitorder="little")
+            bits = np.pad(bits, (0, max(0, scores.shape[-1] - bits.shape[0])))  # padded logits: never allowed
             allowed = torch.from_numpy(bits[: scores.shape[-1]].astype(bool))
             out[r, ~allowed.to(scores.device)] = float("-inf")
         return out
+
+
+ENDLESS = 'start: "x" ("b" "c" | "a" r)\nr: "a" r'  # after "xa", "a" is forced without end: llguidance cannot
+# consume it at a state whose mask it computed (its item limit), only where it computed none
+X, A, B, C = 10, 7, 8, 9  # token ids of "x", "a", "b", "c"
+
+
+class Padded:
+    """transformers ``LogitsProcessor``: ``bonus`` added to the logits past the first ``width``
+    columns (a padded vocabulary's columns, made the argmax unless a processor masks them)."""
+
+    def __init__(self, width: int, bonus: float = 50.0) -> None:
+        self.width, self.bonus = width, bonus
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        out = scores.clone()
+        out[:, self.width:] += self.bonus
+        return out
+
+
+def scripted(tokens, tree: bool = False, sibling: int = B):
+    """A proposer that drafts ``tokens`` (cut to the round's budget) for every row, every round:
+    a chain, or (``tree``) a tree with ``sibling`` beside each of them, the chain going on under
+    the scripted token."""
+    from spec_plugins.proposers.base import Proposer
+    from spec_plugins.types import Draft
+
+    drafts_trees = tree
+
+    class Scripted(Proposer):
+        Config = dict
+        tree = drafts_trees
+
+        def __init__(self) -> None:
+            self.config = {}
+
+        def propose(self, ctx):
+            k = min(max(ctx.budgets), len(tokens))
+            if k == 0:
+                return None
+            if not tree:
+                return Draft.from_chains([list(tokens[:k])] * len(ctx.sequences))
+            toks, parents, last = [], [], -1
+            for t in tokens[:k]:
+                toks += [sibling, t]
+                parents += [last, last]
+                last = len(parents) - 1
+            return Draft(torch.tensor([toks] * len(ctx.sequences)), tuple(parents))
+
+    return Scripted()

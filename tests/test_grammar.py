@@ -14,7 +14,8 @@ import json
 import numpy as np
 import pytest
 import torch
-from grammar_helpers import EOS, REGEX, SCHEMA, VOCAB, NaiveGrammar, tiny_tokenizer
+from grammar_helpers import (ENDLESS, EOS, REGEX, SCHEMA, VOCAB, A, B, C, NaiveGrammar, Padded, X, scripted,
+                             tiny_tokenizer)
 from helpers import EVERY_PROPOSER, chi_square_pvalue, every_proposer, exact_joint, full_logits, save_random_heads
 
 from conftest import tiny_llama
@@ -285,3 +286,145 @@ def test_the_transformers_plugin_with_a_grammar_processor_equals_generate(tok, d
     for row in plain[:, width:].tolist():
         text = tok.decode([t for t in _cut(row) if t != EOS])
         assert __import__("re").fullmatch(REGEX, text) or not _cut(row)[-1] == EOS, text
+
+
+def _drafter(kind, rt, heads, tokens=(A,) * 4):
+    """No proposer (None), a library proposer by name, or ``tokens`` drafted every round as a
+    chain or a tree (``scripted``)."""
+    if kind in ("chain", "tree"):
+        return scripted(list(tokens), tree=kind == "tree")
+    return None if kind is None else every_proposer(kind, rt, heads)
+
+
+@pytest.fixture(scope="module")
+def endless(lltok):
+    return compile_grammar(GrammarSpec("lark", ENDLESS), lltok)
+
+
+def test_masks_on_a_branch_with_forced_text_without_end_equal_a_fresh_matcher(endless):
+    """After "xa" the grammar forces "a" without end. llguidance consumes such a token only where no
+    mask was computed at its state: the walk masks every node and goes on down that branch, each
+    node's mask the fresh matcher's, and the committed state still takes "bc"."""
+    g = RowGrammar(endless, [EOS], VOCAB)
+    assert g.advance([X])
+    masks = g.masks([A, A, A, B], [-1, 0, 1, -1])
+    for j, path in enumerate([[A], [A, A], [A, A, A], [B]]):
+        assert (masks[j + 1] == _path_mask(endless, [X] + path)).all(), j
+    assert (g.mask() == _path_mask(endless, [X])).all() and not g.matcher.is_error()
+    assert g.advance([B, C, EOS]), g.error
+
+
+def test_a_cursor_rebuilds_a_matcher_left_in_error(endless):
+    """A matcher in error cannot roll back: the cursor replaces it and walks on exactly."""
+    from spec_plugins.grammar.matcher import Cursor, mask_of
+
+    walk = Cursor(endless.matcher)
+    assert walk.move([X, A])
+    walk.matcher.compute_bitmask()  # at this state llguidance's next consume runs out of items
+    assert not walk.move([X, A, A]) and walk.matcher.is_error()
+    assert walk.move([X, B]) and (mask_of(walk.matcher, 1) == _path_mask(endless, [X, B])).all()
+    assert walk.move([X, A, A, A]) and (mask_of(walk.matcher, 1) == _path_mask(endless, [X, A, A, A])).all()
+
+
+@pytest.mark.parametrize("kind", ["chain", "tree", "ngram"])
+def test_speculation_into_an_endless_branch_equals_plain_decoding(target, tok, endless, kind):
+    """Drafts that run down the endless branch ("x" then "a"s) leave the output as transformers'
+    ``generate`` under the independent processor has it."""
+    model, heads = target
+    prompts = [tok.encode("xaaaaxaaaaxaaaa"), tok.encode("abcxy12abc")]
+    rt = TorchRuntime(model, matmul="native")
+    proposer = _drafter(kind, rt, heads)
+    grammars = {"endless": endless}
+    want = reference(model, prompts, ["endless"] * 2, grammars, n=8)
+    assert ours(rt, proposer, prompts, ["endless"] * 2, grammars, n=8) == want
+    assert all(row[-1] == EOS for row in want)
+
+
+def test_the_transformers_plugin_into_an_endless_branch_equals_generate(tok):
+    """``GrammarLogitsProcessor`` under n-gram drafts of "a"s: speculative ``generate()`` equals
+    plain ``generate()`` with it, and with the independent processor."""
+    from transformers import LogitsProcessorList
+
+    from spec_plugins.grammar.hf import GrammarLogitsProcessor
+    from spec_plugins.integrations.transformers import speculative_generate
+
+    model = tiny_llama(seed=3, sharpness=2.0)
+    ids = torch.tensor([tok.encode("xaaaaxaaaaxaaaa")])
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=EOS, eos_token_id=EOS)
+    grammar = GrammarSpec("lark", ENDLESS)
+    proc = lambda: LogitsProcessorList([GrammarLogitsProcessor(grammar, tok, VOCAB, [EOS])])  # noqa: E731
+    plain = model.generate(ids, **kw, logits_processor=proc())
+    spec = model.generate(ids, **kw, logits_processor=proc(), custom_generate=speculative_generate)
+    assert torch.equal(spec, plain)
+    lltok = ll_tokenizer(tok, VOCAB, [EOS])
+    naive = NaiveGrammar(lltok, compile_grammar(grammar, lltok).grammar, ids.shape[1])
+    assert torch.equal(plain, model.generate(ids, **kw, logits_processor=LogitsProcessorList([naive])))
+
+
+def test_the_grammar_processor_as_documented_masks_a_padded_vocabulary(tok):
+    """``GrammarLogitsProcessor(spec, tokenizer)`` on a model whose logits are wider than the
+    tokenizer (Qwen2.5: 151936 columns, 151665 tokens): the extra columns, made the argmax here,
+    are never allowed; plain and speculative ``generate()`` equal the independent processor's."""
+    from transformers import LogitsProcessorList
+
+    from spec_plugins.grammar.hf import GrammarLogitsProcessor
+    from spec_plugins.integrations.transformers import speculative_generate
+
+    model = tiny_llama(vocab=2 * VOCAB, seed=3, sharpness=2.0)
+    ids = torch.tensor([tok.encode("abcxy12abc")])
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=EOS, eos_token_id=EOS)
+    grammar = GrammarSpec.regex(REGEX)
+    procs = lambda: LogitsProcessorList([Padded(VOCAB), GrammarLogitsProcessor(grammar, tok)])  # noqa: E731
+    plain = model.generate(ids, **kw, logits_processor=procs())
+    lltok = ll_tokenizer(tok, VOCAB, [EOS])
+    naive = NaiveGrammar(lltok, compile_grammar(grammar, lltok).grammar, ids.shape[1])
+    assert torch.equal(plain, model.generate(ids, **kw, logits_processor=LogitsProcessorList([Padded(VOCAB), naive])))
+    assert torch.equal(model.generate(ids, **kw, logits_processor=procs(), custom_generate=speculative_generate), plain)
+    assert int(plain[0, ids.shape[1]:].max()) < VOCAB
+
+
+def _finish(rt, proposer, prompt, compiled, n=12):
+    """One row decoded under ``compiled``: its tokens, finish reason and grammar state."""
+    g = RowGrammar(compiled, [EOS], VOCAB)
+    out, reason = [], None
+    for step in decode(rt, proposer, ExactVerifier(), LogitsPipeline(SamplingConfig()), [prompt], n, [EOS],
+                       draft_length=FixedLength(3) if proposer is not None else None, grammars=[g]):
+        out += step.emitted.get(0, [])
+        reason = step.finished.get(0, reason)
+    return out, reason, g
+
+
+@pytest.mark.parametrize("kind", [None, "ngram", "chain", "tree"])
+def test_a_lark_rule_that_only_recurses_runs_to_length(target, tok, lltok, kind):
+    """``start: "a" start`` forces "a" without end (its language is empty): as the docs say, a row
+    under it runs to ``length``, equal to transformers' ``generate`` under the independent
+    processor, and so does a recursion through a choice."""
+    model, heads = target
+    prompts = [tok.encode("abcxy12abc")]
+    for text in ['start: "a" start', 'start: ("a" | "b") start']:
+        grammars = {"rec": compile_grammar(GrammarSpec("lark", text), lltok)}
+        rt = TorchRuntime(model, matmul="native")
+        proposer = _drafter(kind, rt, heads)
+        out, reason, _ = _finish(rt, proposer, prompts[0], grammars["rec"])
+        assert reason == "length" and out == reference(model, prompts, ["rec"], grammars, n=12)[0], (text, out)
+
+
+@pytest.mark.parametrize("kind", [None, "ngram", "chain", "tree"])
+def test_a_matcher_in_error_ends_the_row_with_error_naming_the_cause(target, tok, lltok, kind):
+    """``abz`` where no token spells "z": after "ab" llguidance's matcher is in error and allows
+    end-of-sequence only. The row ends with ``error`` naming that, never as a finished output."""
+    model, heads = target
+    rt = TorchRuntime(model, matmul="native")
+    proposer = _drafter(kind, rt, heads, [EOS, A])  # a drafted end-of-sequence, where the grammar allows it
+    compiled = compile_grammar(GrammarSpec.regex("abz"), lltok)
+    out, reason, g = _finish(rt, proposer, tok.encode("abcxy12abc"), compiled)
+    assert reason == "error" and EOS not in out, (out, reason)
+    assert "no token of this model's vocabulary can continue the grammar" in g.error, g.error
+
+
+def test_an_end_of_sequence_the_grammar_does_not_allow_is_refused(grammars):
+    """``advance`` ends a row on end-of-sequence only where the grammar is complete."""
+    g = RowGrammar(grammars["regex"], [EOS], VOCAB)
+    assert not g.advance([21, EOS]) and "not complete" in g.error  # "ab": the regex needs a number
+    g = RowGrammar(grammars["regex"], [EOS], VOCAB)
+    assert g.advance([21, 25, EOS]), g.error  # "ab12"

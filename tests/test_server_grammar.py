@@ -137,3 +137,13 @@ def test_bad_grammars_and_values_are_422_naming_them(live, route, body, message)
     assert r.status_code == 422, (r.status_code, r.text)
     assert message in r.json()["error"], r.json()
     assert httpx.get(live.url + "/health", timeout=10).status_code == 200
+
+
+def test_a_grammar_with_no_way_on_fails_the_row_naming_why(live):
+    """Regex ``abz`` where no token spells "z": after "ab" the grammar has no way on. The row
+    fails (500 naming the cause), never a finished output, and the server keeps serving."""
+    r = httpx.post(live.url + "/generate", json={"inputs": "abc", "parameters": {
+        "grammar": {"type": "regex", "value": "abz"}, "max_new_tokens": 12, "details": True}}, timeout=60)
+    assert r.status_code == 500, (r.status_code, r.text)
+    assert "no token of this model's vocabulary can continue the grammar" in r.json()["error"], r.json()
+    assert httpx.get(live.url + "/health", timeout=10).status_code == 200

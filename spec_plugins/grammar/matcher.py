@@ -1,22 +1,35 @@
 """A row's grammar state: masks for every node of a round's draft, forced tokens, and commits.
 
-The committed state advances only by emitted tokens (``advance``). A round's masks are built by
-walking the drafted tree from that state: each node's mask is the grammar state after the node's
-path, reached by rolling back to the common ancestor of the last node walked and consuming the
-rest, then rolled back to the committed state at the end. A drafted token the grammar does not
-allow after its parent is never consumed (a matcher that consumes one stays in error): that node
-and its subtree get the all-allowed mask, since the verifier rejects the node already (its
-probability under the masked target is 0) and an all-masked row would read as a failed sampling.
+The committed state advances only by emitted tokens (``advance``). A round's masks are built by a
+``Cursor`` on a copy of that state: each node's mask is the grammar state after the node's path,
+reached by rolling back to what the path shares with the last node walked and consuming the rest.
+A drafted branch never touches the committed state; where one leaves the cursor's matcher in an
+error state (which no llguidance rollback leaves), the cursor rebuilds it.
+
+Masks and forced tokens are computed on a throwaway copy of the matcher they describe (``mask_of``):
+llguidance's ``consume_token`` after a mask computed at the same state runs a forced-token step,
+which fails on llguidance's item limit where the forced text never ends (``start: "a" start``),
+while the same tokens consumed with no mask computed in between succeed. Every matcher here only
+consumes, as a fresh one fed the whole output does, so a row follows the same grammar however its
+masks were asked for (a copy costs about a microsecond).
+
+A drafted token the mask does not allow after its parent is never consumed: that node and its
+subtree get the all-allowed mask, since the verifier rejects the node already (its probability
+under the masked target is 0) and an all-masked row would read as a failed sampling. So does a
+node the matcher refuses to consume although its mask allowed it; where the target takes it,
+``advance`` refuses it too and the row ends with ``error``. A state with no way on (no token of
+the vocabulary continues the grammar) has a mask allowing end-of-sequence only, and ``advance``
+ends that row with ``error``, naming the cause, not as a finished output.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from spec_plugins.grammar.spec import Compiled, GrammarError
+from spec_plugins.grammar.spec import Compiled, GrammarError, error_of
 
 ALL = -1  # an int32 word with every bit set: 32 tokens allowed
 
@@ -24,6 +37,45 @@ ALL = -1  # an int32 word with every bit set: 32 tokens allowed
 def words_for(vocab: int) -> int:
     """int32 words of a bitmask over ``vocab`` tokens."""
     return (vocab + 31) // 32
+
+
+def mask_of(matcher: Any, words: int) -> np.ndarray:
+    """The bitmask [words] int32 of the tokens allowed after ``matcher``'s state, computed on a
+    copy (module docstring). The columns past the grammar's tokenizer are disallowed: a model's
+    logits are often wider than its tokenizer."""
+    out = np.frombuffer(matcher.deep_copy().compute_bitmask(), dtype=np.int32)
+    if out.shape[0] < words:
+        out = np.concatenate([out, np.zeros(words - out.shape[0], np.int32)])
+    return out[:words]
+
+
+class Cursor:
+    """A matcher moved between token paths from one origin state (what ``origin()`` builds), by
+    rolling back to what the new path shares with the last and consuming the rest. A matcher in
+    error never leaves it (llguidance's rollback fails there): such a matcher, or one whose
+    rollback fails, is replaced by a fresh ``origin()`` and the path is consumed again."""
+
+    def __init__(self, origin: Callable[[], Any]) -> None:
+        self.origin = origin
+        self.matcher = origin()
+        self.path: list[int] = []  # the tokens consumed from the origin state
+
+    def move(self, path: Sequence[int]) -> bool:
+        """Put the matcher at the state after ``path``; False where the grammar refuses one of its
+        tokens (not allowed there, or not consumable): the path is dead."""
+        common = 0
+        while common < min(len(self.path), len(path)) and self.path[common] == path[common]:
+            common += 1
+        back = len(self.path) - common
+        if self.matcher.is_error() or (back and not self.matcher.rollback(back)):
+            self.matcher, self.path, common = self.origin(), [], 0
+        else:
+            del self.path[common:]
+        for t in path[common:]:
+            if self.matcher.validate_tokens([int(t)]) != 1 or not self.matcher.consume_token(int(t)):
+                return False  # a refused consume leaves the matcher in error: the next move rebuilds it
+            self.path.append(int(t))
+        return True
 
 
 class RowGrammar:
@@ -35,31 +87,42 @@ class RowGrammar:
         self.draft_forced = draft_forced
         self.eos = frozenset(int(e) for e in eos_ids)
         self.vocab, self.words = vocab, words_for(vocab)
-        self.error = ""  # why the output left the grammar, if it did (``advance``)
+        self.error = ""  # why the output cannot go on in its grammar, if it cannot (``advance``)
 
     def mask(self) -> np.ndarray:
         """The bitmask [words] int32 of the tokens allowed next."""
-        out = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.int32)
-        if out.shape[0] < self.words:  # the grammar's tokenizer is narrower than the logits
-            out = np.concatenate([out, np.zeros(self.words - out.shape[0], np.int32)])
-        return out[: self.words]
+        return mask_of(self.matcher, self.words)
 
     def forced(self, limit: int) -> list[int]:
-        """Up to ``limit`` tokens the grammar allows alone from the committed state."""
+        """Up to ``limit`` tokens the grammar allows alone from the committed state (computed on a
+        copy, as masks are: module docstring)."""
         if limit <= 0 or self.matcher.is_stopped():
             return []
-        return [int(t) for t in self.matcher.compute_ff_tokens()[:limit]]
+        return [int(t) for t in self.matcher.deep_copy().compute_ff_tokens()[:limit]]
 
     def advance(self, tokens: Sequence[int]) -> bool:
-        """Commit emitted tokens (up to an end-of-sequence token, which ends the row); False if
-        one left the grammar (``error`` says which: the masks make that a bug, never a choice)."""
+        """Commit emitted tokens, up to an end-of-sequence token (which ends the row); False where
+        the output cannot go on in its grammar (``error`` says why): a token the matcher refuses,
+        or an end of sequence where the output is not complete in the grammar."""
         for t in tokens:
             if t in self.eos:
-                return True
+                return self._may_end(int(t))
             if not self.matcher.consume_token(int(t)):
-                self.error = f"token {t}: {self.matcher.get_error().strip().splitlines()[0]}"
+                self.error = f"token {t}: {error_of(self.matcher)}"
                 return False
         return True
+
+    def _may_end(self, eos: int) -> bool:
+        """Whether the output may end here: only where it is complete in its grammar. The masks
+        allow end-of-sequence elsewhere only where the grammar has no way on (llguidance's error
+        state, met on the mask's copy): that row ends with ``error`` naming why."""
+        if self.matcher.is_accepting():
+            return True
+        probe = self.matcher.deep_copy()
+        probe.compute_bitmask()
+        why = error_of(probe) if probe.is_error() else "the output is not complete in its grammar"
+        self.error = f"token {eos} (end of sequence): {why}"
+        return False
 
     def masks(self, tokens: Sequence[int], parents: Sequence[int], valid: Sequence[bool] | None = None) -> np.ndarray:
         """[1 + n, words] int32: row 0 the root's mask (the committed state), row j + 1 that after
@@ -69,31 +132,17 @@ class RowGrammar:
         out[0] = self.mask()
         if self.matcher.is_stopped():
             return out  # nothing but end-of-sequence can follow: no drafted node survives it
-        paths: list[tuple[int, ...] | None] = [None] * n  # node ids from the root down, live nodes only
-        walked: tuple[int, ...] = ()  # nodes the matcher has consumed beyond the committed state
+        walk = Cursor(self.matcher.deep_copy)  # the committed state is never walked
+        paths: list[tuple[int, ...] | None] = [None] * n  # each live node's tokens from the root
         for j in range(n):
             p, t = int(parents[j]), int(tokens[j])
             base = () if p < 0 else paths[p]
             if base is None or (valid is not None and not valid[j]) or t in self.eos or not _allowed(out[p + 1], t):
                 continue
-            walked = self._walk(walked, base, tokens)
-            self.matcher.consume_token(t)
-            walked = base + (j,)
-            paths[j] = walked
-            out[j + 1] = self.mask()
-        self.matcher.rollback(len(walked))
+            if walk.move(base + (t,)):
+                paths[j] = base + (t,)
+                out[j + 1] = mask_of(walk.matcher, self.words)
         return out
-
-    def _walk(self, walked: tuple[int, ...], base: tuple[int, ...], tokens: Sequence[int]) -> tuple[int, ...]:
-        """Move the matcher from the state after ``walked`` to that after ``base``."""
-        common = 0
-        while common < min(len(walked), len(base)) and walked[common] == base[common]:
-            common += 1
-        if len(walked) > common:
-            self.matcher.rollback(len(walked) - common)
-        for node in base[common:]:
-            self.matcher.consume_token(int(tokens[node]))
-        return base
 
 
 def _allowed(mask: np.ndarray, token: int) -> bool:

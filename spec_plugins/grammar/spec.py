@@ -103,7 +103,7 @@ class Compiled:
 
         m = llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0, limits=self.limits)
         if m.is_error():
-            raise GrammarError(f"grammar rejected: {_first_line(m.get_error())}")
+            raise GrammarError(f"grammar rejected: {error_of(m)}")
         return m
 
 
@@ -131,6 +131,15 @@ def compile_grammar(spec: GrammarSpec, tokenizer: Any, limits: GrammarLimits = G
         raise GrammarError("the grammar cannot match any output: no token of this model's vocabulary can start it"
                            + (f" ({_first_line(m.get_error())})" if m.is_error() else ""))
     return Compiled(spec, text, tokenizer, ll_limits, ms)
+
+
+_CAUSES = {"NoExtensionBias": "no token of this model's vocabulary can continue the grammar here"}
+
+
+def error_of(matcher: Any) -> str:
+    """Why an llguidance matcher is in error, in one line (a terse stop reason explained)."""
+    line = _first_line(matcher.get_error())
+    return f"{_CAUSES[line]} (llguidance: {line})" if line in _CAUSES else line
 
 
 def _first_line(message: str) -> str:
