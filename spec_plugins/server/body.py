@@ -19,6 +19,7 @@ import numpy as np
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect, Request
 
+from spec_plugins.config import DuplicateKey, unique_keys
 from spec_plugins.server.schemas import ApiError, validation_message
 
 MAX_BODY_BYTES = 4 << 20  # a prompt of a 32k-token context is ~130 KB of text
@@ -126,19 +127,6 @@ class _Refused:
         self.why = why
 
 
-class _Duplicate(ValueError):
-    pass
-
-
-def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise _Duplicate(k)
-        out[k] = v
-    return out
-
-
 def shape(body: bytes) -> tuple[int, int]:
     """(items, depth) of a JSON text from its bytes outside strings: items = commas + opened
     arrays and objects (at least the values a parser would build), depth = the deepest bracket.
@@ -219,8 +207,8 @@ def parse_json(body: bytes, max_items: int = 1 << 16) -> dict[str, Any]:
         return refused[-1]
 
     try:
-        data = json.loads(text, parse_int=number, parse_constant=constant, object_pairs_hook=_object)
-    except _Duplicate as exc:
+        data = json.loads(text, parse_int=number, parse_constant=constant, object_pairs_hook=unique_keys)
+    except DuplicateKey as exc:
         raise ApiError(422, f"duplicate key `{exc}` in the JSON body") from None
     except RecursionError:
         raise ApiError(422, f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels") from None

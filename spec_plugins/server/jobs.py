@@ -76,7 +76,8 @@ def _generation_error(message: str) -> ApiError:
 async def follow(state: Any, job: Job, prep: Prepared, request: Request) -> AsyncIterator[TokenOut | Finished]:
     """Yield a submitted row's tokens, then a Finished; cancels the row if abandoned. Each token's
     text is the row's text stream's (``spec_plugins/text.py``), fed in the batch, where a stop
-    sequence already finished the row."""
+    sequence already finished the row; the stream is flushed here once the row has finished (the
+    batch no longer feeds it then)."""
     pieces = prep.text.pieces
     shown = StopFreeText(prep.text.stops) if prep.hide_stop else None
     toks: list[TokenOut] = []
@@ -101,12 +102,13 @@ async def follow(state: Any, job: Job, prep: Prepared, request: Request) -> Asyn
             _, ids, lps, reason = item
             if reason is not None and not ids:
                 done = True
-                tail = shown.push("", prep.text.stop_at, True) if shown is not None else ""
-                yield Finished(_reason(reason), _final_text(state, prep, toks, reason), toks, tail)
+                yield _finished(state, prep, toks, reason, shown)
                 return
             for i, (t, lp) in enumerate(zip(ids, lps)):
                 last = reason is not None and i == len(ids) - 1
                 piece = pieces[len(toks)]
+                if last and shown is None:  # TGI's routes: the last token's text ends the row's text
+                    piece += prep.text.flush()
                 if shown is not None:
                     piece = shown.push(piece, prep.text.stop_at, last)
                 tok = TokenOut(t, piece, float(lp), t in state.special_ids, getattr(lp, "top", ()))
@@ -115,13 +117,22 @@ async def follow(state: Any, job: Job, prep: Prepared, request: Request) -> Asyn
                     tok.last = True
                     yield tok
                     done = True
-                    yield Finished(_reason(reason), _final_text(state, prep, toks, reason), toks)
+                    yield _finished(state, prep, toks, reason, shown)
                     return
                 yield tok
     finally:
         if not done:
             state.metrics.request_cancelled()
         state.scheduler.cancel(job)  # no-op when finished; frees the slot otherwise
+
+
+def _finished(state: Any, prep: Prepared, toks: list[TokenOut], reason: str,
+              shown: StopFreeText | None) -> Finished:
+    """The row's end. ``shown`` (OpenAI's routes): the ``tail`` is what is still held back, the
+    text stream's flushed end included (a character the row's tokens never completed, as U+FFFD),
+    so the streamed text equals the non-streamed one even when the last token is special."""
+    tail = shown.push(prep.text.flush(), prep.text.stop_at, True) if shown is not None else ""
+    return Finished(_reason(reason), _final_text(state, prep, toks, reason), toks, tail)
 
 
 def _reason(reason: str) -> str:

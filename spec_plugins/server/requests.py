@@ -142,14 +142,21 @@ CHAT = Names("messages", "max_tokens")
 
 def render_chat(state: Any, messages: Sequence[Any]) -> str:
     """The model's chat template over ``messages`` (``ChatMessage``), ready for the assistant."""
-    tok = state.tokenizer
+    return _apply_template(state.tokenizer, _template_messages(messages))
+
+
+def _template_messages(messages: Sequence[Any]) -> list[dict[str, str]]:
+    return [{"role": m.template_role(), "content": m.text()} for m in messages]
+
+
+def _apply_template(tok: Any, msgs: Sequence[dict[str, str]]) -> str:
+    """The chat template over plain ``{"role", "content"}`` messages; a template error is a 422."""
     if not getattr(tok, "chat_template", None):
         raise ApiError(422, "this model's tokenizer has no chat template; use /generate or /v1/completions")
     from jinja2 import TemplateError
 
-    msgs = [{"role": m.template_role(), "content": m.text()} for m in messages]
     try:
-        return tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        return tok.apply_chat_template(list(msgs), add_generation_prompt=True, tokenize=False)
     except TemplateError as exc:  # templates raise on what they do not take (roles out of order, ...)
         raise ApiError(422, f"the model's chat template refused these `messages`: {exc}") from None
 
@@ -161,30 +168,61 @@ def encode_chat(state: Any, messages: Sequence[Any], names: Names = CHAT) -> lis
     Message text that spells a special token (``<|im_end|>``) becomes that control token, as in
     transformers, TGI and vLLM. With ``state.escape_special_tokens`` it is encoded as the plain
     text it is (``escape_special``), so a user cannot open a system turn."""
-    text = render_chat(state, messages)
+    msgs = _template_messages(messages)
+    text = _apply_template(state.tokenizer, msgs)
     ids = encode_text(state, text, None, names, special=False)
     if getattr(state, "escape_special_tokens", False):
-        ids = escape_special(state.tokenizer, text, ids, [m.text() for m in messages])
+        ids = escape_special(state.tokenizer, text, ids, message_spans(state.tokenizer, msgs, text))
     return ids
 
 
-def escape_special(tokenizer: Any, text: str, ids: list[int], contents: Sequence[str]) -> list[int]:
-    """``ids`` (``text`` tokenized with its special tokens) with every message's own text encoded
-    as plain text: the tokens covering a message that holds a special token's spelling are
-    re-tokenized with ``split_special_tokens``; the template's tokens stay. Each message's text is
-    found verbatim in ``text``, in order; one the template changed cannot be told from the
-    template's own tokens and is refused."""
+# a message's stand-in while locating it: private-use characters, which no case or whitespace
+# filter changes
+_MARK = "\ue000{}\ue001"
+
+
+def message_spans(tokenizer: Any, msgs: Sequence[dict[str, str]], text: str) -> list[tuple[int, int]]:
+    """Where the text of each message holding a special token's spelling lies in ``text`` (the
+    rendered chat), in order. The template is rendered again with a marker in place of each such
+    message: the markers show where the template put the messages, so a message is never matched at
+    the template's own tokens (``<|im_end|>`` spells the template's turn ends too). A template that
+    changes such a message or copies it other than once cannot tell it from its own tokens: a 422."""
     specials = [t for t in getattr(tokenizer, "all_special_tokens", []) if t]
-    spans, at = [], 0
-    for i, content in enumerate(contents):
-        if not any(t in content for t in specials):
-            continue
-        start = text.find(content, at)
-        if start < 0:
-            raise ApiError(422, f"`messages.{i}` holds special-token text that cannot be escaped: the chat "
-                                "template does not copy this message verbatim")
-        spans.append((start, start + len(content)))
-        at = start + len(content)
+    which = [i for i, m in enumerate(msgs) if any(t in m["content"] for t in specials)]
+    if not which:
+        return []
+    marked = [dict(m, content=_MARK.format(i)) if i in which else m for i, m in enumerate(msgs)]
+    skeleton = _apply_template(tokenizer, marked)
+    found = []
+    for i in which:
+        if skeleton.count(_MARK.format(i)) != 1:
+            raise _not_verbatim([i])
+        found.append((skeleton.index(_MARK.format(i)), i))
+    spans, parts, pos, size = [], [], 0, 0
+    for at, i in sorted(found):
+        content = msgs[i]["content"]
+        parts += [skeleton[pos:at], content]
+        size += at - pos
+        spans.append((size, size + len(content)))
+        size += len(content)
+        pos = at + len(_MARK.format(i))
+    if "".join(parts) + skeleton[pos:] != text:  # the template changed a message's text (``| trim``, ...)
+        raise _not_verbatim(which)
+    return spans
+
+
+def _not_verbatim(which: Sequence[int]) -> ApiError:
+    """The messages whose special-token text cannot be escaped (``message_spans``), by path."""
+    named = ", ".join(f"`messages.{i}`" for i in which)
+    one = len(which) == 1
+    return ApiError(422, f"{named} {'holds' if one else 'hold'} special-token text that cannot be escaped: the chat "
+                         f"template does not copy {'this message' if one else 'these messages'} verbatim")
+
+
+def escape_special(tokenizer: Any, text: str, ids: list[int], spans: Sequence[tuple[int, int]]) -> list[int]:
+    """``ids`` (``text`` tokenized with its special tokens) with each span of ``text`` (a message's
+    own text, ``message_spans``, in order) encoded as plain text: the tokens covering it are
+    re-tokenized with ``split_special_tokens``; the template's tokens stay."""
     if not spans:
         return ids
     offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]

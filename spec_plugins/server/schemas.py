@@ -17,6 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from spec_plugins.config import MAX_SEED, REPETITION_PENALTY_RANGE
 
 MAX_STOP_SEQUENCES = 4
+# a stop sequence's length: real ones are a few characters ("\n\n", "</s>", "Human:"); each is kept
+# and searched per token, so a bound keeps a request's stop strings cheap (docs/serving.md)
+MAX_STOP_CHARS = 1024
 MAX_TOP_N_TOKENS = 5  # TGI's default --max-top-n-tokens
 
 
@@ -55,12 +58,16 @@ def check_seed(v: int | None) -> int | None:
 
 
 def check_stops(v: Any) -> Any:
-    """A stop sequence or a list of them (as either API sends it): at most 4, none empty."""
+    """A stop sequence or a list of them (as either API sends it): at most 4, none empty, none
+    longer than ``MAX_STOP_CHARS``."""
     stops = [v] if isinstance(v, str) else list(v or [])
     if len(stops) > MAX_STOP_SEQUENCES:
         raise ValueError(f"`stop` supports up to {MAX_STOP_SEQUENCES} stop sequences. Given: {len(stops)}")
     if any(s == "" for s in stops):
         raise ValueError("`stop` sequences must not be empty")
+    longest = max((len(s) for s in stops), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise ValueError(f"`stop` sequences must be at most {MAX_STOP_CHARS} characters long. Given: one of {longest}")
     return v
 
 
