@@ -223,12 +223,69 @@ def test_custom_proposer_example_through_generate():
     (dict(prefix_allowed_tokens_fn=lambda b, ids: [1, 2]), ValueError, "batch index"),
     (dict(spec_config=42), TypeError, "spec_config must be"),
     (dict(spec_config={"proposer": {"type": "magic"}}), ValueError, "allowed values"),
+    (dict(max_new_tokens=250), ValueError, "runs past the model's context of 256 positions"),
 ])
 def test_unsupported_options_raise_clearly(kw, err, match):
     model = tiny_llama(seed=3)
     with pytest.raises(err, match=match):
-        model.generate(**left_padded(PROMPTS), max_new_tokens=4, pad_token_id=PAD,
-                       custom_generate=speculative_generate, **kw)
+        model.generate(**left_padded(PROMPTS), **({"max_new_tokens": 4} | kw), pad_token_id=PAD,
+                       custom_generate=speculative_generate)
+
+
+def test_a_stateful_watermark_is_refused_and_a_stateless_one_is_exact():
+    """SynthID's processor keeps its recent contexts between calls, which calls per drafted node
+    advance out of step (its output differed from plain generate()): refused by name. The
+    Kirchenbauer watermark is a function of the prefix: the output is plain generate()'s."""
+    from transformers import SynthIDTextWatermarkingConfig, WatermarkingConfig
+
+    model = tiny_llama(seed=3, vocab=64)
+    ids = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 9, 3, 4]])
+    synthid = SynthIDTextWatermarkingConfig(keys=[654, 400, 836, 123, 340, 443, 597, 160, 57, 29], ngram_len=3)
+    with pytest.raises(ValueError, match="SynthIDTextWatermarkLogitsProcessor is not supported.*keeps state"):
+        model.generate(input_ids=ids, max_new_tokens=20, do_sample=False, watermarking_config=synthid,
+                       custom_generate=speculative_generate)
+    plain, spec = both(model, {"input_ids": ids}, {}, max_new_tokens=20, do_sample=False,
+                       watermarking_config=WatermarkingConfig(bias=4.0, seeding_scheme="lefthash"))
+    assert torch.equal(plain, spec)
+
+
+def test_a_processor_that_raises_raises_instead_of_cutting_the_row_short():
+    """A row whose logits processing fails raised in plain generate() but came back cut short,
+    without a word, from the speculative loop."""
+    from transformers import LogitsProcessor
+
+    class Boom(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            if input_ids.shape[1] >= 15:
+                raise RuntimeError("boom from the user's processor")
+            return scores
+
+    model = tiny_llama(seed=3, vocab=64)
+    kw = dict(input_ids=torch.tensor([[5, 6, 7, 5, 6, 7, 5, 9, 3, 4]]), max_new_tokens=20, do_sample=False,
+              logits_processor=LogitsProcessorList([Boom()]), pad_token_id=0)
+    with pytest.raises(RuntimeError, match="boom"):
+        model.generate(**kw)
+    with pytest.raises(RuntimeError, match="row 0 failed: logits processing failed: RuntimeError: boom"):
+        model.generate(**kw, custom_generate=speculative_generate)
+    assert model.generate(**kw | {"max_new_tokens": 4}, custom_generate=speculative_generate).shape == (1, 14)
+
+
+def test_repetition_penalty_skips_left_pads_without_a_pad_token_id():
+    """No pad (nor EOS) token id in the config: the pads are found by their one value, not
+    penalised as repeats (they were, so a padded row drifted from plain generate())."""
+    model = tiny_llama(seed=3, vocab=64)
+    inputs = left_padded([[5, 6, 7, 5, 6, 7, 5, 9, 3, 4], [9, 3]], pad=46)
+    plain, spec = both(model, inputs, {}, max_new_tokens=12, do_sample=False, repetition_penalty=3.0)
+    assert torch.equal(plain, spec)
+    assert not torch.equal(plain, model.generate(**inputs, max_new_tokens=12, do_sample=False))  # it penalises
+
+
+def test_a_draft_model_with_a_smaller_vocabulary_is_refused_by_the_token_it_cannot_read():
+    model, draft = tiny_llama(seed=3, vocab=64), tiny_llama(seed=4, vocab=48)
+    ids = torch.tensor([[5, 6, 7, 50, 6, 7, 5]])
+    with pytest.raises(ValueError, match="token 50 is outside the draft model's vocabulary of 48"):
+        model.generate(input_ids=ids, max_new_tokens=8, do_sample=False, custom_generate=speculative_generate,
+                       draft_model=draft)
 
 
 def test_right_padding_is_refused():

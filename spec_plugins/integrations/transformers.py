@@ -93,6 +93,7 @@ def speculative_generate(
     cfg = _spec_config(spec_config)
     setup = _Setup.of(model)
     target = setup.runtime
+    _check_context(rows, max_new, target.max_context)
     wiring = setup.wired(cfg, draft_model, spec_config is None, proposer)
     verifier = VERIFIERS.get(cfg.verifier.type)(cfg.verifier)
     # transformers' processor list already holds its warpers (temperature, top-k, top-p, ...):
@@ -108,18 +109,25 @@ def speculative_generate(
     sent = 0
     if streamer is not None:
         streamer.put(input_ids.cpu())  # the prompt first, as generate() puts it
+    errors: dict[int, str] = {}
     for step in decode(target, wiring.proposer, verifier, pipeline, rows, max_new, eos, None, stats, wiring.policy(),
                        processor_prefix=pads, stop=stop, traits=wiring.traits):
         for i, toks in step.emitted.items():
             out[i].extend(toks)
         for i in step.finished:
             done[i] = True
+        errors |= step.errors
+        if errors:
+            break  # plain generate() raises where a row's processing fails: so does this
         if streamer is not None:
             sent = _stream(streamer, out, done, sent, pad_id)
+    target.select_rows([])  # the kept runtime holds no KV between calls
+    if errors:
+        i, why = next(iter(sorted(errors.items())))
+        raise RuntimeError(f"speculative_generate: row {i} failed: {why}")
     if streamer is not None:
         _stream(streamer, out, [True] * len(out), sent, pad_id)
         streamer.end()
-    target.select_rows([])  # the kept runtime holds no KV between calls
 
     # 4. transformers' layout: padded prompt + new tokens, right-padded with pad_token_id
     sequences = _assemble(input_ids, out, pad_id)
@@ -161,6 +169,17 @@ def _check_supported(model: Any, gc: Any, synced_gpus: bool, model_kwargs: dict)
     cache = model_kwargs.get(hf_compat.cache_keyword(model))
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError("speculative_generate cannot continue from a pre-filled cache; pass the full input_ids")
+
+
+def _check_context(rows: list[list[int]], max_new: int, context: int) -> None:
+    """Refuse a call that would run past the model's context: plain ``generate()`` runs on there
+    (rotary positions extrapolate), where this engine stops each row at it, which would cut the
+    output short without a word."""
+    longest = max((len(r) for r in rows), default=0)
+    if longest + max_new > context:
+        raise ValueError(f"speculative_generate: a prompt of {longest} tokens plus max_new_tokens {max_new} runs past "
+                         f"the model's context of {context} positions (max_position_embeddings), where this engine "
+                         "stops: lower max_new_tokens (or max_length)")
 
 
 def _split_left_padding(input_ids: torch.Tensor, mask: torch.Tensor | None) -> tuple[list[list[int]], list[list[int]]]:
@@ -285,6 +304,8 @@ def _adapt_processors(procs: Sequence[Any], rows: list[list[int]], pads: list[li
         "PrefixConstrainedLogitsProcessor": "prefix_allowed_tokens_fn receives a batch index",
         "UnbatchedClassifierFreeGuidanceLogitsProcessor": "guidance runs its own model with a cache between calls",
         "ClassifierFreeGuidanceLogitsProcessor": "it expects the batch doubled with unconditional rows",
+        "SynthIDTextWatermarkLogitsProcessor": "it keeps state between calls (its recent contexts), which calls per "
+                                               "drafted node would advance out of step",
     }
     out = []
     for p in procs:
@@ -295,11 +316,16 @@ def _adapt_processors(procs: Sequence[Any], rows: list[list[int]], pads: list[li
             if p.prompt_ignore_length.tolist() != [len(x) for x in pads]:
                 raise ValueError("RepetitionPenaltyLogitsProcessor with a per-row prompt_ignore_length other than "
                                  "the left padding is not supported (rows are regrouped per drafted node)")
-            if any(pads) and pad_id is not None:
-                if any(x != [pad_id] * len(x) or (r and r[0] == pad_id) for x, r in zip(pads, rows)):
+            seen = {t for x in pads for t in x}
+            pid = pad_id if pad_id is not None or len(seen) != 1 else next(iter(seen))  # else the pads' one value
+            if any(pads) and pid is None:
+                raise ValueError("repetition_penalty with left padding by several token values needs a pad_token_id "
+                                 "(the pads, which it must not penalise, are found by it)")
+            if any(pads):
+                if any(x != [pid] * len(x) or (r and r[0] == pid) for x, r in zip(pads, rows)):
                     raise ValueError("repetition_penalty with left padding needs pad tokens equal to pad_token_id "
                                      "and prompts that do not start with pad_token_id")
-                p = _PadBlindRepetitionPenalty(p.penalty, pad_id)
+                p = _PadBlindRepetitionPenalty(p.penalty, pid)
             else:
                 p = lp.RepetitionPenaltyLogitsProcessor(p.penalty)
         out.append(p)

@@ -65,6 +65,7 @@ class Step:
 
     emitted: dict[int, list[int]] = field(default_factory=dict)
     finished: dict[int, str] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)  # why a row finished with "error"
 
     @staticmethod
     def of(emissions: Sequence[Emission]) -> "Step":
@@ -73,6 +74,8 @@ class Step:
             step.emitted[int(e.key)] = e.tokens  # type: ignore[call-overload]
             if e.finish_reason is not None:
                 step.finished[int(e.key)] = e.finish_reason  # type: ignore[call-overload]
+            if e.error:
+                step.errors[int(e.key)] = e.error  # type: ignore[call-overload]
         return step
 
 

@@ -51,12 +51,21 @@ class DraftModelProposer(Proposer):
         self._forward_time += time.perf_counter() - t0
         return fit_vocab(logits.float(), self.vocab_size)
 
+    def _check_ids(self, rows: Sequence[Sequence[int]]) -> None:
+        """Refuse a token the draft model has no embedding for (a draft with a smaller vocabulary
+        than the target's: with tokenizers, ``check_vocab_compatible`` refuses such a pair up front)."""
+        top = max((max(r) for r in rows if r), default=-1)
+        if top >= self.runtime.vocab_size:
+            raise ValueError(f"token {top} is outside the draft model's vocabulary of {self.runtime.vocab_size}: "
+                             f"the target (vocabulary {self.vocab_size}) emits tokens the draft cannot read")
+
     def _start(self, prompts: Sequence[Sequence[int]]) -> None:
         """A fresh batch: cache all but the last prompt token; propose() feeds the rest with the
         pending token (one-token prompts: nothing to hold back)."""
         heads = [list(p[:-1]) for p in prompts]
         if not all(heads):
             heads = [list(p) for p in prompts]
+        self._check_ids(heads)
         self.runtime.prefill(heads)
         self._cached = [len(h) for h in heads]
         self._base = [0] * len(heads)
@@ -72,7 +81,9 @@ class DraftModelProposer(Proposer):
         starts = [len(s) - need for s in seqs]
         if starts != self._cached:
             self.runtime.rollback(starts)
-        logits = self._forward(upload_tensor([list(s[st:]) for s, st in zip(seqs, starts)], dev))[:, -1]
+        fed = [list(s[st:]) for s, st in zip(seqs, starts)]
+        self._check_ids(fed)
+        logits = self._forward(upload_tensor(fed, dev))[:, -1]
         self._base = [len(s) for s in seqs]
         B = len(seqs)
         toks = torch.zeros(B, k, dtype=torch.long, device=logits.device)
