@@ -4,8 +4,8 @@
 ``block_size`` weights share a scale, symmetric or with zero points; ``accuracy_level`` 4 lets the
 CPU kernels run int8 dot products on the activations). The LM head is a MatMul like the others and
 is quantized with them unless ``lm_head`` is False (it then stays fp32: 28M of SmolLM2's 135M
-parameters, about 113 MB read per step). Embedding lookups (Gather) stay fp32: they read only the
-rows of the tokens fed.
+parameters, about 113 MB read per step); this holds for both grids (``_excluded``). Embedding
+lookups (Gather) stay fp32: they read only the rows of the tokens fed.
 
 Exactness is relative to the quantized model itself: speculative decoding on a quantized graph
 gives exactly that graph's plain output. Its distance from fp32 is measured, not assumed
@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from spec_plugins.graphs.quant import QuantScheme
 
@@ -33,17 +33,21 @@ def quantize_graph(src: str | Path, dst: str | Path, scheme: QuantScheme, gguf_p
     if scheme.grid == "gguf":
         if gguf_path is None:
             raise ValueError("grid 'gguf' needs the source GGUF file; the model was not loaded from one")
-        return {**scheme.to_dict(), **carry_gguf_grid(src, dst, gguf_path, scheme.accuracy_level)}
+        return {**scheme.to_dict(), **carry_gguf_grid(src, dst, gguf_path, scheme.accuracy_level, _excluded(scheme))}
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
     t0 = time.perf_counter()
     model = onnx.load(str(src))
-    exclude = [] if scheme.lm_head else [LM_HEAD]
     q = MatMulNBitsQuantizer(model, bits=scheme.bits, block_size=scheme.block_size, is_symmetric=scheme.symmetric,
-                             accuracy_level=scheme.accuracy_level, nodes_to_exclude=exclude)
+                             accuracy_level=scheme.accuracy_level, nodes_to_exclude=_excluded(scheme))
     q.process()
     return {**scheme.to_dict(), **_save(q.model.model, Path(dst)), "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _excluded(scheme: QuantScheme) -> list[str]:
+    """The MatMul nodes both grids leave in fp32: the LM head when the scheme keeps it so."""
+    return [] if scheme.lm_head else [LM_HEAD]
 
 
 def _save(model: Any, dst: Path) -> dict[str, Any]:
@@ -90,7 +94,8 @@ def _pack(codes: Any, bits: int) -> Any:
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
 
 
-def carry_gguf_grid(src: str | Path, dst: str | Path, gguf_path: str | Path, accuracy_level: int = 4) -> dict[str, Any]:
+def carry_gguf_grid(src: str | Path, dst: str | Path, gguf_path: str | Path, accuracy_level: int = 4,
+                    exclude: Sequence[str] = ()) -> dict[str, Any]:
     """Rewrite every MatMul whose constant weight is a GGUF tensor dequantized (the fp32 export of
     a GGUF model) over that tensor's own blocks, so the graph holds the GGUF's weights exactly:
     - Q8_0 (w = d q): a MatMulNBits of 8-bit codes;
@@ -100,7 +105,8 @@ def carry_gguf_grid(src: str | Path, dst: str | Path, gguf_path: str | Path, acc
       path for it (measured: 2.2 ms against 0.27 ms for a 576 x 1536 layer at one position).
     Rows are matched by value, so the loader's q/k row permutation is followed. With accuracy
     level 4 the activations are quantized to int8 per block inside the kernel, as llama.cpp's own
-    Q4_1 x Q8_1 dot products do."""
+    Q4_1 x Q8_1 dot products do. MatMuls named in ``exclude`` stay as they are (fp32 weights, which
+    for a GGUF model are its blocks dequantized, so the same values computed in fp32)."""
     import numpy as np
     import onnx
     from gguf import GGUFReader
@@ -118,7 +124,8 @@ def carry_gguf_grid(src: str | Path, dst: str | Path, gguf_path: str | Path, acc
             by_shape.setdefault((int(t.shape[1]), int(t.shape[0])), []).append(t)  # (rows N, cols K)
     new_nodes, dropped, done = [], set(), 0
     for node in g.node:
-        w = inits.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
+        carry = node.op_type == "MatMul" and len(node.input) == 2 and node.name not in exclude
+        w = inits.get(node.input[1]) if carry else None
         if w is None or len(w.dims) != 2:
             new_nodes.append(node)
             continue

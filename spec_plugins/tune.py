@@ -82,27 +82,42 @@ def parse_budget(text: str) -> float:
     return value
 
 
-def installed_runtimes() -> list[str]:
+def _needs_gguf(runtime: str) -> bool:
+    """llama.cpp and the GGUF-grid int4 export read the model's GGUF file itself, not only its weights."""
+    fields = RUNTIMES[runtime]
+    return fields["backend"] == "llamacpp" or fields.get("quant_grid") == "gguf"
+
+
+def unavailable(runtime: str, model: str | None = None) -> str | None:
+    """Why ``runtime`` cannot run here (its package is missing) or cannot run ``model``; None if it
+    can (``model`` None: only the package is checked)."""
     import importlib.util
 
-    out = []
-    for name in RUNTIMES:
-        mod = INSTALL.get(name.split("-")[0], (None,))[0]
-        if mod is None or importlib.util.find_spec(mod) is not None:
-            out.append(name)
-    return out
+    from spec_plugins.models import resolve_model
+
+    mod, hint = INSTALL.get(runtime.split("-")[0], (None, ""))
+    if mod is not None and importlib.util.find_spec(mod) is None:
+        return f"is not installed: {hint}"
+    if model is not None and _needs_gguf(runtime) and resolve_model(model).gguf_path is None:
+        return f"needs a GGUF model (it reads the GGUF file itself); {model!r} is a transformers directory"
+    return None
 
 
-def check_choices(runtimes: Sequence[str], proposers: Sequence[str]) -> None:
-    """Unknown names and runtimes that are not installed fail before any model loads."""
-    import importlib.util
+def default_runtimes(model: str) -> tuple[list[str], dict[str, str]]:
+    """The runtimes that can run ``model`` here (tune's default), and why each other one cannot."""
+    why = {r: reason for r in RUNTIMES if (reason := unavailable(r, model)) is not None}
+    return [r for r in RUNTIMES if r not in why], why
 
+
+def check_choices(runtimes: Sequence[str], proposers: Sequence[str], model: str | None = None) -> None:
+    """Unknown names, runtimes that are not installed and runtimes that cannot run ``model`` fail
+    before any model loads (``model`` None: it is not checked)."""
     for r in runtimes:
         if r not in RUNTIMES:
             raise TuneError(f"unknown runtime {r!r}; allowed values: {', '.join(RUNTIMES)}")
-        mod, hint = INSTALL.get(r.split("-")[0], (None, ""))
-        if mod is not None and importlib.util.find_spec(mod) is None:
-            raise TuneError(f"runtime {r!r} is not installed: {hint}")
+        reason = unavailable(r, model)
+        if reason is not None:
+            raise TuneError(f"runtime {r!r} {reason}")
     for p in proposers:
         if p not in PROPOSERS:
             raise TuneError(f"unknown proposer {p!r}; allowed values: {', '.join(PROPOSERS)}")
@@ -188,20 +203,27 @@ class TuneResult:
     notes: list[str] = field(default_factory=list)
 
 
-def tune(model: str, prompts: Sequence[str], runtimes: Sequence[str], proposers: Sequence[str], budget: Budget,
-         max_new: int = 64, confirm: int = 3, noise: float = 0.03, log: Callable[[str], None] = print) -> TuneResult:
-    """Measure, predict, confirm (module docstring); returns what to write."""
+def tune(model: str, prompts: Sequence[str], runtimes: Sequence[str] | None, proposers: Sequence[str],
+         budget: Budget, max_new: int = 64, confirm: int = 3, noise: float = 0.03,
+         log: Callable[[str], None] = print) -> TuneResult:
+    """Measure, predict, confirm (module docstring); returns what to write. ``runtimes`` None:
+    every one that can run ``model`` here; those left out are logged and noted with why."""
     from spec_plugins.policy import Costs
     from spec_plugins.registry import PROPOSERS as REGISTRY
 
-    check_choices(runtimes, proposers)
+    notes: list[str] = []
+    if runtimes is None:
+        runtimes, left_out = default_runtimes(model)
+        for rt, why in left_out.items():
+            notes.append(f"runtime {rt} left out: it {why}")
+            log(f"[tune] runtime {rt} left out: it {why}")
+    check_choices(runtimes, proposers, model)
     if not prompts:
         raise TuneError("no prompts to tune on")
     t0 = time.perf_counter()
     built: dict[str, Any] = {}
     info: dict[str, dict[str, Any]] = {}
     candidates: list[Measured] = []
-    notes: list[str] = []
     for rt in runtimes:  # 1. each runtime: cost curve, plain speed, outputs
         if budget.left <= 0 and built:
             notes.append(f"runtime {rt} skipped: budget spent")

@@ -18,7 +18,8 @@ DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "examples" / "prompts" /
 def tune_cmd(
     model: str = typer.Option("smollm2-135m-instruct", "--model", help="Built-in name, .gguf path or local dir."),
     prompts: Path = typer.Option(DEFAULT_PROMPTS, "--prompts", help="JSONL prompts like yours (bench layout)."),
-    runtimes: Optional[str] = typer.Option(None, "--runtimes", help="Comma-separated (default: those installed)."),
+    runtimes: Optional[str] = typer.Option(
+        None, "--runtimes", help="Comma-separated (default: those installed that can run the model)."),
     proposers: str = typer.Option("ngram,suffix,eagle", "--proposers", help="Comma-separated proposers to try."),
     budget: str = typer.Option("10m", "--budget", help="Time budget, e.g. 5m, 90s."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=8, help="Answer length while measuring."),
@@ -29,11 +30,11 @@ def tune_cmd(
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     check_output_file(out)  # before anything is measured: the result must have somewhere to go
     from spec_plugins.bench.prompts import load_prompts
-    from spec_plugins.tune import Budget, TuneError, installed_runtimes, parse_budget, render_yaml, tune
+    from spec_plugins.tune import Budget, TuneError, parse_budget, render_yaml, tune
 
     try:
         seconds = parse_budget(budget)
-        rts = [r.strip() for r in runtimes.split(",") if r.strip()] if runtimes else installed_runtimes()
+        rts = [r.strip() for r in runtimes.split(",") if r.strip()] if runtimes else None  # None: tune's default
         props = [p.strip() for p in proposers.split(",") if p.strip()]
         plist = load_prompts(prompts)
         if not plist:

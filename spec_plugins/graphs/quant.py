@@ -27,11 +27,12 @@ class QuantScheme:
 
     @property
     def name(self) -> str:
-        """A short stable name (cache keys, labels): int4-b32-sym-acc4[-fp32head], int4-gguf-acc4."""
+        """A short stable name (cache keys, labels): int4-b32-sym-acc4[-fp32head], int4-gguf-acc4[-fp32head].
+        Every field that changes the graph is in it, so two schemes never share an export cache entry."""
+        head = "" if self.lm_head else "-fp32head"
         if self.grid == "gguf":
-            return f"int{self.bits}-gguf-acc{self.accuracy_level}"
-        return (f"int{self.bits}-b{self.block_size}-{'sym' if self.symmetric else 'asym'}-acc{self.accuracy_level}"
-                + ("" if self.lm_head else "-fp32head"))
+            return f"int{self.bits}-gguf-acc{self.accuracy_level}{head}"
+        return f"int{self.bits}-b{self.block_size}-{'sym' if self.symmetric else 'asym'}-acc{self.accuracy_level}{head}"
 
     def to_dict(self) -> dict:
         return {**asdict(self), "name": self.name, "method": "onnxruntime MatMulNBits (weight-only)"}
