@@ -21,7 +21,7 @@ text_generation = pytest.importorskip("text_generation")
 from spec_plugins.backends.torch_runtime import TorchRuntime  # noqa: E402
 from spec_plugins.decoder import SpeculativeDecoder  # noqa: E402
 from spec_plugins.proposers.ngram import NgramProposer  # noqa: E402
-from spec_plugins.server.app import create_app  # noqa: E402
+from spec_plugins.server.app import http_server  # noqa: E402
 from spec_plugins.server.setup import build_state  # noqa: E402
 from spec_plugins.verifiers import ExactVerifier  # noqa: E402
 
@@ -46,7 +46,7 @@ class LiveServer:
 
     def __init__(self, model, tokenizer, max_batch: int = 4, policy: str = "load", max_total: int = 128,
                  max_input: int = 48, shutdown_timeout: float = 30.0, proposer=None, limits=None) -> None:
-        from spec_plugins.server.connections import ConnectionLimits, uvicorn_config
+        from spec_plugins.server.connections import ConnectionLimits
 
         rt = TorchRuntime(model, tokenizer)
         proposer = proposer if proposer is not None else NgramProposer(NgramProposer.Config(num_draft_tokens=5))
@@ -56,9 +56,8 @@ class LiveServer:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        cfg, self.guard = uvicorn_config(create_app(self.state), "127.0.0.1", self.port, limits or ConnectionLimits(),
-                                         log_level="warning", timeout_graceful_shutdown=int(shutdown_timeout))
-        self.server = uvicorn.Server(cfg)
+        self.server, self.guard = http_server(self.state, "127.0.0.1", self.port, limits or ConnectionLimits(),
+                                              log_level="warning")  # as `spec-plugins serve` builds it
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.time() + 30
@@ -404,4 +403,138 @@ def test_a_hybrid_reports_its_suffix_index_metrics(model, tok):
         assert srv.metric("spec_suffix_index_requests") >= 1
         assert srv.metric("spec_suffix_index_lookups_total") > 0
     finally:
+        srv.stop()
+
+
+def _events(url: str, body: dict, out: list) -> None:
+    """The SSE events of one /generate_stream request, appended to ``out`` as they come; a stream
+    that breaks off ends with ``{"broken": ...}``."""
+    try:
+        with httpx.stream("POST", url + "/generate_stream", timeout=120, json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    out.append(json.loads(line[5:]))
+    except httpx.HTTPError as exc:
+        out.append({"broken": repr(exc)})
+
+
+@pytest.mark.parametrize("timeout", [0.0, 0.5])
+def test_serve_shutdown_ends_what_cannot_finish_with_an_error_event(monkeypatch, timeout):
+    """`spec-plugins serve --shutdown-timeout T` (below a second, 0 included): a stream still
+    running when the server is asked to exit ends with the scheduler's error event, and the server
+    exits. (T < 1 was uvicorn's "wait forever"; and uvicorn's own deadline cut streams off with no
+    event before the lifespan, which sends it, ran.)"""
+    from typer.testing import CliRunner
+
+    from spec_plugins.cli import app as cli
+
+    tok = tiny_tokenizer(eos=False)
+    dec = SpeculativeDecoder(TorchRuntime(tiny_llama(seed=3, max_pos=4096), tok),
+                             NgramProposer(NgramProposer.Config(num_draft_tokens=5)), ExactVerifier(), tokenizer=tok)
+    monkeypatch.setattr(SpeculativeDecoder, "from_config", classmethod(lambda cls, cfg: dec))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    events: list = []
+    exited: list = []
+    real_run = uvicorn.Server.run
+
+    def run(server, sockets=None):  # serve in a thread, stream, then ask the server to exit
+        thread = threading.Thread(target=real_run, args=(server,), daemon=True)
+        thread.start()
+        deadline = time.time() + 30
+        while not server.started:
+            assert time.time() < deadline and thread.is_alive(), "server did not start"
+            time.sleep(0.02)
+        body = {"inputs": "w2 w3", "parameters": {"max_new_tokens": 3900}}
+        consumer = threading.Thread(target=_events, args=(f"http://127.0.0.1:{port}", body, events), daemon=True)
+        consumer.start()
+        while len(events) < 3:
+            assert time.time() < deadline and consumer.is_alive(), events
+            time.sleep(0.005)
+        server.should_exit = True  # what SIGTERM does
+        thread.join(timeout=60)
+        consumer.join(timeout=60)
+        exited.append(not thread.is_alive())
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    res = CliRunner().invoke(cli, ["serve", "--port", str(port), "--max-total-tokens", "4000",
+                                   "--max-input-tokens", "16", "--draft-policy", "fixed",
+                                   "--shutdown-timeout", str(timeout)])
+    assert res.exit_code == 0, res.output
+    assert exited == [True]
+    assert events[-1].get("error_type") == "generation", events[-1]
+    assert "the server shut down before this request finished" in events[-1]["error"]
+    assert all("token" in e for e in events[:-1]) and len(events) - 1 < 3900
+
+
+def test_a_requests_choices_join_the_batch_in_one_round_and_none_overtakes_them(model):
+    """n choices wait until the batch has room for all of them, and are admitted in the same
+    round (with 1 of 4 slots busy, n=4 used to join as 3 + 1); a request queued after them waits
+    its turn instead of taking the free slots first; a request larger than the batch is refused."""
+    from spec_plugins.server.scheduler import Job
+    from spec_plugins.types import RowRequest
+
+    srv = LiveServer(tiny_llama(seed=3, max_pos=4096), tiny_tokenizer(eos=False), max_batch=4, max_total=4000,
+                     max_input=32, policy="fixed")
+    sched, batch, added = srv.state.scheduler, srv.state.batch, []
+    real_add, real_remove = batch.add, batch.remove
+    park, parked, resume = threading.Event(), threading.Event(), threading.Event()
+
+    def add(rows):  # observed, not changed
+        added.append([r.key for r in rows])
+        return real_add(rows)
+
+    def remove(keys):  # the decode thread calls it every iteration: there it waits while parked
+        if park.is_set():
+            parked.set()
+            resume.wait(60)
+            park.clear()
+        return real_remove(keys)
+
+    batch.add, batch.remove = add, remove
+    answers: dict[str, httpx.Response] = {}
+
+    def post(name: str, route: str, body: dict) -> threading.Thread:
+        t = threading.Thread(target=lambda: answers.setdefault(name, httpx.post(srv.url + route, json=body,
+                                                                                timeout=120)))
+        t.start()
+        return t
+
+    def wait_until(cond) -> None:
+        deadline = time.time() + 30
+        while not cond():
+            assert time.time() < deadline, (sched.snapshot(), added)
+            time.sleep(0.01)
+
+    try:
+        long = {"inputs": "w2 w3", "parameters": {"max_new_tokens": 3900}}
+        with httpx.Client(timeout=60) as c, c.stream("POST", srv.url + "/generate_stream", json=long) as r:
+            lines = r.iter_lines()  # one iterator: a dropped one closes the stream
+            next(lines)  # it holds one slot
+            park.set()
+            wait_until(parked.is_set)  # the decode thread waits between rounds: requests queue up
+            choices = post("choices", "/v1/completions", {"prompt": "w5 w6", "max_tokens": 8, "n": 4,
+                                                          "temperature": 1.0, "seed": 3})
+            wait_until(lambda: sched.snapshot()["queue"] == 4)
+            single = post("single", "/generate", {"inputs": "w7", "parameters": {"max_new_tokens": 4}})
+            wait_until(lambda: sched.snapshot()["queue"] == 5)
+            forwards = batch.stats.target_forwards
+            resume.set()
+            wait_until(lambda: batch.stats.target_forwards >= forwards + 2)  # rounds with 3 slots free
+        # the hang-up frees the long request's slot
+        choices.join(timeout=120)
+        single.join(timeout=120)
+        assert answers["choices"].status_code == 200 and len(answers["choices"].json()["choices"]) == 4
+        assert answers["single"].status_code == 200
+        assert [len(keys) for keys in added] == [1, 4, 1], added
+        assert max(added[1]) < added[2][0], added  # the request queued later joined later
+        loop = asyncio.new_event_loop()
+        try:
+            with pytest.raises(ValueError, match="cannot join a batch of 4 slots"):
+                sched.submit([Job(RowRequest(sched.new_key(), [2, 3], 2), loop) for _ in range(5)])
+        finally:
+            loop.close()
+    finally:
+        resume.set()
         srv.stop()

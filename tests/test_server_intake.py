@@ -344,9 +344,85 @@ def test_choices_of_a_stream_leave_the_batch_when_the_client_hangs_up():
                 if len(seen) == 3:
                     break  # hang up with all three rows decoding
         deadline = time.time() + 20
-        while big.metric("spec_batch_size") != 0:
+        while big.metric("spec_batch_size") != 0 or big.metric("spec_requests_cancelled_total") < 1:
             assert time.time() < deadline, "the abandoned choices were not cancelled"
             time.sleep(0.05)
-        assert big.metric("spec_requests_cancelled_total") >= 3 and big.metric("spec_decoded_tokens_total") < 3 * 3900
+        # one request cancelled, however many choices it had
+        assert big.metric("spec_requests_cancelled_total") == 1 and big.metric("spec_decoded_tokens_total") < 3 * 3900
+    finally:
+        big.stop()
+
+
+def _samples(srv, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """Every sample of metric ``name`` on /metrics, by its labels."""
+    import re
+
+    out = {}
+    for line in httpx.get(srv.url + "/metrics").text.splitlines():
+        m = re.fullmatch(re.escape(name) + r"(?:\{(.*)\})? (\S+)", line)
+        if m:
+            out[tuple(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))] = float(m.group(2))
+    return out
+
+
+def test_metrics_count_each_request_once_under_its_route_and_status(monkeypatch):
+    """Each request is counted once, under its own route and status, with its latency and time to
+    first token under that route too (no `generate:tokens` series); a client that leaves is a 499,
+    streaming or not, and the one count of a cancelled request, however many choices it had; a row
+    that fails while generating is a 500, not a cancellation."""
+    from conftest import tiny_llama
+    from test_server import tiny_tokenizer
+
+    from spec_plugins.sampling import LogitsPipeline
+
+    real = LogitsPipeline.warp
+
+    def broken(self, logits):  # only the marked request's rows: every token masked
+        out = real(self, logits)
+        return out.fill_(float("-inf")) if self.sampling.temperature == 0.777 else out
+
+    monkeypatch.setattr(LogitsPipeline, "warp", broken)
+    big = LiveServer(tiny_llama(seed=3, max_pos=4096), tiny_tokenizer(eos=False), max_total=4000, max_input=32,
+                     policy="fixed")
+    long = {"prompt": "w2 w3", "max_tokens": 3900, "n": 3, "temperature": 0}
+
+    def hang_up_once_decoding(rows: int) -> None:
+        deadline = time.time() + 20
+        while big.metric("spec_batch_size") < rows:
+            assert time.time() < deadline
+            time.sleep(0.02)
+
+    try:
+        ok = httpx.post(big.url + "/generate", json={"inputs": "w2 w3", "parameters": {"max_new_tokens": 4}})
+        failed = httpx.post(big.url + "/generate", json={"inputs": "w2 w3", "parameters": {
+            "temperature": 0.777, "max_new_tokens": 4}})
+        assert (ok.status_code, failed.status_code) == (200, 500)
+        body = json.dumps(long).encode()  # a non-streamed n=3 request whose client leaves
+        s = socket.create_connection(("127.0.0.1", big.port))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"content-length: %d\r\n\r\n" % len(body) + body)
+        hang_up_once_decoding(3)
+        s.close()
+        with httpx.Client(timeout=30) as c:  # a TGI stream and an n=3 OpenAI stream whose clients leave
+            for route, req in (("/generate_stream", {"inputs": "w2 w3", "parameters": {"max_new_tokens": 3900}}),
+                               ("/v1/completions", long | {"stream": True})):
+                with c.stream("POST", big.url + route, json=req) as r:
+                    assert r.status_code == 200
+                    lines = r.iter_lines()
+                    while not next(lines).startswith("data:"):
+                        pass
+        want = {(("route", "generate"), ("status", "200")): 1, (("route", "generate"), ("status", "500")): 1,
+                (("route", "completions"), ("status", "499")): 1,
+                (("route", "generate_stream"), ("status", "499")): 1,
+                (("route", "completions_stream"), ("status", "499")): 1}
+        deadline = time.time() + 20
+        while _samples(big, "spec_requests_total") != want:
+            assert time.time() < deadline, _samples(big, "spec_requests_total")
+            time.sleep(0.05)
+        assert big.metric("spec_requests_cancelled_total") == 3
+        routes = {dict(k)["route"]: n for k, n in _samples(big, "spec_request_duration_seconds_count").items()}
+        assert routes == {"generate": 2, "completions": 1, "generate_stream": 1, "completions_stream": 1}
+        ttft = {dict(k)["route"] for k in _samples(big, "spec_time_to_first_token_seconds_count")}
+        assert "generate" in ttft and ttft <= set(routes), ttft
     finally:
         big.stop()

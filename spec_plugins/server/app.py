@@ -9,12 +9,16 @@ loop only moves bytes and tokens: /health answers while clients send 4 MiB bodie
 
 from __future__ import annotations
 
+import math
+import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import anyio
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -22,11 +26,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from spec_plugins.loop import Batch
 from spec_plugins.server.body import MAX_BODY_BYTES, offload, read_request
 from spec_plugins.server.controls import compiled, tgi_controls
-from spec_plugins.server.jobs import Finished, JobStream, TokenOut, follow, sse, submit, timed
+from spec_plugins.server.jobs import Finished, JobStream, Tally, TokenOut, follow, sse, submit, timed
 from spec_plugins.server.metrics import Metrics, proposer_metrics
 from spec_plugins.server.requests import Prepared, encode_text, max_token_chars, prepare, tenant_of
 from spec_plugins.server.scheduler import Scheduler
 from spec_plugins.server.schemas import ApiError, GenerateRequest
+
+if TYPE_CHECKING:
+    from spec_plugins.server.connections import ConnectionGuard, ConnectionLimits
 
 MAX_TOP_TOKENS = 20  # alternatives the batch reports per emitted token (OpenAI's top_logprobs limit)
 
@@ -136,14 +143,11 @@ def create_app(state: ServerState) -> FastAPI:
         return prepare(state, ids, req.parameters, state.scheduler.new_key(), tenant_of(request), controls=controls,
                        compiled=grammar)
 
-    async def generate_body(request: Request, req: GenerateRequest, t0: float, route: str) -> dict[str, Any]:
+    async def generate_body(request: Request, req: GenerateRequest, tally: Tally) -> dict[str, Any]:
         prep = await prepared(request, req)
         job = submit(state, prep)
         fin: Finished | None = None
-        first = None
-        async for ev in follow(state, job, prep, request):
-            if first is None:
-                first = time.perf_counter() - t0
+        async for ev in follow(state, job, prep, request, tally):
             if isinstance(ev, Finished):
                 fin = ev
         if fin is None:
@@ -152,22 +156,22 @@ def create_app(state: ServerState) -> FastAPI:
         out: dict[str, Any] = {"generated_text": text}
         if req.parameters.details:
             out["details"] = details_of(fin, prep)
-        state.metrics.request_done(route + ":tokens", "ok", None, len(fin.tokens), first)
+        tally.tokens = len(fin.tokens)
         return out
 
-    async def stream_tgi(request: Request, req: GenerateRequest, t0: float, route: str) -> Response:
+    async def stream_tgi(request: Request, req: GenerateRequest, tally: Tally, route: str) -> Response:
         prep = await prepared(request, req)
         job = submit(state, prep)
         n_top = req.parameters.top_n_tokens or 0
 
         async def events() -> AsyncIterator[bytes]:
-            status, n, first = "200", 0, None
+            n = 0
             held: dict[str, Any] | None = None  # the newest token's event, sent at once unless last
             try:
-                async for ev in follow(state, job, prep, request):
+                async for ev in follow(state, job, prep, request, tally):
                     if isinstance(ev, TokenOut):
                         n += 1
-                        first = first if first is not None else time.perf_counter() - t0
+                        tally.tokens = n
                         if held is not None:
                             yield sse(held)
                         held = {"index": n, "token": ev.to_json(), "top_tokens": top_tokens(ev, n_top) if n_top
@@ -175,38 +179,39 @@ def create_app(state: ServerState) -> FastAPI:
                         if not ev.last:
                             yield sse(held)
                             held = None
-                    elif held is not None:  # the last token's event carries generated_text + details
-                        held["generated_text"] = (req.inputs + ev.text) if req.parameters.return_full_text else ev.text
-                        held["details"] = {"finish_reason": ev.reason, "generated_tokens": len(ev.tokens),
-                                           "seed": prep.seed}
-                        yield sse(held)
+                    else:  # the row's end: the last token's event carries generated_text + details
+                        tally.status = 200
+                        if held is not None:
+                            text = (req.inputs + ev.text) if req.parameters.return_full_text else ev.text
+                            held["generated_text"] = text
+                            held["details"] = {"finish_reason": ev.reason, "generated_tokens": len(ev.tokens),
+                                               "seed": prep.seed}
+                            yield sse(held)
             except ApiError as exc:
-                status = str(exc.status)
+                tally.status = exc.status
                 yield sse(exc.body())
-            finally:
-                state.metrics.request_done(route, status, time.perf_counter() - t0, n, first)
 
-        return JobStream(events(), state, [job])
+        return JobStream(events(), state, [job], tally, route)
 
     @app.post("/generate")
     @timed(state, "generate")
-    async def generate(request: Request, t0: float) -> Response:
+    async def generate(request: Request, tally: Tally) -> Response:
         req = await read_request(state, request, GenerateRequest)
-        return JSONResponse(await generate_body(request, req, t0, "generate"))
+        return JSONResponse(await generate_body(request, req, tally))
 
     @app.post("/generate_stream")
     @timed(state, "generate_stream")
-    async def generate_stream(request: Request, t0: float) -> Response:
+    async def generate_stream(request: Request, tally: Tally) -> Response:
         req = await read_request(state, request, GenerateRequest)
-        return await stream_tgi(request, req, t0, "generate_stream")
+        return await stream_tgi(request, req, tally, "generate_stream")
 
     @app.post("/")
     @timed(state, "compat")
-    async def compat(request: Request, t0: float) -> Response:
+    async def compat(request: Request, tally: Tally) -> Response:
         req = await read_request(state, request, GenerateRequest)
         if req.stream:
-            return await stream_tgi(request, req, t0, "compat_stream")
-        return JSONResponse([await generate_body(request, req, t0, "compat")])
+            return await stream_tgi(request, req, tally, "compat_stream")
+        return JSONResponse([await generate_body(request, req, tally)])
 
     add_openai_routes(app, state)
 
@@ -240,3 +245,36 @@ def create_app(state: ServerState) -> FastAPI:
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     return app
+
+
+# ---- the HTTP server -------------------------------------------------------------------------
+SHUTDOWN_GRACE = 2.0  # seconds uvicorn waits past --shutdown-timeout, for the last error events to go out
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, stopping the scheduler as its shutdown begins. uvicorn runs the lifespan's
+    shutdown only after its own deadline has cancelled the handlers still running, which cuts their
+    streams with no error event; here the scheduler gives in-flight requests ``shutdown_timeout``
+    seconds, then ends the rest with an error event, and uvicorn's deadline, ``SHUTDOWN_GRACE``
+    later (``http_server``), leaves the handlers the time to send it."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # a daemon thread: a second Ctrl-C (uvicorn's force exit) does not wait for the drain
+        threading.Thread(target=self.state.scheduler.stop, args=(self.state.shutdown_timeout,),
+                         name="spec-shutdown", daemon=True).start()
+        await super().shutdown(sockets)
+
+
+def http_server(state: ServerState, host: str, port: int, limits: ConnectionLimits,
+                **kwargs: Any) -> tuple[DrainingServer, ConnectionGuard]:
+    """``state``'s app under uvicorn with connection ``limits`` (``spec-plugins serve`` and the tests)."""
+    from spec_plugins.server.connections import uvicorn_config
+
+    deadline = math.ceil(state.shutdown_timeout + SHUTDOWN_GRACE)  # whole seconds, as uvicorn types it
+    config, guard = uvicorn_config(create_app(state), host, port, limits, timeout_graceful_shutdown=deadline,
+                                   **kwargs)
+    return DrainingServer(config, state), guard

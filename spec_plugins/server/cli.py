@@ -43,7 +43,8 @@ def serve(
                                           "'fixed': always the configured length."),
     no_speculation: bool = typer.Option(False, "--no-speculation", help="Plain decoding (same batching)."),
     shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout", min=0.0,
-                                           help="Seconds in-flight requests may finish after SIGTERM/SIGINT."),
+                                           help="Seconds in-flight requests may finish after SIGTERM/SIGINT "
+                                                "(then they end with an error event; 0: at once)."),
     body_timeout: float = typer.Option(30.0, "--body-timeout", min=0.001,
                                        help="Seconds a client has to send its whole request body (then 408)."),
     cpu_workers: int = typer.Option(2, "--cpu-workers", min=1,
@@ -109,10 +110,7 @@ def serve(
     _check_port(host, port)  # before the model loads (tens of seconds)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        import uvicorn
-
-        from spec_plugins.server.app import create_app
-        from spec_plugins.server.connections import uvicorn_config
+        from spec_plugins.server.app import http_server
     except ImportError as exc:
         fail(f"the server needs the [server] extra (pip install -e '.[server]'): {exc}")
         return
@@ -134,9 +132,8 @@ def serve(
     state.escape_special_tokens = escape_special_tokens
     if host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding %s: the server has no authentication", host)
-    server_config, _ = uvicorn_config(create_app(state), host, port, limits, log_level="info",
-                                      timeout_graceful_shutdown=int(shutdown_timeout) or None)
-    uvicorn.Server(server_config).run()
+    server, _ = http_server(state, host, port, limits, log_level="info")
+    server.run()
 
 
 def _serve_ray(config: Optional[Path], host: str, port: int, max_batch: int, max_input_tokens: Optional[int],

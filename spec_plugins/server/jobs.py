@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from spec_plugins.server.requests import Prepared
 from spec_plugins.server.scheduler import Job
@@ -45,6 +46,25 @@ class Finished:
     tail: str = ""  # ``hide_stop``: text held back from the tokens' pieces, shown only now
 
 
+@dataclass
+class Tally:
+    """One request's figures for /metrics, recorded once, under its route, when it ends: by
+    ``timed`` for an answer, by its ``JobStream`` for a stream (whose status is known only then)."""
+
+    t0: float = field(default_factory=time.perf_counter)
+    tokens: int = 0  # tokens returned to the client
+    first_token: float | None = None  # seconds from arrival until its first token reached the handler
+    status: int = 499  # a stream's: its client left, until the stream is seen to end otherwise
+
+    def arrived(self) -> None:
+        """A token reached the handler (``follow``); the first one's time is the request's TTFT."""
+        if self.first_token is None:
+            self.first_token = time.perf_counter() - self.t0
+
+    def record(self, state: Any, route: str, status: int) -> None:
+        state.metrics.request_done(route, status, time.perf_counter() - self.t0, self.tokens, self.first_token)
+
+
 def submit(state: Any, prep: Prepared) -> Job:
     """Queue one row; 429 when the queue is full, 503 while shutting down."""
     return submit_all(state, [prep])[0]
@@ -73,7 +93,8 @@ def _generation_error(message: str) -> ApiError:
     return ApiError(500, message, "generation")
 
 
-async def follow(state: Any, job: Job, prep: Prepared, request: Request) -> AsyncIterator[TokenOut | Finished]:
+async def follow(state: Any, job: Job, prep: Prepared, request: Request,
+                 tally: Tally) -> AsyncIterator[TokenOut | Finished]:
     """Yield a submitted row's tokens, then a Finished; cancels the row if abandoned. Each token's
     text is the row's text stream's (``spec_plugins/text.py``), fed in the batch, where a stop
     sequence already finished the row; the stream is flushed here once the row has finished (the
@@ -81,7 +102,6 @@ async def follow(state: Any, job: Job, prep: Prepared, request: Request) -> Asyn
     pieces = prep.text.pieces
     shown = StopFreeText(prep.text.stops) if prep.hide_stop else None
     toks: list[TokenOut] = []
-    done = False
     checked = time.perf_counter()
     try:
         while True:
@@ -101,7 +121,6 @@ async def follow(state: Any, job: Job, prep: Prepared, request: Request) -> Asyn
                 raise _generation_error(item[1])
             _, ids, lps, reason = item
             if reason is not None and not ids:
-                done = True
                 yield _finished(state, prep, toks, reason, shown)
                 return
             for i, (t, lp) in enumerate(zip(ids, lps)):
@@ -113,16 +132,14 @@ async def follow(state: Any, job: Job, prep: Prepared, request: Request) -> Asyn
                     piece = shown.push(piece, prep.text.stop_at, last)
                 tok = TokenOut(t, piece, float(lp), t in state.special_ids, getattr(lp, "top", ()))
                 toks.append(tok)
+                tally.arrived()
                 if last:
                     tok.last = True
                     yield tok
-                    done = True
                     yield _finished(state, prep, toks, reason, shown)
                     return
                 yield tok
     finally:
-        if not done:
-            state.metrics.request_cancelled()
         state.scheduler.cancel(job)  # no-op when finished; frees the slot otherwise
 
 
@@ -183,20 +200,29 @@ async def merged(streams: Sequence[AsyncIterator[Any]]) -> AsyncIterator[tuple[i
 
 
 class JobStream(StreamingResponse):
-    """A streaming response whose rows are cancelled however it ends, even when the client left
-    before the first chunk was asked for (an unstarted generator never runs its ``finally``)."""
+    """A streaming response whose rows are cancelled, and whose request is counted (``tally``,
+    under ``route``), however it ends, even when the client left before the first chunk was asked
+    for (an unstarted generator never runs its ``finally``). ``content`` sets ``tally.status``
+    where the stream ends with its last event or an error event; else its client left (499)."""
 
-    def __init__(self, content: AsyncIterator[bytes], state: Any, jobs: Sequence[Job]) -> None:
+    def __init__(self, content: AsyncIterator[bytes], state: Any, jobs: Sequence[Job], tally: Tally,
+                 route: str) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._state, self._jobs = state, list(jobs)
+        self._state, self._jobs, self._tally, self._route = state, list(jobs), tally, route
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except ClientDisconnect:  # its client left (ASGI 2.4 servers): the 499 it is counted as
+            raise
+        except Exception:
+            self._tally.status = 500  # the stream broke off (the error is the server's to log)
+            raise
         finally:
             for j in self._jobs:
                 self._state.scheduler.cancel(j)
+            self._tally.record(self._state, self._route, self._tally.status)
 
 
 def sse(data: Any) -> bytes:
@@ -204,28 +230,30 @@ def sse(data: Any) -> bytes:
 
 
 def timed(state: Any, route: str) -> Callable:
-    """Count the request and its latency in /metrics, errors included; errors in TGI's shape,
-    an internal one with a request id whose details only the log has."""
+    """Count the request once in /metrics, with its latency, tokens and time to first token
+    (``fn`` fills its ``Tally``), errors included; a stream is counted by its ``JobStream`` when
+    it ends. Errors in TGI's shape, an internal one with a request id whose details only the log
+    has."""
 
     def deco(fn: Callable) -> Callable:
         async def wrapper(request: Request) -> Response:
-            t0 = time.perf_counter()
+            tally = Tally()
             try:
-                resp = await fn(request, t0)
+                resp = await fn(request, tally)
             except ApiError as exc:
-                state.metrics.request_done(route, exc.status)
+                tally.record(state, route, exc.status)
                 return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
             except Exception:  # noqa: BLE001 - the details go to the log, never to the client
                 rid = uuid.uuid4().hex[:12]
                 log.exception("request failed (request id %s)", rid)
-                state.metrics.request_done(route, 500)
+                tally.record(state, route, 500)
                 return JSONResponse({"error": f"internal error (request id {rid}); the server log has the details",
                                      "error_type": "internal"}, status_code=500)
-            if not isinstance(resp, StreamingResponse):
-                state.metrics.request_done(route, resp.status_code, time.perf_counter() - t0)
+            if not isinstance(resp, JobStream):
+                tally.record(state, route, resp.status_code)
             return resp
 
-        wrapper.__name__ = fn.__name__  # not functools.wraps: FastAPI would read fn's (request, t0) signature
+        wrapper.__name__ = fn.__name__  # not functools.wraps: FastAPI would read fn's (request, tally) signature
         return wrapper
 
     return deco

@@ -54,18 +54,18 @@ class Metrics:
 
     def request_done(self, route: str, status: int | str, seconds: float | None = None,
                      generated: int = 0, first_token: float | None = None) -> None:
+        """Count one request, once, under its route and status; a 499 (its client left before the
+        answer was complete) is also the one count of a cancelled request."""
         with self._lock:
             key = (route, str(status))
             self.requests[key] = self.requests.get(key, 0) + 1
+            if str(status) == "499":
+                self.cancelled += 1
             if seconds is not None:
                 self.latency.setdefault(route, _Histogram(LATENCY_BUCKETS)).observe(seconds)
             if first_token is not None:
                 self.ttft.setdefault(route, _Histogram(LATENCY_BUCKETS)).observe(first_token)
             self.generated_tokens += generated
-
-    def request_cancelled(self) -> None:
-        with self._lock:
-            self.cancelled += 1
 
     def render(self, stats: Any = None, policy: dict[str, Any] | None = None,
                proposer: Iterable[tuple[str, str, str, float]] = ()) -> str:
@@ -80,7 +80,8 @@ class Metrics:
         with self._lock:
             metric("spec_requests_total", "counter", "HTTP requests by route and status code.",
                    [({"route": r, "status": s}, n) for (r, s), n in sorted(self.requests.items())])
-            metric("spec_requests_cancelled_total", "counter", "Requests cancelled (client disconnected, stop).",
+            metric("spec_requests_cancelled_total", "counter",
+                   "Requests whose client left before the answer was complete (status 499).",
                    [({}, self.cancelled)])
             metric("spec_generated_tokens_total", "counter", "Tokens returned to clients.",
                    [({}, self.generated_tokens)])

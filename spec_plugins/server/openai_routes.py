@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 
 from spec_plugins.server.body import offload, read_request
 from spec_plugins.server.controls import compiled
-from spec_plugins.server.jobs import Finished, JobStream, TokenOut, follow, merged, sse, submit_all, timed
+from spec_plugins.server.jobs import Finished, JobStream, Tally, TokenOut, follow, merged, sse, submit_all, timed
 from spec_plugins.server.openai_schemas import ChatRequest, CompletionRequest, OpenAIRequest
 from spec_plugins.server.requests import Names, Prepared, check_token_ids, encode_chat, encode_text, prepare, tenant_of
 from spec_plugins.server.schemas import ApiError
@@ -65,32 +65,34 @@ def add_openai_routes(app: FastAPI, state: Any) -> None:
     def usage(prompt: int, completion: int) -> dict[str, int]:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    async def run(request: Request, req: OpenAIRequest, preps: Sequence[Prepared], t0: float, route: str,
+    async def run(request: Request, req: OpenAIRequest, preps: Sequence[Prepared], tally: Tally, route: str,
                   stream_body: Callable[[AsyncIterator[tuple[int, Any]]], AsyncIterator[bytes]],
                   reply: Callable[[list[Finished]], dict[str, Any]]) -> Response:
-        """Submit every choice's row, then stream (``stream_body``) or answer (``reply``)."""
+        """Submit every choice's row, then stream (``stream_body``, counted under ``route_stream``)
+        or answer (``reply``)."""
         jobs = submit_all(state, preps)
-        streams = [follow(state, j, p, request) for j, p in zip(jobs, preps)]
+        streams = [follow(state, j, p, request, tally) for j, p in zip(jobs, preps)]
         if req.stream:
             async def events() -> AsyncIterator[bytes]:
-                status, counted = "200", [0]
+                ended = [0]  # choices that reached their end
 
                 async def counting() -> AsyncIterator[tuple[int, Any]]:
                     async for i, ev in merged(streams):
-                        counted[0] += isinstance(ev, TokenOut)
+                        tally.tokens += isinstance(ev, TokenOut)
+                        ended[0] += isinstance(ev, Finished)
                         yield i, ev
 
                 try:
                     async for chunk in stream_body(counting()):
                         yield chunk
-                    yield b"data: [DONE]\n\n"
+                    if ended[0] == len(jobs):  # else the client left, and the rows stopped with it
+                        tally.status = 200
+                        yield b"data: [DONE]\n\n"
                 except ApiError as exc:
-                    status = str(exc.status)
+                    tally.status = exc.status
                     yield sse(exc.body())
-                finally:
-                    state.metrics.request_done(route + "_stream", status, time.perf_counter() - t0, counted[0])
 
-            return JobStream(events(), state, jobs)
+            return JobStream(events(), state, jobs, tally, route + "_stream")
         fins: list[Finished | None] = [None] * len(jobs)
         async for i, ev in merged(streams):
             if isinstance(ev, Finished):
@@ -98,7 +100,7 @@ def add_openai_routes(app: FastAPI, state: Any) -> None:
         if any(f is None for f in fins):
             raise ApiError(499, "client disconnected", "cancelled")
         done = [f for f in fins if f is not None]
-        state.metrics.request_done(route + ":tokens", "ok", None, sum(len(f.tokens) for f in done))
+        tally.tokens = sum(len(f.tokens) for f in done)
         return JSONResponse(reply(done))
 
     # ---- chat ----------------------------------------------------------------------------------
@@ -112,7 +114,7 @@ def add_openai_routes(app: FastAPI, state: Any) -> None:
 
     @app.post("/v1/chat/completions")
     @timed(state, "chat_completions")
-    async def chat(request: Request, t0: float) -> Response:
+    async def chat(request: Request, tally: Tally) -> Response:
         req: ChatRequest = await read_request(state, request, ChatRequest)
         check_rows(req.choices, "`n`")
         names = Names("messages", req.max_field)
@@ -161,7 +163,7 @@ def add_openai_routes(app: FastAPI, state: Any) -> None:
                                  "finish_reason": FINISH[f.reason]} for i, f in enumerate(fins)],
                     "usage": usage(len(ids), sum(len(f.tokens) for f in fins))}
 
-        return await run(request, req, preps, t0, "chat_completions", stream_body, reply)
+        return await run(request, req, preps, tally, "chat_completions", stream_body, reply)
 
     # ---- text completions ----------------------------------------------------------------------
     def text_logprobs(toks: Sequence[TokenOut], top: int, offset: int) -> dict[str, Any]:
@@ -181,7 +183,7 @@ def add_openai_routes(app: FastAPI, state: Any) -> None:
 
     @app.post("/v1/completions")
     @timed(state, "completions")
-    async def completions(request: Request, t0: float) -> Response:
+    async def completions(request: Request, tally: Tally) -> Response:
         req: CompletionRequest = await read_request(state, request, CompletionRequest)
         prompts = req.prompts()
         n = req.choices
@@ -235,7 +237,7 @@ def add_openai_routes(app: FastAPI, state: Any) -> None:
                          for i, f in enumerate(fins)],
                         usage=usage(prompt_tokens, sum(len(f.tokens) for f in fins)))
 
-        return await run(request, req, preps, t0, "completions", stream_body, reply)
+        return await run(request, req, preps, tally, "completions", stream_body, reply)
 
     # ---- models --------------------------------------------------------------------------------
     def card() -> dict[str, Any]:

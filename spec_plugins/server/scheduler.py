@@ -53,7 +53,7 @@ class Scheduler:
         self.batch, self.max_batch, self.max_queue = batch, max_batch, max_queue
         self.policy = policy if policy is not None else build_policy(None, None)  # plain decoding
         self._cv = threading.Condition()
-        self._waiting: list[Job] = []
+        self._waiting: list[list[Job]] = []  # requests waiting for slots, oldest first: each its jobs
         self._jobs: dict[int, Job] = {}  # running, by row key
         self._ids = itertools.count()
         self._stop = False
@@ -65,15 +65,17 @@ class Scheduler:
         return next(self._ids)
 
     def submit(self, job: Job | list[Job]) -> None:
-        """Queue a job, or several at once (a request's choices: admitted in the same round when
-        there is room, so their rows share a draft schedule)."""
+        """Queue a job, or a request's jobs at once (its choices: admitted together, in one round,
+        so their rows share a draft schedule; ``_take``)."""
         jobs = job if isinstance(job, list) else [job]
+        if len(jobs) > self.max_batch:  # it could never be admitted whole, and would hold the queue
+            raise ValueError(f"a request of {len(jobs)} rows cannot join a batch of {self.max_batch} slots")
         with self._cv:
             if self._stop:
                 raise RuntimeError("the server is shutting down")
-            if len(self._waiting) + len(jobs) > self.max_queue:
+            if self._queued() + len(jobs) > self.max_queue:
                 raise OverflowError(f"queue is full ({self.max_queue} requests waiting)")
-            self._waiting.extend(jobs)
+            self._waiting.append(jobs)
             self._cv.notify()
 
     def cancel(self, job: Job) -> None:
@@ -88,7 +90,7 @@ class Scheduler:
 
     def snapshot(self) -> dict[str, Any]:
         with self._cv:
-            return {"batch": len(self._jobs), "queue": len(self._waiting), "max_batch": self.max_batch,
+            return {"batch": len(self._jobs), "queue": self._queued(), "max_batch": self.max_batch,
                     "draft_length": int(self.policy.last.get("draft_length", 0))}
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -108,7 +110,7 @@ class Scheduler:
                     break
             time.sleep(0.02)
         with self._cv:
-            for job in list(self._jobs.values()) + self._waiting:
+            for job in [*self._jobs.values(), *(j for jobs in self._waiting for j in jobs)]:
                 if not job.finished:
                     job.finished = True
                     job.push(("error", "the server shut down before this request finished"))
@@ -128,10 +130,9 @@ class Scheduler:
                 if self._halt or (self._stop and not self._jobs and not self._waiting):
                     return
                 # drop cancelled rows, waiting or running, before the round
-                self._waiting = [j for j in self._waiting if not j.cancelled]
+                self._waiting = [left for jobs in self._waiting if (left := [j for j in jobs if not j.cancelled])]
                 gone = [k for k, j in self._jobs.items() if j.cancelled or j.finished]
-                room = self.max_batch - (len(self._jobs) - len(gone))
-                admit, self._waiting = self._waiting[:room], self._waiting[room:]
+                admit = self._take(self.max_batch - (len(self._jobs) - len(gone)))
                 if not gone and not admit and not self._jobs:
                     self._cv.wait(timeout=0.5)
                     continue
@@ -148,6 +149,21 @@ class Scheduler:
                 rid = uuid.uuid4().hex[:12]
                 log.exception("decode round failed (request id %s)", rid)
                 self._fail_all(f"generation failed (request id {rid}); the server log has the details")
+
+    def _queued(self) -> int:
+        """Jobs waiting for a slot (the caller holds the lock)."""
+        return sum(len(jobs) for jobs in self._waiting)
+
+    def _take(self, room: int) -> list[Job]:
+        """The jobs of the oldest waiting requests that fit in ``room`` slots, each request whole
+        (its choices share a round, so a seed reproduces its output). The oldest request that does
+        not fit waits for slots to free, and the requests behind it wait with it: none overtakes
+        another, so none waits forever (``submit`` refuses a request larger than the batch). The
+        caller holds the lock."""
+        admit: list[Job] = []
+        while self._waiting and len(admit) + len(self._waiting[0]) <= room:
+            admit.extend(self._waiting.pop(0))
+        return admit
 
     def _admit(self, jobs: list[Job]) -> None:
         """Admission is atomic (``Batch.add``): if it fails, only these jobs fail, with the reason,
