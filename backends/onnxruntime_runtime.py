@@ -27,11 +27,12 @@ from spec_plugins.backends.base import RuntimeCapabilities, StepOutput, Want
 from spec_plugins.backends.slot_runtime import SlotRuntime
 from spec_plugins.slots import KVSlots
 from spec_plugins.config import RuntimeConfig
+from spec_plugins.graphs.io import GRAPH_DTYPES, Port
 from spec_plugins.registry import register_backend
 
 INSTALL_HINT = "install the [onnx] extra: pip install 'spec-plugins[onnx]' (or [gpu] for onnxruntime-gpu)"
 _OPT_LEVELS = ("disable", "basic", "extended", "all")
-_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+_TORCH_DTYPES = {name: getattr(torch, name) for name in GRAPH_DTYPES}
 
 
 def import_ort() -> Any:
@@ -76,18 +77,27 @@ def create_session(file: str | Path, device: str = "cpu", device_id: int = 0, gr
     return ort.InferenceSession(str(file), so, providers=providers, provider_options=opts)
 
 
-def export_cache_dir(model: str, quantize: str = "none") -> Path:
-    """Where export-on-first-use puts a model's graphs, keyed by the source files' identity and
-    the quantization scheme's name."""
+def source_files(src: Any) -> list[Path]:
+    """The files an export of model ``src`` (a ``ModelSource``) reads: its GGUF, or every file at
+    the top of its transformers directory (config, weights and their index, tokenizer)."""
+    if src.gguf_path is not None:
+        return [src.gguf_path]
+    return sorted(p for p in src.directory.iterdir() if p.is_file())
+
+
+def export_cache_dir(model: str, quantize: str = "none", dtype: str = "float32") -> Path:
+    """Where export-on-first-use puts a model's graphs, keyed by the source files' identity (path,
+    size and nanosecond mtime of each: a stat per file, where a content digest would read
+    gigabytes of weights on every load), the quantization scheme's name and the graph dtype."""
     from spec_plugins.graphs.io import OPSET
     from spec_plugins.graphs.manifest import EXPORTER_VERSION
     from spec_plugins.models import cache_root, resolve_model
 
     src = resolve_model(model)
-    f = src.gguf_path or (src.directory / "config.json")
-    st = f.stat()
-    key = f"{f.resolve()}:{st.st_size}:{int(st.st_mtime)}:{EXPORTER_VERSION}:{OPSET}:{quantize}"
-    suffix = "" if quantize == "none" else f"-{quantize}"
+    files = [(f.resolve(), f.stat()) for f in source_files(src)]
+    ident = [f"{f}:{st.st_size}:{st.st_mtime_ns}" for f, st in files]
+    key = "|".join([*ident, EXPORTER_VERSION, str(OPSET), quantize, dtype])
+    suffix = ("" if quantize == "none" else f"-{quantize}") + ("" if dtype == "float32" else f"-{dtype}")
     return cache_root() / "onnx" / f"{src.name}-{hashlib.sha1(key.encode()).hexdigest()[:12]}{suffix}"
 
 
@@ -117,6 +127,9 @@ class OnnxRuntime(SlotRuntime):
                                "forwards the spinning threads take the cores from drafting and the decode loop "
                                "(measured here: EAGLE drafting 97 -> 57 ms per round, plain decoding not slower).")
         max_context: int | None = Field(None, ge=1, description="Override the model's context length.")
+        dtype: Literal["auto", "float32", "float16"] = Field(
+            "auto", description="Graph dtype. Without `path`: the dtype exported on first use (auto = float32); "
+                                "with `path`: the export's own (auto = whatever it is; else it must match).")
         quantize: Literal["none", "int4", "int8"] = Field(
             "none", description="Weight-only quantization of the graph exported on first use (MatMulNBits); "
                                 "with `path`, the export must have been made with the same scheme.")
@@ -147,14 +160,19 @@ class OnnxRuntime(SlotRuntime):
         if config.path is not None:
             directory = Path(config.path).expanduser()
         else:
-            directory = export_cache_dir(config.model, scheme_name(scheme))
+            dtype = "float32" if config.dtype == "auto" else config.dtype
+            directory = export_cache_dir(config.model, scheme_name(scheme), dtype)
             if not (directory / "manifest.json").is_file():
                 from spec_plugins.registry import EXPORTERS
 
                 # the exporters package, looked up by name
-                EXPORTERS.get("onnx")(config.model, directory, quantize=scheme)
+                EXPORTERS.get("onnx")(config.model, directory, quantize=scheme, dtype=dtype)
         man = Manifest.read(directory)
         entry = man.graph(config.graph)
+        if config.dtype not in ("auto", entry.dtype):
+            raise ValueError(f"target.path {directory} holds graph {config.graph!r} in {entry.dtype}, but the config "
+                             f"asks for dtype: {config.dtype}; set dtype: {entry.dtype} (or auto) or export again "
+                             f"from a torch target with dtype: {config.dtype}")
         have = (entry.quantization or {}).get("name", "none")
         if config.path is not None and have != scheme_name(scheme):
             raise ValueError(f"target.path {directory} holds graph {config.graph!r} quantized as {have!r}, but the "
@@ -167,7 +185,7 @@ class OnnxRuntime(SlotRuntime):
         session = create_session(directory / entry.file, config.device, config.device_id,
                                  config.graph_optimization, config.threads, config.arena, config.spinning)
         tok = None
-        if man.tokenizer and (directory / man.tokenizer).is_dir():
+        if man.tokenizer:  # Manifest.read checked that the directory exists
             from transformers import AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(str(directory / man.tokenizer))
@@ -179,10 +197,12 @@ class OnnxRuntime(SlotRuntime):
     def __init__(self, session: Any, entry: Any, tokenizer: Any = None, max_context: int | None = None,
                  eos_token_ids: Sequence[int] = (), device_id: int = 0) -> None:
         from spec_plugins.graphs.io import input_names, present_names
+        from spec_plugins.graphs.manifest import check_decoder_io
 
         if entry.kind != "decoder_with_past":
             raise ValueError(f"graph {entry.name!r} is a {entry.kind} graph; the onnxruntime backend runs decoder "
                              "graphs (verify, draft)")
+        check_decoder_io(entry, _ports(session.get_inputs()), _ports(session.get_outputs()))
         self.session = session
         self.entry = entry
         self.source_model = entry.source_model  # trained heads load the LM head and embeddings from it
@@ -275,6 +295,16 @@ class OnnxRuntime(SlotRuntime):
             self.pad_single = True
         self.kv = [t[:, :, : S + 1] for t in self.kv]  # the padding position leaves no KV
         return StepOutput(out.logits[:, :1], out.hidden[:, :1] if out.hidden is not None else None)
+
+
+def _ports(args: Sequence[Any]) -> dict[str, Port]:
+    """A session's inputs or outputs as (dtype name, shape) by name: ``tensor(float)`` is float32."""
+    names = {"float": "float32", "double": "float64"}
+    out = {}
+    for a in args:
+        t = a.type.removeprefix("tensor(").removesuffix(")")
+        out[a.name] = (names.get(t, t), list(a.shape))
+    return out
 
 
 def _np(dtype: torch.dtype) -> Any:

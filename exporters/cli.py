@@ -11,6 +11,7 @@ from typing import Optional
 import typer
 
 from spec_plugins.cli import app, check_output_dir, fail, load_config
+from spec_plugins.graphs.io import MAX_OPSET, MIN_OPSET, OPSET
 
 export_app = typer.Typer(add_completion=False, no_args_is_help=True,
                          help="Export the target/draft graphs (ONNX) and check them against PyTorch.")
@@ -24,8 +25,9 @@ def _log(msg: str) -> None:
 @export_app.command("onnx")
 def export_onnx(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML/JSON SpecConfig (default: built-in)."),
-    out: Path = typer.Option(..., "--out", "-o", help="Directory to write (replaced if it exists)."),
-    opset: int = typer.Option(17, "--opset", min=14, help="ONNX opset."),
+    out: Path = typer.Option(..., "--out", "-o", help="Directory to write: a new or empty one, or a previous "
+                                                      "export (replaced); anything else is refused."),
+    opset: int = typer.Option(OPSET, "--opset", help=f"ONNX opset ({MIN_OPSET}..{MAX_OPSET})."),
     feature_layers: str = typer.Option("auto", "--feature-layers",
                                        help="Decoder-layer outputs the verify graph also returns for EAGLE-3 "
                                             "drafters: auto (the drafter's, else low/mid/high), none, or e.g. 3,15,28."),
@@ -71,7 +73,9 @@ def export_onnx(
 def export_check(
     directory: Path = typer.Argument(..., help="An export directory (with manifest.json)."),
     gamma: int = typer.Option(5, "--gamma", min=1, max=64, help="Check N = 1..gamma+1 new nodes."),
-    rtol: float = typer.Option(1e-4, "--rtol", help="Allowed max|diff| relative to max|logits|."),
+    rtol: Optional[float] = typer.Option(None, "--rtol", help="Allowed max|diff| relative to max|logits| "
+                                                               "(default: by each graph's dtype, see "
+                                                               "docs/runtimes/onnxruntime.md)."),
     max_new_tokens: int = typer.Option(48, "--max-new-tokens", min=1, help="Greedy speculative tokens compared."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="ONNX Runtime intra-op threads."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),

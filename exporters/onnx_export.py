@@ -1,8 +1,9 @@
 """Export what a SpecConfig runs to ONNX: the target's verify graph and the draft graphs.
 
 One entry point, :func:`export_config`, used by ``spec-plugins export onnx`` and by the ONNX
-Runtime backend's export-on-first-use. Graphs are written to a temporary directory and moved
-into place at the end, so an interrupted export never leaves a half-written directory.
+Runtime backend's export-on-first-use. Graphs are written to a temporary directory next to the
+target and renamed into place at the end, so an interrupted export never leaves a half-written
+directory. Only a previous export (or an empty directory) is ever replaced.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from spec_plugins.graphs.manifest import GraphEntry, Manifest, library_versions
+from spec_plugins.graphs.manifest import (FORMAT, MANIFEST_NAME, GraphEntry, Manifest, ManifestError,
+                                          library_versions, read_json)
 from spec_plugins.exporters.onnx_verify import export_verify_graph
-from spec_plugins.graphs.io import OPSET
+from spec_plugins.graphs.io import GRAPH_DTYPES, MAX_OPSET, MIN_OPSET, OPSET
 
 Log = Callable[[str], None]
 
@@ -27,6 +29,7 @@ def _quiet(_: str) -> None:
 def graph_entry(name: str, model: Any, source: str, path: Path, opset: int = OPSET,
                 feature_layers: tuple[int, ...] = ()) -> GraphEntry:
     """Export one decoder (target or draft model) in the verify-graph layout."""
+    check_dtype(model, source)
     res = export_verify_graph(model, path, opset, feature_layers)
     s = res.shape
     return GraphEntry(name=name, kind="decoder_with_past", file=path.name, source_model=source, dtype=res.dtype,
@@ -34,6 +37,66 @@ def graph_entry(name: str, model: Any, source: str, path: Path, opset: int = OPS
                       hidden_size=s.hidden_size, vocab_size=s.vocab_size, max_context=s.max_context,
                       inputs=res.inputs, outputs=res.outputs, size_bytes=res.size_bytes,
                       export_seconds=round(res.seconds, 3), feature_layers=list(res.feature_layers))
+
+
+def check_dtype(model: Any, source: str) -> None:
+    """Refuse a decoder whose dtype the graphs do not come in (bfloat16: the tracer fails on it
+    and ONNX Runtime's CPU kernels lack it), before any tracing."""
+    name = str(next(model.parameters()).dtype).removeprefix("torch.")
+    if name not in GRAPH_DTYPES:
+        raise ValueError(f"{source} is loaded as {name}; ONNX export writes {' or '.join(GRAPH_DTYPES)} graphs: "
+                         f"set the model's dtype to {' or '.join(GRAPH_DTYPES)} in the config")
+
+
+def check_opset(opset: int) -> None:
+    """Refuse opsets the exporter does not write, naming the range it does."""
+    if not MIN_OPSET <= opset <= MAX_OPSET:
+        raise ValueError(f"opset {opset} is not supported; the ONNX export writes opsets {MIN_OPSET}..{MAX_OPSET}")
+
+
+def check_out_dir(out: Path) -> None:
+    """Refuse an output directory that is not safe to replace: only a new path, an empty
+    directory or a previous export of this tool (its manifest.json) is replaced, and never the
+    current directory or one above it."""
+    here, target = Path.cwd().resolve(), out.resolve()
+    if target == here or target in here.parents:
+        raise ValueError(f"output directory {out} is the current directory or one above it; give a new directory "
+                         "for the export (its contents would be replaced)")
+    if out.is_symlink():
+        raise ValueError(f"output directory {out} is a symbolic link; give the directory itself")
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ValueError(f"output directory {out} exists and is not a directory")
+    if any(out.iterdir()) and not _holds_export(out):
+        raise ValueError(f"output directory {out} is not empty and holds no ONNX export ({MANIFEST_NAME}); "
+                         "refusing to replace it: give a new or empty directory, or a previous export")
+
+
+def _holds_export(directory: Path) -> bool:
+    """Whether ``directory`` holds a manifest written by this exporter (any version)."""
+    try:
+        _, data = read_json(directory, MANIFEST_NAME, ManifestError, "", "")
+    except ManifestError:
+        return False
+    return data.get("format") == FORMAT
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """Rename the finished export ``tmp`` onto ``out``. What ``out`` held (a previous export or an
+    empty directory: ``check_out_dir``) is renamed aside first, put back if the rename fails, and
+    deleted only once the new export is in place."""
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    old = tmp.with_name(tmp.name + "-old")
+    os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        os.rename(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
@@ -56,7 +119,9 @@ def export_models(out: str | Path, target: tuple[Any, Any, str], draft: tuple[An
     are (graph name, MedusaHeads or EagleDrafter, trained head directory). The verify graph
     also returns ``feature_layers`` (default: EAGLE-3's low/mid/high layers; () for none).
     ``quantize`` (an ``onnx_quantize.QuantScheme``) quantizes every graph's weights."""
-    out = Path(out)
+    out = Path(out).absolute()
+    check_opset(opset)
+    check_out_dir(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
@@ -90,9 +155,7 @@ def export_models(out: str | Path, target: tuple[Any, Any, str], draft: tuple[An
                        pending=list(pending or []))
         man.write(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        _move_into_place(tmp, out)
         return man
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -128,6 +191,8 @@ def export_config(config: Any, out: str | Path, opset: int = OPSET, log: Log = _
 
     from spec_plugins.backends.torch_runtime import load_hf
 
+    check_opset(opset)  # before any model loads
+    check_out_dir(Path(out).absolute())
     tgt = config.target
     dtype = getattr(tgt, "dtype", "float32")
     model, tok = load_hf(tgt.model, dtype, "cpu")
@@ -150,12 +215,13 @@ def export_config(config: Any, out: str | Path, opset: int = OPSET, log: Log = _
     return export_models(out, (model, tok, tgt.model), draft, None, opset, log, heads, layers, quantize)
 
 
-def export_model(model: str, directory: str | Path, quantize: dict | None = None) -> Manifest:
-    """Export ``model`` (float32) as a lone verify graph into ``directory``, quantized with the
+def export_model(model: str, directory: str | Path, quantize: dict | None = None,
+                 dtype: str = "float32") -> Manifest:
+    """Export ``model`` in ``dtype`` as a lone verify graph into ``directory``, quantized with the
     scheme ``quantize`` (``QuantScheme`` fields) if given: what ``backend: onnxruntime`` without
     a ``path`` does on first use (``EXPORTERS['onnx']``)."""
     from spec_plugins.backends.torch_runtime import load_hf
     from spec_plugins.exporters.onnx_quantize import QuantScheme
 
-    hf, tok = load_hf(model, "float32", "cpu")
+    hf, tok = load_hf(model, dtype, "cpu")
     return export_models(directory, (hf, tok, model), quantize=QuantScheme(**quantize) if quantize else None)

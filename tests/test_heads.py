@@ -319,3 +319,17 @@ def test_auto_tree_size_prices_the_batch_padded_width():
     assert sizer.cut(_rows([probs] * 4, paths=apart)) == [0] * 4
     sizer.costs = Costs(ForwardCost({k: v for k, v in table.items() if k[0] == 1}))
     assert sizer.cut(_rows([probs] * 4)) == [6] * 4  # a one-row model prices every batch as one row
+
+
+def test_head_cache_key_covers_the_target_parts_baked_into_the_graph():
+    """One trained head attached to two targets: the LM head and embeddings it takes from each
+    are non-persistent buffers (not in state_dict) but constants of its ONNX graph, so the
+    export cache key must differ, or the second target would run the first one's graph."""
+    from spec_plugins.heads.runner import weights_key
+
+    a, b = tiny_llama(seed=3), tiny_llama(seed=4)
+    for make in (eagle, medusa):
+        head_a, head_b = make(a), make(b)
+        head_b.load_state_dict(head_a.state_dict())  # the same trained weights
+        assert weights_key(head_a) != weights_key(head_b), make.__name__
+        assert weights_key(head_a) == weights_key(make(a)), make.__name__  # same target, same key

@@ -182,3 +182,96 @@ def test_gguf_grid_carries_q4_1_and_q8_0_blocks_exactly(tmp_path):
     got = ort.InferenceSession(str(tmp_path / "q.onnx")).run(None, {"x": x})
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_export_replaces_only_a_previous_export(tmp_path, monkeypatch):
+    """The output directory is replaced only when it is new, empty or a previous export: a
+    directory of other files, the working directory and its parents are refused untouched."""
+    model = tiny_llama(vocab=32, seed=2)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("mine")
+    monkeypatch.chdir(work)
+    for out in (".", work, tmp_path):
+        with pytest.raises(ValueError, match="current directory or one above it"):
+            export_models(out, (model, None, "tiny"), feature_layers=())
+    monkeypatch.chdir(tmp_path.parent)
+    with pytest.raises(ValueError, match=f"{work} is not empty and holds no ONNX export"):
+        export_models(tmp_path / "work", (model, None, "tiny"), feature_layers=())
+    assert sorted(p.name for p in work.iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["work"]  # no temporary directory left
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    export_models(empty, (model, None, "tiny"), feature_layers=())
+    (empty / "stale.onnx").write_text("left by an older export")
+    export_models(empty, (model, None, "tiny"), feature_layers=())  # a previous export: replaced whole
+    assert not (empty / "stale.onnx").exists() and Manifest.read(empty).graph("verify")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "work"]
+
+
+def test_unsupported_dtype_and_opset_are_refused_before_tracing(tmp_path):
+    model = tiny_llama(vocab=32, seed=2)
+    with pytest.raises(ValueError, match=r"opset 30 is not supported.*opsets 14\.\.20"):
+        export_models(tmp_path / "a", (model, None, "tiny"), opset=30)
+    with pytest.raises(ValueError, match="tiny is loaded as bfloat16.*float32 or float16"):
+        export_models(tmp_path / "b", (model.to(torch.bfloat16), None, "tiny"))
+    assert not list(tmp_path.iterdir())
+
+
+def test_float16_export_is_held_to_the_float16_tolerance(tmp_path):
+    """A float16 graph differs from float16 PyTorch by float16 rounding (~1e-3 relative), far
+    above float32's 1e-4: the check's default tolerance follows the graph's dtype."""
+    model = tiny_llama(vocab=32, seed=4, sharpness=4.0).half()
+    export_models(tmp_path / "h", (model, None, "tiny"), feature_layers=())
+    rep = check_export(tmp_path / "h", gamma=3, max_new_tokens=8, models={"tiny": model})
+    assert rep.ok, rep.format()
+    from spec_plugins.exporters.parity import RTOL
+
+    assert rep.tolerances == {"verify": RTOL["float16"]} and max(c.rel for c in rep.cases) > RTOL["float32"]
+    assert not check_export(tmp_path / "h", gamma=1, rtol=1e-6, max_new_tokens=4, models={"tiny": model}).ok
+    other = tiny_llama(vocab=32, seed=7, sharpness=4.0).half()  # power: another model fails at this tolerance
+    rep = check_export(tmp_path / "h", gamma=1, max_new_tokens=4, models={"tiny": other})
+    assert any(not c.ok for c in rep.cases), rep.format()
+
+
+def _edited(tmp_path, src, name, edit):
+    """A copy of export ``src`` whose manifest ``edit(manifest, verify graph entry)`` changed."""
+    import shutil
+
+    d = tmp_path / name
+    shutil.copytree(src, d)
+    data = json.loads((d / "manifest.json").read_text())
+    edit(data, data["graphs"][0])
+    (d / "manifest.json").write_text(json.dumps(data))
+    return d
+
+
+@pytest.mark.parametrize("name,edit,message", [
+    ("file_null", lambda m, g: g.update(file=None), r"graphs\[0\] \('verify'\) field file: .*valid string"),
+    ("quant_str", lambda m, g: g.update(quantization="int8"), "field quantization: .*valid dictionary"),
+    ("eos_str", lambda m, g: m.update(eos_token_ids="abc"), "field eos_token_ids: .*valid list"),
+    ("layers_bool", lambda m, g: g.update(num_layers=True), "field num_layers: .*valid integer"),
+    ("unknown", lambda m, g: g.update(colour="red"), "unknown field.*colour"),
+    ("missing", lambda m, g: g.pop("dtype"), "lacks field.*dtype"),
+    ("graphs_dict", lambda m, g: m.update(graphs={"verify": g}), "graphs must be a list"),
+    ("max_context", lambda m, g: g.update(max_context=0), "max_context is 0"),
+    ("dtype", lambda m, g: g.update(dtype="bfloat16"), "dtype 'bfloat16'; decoder graphs are float32 or float16"),
+    ("features", lambda m, g: g.update(feature_layers=[0, 5]), r"feature_layers \[5\] are outside 0..num_layers"),
+    ("tokenizer", lambda m, g: m.update(tokenizer="nope"), "tokenizer 'nope' names a directory that does not"),
+])
+def test_hand_edited_manifests_fail_on_read_naming_the_field(tmp_path, tiny_export, name, edit, message):
+    out, _, _, _ = tiny_export
+    with pytest.raises(ManifestError, match=message):
+        Manifest.read(_edited(tmp_path, out, name, edit))
+
+
+def test_missing_external_weights_file_is_named(tmp_path):
+    from spec_plugins.graphs.quant import QuantScheme
+
+    out = tmp_path / "q"
+    export_models(out, (tiny_llama(vocab=32, seed=2), None, "tiny"), feature_layers=(),
+                  quantize=QuantScheme(bits=8, block_size=16))
+    g = Manifest.read(out).graph("verify")
+    (out / (g.file + ".data")).unlink()
+    with pytest.raises(ManifestError, match=rf"keeps its weights in {g.file}\.data, which does not exist"):
+        Manifest.read(out)

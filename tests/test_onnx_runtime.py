@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -384,3 +385,95 @@ def test_quantized_graphs_pad_lone_positions_so_speculation_stays_exact(tiny_mod
     assert not raw.capabilities.batch_invariant
     with pytest.raises(ValueError, match="pad_single"):
         check_pairing(raw, NgramProposer(NgramProposer.Config()))
+
+
+def test_export_cache_follows_the_weights_not_only_the_config(tiny_model_dir, tmp_path, monkeypatch):
+    """New weights under the same config.json (a fine-tuned copy) get a new export on first use,
+    not the old model's cached graph."""
+    import shutil
+
+    from spec_plugins.backends.onnxruntime_runtime import export_cache_dir
+
+    monkeypatch.setenv("SPEC_PLUGINS_CACHE", str(tmp_path / "cache"))
+    cfg = OnnxRuntime.Config(model=str(tiny_model_dir), device="cpu")
+    before = export_cache_dir(str(tiny_model_dir))
+    OnnxRuntime.from_config(cfg)
+    tuned = tiny_llama(vocab=32, seed=9, sharpness=4.0)
+    tuned.save_pretrained(str(tmp_path / "tuned"))
+    shutil.copy(tmp_path / "tuned" / "model.safetensors", tiny_model_dir / "model.safetensors")
+    assert export_cache_dir(str(tiny_model_dir)) != before
+    rows = [[1, 2, 3, 4, 5]]
+    got = OnnxRuntime.from_config(cfg).prefill(rows).logits
+    torch.testing.assert_close(got, TorchRuntime(tuned).prefill(rows).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_dtype_swaps_with_the_backend(tiny_model_dir, tmp_path, monkeypatch):
+    """A torch config's `dtype` carries over when only the backend changes: float32/float16 are
+    exported as such on first use; an export of another dtype, or bfloat16, is refused by name."""
+    from pathlib import Path
+
+    import yaml
+
+    from spec_plugins.backends.onnxruntime_runtime import export_cache_dir
+    from spec_plugins.config import ConfigError
+
+    monkeypatch.setenv("SPEC_PLUGINS_CACHE", str(tmp_path))
+    example = Path(__file__).parents[1] / "examples" / "configs" / "smollm2-ngram.yaml"
+    data = yaml.safe_load(example.read_text())
+    data["target"]["backend"] = "onnxruntime"
+    assert SpecConfig.parse(data).target.dtype == "float32"
+    rt = OnnxRuntime.from_config(OnnxRuntime.Config(model=str(tiny_model_dir), dtype="float16", threads=1))
+    assert rt.entry.dtype == "float16" and rt.dtype == torch.float16
+    assert rt.prefill([[1, 2, 3]]).logits.dtype == torch.float32
+    assert OnnxRuntime.from_config(OnnxRuntime.Config(model=str(tiny_model_dir))).entry.dtype == "float32"  # auto
+    fp32 = export_cache_dir(str(tiny_model_dir))
+    assert fp32 != export_cache_dir(str(tiny_model_dir), dtype="float16")
+    with pytest.raises(ValueError, match="holds graph 'verify' in float32.*asks for dtype: float16"):
+        OnnxRuntime.from_config(OnnxRuntime.Config(model=str(tiny_model_dir), path=str(fp32), dtype="float16"))
+    with pytest.raises(ConfigError, match="dtype"):
+        SpecConfig.parse({"target": {"backend": "onnxruntime", "model": "x", "dtype": "bfloat16"}})
+
+
+@pytest.mark.parametrize("field,value", [("vocab_size", 64), ("num_layers", 3), ("num_kv_heads", 4),
+                                         ("dtype", "float16"), ("hidden_size", 64), ("feature_layers", [1, 2])])
+def test_manifest_fields_are_held_to_the_graph(exported, tmp_path, field, value):
+    """A manifest edited by hand fails when the runtime is built, naming the field, instead of
+    as an ONNX Runtime error in the middle of a run."""
+    import json
+    import shutil
+
+    from spec_plugins.graphs.manifest import ManifestError
+
+    out, _, _ = exported
+    d = tmp_path / "edited"
+    shutil.copytree(out, d)
+    data = json.loads((d / "manifest.json").read_text())
+    data["graphs"][0][field] = value
+    (d / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(ManifestError, match=f"the manifest's {field} .* but verify.onnx has"):
+        ort_runtime(d)
+
+
+def test_export_cli_refusals_are_one_line_errors(tiny_model_dir, tmp_path, monkeypatch):
+    """`export onnx --out .` keeps the directory's files; an unsupported opset or a bfloat16
+    target is an `error:` line and exit status 2, not a traceback."""
+    from typer.testing import CliRunner
+
+    from spec_plugins.cli import app
+
+    monkeypatch.setenv("SPEC_PLUGINS_CACHE", str(tmp_path / "cache"))
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("mine")
+    monkeypatch.chdir(work)
+    runner = CliRunner()
+    cfg = tmp_path / "c.yaml"
+    for dtype, args, message in ((None, ["--out", "."], "is the current directory"),
+                                 (None, ["--out", str(tmp_path / "o"), "--opset", "30"], r"opsets 14\.\.20"),
+                                 ("bfloat16", ["--out", str(tmp_path / "o")], "loaded as bfloat16")):
+        extra = f", dtype: {dtype}" if dtype else ""
+        cfg.write_text(f"target: {{backend: torch, model: '{tiny_model_dir}'{extra}}}\n")
+        r = runner.invoke(app, ["export", "onnx", "--config", str(cfg), *args])
+        assert r.exit_code == 2, r.output  # an uncaught exception exits 1
+        assert re.search(rf"^error: .*{message}", r.output, re.M), r.output
+    assert [p.name for p in work.iterdir()] == ["notes.txt"] and not (tmp_path / "o").exists()

@@ -20,6 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 
 OPSET = 17
+# opsets the exporter writes: 14 is the lowest this layout's ops export at, 20 the highest of
+# torch.onnx.export(dynamo=False) (it warns above 20 and fails on opsets ONNX does not know)
+MIN_OPSET, MAX_OPSET = 14, 20
+GRAPH_DTYPES = ("float32", "float16")  # decoder graph dtypes (ONNX Runtime's CPU kernels lack bfloat16)
+Port = tuple[str, list]  # one graph input/output: (dtype name, shape of ints and symbolic names)
 
 
 @dataclass(frozen=True)
@@ -77,3 +82,23 @@ def io_spec(shape: DecoderShape, dtype: str, feature_layers: tuple[int, ...] = (
     ] + ([{"name": "features", "dtype": dtype, "shape": ["B", "N", shape.hidden_size * len(feature_layers)]}]
          if feature_layers else []) + [{"name": n, "dtype": dtype, "shape": kv_out} for n in present_names(L)]
     return ins, outs
+
+
+def layout_fields(inputs: dict[str, Port], outputs: dict[str, Port]) -> dict[str, object]:
+    """The decoder fields a verify-layout graph's own inputs and outputs imply (None where the
+    graph leaves a dimension symbolic): the inverse of :func:`io_spec`."""
+    missing = [n for n in input_names(0) if n not in inputs] + [n for n in ("logits", "hidden") if n not in outputs]
+    if missing:
+        raise ValueError(f"the graph lacks {', '.join(missing)} of the verify-graph layout")
+
+    def dim(port: Port | None, i: int) -> int | None:
+        shape = port[1] if port is not None else []
+        return shape[i] if len(shape) > i and isinstance(shape[i], int) else None
+
+    hidden = dim(outputs["hidden"], 2)
+    width = dim(outputs.get("features"), 2)
+    features = 0 if "features" not in outputs else (width // hidden if width and hidden else None)
+    kv = inputs.get("past_key.0")
+    return {"num_layers": sum(n.startswith("past_key.") for n in inputs), "num_kv_heads": dim(kv, 1),
+            "head_dim": dim(kv, 3), "hidden_size": hidden, "vocab_size": dim(outputs["logits"], 2),
+            "dtype": inputs["attention_mask"][0], "feature_layers": features}

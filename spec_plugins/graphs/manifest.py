@@ -7,8 +7,13 @@ exported directory is self-contained (the tokenizer is saved next to the graphs)
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from functools import cache
 from pathlib import Path
+from typing import Any
+
+from spec_plugins.graphs.io import GRAPH_DTYPES, Port, layout_fields
 
 
 MANIFEST_NAME = "manifest.json"
@@ -70,6 +75,9 @@ class Manifest:
 
     @classmethod
     def read(cls, directory: str | Path) -> "Manifest":
+        """The manifest of an export directory, its fields checked for type and sense and the
+        files it names for presence, so a damaged or hand-edited export fails here, naming the
+        field or file, rather than somewhere inside a run."""
         path, data = read_json(Path(directory), MANIFEST_NAME, ManifestError, "is not an ONNX export",
                                "create one with `spec-plugins export onnx --config FILE --out DIR`")
         if data.get("format") != FORMAT:
@@ -77,15 +85,104 @@ class Manifest:
         if data.get("exporter_version") != EXPORTER_VERSION:
             raise ManifestError(f"{path}: exported with exporter version {data.get('exporter_version')!r}, this "
                                 f"spec-plugins reads version {EXPORTER_VERSION!r}; export again")
-        try:
-            graphs = [GraphEntry(**g) for g in data.pop("graphs")]
-            man = cls(graphs=graphs, **data)
-        except (TypeError, KeyError) as exc:
-            raise ManifestError(f"{path}: malformed manifest ({exc})") from None
+        raw = data.pop("graphs", None)
+        if not isinstance(raw, list) or not all(isinstance(g, dict) for g in raw):
+            raise ManifestError(f"{path}: malformed manifest (graphs must be a list of objects, got {raw!r:.80})")
+        check_fields(cls, data, f"{path}: ", skip=("graphs",))
+        for i, g in enumerate(raw):
+            check_fields(GraphEntry, g, f"{path}: graphs[{i}] ({g.get('name', '?')!r}) ")
+        man = cls(graphs=[GraphEntry(**g) for g in raw], **data)
         for g in man.graphs:
-            if not (path.parent / g.file).is_file():
-                raise ManifestError(f"{path}: graph {g.name!r} names {g.file}, which does not exist")
+            check_entry(path, g)
+        if man.tokenizer is not None and not (path.parent / man.tokenizer).is_dir():
+            raise ManifestError(f"{path}: tokenizer {man.tokenizer!r} names a directory that does not exist")
         return man
+
+
+@cache
+def _adapter(hint: Any) -> Any:
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(hint)
+
+
+def check_fields(cls: type, data: dict, where: str, skip: tuple[str, ...] = ()) -> None:
+    """Hold a JSON object to dataclass ``cls``'s fields: no unknown or missing keys and every
+    value of its annotated type (strict: no "3" for 3, no true for 1)."""
+    from pydantic import ValidationError
+
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ManifestError(f"{where}has unknown field(s) {', '.join(unknown)}")
+    missing = [n for n, f in known.items() if n not in data and n not in skip
+               and f.default is MISSING and f.default_factory is MISSING]
+    if missing:
+        raise ManifestError(f"{where}lacks field(s) {', '.join(missing)}")
+    for name, value in data.items():
+        try:
+            _adapter(hints[name]).validate_python(value, strict=True)
+        except ValidationError as exc:
+            err = exc.errors(include_url=False)[0]
+            at = "".join(f"[{i}]" for i in err["loc"])
+            raise ManifestError(f"{where}field {name}{at}: {err['msg'].lower()} "
+                                f"(expected {_type_name(hints[name])}), got {value!r:.80}") from None
+
+
+def _type_name(hint: Any) -> str:
+    return hint.__name__ if isinstance(hint, type) else str(hint)
+
+
+def check_entry(path: Path, g: GraphEntry) -> None:
+    """One graph's values make sense and its files exist: the graph, and the external data
+    files its weights live in."""
+    where = f"{path}: graph {g.name!r}"
+    if not (path.parent / g.file).is_file():
+        raise ManifestError(f"{where} names {g.file}, which does not exist" +
+                            (" as a file" if (path.parent / g.file).exists() else ""))
+    if g.kind == "decoder_with_past":
+        for name in ("num_layers", "num_kv_heads", "head_dim", "hidden_size", "vocab_size", "max_context"):
+            if getattr(g, name) < 1:
+                raise ManifestError(f"{where}: {name} is {getattr(g, name)}; a decoder graph needs at least 1")
+        if g.dtype not in GRAPH_DTYPES:
+            raise ManifestError(f"{where}: dtype {g.dtype!r}; decoder graphs are {' or '.join(GRAPH_DTYPES)}")
+        bad = [i for i in g.feature_layers if not 0 <= i <= g.num_layers]
+        if bad:
+            raise ManifestError(f"{where}: feature_layers {bad} are outside 0..num_layers ({g.num_layers})")
+    for name in external_data(path.parent, g):
+        if not (path.parent / name).is_file():
+            raise ManifestError(f"{where}: {g.file} keeps its weights in {name}, which does not exist in "
+                                f"{path.parent}; copy it next to the graph or export again")
+
+
+def external_data(directory: Path, g: GraphEntry) -> list[str]:
+    """The external data files graph ``g``'s weights are stored in. Read from the graph only
+    when its file is smaller than the export's recorded size (the weights are elsewhere): the
+    graph is then small to parse, and a graph holding its own weights is never parsed."""
+    if (directory / g.file).stat().st_size >= g.size_bytes:
+        return []
+    import onnx
+    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+
+    model = onnx.load(str(directory / g.file), load_external_data=False)
+    return sorted({ExternalDataInfo(t).location for t in model.graph.initializer if uses_external_data(t)})
+
+
+def check_decoder_io(g: GraphEntry, inputs: dict[str, Port], outputs: dict[str, Port]) -> None:
+    """Hold a decoder graph's manifest fields to the graph's own inputs and outputs, so a wrong
+    field fails here, named, rather than as an ONNX Runtime error in the middle of a run."""
+    try:
+        have = layout_fields(inputs, outputs)
+    except ValueError as exc:
+        raise ManifestError(f"graph {g.name!r} ({g.file}): {exc}") from None
+    want: dict[str, object] = {k: getattr(g, k) for k in have}
+    want["feature_layers"] = len(g.feature_layers)
+    for name, value in have.items():
+        if value is not None and value != want[name]:
+            what = "counts" if name == "feature_layers" else "is"
+            raise ManifestError(f"graph {g.name!r}: the manifest's {name} {what} {want[name]!r} but {g.file} has "
+                                f"{value!r}; restore the manifest or export again")
 
 
 def library_versions() -> dict[str, str]:

@@ -25,10 +25,13 @@ def pick_engine(engine: Engine, target: Any) -> str:
 
 
 def weights_key(module: torch.nn.Module) -> str:
-    """A digest of a head's weights and config (the export cache key)."""
+    """A digest of everything a head's graph bakes in (the export cache key): its config, its
+    parameters and all its buffers, the non-persistent ones too (an EAGLE layer's target
+    embeddings and LM head are not in ``state_dict`` but are constants of its graph)."""
     h = hashlib.sha1(repr(getattr(module, "config", None)).encode())
-    for name, t in sorted(module.state_dict().items()):
-        h.update(name.encode())
+    tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    for name, t in sorted(tensors.items()):
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
         h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
 
