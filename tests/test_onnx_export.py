@@ -140,17 +140,16 @@ def test_quantized_export_is_exact_to_itself_and_reports_its_error(tmp_path, bit
         QuantScheme(bits=3)
 
 
-def test_gguf_grid_carries_q4_1_and_q8_0_blocks_exactly(tmp_path):
-    """grid: gguf turns MatMuls over dequantized GGUF tensors into MatMulNBits over the same
-    blocks (rows matched even when permuted): with fp32 compute the graph equals the original."""
+def _gguf_and_graph(tmp_path, names, chained, permute=False):
+    """A GGUF with a Q4_1 tensor and a Q8_0 tensor (``names``), and an fp32 graph of MatMuls over
+    their dequantized weights named ``/<name>/MatMul``, as an export of a GGUF model holds them:
+    ``chained`` (the second reads the first's output, as an LM head does) or both reading x;
+    ``permute``: the first's rows permuted, as a loader may do. Returns (graph, GGUF, K, rng)."""
     import gguf
     import numpy as np
     import onnx
-    import onnxruntime as ort
     from gguf.quants import dequantize, quantize
     from onnx import TensorProto, helper, numpy_helper
-
-    from spec_plugins.exporters.onnx_quantize import carry_gguf_grid
 
     rng = np.random.default_rng(0)
     K, N1, N2 = 64, 48, 40
@@ -158,30 +157,73 @@ def test_gguf_grid_carries_q4_1_and_q8_0_blocks_exactly(tmp_path):
     raw1 = quantize(rng.standard_normal((N1, K)).astype(np.float32), Q.Q4_1)
     raw2 = quantize(rng.standard_normal((N2, K)).astype(np.float32), Q.Q8_0)
     w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
-    w.add_tensor("a.weight", raw1, raw_shape=raw1.shape, raw_dtype=Q.Q4_1)
-    w.add_tensor("b.weight", raw2, raw_shape=raw2.shape, raw_dtype=Q.Q8_0)
+    w.add_tensor(f"{names[0]}.weight", raw1, raw_shape=raw1.shape, raw_dtype=Q.Q4_1)
+    w.add_tensor(f"{names[1]}.weight", raw2, raw_shape=raw2.shape, raw_dtype=Q.Q8_0)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    W1 = dequantize(raw1, Q.Q4_1)[rng.permutation(N1)]  # rows permuted, as a loader may do
+    W1 = dequantize(raw1, Q.Q4_1)
+    W1 = W1[rng.permutation(N1)] if permute else W1
     W2 = dequantize(raw2, Q.Q8_0)
+    a, b = (f"/{n}/MatMul" for n in names)
+    second = "h" if chained else "x"
+    outs = [("y2", N2)] if chained else [("h", N1), ("y2", N2)]
     g = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w1"], ["h"], name="/a/MatMul"),
-         helper.make_node("MatMul", ["x", "w2"], ["y2"], name="/b/MatMul")], "g",
+        [helper.make_node("MatMul", ["x", "w1"], ["h"], name=a),
+         helper.make_node("MatMul", [second, "w2"], ["y2"], name=b)], "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, None, K])],
-        [helper.make_tensor_value_info("h", TensorProto.FLOAT, [1, None, N1]),
-         helper.make_tensor_value_info("y2", TensorProto.FLOAT, [1, None, N2])],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, None, d]) for n, d in outs],
         initializer=[numpy_helper.from_array(W1.T.copy(), "w1"), numpy_helper.from_array(W2.T.copy(), "w2")])
     # IR 8 (opset 17): an explicit IR version every onnxruntime in the supported range loads
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(tmp_path / "f.onnx"))
-    info = carry_gguf_grid(tmp_path / "f.onnx", tmp_path / "q.onnx", tmp_path / "m.gguf", accuracy_level=1)
+    return tmp_path / "f.onnx", tmp_path / "m.gguf", K, rng
+
+
+def test_gguf_grid_carries_q4_1_and_q8_0_blocks_exactly(tmp_path):
+    """grid: gguf turns MatMuls over dequantized GGUF tensors into MatMulNBits over the same
+    blocks (rows matched even when permuted): with fp32 compute the graph equals the original."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from spec_plugins.exporters.onnx_quantize import carry_gguf_grid
+
+    src, gguf_file, K, rng = _gguf_and_graph(tmp_path, ("a", "b"), chained=False, permute=True)
+    info = carry_gguf_grid(src, tmp_path / "q.onnx", gguf_file, accuracy_level=1)
     assert info["carried"] == 2 and info["quantized_matmuls"] == 2
     x = rng.standard_normal((1, 5, K)).astype(np.float32)
-    want = ort.InferenceSession(str(tmp_path / "f.onnx")).run(None, {"x": x})
+    want = ort.InferenceSession(str(src)).run(None, {"x": x})
     got = ort.InferenceSession(str(tmp_path / "q.onnx")).run(None, {"x": x})
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("lm_head", [False, True])
+def test_gguf_grid_honours_fp32_lm_head(tmp_path, lm_head):
+    """``--fp32-lm-head`` with the GGUF grid: the LM head stays a float MatMul (it was carried as
+    MatMulNBits while the manifest said float), the other layer is carried either way."""
+    import onnx
+
+    from spec_plugins.exporters.onnx_quantize import quantize_graph
+    from spec_plugins.graphs.quant import QuantScheme
+
+    src, gguf_file, _, _ = _gguf_and_graph(tmp_path, ("layer", "lm_head"), chained=True)
+    scheme = QuantScheme(bits=4, accuracy_level=4, lm_head=lm_head, grid="gguf")
+    info = quantize_graph(src, tmp_path / "q.onnx", scheme, gguf_file)
+    kinds = {n.name: n.op_type for n in onnx.load(str(tmp_path / "q.onnx"), load_external_data=False).graph.node}
+    head = [op for name, op in kinds.items() if "lm_head" in name]
+    assert head == (["MatMulNBits"] if lm_head else ["MatMul"])  # the manifest's lm_head is what the graph holds
+    assert info["lm_head"] is lm_head and info["carried"] == (2 if lm_head else 1)
+    assert "MatMulNBits" in kinds.values()
+
+
+def test_gguf_scheme_names_the_fp32_head():
+    """The name keys the export cache: an fp32 head must not reuse a quantized head's export."""
+    from spec_plugins.graphs.quant import QuantScheme
+
+    fields = dict(bits=4, block_size=32, symmetric=True, accuracy_level=4, grid="gguf")
+    assert QuantScheme(**fields, lm_head=True).name == "int4-gguf-acc4"
+    assert QuantScheme(**fields, lm_head=False).name == "int4-gguf-acc4-fp32head"
 
 
 def test_export_replaces_only_a_previous_export(tmp_path, monkeypatch):

@@ -71,3 +71,40 @@ def test_cli_errors_before_loading(tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
     r = CliRunner().invoke(app, ["tune", "--runtimes", "llamacpp", "--out", str(tmp_path / "t")])
     assert r.exit_code == 2 and "not installed" in r.output and "[llamacpp]" in r.output
+
+
+def _prompts(tmp_path):
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"question_id": "a", "category": "x", "turns": ["w1 w2 w3 w4 w1 w2 w3 w4 w1 w2"]}\n'
+                 '{"question_id": "b", "category": "x", "turns": ["w5 w6 w7 w5 w6 w7 w5"]}\n')
+    return p
+
+
+def test_gguf_runtimes_are_refused_for_a_transformers_dir_before_loading(tiny_dir, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from spec_plugins.cli import app
+
+    monkeypatch.setenv("SPEC_PLUGINS_CACHE", str(tmp_path / "cache"))
+    r = CliRunner().invoke(app, ["tune", "--model", str(tiny_dir), "--prompts", str(_prompts(tmp_path)),
+                                 "--runtimes", "torch,onnxruntime-int4", "--proposers", "ngram",
+                                 "--max-new-tokens", "8", "--out", str(tmp_path / "t.yaml")])
+    assert r.exit_code == 2 and "runtime 'onnxruntime-int4' needs a GGUF model" in r.output
+    assert "[tune] torch" not in r.output  # refused before anything was measured
+
+
+def test_tune_default_runtimes_complete_on_a_transformers_dir(tiny_dir, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from spec_plugins.cli import app
+    from spec_plugins.config import SpecConfig
+
+    monkeypatch.setenv("SPEC_PLUGINS_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "t.yaml"
+    r = CliRunner().invoke(app, ["tune", "--model", str(tiny_dir), "--prompts", str(_prompts(tmp_path)),
+                                 "--proposers", "ngram", "--max-new-tokens", "8", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "runtime onnxruntime-int4 left out: it needs a GGUF model" in r.output
+    text = out.read_text()
+    assert "# note: runtime onnxruntime-int4 left out" in text and "onnxruntime-int4:" not in text
+    SpecConfig.parse(yaml.safe_load(text))
