@@ -24,6 +24,16 @@ from spec_plugins.graphs.quant import QuantScheme
 LM_HEAD = "/lm_head/MatMul"
 
 
+CARRIED = frozenset({"Q4_1", "Q8_0"})  # the GGUF block types the gguf grid carries across (``carry_gguf_grid``)
+
+
+def gguf_block_types(gguf_path: str | Path) -> set[str]:
+    """The tensor types a GGUF file holds (its header only: the data is memory-mapped, not read)."""
+    from gguf import GGUFReader
+
+    return {t.tensor_type.name for t in GGUFReader(str(gguf_path)).tensors}
+
+
 def quantize_graph(src: str | Path, dst: str | Path, scheme: QuantScheme, gguf_path: str | Path | None = None
                    ) -> dict[str, Any]:
     """Quantize the graph ``src`` into ``dst`` (weights in ``dst.data``); returns what it did.
@@ -33,6 +43,11 @@ def quantize_graph(src: str | Path, dst: str | Path, scheme: QuantScheme, gguf_p
     if scheme.grid == "gguf":
         if gguf_path is None:
             raise ValueError("grid 'gguf' needs the source GGUF file; the model was not loaded from one")
+        kinds = gguf_block_types(gguf_path)
+        if not kinds & CARRIED:
+            raise ValueError(f"grid 'gguf' carries {' and '.join(sorted(CARRIED))} blocks; {Path(gguf_path).name} holds "
+                             f"{', '.join(sorted(kinds)) or 'no tensors'}: export with the default int4 grid "
+                             "(re-quantized) or int8 instead")
         return {**scheme.to_dict(), **carry_gguf_grid(src, dst, gguf_path, scheme.accuracy_level, _excluded(scheme))}
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
@@ -120,7 +135,7 @@ def carry_gguf_grid(src: str | Path, dst: str | Path, gguf_path: str | Path, acc
     reader = GGUFReader(str(gguf_path))
     by_shape: dict[tuple[int, int], list[Any]] = {}
     for t in reader.tensors:
-        if t.tensor_type.name in ("Q4_1", "Q8_0"):
+        if t.tensor_type.name in CARRIED:
             by_shape.setdefault((int(t.shape[1]), int(t.shape[0])), []).append(t)  # (rows N, cols K)
     new_nodes, dropped, done = [], set(), 0
     for node in g.node:

@@ -98,8 +98,16 @@ def unavailable(runtime: str, model: str | None = None) -> str | None:
     mod, hint = INSTALL.get(runtime.split("-")[0], (None, ""))
     if mod is not None and importlib.util.find_spec(mod) is None:
         return f"is not installed: {hint}"
-    if model is not None and _needs_gguf(runtime) and resolve_model(model).gguf_path is None:
+    if model is None or not _needs_gguf(runtime):
+        return None
+    gguf_path = resolve_model(model).gguf_path
+    if gguf_path is None:
         return f"needs a GGUF model (it reads the GGUF file itself); {model!r} is a transformers directory"
+    if RUNTIMES[runtime].get("quant_grid") == "gguf":
+        from spec_plugins.exporters.onnx_quantize import CARRIED, gguf_block_types
+
+        if not gguf_block_types(gguf_path) & CARRIED:
+            return f"carries the GGUF's {' and '.join(sorted(CARRIED))} blocks; {model!r} holds none"
     return None
 
 

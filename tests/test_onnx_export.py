@@ -217,6 +217,30 @@ def test_gguf_grid_honours_fp32_lm_head(tmp_path, lm_head):
     assert "MatMulNBits" in kinds.values()
 
 
+def test_a_gguf_with_no_block_the_grid_carries_is_refused_not_labelled_int4(tmp_path):
+    """A GGUF of other block types (Q4_K_M models) carried nothing: the graph stayed float while its
+    manifest said int4. The export and tune's default runtimes refuse it, naming what it holds."""
+    import gguf
+    import numpy as np
+
+    from spec_plugins.exporters.onnx_quantize import quantize_graph
+    from spec_plugins.graphs.quant import QuantScheme
+    from spec_plugins.tune import unavailable
+
+    src, carriable, _, _ = _gguf_and_graph(tmp_path, ("layer", "lm_head"), chained=True)
+    w = gguf.GGUFWriter(str(tmp_path / "f32.gguf"), "llama")
+    w.add_tensor("layer.weight", np.ones((48, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="carries Q4_1 and Q8_0 blocks; f32.gguf holds F32"):
+        quantize_graph(src, tmp_path / "q.onnx", QuantScheme(bits=4, grid="gguf"), tmp_path / "f32.gguf")
+    assert not (tmp_path / "q.onnx").exists()
+    assert "holds none" in unavailable("onnxruntime-int4", str(tmp_path / "f32.gguf"))
+    assert unavailable("onnxruntime-int4", str(carriable)) is None
+
+
 def test_gguf_scheme_names_the_fp32_head():
     """The name keys the export cache: an fp32 head must not reuse a quantized head's export."""
     from spec_plugins.graphs.quant import QuantScheme
