@@ -11,7 +11,7 @@ llguidance's ``consume_token`` after a mask computed at the same state runs a fo
 which fails on llguidance's item limit where the forced text never ends (``start: "a" start``),
 while the same tokens consumed with no mask computed in between succeed. Every matcher here only
 consumes, as a fresh one fed the whole output does, so a row follows the same grammar however its
-masks were asked for (a copy costs about a microsecond).
+masks were asked for (a copy is cheap beside the mask it serves: docs/structured-outputs.md).
 
 A drafted token the mask does not allow after its parent is never consumed: that node and its
 subtree get the all-allowed mask, since the verifier rejects the node already (its probability
