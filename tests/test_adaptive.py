@@ -5,6 +5,7 @@ behaviour over (rows, positions), and greedy equality end to end."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 from helpers import plain_greedy
@@ -13,9 +14,11 @@ from conftest import tiny_llama
 from spec_plugins.backends.torch_runtime import TorchRuntime
 from spec_plugins.config import SpecConfig
 from spec_plugins.decoder import SpeculativeDecoder
-from spec_plugins.policy import AutoDraftLength, Costs, ForwardCost
+from spec_plugins.policy import AutoDraftLength, Costs, DraftCost, ForwardCost
+from spec_plugins.policy.sources import SourceGate
+from spec_plugins.policy.tree_size import TreeSizer
 from spec_plugins.policy.acceptance import AcceptanceEstimate
-from spec_plugins.types import BatchView, Draft, RoundRecord, RoundTimes
+from spec_plugins.types import BatchView, Draft, ProposeContext, Ranked, RankedRow, RoundRecord, RoundTimes
 
 FLAT = ForwardCost.from_curve([0.010] * 17)  # GPU-like: verifying 17 positions costs one forward
 CPU = ForwardCost.from_curve([0.010 * (1 + 0.12 * (n - 1)) for n in range(1, 18)])  # 8 positions ~1.84x
@@ -327,3 +330,57 @@ def test_positions_past_a_real_draft_are_learnt_from_its_shadow_not_by_drafting_
     wide = sum(k > 1 for k in ks)
     assert ks.count(1) > 0.8 * len(ks), f"one position pays here and must be drafted, got {ks}"
     assert wide <= 2, f"{wide} rounds drafted past the first position, never accepted: {ks}"
+
+
+def test_a_steep_cost_curve_does_not_lock_auto_out_of_drafting():
+    # under STEEP the prior (p = 0.5) never pays for a draft: only a probe round can show that
+    # this drafter is always right; without probes auto stays at k = 0 for good
+    pol = AutoDraftLength(STEEP, min_gain=1.05)
+    _, ks, _ = drive(pol, 200, lambda j, rng: True)
+    assert ks[:15] == [0] * 15 and pol.probes >= 1
+    assert sum(k > 0 for k in ks[-50:]) >= 45  # found, then drafted every round
+
+
+def test_probes_that_find_nothing_back_off():
+    pol = AutoDraftLength(STEEP, min_gain=1.05)
+    _, ks, _ = drive(pol, 500, lambda j, rng: False)
+    assert 3 <= pol.probes <= 5  # gaps 16, 32, 64, 128, 256 (not one probe every 16 rounds: 31)
+    assert sum(ks) == pol.probes  # each probe one position
+
+
+def test_a_row_is_counted_up_to_its_own_budget():
+    # two rows drafting every token right; row 1's budget is 2 (its room): it neither reached nor
+    # rejected position 3 and on, so it must not lower their estimate
+    pol = AutoDraftLength(Costs(FLAT, frozen=True), max_k=8)
+    pol.observe(record([8, 2], [8, 2], [8, 2]))
+    est = pol.estimate
+    assert est.reach[:3] == [2.0, 2.0, 1.0] and est.hits[:3] == [2.0, 2.0, 1.0]
+    assert est.offer_trials[2] == 1.0
+
+
+class _Child:
+    """A composition's child offering one node with acceptance estimate ``est``."""
+
+    def __init__(self, est: float) -> None:
+        self.est, self.calls = est, 0
+        self.config = SimpleNamespace(num_draft_tokens=16)
+
+    def propose(self, ctx):
+        self.calls += 1
+        return Ranked([[RankedRow([1], [(0,)], [self.est])] for _ in ctx.sequences], True)
+
+
+def test_the_gate_counts_the_round_overhead_on_both_sides():
+    # flat 10 ms forwards, 10 ms overhead a round: the free child's draft in hand is worth
+    # 1.5 / 20 ms = 75 tok/s, the dear child's prospect 2 / 22 ms = 91: the dear one pays. Priced
+    # without the overhead, the one in hand looks like 150 and the dear child is skipped.
+    costs = Costs(ForwardCost.from_curve([0.010] * 17), frozen=True)
+    costs.overhead = 0.010
+    cheap, dear = _Child(0.5), _Child(1.0)
+    costs.set_drafter(cheap, DraftCost(0.0, 0.0))
+    costs.set_drafter(dear, DraftCost(0.002, 0.0))
+    gate = SourceGate([cheap, dear], TreeSizer(costs), costs, gated=True, probe_every=1000)
+    gate.stats[1].expected, gate.stats[1].nodes = 1.0, 1.0
+    gate.draft(ProposeContext([[1, 2, 3]], [4], None))  # round 0: every child probed
+    gate.draft(ProposeContext([[1, 2, 3]], [4], None))
+    assert dear.calls == 2 and gate.skipped[1] == 0

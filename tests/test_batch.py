@@ -12,11 +12,13 @@ from test_heads import eagle_prop, medusa_prop
 from conftest import tiny_llama
 from spec_plugins.backends.torch_runtime import TorchRuntime
 from spec_plugins.config import SamplingConfig
-from spec_plugins.loop import Batch, run_round
+from spec_plugins.loop import Batch, decode, run_round
 from spec_plugins.policy import AutoDraftLength, DraftPolicy, FixedLength, ForwardCost, OnlineCost
 from spec_plugins.proposers.base import Proposer, check_proposer_class
 from spec_plugins.proposers.draft_model import DraftModelProposer
 from spec_plugins.proposers.ngram import NgramProposer
+from spec_plugins.sampling import LogitsPipeline
+from spec_plugins.stats import DecodeStats
 from spec_plugins.types import RowRequest
 from spec_plugins.verifiers import ExactVerifier
 
@@ -236,3 +238,30 @@ def test_add_rows_cache_equals_fresh_prefill():
     step = rt.forward(torch.tensor([[20], [21], [22]])).logits[:, -1]
     for b, seq in enumerate([[1, 2, 3, 4, 5, 20], [6, 7, 8, 9, 10, 11, 12, 21], [13, 22]]):
         torch.testing.assert_close(step[b], solo.prefill([seq]).logits[0, -1], atol=1e-4, rtol=1e-4)
+
+
+def test_a_proposers_observe_counts_in_the_rounds_total():
+    # a ticking clock (no wall time): each reading advances one second, the proposer's observe a
+    # hundred more; the round's total must hold its draft share, observe included
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 1.0
+        return now[0]
+
+    runtime = TorchRuntime(tiny_llama(seed=3))
+    prop = NgramProposer(NgramProposer.Config())
+    seen = prop.observe
+
+    def slow(record) -> None:
+        now[0] += 100.0
+        seen(record)
+
+    prop.observe = slow
+    stats = DecodeStats()
+    for _ in decode(runtime, prop, ExactVerifier(), LogitsPipeline(SamplingConfig()), [[1, 2, 3, 1, 2, 3]], 12,
+                    stats=stats, draft_length=FixedLength(3), clock=clock):
+        pass
+    assert stats.target_forwards >= 2
+    assert stats.time_draft >= 100.0 * stats.target_forwards
+    assert stats.time_total > stats.time_draft

@@ -299,7 +299,9 @@ class Batch:
         if self.proposer is not None:
             t0, f0 = self.clock(), self.proposer.draft_forward_time
             self.proposer.observe(record)
-            record.times.draft += self.clock() - t0
+            spent = self.clock() - t0
+            record.times.draft += spent  # drafting's share of the round ...
+            record.times.total += spent  # ... and of its total, taken before this step
             record.times.draft_forward += self.proposer.draft_forward_time - f0
         self.stats.observe(record)
         for o in self.observers:

@@ -5,8 +5,8 @@ token at position j), learnt with exponential forgetting (acceptance comes in bu
 phases) and a prior that extends each position's estimate to the next unseen one, so long drafts
 are tried when short ones are always accepted, at most ``max_growth`` positions past the deepest
 one with evidence (drafts grow step by step instead of jumping to max_k on one lucky round).
-Rounds without drafts fade the evidence slowly (``idle_decay``), so drafting re-opens after a
-collapse with one cheap probe round.
+Rounds without drafts fade the evidence slowly (``idle_decay``) back to the prior; where the prior
+alone does not pay, the length policy's probe rounds bring new evidence (``AutoDraftLength``).
 """
 
 from __future__ import annotations
@@ -43,12 +43,8 @@ class AcceptanceEstimate:
         by ``decay`` per drafting round and, slower, by ``idle_decay`` per round without drafts.
         ``start``: evidence for positions from ``start`` on only, all ``rows`` having reached it
         (a shadow past a real draft; ``fade=False``: the round already faded the evidence)."""
-        lam = self.decay if k > 0 else self.idle_decay
-        for j in range(self.max_k if fade else 0):
-            self.reach[j] *= lam
-            self.hits[j] *= lam
-            self.offer_trials[j] *= lam
-            self.offered[j] *= lam
+        if fade:
+            self.fade(k > 0)
         reach = float(rows)
         for j in range(start, min(k, self.max_k)):
             d = drafted[j] if j < len(drafted) else 0
@@ -60,6 +56,15 @@ class AcceptanceEstimate:
             self.reach[j] += reach
             self.hits[j] += a
             reach = a  # rows that go on to position j + 1
+
+    def fade(self, drafted: bool) -> None:
+        """Forget: by ``decay`` after a round that drafted, by ``idle_decay`` after one that did not."""
+        lam = self.decay if drafted else self.idle_decay
+        for j in range(self.max_k):
+            self.reach[j] *= lam
+            self.hits[j] *= lam
+            self.offer_trials[j] *= lam
+            self.offered[j] *= lam
 
     def accept_probs(self) -> list[float]:
         """p_j, each unseen position borrowing the previous position's estimate as its prior, and

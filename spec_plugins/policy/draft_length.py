@@ -74,15 +74,20 @@ class AutoDraftLength:
     def __init__(self, costs: Costs | ForwardCost | OnlineCost, draft: DraftCost = DraftCost(), max_k: int = 16,
                  decay: float = 0.8, prior_accept: float = 0.5, prior_weight: float = 1.0, idle_decay: float = 0.97,
                  chain_weight: float | None = 3.0, keyed: dict[str, Any] | None = None,
-                 shadow_horizon: int = 4, min_gain: float = 1.0) -> None:
+                 shadow_horizon: int = 4, min_gain: float = 1.0, probe_gap: int = 16,
+                 max_probe_gap: int = 256) -> None:
         """``costs``: the runtime's (a bare cost model is wrapped: its overhead starts at 0);
-        ``draft``: the drafter's measured cost (``Costs.drafter``)."""
+        ``draft``: the drafter's measured cost (``Costs.drafter``); ``probe_gap``: rounds without
+        drafts before a probe round (``_probe``), doubled after each probe that finds nothing, up to
+        ``max_probe_gap``."""
         costs = costs if isinstance(costs, Costs) else Costs(costs)
         max_k = min(max_k, costs.max_positions - 1)  # never extrapolate the cost model silently
         if max_k < 1:
             raise ValueError(f"the cost model covers {costs.max_positions} position(s); auto needs >= 2")
         if shadow_horizon < 1 or min_gain < 1.0:
             raise ValueError(f"shadow_horizon must be >= 1 and min_gain >= 1, got {shadow_horizon}, {min_gain}")
+        if not 1 <= probe_gap <= max_probe_gap:
+            raise ValueError(f"need 1 <= probe_gap <= max_probe_gap, got {probe_gap}, {max_probe_gap}")
         self.costs, self.draft, self.max_k = costs, draft, max_k
         self.shadow_horizon, self.min_gain = shadow_horizon, min_gain
         self.estimate = AcceptanceEstimate(max_k, decay, prior_accept, prior_weight, idle_decay, chain_weight)
@@ -93,6 +98,9 @@ class AutoDraftLength:
         self._shadows: list[tuple[int, list[int], int, list[int], int]] = []  # (key, row tokens, start, draft, drafted)
         self._shadowing = False
         self._recent: deque[int] = deque(maxlen=256)  # recent row keys (``preview``)
+        self.probe_gap, self.max_probe_gap = probe_gap, max_probe_gap
+        self._gap, self._idle, self._probing = probe_gap, 0, False
+        self.probes = 0  # probe rounds run
         self.chosen = [0] * (max_k + 1)  # rounds per chosen length
         self.last: dict[str, float] = {}
 
@@ -106,12 +114,32 @@ class AutoDraftLength:
         else:
             mix, ests = Counter({None: view.rows}), {None: self.estimate}
         k, rates = self._best(view.rows, mix, ests)
-        if view.keys is not None and view.free_drafts is not None and k < self.shadow_horizon:
+        shadowed = view.keys is not None and view.free_drafts is not None
+        k = self._probe(k, shadowed)
+        if shadowed and k < self.shadow_horizon:
             rows = list(range(view.rows))
             self._shadow(view.keys, view.sequences, view.free_drafts(rows, self.shadow_horizon), drafted=k)
         self.chosen[k] += 1
         self.last = {"batch": view.rows, "draft_length": k, "expected_tokens": rates[k][0] / view.rows}
         return [k] * view.rows
+
+    def _probe(self, k: int, shadowed: bool) -> int:
+        """``k``, or 1 in a probe round. Why: a round without drafts brings no evidence, so where
+        the prior alone does not pay (a steep cost curve, a dear drafter) an unkeyed estimate that
+        chose 0 would fade back to that same prior and choose 0 for good, however well the text
+        now suits the drafter. After ``_gap`` rounds without drafts one row-wide draft of one
+        position is verified; the gap doubles while probes find nothing, so their cost stays a
+        small share of the rounds. Keyed rows learn from free shadow drafts instead."""
+        self._probing = False
+        if k > 0 or shadowed:
+            self._idle = 0
+            return k
+        self._idle += 1
+        if self._idle < self._gap:
+            return 0
+        self._idle, self._probing = 0, True
+        self.probes += 1
+        return 1
 
     def preview(self, rows: int) -> int:
         """The length ``choose`` would pick now for ``rows`` rows of the recent key mix (/metrics)."""
@@ -145,21 +173,25 @@ class AutoDraftLength:
         """Acceptance by key or by position (the costs learn from the round in ``Costs.observe``)."""
         drafted, accepted = record.drafted(), [len(a) for a in record.accepted]
         ahead = record.ahead or [0] * record.rows  # a grammar's forced tokens: not this drafter's evidence
+        self._observe_probe(any(a > f for a, f in zip(accepted, ahead)))
         if record.draft_keys is not None:
             for key, k, d, a, f in zip(record.draft_keys, record.budgets, drafted, accepted, ahead):
                 if not (k == 0 and self._shadowing) and a >= f:  # a shadow brings its evidence; no idle fading
                     self._keyed(key).update(k, 1, [1] * (d - f), [1] * (a - f))
             return
-        by_depth, reached = [0] * self.max_k, [0] * self.max_k
-        for row, a, f in zip(record.drafted_by_depth(), accepted, ahead):
-            if a < f:
-                continue  # a forced token was declined (another tokenization): the draft after it went unseen
-            row, a = row[f:], a - f
-            for j, n in enumerate(row[: self.max_k]):
-                by_depth[j] += n
-            for j in range(min(a, self.max_k)):
-                reached[j] += 1
-        self.estimate.update(max(record.budgets, default=0), record.rows, by_depth, reached)
+        self.estimate.fade(max(record.budgets, default=0) > 0)
+        for row, k, a, f in zip(record.drafted_by_depth(), record.budgets, accepted, ahead):
+            if a >= f:  # else a forced token was declined (another tokenization): the draft after it went unseen
+                self.estimate.update(k, 1, row[f:], [1] * (a - f), fade=False)  # each row up to its own budget
+
+    def _observe_probe(self, found: bool) -> None:
+        """The probe gap: back to ``probe_gap`` once a drafted token is accepted, doubled after a
+        probe round that found nothing."""
+        if found:
+            self._gap = self.probe_gap
+        elif self._probing:
+            self._gap = min(2 * self._gap, self.max_probe_gap)
+        self._probing = False
 
     # ---- shadow drafts ------------------------------------------------------------------------
     def _shadow(self, keys: Sequence[int], sequences: Sequence[list[int]], drafts: Sequence[Sequence[int]],

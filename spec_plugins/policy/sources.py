@@ -69,6 +69,12 @@ class SourceGate:
         overhead = self.costs.overhead if self.costs is not None else 0.0
         return self.sizer.seconds(1, 1 + nodes) + overhead + extra
 
+    def _rate(self, expected: float, nodes: float, i: int) -> float:
+        """One row's rate with a draft of source ``i`` in hand (its drafting already paid), the
+        per-round overhead counted as in ``plain`` and ``prospect``."""
+        overhead = self.costs.overhead if self.costs is not None else 0.0
+        return self.sizer.rate(expected, nodes, i, extra=overhead)
+
     @property
     def plain(self) -> float:
         """One row's tokens per second without a draft."""
@@ -106,10 +112,10 @@ class SourceGate:
                 alts[b] += row
                 for r in row:
                     self.stats[i].update(sum(r.estimates), r.size)  # what it offers (any row may take it)
-                    in_hand[b] = max(in_hand[b], self.sizer.rate(sum(r.estimates), r.size, i))
+                    in_hand[b] = max(in_hand[b], self._rate(sum(r.estimates), r.size, i))
             for sh in tagged.shaped:  # the same offer for every row
                 self.stats[i].update(sum(sh.estimates), len(sh.estimates))
-                in_hand = [max(h, self.sizer.rate(sum(sh.estimates), len(sh.estimates), i)) for h in in_hand]
+                in_hand = [max(h, self._rate(sum(sh.estimates), len(sh.estimates), i)) for h in in_hand]
             shaped += tagged.shaped
         out = Ranked(alts, True, shaped)
         return out if out else None
