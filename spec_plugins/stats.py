@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+BY_POSITION = ("accepted_by_position", "drafted_by_position", "rows_by_position")  # per-depth counts, merged per depth
+
 
 @dataclass
 class DecodeStats:
@@ -26,6 +28,7 @@ class DecodeStats:
     new_tokens: int = 0  # all generated tokens, the prefill's first token included
     accepted_by_position: list[int] = field(default_factory=list)  # accepted count per draft depth
     drafted_by_position: list[int] = field(default_factory=list)  # drafted count per draft depth
+    rows_by_position: list[int] = field(default_factory=list)  # row-rounds that drafted each depth (trees: < nodes)
     time_prefill: float = 0.0
     time_target_forward: float = 0.0
     time_draft: float = 0.0  # proposer: propose + observe (a draft model's forwards included)
@@ -66,6 +69,7 @@ class DecodeStats:
         self._grow(len(depth_drafted))
         for d, cnt in enumerate(depth_drafted):
             self.drafted_by_position[d] += cnt
+            self.rows_by_position[d] += int(cnt > 0)
         for d in range(accepted_depth):
             self.accepted_by_position[d] += 1
         self.draft_tokens += sum(depth_drafted)
@@ -76,6 +80,7 @@ class DecodeStats:
         while len(self.drafted_by_position) < n:
             self.drafted_by_position.append(0)
             self.accepted_by_position.append(0)
+            self.rows_by_position.append(0)
 
     @property
     def mean_accepted_tokens(self) -> float:
@@ -94,7 +99,10 @@ class DecodeStats:
 
     @property
     def acceptance_by_position(self) -> list[float]:
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
+        """Per depth: of the rows that drafted it, the share whose accepted path reached it (a tree's
+        sibling nodes are one row's alternatives, so nodes would understate it; a chain has one node
+        per row and depth, so both agree)."""
+        return [a / r if r else 0.0 for a, r in zip(self.accepted_by_position, self.rows_by_position)]
 
     @property
     def time_other(self) -> float:
@@ -114,16 +122,17 @@ class DecodeStats:
     def merge(self, other: "DecodeStats") -> "DecodeStats":
         out = DecodeStats(**{k: v for k, v in asdict(self).items()})
         for k, v in asdict(other).items():
-            if k in ("accepted_by_position", "drafted_by_position"):
+            if k in BY_POSITION:
                 continue
             if k == "lossy":
                 out.lossy = out.lossy or v
             else:
                 setattr(out, k, getattr(out, k) + v)
         out._grow(len(other.drafted_by_position))
-        for d, (a, n) in enumerate(zip(other.accepted_by_position, other.drafted_by_position)):
-            out.accepted_by_position[d] += a
-            out.drafted_by_position[d] += n
+        for k in BY_POSITION:
+            mine = getattr(out, k)
+            for d, n in enumerate(getattr(other, k)):
+                mine[d] += n
         return out
 
     def to_dict(self) -> dict:

@@ -164,18 +164,19 @@ def _plain_outputs(dec: Any, prompts: Sequence[list[int]], max_new: int) -> tupl
 
 def _replay(prompts: Sequence[list[int]], outputs: Sequence[list[int]], make: Callable[[], Any], cost: Any,
             overhead: float, vocab: int) -> dict[str, float]:
-    """Simulated tokens/s of plain, fixed draft lengths 1..8 and auto over the recorded outputs."""
-    from spec_plugins.bench.replay import auto, fixed, replay_turn
+    """Simulated tokens/s of plain, fixed draft lengths 1..8 and auto over the recorded outputs, as
+    ``_plain_outputs`` measures plain: every new token over the whole generation, prefill included
+    (``bench.replay.rates``)."""
+    from spec_plugins.bench.replay import auto, fixed, rates, replay_turn
+    from spec_plugins.stats import DecodeStats
 
     policies = {"plain": fixed(0), **{str(k): fixed(k) for k in range(1, 9)}, "auto": auto(cost)}
     out = {}
     for name, factory in policies.items():
-        n = secs = 0.0
+        total = DecodeStats()
         for p, o in zip(prompts, outputs):
-            st = replay_turn(p, o, make(), factory(), cost, overhead, vocab_size=vocab)
-            n += st.new_tokens
-            secs += st.time_total - st.time_prefill
-        out[name] = n / secs if secs else 0.0
+            total = total.merge(replay_turn(p, o, make(), factory(), cost, overhead, vocab_size=vocab))
+        out[name] = rates(total)["tokens_per_s"]
     return out
 
 

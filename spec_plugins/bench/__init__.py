@@ -31,8 +31,10 @@ def run_bench(decoder, prompts, options: BenchOptions, out=None, meta: dict | No
         partial = Path(out) / "partial.jsonl"
         partial.unlink(missing_ok=True)
     raw = Bench(decoder, options).run(prompts, partial)
+    # chat: whether turns were wrapped in the chat template where the model has one (False: --raw),
+    # so the replay encodes the prompts as the bench did
     base_meta = {"max_new_tokens": options.max_new_tokens, "runs": options.runs, "num_prompts": len(prompts),
-                 "num_turns": sum(len(p.turns) for p in prompts)}
+                 "num_turns": sum(len(p.turns) for p in prompts), "chat": options.chat}
     report = build_report(raw, {**base_meta, **(meta or {})}, decoder.tokenizer)
     if out is not None:
         out = Path(out)

@@ -15,24 +15,37 @@ def _ours(report: dict) -> list[dict]:
     return [m for m in report["methods"] if m["kind"] in ("ours", "method")]
 
 
+def _is_ours_auto(m: dict) -> bool:
+    """Our ``auto`` method (not another proposer or runtime that also drafts ``auto``)."""
+    from spec_plugins.bench.runner import ours_name
+
+    return m["kind"] == "ours" and m["name"] == ours_name("auto")
+
+
+def _label(m: dict) -> str:
+    """A method's legend entry: our draft lengths by γ, our auto as "auto", the rest by name."""
+    if _is_ours_auto(m):
+        return "auto"
+    return f"γ = {m['gamma']}" if m["kind"] == "ours" else m["name"]
+
+
 def acceptance_by_position(report: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     ours = _ours(report)
     cmap = plt.get_cmap("viridis")
-    fixed = [m for m in ours if m["gamma"] != "auto"]
+    others = [m for m in ours if not _is_ours_auto(m)]
     for i, m in enumerate(ours):
         s = report["summary"][m["name"]]["all"]["stats"]
-        rates = [a / d for a, d in zip(s["accepted_by_position"], s["drafted_by_position"]) if d]
+        rates = [a for a, rows in zip(s["acceptance_by_position"], s["rows_by_position"]) if rows]
         if not rates:
             continue
         xs = range(1, len(rates) + 1)
-        if m["gamma"] == "auto":
-            ax.plot(xs, rates, "k--o", label="auto", markersize=4)
+        if _is_ours_auto(m):
+            ax.plot(xs, rates, "k--o", label=_label(m), markersize=4)
         else:
-            label = f"γ = {m['gamma']}" if m["kind"] == "ours" else m["name"]
-            ax.plot(xs, rates, "-o", color=cmap(i / max(1, len(fixed) - 1)), label=label, markersize=4)
+            ax.plot(xs, rates, "-o", color=cmap(i / max(1, len(others) - 1)), label=_label(m), markersize=4)
     ax.set_xlabel("draft position (1 = first drafted token)")
-    ax.set_ylabel("acceptance rate (accepted / drafted at that position)")
+    ax.set_ylabel("acceptance rate (of the rows that drafted a position, share accepted)")
     ax.set_ylim(0, 1.02)
     ax.set_title("Acceptance by draft position, all prompts")
     ax.grid(alpha=0.3)

@@ -5,8 +5,12 @@ that only reads the sequence (n-gram) drafts the same tokens whatever the model 
 runtime whose logits put all mass on the recorded next token (``ReplayRuntime``) makes the real
 round (``loop.round.run_round``: the same policy calls, budgets, drafts, verifier and commits)
 take exactly the decisions it took with the model, in microseconds per round. Time comes from a
-clock: ``SimClock`` charges each forward the measured cost model plus a per-round overhead (how
-``auto`` is tuned against every fixed gamma without a full bench per setting); ``TapeClock``
+clock: ``SimClock`` charges each forward the measured cost model (the prefill: the curve at the
+prompt's length), each drafting call the drafter's measured cost inside the round's draft step
+(where the real round times it), and a per-round overhead (how ``auto`` is tuned against every
+fixed gamma without a full bench per setting). Rates are the bench's: tokens/s counts every new
+token over the whole generation, prefill included; "accepted" is tokens emitted per row-round
+(``DecodeStats.mean_accepted_tokens``: plain decoding = 1.0). ``TapeClock``
 plays back the clock readings of a recorded run, so the replay must reproduce its decisions
 exactly (a test checks it). The bench itself remains the measurement.
 
@@ -30,6 +34,7 @@ from spec_plugins.policy.tree_size import TreeSizer
 from spec_plugins.sampling import LogitsPipeline
 from spec_plugins.stats import DecodeStats
 from spec_plugins.tree import TreeLayout
+from spec_plugins.types import Draft, Ranked
 from spec_plugins.verifiers import ExactVerifier
 
 
@@ -66,7 +71,8 @@ class ReplayRuntime:
     ``outputs`` maps a prompt (token tuple) to the tokens recorded after it. A forward's node at
     depth d predicts the recorded token at the row's next position + d (nodes off the recorded
     path are never reached by greedy verification). ``clock``, if given, is charged
-    ``cost(rows, N)`` per forward and ``overhead + draft(nodes)`` per commit."""
+    ``cost(rows, N)`` per forward (the prefill: N = the longest prompt) and ``overhead`` per
+    commit; ``draft`` is the drafter's cost, charged in the draft step (``_ChargedDrafting``)."""
 
     def __init__(self, outputs: dict[tuple[int, ...], Sequence[int]], vocab_size: int, max_context: int = 1 << 20,
                  clock: SimClock | None = None, cost: ForwardCost | None = None, overhead: float = 0.0,
@@ -82,7 +88,6 @@ class ReplayRuntime:
         self.sizer = TreeSizer()
         self.seqs: list[list[int]] = []  # per row: prompt + recorded output (the oracle)
         self.held: list[int] = []  # per row: tokens in the "cache"
-        self._last = 0
 
     def _logits(self, rows: Sequence[int], depth: torch.Tensor) -> torch.Tensor:
         N = int(depth.numel())
@@ -103,7 +108,13 @@ class ReplayRuntime:
             self.held.append(len(r) - 1)  # the prefill's logits come from the last prompt token
         out = self._logits(range(first, len(self.seqs)), torch.zeros(1, dtype=torch.long))
         self.held[first:] = [len(r) for r in rows]
+        self._charge(len(rows), max(len(r) for r in rows))
         return StepOutput(out)
+
+    def _charge(self, rows: int, positions: int) -> None:
+        """One forward's modelled seconds on the clock."""
+        if self.clock is not None and self.cost is not None:
+            self.clock.now += self.cost(rows, positions)
 
     def prefill(self, rows: Sequence[Sequence[int]], want_hidden: bool = False) -> StepOutput:
         self.seqs, self.held = [], []
@@ -113,15 +124,13 @@ class ReplayRuntime:
         B, N = tokens.shape
         depth = tree.depth if tree is not None else torch.arange(N)
         out = self._logits(range(B), depth)
-        if self.clock is not None and self.cost is not None:
-            self.clock.now += self.cost(B, N)
-        self._last = N - 1
+        self._charge(B, N)
         return StepOutput(out)
 
     def commit(self, keep: Sequence[Sequence[int]]) -> None:
         self.held = [h + len(k) for h, k in zip(self.held, keep)]
         if self.clock is not None:
-            self.clock.now += self.overhead + (self.draft(self._last) if self._last else 0.0)
+            self.clock.now += self.overhead
 
     def rollback(self, lengths: Sequence[int]) -> None:
         self.held = [min(h, int(n)) for h, n in zip(self.held, lengths)]
@@ -145,14 +154,42 @@ def replay_turn(prompt: Sequence[int], output: Sequence[int], proposer: Any, pol
     return _decode_recorded(rt, clock, proposer, policy, prompt, max_new or len(output), eos_ids)
 
 
+def _drafted(draft: Draft | Ranked | None) -> int:
+    """Nodes a drafting call produced for its widest row (what a drafter's per-token cost is paid for)."""
+    if isinstance(draft, Draft):
+        return int(draft.tokens.shape[1])
+    if isinstance(draft, Ranked):
+        shaped = sum(len(sh.estimates) for sh in draft.shaped)
+        return shaped + max((sum(r.size for r in alts) for alts in draft.rows), default=0)
+    return 0
+
+
+class _ChargedDrafting(DraftPolicy):
+    """A policy's own state and decisions, its draft step charging the drafter's modelled seconds
+    to the clock: the real round times drafting there (``RoundTimes.draft``), which ``Costs.observe``
+    leaves out of the forward's width cost and ``AutoDraftLength`` prices as ``draft(k)``."""
+
+    __slots__ = ("_clock", "_cost")  # its own two fields, outside the shared state
+
+    def __init__(self, policy: DraftPolicy, clock: SimClock, cost: DraftCost) -> None:
+        self.__dict__ = policy.__dict__  # the same state: what the rounds teach it, the policy keeps
+        self._clock, self._cost = clock, cost
+
+    def draft(self, sources: Sequence[Any], ctx: Any) -> Draft | Ranked | None:
+        out = super().draft(sources, ctx)
+        self._clock.now += self._cost(_drafted(out))
+        return out
+
+
 def _decode_recorded(rt: ReplayRuntime, clock: SimClock, proposer: Any, policy: Any, prompt: Sequence[int],
                      max_new: int, eos_ids: Sequence[int] = ()) -> DecodeStats:
     """One greedy generation through the real round on a replay runtime."""
     stats = DecodeStats()
     if not isinstance(policy, DraftPolicy):
         policy = DraftPolicy(policy, rt.sizer, rt.costs)
+    charged = _ChargedDrafting(policy, clock, rt.draft)
     for _ in decode(rt, proposer, ExactVerifier(), LogitsPipeline(SamplingConfig()), [list(prompt)],
-                    max_new, eos_ids, None, stats, policy, clock=clock):
+                    max_new, eos_ids, None, stats, charged, clock=clock):
         pass
     return stats
 
@@ -160,22 +197,26 @@ def _decode_recorded(rt: ReplayRuntime, clock: SimClock, proposer: Any, policy: 
 def replay_sequence(turns: Sequence[tuple[str, list[int], list[int]]], make_proposer: Callable[[Any], Any],
                     make_policy: Callable[[], Any], cost: ForwardCost, overhead: float,
                     draft: DraftCost = DraftCost()) -> dict[str, dict[str, float]]:
-    """Per category (and "all"): tokens/s and accepted tokens per forward, the turns decoded in
-    order by ONE proposer on one runtime, so cross-request memory (suffix) carries between them."""
+    """Per category (and "all"): tokens/s and accepted tokens per row-round (``rates``), the turns
+    decoded in order by ONE proposer on one runtime, so cross-request memory (suffix) carries
+    between them."""
     clock = SimClock()
     vocab = max(max(max(p), max(o)) for _, p, o in turns) + 1
     rt = ReplayRuntime({tuple(p): o for _, p, o in turns}, vocab, clock=clock, cost=cost, overhead=overhead,
                        draft=draft)
     prop = make_proposer(rt)  # given the runtime: proposers that size by its cost curve read it
-    acc: dict[str, list[float]] = {}
+    acc: dict[str, DecodeStats] = {}
     for cat, prompt, out in turns:
         stats = _decode_recorded(rt, clock, prop, make_policy(), prompt, len(out))
         for c in (cat, "all"):
-            t = acc.setdefault(c, [0.0, 0.0, 0.0])
-            t[0] += stats.new_tokens
-            t[1] += stats.time_total - stats.time_prefill
-            t[2] += stats.target_forwards
-    return {c: {"tokens_per_s": n / s, "accepted": n / f} for c, (n, s, f) in acc.items()}
+            acc[c] = acc.get(c, DecodeStats()).merge(stats)
+    return {c: rates(st) for c, st in acc.items()}
+
+
+def rates(stats: DecodeStats) -> dict[str, float]:
+    """A replay's figures as the bench reports them: every new token over the whole generation's
+    seconds, prefill included (``TurnRun``), and tokens emitted per row-round (plain decoding = 1.0)."""
+    return {"tokens_per_s": stats.tokens_per_second, "accepted": stats.mean_accepted_tokens}
 
 
 def fixed(k: int) -> Callable[[], Any]:
@@ -192,23 +233,27 @@ def auto(cost: ForwardCost, draft: DraftCost = DraftCost(), **kwargs: Any) -> Ca
 def replay_report(turns: Sequence[tuple[str, list[int], list[int]]], make_proposer: Callable[[], Any],
                   policies: dict[str, Callable[[], Any]], cost: ForwardCost, overhead: float,
                   draft: DraftCost = DraftCost()) -> dict[str, dict[str, float]]:
-    """tokens/s per policy and category (plus "all") over ``turns`` = (category, prompt ids, output)."""
-    sums: dict[str, dict[str, list[float]]] = {}
+    """tokens/s (``rates``) per policy and category (plus "all") over ``turns`` = (category, prompt
+    ids, output)."""
+    sums: dict[str, dict[str, DecodeStats]] = {}
     for name, factory in {"plain": fixed(0), **policies}.items():
         acc = sums.setdefault(name, {})
         for cat, prompt, out in turns:
             st = replay_turn(prompt, out, make_proposer(), factory(), cost, overhead, draft)
             for c in (cat, "all"):
-                t = acc.setdefault(c, [0.0, 0.0])
-                t[0] += st.new_tokens
-                t[1] += st.time_total - st.time_prefill
-    return {name: {c: n / s for c, (n, s) in cats.items()} for name, cats in sums.items()}
+                acc[c] = acc.get(c, DecodeStats()).merge(st)
+    return {name: {c: rates(st)["tokens_per_s"] for c, st in cats.items()} for name, cats in sums.items()}
 
 
 def turns_from_report(report: dict, prompts_file: str, decoder: Any) -> list[tuple[str, list[int], list[int]]]:
-    """(category, prompt ids, plain output) per turn, re-encoding multi-turn histories as the bench did."""
+    """(category, prompt ids, plain output) per turn, re-encoding multi-turn histories as the bench
+    did (``runner.encode_history``, with the report's ``meta.chat``: False for a ``--raw`` run). A
+    report from before ``meta.chat`` was recorded is read as the bench's default (the chat template
+    where the tokenizer has one), which is what every run without ``--raw`` did."""
     from spec_plugins.bench.prompts import load_prompts
+    from spec_plugins.bench.runner import encode_history
 
+    chat = bool(report.get("meta", {}).get("chat", True))
     by_id = {p.question_id: p for p in load_prompts(prompts_file)}
     out = []
     for entry in report["prompts"]:
@@ -216,8 +261,7 @@ def turns_from_report(report: dict, prompts_file: str, decoder: Any) -> list[tup
         history: list[dict] = []
         for turn, toks in zip(p.turns, entry["methods"]["plain"]["token_ids"]):
             history.append({"role": "user", "content": turn})
-            ids = decoder.encode(history) if decoder.has_chat_template else decoder.encode(
-                "\n\n".join(m["content"] for m in history))
+            ids = encode_history(decoder, history, chat)
             out.append((p.category, ids, list(toks)))
             history.append({"role": "assistant", "content": decoder.tokenizer.decode(toks, skip_special_tokens=True)})
     return out

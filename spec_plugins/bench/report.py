@@ -1,7 +1,9 @@
 """Turn raw bench results into numbers: per prompt, per category, overall; JSON and Markdown.
 
-Speeds use the median seconds over runs per prompt; a category's tokens/s is its total tokens
-over its total median seconds (long answers weigh more, as they do for a user). Speedup is
+tokens/s is the median over runs of one run's tokens over that run's seconds: per prompt, its
+tokens and seconds in the run; per category, the run's totals over the category's prompts (long
+answers weigh more, as they do for a user). Each run's own tokens count, because runs may emit
+different tokens (sampling; ``auto``, whose costs and sizer carry across runs). Speedup is
 tokens/s over plain's. The theoretical S(gamma) = (1 - a^(g+1)) / ((1 - a)(1 + g c)) uses the
 pooled acceptance a of our fixed-gamma runs and the measured draft cost ratio c; a second curve
 divides by the measured verify cost T(g+1)/T(1) instead of 1, which is what a CPU sees.
@@ -13,8 +15,9 @@ import json
 import statistics
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
+from spec_plugins.bench.runner import ours_name
 from spec_plugins.stats import DecodeStats
 
 SHARES = ("prefill", "target_forward", "draft", "verify", "cache", "other")
@@ -38,6 +41,7 @@ def _stats_summary(s: DecodeStats | None) -> dict[str, Any] | None:
         "acceptance_rate": s.acceptance_rate,
         "accepted_by_position": list(s.accepted_by_position),
         "drafted_by_position": list(s.drafted_by_position),
+        "rows_by_position": list(s.rows_by_position),
         "acceptance_by_position": s.acceptance_by_position,
         "time_share": _shares(s),
         "share_outside_forwards": s.time_outside_forwards / s.time_total if s.time_total else 0.0,
@@ -48,6 +52,13 @@ def theoretical_speedup(alpha: float, gamma: int, c: float, verify_ratio: float 
     """S(gamma) = (1 - a^(g+1)) / ((1 - a) (verify_ratio + g c)); verify_ratio = T(g+1)/T(1)."""
     tokens = gamma + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
     return tokens / (verify_ratio + gamma * c)
+
+
+def run_rate(tokens: Sequence[int], seconds: Sequence[float]) -> float:
+    """tokens/s of runs: the median over runs of ``tokens[r] / seconds[r]`` (a run's own tokens
+    over its own time; runs without time are left out)."""
+    rates = [n / s for n, s in zip(tokens, seconds) if s > 0]
+    return statistics.median(rates) if rates else 0.0
 
 
 def _reference(m: Any) -> str:
@@ -73,27 +84,28 @@ def build_report(raw: dict, meta: dict[str, Any], tokenizer: Any = None) -> dict
         tps_of: dict[str, float] = {}
         for m in sorted(methods, key=lambda m: not m.name.startswith("plain")):  # plains first
             runs = results[m.name][i]
-            n_tok = sum(len(t) for t in runs[0].tokens)
+            toks = [r.new_tokens for r in runs]
             secs = [r.seconds for r in runs]
-            med = statistics.median(secs)
-            tps = n_tok / med if med > 0 else 0.0
+            tps = run_rate(toks, secs)
             tps_of[m.name] = tps
             ref = tps_of.get(_reference(m))
             entry["methods"][m.name] = {
-                "new_tokens": n_tok,
+                "new_tokens": toks[0],  # run 0's, as token_ids
+                "new_tokens_runs": toks,
                 "seconds_runs": secs,
-                "median_seconds": med,
+                "median_seconds": statistics.median(secs),
                 "tokens_per_s": tps,
                 "speedup": tps / ref if ref else None,
-                "greedy_equal": (None if not greedy or m.name == "plain" else (p.question_id, m.name) not in bad),
+                # plain too: its later runs are checked against its run 0
+                "greedy_equal": None if not greedy else (p.question_id, m.name) not in bad,
                 "stats": _stats_summary(runs[0].stats),
                 "token_ids": runs[0].tokens,
             }
             for cat in (p.category, "all"):
-                a = agg[m.name].setdefault(cat, {"tokens": 0, "seconds": 0.0, "stats": None, "prompts": 0,
-                                                 "mismatches": 0})
-                a["tokens"] += n_tok
-                a["seconds"] += med
+                a = agg[m.name].setdefault(cat, {"tokens": [0] * len(runs), "seconds": [0.0] * len(runs),
+                                                 "stats": None, "prompts": 0, "mismatches": 0})
+                a["tokens"] = [x + n for x, n in zip(a["tokens"], toks)]
+                a["seconds"] = [x + t for x, t in zip(a["seconds"], secs)]
                 a["prompts"] += 1
                 a["mismatches"] += int((p.question_id, m.name) in bad)
                 if runs[0].stats is not None:
@@ -106,8 +118,10 @@ def build_report(raw: dict, meta: dict[str, Any], tokenizer: Any = None) -> dict
         summary[m.name] = {}
         for cat in categories:
             a = agg[m.name][cat]
-            tps = a["tokens"] / a["seconds"] if a["seconds"] > 0 else 0.0
-            summary[m.name][cat] = {"tokens": a["tokens"], "seconds": a["seconds"], "tokens_per_s": tps,
+            summary[m.name][cat] = {"tokens": statistics.median(a["tokens"]),
+                                    "seconds": statistics.median(a["seconds"]),
+                                    "tokens_runs": a["tokens"], "seconds_runs": a["seconds"],
+                                    "tokens_per_s": run_rate(a["tokens"], a["seconds"]),
                                     "prompts": a["prompts"], "greedy_mismatches": a["mismatches"],
                                     "stats": _stats_summary(a["stats"])}
     for m in methods:
@@ -120,7 +134,8 @@ def build_report(raw: dict, meta: dict[str, Any], tokenizer: Any = None) -> dict
                     row[f"vs_{peer}"] = row["tokens_per_s"] / ref if ref else None
 
     ours_fixed = [m for m in methods if m.kind == "ours" and m.gamma != "auto"]
-    auto = next((m for m in methods if m.gamma == "auto"), None)
+    # our auto only: another proposer (--methods) or runtime (--compare-config) may draft "auto" too
+    auto = next((m for m in methods if m.kind == "ours" and m.name == ours_name("auto")), None)
     auto_vs_best: dict[str, dict] = {}
     if ours_fixed and auto is not None:
         for cat in categories:
@@ -193,10 +208,12 @@ def markdown(report: dict) -> str:
     if meta["greedy"]:
         if mm:
             L.append(f"**WARNING: {len(mm)} greedy output mismatch(es) against plain decoding:** "
-                     + ", ".join(f"{x['method']} on {x['question_id']} (turn {x['turn']}, token {x['index']})"
+                     + ", ".join(f"{x['method']} on {x['question_id']} (run {x.get('run', 0)}, turn {x['turn']}, "
+                                 f"token {x['index']})"
                                  for x in mm))
         else:
-            L.append("Greedy outputs: every method's tokens are identical to plain decoding on every prompt.")
+            L.append("Greedy outputs: every method's tokens are identical to plain decoding on every prompt, "
+                     "in every run.")
         L.append("")
     for name, why in report["unavailable_baselines"].items():
         L.append(f"Baseline `{name}` not run: {why}")
@@ -215,7 +232,7 @@ def markdown(report: dict) -> str:
                       _f(sh["verify"], "{:.1%}"), _f(sh["other"] + sh["cache"], "{:.1%}")]
         else:
             cells += ["–"] * 5
-        cells.append(str(r["greedy_mismatches"]) if meta["greedy"] and m["name"] != "plain" else "–")
+        cells.append(str(r["greedy_mismatches"]) if meta["greedy"] else "–")
         L.append("| " + " | ".join(cells) + " |")
     L += ["", "draft / verify / other: share of our decode time spent proposing, in accept/reject + logits "
           "processing, and in cache bookkeeping + loop overhead (the rest is target forwards and prefill).", ""]

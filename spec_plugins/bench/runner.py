@@ -120,6 +120,10 @@ class PromptRun:
     seconds: float
     stats: DecodeStats | None
 
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
 
 def plain_of(group: str) -> str:
     """The plain-decoding method a runtime group's speedups and outputs are measured against."""
@@ -236,9 +240,7 @@ class Bench:
 
     # ---- prompts -----------------------------------------------------------------------------
     def _encode(self, history: list[dict]) -> list[int]:
-        if self.options.chat and self.decoder.has_chat_template:
-            return self.decoder.encode(history)
-        return self.decoder.encode("\n\n".join(m["content"] for m in history))
+        return encode_history(self.decoder, history, self.options.chat)
 
     def _run_prompt(self, method: Method, prompt: BenchPrompt, max_new: int) -> PromptRun:
         history: list[dict] = []
@@ -260,6 +262,21 @@ class Bench:
             answer = self.decoder.tokenizer.decode(r.tokens, skip_special_tokens=True)
             history.append({"role": "assistant", "content": answer})
         return PromptRun(toks, seconds, stats)
+
+    def _mismatches(self, p: BenchPrompt, runs: dict[str, list[PromptRun]]) -> list[dict]:
+        """Greedy identity on one prompt: every run of every method against run 0 of its reference
+        (a runtime's methods against its own plain, each runtime's plain against the primary plain,
+        the primary plain's later runs against its run 0), so a method that drifts in a later run,
+        or whose state carries across runs, is caught too."""
+        out = []
+        for m in self.methods:
+            ref_name = plain_of(m.group) if m.name != plain_of(m.group) else "plain"
+            ref = runs[ref_name][0].tokens
+            for r, got in enumerate(runs[m.name]):
+                if (m.name, r) == (ref_name, 0) or got.tokens == ref:
+                    continue
+                out.append({**_mismatch(p, m.name, ref, got.tokens), "reference": ref_name, "run": r})
+        return out
 
     # ---- the run -----------------------------------------------------------------------------
     def run(self, prompts: Sequence[BenchPrompt], partial: Any = None) -> dict:
@@ -310,23 +327,15 @@ class Bench:
             if partial is not None:
                 line = {"question_id": p.question_id, "category": p.category,
                         "methods": {m.name: {"seconds": [r.seconds for r in results[m.name][i]],
-                                             "new_tokens": sum(len(t) for t in results[m.name][i][0].tokens)}
+                                             "new_tokens": [r.new_tokens for r in results[m.name][i]]}
                                     for m in self.methods}}
                 with open(partial, "a") as fh:
                     fh.write(json.dumps(line) + "\n")
             if greedy:
-                for m in self.methods[1:]:
-                    # a runtime's methods are checked against its own plain; each runtime's plain
-                    # against the primary plain (a cross-runtime numerics difference shows there)
-                    ref_name = plain_of(m.group) if m.name != plain_of(m.group) else "plain"
-                    ref = results[ref_name][i][0].tokens
-                    got = results[m.name][i][0].tokens
-                    if got != ref:
-                        mm = _mismatch(p, m.name, ref, got)
-                        mm["reference"] = ref_name
-                        mismatches.append(mm)
-                        bar.write(f"GREEDY MISMATCH: {m.name} differs from {ref_name} on {p.question_id} "
-                                  f"(turn {mm['turn']}, token {mm['index']})", file=sys.stderr)
+                for mm in self._mismatches(p, {m.name: results[m.name][i] for m in self.methods}):
+                    mismatches.append(mm)
+                    bar.write(f"GREEDY MISMATCH: {mm['method']} differs from {mm['reference']} on {p.question_id} "
+                              f"(run {mm['run']}, turn {mm['turn']}, token {mm['index']})", file=sys.stderr)
         bar.close()
         mismatches.sort(key=lambda mm: [q.question_id for q in prompts].index(mm["question_id"]))
         return {
@@ -340,6 +349,14 @@ class Bench:
             "unavailable": dict(self.unavailable),
             "duration_s": time.perf_counter() - t_start,
         }
+
+
+def encode_history(decoder: SpeculativeDecoder, history: list[dict], chat: bool) -> list[int]:
+    """A turn's prompt ids: the chat template over the history when ``chat`` (``--raw`` off) and the
+    model has one, else the turns' texts joined; the replay re-encodes a report's prompts with it."""
+    if chat and decoder.has_chat_template:
+        return decoder.encode(history)
+    return decoder.encode("\n\n".join(m["content"] for m in history))
 
 
 def _bind(decoder: SpeculativeDecoder, counter: RejectionCounter) -> TurnFn:
