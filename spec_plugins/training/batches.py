@@ -9,9 +9,10 @@ where x_{j+2} was written by the assistant (``trained``).
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Iterator, Sequence
+import hashlib
+import itertools
+from dataclasses import astuple, dataclass
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -80,6 +81,25 @@ def epoch_batches(windows: Sequence[Window], batch: int, seed: int, epoch: int) 
     return out
 
 
+def epoch_steps(windows: Sequence[Window], batch: int) -> int:
+    """Batches in one epoch, counted by making them: a shard's last batch may be partial, so an
+    epoch can have more than ceil(windows / batch). Every epoch has as many."""
+    return len(epoch_batches(windows, batch, seed=0, epoch=0))
+
+
+def data_identity(store: ShardSource, windows: Sequence[Window], vocab_ids: torch.Tensor) -> dict[str, Any]:
+    """What a checkpoint's training data was: the target, a fingerprint of the windows and the tokens
+    of their shards, and one of the draft vocabulary (a resume on other data is refused)."""
+    data = hashlib.sha256(repr([astuple(w) for w in windows]).encode())
+    for i in sorted({w.shard for w in windows}):
+        t = _read(store, i, ("tokens", "trained"))
+        data.update(t["tokens"].long().numpy().tobytes())
+        data.update(t["trained"].bool().numpy().tobytes())
+    vocab = hashlib.sha256(vocab_ids.detach().long().cpu().numpy().tobytes())
+    return {"target": store.meta["target"], "training data (fingerprint)": data.hexdigest()[:16],
+            "draft vocabulary (fingerprint)": vocab.hexdigest()[:16]}
+
+
 class ShardCache:
     """The one shard in memory."""
 
@@ -143,9 +163,10 @@ def soft_labels(next_hidden: torch.Tensor, next_lse: torch.Tensor, lm_rows: torc
 
 def batches_for_steps(windows: Sequence[Window], batch: int, seed: int, steps: int) -> Iterator[tuple[int, list[Window]]]:
     """(step, windows) for ``steps`` steps, cycling epochs."""
-    per = max(1, math.ceil(len(windows) / batch))
     step = 0
-    for epoch in range(math.ceil(steps / per) + 1):
+    for epoch in itertools.count():
+        if step >= steps or not windows:
+            return
         for bw in epoch_batches(windows, batch, seed, epoch):
             if step >= steps:
                 return

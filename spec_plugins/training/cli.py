@@ -13,11 +13,11 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import typer
 
-from spec_plugins.cli import app, check_output_dir, fail
+from spec_plugins.cli import app, check_finite, check_output_dir, fail
 
 train_app = typer.Typer(no_args_is_help=True, help="Train drafters: extract target features, then train heads.")
 app.add_typer(train_app, name="train")
@@ -30,7 +30,7 @@ HELDOUT = typer.Option(None, "--heldout", help="Held-out feature shards for the 
 FUSED = typer.Option(True, "--fused/--no-fused", help="EAGLE-3 fused low/mid/high layers, or the last hidden.")
 DRAFT_VOCAB = typer.Option(8192, "--draft-vocab", min=16, help="Most frequent answer tokens drafted.")
 INTERMEDIATE = typer.Option(None, "--intermediate", min=1, help="MLP width (default 2 x hidden).")
-EPOCHS = typer.Option(1.0, "--epochs", min=0.0)
+EPOCHS = typer.Option(1.0, "--epochs", min=0.0, help="Passes over the training windows (above 0; fractions allowed).")
 WINDOW = typer.Option(512, "--window", min=8, help="Positions per window.")
 LR = typer.Option(1e-3, "--lr")
 MAX_TRAIN_TOKENS = typer.Option(None, "--max-train-tokens", min=1,
@@ -77,6 +77,8 @@ def features_cmd(
             fail(f"{name} {val!r}; allowed values: {', '.join(allowed)}")
     if source == "prompts" and responses == "fixed":
         fail("--source prompts has no written answers; use --responses self")
+    if source == "tokens" and responses == "self":
+        fail("--source tokens reads answers already made (e.g. by `train self-distill`); drop --responses self")
     if (source == "tokens") != (tokens is not None):
         fail("--tokens DIR goes with --source tokens (and --source tokens needs it)")
     check_output_dir(out)
@@ -84,10 +86,12 @@ def features_cmd(
 
     from spec_plugins.backends.torch_runtime import load_hf
     from spec_plugins.heads.eagle import parse_feature_layers
-    from spec_plugins.training.features import extract
+    from spec_plugins.training.features import extract, resume_state
     from spec_plugins.training.sharegpt import DataFilter, FilterCounts
 
     torch.set_num_threads(threads)
+    flt = DataFilter(language=language)  # type: ignore[arg-type]
+    counts = FilterCounts()
     try:
         if source == "tokens":
             from spec_plugins.training.tokens import TokenStore
@@ -104,53 +108,63 @@ def features_cmd(
             texts = load_prompts(prompts or DEFAULT_PROMPTS)
         model, tok = load_hf(target, "float32", "cpu")
         keep = parse_feature_layers(layers, int(model.config.num_hidden_layers))
+        meta = {"target": target, "source": source, "responses": responses, "split": split, "max_seq": max_seq,
+                "layers": list(keep), "language": language, "heldout_share": heldout_share,
+                "prompts": str(prompts) if prompts else None,
+                "max_new_tokens": max_new_tokens if responses == "self" else None}
+        if source == "tokens":
+            store.check_model(target, int(model.get_input_embeddings().weight.shape[0]))
+            meta |= {"tokens": str(tokens), "token_meta": store.state.get("meta")}
+        resume_state(out, meta)  # an --out made with other settings is refused before any work
+        if source == "tokens":
+            examples = _token_examples(store, max_seq)
+        elif responses == "fixed":
+            from spec_plugins.training.sources import sharegpt_examples
+
+            examples = sharegpt_examples(tok, split, max_seq, flt, heldout_share, counts)  # type: ignore[arg-type]
+        else:
+            examples = _generated(_decoder(gen_backend, target), texts, split, flt, heldout_share, max_seq,
+                                  max_new_tokens, gen_batch)
     except (FileNotFoundError, ValueError, LookupError) as exc:
         fail(str(exc))
         return
-    flt = DataFilter(language=language)  # type: ignore[arg-type]
-    counts = FilterCounts()
-    meta = {"target": target, "source": source, "responses": responses, "split": split, "max_seq": max_seq,
-            "layers": list(keep), "language": language, "heldout_share": heldout_share,
-            "prompts": str(prompts) if prompts else None, "max_new_tokens": max_new_tokens if responses == "self" else None}
-    if source == "tokens":
-        meta |= {"tokens": str(tokens), "token_meta": store.state.get("meta")}
-        examples = (c for i in range(len(store.shards)) for c in store.conversations(i))
-    else:
-        examples = _examples(source, responses, split, tok, max_seq, flt, heldout_share, counts, texts, target,
-                             gen_backend, max_new_tokens, gen_batch, not no_progress)
     t0 = time.perf_counter()
     state = extract(model, examples, out, meta, keep, max_tokens, shard_tokens, progress=not no_progress)
     state = {**state, "filter_counts_this_run": counts.as_dict(), "wall_seconds_this_run": round(time.perf_counter() - t0, 1)}
     typer.echo(json.dumps({k: v for k, v in state.items() if k != "shards"} | {"shards": len(state["shards"])}, indent=1))
 
 
-def _examples(source: str, responses: str, split: str, tok: Any, max_seq: int, flt: Any, heldout_share: float,
-              counts: Any, texts: Any, target: str, gen_backend: str, max_new_tokens: int, gen_batch: int,
-              progress: bool):
-    """The (ids, trained) stream of the chosen source, lazily (extraction stops at its budget)."""
-    from spec_plugins.training.sources import first_turns, self_distilled, sharegpt_examples
+def _token_examples(store: Any, max_seq: int) -> Iterator[tuple[list[int], list[bool]]]:
+    """The token shards' conversations, each cut at ``max_seq`` tokens as every source's are."""
+    for i in range(len(store.shards)):
+        for ids, trained in store.conversations(i):
+            yield ids[:max_seq], trained[:max_seq]
 
-    if responses == "fixed":
-        return sharegpt_examples(tok, split, max_seq, flt, heldout_share, counts)  # type: ignore[arg-type]
 
-    def generated():
-        from spec_plugins.config import SpecConfig
-        from spec_plugins.decoder import SpeculativeDecoder
+def _decoder(backend: str, target: str) -> Any:
+    """Plain decoding of ``target`` on ``backend``, built before any work so a bad backend fails first."""
+    from spec_plugins.config import SpecConfig
+    from spec_plugins.decoder import SpeculativeDecoder
 
-        dec = SpeculativeDecoder.from_config(SpecConfig.parse(
-            {"target": {"backend": gen_backend, "model": target}, "proposer": None}))
-        heads = texts if texts is not None else first_turns(split, flt, heldout_share)  # type: ignore[arg-type]
-        it = iter(heads)
-        while True:  # in chunks, so a token budget never waits for the whole corpus to be answered
-            chunk = [next(it, None) for _ in range(gen_batch * 4)]
-            chunk = [c for c in chunk if c is not None]
-            if not chunk:
-                return
-            for ids, trained in self_distilled(dec, chunk, max_new_tokens, gen_batch, progress=False,
-                                               max_prompt=max(16, max_seq - max_new_tokens)):
-                yield ids[:max_seq], trained[:max_seq]
+    return SpeculativeDecoder.from_config(SpecConfig.parse({"target": {"backend": backend, "model": target},
+                                                            "proposer": None}))
 
-    return generated()
+
+def _generated(dec: Any, texts: Any, split: str, flt: Any, heldout_share: float, max_seq: int, max_new_tokens: int,
+               gen_batch: int):
+    """The (ids, trained) stream of the target's own answers, lazily (extraction stops at its budget)."""
+    from spec_plugins.training.sources import first_turns, self_distilled
+
+    heads = texts if texts is not None else first_turns(split, flt, heldout_share)  # type: ignore[arg-type]
+    it = iter(heads)
+    while True:  # in chunks, so a token budget never waits for the whole corpus to be answered
+        chunk = [next(it, None) for _ in range(gen_batch * 4)]
+        chunk = [c for c in chunk if c is not None]
+        if not chunk:
+            return
+        for ids, trained in self_distilled(dec, chunk, max_new_tokens, gen_batch, progress=False,
+                                           max_prompt=max(16, max_seq - max_new_tokens)):
+            yield ids[:max_seq], trained[:max_seq]
 
 
 def _train_cfg(**kw: Any):
@@ -161,10 +175,12 @@ def _train_cfg(**kw: Any):
 
 def _load(features: Path, heldout: Optional[Path], target: Optional[str]):
     from spec_plugins.backends.torch_runtime import load_hf
-    from spec_plugins.training.features import FeatureStore
+    from spec_plugins.training.features import FeatureStore, check_heldout
 
     store = FeatureStore(features)
     held = FeatureStore(heldout) if heldout else None
+    if held is not None:
+        check_heldout(store, held)
     name = target or store.meta["target"]
     if name != store.meta["target"]:
         raise ValueError(f"{features} holds features of {store.meta['target']!r}, not {name!r}")
@@ -200,7 +216,7 @@ def self_distill_cmd(
     from spec_plugins.training.self_distill import regenerate, variants
     from spec_plugins.training.sharegpt import DataFilter
     from spec_plugins.training.sources import sharegpt_examples
-    from spec_plugins.training.tokens import write_token_shards
+    from spec_plugins.training.tokens import write_meta, write_token_shards
 
     try:
         ways = variants([float(t) for t in temperatures.split(",")], samples)
@@ -220,7 +236,7 @@ def self_distill_cmd(
                                len(dec.tokenizer), max_tokens, shard_tokens)
     took = time.perf_counter() - t0
     state |= {"wall_seconds": round(took, 1), "seconds_per_million_tokens": round(took / max(state["tokens"], 1) * 1e6, 1)}
-    (out / "meta.json").write_text(json.dumps(state, indent=1) + "\n")
+    write_meta(out, state)
     typer.echo(json.dumps({k: v for k, v in state.items() if k != "shards"} | {"shards": len(state["shards"])}, indent=1))
 
 
@@ -280,7 +296,8 @@ def parallel_cmd(
                                        help="The block layers also attend to the committed pairs (each caches "
                                             "their keys and values, as DFlash's layers see the context)."),
     init: Optional[Path] = typer.Option(None, "--init", help="Start from a trained EAGLE (or parallel) head: its layer, "
-                                                            "draft vocabulary and width; what it lacks starts fresh."),
+                                                            "draft vocabulary and width; what it lacks starts fresh, "
+                                                            "a tensor it holds in another shape is refused."),
     epochs: float = EPOCHS,
     batch_size: int = typer.Option(4, "--batch-size", min=1, help="Windows per step."),
     window: int = WINDOW,
@@ -344,13 +361,15 @@ def _run_training(features: Path, heldout: Optional[Path], out: Path, threads: i
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if cfg["loss"] not in ("soft", "top1", "data"):
         fail(f"--loss {cfg['loss']!r}; allowed values: soft, top1, data")
+    check_finite(cfg["lr"], "--lr")
     check_output_dir(out)
     import torch
 
     torch.set_num_threads(threads)
     try:
+        tcfg = _train_cfg(**cfg)  # checks its values before anything loads
         store, held, model = _load(features, heldout, None)
-        report = go(store, model, _train_cfg(**cfg), held)
+        report = go(store, model, tcfg, held)
     except (FileNotFoundError, ValueError) as exc:
         fail(str(exc))
         return

@@ -22,9 +22,9 @@ from torch import nn
 
 from spec_plugins.heads.common import save_head
 from spec_plugins.heads.eagle import EagleConfig, EagleDrafter
-from spec_plugins.training.batches import (EagleBatch, ShardCache, Window, batches_for_steps, eagle_batch,
-                                           epoch_batches, plan_windows, soft_labels, step_mask, token_counts,
-                                           unroll_masks)
+from spec_plugins.training.batches import (EagleBatch, ShardCache, Window, batches_for_steps, data_identity,
+                                           eagle_batch, epoch_batches, epoch_steps, plan_windows, soft_labels,
+                                           step_mask, token_counts, unroll_masks)
 from spec_plugins.training.features import ShardSource
 from spec_plugins.training.trainer import IGNORE, Loop, StepHook, TrainConfig, TrainResult, map_vocab
 
@@ -155,7 +155,8 @@ def train_eagle(store: ShardSource, target_model: Any, cfg: TrainConfig, out: st
     ``block_size`` the drafter is a parallel one (``parallel_train``: ``anchors`` blocks per window,
     ``block_layers`` layers over each block, seeing the context with ``block_context``).
     ``init``: a trained EAGLE or parallel head to start from (its layer, draft vocabulary and
-    width; a parallel drafter's block inputs and block layers start fresh where the head has none)."""
+    width; a parallel drafter's block inputs and block layers start fresh where the head has none;
+    a tensor it holds in another shape, e.g. another block size or width, is refused by name)."""
     from spec_plugins.training import parallel_train as par
 
     out = Path(out)
@@ -167,7 +168,7 @@ def train_eagle(store: ShardSource, target_model: Any, cfg: TrainConfig, out: st
     if not windows:
         raise ValueError(f"no training windows in {store.directory}")
     V = target_model.get_output_embeddings().weight.shape[0]
-    start = _start_from(init, layers) if init is not None else None
+    start = _start_from(init, layers, V) if init is not None else None
     if start is not None:
         vocab_ids, intermediate = start[1]["vocab_ids"], int(start[0]["intermediate_size"])
         counts = token_counts(store, V, windows)
@@ -180,13 +181,18 @@ def train_eagle(store: ShardSource, target_model: Any, cfg: TrainConfig, out: st
     else:
         model = build_drafter(target_model, vocab_ids, layers, intermediate)
     if start is not None:
+        _check_shapes(init, start[1], model)  # type: ignore[arg-type]
         missing, unexpected = model.load_state_dict(start[1], strict=False)
         if unexpected or [k for k in missing if k != "block_inputs" and not k.startswith("refiner.")]:
             raise ValueError(f"{init} does not hold weights this drafter can start from "
                              f"(missing {sorted(missing)}, unexpected {sorted(unexpected)})")
     vmap = map_vocab(model.vocab_ids, V)
-    per_epoch = -(-len(windows) // cfg.batch_size)
-    loop = Loop(model, cfg, out, per_epoch, model.kind, model.config.to_dict(), progress, hook)
+    recipe = {"init": str(init) if init is not None else None, "anchors": anchors if block_size else None,
+              "anchor_input": anchor_input if block_size else None,
+              "block_layers": block_layers if block_size else None,
+              "block_context": block_context if block_size else None}
+    loop = Loop(model, cfg, out, epoch_steps(windows, cfg.batch_size), model.kind, model.config.to_dict(), progress,
+                hook, data_identity(store, windows, model.vocab_ids) | recipe)
     plan = dict(batches_for_steps(windows, cfg.batch_size, cfg.seed, loop.total))
     cache = ShardCache(store)
 
@@ -199,21 +205,32 @@ def train_eagle(store: ShardSource, target_model: Any, cfg: TrainConfig, out: st
         return eagle_loss(model, b, cfg, vmap)
 
     res = loop.run(loss_at, lambda step: sum(w.length for w in plan[step]))
-    recipe = {"init": str(init) if init is not None else None, "anchors": anchors if block_size else None,
-              "anchor_input": anchor_input if block_size else None,
-              "block_layers": block_layers if block_size else None,
-              "block_context": block_context if block_size else None}
     return _finish(model, res, cfg, out, store, windows, coverage, heldout, recipe)
 
 
-def _start_from(init: str | Path, layers: tuple[int, ...]) -> tuple[dict, dict[str, torch.Tensor]]:
-    """A trained head's (config, weights) to start from, checked against the features."""
+def _start_from(init: str | Path, layers: tuple[int, ...], vocab: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A trained head's (config, weights) to start from, checked against the features and the
+    target's vocabulary of ``vocab`` tokens."""
     from spec_plugins.heads.common import load_head
 
     cfg, state = load_head(init)
     if tuple(cfg.get("feature_layers", ())) != layers:
         raise ValueError(f"{init} reads feature layers {cfg.get('feature_layers')}, these features hold {list(layers)}")
+    top = int(state["vocab_ids"].max()) if "vocab_ids" in state and state["vocab_ids"].numel() else -1
+    if top >= vocab:
+        raise ValueError(f"{init} drafts token id {top}, outside this target's vocabulary of {vocab}")
     return cfg, state
+
+
+def _check_shapes(init: str | Path, state: dict[str, torch.Tensor], model: nn.Module) -> None:
+    """Every tensor the head holds must fit the drafter as it is: one in another shape (another
+    block size, hidden or MLP width) would be trained weights dropped, not a part that starts fresh."""
+    own = model.state_dict()
+    bad = [f"{k} {list(v.shape)} (this drafter: {list(own[k].shape)})" for k, v in state.items()
+           if k in own and v.shape != own[k].shape]
+    if bad:
+        raise ValueError(f"{init} does not fit this drafter: {'; '.join(bad)}; start it fresh (no --init) or "
+                         "give the settings the head was trained with")
 
 
 def _finish(model: EagleDrafter, res: TrainResult, cfg: TrainConfig, out: Path, store: ShardSource,

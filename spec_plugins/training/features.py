@@ -110,6 +110,19 @@ def batch_outputs(model: Any, ids: torch.Tensor, lengths: Sequence[int], layers:
     return {"hidden": h, "layers": sel, "lse": torch.cat(lse), "top1": torch.cat(top1)}
 
 
+def resume_state(out: Path, meta: dict) -> dict | None:
+    """The progress of an earlier extraction into ``out`` (None if there is none), refused when it
+    was made with other settings: a rerun only continues the same extraction."""
+    from spec_plugins.training.trainer import differences
+
+    path = Path(out) / "progress.json"
+    state = json.loads(path.read_text()) if path.is_file() else None
+    if state is not None and state["meta"] != meta:
+        raise ValueError(f"{out} holds features made with other settings ({'; '.join(differences(state['meta'], meta))}); "
+                         "use a new --out directory")
+    return state
+
+
 class ShardWriter:
     """Accumulates conversations and writes a shard every ``shard_tokens`` tokens; progress is
     checkpointed with each shard so an interrupted run resumes after the last shard."""
@@ -118,10 +131,7 @@ class ShardWriter:
         self.out, self.shard_tokens = out, shard_tokens
         out.mkdir(parents=True, exist_ok=True)
         self.progress_path = out / "progress.json"
-        state = json.loads(self.progress_path.read_text()) if self.progress_path.is_file() else None
-        if state is not None and state["meta"] != meta:
-            raise ValueError(f"{out} holds features made with other settings ({state['meta']}); "
-                             "use a new --out directory")
+        state = resume_state(out, meta)
         self.state = state or {"meta": meta, "shards": [], "consumed": 0, "tokens": 0, "trained_tokens": 0,
                                "conversations": 0, "seconds": 0.0, "exhausted": False}
         self._parts: list[Shard] = []
@@ -268,6 +278,14 @@ class FeatureStore(ShardDirectory):
         with safe_open(str(self.shards[i]), framework="pt") as f:
             return {n: f.get_tensor(n) for n in names}
 
+    @property
+    def hidden_size(self) -> int:
+        """The target's hidden width, read from the first shard's header."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.shards[0]), framework="pt") as f:
+            return int(f.get_slice("hidden").get_shape()[1])
+
     def iter_shards(self, order: Sequence[int] | None = None) -> Iterator[Shard]:
         for i in order if order is not None else range(len(self.shards)):
             yield self.load(i)
@@ -279,3 +297,20 @@ class FeatureStore(ShardDirectory):
             return list(range(len(self.shards)))
         per = max(1, self.tokens // len(self.shards))
         return list(range(min(len(self.shards), max(1, math.ceil(max_tokens / per)))))
+
+
+def check_heldout(train: FeatureStore, held: FeatureStore) -> None:
+    """Held-out features score the head trained on ``train``: from another target they measure
+    nothing, with other layers or width the evaluation fails, after the whole training run."""
+    def facts(store: FeatureStore) -> dict[str, Any]:
+        return {"target": store.meta["target"], "layers": store.meta.get("layers"), "hidden width": store.hidden_size}
+
+    from spec_plugins.training.tokens import same_model
+
+    mine, theirs = facts(train), facts(held)
+    same = {"target": same_model(mine["target"], theirs["target"])}
+    bad = [f"{k} {theirs[k]!r} (training features: {mine[k]!r})" for k in mine
+           if not same.get(k, theirs[k] == mine[k])]
+    if bad:
+        raise ValueError(f"held-out features {held.directory} do not match the training features {train.directory}: "
+                         + "; ".join(bad))

@@ -13,7 +13,8 @@ import torch
 
 from spec_plugins.heads.common import save_head, target_lm_parts
 from spec_plugins.heads.medusa import MedusaConfig, MedusaHeads
-from spec_plugins.training.batches import ShardCache, Window, batches_for_steps, plan_windows, soft_labels
+from spec_plugins.training.batches import (ShardCache, Window, batches_for_steps, data_identity, epoch_steps,
+                                           plan_windows, soft_labels)
 from spec_plugins.training.eagle_train import draft_vocab
 from spec_plugins.training.features import Shard, ShardSource
 from spec_plugins.training.trainer import IGNORE, Loop, StepHook, TrainConfig, map_vocab
@@ -85,7 +86,8 @@ def train_medusa(store: ShardSource, target_model: Any, cfg: TrainConfig, out: s
     heads = MedusaHeads(MedusaConfig(lm.shape[1], num_heads=num_heads, draft_vocab_size=int(vocab_ids.numel())),
                         lm.float(), vocab_ids).to(lm.device)  # trained where the target is
     vmap = map_vocab(heads.vocab_ids, lm.shape[0])
-    loop = Loop(heads, cfg, out, -(-len(windows) // cfg.batch_size), "medusa", heads.config.to_dict(), progress, hook)
+    loop = Loop(heads, cfg, out, epoch_steps(windows, cfg.batch_size), "medusa", heads.config.to_dict(), progress,
+                hook, data_identity(store, windows, heads.vocab_ids))
     plan = dict(batches_for_steps(windows, cfg.batch_size, cfg.seed, loop.total))
     cache = ShardCache(store)
     res = loop.run(lambda step: medusa_loss(heads, cache.get(plan[step][0].shard), plan[step], cfg, vmap)[0],

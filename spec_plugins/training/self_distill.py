@@ -15,6 +15,7 @@ follow an unfinished answer.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -62,9 +63,9 @@ class Variant:
 
 def variants(temperatures: Sequence[float], samples: int) -> list[Variant]:
     """Greedy once (it is deterministic) if 0 is listed, and ``samples`` draws per other temperature."""
-    bad = [t for t in temperatures if t < 0]
+    bad = [t for t in temperatures if not math.isfinite(t) or t < 0]
     if bad or not temperatures:
-        raise ValueError(f"temperatures must be >= 0 (0 = greedy) and at least one, got {list(temperatures)}")
+        raise ValueError(f"temperatures must be >= 0 (0 = greedy) and finite, at least one, got {list(temperatures)}")
     if samples < 1:
         raise ValueError(f"samples per temperature must be at least 1, got {samples}")
     out = [Variant(0.0)] if any(t == 0 for t in temperatures) else []

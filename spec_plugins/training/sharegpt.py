@@ -157,37 +157,41 @@ def is_heldout(record_id: str, share: float) -> bool:
 
 def conversations(path: str | Path, flt: DataFilter = DataFilter(), split: Literal["train", "heldout", "all"] = "all",
                   heldout_share: float = 0.02, counts: FilterCounts | None = None) -> Iterator[tuple[str, list[dict]]]:
-    """(id, messages) of every kept conversation in file order."""
+    """(id, messages) of every kept conversation of ``split`` in file order. Duplicates are found
+    over the whole file, the first occurrence kept whichever split it falls in, so the train and
+    held-out splits never share a first user turn; ``counts`` counts ``split``'s records only
+    (``read``: every record)."""
     counts = counts if counts is not None else FilterCounts()
     seen: set[str] = set()
     for rec in iter_records(path):
         counts.read += 1
         rid = str(rec.get("id", counts.read))
-        if split != "all" and is_heldout(rid, heldout_share) != (split == "heldout"):
-            continue
+        mine = split == "all" or is_heldout(rid, heldout_share) == (split == "heldout")
         msgs = messages_of(rec)
-        if msgs is None:
-            counts.malformed += 1
-            continue
-        chars = sum(len(m["content"]) for m in msgs)
-        answers = [m["content"] for m in msgs if m["role"] == "assistant"]
-        if len(msgs) < flt.min_turns or not answers or min(len(a.strip()) for a in answers) < flt.min_assistant_chars:
-            counts.too_short += 1
-            continue
-        if chars > flt.max_chars:
-            counts.too_long += 1
-            continue
-        if flt.language == "en" and not is_english(next(m["content"] for m in msgs if m["role"] == "user")):
-            counts.language += 1
-            continue
-        if flt.dedupe:
-            key = conversation_key(msgs)
-            if key in seen:
-                counts.duplicate += 1
-                continue
+        why = "malformed" if msgs is None else _rejected(msgs, flt)
+        if why is None and flt.dedupe:
+            key = conversation_key(msgs)  # type: ignore[arg-type]
+            why = "duplicate" if key in seen else None
             seen.add(key)
+        if not mine:
+            continue
+        if why is not None:
+            setattr(counts, why, getattr(counts, why) + 1)
+            continue
         counts.kept += 1
-        yield rid, msgs
+        yield rid, msgs  # type: ignore[misc]
+
+
+def _rejected(msgs: list[dict[str, str]], flt: DataFilter) -> str | None:
+    """Which filter (a ``FilterCounts`` field) drops a well-formed conversation, None to keep it."""
+    answers = [m["content"] for m in msgs if m["role"] == "assistant"]
+    if len(msgs) < flt.min_turns or not answers or min(len(a.strip()) for a in answers) < flt.min_assistant_chars:
+        return "too_short"
+    if sum(len(m["content"]) for m in msgs) > flt.max_chars:
+        return "too_long"
+    if flt.language == "en" and not is_english(next(m["content"] for m in msgs if m["role"] == "user")):
+        return "language"
+    return None
 
 
 @dataclass

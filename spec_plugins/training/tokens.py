@@ -14,6 +14,7 @@ same data whichever way the features are made.
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -24,6 +25,7 @@ import torch
 from spec_plugins.training.features import ShardDirectory
 
 FORMAT = "spec-plugins-tokens/1"
+PARTIAL = ".partial"  # the subdirectory a run writes its shards into until it is complete
 Example = tuple[Sequence[int], Sequence[bool]]
 
 
@@ -62,13 +64,16 @@ class TokenShard:
 def write_token_shards(examples: Iterable[Example], out: str | Path, meta: dict, vocab: int, max_tokens: int,
                        shard_tokens: int = 1_000_000) -> dict:
     """Write ``examples`` ((ids, assistant mask) per conversation, in order) as token shards until
-    ``max_tokens`` tokens; returns the summary also written to ``out/meta.json``."""
+    ``max_tokens`` tokens; returns the summary also written to ``out/meta.json``. The shards are
+    written into ``out/.partial`` and replace those of ``out`` only once complete, so an
+    interrupted run leaves an earlier run's shards as they were."""
     if max_tokens < 1 or shard_tokens < 1:
         raise ValueError(f"max_tokens and shard_tokens must be positive, got {max_tokens} and {shard_tokens}")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    for old in out.glob("shard-*.npz"):
-        old.unlink()
+    work = out / PARTIAL
+    if work.exists():  # what an interrupted run left
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
     dtype = token_dtype(vocab)
     state = {"format": FORMAT, "meta": meta, "vocab": vocab, "dtype": dtype.name, "shards": [], "tokens": 0,
              "trained_tokens": 0, "conversations": 0, "exhausted": True}
@@ -83,7 +88,7 @@ def write_token_shards(examples: Iterable[Example], out: str | Path, meta: dict,
         shard = TokenShard(np.concatenate([t for t, _ in parts]), np.concatenate([m for _, m in parts]),
                            np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
         name = f"shard-{len(state['shards']):05d}.npz"
-        shard.save(out / name)
+        shard.save(work / name)
         state["shards"].append(name)
         state["trained_tokens"] += int(shard.trained.sum())
         state["conversations"] += len(parts)
@@ -113,8 +118,41 @@ def write_token_shards(examples: Iterable[Example], out: str | Path, meta: dict,
             state["exhausted"] = False
             break
     flush()
-    (out / "meta.json").write_text(json.dumps(state, indent=1) + "\n")
+    _publish(work, out, state)
     return state
+
+
+def _publish(work: Path, out: Path, state: dict) -> None:
+    """Replace ``out``'s shards by the finished run's in ``work``: meta.json goes first and comes
+    back last, so a reader never finds a meta.json that does not describe the shards beside it."""
+    (out / "meta.json").unlink(missing_ok=True)
+    for old in out.glob("shard-*.npz"):
+        old.unlink()
+    for name in state["shards"]:
+        (work / name).replace(out / name)
+    work.rmdir()
+    write_meta(out, state)
+
+
+def write_meta(out: Path, state: dict) -> None:
+    """``out/meta.json``, written atomically (a reader sees the old file or the new one)."""
+    tmp = out / "meta.json.tmp"
+    tmp.write_text(json.dumps(state, indent=1) + "\n")
+    tmp.replace(out / "meta.json")
+
+
+def same_model(a: str, b: str) -> bool:
+    """Whether two model names are one model's files (a relative and an absolute path, say); a
+    name that no longer resolves here matches only itself."""
+    from spec_plugins.models import resolve_model
+
+    if a == b:
+        return True
+    try:
+        ra, rb = resolve_model(a), resolve_model(b)
+    except (FileNotFoundError, ImportError, ValueError):
+        return False
+    return (ra.directory, ra.gguf_file) == (rb.directory, rb.gguf_file)
 
 
 class TokenStore(ShardDirectory):
@@ -136,6 +174,19 @@ class TokenStore(ShardDirectory):
             raise FileNotFoundError(f"{self.directory} lacks token shards {missing[:3]}")
         if not self.shards:
             raise ValueError(f"{self.directory} holds no token shards")
+
+    def check_model(self, target: str, vocab: int) -> None:
+        """Token ids mean something only to the tokenizer that made them: refuse shards made for
+        another target than ``target``, or whose ids reach past its ``vocab`` embeddings."""
+        made_for = self.meta.get("target") or self.meta.get("tokenizer")
+        if made_for is None:
+            raise ValueError(f"{self.directory} does not say which target's tokenizer made its tokens "
+                             "(no target in meta.json), so they cannot be checked against --target")
+        if not same_model(made_for, target):
+            raise ValueError(f"{self.directory} holds tokens made for {made_for!r}, not {target!r}")
+        if int(self.state["vocab"]) > vocab:
+            raise ValueError(f"{self.directory} holds token ids of a {self.state['vocab']}-token vocabulary; "
+                             f"{target} embeds {vocab} tokens")
 
     def read(self, i: int, names: Sequence[str]) -> dict[str, torch.Tensor]:
         """``tokens``/``offsets`` as int64 and ``trained`` as bool tensors of shard i."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional
 
@@ -38,6 +38,26 @@ class TrainConfig:
     reg_weight: float = 0.0  # smooth-L1 regression to the next target feature (EAGLE-1: 1.0; EAGLE-3: none)
     noise: float = 0.05  # gaussian noise on input features, relative to their std
     step_decay: float = 0.8  # weight of unroll step s: step_decay ** s
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.epochs) and self.epochs > 0):
+            raise ValueError(f"epochs must be a positive number, got {self.epochs}")
+
+
+# what a resumed run may change: how long it runs and how often it saves, not what it learns (the
+# schedule's length is checked on its own, as ``Loop.total``)
+RESUMABLE = frozenset({"epochs", "max_steps", "stop_after", "finalize", "save_every"})
+
+
+def run_settings(cfg: TrainConfig) -> dict[str, Any]:
+    """The settings that define what a run learns: a checkpoint resumes only under the same ones."""
+    return {k: v for k, v in asdict(cfg).items() if k not in RESUMABLE}
+
+
+def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """``name saved (now new)`` for every setting that differs between a checkpoint and this run."""
+    return [f"{k} {saved.get(k)!r} (now {now.get(k)!r})" for k in sorted(saved.keys() | now.keys())
+            if saved.get(k) != now.get(k)]
 
 
 @dataclass
@@ -68,8 +88,13 @@ class Loop:
     """Step schedule, optimizer, checkpointing and progress shared by both heads."""
 
     def __init__(self, module: nn.Module, cfg: TrainConfig, out: Path, steps_per_epoch: int, kind: str,
-                 head_config: dict, progress: bool, hook: Optional[StepHook] = None) -> None:
+                 head_config: dict, progress: bool, hook: Optional[StepHook] = None,
+                 identity: Optional[dict[str, Any]] = None) -> None:
+        """``steps_per_epoch``: the batches of one epoch (``batches.epoch_steps``); ``identity``: what
+        else defines the run beside ``cfg`` (the data, the draft vocabulary, the recipe), which a
+        checkpoint must match to be resumed."""
         self.module, self.cfg, self.out, self.kind, self.hook = module, cfg, out, kind, hook
+        self.settings = run_settings(cfg) | (identity or {})
         total = math.ceil(cfg.epochs * max(1, steps_per_epoch))
         self.total = min(total, cfg.max_steps) if cfg.max_steps else total
         params = [p for p in module.parameters() if p.requires_grad]
@@ -85,10 +110,17 @@ class Loop:
 
     def resume(self) -> int:
         if not self.ckpt.is_file():
+            if self.cfg.finalize:  # a head with no training step is not a trained head
+                raise ValueError(f"nothing to finalize: {self.ckpt} does not exist; train first (without finalize)")
             return 0
         st = torch.load(self.ckpt, weights_only=False, map_location=next(self.module.parameters()).device)
-        if st["head_config"] != self.head_config or st["total"] != self.total:
-            raise ValueError(f"checkpoint {self.ckpt} was made with a different head config or schedule; "
+        if "settings" not in st:
+            raise ValueError(f"checkpoint {self.ckpt} does not record its training settings (made by an earlier "
+                             "version), so resuming it could mix settings; use a new --out directory or delete it")
+        diff = differences(self._identity(st["head_config"], st["total"], st["settings"]),
+                           self._identity(self.head_config, self.total, self.settings))
+        if diff:
+            raise ValueError(f"checkpoint {self.ckpt} was made with other settings: {'; '.join(diff)}; "
                              "use a new --out directory or delete the checkpoint")
         self.module.load_state_dict(st["module"], strict=False)
         self.opt.load_state_dict(st["opt"])
@@ -96,12 +128,17 @@ class Loop:
         self.step, self.seconds = st["step"], st["seconds"]
         return self.step
 
+    @staticmethod
+    def _identity(head_config: dict, total: int, settings: dict[str, Any]) -> dict[str, Any]:
+        """Everything a checkpoint must match, flat, so a refusal names each differing setting."""
+        return {f"head {k}": v for k, v in head_config.items()} | {"scheduled steps": total} | settings
+
     def save(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         tmp = self.ckpt.with_suffix(".tmp")
         torch.save({"module": self.module.state_dict(), "opt": self.opt.state_dict(),
                     "sched": self.sched.state_dict(), "step": self.step, "seconds": self.seconds,
-                    "head_config": self.head_config, "total": self.total}, tmp)
+                    "head_config": self.head_config, "total": self.total, "settings": self.settings}, tmp)
         tmp.replace(self.ckpt)
 
     def run(self, loss_at: Callable[[int], torch.Tensor], positions_at: Callable[[int], int] = lambda step: 0
