@@ -6,13 +6,22 @@ it and runs with no past at all: wrong tokens in one row, shape errors in batche
 and no error saying why. So the keyword is read from the model's own forward signature, and
 every forward that feeds a cache is followed by a metadata-only check that the cache grew by the
 positions fed (a future rename is then an error, not wrong text).
+
+Custom attention masks: a decoder handed a 4D mask uses it as given in every layer, so a
+sliding-window layer attends as far back as the mask lets it. ``MaskLayout`` puts the window into
+the mask (per layer type where the model takes a mapping), and ``full_cache`` keeps every position
+in every layer (transformers' sliding-window cache layers drop the oldest; tree rounds, rollback
+and commit by slot need them all).
 """
 
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
+
+import torch
 
 CACHE_KEYWORDS = ("cache", "past_key_values")  # newest spelling first
 
@@ -43,11 +52,101 @@ def cached_length(cache: Any) -> int:
 def check_cache_grew(cache: Any, before: int, fed: int, model: Any) -> None:
     """Raise if a forward that was handed ``cache`` did not append its ``fed`` positions to it."""
     after = cached_length(cache)
-    if after != before + fed:
+    if after == before + fed:
+        return
+    if any(getattr(lay, "is_sliding", False) for lay in cache.layers):
         raise RuntimeError(
-            f"{type(model).__name__} did not use the KV cache it was given (it held {before} positions, fed "
-            f"{fed}, now {after}): this transformers version ({_version()}) takes the cache under a keyword "
-            f"this runtime does not pass; decoding without the past would give wrong tokens")
+            f"{type(model).__name__}'s KV cache has sliding-window layers, which keep only the last window of "
+            f"positions (it held {before} positions, fed {fed}, now {after}): this runtime needs every position "
+            "cached (build the cache with hf_compat.full_cache)")
+    raise RuntimeError(
+        f"{type(model).__name__} did not use the KV cache it was given (it held {before} positions, fed "
+        f"{fed}, now {after}): this transformers version ({_version()}) takes the cache under a keyword "
+        f"this runtime does not pass; decoding without the past would give wrong tokens")
+
+
+def logits_and_hidden(forward: Any, kwargs: dict[str, Any], layers: tuple[int, ...] = (), last_only: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A causal LM's own forward (the model, or its bound ``forward``) over ``kwargs`` with its
+    hidden states: logits (of the last position only if ``last_only``), the last hidden state
+    (after the final norm: transformers' ``hidden_states[-1]``) and the named decoder layers'
+    outputs concatenated (None without ``layers``). The logits are the model's, not its LM head's
+    output, so whatever it does after the head (Gemma's softcapping, Granite's division by
+    ``logits_scaling``, Cohere's ``logit_scale``, ...) is in them."""
+    out = forward(**kwargs, output_hidden_states=True, logits_to_keep=1 if last_only else 0)
+    states = out.hidden_states
+    return out.logits, states[-1], torch.cat([states[i] for i in layers], -1) if layers else None
+
+
+def full_cache(tensors: list[torch.Tensor] | None = None) -> Any:
+    """A ``DynamicCache`` whose every layer keeps every position, holding ``tensors`` (keys and
+    values of each layer in turn; the tensors themselves, not copies). Built without the model's
+    config on purpose: from a config transformers makes sliding-window layers that drop positions
+    the slot layer still addresses."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    cache = DynamicCache()  # layers past the given ones are added as plain DynamicLayers on update
+    tensors = tensors or []
+    for k, v in zip(tensors[0::2], tensors[1::2]):
+        layer = DynamicLayer()
+        layer.lazy_initialization(k, v)
+        layer.keys, layer.values = k, v
+        cache.layers.append(layer)
+    return cache
+
+
+ATTENTION_TYPES = ("full_attention", "sliding_attention")  # the layer types a custom mask can express
+
+
+@dataclass(frozen=True)
+class MaskLayout:
+    """What a decoder's forward takes as a custom attention mask: one 4D mask for every layer, or
+    (a config with ``layer_types`` and sliding layers) a mapping layer type -> 4D mask. Sliding
+    layers get the full-attention mask cut to the window (a query at position q sees keys at
+    positions k with q - k < window, transformers' own ``sliding_window_overlay``)."""
+
+    window: int | None = None  # the sliding layers' window; None: no layer slides
+    per_type: bool = False  # True: full-attention layers too, so the forward takes a mapping
+
+    def masks(self, mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor | None
+              ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The forward's mask from ``mask`` [B, 1, n, S] (boolean, or additive float): ``q_pos`` [B, n]
+        each query's position, ``k_pos`` [B, S] each key slot's (read only where layers slide).
+        Traceable: the static runtime builds these inside its compiled step."""
+        if self.window is None:
+            return mask
+        if k_pos is None:
+            raise ValueError("a sliding-window mask needs the key slots' positions")
+        inside = (q_pos[:, None, :, None] - k_pos[:, None, None, :]) < self.window
+        if mask.dtype == torch.bool:
+            sliding = mask & inside
+        else:
+            sliding = mask.masked_fill(~inside, torch.finfo(mask.dtype).min)
+        return {"full_attention": mask, "sliding_attention": sliding} if self.per_type else sliding
+
+
+def mask_layout(model: Any) -> MaskLayout:
+    """The mask layout of a transformers causal LM, read from its decoder config as transformers'
+    own caches read it (``layer_types``, else every layer slides when ``sliding_window`` is set).
+    Layer types a mask cannot express (chunked, linear, recurrent attention) are refused."""
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        if getattr(cfg, "attention_chunk_size", None) is not None:
+            raise ValueError(f"{type(model).__name__} uses chunked attention (attention_chunk_size): this runtime "
+                             f"supports {', '.join(ATTENTION_TYPES)} layers only")
+        return MaskLayout(window=int(window) if window is not None else None)
+    unknown = sorted(set(types) - set(ATTENTION_TYPES))
+    if unknown:
+        raise ValueError(f"{type(model).__name__} has layer types {unknown}: this runtime supports "
+                         f"{', '.join(ATTENTION_TYPES)} layers only")
+    if "sliding_attention" not in types:
+        return MaskLayout()
+    if window is None:
+        raise ValueError(f"{type(model).__name__} has sliding_attention layers but its config sets no sliding_window")
+    return MaskLayout(window=int(window), per_type=True)
 
 
 def _version() -> str:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal, Sequence
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from spec_plugins.backends.base import RuntimeCapabilities, StepOutput, Want
 from spec_plugins.config import RuntimeConfig
@@ -76,6 +76,19 @@ class LlamaCppRuntime:
         dtype: Literal["float32", "float16", "bfloat16"] | None = Field(
             None, description="KV cache type (weights keep the GGUF's quantisation); None = llama.cpp's f16.")
         verbose: bool = Field(False, description="Print llama.cpp's own logs.")
+
+        @model_validator(mode="after")
+        def _check_outputs(self) -> "LlamaCppRuntime.Config":
+            """llama.cpp reserves outputs for n_batch tokens (capped at n_ctx) and asserts, aborting the
+            process, that this covers one output per sequence: refuse such a config here instead."""
+            if self.n_batch < self.max_sequences:
+                raise ValueError(f"n_batch ({self.n_batch}) must be at least max_sequences ({self.max_sequences}): "
+                                 "llama.cpp aborts the process otherwise")
+            if 0 < self.n_ctx < self.max_sequences:
+                raise ValueError(f"n_ctx ({self.n_ctx}) must be at least max_sequences ({self.max_sequences}) "
+                                 "(or 0, the model's length): llama.cpp caps n_batch at n_ctx and aborts the process "
+                                 "when that is below max_sequences")
+            return self
 
     @classmethod
     def from_config(cls, config: "LlamaCppRuntime.Config") -> "LlamaCppRuntime":

@@ -6,6 +6,10 @@ token another row did not keep). Holes are masked out with a 4D additive attenti
 can accept different numbers of tokens without moving the cache. Fast path: one row, no holes,
 a chain -> no mask at all (the model's own causal path). ``commit`` compacts only the tail
 written by the last forward (O(draft) per round), ``rollback`` crops.
+
+Sliding-window models (Gemma 2/3, Mistral ...): every layer's cache keeps every position
+(``hf_compat.full_cache``) and the mask of a sliding layer is cut to its window by position
+(``hf_compat.MaskLayout``); the fast path leaves both to the model's own mask code.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import contextlib
 from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from spec_plugins.backends import hf_compat, torch_kernels
 from spec_plugins.backends.base import RuntimeCapabilities, StepOutput, Want
@@ -137,6 +141,18 @@ class TorchRuntime(SlotRuntime):
             "captured as CUDA graphs without a compiler (milliseconds per bucket instead of tens of seconds); "
             "needs kv: static.")
 
+        @field_validator("device")
+        @classmethod
+        def _check_device(cls, value: str) -> str:
+            """A device torch can parse ('auto' aside), so a typo is a config error, not a traceback at load."""
+            if value != "auto":
+                try:
+                    torch.device(value)
+                except RuntimeError as exc:
+                    raise ValueError(f"device {value!r} is not a torch device ('auto', 'cpu', 'cuda', 'cuda:1', ...): "
+                                     f"{exc}") from None
+            return value
+
         @model_validator(mode="after")
         def _check_compile(self) -> "TorchRuntime.Config":
             if self.compile in ("on", "graphs") and self.kv == "dynamic":
@@ -170,10 +186,9 @@ class TorchRuntime(SlotRuntime):
         self.max_context = int(max_context or getattr(cfg, "max_position_embeddings", 2048))
         self.capabilities = RuntimeCapabilities(tree_mask=True, hidden_states=True, feature_layers=None,
                                                 name="torch")
-        self._softcap = getattr(cfg, "final_logit_softcapping", None)
         # the KV cache keyword of this transformers version ('cache' or 'past_key_values')
         self._cache_kw = hf_compat.cache_keyword(model)
-        self._decoder_cache_kw = hf_compat.cache_keyword(model.get_decoder())
+        self.layout = hf_compat.mask_layout(model)  # what a custom mask looks like (sliding-window layers)
         self.cache: Any = None  # a transformers DynamicCache over the slot axis
         self.slots = KVSlots()
 
@@ -189,12 +204,9 @@ class TorchRuntime(SlotRuntime):
         if not tensors:
             self.cache = None
             return
-        from transformers import DynamicCache
-
         if self.cache is None or not self.kv:
-            self.cache = DynamicCache(config=self.model.config)
-            for lay, k, v in zip(self.cache.layers, tensors[0::2], tensors[1::2]):
-                lay.lazy_initialization(k, v)
+            self.cache = hf_compat.full_cache(tensors)
+            return
         for lay, k, v in zip(self.cache.layers, tensors[0::2], tensors[1::2]):
             lay.keys, lay.values = k, v
 
@@ -213,25 +225,20 @@ class TorchRuntime(SlotRuntime):
             kwargs[self._cache_kw] = cache
             return self.model(**kwargs).logits.float(), None
         layers = want_hidden if isinstance(want_hidden, tuple) else ()
-        kwargs[self._decoder_cache_kw] = cache
-        dec = self.model.get_decoder()(**kwargs, output_hidden_states=bool(layers))
-        h = dec.last_hidden_state
-        logits = self.model.get_output_embeddings()(h[:, -1:] if last_only else h).float()
-        if self._softcap:
-            logits = torch.tanh(logits / self._softcap) * self._softcap
-        return logits, torch.cat([dec.hidden_states[i] for i in layers], -1) if layers else h
+        kwargs[self._cache_kw] = cache
+        logits, h, feats = hf_compat.logits_and_hidden(self.model, kwargs, layers, last_only)
+        return logits.float(), feats if layers else h
 
     def _call(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, want_hidden: Want,
               prefill: bool) -> StepOutput:
-        from transformers import DynamicCache
-
         if self.cache is None:
-            self.cache = DynamicCache(config=self.model.config)
+            self.cache = hf_compat.full_cache()
         before = hf_compat.cached_length(self.cache)
-        kwargs: dict[str, Any] = dict(input_ids=upload(ids, self.device), position_ids=upload(pos, self.device),
-                                      use_cache=True)
-        if mask is not None:
-            kwargs["attention_mask"] = upload(mask, self.device)
+        dev_pos = upload(pos, self.device)
+        kwargs: dict[str, Any] = dict(input_ids=upload(ids, self.device), position_ids=dev_pos, use_cache=True)
+        if mask is not None:  # [B, 1, n, keys]: the keys are the slot layer's first slots
+            k_pos = upload(self.slots.pos[:, : mask.shape[-1]], self.device) if self.layout.window else None
+            kwargs["attention_mask"] = self.layout.masks(upload(mask, self.device), dev_pos, k_pos)
         with torch_kernels.active() if self.kernels is not None else contextlib.nullcontext():
             logits, hidden = self._model_call(kwargs, self.cache, want_hidden, last_only=prefill)
         out = StepOutput(logits, hidden)

@@ -47,7 +47,8 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int:
 
 class SlotCache:
     """The per-layer KV buffers the model's attention writes and reads (duck-typed as a
-    transformers cache: ``update`` is all a decoder layer calls when it is given a 4D mask)."""
+    transformers cache: ``update`` is all a decoder layer calls when it is given a 4D mask). Every
+    layer keeps every slot, sliding-window layers too: their mask cuts them to the window."""
 
     def __init__(self, layers: int, rows: int, capacity: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, static_addresses: bool = False) -> None:
@@ -86,6 +87,7 @@ class _Mask:
 
     past: torch.Tensor  # [B, S] bool: live slots of each row before this forward's nodes
     ancestors: torch.Tensor  # [n, n] bool: node i may see node j (causal for a chain or a prompt chunk)
+    past_pos: torch.Tensor | None = None  # [B, S] long: those slots' positions (sliding-window models only)
 
 
 class StaticTorchRuntime(TorchRuntime):
@@ -179,17 +181,31 @@ class StaticTorchRuntime(TorchRuntime):
     # ---- masks: the live-slot flags go to the device, not a float mask ------------------------------
     def _forward_mask(self, ancestors: torch.Tensor) -> _Mask:
         n = int(ancestors.shape[-1])  # [n, n], or [B, n, n] each row its own
-        past = (self.slots.pos[:, : self.slots.slots - n] >= 0)
-        return _Mask(upload(past, self.device), upload(ancestors, self.device))
+        past_pos = self.slots.pos[:, : self.slots.slots - n]
+        return _Mask(upload(past_pos >= 0, self.device), upload(ancestors, self.device),
+                     upload(past_pos, self.device) if self.layout.window else None)
 
     def _prefill_mask(self, start: int, end: int) -> torch.Tensor:
         """A prompt chunk's mask (left padding as holes): the slot layer's, as booleans, on the
         device (once per request)."""
         return upload(self.slots.prefill_mask(start, end, torch.float32) == 0, self.device)
 
+    def _key_positions(self, mask: Any, pos: torch.Tensor, S: int) -> torch.Tensor | None:
+        """Each slot's position [Bb, capacity] (-1: never a key) for a sliding-window layout: the past's,
+        then this forward's nodes' (``pos``, padded; a prefill's padding holds 0 there, masked)."""
+        if not self.layout.window:
+            return None
+        Bb, Nb = pos.shape
+        out = torch.full((Bb, self.cache.capacity), -1, dtype=torch.long, device=self.device)
+        if isinstance(mask, _Mask) and mask.past_pos is not None:
+            out[: mask.past_pos.shape[0], :S] = mask.past_pos
+        out[:, S:S + Nb] = pos
+        return out
+
     def _build(self, mask: Any, B: int, n: int, S: int, Bb: int, Nb: int) -> torch.Tensor:
         """The step's boolean mask [Bb, 1, Nb, capacity]: past slots, then the new nodes' own
-        visibility; padding queries see their own slot only."""
+        visibility; padding queries see their own slot only. Full attention's: the step cuts the
+        sliding layers' to their window (``hf_compat.MaskLayout``)."""
         cap = self.cache.capacity
         out = torch.zeros(Bb, 1, Nb, cap, dtype=torch.bool, device=self.device)
         if isinstance(mask, _Mask):
@@ -219,14 +235,16 @@ class StaticTorchRuntime(TorchRuntime):
         # always new tensors made here (inference tensors: a graph guards on that too), padded to the bucket
         ids = torch.nn.functional.pad(upload(ids, self.device), (0, Nb - n, 0, Bb - B))
         pos = torch.nn.functional.pad(upload(pos, self.device), (0, Nb - n, 0, Bb - B))
+        k_pos = self._key_positions(mask, pos, S)
         before = self.cache.updates
         if compiled:
             if want_hidden not in self._steps:
-                self._steps[want_hidden] = FixedSteps(lambda i, p, mm, w=want_hidden: self._eager(i, p, mm, w),
-                                                      self.step_mode, len(ROW_BUCKETS) * len(WIDTH_BUCKETS) * 4)
-            logits, feats = self._steps[want_hidden](ids, pos, m)
+                self._steps[want_hidden] = FixedSteps(
+                    lambda i, p, mm, kp, w=want_hidden: self._eager(i, p, mm, kp, w),
+                    self.step_mode, len(ROW_BUCKETS) * len(WIDTH_BUCKETS) * 4)
+            logits, feats = self._steps[want_hidden](ids, pos, m, k_pos)
         else:
-            logits, feats = self._eager(ids, pos, m, want_hidden)
+            logits, feats = self._eager(ids, pos, m, k_pos, want_hidden)
         if not compiled and self.cache.updates != before + self._layers:
             raise RuntimeError(f"{type(self.model).__name__} did not write into the static KV cache it was given "
                                f"({self.cache.updates - before} of {self._layers} layers): this transformers "
@@ -237,7 +255,8 @@ class StaticTorchRuntime(TorchRuntime):
             logits = logits[:, -1:]
         return StepOutput(logits, feats[:B, :n] if feats is not None else None)
 
-    def _eager(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, want_hidden: Want
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        kwargs: dict[str, Any] = dict(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True)
+    def _eager(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, k_pos: torch.Tensor | None,
+               want_hidden: Want) -> tuple[torch.Tensor, torch.Tensor | None]:
+        kwargs: dict[str, Any] = dict(input_ids=ids, position_ids=pos, use_cache=True,
+                                      attention_mask=self.layout.masks(mask, pos, k_pos))
         return self._model_call(kwargs, self.cache, want_hidden)

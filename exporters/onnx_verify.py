@@ -48,29 +48,19 @@ class VerifyGraph(torch.nn.Module):
         self.model = model
         self.feature_layers = tuple(feature_layers)
         self.shape = DecoderShape.of(model)
-        self.softcap = getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
 
     def forward(self, input_ids, position_ids, attention_mask, *past):
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=self.model.config)
-        for i, layer in enumerate(cache.layers):
-            k, v = past[2 * i], past[2 * i + 1]
-            layer.lazy_initialization(k, v)
-            layer.keys, layer.values = k, v
-        decoder = self.model.get_decoder()
-        kw = {hf_compat.cache_keyword(decoder): cache}  # 'cache' or 'past_key_values' by version
-        out = decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                      use_cache=True, output_hidden_states=bool(self.feature_layers), **kw)
+        cache = hf_compat.full_cache(list(past))
+        kw = {hf_compat.cache_keyword(self.model): cache}  # 'cache' or 'past_key_values' by version
+        kw.update(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=True)
+        # ``forward`` called directly, not the module: the exporter then opens no scope for the causal LM
+        # and the graph's node names stay those of its parts (the quantizer finds "/lm_head/MatMul")
+        logits, h, feats = hf_compat.logits_and_hidden(self.model.forward, kw, self.feature_layers)
         if not torch.onnx.is_in_onnx_export():  # the parity reference: a cache this version ignored fails here
-            hf_compat.check_cache_grew(cache, int(past[0].shape[-2]) if past else 0, int(input_ids.shape[1]), decoder)
-        h = out.last_hidden_state
-        logits = self.model.get_output_embeddings()(h).float()
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
+            hf_compat.check_cache_grew(cache, int(past[0].shape[-2]) if past else 0, int(input_ids.shape[1]),
+                                       self.model)
         presents = [t for layer in cache.layers for t in (layer.keys, layer.values)]
-        feats = [torch.cat([out.hidden_states[i] for i in self.feature_layers], -1)] if self.feature_layers else []
-        return (logits, h, *feats, *presents)
+        return (logits.float(), h, *([feats] if feats is not None else []), *presents)
 
 
 def dummy_inputs(shape: DecoderShape, B: int, N: int, P: int, dtype: torch.dtype = torch.float32,

@@ -435,3 +435,13 @@ def test_inputs_longer_than_llama_cpp_s_own_batch_are_split_at_it(ref):
         assert int(got.argmax()) == int(want.argmax()) and _kl(got, want) < 1e-2  # as the other batch checks
     finally:
         small.close()
+
+
+@pytest.mark.parametrize("fields, named", [({"n_batch": 8}, "n_batch"), ({"n_ctx": 8}, "n_ctx")])
+def test_outputs_below_max_sequences_are_a_config_error(fields, named):
+    """llama.cpp aborts the whole process (GGML_ASSERT n_outputs_max) when n_batch, or the n_ctx that
+    caps it, is below max_sequences: the config refuses it, naming the field."""
+    with pytest.raises(ConfigError, match=rf"{named} \(8\) must be at least max_sequences \(16\)"):
+        SpecConfig.parse(_cfg(max_sequences=16, **fields))
+    assert SpecConfig.parse(_cfg(max_sequences=8, **fields)).target.max_sequences == 8
+    assert SpecConfig.parse(_cfg(n_ctx=0, max_sequences=16)).target.n_ctx == 0

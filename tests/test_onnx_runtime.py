@@ -477,3 +477,32 @@ def test_export_cli_refusals_are_one_line_errors(tiny_model_dir, tmp_path, monke
         assert r.exit_code == 2, r.output  # an uncaught exception exits 1
         assert re.search(rf"^error: .*{message}", r.output, re.M), r.output
     assert [p.name for p in work.iterdir()] == ["notes.txt"] and not (tmp_path / "o").exists()
+
+
+def test_head_sessions_take_the_target_s_threads_and_spinning(exported, tmp_path, monkeypatch):
+    """A head runs in ONNX Runtime beside an ONNX Runtime target, on the same cores: its session
+    gets the target session's intra-op threads and spinning (EAGLE, parallel block layers, Medusa)."""
+    from test_heads import medusa
+
+    from spec_plugins.heads import EagleConfig, EagleDrafter, target_lm_parts
+    from spec_plugins.heads.parallel import ParallelConfig, ParallelDrafter
+    from spec_plugins.proposers.eagle import EagleProposer
+    from spec_plugins.proposers.medusa import MedusaProposer
+    from spec_plugins.proposers.parallel import ParallelProposer
+
+    monkeypatch.setenv("SPEC_PLUGINS_CACHE", str(tmp_path))
+    out, target, _ = exported
+    lm, emb = target_lm_parts(target)
+    shape = dict(num_heads=4, num_kv_heads=2, intermediate_size=64, draft_vocab_size=32)
+    for threads, spinning in ((1, True), (2, False)):
+        rt = ort_runtime(out, threads=threads, spinning=spinning)
+        eagle = EagleProposer(EagleProposer.Config(heads="unused", mode="chain"), target=rt,
+                              drafter=EagleDrafter(EagleConfig(32, **shape), lm, emb, torch.arange(32)))
+        parallel = ParallelProposer(ParallelProposer.Config(heads="unused", mode="chain"), target=rt,
+                                    drafter=ParallelDrafter(ParallelConfig(32, block_layers=1, **shape), lm, emb,
+                                                            torch.arange(32)))
+        med = MedusaProposer(MedusaProposer.Config(heads="unused"), target=rt, heads=medusa(target))
+        for session in (eagle.layer.session, parallel.layer.session, parallel.refiner.session, med.run_heads.session):
+            options = session.get_session_options()
+            assert options.intra_op_num_threads == threads
+            assert options.get_session_config_entry("session.intra_op.allow_spinning") == str(int(spinning))

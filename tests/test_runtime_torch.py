@@ -112,10 +112,10 @@ def test_cache_keyword_is_the_one_this_transformers_version_reads():
 
     model = tiny_llama(seed=1)
     rt = TorchRuntime(model, matmul="native")
-    for module, kw in ((model, rt._cache_kw), (model.get_decoder(), rt._decoder_cache_kw)):
-        assert kw in inspect.signature(type(module).forward).parameters
-        other = [k for k in hf_compat.CACHE_KEYWORDS if k != kw]
-        assert not any(k in inspect.signature(type(module).forward).parameters for k in other), transformers.__version__
+    kw = rt._cache_kw
+    assert kw in inspect.signature(type(model).forward).parameters
+    other = [k for k in hf_compat.CACHE_KEYWORDS if k != kw]
+    assert not any(k in inspect.signature(type(model).forward).parameters for k in other), transformers.__version__
     rt.prefill([[1, 2, 3, 4]])
     rt.forward(torch.tensor([[5, 6]]))
     assert hf_compat.cached_length(rt.cache) == 6  # the guard's view: prompt + both new positions
@@ -129,9 +129,9 @@ def test_a_cache_the_model_ignores_is_an_error_not_wrong_tokens():
 
     from spec_plugins.backends import hf_compat
 
-    for attr, want in (("_cache_kw", False), ("_decoder_cache_kw", True)):
+    for want in (False, True):
         rt = TorchRuntime(tiny_llama(seed=1), matmul="native")
-        setattr(rt, attr, "kv_cache")  # a keyword the model does not know: what a future rename looks like
+        rt._cache_kw = "kv_cache"  # a keyword the model does not know: what a future rename looks like
         with pytest.raises(RuntimeError, match="did not use the KV cache"):
             rt.prefill([[1, 2, 3, 4]], want_hidden=want)
     with pytest.raises(TypeError, match="takes none of"):

@@ -36,8 +36,23 @@ def weights_key(module: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def head_session(module: torch.nn.Module, threads: int | None = None) -> Any:
-    """An ONNX Runtime session of ``module``'s head graph, exported on first use."""
+def session_threads(target: Any) -> tuple[int | None, bool]:
+    """The intra-op threads (None: onnxruntime's default) and spinning of the target's ONNX Runtime
+    session: a head runs beside the target on the same cores, so it takes the target's settings."""
+    session = getattr(target, "session", None)
+    if session is None:
+        return None, False
+    options = session.get_session_options()
+    try:
+        spinning = options.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+    except RuntimeError:  # a session made without the entry: onnxruntime's default, which spins
+        spinning = True
+    return options.intra_op_num_threads or None, spinning
+
+
+def head_session(module: torch.nn.Module, target: Any = None) -> Any:
+    """An ONNX Runtime session of ``module``'s head graph, exported on first use, with the threads
+    and spinning of ``target``'s session (``session_threads``)."""
     from spec_plugins.backends.onnxruntime_runtime import create_session, import_ort
     from spec_plugins.graphs.manifest import EXPORTER_VERSION
     from spec_plugins.models import cache_root
@@ -49,7 +64,8 @@ def head_session(module: torch.nn.Module, threads: int | None = None) -> Any:
     path = directory / "head.onnx"
     if not path.is_file():
         EXPORTERS.get("onnx_head")(module, path)
-    return create_session(path, "cpu", threads=threads)
+    threads, spinning = session_threads(target)
+    return create_session(path, "cpu", threads=threads, spinning=spinning)
 
 
 class OrtEagleLayer:

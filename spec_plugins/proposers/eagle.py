@@ -83,7 +83,7 @@ class EagleProposer(Proposer):
         # few-row matmuls measured for eager steps (a compiled or captured step runs native kernels)
         self.kernels = self.drafter.use_measured_kernels() if self.step_mode == "eager" else None
         if ort:
-            self.layer = OrtEagleLayer(head_session(self.drafter))
+            self.layer = OrtEagleLayer(head_session(self.drafter, target))
         self._draft_step = FixedSteps(self._fixed_step, self.step_mode)
         self._padded: tuple[torch.Tensor, ...] = ()  # the cache padded to its capacity bucket (fixed steps)
         self.tree = config.mode == "tree"

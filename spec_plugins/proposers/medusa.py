@@ -58,7 +58,7 @@ class MedusaProposer(Proposer):
         self.heads = heads.eval()
         self.run_heads: Any = self.heads  # the heads' forward, in PyTorch or ONNX Runtime
         if pick_engine(config.engine, target) == "onnxruntime":
-            self.run_heads = OrtMedusaHeads(head_session(self.heads))
+            self.run_heads = OrtMedusaHeads(head_session(self.heads, target))
         else:  # compiled or captured where the target's verify step is (``fixed_steps``)
             self.run_heads = FixedSteps(self.heads, getattr(target, "step_mode", "eager"))
         self.tree = config.mode == "tree"  # the decoder checks this against the runtime's tree support

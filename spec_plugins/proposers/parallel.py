@@ -44,7 +44,7 @@ class ParallelProposer(EagleProposer):
         self.max_depth = self.drafter.config.block_size
         self.refiner: Any = self.drafter.refiner  # the block layers, in PyTorch or ONNX Runtime (or None)
         if self.refiner is not None and isinstance(self.layer, OrtEagleLayer):
-            self.refiner = OrtBlockRefiner(head_session(self.refiner))
+            self.refiner = OrtBlockRefiner(head_session(self.refiner, target))
         self._block_step = FixedSteps(self._block_fixed, self.step_mode)
 
     def _candidates(self, f: torch.Tensor, base: torch.Tensor, depth: int, top_k: int) -> Candidates:
