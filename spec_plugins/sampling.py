@@ -180,7 +180,13 @@ class RowPipelines:
 def _depth_groups(parents: Parents, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Nodes of a forward grouped by depth (root = node 0, depth 0), each with the forward indices
     of the drafted tokens on its path ([1, n, depth], or [B, n, depth] for per-row trees): the
-    tokens its prefix adds to the row's sequence."""
+    tokens its prefix adds to the row's sequence.
+
+    Per-row trees hold invalid slots whose parent was cut or never chosen (the root here), so
+    their walk up reaches the root early and then its parent, -1: such a walk stays at the root.
+    Their prefix is then a placeholder, which is harmless: a valid node's parents are valid and
+    one depth up all the way to the root, and the verdict never takes an invalid node, so it
+    never reads the logits at one."""
     if isinstance(parents, tuple):
         return _shared_groups(parents, device)
     depth = parents.depth
@@ -190,8 +196,9 @@ def _depth_groups(parents: Parents, device: torch.device) -> list[tuple[torch.Te
         cur = parents.parents[:, nodes]  # [B, n]: walking up from each node, one step per depth
         steps = [upload_tensor(nodes, device)[None].expand_as(cur)]
         for _ in range(d - 1):
+            cur = cur.clamp_min(0)  # past the root: stay there (an invalid node, docstring)
             steps.append(cur)
-            cur = parents.parents.gather(1, cur.clamp_min(0))
+            cur = parents.parents.gather(1, cur)
         path = torch.stack(steps[::-1], -1) if d else cur.new_zeros(cur.shape + (0,))
         out.append((upload_tensor(nodes, device), path))
     return out

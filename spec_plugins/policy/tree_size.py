@@ -24,6 +24,7 @@ measured costs, a forward is priced by its positions).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Sequence
 
 from spec_plugins.policy.objective import Calibration, best_option
@@ -63,8 +64,9 @@ class TreeSizer:
     def size(self, ranked: Ranked, spent: float = 0.0) -> Draft | None:
         """Each row's best alternative, cut for the batch (``auto``), merged into one draft."""
         B = len(ranked.rows)
+        shaped = [_closed(sh) for sh in ranked.shaped]
         offers = {sh.source: (sh, self._cut_shaped(sh, B, spent) if ranked.auto else list(range(len(sh.estimates))))
-                  for sh in ranked.shaped}
+                  for sh in shaped}
         picks = [self._pick(alts, offers) for alts in ranked.rows]  # a host row, or the source of a shaped draft
         host = [p if isinstance(p, RankedRow) else RankedRow((), (), ()) for p in picks]
         if ranked.auto:
@@ -145,6 +147,23 @@ class TreeSizer:
         for source, (acc, pred) in by_source.items():
             self.calibration(source).observe(acc, pred)
         self._kept = []
+
+
+def _closed(shaped: Shaped) -> Shaped:
+    """``shaped`` with each slot's estimate capped by its parent's where every row shares one
+    topology: a node is accepted only after its parent, and the best-first cut (ties: the
+    shallower first) then never keeps a slot without its parent, which one topology cannot hold.
+    A drafter's estimates need not fall along a path on their own (running means: a depth no row
+    reached keeps its prior). Per-row trees stay as they are: there a kept slot whose parent was
+    cut is invalid in its row (``keep_slots``)."""
+    parents = shaped.draft.parents
+    if not isinstance(parents, tuple):
+        return shaped
+    est = list(shaped.estimates)
+    for j, p in enumerate(parents):  # a parent comes before its children
+        if p >= 0:
+            est[j] = min(est[j], est[p])
+    return replace(shaped, estimates=tuple(est))
 
 
 def _as_row(shaped: Shaped, slots: list[int]) -> RankedRow:

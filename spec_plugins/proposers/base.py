@@ -14,6 +14,9 @@ class registers (``check_proposer_class``) and when a batch is built (``Proposer
 - ``ReportsMetrics``: gauges and counters of its own for ``/metrics`` (suffix decoding's index).
 - ``needs_hidden`` / ``tree`` / ``ranks`` class flags: target features are carried per row; drafts
   are trees; ``propose`` returns ranked candidates (``types.Ranked``) for the draft policy to size.
+  ``tree`` and ``ranks`` may follow the instance's config (EAGLE's chain mode is no tree; a
+  recycling tree of fixed size is a plain ``Draft``); ``ranks_with(config)`` tells from a config
+  alone, so a composition refuses a child that would not rank when its config is validated.
   A feature drafter that reads decoder-layer outputs rather than the last hidden state names
   them in ``feature_layers`` (EAGLE-3).
 - ``sources()``: the drafters the draft policy runs, each where it pays: the proposer itself, or
@@ -46,8 +49,14 @@ class Proposer:
     needs_hidden: bool = False  # ask the target for hidden states (a hybrid: if a child does)
     tree: bool = False  # drafts trees (needs a runtime with tree masks)
     continues_ahead: ClassVar[bool] = False  # drafts after ``ProposeContext.ahead`` (a grammar's forced tokens)
-    ranks: ClassVar[bool] = False  # propose() returns ranked candidates (types.Ranked), sized by the policy
+    ranks: bool = False  # propose() returns ranked candidates (types.Ranked), sized by the policy
     feature_layers: tuple[int, ...] = ()  # decoder-layer outputs it reads instead of the last hidden state
+
+    @classmethod
+    def ranks_with(cls, config: Any) -> bool:
+        """Whether a proposer built from ``config`` returns ranked candidates: the ``ranks`` flag,
+        unless a subclass's config decides it (it then sets ``ranks`` from this)."""
+        return cls.ranks
 
     def propose(self, ctx: ProposeContext) -> Draft | None:
         raise NotImplementedError
@@ -164,7 +173,7 @@ class ProposerTraits:
             return ProposerTraits()
         check_proposer_class(type(proposer))
         return ProposerTraits(isinstance(proposer, RowAware), isinstance(proposer, Keyed), bool(proposer.needs_hidden),
-                              bool(proposer.tree), tuple(proposer.feature_layers), type(proposer).ranks,
+                              bool(proposer.tree), tuple(proposer.feature_layers), bool(proposer.ranks),
                               isinstance(proposer, Remembers), isinstance(proposer, ReportsMetrics),
                               tuple(proposer.sources()))
 

@@ -185,6 +185,14 @@ class SlotMeans:
         self.means: dict[tuple[int, int], float] = {}
 
     def mean(self, d: int, r: int) -> float:
+        """The slot's estimate: its running mean, capped by every better-ranked slot at its depth and
+        the best slot of each shallower depth. In every row a slot's path probability is at most
+        those (its parent's is at most the best one a depth up), but each slot's mean is over the
+        rows that reached it (a short budget stops at depth 0) or is still its prior, so the raw
+        means can rise along a path; capped, a slot never outranks the slots above it."""
+        return min([self._raw(k, 0) for k in range(d)] + [self._raw(d, q) for q in range(r + 1)])
+
+    def _raw(self, d: int, r: int) -> float:
         return self.means.get((d, r), self.prior * 0.5 ** (d + r))
 
     def widths(self, nodes: int, depth: int) -> tuple[int, ...]:
@@ -210,6 +218,6 @@ class SlotMeans:
                 col = probs[:, at]
                 col = col[col > 0]
                 if col.size:
-                    old = self.mean(d, r)
+                    old = self._raw(d, r)
                     self.means[(d, r)] = self.decay * old + (1 - self.decay) * float(col.mean())
                 at += 1

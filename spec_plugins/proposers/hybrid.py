@@ -22,11 +22,33 @@ from pydantic import Field, model_validator
 
 from spec_plugins.config import ProposerConfig
 from spec_plugins.proposers.base import Metric, ProposeContext, Proposer, ProposerTraits, RoundRecord, RowAware
-from spec_plugins.registry import PROPOSERS, register_proposer
+from spec_plugins.registry import PROPOSERS, RegistryError, register_proposer
 from spec_plugins.types import Ranked, RankedRow
 
 
 DEFAULT_NODES = 16  # a child's tree size inside a hybrid, where its own default is 'auto'
+RANKING = "suffix, eagle, parallel, or recycling with tree_size: auto"  # the children that rank as configured
+
+
+def child_config(section: dict[str, Any], num_draft_tokens: int | str) -> tuple[type[Proposer], ProposerConfig]:
+    """A child's class and config as the hybrid builds it: the hybrid's depth unless the section
+    sets its own, and a fixed tree size where the child's default is 'auto' (the hybrid sizes)."""
+    name = section.get("type", "")
+    try:
+        cls = PROPOSERS.get(name)
+    except RegistryError as exc:
+        raise ValueError(f"hybrid: type={name!r} is not a known proposer; allowed values: "
+                         f"{', '.join(PROPOSERS.names())}") from exc
+    sub = cls.Config.model_validate({"num_draft_tokens": num_draft_tokens, **section})
+    if getattr(sub, "tree_nodes", None) == "auto":  # a default 'auto' (an explicit one is refused)
+        sub = sub.model_copy(update={"tree_nodes": DEFAULT_NODES})
+    return cls, sub
+
+
+def _unranked(name: Any) -> str:
+    """The refusal of a child that would draft a plain ``Draft``, which the policy cannot choose by."""
+    return (f"hybrid: proposer {name} does not rank its candidates as configured (best-first nodes with "
+            f"acceptance estimates, for the policy to choose between the children); use {RANKING}")
 
 
 @register_proposer("hybrid")
@@ -40,7 +62,7 @@ class HybridProposer(Proposer):
         type: Literal["hybrid"] = "hybrid"
         proposers: list[dict[str, Any]] = Field(
             description="The two proposer sections, e.g. [{type: suffix, scope: global}, {type: eagle, heads: DIR}]; "
-                        "each must rank its candidates (suffix, eagle) and use a fixed tree_nodes.")
+                        f"each must rank its candidates ({RANKING}) and use a fixed tree_nodes.")
         tree_nodes: Literal["auto"] = Field("auto", description="Always 'auto': the draft policy picks each row's "
                                                                  "child and cuts the trees by the measured costs.")
 
@@ -58,6 +80,9 @@ class HybridProposer(Proposer):
                 if p.get("tree_nodes") == "auto":
                     raise ValueError(f"{p.get('type')}: tree_nodes must be a number inside a hybrid "
                                      "(the hybrid sizes by choosing between the drafts)")
+                cls, sub = child_config(p, self.num_draft_tokens)
+                if not cls.ranks_with(sub):
+                    raise ValueError(_unranked(p.get("type")))
             return self
 
     def __init__(self, config: "HybridProposer.Config", target: Any = None, children: Sequence[Any] | None = None,
@@ -66,16 +91,12 @@ class HybridProposer(Proposer):
         if children is None:
             children = []
             for section in config.proposers:
-                cls = PROPOSERS.get(section.get("type", ""))
-                sub = cls.Config.model_validate({"num_draft_tokens": config.num_draft_tokens, **section})
-                if getattr(sub, "tree_nodes", None) == "auto":  # a default 'auto': the hybrid does the sizing
-                    sub = sub.model_copy(update={"tree_nodes": DEFAULT_NODES})
+                cls, sub = child_config(section, config.num_draft_tokens)
                 children.append(cls(sub, target=target, **kw))
         self.children = list(children)
         for c in self.children:
             if not ProposerTraits.of(c).ranks:
-                raise ValueError(f"hybrid: proposer {type(c).__name__} does not rank its candidates (best-first "
-                                 "nodes with acceptance estimates); use suffix or eagle")
+                raise ValueError(_unranked(type(c).__name__))
         traits = [ProposerTraits.of(c) for c in self.children]
         self.needs_hidden = any(t.needs_hidden for t in traits)
         self.feature_layers = next((t.feature_layers for t in traits if t.feature_layers), ())

@@ -44,7 +44,6 @@ class RecyclingProposer(Proposer):
     """Static draft trees read from an adjacency table of the target's recent top-k tokens."""
 
     tree = True
-    ranks = True  # with tree_size: auto (else a fixed static Draft)
 
     class Config(ProposerConfig):
         type: Literal["recycling"] = "recycling"
@@ -71,12 +70,19 @@ class RecyclingProposer(Proposer):
                     raise ValueError(f"paths use rank {max(tree.ranks)} but candidates={self.candidates}")
             return self
 
+    @classmethod
+    def ranks_with(cls, config: "RecyclingProposer.Config") -> bool:
+        """Only ``tree_size: auto`` offers ranked slots for the policy to cut; a fixed tree (a size
+        or ``paths``) is verified whole, as a plain ``Draft``."""
+        return config.auto_tree
+
     def __init__(self, config: "RecyclingProposer.Config | None" = None, target: Any = None, **_: object) -> None:
         self.config = config or self.Config()
         self._rows = 0  # rows in the batch (the table is shared by all)
         self.vocab_size: int | None = getattr(target, "vocab_size", None)
         self.table: torch.Tensor | None = None  # [V, k] long, -1 = unknown
-        self.auto = self.config.paths is None and self.config.tree_size == "auto"
+        self.auto = self.config.auto_tree  # the policy cuts the tree every round
+        self.ranks = self.ranks_with(self.config)
         self.shape = self._shape()
         self._layers = _layers(self.shape)
         # 'auto': each node's prior (the product of the priors along its path: a child never scores
