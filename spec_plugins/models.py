@@ -128,3 +128,15 @@ def load_gguf_tokenizer(model: str) -> Any:
     tok = AutoTokenizer.from_pretrained(str(src.directory), gguf_file=src.gguf_file)
     write_cache_dir(cache_root() / "tokenizers" / conv.name, lambda d: tok.save_pretrained(str(d)))
     return tok
+
+
+def same_model(a: str, b: str) -> bool:
+    """Whether two model names are one model's files (a relative and an absolute path, say); a
+    name that no longer resolves here matches only itself."""
+    if a == b:
+        return True
+    try:
+        ra, rb = resolve_model(a), resolve_model(b)
+    except (FileNotFoundError, ImportError, ValueError):
+        return False
+    return (ra.directory, ra.gguf_file) == (rb.directory, rb.gguf_file)

@@ -305,7 +305,7 @@ def check_heldout(train: FeatureStore, held: FeatureStore) -> None:
     def facts(store: FeatureStore) -> dict[str, Any]:
         return {"target": store.meta["target"], "layers": store.meta.get("layers"), "hidden width": store.hidden_size}
 
-    from spec_plugins.training.tokens import same_model
+    from spec_plugins.models import same_model
 
     mine, theirs = facts(train), facts(held)
     same = {"target": same_model(mine["target"], theirs["target"])}

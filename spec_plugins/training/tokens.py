@@ -22,6 +22,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
+from spec_plugins.models import same_model
 from spec_plugins.training.features import ShardDirectory
 
 FORMAT = "spec-plugins-tokens/1"
@@ -139,20 +140,6 @@ def write_meta(out: Path, state: dict) -> None:
     tmp = out / "meta.json.tmp"
     tmp.write_text(json.dumps(state, indent=1) + "\n")
     tmp.replace(out / "meta.json")
-
-
-def same_model(a: str, b: str) -> bool:
-    """Whether two model names are one model's files (a relative and an absolute path, say); a
-    name that no longer resolves here matches only itself."""
-    from spec_plugins.models import resolve_model
-
-    if a == b:
-        return True
-    try:
-        ra, rb = resolve_model(a), resolve_model(b)
-    except (FileNotFoundError, ImportError, ValueError):
-        return False
-    return (ra.directory, ra.gguf_file) == (rb.directory, rb.gguf_file)
 
 
 class TokenStore(ShardDirectory):
