@@ -30,6 +30,18 @@ def plain_greedy(model, ids: Sequence[int], n: int, eos: Sequence[int] = ()) -> 
 
 
 @torch.no_grad()
+def hf_generate(model, prompts: Sequence[Sequence[int]], n: int, pad: int) -> list[list[int]]:
+    """transformers' own greedy ``generate`` over left-padded ``prompts`` (the independent
+    reference): the ``n`` new tokens of each row."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                         pad_token_id=pad)
+    return out[:, width:].tolist()
+
+
+@torch.no_grad()
 def exact_joint(model, prompt: Sequence[int], n_tokens: int, pipeline: LogitsPipeline) -> dict[tuple, float]:
     """P(t_1..t_n | prompt) under the pipeline, by enumeration (tiny vocabularies only)."""
     probs: dict[tuple, float] = {(): 1.0}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import EVERY_PROPOSER, every_proposer, save_random_heads
+from helpers import EVERY_PROPOSER, every_proposer, hf_generate, save_random_heads
 
 from conftest import tiny_llama
 from spec_plugins.backends.torch_runtime import TorchRuntime
@@ -26,15 +26,8 @@ PAD = 0  # a token of the vocabulary (32); masked out, it changes nothing (check
 RUNTIMES = {"dynamic": lambda m: TorchRuntime(m, matmul="native"), "static": StaticTorchRuntime}
 
 
-@torch.no_grad()
-def generate(model, prompts, n: int = N) -> list[list[int]]:
-    """transformers' greedy ``generate`` over left-padded ``prompts``: the new tokens of each row."""
-    width = max(map(len, prompts))
-    ids = torch.tensor([[PAD] * (width - len(p)) + list(p) for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n, min_new_tokens=n,
-                         pad_token_id=PAD)
-    return out[:, width:].tolist()
+def generate(model, prompts) -> list[list[int]]:
+    return hf_generate(model, prompts, N, PAD)
 
 
 @pytest.fixture(scope="module")

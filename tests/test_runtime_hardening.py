@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from helpers import hf_generate
 
 from spec_plugins.backends.torch_runtime import TorchRuntime
 from spec_plugins.backends.torch_static import StaticTorchRuntime
@@ -43,15 +44,8 @@ def tiny_gemma3(window: int = WINDOW, seed: int = 0):
     return m
 
 
-@torch.no_grad()
-def generate(model, prompts, n: int = N) -> list[list[int]]:
-    """transformers' greedy ``generate`` over left-padded ``prompts``: the new tokens of each row."""
-    width = max(map(len, prompts))
-    ids = torch.tensor([[PAD] * (width - len(p)) + list(p) for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n, min_new_tokens=n,
-                         pad_token_id=PAD)
-    return out[:, width:].tolist()
+def generate(model, prompts) -> list[list[int]]:
+    return hf_generate(model, prompts, N, PAD)
 
 
 @pytest.fixture(scope="module")
