@@ -45,6 +45,16 @@ class RuntimeCapabilities:
 
 
 
+@dataclass(frozen=True)
+class SharedPool:
+    """A cache every row and tree leaf draws from (llama.cpp's unified KV cache): ``cells`` KV
+    positions in all, and ``sequences`` ids, one per row and one per tree leaf beyond a row's first.
+    A runtime without one (``Runtime.pool`` None) holds ``max_context`` positions for each row."""
+
+    cells: int
+    sequences: int
+
+
 @dataclass
 class StepOutput:
     """Logits for every new node, and optionally the hidden states feeding the LM head."""
@@ -65,6 +75,7 @@ class Runtime(Protocol):
     vocab_size: int  # width of the logits (may exceed the tokenizer's vocabulary: padding)
     max_context: int  # positions the model (or the configured context) can hold
     device: torch.device  # where logits come out: the round's tensors live there
+    # optional ``pool: SharedPool | None``: rows share one cache (``loop.capacity`` fits rows and drafts in it)
 
     def prefill(self, rows: Sequence[Sequence[int]], want_hidden: Want = False) -> StepOutput:
         """Start a new batch: run each row's tokens; logits are for the LAST token of each row

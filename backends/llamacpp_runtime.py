@@ -26,7 +26,7 @@ from typing import Any, Literal, Sequence
 import torch
 from pydantic import Field, model_validator
 
-from spec_plugins.backends.base import RuntimeCapabilities, StepOutput, Want
+from spec_plugins.backends.base import RuntimeCapabilities, SharedPool, StepOutput, Want
 from spec_plugins.config import RuntimeConfig
 from spec_plugins.models import load_gguf_tokenizer
 from spec_plugins.row_trees import LeafPaths
@@ -153,6 +153,7 @@ class LlamaCppRuntime:
         self.eos_token_ids = (eos,) if eos >= 0 else ()  # the GGUF's EOS, as the torch runtime's config has
         self.max_context = int(L.llama_n_ctx(self._ctx))
         self.capabilities = RuntimeCapabilities(tree_mask=True, hidden_states=False, name="llamacpp")
+        self.pool = SharedPool(self.max_context, cfg.max_sequences)  # what the batch fits rows and drafts in
         self.device = torch.device("cpu")  # logits come back in host memory
         self._seq: list[int] = []  # home sequence id per row
         self._len: list[int] = []  # tokens cached per row (= next position)

@@ -17,6 +17,7 @@ import torch
 
 from spec_plugins.config import SamplingConfig
 from spec_plugins.grammar import rounds as grammar
+from spec_plugins.loop import capacity
 from spec_plugins.loop.logprobs import row_logprobs
 from spec_plugins.loop.verdicts import read_round, verify_groups
 from spec_plugins.proposers.base import ProposerTraits, check_pairing
@@ -98,6 +99,10 @@ class Batch:
         tokens finishes at once, without touching the runtime)."""
         for r in requests:
             self._check_request(r)
+        self.drop_finished()  # their cache makes room first (as a round starts by doing)
+        short = self.shortfall([r for r in requests if r.max_new_tokens > 0])
+        if short is not None:
+            raise ValueError(f"cannot admit {len(requests)} request(s): {short}")
         out = [Emission(r.key, [], [], "length") for r in requests if r.max_new_tokens == 0]
         live = [r for r in requests if r.max_new_tokens > 0]
         if not live:
@@ -133,6 +138,19 @@ class Batch:
         if r.max_new_tokens < 0:
             raise ValueError(f"request {r.key!r}: max_new_tokens must be >= 0")
 
+    def shortfall(self, requests: Sequence[RowRequest], leaving: Sequence[Hashable] = (),
+                  alone: bool = False) -> str | None:
+        """Why ``requests`` cannot join the running rows (but ``leaving``; none if ``alone``) in the
+        runtime's shared pool, if it has one (``loop.capacity``); None when they fit."""
+        gone = set(leaving)
+        held = [] if alone else [r.prompt_len + r.max_new for r in self.rows if r.key not in gone and not r.done]
+        return capacity.shortfall(capacity.pool_of(self.runtime), held,
+                                  [len(r.prompt) + self._limit(r) for r in requests])
+
+    def _limit(self, r: RowRequest) -> int:
+        """The most tokens a request's row may add: its max_new_tokens, within the context."""
+        return min(r.max_new_tokens, self.runtime.max_context - len(r.prompt))
+
     def _row(self, r: RowRequest) -> Row:
         pipeline = r.pipeline
         if pipeline is None:
@@ -149,8 +167,7 @@ class Batch:
         gen = self.generator
         if r.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(r.seed)
-        limit = min(r.max_new_tokens, self.runtime.max_context - len(r.prompt))
-        return Row(r.key, list(r.prompt), len(r.prompt), limit, pipeline, gen, tuple(r.prefix), r.stop,
+        return Row(r.key, list(r.prompt), len(r.prompt), self._limit(r), pipeline, gen, tuple(r.prefix), r.stop,
                    r.logprobs, r.tenant, grammar=r.grammar)
 
     # ---- rows leave -------------------------------------------------------------------------------
@@ -203,9 +220,13 @@ class Batch:
         return budgets, policy.draft(self.traits.sources, ctx)
 
     def place(self, draft: Draft | None) -> Draft | None:
-        """The sized draft (forced tokens ahead) on the runtime's device (moved once), and its rows'
-        grammar masks built where its tokens are."""
+        """The sized draft (forced tokens ahead), cut to what the runtime's shared pool holds
+        (``loop.capacity``), on the runtime's device (moved once), and its rows' grammar masks
+        built where its tokens are."""
         draft = grammar.splice(draft, self.forced)
+        draft = capacity.fit(draft, capacity.pool_of(self.runtime), [len(r.tokens) - 1 for r in self.rows])
+        if self.forced:
+            self.forced = [f[: draft.size if draft is not None else 0] for f in self.forced]
         self._masks = grammar.round_masks(self.rows, draft, self.device)
         return draft.to(self.device) if draft is not None else None
 

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from spec_plugins.server.requests import Prepared
-from spec_plugins.server.scheduler import Job
+from spec_plugins.server.scheduler import Job, TooLarge
 from spec_plugins.server.schemas import ApiError
 from spec_plugins.text import StopFreeText
 
@@ -71,14 +71,17 @@ def submit(state: Any, prep: Prepared) -> Job:
 
 
 def submit_all(state: Any, preps: Sequence[Prepared]) -> list[Job]:
-    """Queue every row of a request at once, or none: 429 when the queue has no room for all,
-    503 while shutting down."""
+    """Queue every row of a request at once, or none: 422 when it could never run here (more rows
+    than the batch, or more than the runtime's shared cache holds alone), 429 when the queue has
+    no room for all, 503 while shutting down."""
     loop = asyncio.get_running_loop()
     jobs = [Job(p.row, loop) for p in preps]
     try:
         state.scheduler.submit(jobs)
     except OverflowError as exc:
         raise ApiError(429, str(exc), "overloaded") from None
+    except TooLarge as exc:
+        raise ApiError(422, str(exc)) from None
     except RuntimeError as exc:
         raise ApiError(503, str(exc), "overloaded") from None
     return jobs

@@ -24,6 +24,11 @@ from spec_plugins.types import Emission, RowRequest
 log = logging.getLogger("spec_plugins.server")
 
 
+class TooLarge(ValueError):
+    """A request that could never run here: more rows than the batch has slots, or more KV cells
+    than the runtime's shared cache holds with nothing else running."""
+
+
 @dataclass
 class Job:
     """One request's life in the scheduler; events arrive on ``queue`` in the handler's loop.
@@ -69,7 +74,10 @@ class Scheduler:
         so their rows share a draft schedule; ``_take``)."""
         jobs = job if isinstance(job, list) else [job]
         if len(jobs) > self.max_batch:  # it could never be admitted whole, and would hold the queue
-            raise ValueError(f"a request of {len(jobs)} rows cannot join a batch of {self.max_batch} slots")
+            raise TooLarge(f"a request of {len(jobs)} rows cannot join a batch of {self.max_batch} slots")
+        alone = self.batch.shortfall([j.row for j in jobs], alone=True)  # reads no running row
+        if alone is not None:  # it would not fit even in an empty batch
+            raise TooLarge(f"this request cannot run on this server: {alone}")
         with self._cv:
             if self._stop:
                 raise RuntimeError("the server is shutting down")
@@ -132,7 +140,7 @@ class Scheduler:
                 # drop cancelled rows, waiting or running, before the round
                 self._waiting = [left for jobs in self._waiting if (left := [j for j in jobs if not j.cancelled])]
                 gone = [k for k, j in self._jobs.items() if j.cancelled or j.finished]
-                admit = self._take(self.max_batch - (len(self._jobs) - len(gone)))
+                admit = self._take(self.max_batch - (len(self._jobs) - len(gone)), gone)
                 if not gone and not admit and not self._jobs:
                     self._cv.wait(timeout=0.5)
                     continue
@@ -154,14 +162,16 @@ class Scheduler:
         """Jobs waiting for a slot (the caller holds the lock)."""
         return sum(len(jobs) for jobs in self._waiting)
 
-    def _take(self, room: int) -> list[Job]:
-        """The jobs of the oldest waiting requests that fit in ``room`` slots, each request whole
-        (its choices share a round, so a seed reproduces its output). The oldest request that does
-        not fit waits for slots to free, and the requests behind it wait with it: none overtakes
-        another, so none waits forever (``submit`` refuses a request larger than the batch). The
-        caller holds the lock."""
+    def _take(self, room: int, leaving: list[int]) -> list[Job]:
+        """The jobs of the oldest waiting requests that fit in ``room`` slots and in the runtime's
+        shared pool beside the running rows but ``leaving`` (``Batch.shortfall``), each request
+        whole (its choices share a round, so a seed reproduces its output). The oldest request
+        that does not fit waits for room to free, and the requests behind it wait with it: none
+        overtakes another, so none waits forever (``submit`` refuses a request larger than an
+        empty batch). The caller holds the lock."""
         admit: list[Job] = []
-        while self._waiting and len(admit) + len(self._waiting[0]) <= room:
+        while self._waiting and len(admit) + len(self._waiting[0]) <= room and self.batch.shortfall(
+                [j.row for j in admit + self._waiting[0]], leaving) is None:
             admit.extend(self._waiting.pop(0))
         return admit
 
