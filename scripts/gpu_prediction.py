@@ -142,15 +142,15 @@ def eagle_rows(report: dict, method: str, directory: Path, shapes: list[str], ov
             for cat in report["categories"]:
                 e, p = summ[method][cat], summ["plain"][cat]
                 st, pst = e["stats"], p["stats"]
-                rounds = st["target_forwards"]
+                rounds = st["target_forwards"]  # the stats pool every run: so do the tokens and seconds
                 nodes = st["draft_tokens"] / rounds
-                t_cpu = pst["time_share"]["target_forward"] * p["seconds"] / pst["target_forwards"]
-                r = st["time_share"]["draft"] * e["seconds"] / rounds / t_cpu
+                t_cpu = pst["time_share"]["target_forward"] * sum(p["seconds_runs"]) / pst["target_forwards"]
+                r = st["time_share"]["draft"] * sum(e["seconds_runs"]) / rounds / t_cpu
                 t_round = _at(secs, 1 + nodes) + r * secs[0] + overhead
-                tok_s = e["tokens"] / (rounds * t_round)
+                tok_s = sum(e["tokens_runs"]) / (rounds * t_round)
                 plain = 1.0 / (secs[0] + overhead)
                 rows[cat] = {"tok_s": tok_s, "plain_tok_s": plain, "speedup": tok_s / plain, "nodes": nodes,
-                             "tokens_per_round": e["tokens"] / rounds, "draft_over_forward": r}
+                             "tokens_per_round": sum(e["tokens_runs"]) / rounds, "draft_over_forward": r}
             print(f"[{shape}, {name}] " + "  ".join(f"{c}: {v['speedup']:.2f}x" for c, v in rows.items()))
     return out
 

@@ -93,6 +93,32 @@ def test_tokens_per_s_is_the_median_of_each_runs_own_rate():
     assert rep["summary"]["ours_k2"]["c"]["speedup"] == pytest.approx(20.0 / 15.0)
 
 
+def test_decode_statistics_pool_every_run_as_the_rate_does():
+    """An auto method's runs differ (costs and sizer carry over): its acceptance and forwards are
+    every run's, per prompt and per category, not run 0's; the replay's per-round overhead and the
+    GPU prediction divide them by the runs' summed seconds and tokens."""
+    methods = [Method("plain", "baseline", None, _noop), Method("ours_k2", "ours", 2, _noop)]
+    prompts = [BenchPrompt("a", "c", ("x",))]
+    raw = _raw(methods, prompts, {"plain": [[(10, 1.0)] * 3], "ours_k2": [[(20, 1.0)] * 3]})
+    late = DecodeStats()
+    late.observe_round([1, 1], 2, 3)  # a later run: both drafted tokens accepted
+    late.time_total = 1.0
+    raw["results"]["ours_k2"][0][2] = PromptRun([[1] * 20], 1.0, late)
+    for run in raw["results"]["ours_k2"][0]:
+        run.stats.target_forwards = 1
+    runs = [r.stats for r in raw["results"]["ours_k2"][0]]
+    want = {k: sum(getattr(st, k) for st in runs) for k in ("target_forwards", "draft_tokens", "accepted_tokens")}
+    assert want["accepted_tokens"] != 3 * runs[0].accepted_tokens  # the late run differs from run 0
+    rep = build_report(raw, {})
+    for st in (rep["prompts"][0]["methods"]["ours_k2"]["stats"], rep["summary"]["ours_k2"]["all"]["stats"]):
+        assert {k: st[k] for k in want} == want
+    from spec_plugins.bench.replay import round_overhead
+
+    share = rep["summary"]["ours_k2"]["all"]["stats"]["time_share"]
+    spent = (share["verify"] + share["cache"] + share["other"]) * 3.0  # three runs of 1 s
+    assert round_overhead(rep) == pytest.approx(spent / 3)  # over three rounds, one per run
+
+
 # ---- "auto" in the report is our auto --------------------------------------------------------------
 def _auto_report(with_ours_auto: bool) -> dict:
     """plain, ours_k4, a --methods proposer drafting auto (listed first), maybe ours_auto, and

@@ -276,7 +276,7 @@ def round_overhead(report: dict) -> float:
         s = report["summary"][m["name"]]["all"]
         st = s["stats"]
         share = st["time_share"]
-        spent += (share["verify"] + share["cache"] + share["other"]) * s["seconds"]
+        spent += (share["verify"] + share["cache"] + share["other"]) * sum(s["seconds_runs"])  # stats pool the runs
         rounds += st["target_forwards"]
     return spent / rounds if rounds else 0.0
 

@@ -3,7 +3,9 @@
 tokens/s is the median over runs of one run's tokens over that run's seconds: per prompt, its
 tokens and seconds in the run; per category, the run's totals over the category's prompts (long
 answers weigh more, as they do for a user). Each run's own tokens count, because runs may emit
-different tokens (sampling; ``auto``, whose costs and sizer carry across runs). Speedup is
+different tokens (sampling; ``auto``, whose costs and sizer carry across runs). The decode
+statistics (forwards, acceptance, time shares) pool every run, so they describe the same runs as
+the rate; their counts go with the sums of ``tokens_runs`` and ``seconds_runs``. Speedup is
 tokens/s over plain's. The theoretical S(gamma) = (1 - a^(g+1)) / ((1 - a)(1 + g c)) uses the
 pooled acceptance a of our fixed-gamma runs and the measured draft cost ratio c; a second curve
 divides by the measured verify cost T(g+1)/T(1) instead of 1, which is what a CPU sees.
@@ -46,6 +48,17 @@ def _stats_summary(s: DecodeStats | None) -> dict[str, Any] | None:
         "time_share": _shares(s),
         "share_outside_forwards": s.time_outside_forwards / s.time_total if s.time_total else 0.0,
     }
+
+
+def pooled(stats: Sequence[DecodeStats | None]) -> DecodeStats | None:
+    """The runs' statistics as one (None when no run kept any)."""
+    kept = [s for s in stats if s is not None]
+    if not kept:
+        return None
+    out = kept[0]
+    for s in kept[1:]:
+        out = out.merge(s)
+    return out
 
 
 def theoretical_speedup(alpha: float, gamma: int, c: float, verify_ratio: float = 1.0) -> float:
@@ -98,8 +111,8 @@ def build_report(raw: dict, meta: dict[str, Any], tokenizer: Any = None) -> dict
                 "speedup": tps / ref if ref else None,
                 # plain too: its later runs are checked against its run 0
                 "greedy_equal": None if not greedy else (p.question_id, m.name) not in bad,
-                "stats": _stats_summary(runs[0].stats),
-                "token_ids": runs[0].tokens,
+                "stats": _stats_summary(pooled([r.stats for r in runs])),
+                "token_ids": runs[0].tokens,  # run 0's (greedy identity holds every run to them)
             }
             for cat in (p.category, "all"):
                 a = agg[m.name].setdefault(cat, {"tokens": [0] * len(runs), "seconds": [0.0] * len(runs),
@@ -108,8 +121,7 @@ def build_report(raw: dict, meta: dict[str, Any], tokenizer: Any = None) -> dict
                 a["seconds"] = [x + t for x, t in zip(a["seconds"], secs)]
                 a["prompts"] += 1
                 a["mismatches"] += int((p.question_id, m.name) in bad)
-                if runs[0].stats is not None:
-                    a["stats"] = runs[0].stats if a["stats"] is None else a["stats"].merge(runs[0].stats)
+                a["stats"] = pooled([a["stats"], *(r.stats for r in runs)])
         per_prompt.append(entry)
 
     categories = list(dict.fromkeys(p.category for p in prompts)) + ["all"]
