@@ -119,11 +119,24 @@ def load_head(directory: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return cfg, state
 
 
+def check_target_fit(hidden_size: int, vocab_ids: torch.Tensor, lm_weight: torch.Tensor) -> None:
+    """Refuse a head trained for another target before it drafts: its hidden size must be the
+    width of the target's LM head ``lm_weight`` [V, H], and its draft vocabulary rows of it."""
+    if hidden_size != lm_weight.shape[1]:
+        raise ValueError(f"it was trained for a target of hidden size {hidden_size}, this target's is "
+                         f"{lm_weight.shape[1]}")
+    if vocab_ids.numel():
+        low, high = int(vocab_ids.min()), int(vocab_ids.max())
+        if low < 0 or high >= lm_weight.shape[0]:
+            raise ValueError(f"its draft vocabulary holds token {low if low < 0 else high}, outside this target's "
+                             f"vocabulary of {lm_weight.shape[0]}")
+
+
 def build_head(kind: str, directory: str | Path, build: Any) -> Any:
     """``build()`` a head from a saved directory; a head of the other kind (or of another model)
     fails with one line naming the directory instead of a deep KeyError / size mismatch."""
     try:
         return build()
-    except (KeyError, TypeError, RuntimeError) as exc:
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as exc:
         raise ValueError(f"{directory} does not hold a {kind} head for this model "
                          f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None

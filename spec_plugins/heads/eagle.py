@@ -160,7 +160,7 @@ class EagleDrafter(nn.Module):
         (``model``: a transformers model, a runtime, or the (LM head, embeddings) pair)."""
         from dataclasses import fields
 
-        from spec_plugins.heads.common import build_head, load_head, target_lm_parts
+        from spec_plugins.heads.common import build_head, check_target_fit, load_head, target_lm_parts
 
         cfg, state = load_head(directory)
         lm, emb = target_lm_parts(model)
@@ -170,6 +170,7 @@ class EagleDrafter(nn.Module):
                 raise KeyError(f"its config.json says kind {cfg.get('kind')!r}")
             names = {f.name for f in fields(cls.config_class)}
             config = cls.config_class(**{k: v for k, v in cfg.items() if k in names})
+            check_target_fit(config.hidden_size, state["vocab_ids"], lm)
             drafter = cls(config, lm, emb, state["vocab_ids"])
             drafter.load_state_dict(state, strict=True)  # copies (and casts) into the target's device and dtype
             return drafter.eval()

@@ -2,8 +2,10 @@
 
 Its KV cache follows the target's: after each round it is rolled back to the longest prefix it
 shares with the committed sequence (known from the verdict: the accepted drafted tokens), so it
-never re-reads the prompt. Drafted tokens stay on the drafting device: each step's token feeds the
-next step there, and the user processors see each row's prefix there too; nothing is read back.
+never re-reads the prompt. A row whose sequence and draft would pass the draft model's context
+(shorter than the target's) gets no draft; the target goes on alone there. Drafted tokens stay
+on the drafting device: each step's token feeds the next step there, and the user processors see
+each row's prefix there too; nothing is read back.
 """
 
 from __future__ import annotations
@@ -59,32 +61,51 @@ class DraftModelProposer(Proposer):
             raise ValueError(f"token {top} is outside the draft model's vocabulary of {self.runtime.vocab_size}: "
                              f"the target (vocabulary {self.vocab_size}) emits tokens the draft cannot read")
 
-    def _start(self, prompts: Sequence[Sequence[int]]) -> None:
-        """A fresh batch: cache all but the last prompt token; propose() feeds the rest with the
-        pending token (one-token prompts: nothing to hold back)."""
-        heads = [list(p[:-1]) for p in prompts]
-        if not all(heads):
-            heads = [list(p) for p in prompts]
+    def _heads(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+        """What the draft caches of each new row: all but the last prompt token (``propose`` feeds
+        it with the pending token), a one-token prompt whole. A prompt that leaves the draft's
+        context no room for one more token can never be drafted for (its sequence only grows):
+        the draft runtime holds a row for it all the same, of its first token only."""
+        heads = [list(p[:1]) if len(p) >= self.runtime.max_context else list(p[:-1]) or list(p) for p in prompts]
         self._check_ids(heads)
-        self.runtime.prefill(heads)
-        self._cached = [len(h) for h in heads]
-        self._base = [0] * len(heads)
+        return heads
+
+    def _catch_up(self, seqs: Sequence[Sequence[int]], fits: Sequence[bool], room: int) -> torch.Tensor:
+        """Feed each row that fits what its cache lacks of its sequence; returns the logits after
+        each row's last fed token [B, V]. A forward feeds every row as many tokens, so a row
+        missing fewer re-feeds tokens it holds; a row too short to re-feed that many (it joined
+        after rounds without a draft) bounds the width, and the rows missing more catch up over
+        several forwards. A row that does not fit (past the draft's context) drafts nothing: it
+        re-feeds tokens of its own below ``room``, so the draft steps after stay in the context."""
+        held = list(self._cached)
+        while True:
+            missing = max(len(s) - c for s, c, f in zip(seqs, held, fits) if f)
+            width = min(max(1, missing), min(len(s) for s, f in zip(seqs, fits) if f))
+            ends = [max(width, min(len(s), c + width) if f else min(c, room)) for s, c, f in zip(seqs, held, fits)]
+            starts = [e - width for e in ends]
+            if starts != held:
+                self.runtime.rollback(starts)
+            fed = [list(s[a:e]) for s, a, e in zip(seqs, starts, ends)]
+            self._check_ids(fed)
+            logits = self._forward(upload_tensor(fed, self.runtime.device))[:, -1]
+            held = ends
+            if all(e == len(s) for s, e, f in zip(seqs, ends, fits) if f):
+                self._cached = held
+                return logits
 
     def propose(self, ctx: ProposeContext) -> Draft | None:
         k = max(ctx.budgets, default=0)
+        seqs = ctx.sequences
+        # a row drafts only where its k-1 fed draft tokens stay inside the draft's context
+        room = self.runtime.max_context - (k - 1)
+        fits = [len(s) <= room for s in seqs]
+        budgets = [n if f else 0 for f, n in zip(fits, ctx.budgets)]
+        k = max(budgets, default=0)
         if k <= 0:
             return None
-        seqs = ctx.sequences
-        dev = self.runtime.device
-        # 1. catch up: every row feeds the same number of tokens (rows needing fewer re-feed one)
-        need = max(1, max(len(s) - c for s, c in zip(seqs, self._cached)))
-        starts = [len(s) - need for s in seqs]
-        if starts != self._cached:
-            self.runtime.rollback(starts)
-        fed = [list(s[st:]) for s, st in zip(seqs, starts)]
-        self._check_ids(fed)
-        logits = self._forward(upload_tensor(fed, dev))[:, -1]
-        self._base = [len(s) for s in seqs]
+        # 1. catch up: every row's cache up to its sequence (rows past the context: within it)
+        logits = self._catch_up(seqs, fits, room)
+        self._base = list(self._cached)
         B = len(seqs)
         toks = torch.zeros(B, k, dtype=torch.long, device=logits.device)
         probs = None if ctx.pipeline.greedy else torch.zeros(B, k, self.vocab_size, device=logits.device)
@@ -104,7 +125,7 @@ class DraftModelProposer(Proposer):
             if i + 1 < k:  # the last token's logits are never needed
                 logits = self._forward(x[:, None])[:, -1]
         self._cached = [b + k - 1 for b in self._base]
-        valid = torch.arange(k, device="cpu")[None, :] < torch.tensor(list(ctx.budgets), device="cpu")[:, None]
+        valid = torch.arange(k, device="cpu")[None, :] < torch.tensor(budgets, device="cpu")[:, None]
         return Draft(toks, tuple(range(-1, k - 1)), probs, None if bool(valid.all()) else valid)  # host valid
 
     def observe(self, result: RoundRecord) -> None:
@@ -120,16 +141,16 @@ class DraftModelProposer(Proposer):
         self.runtime.rollback(lengths)
 
     def admit(self, prompts: Sequence[Sequence[int]]) -> None:
-        # cache all but the last prompt token (a one-token prompt is cached whole); propose()
-        # feeds each row whatever its cache lacks
+        # propose() feeds each row whatever its cache lacks
         t0 = time.perf_counter()
+        heads = self._heads(prompts)
         if not self._cached:
-            self._start(prompts)
+            self.runtime.prefill(heads)
+            self._cached, self._base = [], []
         else:
-            heads = [list(p[:-1]) if len(p) > 1 else list(p) for p in prompts]
             self.runtime.add_rows(heads)
-            self._cached += [len(h) for h in heads]
-            self._base += [0] * len(heads)
+        self._cached += [len(h) for h in heads]
+        self._base += [0] * len(heads)
         self._forward_time += time.perf_counter() - t0
 
     def select_rows(self, rows: Sequence[int]) -> None:

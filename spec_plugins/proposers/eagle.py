@@ -17,6 +17,7 @@ are deterministic, hence point masses (``probs=None``) for the exact verifier.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Literal, Sequence
 
 import torch
@@ -35,6 +36,8 @@ from spec_plugins.proposers.medusa import resolve_head_dir
 from spec_plugins.registry import register_proposer
 from spec_plugins.transfer import HOST, upload, upload_tensor
 from spec_plugins.types import Draft, Ranked, Shaped
+
+_INSTANCES = itertools.count()  # numbers each drafter's fetch name (``to_fetch``)
 
 
 @register_proposer("eagle")
@@ -76,6 +79,10 @@ class EagleProposer(Proposer):
                 raise ValueError("eagle needs the target (its LM head and embeddings are shared with the drafter)")
             drafter = self.drafter_class.from_pretrained(str(resolve_head_dir(config.heads)), target)
         self.drafter = drafter.eval()
+        vocab = drafter.vocab_ids.numel()
+        if config.mode == "tree" and config.top_k > vocab:
+            raise ValueError(f"{config.type}: top_k={config.top_k} children per node, but the drafter's draft "
+                             f"vocabulary has {vocab} tokens; set top_k to at most {vocab}")
         self.feature_layers = drafter.config.feature_layers  # () = the target's last hidden state
         self.layer: Any = self.drafter  # the drafter's layer, in PyTorch or ONNX Runtime
         ort = pick_engine(config.engine, target) == "onnxruntime"
@@ -94,6 +101,8 @@ class EagleProposer(Proposer):
         self.fed: list[int] = []  # per row: pairs (f_j, x_{j+1}) cached for j < fed
         self.means = SlotMeans(config.top_k if self.tree else 1)  # the drafter's mean score per slot
         self._scored: tuple[torch.Tensor, tuple[int, ...]] | None = None  # last draft's slot scores, to fetch
+        # the scores' name in the round's fetch, this drafter's own (a hybrid fetches two side by side)
+        self._fetch_name = f"{config.type}.scores.{next(_INSTANCES)}"
         self.max_depth = 1 << 30  # a sequential drafter drafts as deep as the policy asks
 
     # ---- cache: the shared slot layer, one drafter layer ------------------------------------------
@@ -205,10 +214,10 @@ class EagleProposer(Proposer):
 
     def to_fetch(self, z: torch.Tensor) -> dict[str, torch.Tensor]:
         """The last draft's slot scores, read in the round's one fetch (they update the means)."""
-        return {"eagle.scores": self._scored[0]} if self._scored is not None else {}
+        return {self._fetch_name: self._scored[0]} if self._scored is not None else {}
 
     def observe(self, record: RoundRecord) -> None:
-        scores = record.fetched.get("eagle.scores")
+        scores = record.fetched.get(self._fetch_name)
         if scores is not None and self._scored is not None:
             self.means.observe(scores, self._scored[1])
         self._scored = None

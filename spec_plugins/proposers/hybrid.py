@@ -51,6 +51,26 @@ def _unranked(name: Any) -> str:
             f"acceptance estimates, for the policy to choose between the children); use {RANKING}")
 
 
+def _one_feature_kind(children: Sequence[Proposer], traits: Sequence[ProposerTraits]) -> tuple[int, ...]:
+    """The decoder layers the children read (() = the last hidden state): the target returns one
+    kind of feature per forward, so children that read different ones are refused, each named."""
+    readers = [(c, t.feature_layers) for c, t in zip(children, traits) if t.needs_hidden or t.feature_layers]
+    if len({layers for _, layers in readers}) > 1:
+        said = "; ".join(f"{_named(c)} reads " + (f"decoder layers {list(layers)}" if layers
+                                                    else "the last hidden state") for c, layers in readers)
+        raise ValueError(f"hybrid: the children read different target features ({said}); the target returns one "
+                         "kind per forward, so pair drafters trained on the same features")
+    return readers[0][1] if readers else ()
+
+
+def _named(child: Proposer) -> str:
+    """A child as its config names it: its type, and its heads where it has some."""
+    config = getattr(child, "config", None)
+    name = getattr(config, "type", type(child).__name__)
+    heads = getattr(config, "heads", None)
+    return f"{name} ({heads})" if heads else name
+
+
 @register_proposer("hybrid")
 class HybridProposer(Proposer):
     """Per row, the better of two proposers' drafts (module docstring)."""
@@ -99,7 +119,7 @@ class HybridProposer(Proposer):
                 raise ValueError(_unranked(type(c).__name__))
         traits = [ProposerTraits.of(c) for c in self.children]
         self.needs_hidden = any(t.needs_hidden for t in traits)
-        self.feature_layers = next((t.feature_layers for t in traits if t.feature_layers), ())
+        self.feature_layers = _one_feature_kind(self.children, traits)
 
     def sources(self) -> list[Proposer]:
         """The children: the draft policy asks each to draft where it pays."""

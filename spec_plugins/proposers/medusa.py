@@ -56,6 +56,10 @@ class MedusaProposer(Proposer):
                 raise ValueError("medusa needs the target (its LM head is shared with the heads)")
             heads = MedusaHeads.from_pretrained(str(resolve_head_dir(config.heads)), target)
         self.heads = heads.eval()
+        vocab = self.heads.vocab_ids.numel()
+        if config.mode == "tree" and config.top_k > vocab:
+            raise ValueError(f"medusa: top_k={config.top_k} candidates per head, but the heads' draft vocabulary "
+                             f"has {vocab} tokens; set top_k to at most {vocab}")
         self.run_heads: Any = self.heads  # the heads' forward, in PyTorch or ONNX Runtime
         if pick_engine(config.engine, target) == "onnxruntime":
             self.run_heads = OrtMedusaHeads(head_session(self.heads, target))

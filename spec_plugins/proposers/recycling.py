@@ -65,6 +65,9 @@ class RecyclingProposer(Proposer):
             if self.tree_size != "auto" and not (1 <= self.tree_size <= 128):
                 raise ValueError(f"tree_size must be 'auto' or 1..128, got {self.tree_size}")
             if self.paths is not None:
+                if not self.paths:
+                    raise ValueError("paths is empty: give at least one rank path (e.g. [[0], [0, 0]]), or leave "
+                                     "paths out to shape the tree by tree_size")
                 tree = static_tree(self.paths)  # raises on malformed paths
                 if max(tree.ranks) >= self.candidates:
                     raise ValueError(f"paths use rank {max(tree.ranks)} but candidates={self.candidates}")
