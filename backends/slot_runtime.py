@@ -55,7 +55,8 @@ class SlotRuntime:
         return self.kv
 
     def _forward_mask(self, ancestors: torch.Tensor) -> torch.Tensor:
-        """The engine's mask for the forward just laid out (default: the slot layer's additive one)."""
+        """The engine's mask for the forward just laid out (default: the slot layer's additive one,
+        built where the ancestors are: a device tree is not read back)."""
         return self.slots.forward_mask(ancestors, self.mask_dtype)
 
     def _prefill_mask(self, start: int, end: int) -> torch.Tensor:

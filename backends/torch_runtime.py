@@ -54,6 +54,25 @@ def selects_static(config: Any) -> bool:
     return config.compile in ("on", "graphs") or pick_device(config.device).type == "cuda"
 
 
+MASKED_ATTENTION = ("sdpa", "eager")  # transformers' attention functions that apply any 4D mask as given
+
+
+def attention_implementation(model: Any) -> str:
+    """The attention implementation of ``model``'s decoder, refused unless it applies this runtime's
+    4D tree and hole masks exactly (additive floats on the growing cache; booleans for SDPA and
+    additive floats for eager on the static one). transformers' ``flex_attention`` adds the mask to
+    the scores (a boolean one hides nothing) and its flash attention reads a 2D padding mask only:
+    either would decode with wrong masks and no error."""
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    impl = getattr(cfg, "_attn_implementation", None) or "eager"  # None: transformers' attention runs eager
+    if impl not in MASKED_ATTENTION:
+        raise ValueError(f"{type(model).__name__} is loaded with attn_implementation={impl!r}, which does not "
+                         "apply this runtime's 4D attention masks (draft trees, rows of different lengths) "
+                         "exactly: load the model with attn_implementation=\"sdpa\" (or call "
+                         "model.set_attn_implementation(\"sdpa\") on it)")
+    return impl
+
+
 def load_for(config: Any) -> tuple[Any, Any]:
     """The model and tokenizer a torch config names, on its device and in its dtype (threads set first)."""
     if config.threads:
@@ -175,6 +194,7 @@ class TorchRuntime(SlotRuntime):
     def __init__(self, model: Any, tokenizer: Any = None, max_context: int | None = None,
                  matmul: Literal["auto", "auto_transposed", "native"] = "auto") -> None:
         self.model = model
+        self.attention = attention_implementation(model)  # one that takes our 4D masks, else refused
         # measured few-row kernel choice, active only inside _call (None: stock F.linear)
         self.kernels = (torch_kernels.tune(model, transposed=matmul == "auto_transposed")
                         if matmul != "native" else None)

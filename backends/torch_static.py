@@ -25,6 +25,7 @@ The cost model measures whichever path runs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,17 +127,30 @@ class StaticTorchRuntime(TorchRuntime):
         self._steps: dict[Want, FixedSteps] = {}  # per output kind: one graph per (rows, positions, capacity)
         self.cache: SlotCache | None = None
         self._live = (0, 0)  # rows and slots the buffers hold (what ``kv`` views)
-        # SDPA and flash attention take a boolean mask; the eager implementation adds it to scores
-        self._additive = getattr(model.config, "_attn_implementation", "sdpa") == "eager"
+        # SDPA takes a boolean mask; the eager implementation adds it to the scores
+        self._additive = self.attention == "eager"
 
     # ---- the buffers, seen as the slot layer's KV tensors -------------------------------------------
+    def _capacity(self, slots: int) -> int:
+        """The buffers' capacity for ``slots``: a power of two (few graphs, little waste), capped at
+        the longest slot axis a compiled forward can need. Before a forward the axis holds at most
+        ``max_context / (1 - compact_holes)`` slots (no row holds more than ``max_context``
+        positions, and commit and row selection compact once holes pass that share), and a compiled
+        forward adds at most ``WIDTH_BUCKETS[-1]``: so the buffers grow at most
+        ``log2(cap / MIN_CAPACITY) + 1`` times for their slots over a generation. Past the cap (an
+        eager forward wider than the last bucket) capacities stay powers of two."""
+        cap = max(MIN_CAPACITY, 1 << (max(slots, 1) - 1).bit_length())
+        if self.compact_holes >= 1:  # holes never compacted: no bound on the axis
+            return cap
+        bound = math.ceil(self.max_context / (1 - self.compact_holes)) + WIDTH_BUCKETS[-1]
+        return min(cap, bound) if slots <= bound else cap
+
     def _ensure(self, rows: int, slots: int) -> None:
-        """Buffers for ``rows`` x ``slots`` (grown in steps, the live content carried over)."""
+        """Buffers for ``rows`` x ``slots`` (grown in steps, ``_capacity``, the live content carried over)."""
         c = self.cache
         if c is not None and c.rows >= rows and c.capacity >= slots:
             return
-        cap = max(MIN_CAPACITY, 1 << (max(slots, 1) - 1).bit_length())  # powers of two: few graphs, little waste
-        cap = max(min(cap, self.max_context + WIDTH_BUCKETS[-1]), slots)
+        cap = self._capacity(slots)
         live = self.kv
         self.cache = SlotCache(self._layers, bucket(rows, ROW_BUCKETS), cap, self._kv_heads, self._head_dim,
                                self.dtype, self.device,
@@ -180,10 +194,9 @@ class StaticTorchRuntime(TorchRuntime):
 
     # ---- masks: the live-slot flags go to the device, not a float mask ------------------------------
     def _forward_mask(self, ancestors: torch.Tensor) -> _Mask:
-        n = int(ancestors.shape[-1])  # [n, n], or [B, n, n] each row its own
-        past_pos = self.slots.pos[:, : self.slots.slots - n]
-        return _Mask(upload(past_pos >= 0, self.device), upload(ancestors, self.device),
-                     upload(past_pos, self.device) if self.layout.window else None)
+        past, anc = self.slots.forward_visibility(upload(ancestors, self.device))  # [n, n], or [B, n, n]
+        past_pos = self.slots.pos[:, : past.shape[1]]
+        return _Mask(past, anc, upload(past_pos, self.device) if self.layout.window else None)
 
     def _prefill_mask(self, start: int, end: int) -> torch.Tensor:
         """A prompt chunk's mask (left padding as holes): the slot layer's, as booleans, on the

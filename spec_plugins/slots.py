@@ -208,18 +208,23 @@ class KVSlots:
         pos = self.pos[:, start:end]
         return (pos >= 0)[:, None, None, :].expand(pos.shape[0], 1, queries, pos.shape[1])
 
-    def forward_mask(self, ancestors: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Additive mask ``[B, 1, N, S+N]`` for the last forward: non-hole past + tree ancestors
-        (``[N, N]``, or ``[B, N, N]`` per row).
-
-        Call after ``forward`` (the tail is then part of ``pos``)."""
+    def forward_visibility(self, ancestors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the last forward's N nodes may see, on the device of ``ancestors`` (``[N, N]``, or
+        ``[B, N, N]`` per row): each row's non-hole past slots ``[B, S]`` bool (the host's flags
+        uploaded without a sync) and the ancestors themselves, so a tree drafted on a device is
+        never read back. Call after ``forward`` (the tail is then part of ``pos``)."""
         if self._tail is None:
-            raise RuntimeError("forward_mask() needs a preceding forward()")
-        S, N = self._tail
-        B = self.pos.shape[0]
-        anc = ancestors.to(HOST)  # [N, N] for every row, or [B, N, N] each row's own (a read off a device)
-        new_ok = (anc[None] if anc.dim() == 2 else anc).expand(B, N, N)[:, None]
-        return additive(torch.cat([self.past_ok(N, 0, S), new_ok], dim=-1), dtype)
+            raise RuntimeError("a forward mask needs a preceding forward()")
+        S, _ = self._tail
+        return upload(self.pos[:, :S] >= 0, ancestors.device), ancestors
+
+    def forward_mask(self, ancestors: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask ``[B, 1, N, S+N]`` for the last forward, built where ``ancestors`` are:
+        non-hole past + tree ancestors (``forward_visibility``)."""
+        past, anc = self.forward_visibility(ancestors)
+        (B, S), N = past.shape, int(anc.shape[-1])
+        new_ok = (anc[None] if anc.dim() == 2 else anc).expand(B, N, N)
+        return additive(torch.cat([past[:, None, :].expand(B, N, S), new_ok], dim=-1)[:, None], dtype)
 
     def prefill_mask(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
         """Additive mask ``[B, 1, n, end]`` for prompt slots ``start:end`` run as one chunk over the

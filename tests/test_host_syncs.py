@@ -1,4 +1,4 @@
-"""One device-to-host sync per round, for every proposer and every kind of batch, on the static cache.
+"""One device-to-host sync per round, for every proposer and every kind of batch, on both caches.
 
 Counted without a GPU (``device_audit.HostSyncs``): the target runtime (and the draft model's) is
 given ``torch.device("cpu", 0)``, a device unequal to the host's, so what it computes is "on the
@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import EVERY_PROPOSER, every_proposer, save_random_heads
+from helpers import EVERY_PROPOSER, every_proposer, plain_greedy, save_random_heads
 
 from conftest import tiny_llama
+from spec_plugins.backends.torch_runtime import TorchRuntime
 from spec_plugins.backends.torch_static import StaticTorchRuntime
 from spec_plugins.config import SamplingConfig
 from spec_plugins.device_audit import HostSyncs
@@ -47,26 +48,30 @@ def target(tmp_path_factory):
     return model, save_random_heads(model, tmp_path_factory.mktemp("heads"))
 
 
-def _runtime(model) -> StaticTorchRuntime:
-    rt = StaticTorchRuntime(model)
+def _runtime(model, cache: str = "static") -> TorchRuntime:
+    """The static cache (``StaticTorchRuntime``) or the growing one (``TorchRuntime``), on ``DEV``."""
+    rt = StaticTorchRuntime(model) if cache == "static" else TorchRuntime(model, matmul="native")
     rt.device = DEV
     return rt
 
 
-def syncs_per_round(model, heads, kind: str, cell: str, grammar=None) -> tuple[list[int], list[str]]:
-    """Host syncs of each round of ``cell`` decoded with ``kind`` (the last entry: the call that
-    finds every row finished), and where the rounds' syncs happened; ``grammar()``: a
-    ``RowGrammar`` for each row."""
+def syncs_per_round(model, heads, kind: str, cell: str, grammar=None, cache: str = "static"
+                    ) -> tuple[list[int], list[str], dict[int, list[int]]]:
+    """Host syncs of each round of ``cell`` decoded with ``kind`` on ``cache`` (the last entry: the
+    call that finds every row finished), where the rounds' syncs happened, and each row's tokens;
+    ``grammar()``: a ``RowGrammar`` for each row."""
     rows, top = CELLS[cell]
     policy = DraftPolicy.of(FixedLength(3))
+    outs: dict[int, list[int]] = {}
     with HostSyncs(DEV) as syncs:
         for t in (*model.parameters(), *model.buffers()):
             syncs.mark(t)  # the weights live on the device too
-        rt = _runtime(model)
-        batch = Batch(rt, every_proposer(kind, rt, heads, draft=lambda: _runtime(model)), ExactVerifier())
+        rt = _runtime(model, cache)
+        batch = Batch(rt, every_proposer(kind, rt, heads, draft=lambda: _runtime(model, cache)), ExactVerifier())
         batch.top_logprobs = top
-        batch.add([RowRequest(i, list(p), N, sampling=s, seed=seed, logprobs=lp,
-                              grammar=grammar() if grammar else None) for i, (p, s, seed, lp) in enumerate(rows)])
+        emitted = batch.add([RowRequest(i, list(p), N, sampling=s, seed=seed, logprobs=lp,
+                                        grammar=grammar() if grammar else None)
+                             for i, (p, s, seed, lp) in enumerate(rows)])
         start, per_round = len(syncs.where), []
         while len(batch):
             before = syncs.count
@@ -74,14 +79,24 @@ def syncs_per_round(model, heads, kind: str, cell: str, grammar=None) -> tuple[l
             per_round.append(syncs.count - before)
             # the counter sees the round's logits as device data (else every read would be free)
             assert record is None or syncs._on_dev(record.target_logits), "device tensors are not marked"
-        return per_round, syncs.where[start:]
+            emitted += record.emissions if record is not None else []
+        for em in emitted:
+            outs.setdefault(em.key, []).extend(em.tokens)
+        return per_round, syncs.where[start:], outs
 
 
+@pytest.mark.parametrize("cache", ["static", "growing"])
 @pytest.mark.parametrize("cell", list(CELLS))
 @pytest.mark.parametrize("kind", EVERY_PROPOSER)
-def test_at_most_one_host_sync_per_round(target, kind, cell):
-    per_round, where = syncs_per_round(*target, kind, cell)
-    assert len(per_round) > 1 and max(per_round) <= 1, f"{kind}/{cell}: syncs per round {per_round}, where: {where}"
+def test_at_most_one_host_sync_per_round(target, kind, cell, cache):
+    """On the growing cache too: per-row trees drafted on the device (EAGLE, parallel) go into its
+    mask where they are, not read back; greedy rows' tokens are plain greedy decoding's."""
+    per_round, where, outs = syncs_per_round(*target, kind, cell, cache=cache)
+    assert len(per_round) > 1 and max(per_round) <= 1, \
+        f"{kind}/{cell}/{cache}: syncs per round {per_round}, where: {where}"
+    rows, _ = CELLS[cell]
+    if all(s is None for _, s, _, _ in rows):
+        assert outs == {i: plain_greedy(target[0], p, N) for i, (p, *_) in enumerate(rows)}
 
 
 # proposers whose drafts start on the host: a grammar's masks are built where their tokens are
@@ -98,6 +113,6 @@ def test_grammar_rows_keep_one_sync_for_host_drafts_and_two_for_device_trees(tar
     from spec_plugins.grammar import GrammarSpec, RowGrammar, compile_grammar, ll_tokenizer
 
     compiled = compile_grammar(GrammarSpec.regex(REGEX), ll_tokenizer(tiny_tokenizer(), 32, [0]))
-    per_round, where = syncs_per_round(*target, kind, "holes-greedy", lambda: RowGrammar(compiled, [0], 32))
+    per_round, where, _ = syncs_per_round(*target, kind, "holes-greedy", lambda: RowGrammar(compiled, [0], 32))
     limit = 1 if kind in HOST_DRAFTED else 2
     assert len(per_round) > 1 and max(per_round) <= limit, f"{kind}: syncs per round {per_round}, where: {where}"

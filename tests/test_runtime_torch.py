@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conftest import tiny_llama
@@ -136,3 +137,45 @@ def test_a_cache_the_model_ignores_is_an_error_not_wrong_tokens():
             rt.prefill([[1, 2, 3, 4]], want_hidden=want)
     with pytest.raises(TypeError, match="takes none of"):
         hf_compat.cache_keyword(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("impl", ["flex_attention", "flash_attention_2"])
+def test_attention_that_misreads_our_masks_is_refused_by_name(impl):
+    """transformers' flex attention adds a 4D mask to the scores (a boolean one hides nothing) and
+    its flash attention reads a 2D padding mask only: both caches refuse them when built, naming the
+    implementation and the one to load, and so does ``generate()`` through the plugin."""
+    from spec_plugins.backends.torch_static import StaticTorchRuntime
+    from spec_plugins.integrations.transformers import speculative_generate
+
+    model = tiny_llama(seed=3)
+    model.config._attn_implementation = impl
+    refusal = rf"attn_implementation='{impl}'.*load the model with attn_implementation=\"sdpa\""
+    for make in (TorchRuntime, StaticTorchRuntime):
+        with pytest.raises(ValueError, match=refusal):
+            make(model)
+    with pytest.raises(ValueError, match=refusal):
+        model.generate(torch.tensor([[1, 2, 3]]), custom_generate=speculative_generate, max_new_tokens=4,
+                       pad_token_id=0)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_sdpa_and_eager_attention_decode_trees_over_holes_exactly(impl, tmp_path):
+    """The implementations that apply a 4D mask as given: EAGLE trees over a batch with holes give
+    plain greedy decoding's tokens on both caches (the static one hands eager an additive mask)."""
+    from helpers import every_proposer, plain_greedy, save_random_heads
+
+    from spec_plugins.backends.torch_static import StaticTorchRuntime
+
+    model = tiny_llama(seed=3, sharpness=2.0)
+    model.set_attn_implementation(impl)
+    heads = save_random_heads(model, tmp_path)
+    prompts = [[1, 2, 3, 1, 2, 3, 1], [5, 6, 5, 6, 5, 6, 7, 5, 6], [9, 4]]
+    greedy = LogitsPipeline(SamplingConfig())
+    for rt in (TorchRuntime(model, matmul="native"), StaticTorchRuntime(model)):
+        assert rt.attention == impl
+        outs = [[] for _ in prompts]
+        proposer = every_proposer("eagle-tree", rt, heads)
+        for step in decode(rt, proposer, ExactVerifier(), greedy, prompts, 12, (), None, None, FixedLength(3)):
+            for i, t in step.emitted.items():
+                outs[i].extend(t)
+        assert outs == [plain_greedy(model, p, 12) for p in prompts], (impl, type(rt).__name__)

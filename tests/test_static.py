@@ -82,6 +82,43 @@ def test_the_compiled_step_is_one_graph_and_equal_to_eager():
     assert _outs(eager, NgramProposer(NgramProposer.Config()), PROMPTS, n=12) == out
 
 
+def test_the_buffers_grow_a_few_times_up_to_the_context_end(monkeypatch):
+    """A long row keeping one node per round beside a short row keeping five leaves holes, squeezed
+    out only past ``compact_holes`` of the slot axis, so near the context end the axis passes
+    ``max_context``: the buffers are sized for the longest axis compaction allows, so they grow a
+    few times in a generation (each growth drops every compiled or captured step), not on every
+    forward, and every kept node's greedy token is plain greedy decoding's."""
+    from spec_plugins.backends import torch_static
+
+    sizes = []
+
+    class Counted(torch_static.SlotCache):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            sizes.append(self.capacity)
+
+    monkeypatch.setattr(torch_static, "SlotCache", Counted)
+    model = tiny_llama(seed=3, sharpness=2.0, max_pos=512)
+    long, short = [1, 2, 3, 4] * 110, [5, 6, 7]
+    rounds, width = 512 - len(long), 5
+    ref_long, ref_short = plain_greedy(model, long, rounds), plain_greedy(model, short, (rounds - 1) * width + 1)
+    rt = StaticTorchRuntime(model)
+    first = rt.prefill([long, short]).logits[:, -1].argmax(-1).tolist()
+    assert first == [ref_long[0], ref_short[0]]
+    got_long, got_short = [ref_long[0]], [ref_short[0]]
+    for r in range(rounds - 1):
+        # the long row: its pending token and nodes it rejects; the short row: plain greedy's next tokens
+        fed_short = ref_short[r * width: (r + 1) * width]
+        tokens = torch.tensor([[got_long[-1]] + [0] * (width - 1), fed_short])
+        greedy = rt.forward(tokens).logits.argmax(-1)
+        rt.commit([[0], list(range(width))])
+        got_long.append(int(greedy[0, 0]))
+        got_short.extend(greedy[1].tolist())
+    assert max(rt.lengths()) == 511 and got_long == ref_long
+    assert got_short == ref_short[:len(got_short)]
+    assert len(sizes) <= 3 and sizes == sorted(sizes), f"the buffers were allocated {len(sizes)} times: {sizes}"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compile: graphs captures CUDA graphs; no CUDA device "
                     "here (scripts/gpu_check.sh runs it on a lent GPU)")
 @pytest.mark.parametrize("kind", ["ngram", "eagle-tree"])
