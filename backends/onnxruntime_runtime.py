@@ -56,12 +56,36 @@ def providers_for(device: str, available: Sequence[str]) -> list[str]:
     return ["CPUExecutionProvider"]
 
 
+def provider_options(providers: Sequence[str], device_id: int, stream: int | None) -> list[dict[str, str]]:
+    """Each provider's options. CUDA: the device, and ``stream`` (a torch CUDA stream's handle) as
+    the compute stream ONNX Runtime queues its kernels on, so that the runtime can order them after
+    the torch work that writes their inputs (``OnnxRuntime._call``); without it ONNX Runtime runs
+    on a stream of its own that nothing orders. The null stream (torch's default stream, handle 0)
+    cannot serve: ONNX Runtime reads a null ``user_compute_stream`` as none given."""
+    out = []
+    for p in providers:
+        if p != "CUDAExecutionProvider":
+            out.append({})
+            continue
+        if not stream:
+            raise ValueError(f"the CUDA execution provider needs a torch stream other than the default (null) one as "
+                             f"its user_compute_stream, got {stream!r}")
+        out.append({"device_id": str(device_id), "user_compute_stream": str(stream)})
+    return out
+
+
 def create_session(file: str | Path, device: str = "cpu", device_id: int = 0, graph_optimization: str = "all",
                    threads: int | None = None, arena: bool = True, spinning: bool = False) -> Any:
     """An InferenceSession with the configured providers, optimisation level, threads, CPU memory
-    arena and intra-op spinning (idle threads spin-wait for the next parallel section)."""
+    arena and intra-op spinning (idle threads spin-wait for the next parallel section). On CUDA it
+    runs on a torch stream of its own (``provider_options``); torch's streams come from a pool
+    that lives as long as the process, so the session may keep the handle."""
     ort = import_ort()
     providers = providers_for(device, ort.get_available_providers())
+    stream = None
+    if "CUDAExecutionProvider" in providers:
+        _check_torch_cuda()
+        stream = torch.cuda.Stream(torch.device("cuda", device_id)).cuda_stream
     so = ort.SessionOptions()
     if graph_optimization not in _OPT_LEVELS:
         raise ValueError(f"graph_optimization={graph_optimization!r}; allowed values: {', '.join(_OPT_LEVELS)}")
@@ -73,8 +97,26 @@ def create_session(file: str | Path, device: str = "cpu", device_id: int = 0, gr
     so.inter_op_num_threads = 1
     so.enable_cpu_mem_arena = arena
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
-    opts = [{"device_id": device_id} if p == "CUDAExecutionProvider" else {} for p in providers]
+    opts = provider_options(providers, device_id, stream)
     return ort.InferenceSession(str(file), so, providers=providers, provider_options=opts)
+
+
+def _check_torch_cuda() -> None:
+    if not torch.cuda.is_available():
+        raise RuntimeError("the CUDA execution provider keeps the KV cache in torch CUDA tensors, "
+                           "but this torch has no CUDA; install a CUDA torch or set device: cpu")
+
+
+def session_stream(session: Any, device: torch.device) -> Any:
+    """The CUDA stream a session queues its kernels on, as a torch stream (its
+    ``user_compute_stream``); a session without one is refused, since nothing could order its
+    kernels after the torch work that writes their inputs."""
+    handle = int(session.get_provider_options().get("CUDAExecutionProvider", {}).get("user_compute_stream", 0))
+    if not handle:
+        raise ValueError("this CUDA session runs on a stream of ONNX Runtime's own, which torch cannot order after "
+                         "the work that writes its inputs; build it with create_session, which gives it a torch "
+                         "stream (user_compute_stream)")
+    return torch.cuda.ExternalStream(handle, device=device)
 
 
 def source_files(src: Any) -> list[Path]:
@@ -209,10 +251,10 @@ class OnnxRuntime(SlotRuntime):
         self.tokenizer = tokenizer
         self.eos_token_ids = list(eos_token_ids)
         on_cuda = session.get_providers()[0] == "CUDAExecutionProvider"
-        if on_cuda and not torch.cuda.is_available():
-            raise RuntimeError("the CUDA execution provider keeps the KV cache in torch CUDA tensors, "
-                               "but this torch has no CUDA; install a CUDA torch or set device: cpu")
+        if on_cuda:
+            _check_torch_cuda()
         self.device = torch.device("cuda", device_id) if on_cuda else torch.device("cpu")
+        self._stream = session_stream(session, self.device) if on_cuda else None  # None: CPU, in order
         self._ort_device = ("cuda", device_id) if on_cuda else ("cpu", 0)
         if entry.dtype not in _TORCH_DTYPES:
             raise ValueError(f"graph dtype {entry.dtype!r} is not supported; expected one of {list(_TORCH_DTYPES)}")
@@ -273,7 +315,9 @@ class OnnxRuntime(SlotRuntime):
             self._bind(io, "features" if layers else "hidden", hidden, output=True)
         for name, t in zip(self._presents, presents):
             self._bind(io, name, t, output=True)
-        self.session.run_with_iobinding(io)
+        if self._stream is not None:  # the graph's kernels start after torch's work on the inputs (any stream)
+            self._stream.wait_stream(torch.cuda.current_stream(dev))
+        self.session.run_with_iobinding(io)  # returns once the session's stream is done: outputs ready
         self.kv = presents
         return StepOutput(logits, hidden)
 

@@ -193,18 +193,21 @@ class TensorRTRuntime(SlotRuntime):
 
     def _run_engine(self, profile: int, feeds: dict[str, torch.Tensor],
                     out_shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-        """Bind torch CUDA tensors by address and enqueue on torch's current stream (no sync)."""
+        """Bind torch CUDA tensors by address and enqueue on torch's current stream (no sync), with
+        the runtime's device current, as when its engine and contexts were made (a caller on
+        another device, e.g. a draft on cuda:1 beside a target on cuda:0, would else run them there)."""
         ctx = self.contexts[profile]
-        for name, t in feeds.items():
-            ctx.set_input_shape(name, tuple(t.shape))
-            ctx.set_tensor_address(name, self._addr(t))
-        outs = {}
-        for name, shape in out_shapes.items():
-            got = tuple(ctx.get_tensor_shape(name))
-            if got != shape:
-                raise RuntimeError(f"engine output {name} has shape {got}; the manifest layout gives {shape}")
-            outs[name] = torch.empty(shape, dtype=self._dtypes[name], device=self.device)
-            ctx.set_tensor_address(name, self._addr(outs[name]))
-        if not ctx.execute_async_v3(torch.cuda.current_stream(self.device).cuda_stream):
-            raise RuntimeError("TensorRT execute_async_v3 failed (see the TensorRT log above)")
+        with torch.cuda.device(self.device):
+            for name, t in feeds.items():
+                ctx.set_input_shape(name, tuple(t.shape))
+                ctx.set_tensor_address(name, self._addr(t))
+            outs = {}
+            for name, shape in out_shapes.items():
+                got = tuple(ctx.get_tensor_shape(name))
+                if got != shape:
+                    raise RuntimeError(f"engine output {name} has shape {got}; the manifest layout gives {shape}")
+                outs[name] = torch.empty(shape, dtype=self._dtypes[name], device=self.device)
+                ctx.set_tensor_address(name, self._addr(outs[name]))
+            if not ctx.execute_async_v3(torch.cuda.current_stream(self.device).cuda_stream):
+                raise RuntimeError("TensorRT execute_async_v3 failed (see the TensorRT log above)")
         return outs

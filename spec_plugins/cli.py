@@ -99,11 +99,13 @@ def generate(
         toks: list[int] = []
         text = ""
         reason = "length"
+        error = None
         for ev in dec.stream(prompt, max_new_tokens, stop, chat=chat, temperature=temperature, seed=seed, stats=stats,
                              grammar=grammar, forced_drafts=not no_forced_drafts):
             toks.extend(ev.token_ids)
             text += ev.text
             reason = ev.finish_reason or reason
+            error = ev.error or error
             if not as_json:
                 sys.stdout.write(ev.text)
                 sys.stdout.flush()
@@ -111,7 +113,8 @@ def generate(
         fail(str(exc))
         return
     if as_json:
-        print(json.dumps({"text": text, "token_ids": toks, "finish_reason": reason, "stats": stats.to_dict()}))
+        print(json.dumps({"text": text, "token_ids": toks, "finish_reason": reason, "error": error,
+                          "stats": stats.to_dict()}))
     else:
         _tune_hint(config)
         s = stats
@@ -121,6 +124,8 @@ def generate(
             f"mean accepted {s.mean_accepted_tokens:.2f}, acceptance {s.acceptance_rate:.2%}, finish: {reason}"
             + (f", forced {s.forced_tokens}" if grammar is not None else "") + "]",
             err=True, fg=typer.colors.CYAN)
+    if error is not None:  # the output ended early: say why (a grammar with no way on, a failed sampling)
+        typer.secho(f"error: the generation failed: {error}", fg=typer.colors.RED, err=True)
 
 
 def _grammar(json_schema: Optional[Path], regex: Optional[str]) -> Any:

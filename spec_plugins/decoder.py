@@ -7,10 +7,12 @@ streaming. Plain decoding is the same object with no proposer.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence, Union
+from typing import Any, Iterable, Iterator, Mapping, Sequence, Union
 
 import torch
+from pydantic import ValidationError
 
 from spec_plugins.backends import build_runtime
 from spec_plugins.config import SamplingConfig, SpecConfig
@@ -27,6 +29,8 @@ from spec_plugins.wiring import Wiring, wire
 Prompt = Union[str, Sequence[dict], Sequence[int]]
 # a constraint on the output: a GrammarSpec, or TGI's {"type": "json" | "regex", "value": ...}
 Grammar = Union[GrammarSpec, dict, None]
+# stop strings: one string, several, or None (no stop)
+Stop = Union[str, Sequence[str], None]
 
 
 @dataclass
@@ -36,10 +40,11 @@ class GenerationResult:
     stats: DecodeStats
     prompt_ids: list[int] = field(default_factory=list)
     finish_reason: str = "length"
+    error: str | None = None  # why the output ended with finish_reason "error"
 
     def to_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-                "stats": self.stats.to_dict()}
+                "error": self.error, "stats": self.stats.to_dict()}
 
 
 @dataclass
@@ -47,6 +52,7 @@ class StreamEvent:
     token_ids: list[int]  # new tokens this round
     text: str  # new text this round (may be empty while a multi-byte char is incomplete)
     finish_reason: str | None = None
+    error: str | None = None  # why the output ended with finish_reason "error"
 
 
 class SpeculativeDecoder:
@@ -101,13 +107,16 @@ class SpeculativeDecoder:
 
     # ---- prompts ---------------------------------------------------------------------------
     def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
-        """str -> tokens (chat template applied if ``chat``), messages -> chat template, ids as is."""
+        """str -> tokens (chat template applied if ``chat``), messages -> chat template, ids as is
+        (integers within the target's vocabulary)."""
         if isinstance(prompt, str):
             if prompt == "":
                 raise ValueError("prompt is empty")
             if chat and self.has_chat_template:
                 return self.encode([{"role": "user", "content": prompt}])
-            return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+            return self._in_vocab(list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"]))
+        if not isinstance(prompt, Iterable):
+            raise TypeError(f"a prompt is a str, chat messages or a list of token ids, got {type(prompt).__name__}")
         seq = list(prompt)
         if not seq:
             raise ValueError("prompt is empty")
@@ -117,8 +126,18 @@ class SpeculativeDecoder:
             ids = self.tokenizer.apply_chat_template(seq, add_generation_prompt=True, tokenize=True)
             if hasattr(ids, "keys"):
                 ids = ids["input_ids"]
-            return list(ids)
-        return [int(t) for t in seq]
+            return self._in_vocab(list(ids))
+        return self._in_vocab([_token_id(t, i) for i, t in enumerate(seq)])
+
+    def _in_vocab(self, ids: list[int]) -> list[int]:
+        """``ids``, each checked to be a row of the target's embedding (an id outside it fails
+        deep inside the forward otherwise)."""
+        vocab = int(self.target.vocab_size)
+        for i, t in enumerate(ids):
+            if not 0 <= t < vocab:
+                raise ValueError(f"prompt token id {t} (position {i}) is outside the model's vocabulary "
+                                 f"(0..{vocab - 1})")
+        return ids
 
     @property
     def has_chat_template(self) -> bool:
@@ -152,7 +171,7 @@ class SpeculativeDecoder:
         self,
         prompt: Prompt,
         max_new_tokens: int = 128,
-        stop: Sequence[str] = (),
+        stop: Stop = (),
         processors: Sequence[LogitsProcessorFn] = (),
         chat: bool | None = None,
         temperature: float | None = None,
@@ -166,11 +185,14 @@ class SpeculativeDecoder:
         """Yield new tokens/text each round; stops at EOS, max_new_tokens or a stop string (the
         text then ends before it; finish reason ``stop_sequence``). ``grammar`` or OpenAI's
         ``response_format``: the output is held to it at every drafted node (``grammar.rounds``);
-        ``forced_drafts``: draft the tokens it forces."""
+        ``forced_drafts``: draft the tokens it forces. ``stop``: one stop string or several. A row
+        that fails (a logits processor raising, a grammar with no way on) ends with finish reason
+        ``error`` and the event's ``error`` says why."""
         ids = self.encode(prompt, chat)
+        stops = _stop_strings(stop)
         pipeline = LogitsPipeline(self._sampling(temperature, seed), processors)
         rows = self.row_grammars([grammar], response_format, forced_drafts)
-        yield from self._stream_ids(ids, max_new_tokens, stop, pipeline, stats, observers, rows)
+        yield from self._stream_ids(ids, max_new_tokens, stops, pipeline, stats, observers, rows)
 
     def _stream_ids(self, ids: list[int], max_new_tokens: int, stop: Sequence[str], pipeline: LogitsPipeline,
                     stats: DecodeStats | None, observers: Sequence[Any], grammars: list | None = None
@@ -186,40 +208,50 @@ class SpeculativeDecoder:
                 s = streams[0]
                 text = shown.push(s.text[pushed:], s.stop_at, bool(reason))
                 pushed = len(s.text)
-            yield StreamEvent(step.emitted.get(0, []), text, _reason(reason))
+            yield StreamEvent(step.emitted.get(0, []), text, _reason(reason), step.errors.get(0))
             if reason:
                 return
 
-    def generate(self, prompt: Prompt, max_new_tokens: int = 128, stop: Sequence[str] = (),
+    def generate(self, prompt: Prompt, max_new_tokens: int = 128, stop: Stop = (),
                  processors: Sequence[LogitsProcessorFn] = (), chat: bool | None = None,
                  temperature: float | None = None, seed: int | None = None,
                  observers: Sequence[Any] = (), grammar: Grammar = None, response_format: dict | None = None,
                  forced_drafts: bool = True) -> GenerationResult:
         """One prompt to the end (``stream``'s arguments)."""
         ids = self.encode(prompt, chat)
+        stops = _stop_strings(stop)
         pipeline = LogitsPipeline(self._sampling(temperature, seed), processors)
         rows = self.row_grammars([grammar], response_format, forced_drafts)
         stats = DecodeStats()
         toks: list[int] = []
         text = ""
         reason = "length"
-        for ev in self._stream_ids(ids, max_new_tokens, stop, pipeline, stats, observers, rows):
+        error = None
+        for ev in self._stream_ids(ids, max_new_tokens, stops, pipeline, stats, observers, rows):
             toks.extend(ev.token_ids)
             text += ev.text
             reason = ev.finish_reason or reason
-        return GenerationResult(text, toks, stats, ids, reason)
+            error = ev.error or error
+        return GenerationResult(text, toks, stats, ids, reason, error)
 
     def generate_batch(self, prompts: Sequence[Prompt], max_new_tokens: int | Sequence[int] = 128,
                        processors: Sequence[LogitsProcessorFn] = (), chat: bool | None = None,
                        temperature: float | None = None, seed: int | None = None,
-                       sampling: Sequence[SamplingConfig] | None = None, seeds: Sequence[int | None] | None = None,
-                       observers: Sequence[Any] = (), stop: Sequence[str] = (),
+                       sampling: Sequence[SamplingConfig | dict] | None = None,
+                       seeds: Sequence[int | None] | None = None, observers: Sequence[Any] = (), stop: Stop = (),
                        grammar: Grammar | Sequence[Grammar] = None, forced_drafts: bool = True) -> list[GenerationResult]:
-        """Decode several prompts as one batch (one target forward per round for all rows).
-        ``sampling[i]`` / ``seeds[i]``: row i's own sampling and generator (default: the config's
-        sampling, one generator shared by the rows); ``stop``: stop strings for every row;
-        ``grammar``: one for every row, or one per row (None: that row is free)."""
+        """Decode several prompts (a list; ``generate`` takes one) as one batch (one target forward
+        per round for all rows). ``sampling[i]``: row i's own sampling (a ``SamplingConfig`` or its
+        fields as a dict), its generator seeded from its ``seed`` as ``generate(seed=...)`` seeds
+        one; ``seeds[i]``: row i's generator seed, over ``sampling[i].seed`` where both are given
+        (None: the generator the rows share, seeded from the config's sampling or ``seed``);
+        ``stop``: stop strings for every row; ``grammar``: one for every row, or one per row
+        (None: that row is free). A row that fails ends with finish reason ``error`` and its
+        result's ``error`` says why."""
+        if isinstance(prompts, (str, bytes)):
+            raise TypeError("generate_batch takes a list of prompts, got one str; use generate() for one prompt")
         ids = [self.encode(p, chat) for p in prompts]
+        stops = _stop_strings(stop)
         per_row = list(grammar) if isinstance(grammar, (list, tuple)) else [grammar] * len(ids)
         if len(per_row) != len(ids):
             raise ValueError(f"grammar needs one entry per prompt ({len(ids)}), got {len(per_row)}")
@@ -227,21 +259,26 @@ class SpeculativeDecoder:
         base = self._sampling(temperature, seed)
         if sampling is not None and len(sampling) != len(ids) or seeds is not None and len(seeds) != len(ids):
             raise ValueError(f"sampling and seeds need one entry per prompt ({len(ids)})")
+        configs = [_row_sampling(s, i) for i, s in enumerate(sampling)] if sampling is not None else None
+        row_seeds = _row_seeds(seeds, configs)
         shared = {base: LogitsPipeline(base, processors)}
-        for s in sampling or ():
+        for s in configs or ():
             shared.setdefault(s, LogitsPipeline(s, processors))
-        pipes = [shared[s] for s in sampling] if sampling is not None else [shared[base]] * len(ids)
-        streams = self._text_streams(len(ids), stop)
+        pipes = [shared[s] for s in configs] if configs is not None else [shared[base]] * len(ids)
+        streams = self._text_streams(len(ids), stops)
         outs: list[list[int]] = [[] for _ in ids]
         reasons = ["length"] * len(ids)
+        errors: list[str | None] = [None] * len(ids)
         stats = DecodeStats()
-        for step, _ in self._rounds(ids, pipes, max_new_tokens, streams, seeds, stats, observers, base.seed, rows):
+        for step, _ in self._rounds(ids, pipes, max_new_tokens, streams, row_seeds, stats, observers, base.seed, rows):
             for i, t in step.emitted.items():
                 outs[i].extend(t)
             for i, r in step.finished.items():
                 reasons[i] = _reason(r)
+            for i, e in step.errors.items():
+                errors[i] = e
         texts = [s.visible for s in streams] if streams else [""] * len(ids)
-        return [GenerationResult(t, o, stats, i, r) for t, o, i, r in zip(texts, outs, ids, reasons)]
+        return [GenerationResult(t, o, stats, i, r, e) for t, o, i, r, e in zip(texts, outs, ids, reasons, errors)]
 
     def _text_streams(self, rows: int, stop: Sequence[str]) -> list[TextStream]:
         """One incremental text stream per row (none without a tokenizer: token ids only)."""
@@ -311,3 +348,54 @@ class SpeculativeDecoder:
 def _reason(reason: str | None) -> str | None:
     """The batch's row-stop reason, named as the API names a stop string's."""
     return "stop_sequence" if reason == "stop" else reason
+
+
+def _token_id(t: Any, i: int) -> int:
+    """A prompt's token id at position ``i``: an integer (Python, numpy, or a one-element integer
+    tensor), never a float, bool or str read as one."""
+    if isinstance(t, bool) or getattr(t, "dtype", None) == torch.bool:
+        raise TypeError(f"prompt token ids must be integers; position {i} holds the bool {t!r}")
+    try:
+        return operator.index(t)
+    except TypeError:
+        raise TypeError(f"prompt token ids must be integers; position {i} holds {t!r} "
+                        f"({type(t).__name__})") from None
+
+
+def _stop_strings(stop: Stop) -> list[str]:
+    """Stop strings as a list: one string is one stop, None none; every entry a string."""
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if not isinstance(stop, Iterable):
+        raise TypeError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+    stops = list(stop)
+    for i, s in enumerate(stops):
+        if not isinstance(s, str):
+            raise TypeError(f"stop strings must be strings; stop[{i}] is {s!r} ({type(s).__name__})")
+    return stops
+
+
+def _row_sampling(s: SamplingConfig | Mapping, i: int) -> SamplingConfig:
+    """Row ``i``'s sampling: a ``SamplingConfig``, or its fields (checked as a config is)."""
+    if isinstance(s, SamplingConfig):
+        return s
+    if isinstance(s, Mapping):
+        return SamplingConfig.model_validate(dict(s))
+    raise TypeError(f"sampling[{i}] must be a SamplingConfig or a dict of its fields, got {type(s).__name__}")
+
+
+def _row_seeds(seeds: Sequence[int | None] | None, sampling: Sequence[SamplingConfig] | None
+               ) -> list[int | None] | None:
+    """Each row's generator seed: ``seeds[i]`` (checked as ``SamplingConfig.seed`` is) where
+    given, else ``sampling[i].seed``; None without either (the rows share one generator)."""
+    if seeds is None:
+        return [s.seed for s in sampling] if sampling is not None else None
+    out = []
+    for i, seed in enumerate(seeds):
+        try:
+            out.append(SamplingConfig(seed=seed).seed)
+        except ValidationError as exc:
+            raise ValueError(f"seeds[{i}] = {seed!r}: {exc.errors()[0]['msg']}") from None
+    return out

@@ -104,6 +104,48 @@ def test_session_settings_and_cuda_error(exported):
         create_session(out / "verify.onnx", "cpu", graph_optimization="fast")
 
 
+def test_cuda_provider_options_name_a_torch_stream():
+    """A CUDA session's kernels run on the torch stream given as ``user_compute_stream`` (the
+    runtime orders it after torch's current stream); the null stream is refused by name, since
+    ONNX Runtime would read it as none and run on a stream nothing orders."""
+    from spec_plugins.backends.onnxruntime_runtime import provider_options
+
+    cuda = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    assert provider_options(cuda, 1, 1234) == [{"device_id": "1", "user_compute_stream": "1234"}, {}]
+    assert provider_options(["CPUExecutionProvider"], 0, None) == [{}]
+    for stream in (None, 0):
+        with pytest.raises(ValueError, match="user_compute_stream"):
+            provider_options(cuda, 0, stream)
+
+
+def _ort_cuda() -> bool:
+    import onnxruntime
+
+    return "CUDAExecutionProvider" in onnxruntime.get_available_providers() and torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _ort_cuda(), reason="needs onnxruntime-gpu (CUDAExecutionProvider) and a CUDA torch")
+def test_cuda_session_reads_inputs_torch_wrote_on_another_stream(exported):
+    import onnxruntime
+
+    out, _, _ = exported
+    entry = Manifest.read(out).graph("verify")
+    session = create_session(out / entry.file, "cuda")
+    assert int(session.get_provider_options()["CUDAExecutionProvider"]["user_compute_stream"]) != 0
+    rt, cpu = OnnxRuntime(session, entry), ort_runtime(out)
+    rows = [[1, 2, 3, 4, 5, 6], [7, 8]]
+    side = torch.cuda.Stream(rt.device)
+    with torch.cuda.stream(side):  # torch's current stream at run time is not the one the session was made on
+        busy = torch.randn(4096, 4096, device=rt.device)
+        for _ in range(8):
+            busy = busy @ busy / 64  # the inputs' copies queue behind this work
+        logits = rt.prefill(rows).logits
+    torch.testing.assert_close(logits.cpu(), cpu.prefill(rows).logits, atol=1e-4, rtol=1e-4)
+    own = onnxruntime.InferenceSession(str(out / entry.file), providers=["CUDAExecutionProvider"])
+    with pytest.raises(ValueError, match="user_compute_stream"):
+        OnnxRuntime(own, entry)
+
+
 def test_missing_onnxruntime_gives_install_hint(monkeypatch):
     from spec_plugins.backends.onnxruntime_runtime import import_ort
 

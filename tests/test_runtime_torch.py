@@ -158,6 +158,19 @@ def test_attention_that_misreads_our_masks_is_refused_by_name(impl):
                        pad_token_id=0)
 
 
+def test_the_plugin_checks_the_attention_again_when_the_model_switches_it():
+    """The plugin keeps its runtime on the model between calls: a model switched to an attention
+    implementation that misreads our masks after a first call is refused at the next one."""
+    from spec_plugins.integrations.transformers import speculative_generate
+
+    model = tiny_llama(seed=3)
+    ids = torch.tensor([[1, 2, 3]])
+    model.generate(ids, custom_generate=speculative_generate, max_new_tokens=4, pad_token_id=0)
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="attn_implementation='flash_attention_2'"):
+        model.generate(ids, custom_generate=speculative_generate, max_new_tokens=4, pad_token_id=0)
+
+
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_sdpa_and_eager_attention_decode_trees_over_holes_exactly(impl, tmp_path):
     """The implementations that apply a 4D mask as given: EAGLE trees over a batch with holes give

@@ -416,3 +416,24 @@ def test_gpu_trt_config_swap_same_greedy_tokens(engines):
         b = torch_dec.generate(prompt, max_new_tokens=40)
         assert a.token_ids == b.token_ids
         assert a.token_ids == trt_dec.without_speculation().generate(prompt, max_new_tokens=40).token_ids
+
+
+@gpu_trt
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs two CUDA devices (a runtime on cuda:1 called while cuda:0 is current)")
+def test_gpu_trt_runtime_on_a_second_device_runs_while_another_is_current(engines):
+    """The engine call makes the runtime's device current, as its engine and contexts were made."""
+    import copy
+
+    from spec_plugins.backends.tensorrt_runtime import TensorRTRuntime
+
+    model, engine_dir = engines
+    trt_rt = TensorRTRuntime.from_config(TensorRTRuntime.Config(engine_dir=str(engine_dir), device="cuda:1"))
+    ref = TorchRuntime(copy.deepcopy(model).to("cuda:1"))
+    rows = [list(range(1, 12)), [5, 6, 7]]
+    nxt = torch.tensor([[3, 4], [5, 6]])
+    with torch.cuda.device(0):
+        got = [trt_rt.prefill(rows).logits.cpu(), trt_rt.forward(nxt).logits.cpu()]
+    want = [ref.prefill(rows).logits.cpu(), ref.forward(nxt).logits.cpu()]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from grammar_helpers import tiny_tokenizer
 from helpers import chi_square_pvalue, exact_joint, full_logits
 from transformers import (
     LogitsProcessorList,
@@ -23,6 +24,7 @@ from transformers import (
 )
 
 from conftest import tiny_llama
+from spec_plugins.backends.torch_runtime import TorchRuntime
 from spec_plugins.config import SamplingConfig
 from spec_plugins.integrations.transformers import CUSTOM_GENERATE, speculative_generate
 from spec_plugins.proposers.ngram import NgramProposer
@@ -392,3 +394,97 @@ def test_later_generate_calls_cost_one_forward_per_round_plus_prefill():
     assert first[0] > first[1] + 1  # the setup measured the runtime's forward costs
     for n_calls, rounds in later:
         assert n_calls == rounds + 1, counts  # one forward per round, plus the prefill
+
+
+def test_two_threads_on_one_model_equal_plain_generate():
+    """Threads calling the speculative ``generate()`` on one loaded model (a threaded web app)
+    decode one after another on its kept runtime; each thread gets plain ``generate()``'s output."""
+    import threading
+
+    model = tiny_llama(seed=3)
+    cfg = {"proposer": {"type": "ngram", "num_draft_tokens": 4, "max_ngram": 2}}
+    jobs = [{"input_ids": torch.tensor([PROMPTS[0]])}, left_padded(PROMPTS[1:])]
+    plain = [model.generate(**j, max_new_tokens=40, pad_token_id=PAD) for j in jobs]
+    start = threading.Barrier(2)
+    results: list[list] = [[], []]
+
+    def worker(k: int) -> None:
+        start.wait()
+        try:
+            for _ in range(6):
+                out = model.generate(**jobs[k], max_new_tokens=40, pad_token_id=PAD,
+                                     custom_generate=speculative_generate, spec_config=cfg)
+                results[k].append(torch.equal(out, plain[k]))
+        except Exception as e:  # reported below, with the thread's other results
+            results[k].append(f"{type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [[True] * 6, [True] * 6], results
+
+
+@pytest.mark.parametrize("form", ["callable", "directory"])
+def test_stop_strings_with_a_tokenizer_equal_plain_generate(form):
+    """``stop_strings=`` cut the output where plain ``generate(stop_strings=, tokenizer=)`` does:
+    the callable takes the tokenizer as ``spec_tokenizer=`` (transformers drops ``tokenizer=``
+    from a callable), the directory form as ``tokenizer=``."""
+    model, tok = tiny_llama(seed=3), tiny_tokenizer()
+    prompt = PROMPTS[2]
+    inputs = {"input_ids": torch.tensor([prompt])}
+    free = model.generate(**inputs, max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
+    stop = [tok.decode(free[5:12])]  # a string over several tokens, first completed by new token 12
+    plain = model.generate(**inputs, max_new_tokens=24, do_sample=False, stop_strings=stop, tokenizer=tok)
+    assert len(prompt) + 1 < plain.shape[1] < len(prompt) + 24  # the stop string cut plain generate() short
+    how = ({"custom_generate": speculative_generate, "spec_tokenizer": tok} if form == "callable" else
+           {"custom_generate": CUSTOM_GENERATE, "trust_remote_code": True, "tokenizer": tok})
+    spec = model.generate(**inputs, max_new_tokens=24, do_sample=False, stop_strings=stop,
+                          spec_config={"proposer": {"type": "ngram", "num_draft_tokens": 4}}, **how)
+    assert torch.equal(spec, plain)
+
+
+def test_stop_strings_with_the_callable_and_tokenizer_keyword_are_refused_by_name():
+    model = tiny_llama(seed=3)
+    with pytest.raises(ValueError, match="stop_strings needs the tokenizer.*spec_tokenizer="):
+        model.generate(input_ids=torch.tensor([PROMPTS[0]]), max_new_tokens=8, stop_strings=["ab"],
+                       tokenizer=tiny_tokenizer(), custom_generate=speculative_generate)
+
+
+def test_dropped_draft_models_and_proposers_are_freed_and_a_live_draft_is_reused(monkeypatch):
+    """What the plugin keeps on the target refers to no draft model or proposer instance a call
+    passed: dropped, they are freed. A draft model still in use is wired once per target (its
+    runtime wrapper is built once, however many calls). Both models still copy and pickle."""
+    import copy
+    import gc
+    import io
+    import weakref
+
+    import spec_plugins.integrations.transformers as plugin
+
+    model = tiny_llama(seed=3)
+    inputs = {"input_ids": torch.tensor([PROMPTS[0]])}
+    plain = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    built = []
+    monkeypatch.setattr(plugin, "TorchRuntime", lambda m, **kw: built.append(m) or TorchRuntime(m, **kw))
+    draft = tiny_llama(seed=4)
+    for _ in range(2):
+        out = model.generate(**inputs, max_new_tokens=8, do_sample=False, custom_generate=speculative_generate,
+                             draft_model=draft)
+        assert torch.equal(out, plain)
+    assert sum(m is draft for m in built) == 1
+    # what the plugin keeps leaves both models copyable and picklable
+    copy.deepcopy(model)
+    copy.deepcopy(draft)
+    torch.save(model, io.BytesIO())
+    torch.save(draft, io.BytesIO())
+    prop = NgramProposer(NgramProposer.Config())
+    out = model.generate(**inputs, max_new_tokens=8, do_sample=False, custom_generate=speculative_generate,
+                         proposer=prop)
+    assert torch.equal(out, plain)
+    refs = [weakref.ref(draft), weakref.ref(prop)]
+    del draft, prop
+    built.clear()
+    gc.collect()
+    assert [r() for r in refs] == [None, None]

@@ -99,3 +99,73 @@ def test_installed_vllm_calls_the_adapter_as_we_assume():
     assert "self.input_batch.num_tokens_no_spec" in src and "self.input_batch.token_ids_cpu" in src
     factory = importlib.import_module("vllm.v1.spec_decode.custom_class_proposer")
     assert "user_class(vllm_config)" in inspect.getsource(factory)
+
+
+def test_ngram_drafter_keeps_each_requests_index_over_steps_short_and_long():
+    """Over steps where rows grow, move, join from prefill and leave, each row drafts what our
+    ngram proposer drafts on its whole history, and each request keeps its one index (a history
+    shorter than the key tokens included: it is extended, not rebuilt and reported finished)."""
+    d = NgramDrafter(vllm_config(), {"type": "ngram", "max_ngram": 3})
+    seqs = {"long": [1, 2, 3, 4, 5] * 9, "short": [7, 8, 9, 7, 8, 9, 7], "late": [4, 4, 6, 4, 4]}
+    steps = [  # (request per row, tokens each row accepted this step; "late" is in prefill at first)
+        (["long", "short", "late"], {"long": [1], "short": [8], "late": []}),
+        (["long", "short", "late"], {"long": [2, 3], "short": [9], "late": [6]}),
+        (["late", "long", "short"], {"late": [4, 4], "long": [4], "short": [7, 8]}),
+        (["short", "late"], {"short": [9], "late": [6, 4]}),
+    ]
+    index_of = {}
+    for rows, sampled in steps:
+        for name in rows:
+            seqs[name] = seqs[name] + sampled[name]
+        got = call(d, [seqs[n] for n in rows], [sampled[n] for n in rows])
+        assert got == [ours(seqs[n]) if sampled[n] else [] for n in rows]
+        live = [n for n in rows if sampled[n]]
+        for name, idx in zip(live, d.rows.held):
+            assert index_of.setdefault(name, idx) is idx, name
+            assert idx.tokens == seqs[name]
+
+
+class CountingTokens:
+    """vLLM's ``token_ids_cpu`` array, counting the history tokens the adapter reads from it."""
+
+    def __init__(self, ids: np.ndarray) -> None:
+        self.ids, self.read = ids, 0
+
+    def __getitem__(self, key):
+        return _CountedRow(self, self.ids[key])
+
+
+class _CountedRow:
+    def __init__(self, owner: CountingTokens, row: np.ndarray) -> None:
+        self.owner, self.row = owner, row
+
+    def __len__(self) -> int:
+        return len(self.row)
+
+    def __getitem__(self, key):
+        part = self.row[key]
+        self.owner.read += int(np.size(part))
+        return part
+
+    def __iter__(self):
+        self.owner.read += len(self.row)
+        return iter(self.row)
+
+
+def test_a_step_reads_the_new_tokens_of_each_history_not_the_whole_history():
+    from spec_plugins.integrations.vllm import KEY_TOKENS
+
+    rng = np.random.default_rng(0)
+    rows, context = 3, 2000
+    ids = rng.integers(0, 50, size=(rows, context + 16), dtype=np.int32)
+    lens = np.full(rows, context, dtype=np.int32)
+    tokens = CountingTokens(ids)
+    d = NgramDrafter(vllm_config(), {"type": "ngram", "max_ngram": 3})
+    d.propose([[1]] * rows, lens, tokens)  # the first step reads every history once
+    for new in (1, 2, 1):
+        lens += new
+        tokens.read = 0
+        drafts = d.propose([[1] * new] * rows, lens, tokens)
+        assert drafts == [ours(ids[i, : lens[i]].tolist()) for i in range(rows)]
+        # per row: the new tokens, and the key tokens of the indexes it is compared with
+        assert tokens.read <= rows * (new + 2 * KEY_TOKENS * rows), tokens.read

@@ -160,6 +160,10 @@ def ll_tokenizer(tokenizer: Any, vocab: int, eos_ids: Sequence[int]) -> Any:
     key = (vocab, tuple(sorted(int(e) for e in eos_ids)))
     per = _TOKENIZERS.setdefault(tokenizer, {})
     if key not in per:
+        tokens = max(tokenizer.get_vocab().values(), default=-1) + 1
+        if tokens > vocab:  # its ids past the logits could never be sampled: not this model's tokenizer
+            raise GrammarError(f"the tokenizer has {tokens} tokens but the model's vocabulary (its logits) has "
+                               f"{vocab}; the tokenizer does not belong to this model")
         try:
             per[key] = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=list(key[1]) or None)
         except ValueError as exc:

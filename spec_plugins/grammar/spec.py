@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 Kind = Literal["json_schema", "json_object", "regex", "lark"]
 KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "lark")
@@ -159,6 +159,10 @@ def from_response_format(response_format: Any) -> GrammarSpec | None:
     Strict or not, the output is held to the schema: a constraint that may be broken is no help."""
     if response_format is None:
         return None
+    if not isinstance(response_format, Mapping):
+        hint = f" (OpenAI's shape: {json.dumps({'type': response_format})})" if isinstance(response_format, str) else ""
+        raise GrammarError(f"`response_format` must be an object with a `type`, got {type(response_format).__name__}"
+                           + hint)
     rf = dict(response_format)
     kind = rf.get("type")
     if kind == "text":

@@ -26,6 +26,8 @@ form, ``custom_generate=CUSTOM_GENERATE`` with ``trust_remote_code=True``, recei
 
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -33,7 +35,7 @@ from typing import Any, Sequence
 import torch
 
 from spec_plugins.backends import hf_compat
-from spec_plugins.backends.torch_runtime import TorchRuntime
+from spec_plugins.backends.torch_runtime import TorchRuntime, attention_implementation
 from spec_plugins.config import SamplingConfig, SpecConfig, default_config
 from spec_plugins.loop import decode
 from spec_plugins.policy import Costs
@@ -69,6 +71,8 @@ def speculative_generate(
     draft_model: Any = None,
     proposer: Proposer | None = None,
     spec_stats: DecodeStats | None = None,
+    stop_strings: str | Sequence[str] | None = None,
+    spec_tokenizer: Any = None,
     **model_kwargs: Any,
 ) -> Any:
     """Speculative ``generate()`` loop. Extra ``generate()`` kwargs: ``spec_config`` (file, dict or
@@ -76,7 +80,10 @@ def speculative_generate(
     model and ``generation_config`` are), ``draft_model`` (a loaded model for the draft_model
     proposer), ``spec_streamer`` (a streamer: transformers keeps ``streamer=`` from a callable;
     the ``CUSTOM_GENERATE`` directory form takes ``streamer=`` and ``assistant_model=``),
-    ``proposer`` (a Proposer instance), ``spec_stats`` (a DecodeStats to fill)."""
+    ``proposer`` (a Proposer instance), ``spec_stats`` (a DecodeStats to fill), ``stop_strings``
+    with ``spec_tokenizer`` (the tokenizer: transformers drops ``tokenizer=`` from a callable; the
+    directory form takes ``tokenizer=``). Calls on one model decode one after another
+    (``_model_lock``)."""
     gc = generation_config if generation_config is not None else model.generation_config
     streamer = spec_streamer
     _check_supported(model, gc, synced_gpus, model_kwargs)
@@ -88,46 +95,48 @@ def speculative_generate(
     eos = _ids(getattr(gc, "_eos_token_tensor", gc.eos_token_id))
     pad_id = next(iter(_ids(getattr(gc, "_pad_token_tensor", gc.pad_token_id))), None)
 
-    # 2. components: the user's model as target (its runtime wrapper, costs and wired proposers kept
-    # on the model, so later calls measure nothing), proposer/verifier from the spec config
-    cfg = _spec_config(spec_config)
-    setup = _Setup.of(model)
-    target = setup.runtime
-    _check_context(rows, max_new, target.max_context)
-    wiring = setup.wired(cfg, draft_model, spec_config is None, proposer)
-    verifier = VERIFIERS.get(cfg.verifier.type)(cfg.verifier)
-    # transformers' processor list already holds its warpers (temperature, top-k, top-p, ...):
-    # sample from the processed scores as they are (temperature 1), or take their argmax.
-    sampling = SamplingConfig(temperature=1.0 if gc.do_sample else 0.0, seed=None)
-    pipeline = LogitsPipeline(sampling, _adapt_processors(logits_processor or [], rows, pads, pad_id))
-    stop = _stop_fn(stopping_criteria or [], gc, pads, eos, input_ids.device)
+    with _model_lock(model):
+        # 2. components: the user's model as target (its runtime wrapper, costs and wired proposers kept,
+        # so later calls measure nothing: ``_Setup``), proposer/verifier from the spec config
+        cfg = _spec_config(spec_config)
+        setup = _Setup.of(model)
+        target = setup.runtime
+        _check_context(rows, max_new, target.max_context)
+        wiring = setup.wired(cfg, draft_model, spec_config is None, proposer)
+        verifier = VERIFIERS.get(cfg.verifier.type)(cfg.verifier)
+        # transformers' processor list already holds its warpers (temperature, top-k, top-p, ...):
+        # sample from the processed scores as they are (temperature 1), or take their argmax.
+        sampling = SamplingConfig(temperature=1.0 if gc.do_sample else 0.0, seed=None)
+        pipeline = LogitsPipeline(sampling, _adapt_processors(logits_processor or [], rows, pads, pad_id))
+        criteria = [*(stopping_criteria or []), *_stop_string_criteria(stop_strings, spec_tokenizer)]
+        stop = _stop_fn(criteria, gc, pads, eos, input_ids.device)
 
-    # 3. decode, streaming as we go (global torch RNG, like plain generate)
-    stats = spec_stats if spec_stats is not None else DecodeStats()
-    out: list[list[int]] = [[] for _ in rows]
-    done = [False] * len(rows)
-    sent = 0
-    if streamer is not None:
-        streamer.put(input_ids.cpu())  # the prompt first, as generate() puts it
-    errors: dict[int, str] = {}
-    for step in decode(target, wiring.proposer, verifier, pipeline, rows, max_new, eos, None, stats, wiring.policy(),
-                       processor_prefix=pads, stop=stop, traits=wiring.traits):
-        for i, toks in step.emitted.items():
-            out[i].extend(toks)
-        for i in step.finished:
-            done[i] = True
-        errors |= step.errors
-        if errors:
-            break  # plain generate() raises where a row's processing fails: so does this
+        # 3. decode, streaming as we go (global torch RNG, like plain generate)
+        stats = spec_stats if spec_stats is not None else DecodeStats()
+        out: list[list[int]] = [[] for _ in rows]
+        done = [False] * len(rows)
+        sent = 0
         if streamer is not None:
-            sent = _stream(streamer, out, done, sent, pad_id)
-    target.select_rows([])  # the kept runtime holds no KV between calls
-    if errors:
-        i, why = next(iter(sorted(errors.items())))
-        raise RuntimeError(f"speculative_generate: row {i} failed: {why}")
-    if streamer is not None:
-        _stream(streamer, out, [True] * len(out), sent, pad_id)
-        streamer.end()
+            streamer.put(input_ids.cpu())  # the prompt first, as generate() puts it
+        errors: dict[int, str] = {}
+        for step in decode(target, wiring.proposer, verifier, pipeline, rows, max_new, eos, None, stats,
+                           wiring.policy(), processor_prefix=pads, stop=stop, traits=wiring.traits):
+            for i, toks in step.emitted.items():
+                out[i].extend(toks)
+            for i in step.finished:
+                done[i] = True
+            errors |= step.errors
+            if errors:
+                break  # plain generate() raises where a row's processing fails: so does this
+            if streamer is not None:
+                sent = _stream(streamer, out, done, sent, pad_id)
+        target.select_rows([])  # the kept runtime holds no KV between calls
+        if errors:
+            i, why = next(iter(sorted(errors.items())))
+            raise RuntimeError(f"speculative_generate: row {i} failed: {why}")
+        if streamer is not None:
+            _stream(streamer, out, [True] * len(out), sent, pad_id)
+            streamer.end()
 
     # 4. transformers' layout: padded prompt + new tokens, right-padded with pad_token_id
     sequences = _assemble(input_ids, out, pad_id)
@@ -227,52 +236,88 @@ def _spec_config(spec: SpecConfig | dict | str | Path | None) -> SpecConfig:
     raise TypeError(f"spec_config must be a path, a dict or a SpecConfig, got {type(spec).__name__}")
 
 
+def _model_lock(model: Any) -> threading.Lock:
+    """The lock one loaded model's calls decode under: its kept runtime holds one KV cache, so a
+    second thread waits for the first call to finish instead of sharing that cache. Kept beside
+    the model, not on it, so the model still copies and pickles."""
+    with _LOCKS_GUARD:
+        return _LOCKS.setdefault(model, threading.Lock())
+
+
+_LOCKS: "weakref.WeakKeyDictionary[Any, threading.Lock]" = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()  # creates each model's lock once
+
+
 @dataclass
 class _Setup:
     """What the plugin keeps per loaded model, on the model itself (``model._spec_plugins``): its
-    runtime wrapper, the measured costs, the tree sizer and the proposers wired to it. A second
-    ``generate()`` then costs one forward per round plus its prefill (re-measuring the runtime
-    and rebuilding proposers every call cost 56 extra forwards per call on SmolLM2). Rebuilt when
-    the model moves to another device or dtype."""
+    runtime wrapper, the measured costs, the tree sizer and the proposers wired to it from spec
+    config sections. A second ``generate()`` then costs one forward per round plus its prefill
+    (re-measuring the runtime and rebuilding proposers every call cost 56 extra forwards per call
+    on SmolLM2). Rebuilt when the model moves to another device or dtype, or switches attention
+    implementation (one the runtime cannot mask is refused then). It holds nothing of a
+    draft model or proposer instance a call passes (``wired``), so dropping those frees them."""
 
     runtime: TorchRuntime
     costs: Costs | None = None
     sizer: TreeSizer = field(default_factory=TreeSizer)
-    wirings: dict[tuple, Wiring] = field(default_factory=dict)
+    wirings: dict[str, Wiring] = field(default_factory=dict)  # per proposer section (its JSON; "": none)
 
     @staticmethod
     def of(model: Any) -> "_Setup":
         p = next(model.parameters())
         setup = model.__dict__.get("_spec_plugins")
-        if setup is None or setup.runtime.device != p.device or setup.runtime.dtype != p.dtype:
+        if (setup is None or setup.runtime.device != p.device or setup.runtime.dtype != p.dtype
+                or setup.runtime.attention != attention_implementation(model)):  # checked again: it may change
             setup = _Setup(TorchRuntime(model, tokenizer=None))
             model.__dict__["_spec_plugins"] = setup  # a plain attribute: not a submodule, never saved
         return setup
 
     def wired(self, cfg: SpecConfig, draft_model: Any, implicit: bool, proposer: Proposer | None) -> Wiring:
-        """The proposer of the spec config (or of the draft model, or the instance given), wired to
-        this model once per section (``wiring.wire``)."""
+        """The proposer of the spec config (wired once per section), of the draft model (built once
+        per target and section, ``_draft_proposer``) or the instance given, wired to this model.
+        Wiring a built proposer again is cheap: the costs keep each proposer's measured drafting."""
         section = cfg.proposer
+        if proposer is None and draft_model is None:
+            key = section.model_dump_json() if section is not None else ""
+            if key not in self.wirings:
+                self.wirings[key] = self._wire(section, tokenizer=None)
+            return self.wirings[key]
         if proposer is not None:
-            key: tuple = ("instance", id(proposer))
-            build: dict[str, Any] = {"proposer": proposer}
-            section = proposer.config
-        elif draft_model is not None:
-            if section is not None and section.type != "draft_model" and not implicit:
-                raise ValueError(f"draft_model/assistant_model given, but spec_config's proposer is {section.type!r}; "
-                                 "use proposer type draft_model (or drop the model)")
-            if section is None or section.type != "draft_model":
-                section = DraftModelProposer.Config.model_validate(_DRAFT_ALONE)
-            key = (section.model_dump_json(), id(draft_model))
-            build = {"proposer": DraftModelProposer(section, target=self.runtime, runtime=TorchRuntime(draft_model))
-                     if key not in self.wirings else None}
-        else:
-            key = (section.model_dump_json(),) if section is not None else ()
-            build = {"tokenizer": None}
-        if key not in self.wirings:
-            self.wirings[key] = wire(self.runtime, section, costs=self.costs, sizer=self.sizer, **build)
-            self.costs = self.wirings[key].costs or self.costs
-        return self.wirings[key]
+            return self._wire(proposer.config, proposer=proposer)
+        if section is not None and section.type != "draft_model" and not implicit:
+            raise ValueError(f"draft_model/assistant_model given, but spec_config's proposer is {section.type!r}; "
+                             "use proposer type draft_model (or drop the model)")
+        if section is None or section.type != "draft_model":
+            section = DraftModelProposer.Config.model_validate(_DRAFT_ALONE)
+        return self._wire(section, proposer=self._draft_proposer(section, draft_model))
+
+    def _wire(self, section: Any, **build: Any) -> Wiring:
+        wiring = wire(self.runtime, section, costs=self.costs, sizer=self.sizer, **build)
+        self.costs = wiring.costs or self.costs
+        return wiring
+
+    def _draft_proposer(self, section: Any, draft_model: Any) -> DraftModelProposer:
+        """The draft model's proposer for this target and section, kept on the draft model, keyed
+        weakly by the target's runtime: reused while both live, freed with the draft model (the
+        target keeps no reference to it) or with this setup (the proposer keeps none to it)."""
+        per_target = draft_model.__dict__.setdefault("_spec_plugins_drafts", _DraftProposers())
+        kept = per_target.setdefault(self.runtime, {})
+        key = section.model_dump_json()
+        if key not in kept:
+            kept[key] = DraftModelProposer(section, target=self.runtime, runtime=TorchRuntime(draft_model))
+        return kept[key]
+
+
+class _DraftProposers(weakref.WeakKeyDictionary):
+    """A draft model's proposers per target runtime (weak: a dropped target's entries go). A cache
+    on the draft model: a copy or a pickle of the model starts without it."""
+
+    def __reduce__(self) -> tuple:
+        return type(self), ()
+
+    def __deepcopy__(self, memo: dict) -> "_DraftProposers":
+        return type(self)()
 
 
 # a draft model given alone (no spec_config): 5 draft tokens per round
@@ -330,6 +375,22 @@ def _adapt_processors(procs: Sequence[Any], rows: list[list[int]], pads: list[li
                 p = lp.RepetitionPenaltyLogitsProcessor(p.penalty)
         out.append(p)
     return out
+
+
+def _stop_string_criteria(stop_strings: str | Sequence[str] | None, tokenizer: Any) -> list[Any]:
+    """transformers' stop-string criterion, built here as plain ``generate()`` builds it: for a
+    callable ``custom_generate``, ``generate()`` drops ``tokenizer=`` and would refuse
+    ``stop_strings`` for want of it, so this function takes both itself."""
+    if stop_strings is None:
+        return []
+    if tokenizer is None:
+        raise ValueError("speculative_generate: stop_strings needs the tokenizer, which transformers does not hand "
+                         "to a callable custom_generate (it drops tokenizer=): pass it as spec_tokenizer=, or use "
+                         "the directory form (custom_generate=CUSTOM_GENERATE, trust_remote_code=True), which "
+                         "takes tokenizer=")
+    from transformers.generation.stopping_criteria import StopStringCriteria
+
+    return [StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings)]
 
 
 def _stop_fn(criteria: Sequence[Any], gc: Any, pads: list[list[int]], eos: list[int], device: torch.device):

@@ -52,7 +52,9 @@ class RowIndexes:
     """The index of each live request, recognised by its history (vLLM passes no request ids and
     moves rows when others leave): an index held from the last step whose tokens begin this
     row's history (first and last held tokens compared) is the same request's, extended by the
-    new tokens; an unclaimed one belongs to a finished request."""
+    new tokens; an unclaimed one belongs to a finished request. A history is read by slices
+    (a view of vLLM's array): its key tokens and what the row's index lacks, so a step costs the
+    new tokens, not the context."""
 
     def __init__(self, make: Any) -> None:
         self.make = make
@@ -70,16 +72,21 @@ class RowIndexes:
                 idx = _Sized(self.make())
             else:
                 free.remove(idx)
-            idx.extend(list(h[idx.length:]))
+            idx.extend(_ints(h[idx.length:]))
             out.append(idx)
         self.held = [x for x in out if x is not None]
         return out, free
 
 
-def _continues(held: Sequence[int], history: Sequence[int]) -> bool:
+def _continues(held: list[int], history: Sequence[int]) -> bool:
+    """``history`` begins with ``held``, judged by their first and last ``KEY_TOKENS`` tokens."""
     n = len(held)
-    return 0 < n <= len(history) and list(held[:KEY_TOKENS]) == list(history[:KEY_TOKENS]) and \
-        list(held[-KEY_TOKENS:]) == list(history[max(0, n - KEY_TOKENS):n])
+    return 0 < n <= len(history) and held[:KEY_TOKENS] == _ints(history[:min(n, KEY_TOKENS)]) and \
+        held[-KEY_TOKENS:] == _ints(history[max(0, n - KEY_TOKENS):n])
+
+
+def _ints(tokens: Sequence[int]) -> list[int]:
+    return [int(t) for t in tokens]
 
 
 class _Drafter:
@@ -98,8 +105,9 @@ class _Drafter:
 
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: Any, token_ids_cpu: Any,
                 slot_mappings: Any = None) -> list[list[int]]:
+        # each row's history as a view of vLLM's array (RowIndexes reads only what it needs of it)
         hist = [None if not sampled_token_ids[i] else  # a row still in prefill: no draft
-                [int(t) for t in token_ids_cpu[i, : int(num_tokens_no_spec[i])]] for i in range(len(sampled_token_ids))]
+                token_ids_cpu[i, : int(num_tokens_no_spec[i])] for i in range(len(sampled_token_ids))]
         indexes, finished = self.rows.step(hist)
         self.finished(finished)
         return [self.draft_row(idx)[: self.k] if idx is not None else [] for idx in indexes]

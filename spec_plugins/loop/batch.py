@@ -85,6 +85,9 @@ class Batch:
         self.fetched: dict = {}  # what the round's one fetch read (``loop.verdicts.read_round``)
         self.forced: list[list[int]] = []  # this round's forced tokens per row (``grammar.rounds``)
         self._masks: torch.Tensor | None = None  # this round's grammar masks per node
+        self._lease = object()  # what the runtime (and a row-aware proposer) carry while this batch owns them
+        for holder in self._holders():
+            holder.batch_lease = self._lease
         self._select([])  # the runtime and proposer start with no rows (a previous batch may have left some)
 
     def __len__(self) -> int:
@@ -93,10 +96,32 @@ class Batch:
     def keys(self) -> list[Hashable]:
         return [r.key for r in self.rows]
 
+    # ---- ownership ----------------------------------------------------------------------------------
+    def _holders(self) -> list[Any]:
+        """What holds this batch's rows besides itself: the runtime's caches, and a row-aware
+        proposer's per-row state (a draft model's own runtime and cache)."""
+        return [self.runtime] + ([self.proposer] if self.traits.row_aware else [])
+
+    @property
+    def owns_runtime(self) -> bool:
+        """Whether the runtime and proposer still hold this batch's rows: a batch built later over
+        them (another generation on the same decoder) takes them over."""
+        return all(getattr(h, "batch_lease", None) is self._lease for h in self._holders())
+
+    def check_owner(self) -> None:
+        """Refuse to go on over a runtime another batch took over: its caches now hold that
+        batch's rows, so a round here would decode on them."""
+        if not self.owns_runtime:
+            raise RuntimeError("another generation on this decoder started before this one finished (two stream() "
+                               "generators interleaved, or a stream resumed after another generate()); its runtime "
+                               "now holds the other generation's rows. Finish or close a stream before starting the "
+                               "next generation on the same decoder, or give each its own decoder and runtime")
+
     # ---- rows join --------------------------------------------------------------------------------
     def add(self, requests: Sequence[RowRequest]) -> list[Emission]:
         """Prefill new rows into the batch; returns each one's first token (a row asking for no
         tokens finishes at once, without touching the runtime)."""
+        self.check_owner()
         for r in requests:
             self._check_request(r)
         self.drop_finished()  # their cache makes room first (as a round starts by doing)
@@ -124,10 +149,10 @@ class Batch:
         for b, r in enumerate(new):
             r.hidden = step.hidden[b] if step.hidden is not None else None
         self.rows += new
-        out += [Emission(r.key, [], [], "error", r.error) if r.error
-                else self._emit(r, [verdict.next_tokens[b]], host, b) for b, r in enumerate(new)]
-        self.stats.observe_admit(len(new), self.clock() - t0)
-        return out
+        first = [Emission(r.key, [], [], "error", r.error) if r.error
+                 else self._emit(r, [verdict.next_tokens[b]], host, b) for b, r in enumerate(new)]
+        self.stats.observe_admit(sum(1 for e in first if e.tokens), self.clock() - t0)  # rows that emitted a token
+        return out + first
 
     def _check_request(self, r: RowRequest) -> None:
         if not r.prompt:
@@ -183,8 +208,10 @@ class Batch:
         self.remove([r.key for r in self.rows if r.done])
 
     def close(self) -> None:
-        """Release every row (the runtime then holds nothing of this batch)."""
-        self._select([])
+        """Release every row (the runtime then holds nothing of this batch; one another batch took
+        over holds that batch's rows, left as they are)."""
+        if self.owns_runtime:
+            self._select([])
         self.rows = []
 
     def _select(self, keep: list[int]) -> None:

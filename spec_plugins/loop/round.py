@@ -27,6 +27,7 @@ from spec_plugins.types import Emission, RoundRecord, RoundTimes, RowRequest
 def run_round(batch: Batch, policy: DraftPolicy) -> RoundRecord | None:
     """One round for every live row: choose, draft, size, one target forward, verify, commit, emit,
     observe."""
+    batch.check_owner()  # the runtime's caches still hold this batch's rows (no later batch took them)
     batch.drop_finished()
     if not batch.rows:
         return None

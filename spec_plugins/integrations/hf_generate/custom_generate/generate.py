@@ -1,11 +1,12 @@
 """``model.generate(..., custom_generate=spec_plugins.integrations.transformers.CUSTOM_GENERATE,
 trust_remote_code=True)``: transformers hands a custom generate directory every argument of
-``generate()``; this passes ``streamer`` and ``assistant_model`` on to the speculative loop under
-the names a callable ``custom_generate`` receives (``spec_streamer``, ``draft_model``)."""
+``generate()``; this passes ``streamer``, ``assistant_model`` and ``tokenizer`` on to the
+speculative loop under the names a callable ``custom_generate`` receives (``spec_streamer``,
+``draft_model``, ``spec_tokenizer``)."""
 
 from spec_plugins.integrations.transformers import speculative_generate
 
 
-def generate(model, streamer=None, assistant_model=None, **kwargs):
+def generate(model, streamer=None, assistant_model=None, tokenizer=None, **kwargs):
     return model.generate(custom_generate=speculative_generate, spec_streamer=streamer, draft_model=assistant_model,
-                          **kwargs)
+                          spec_tokenizer=tokenizer, **kwargs)
