@@ -217,3 +217,18 @@ def _shared_groups(parents: tuple[int, ...], device: torch.device) -> list[tuple
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One token per row of ``probs`` [R, V] (point masses included)."""
     return torch.multinomial(probs.float(), 1, generator=generator).squeeze(-1)
+
+
+def sample_rows(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of ``probs`` [B, V], row b drawing from ``generators[b]``: rows sharing a
+    generator draw together, so a seeded row's draws do not depend on its neighbours."""
+    groups: dict[int, list[int]] = {}
+    for b, g in enumerate(generators):
+        groups.setdefault(id(g), []).append(b)
+    if len(groups) == 1:
+        return sample(probs, generators[0])
+    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    for rows in groups.values():
+        at = upload_tensor(rows, probs.device)
+        out[at] = sample(probs[at], generators[rows[0]])
+    return out

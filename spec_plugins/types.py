@@ -163,6 +163,8 @@ class ProposeContext:
     tenants: Sequence[Hashable] | None = None  # per row: whose traffic it is (cross-request memory scope)
     ahead: Sequence[Sequence[int]] = ()  # per row: tokens drafted ahead of this draft (a grammar's forced
     # tokens); a proposer that ``continues_ahead`` drafts what follows sequence + ahead
+    generators: Sequence[torch.Generator | None] | None = None  # per row: the generator its verdict draws
+    # from (a seeded row's own; None: ``generator`` for every row); a drafter that samples draws from it
 
 
 @dataclass

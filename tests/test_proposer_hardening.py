@@ -263,3 +263,31 @@ def test_docs_name_the_hybrid_probe_interval_the_policy_uses():
     every = inspect.signature(DraftPolicy.__init__).parameters["probe_every"].default
     assert "`probe_every`" not in docs and "probe_every" not in HybridProposer.Config.model_fields
     assert f"probed every {every} rounds" in docs
+
+
+# ---- a seeded row's drafts come from its own generator ---------------------------------------------
+def _seeded_draft_run(batch_seed: int, neighbour: bool) -> list[int]:
+    """A request with seed 123 sampled at temperature 1 through a draft model, on a batch whose own
+    generator is ``batch_seed``, maybe beside an unseeded row (which draws from the batch's)."""
+    hot = SamplingConfig(temperature=1.0)
+    rt = TorchRuntime(tiny_llama(seed=3, sharpness=2.0))
+    prop = DraftModelProposer(None, target=rt, runtime=TorchRuntime(tiny_llama(seed=4, sharpness=2.0)))
+    batch = Batch(rt, prop, ExactVerifier(), seed=batch_seed)
+    reqs = [RowRequest("s", [1, 2, 3, 1, 2], 30, hot, seed=123)]
+    if neighbour:
+        reqs.append(RowRequest("n", [5, 6, 5, 6, 7, 8], 30, hot))  # as long: the same draft width each round
+    out = [t for e in batch.add(reqs) if e.key == "s" for t in e.tokens]
+    policy = DraftPolicy.of(FixedLength(3))
+    while (record := run_round(batch, policy)) is not None:
+        out += [t for e in record.emissions if e.key == "s" for t in e.tokens]
+    return out
+
+
+def test_a_seeded_row_drafts_from_its_own_generator():
+    """The draft model sampled every row's draft tokens from the batch's shared generator, so a
+    seeded request's output followed whatever else had drawn from it (another batch seed, earlier
+    traffic on a server's long-lived batch); it draws from the row's own, as its verdict does."""
+    alone = _seeded_draft_run(0, False)
+    assert len(alone) == 30
+    assert _seeded_draft_run(1, False) == alone
+    assert _seeded_draft_run(0, True) == alone

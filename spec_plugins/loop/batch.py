@@ -243,7 +243,7 @@ class Batch:
         hidden = [r.hidden for r in self.rows] if self.traits.needs_hidden else None
         ctx = ProposeContext(view.sequences, budgets, self._row_pipelines(self.rows),
                              self.generator, self.runtime.capabilities.tree_mask, hidden,
-                             [r.tenant for r in self.rows], self.forced)
+                             [r.tenant for r in self.rows], self.forced, [r.generator for r in self.rows])
         return budgets, policy.draft(self.traits.sources, ctx)
 
     def place(self, draft: Draft | None) -> Draft | None:

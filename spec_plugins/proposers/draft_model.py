@@ -19,7 +19,7 @@ from pydantic import Field
 from spec_plugins.config import ProposerConfig, TargetField
 from spec_plugins.proposers.base import Draft, ProposeContext, Proposer, RoundRecord
 from spec_plugins.registry import register_proposer
-from spec_plugins.sampling import sample
+from spec_plugins.sampling import sample_rows
 from spec_plugins.transfer import upload_tensor
 from spec_plugins.vocab import check_vocab_compatible, fit_vocab
 
@@ -118,7 +118,7 @@ class DraftModelProposer(Proposer):
             else:
                 q = z.float().softmax(-1)
                 probs[:, i] = q
-                x = sample(q, ctx.generator)
+                x = sample_rows(q, ctx.generators or [ctx.generator] * B)
             toks[:, i] = x
             if ctx.pipeline.needs_prefix:
                 prefix = [torch.cat([p, x[b:b + 1]]) for b, p in enumerate(prefix)]
