@@ -17,7 +17,7 @@ import torch
 
 from spec_plugins.config import SamplingConfig
 from spec_plugins.grammar import rounds as grammar
-from spec_plugins.loop import capacity
+from spec_plugins.loop.capacity import fit as fit_pool, pool_of, shortfall as pool_shortfall
 from spec_plugins.loop.logprobs import row_logprobs
 from spec_plugins.loop.verdicts import read_round, verify_groups
 from spec_plugins.proposers.base import ProposerTraits, check_pairing
@@ -169,8 +169,7 @@ class Batch:
         runtime's shared pool, if it has one (``loop.capacity``); None when they fit."""
         gone = set(leaving)
         held = [] if alone else [r.prompt_len + r.max_new for r in self.rows if r.key not in gone and not r.done]
-        return capacity.shortfall(capacity.pool_of(self.runtime), held,
-                                  [len(r.prompt) + self._limit(r) for r in requests])
+        return pool_shortfall(pool_of(self.runtime), held, [len(r.prompt) + self._limit(r) for r in requests])
 
     def _limit(self, r: RowRequest) -> int:
         """The most tokens a request's row may add: its max_new_tokens, within the context."""
@@ -251,7 +250,7 @@ class Batch:
         (``loop.capacity``), on the runtime's device (moved once), and its rows' grammar masks
         built where its tokens are."""
         draft = grammar.splice(draft, self.forced)
-        draft = capacity.fit(draft, capacity.pool_of(self.runtime), [len(r.tokens) - 1 for r in self.rows])
+        draft = fit_pool(draft, pool_of(self.runtime), [len(r.tokens) - 1 for r in self.rows])
         if self.forced:
             self.forced = [f[: draft.size if draft is not None else 0] for f in self.forced]
         self._masks = grammar.round_masks(self.rows, draft, self.device)
