@@ -389,9 +389,10 @@ def _row_sampling(s: SamplingConfig | Mapping, i: int) -> SamplingConfig:
 def _row_seeds(seeds: Sequence[int | None] | None, sampling: Sequence[SamplingConfig] | None
                ) -> list[int | None] | None:
     """Each row's generator seed: ``seeds[i]`` (checked as ``SamplingConfig.seed`` is) where
-    given, else ``sampling[i].seed``; None without either (the rows share one generator)."""
+    given, else ``sampling[i].seed`` where that entry sets one; None without either (the row draws
+    from the generator the rows share, seeded from the call's ``seed``)."""
     if seeds is None:
-        return [s.seed for s in sampling] if sampling is not None else None
+        return [s.seed if "seed" in s.model_fields_set else None for s in sampling] if sampling is not None else None
     out = []
     for i, seed in enumerate(seeds):
         try:

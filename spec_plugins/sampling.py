@@ -222,6 +222,9 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
 def sample_rows(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """One token per row of ``probs`` [B, V], row b drawing from ``generators[b]``: rows sharing a
     generator draw together, so a seeded row's draws do not depend on its neighbours."""
+    gen_device = next((g.device for g in generators if g is not None), probs.device)
+    if gen_device != probs.device:  # a drafter on another device than the rows' generators: draw there
+        return sample_rows(probs.to(gen_device), generators).to(probs.device)
     groups: dict[int, list[int]] = {}
     for b, g in enumerate(generators):
         groups.setdefault(id(g), []).append(b)

@@ -114,6 +114,20 @@ def test_generate_batch_seeds_win_over_the_sampling_seed():
     assert got == [dec.generate(p, 12, temperature=1.0, seed=s).token_ids for p, s in zip(SEED_PROMPTS, [5, 6])]
 
 
+@pytest.mark.parametrize("as_dict", [False, True])
+def test_generate_batch_rows_without_a_sampling_seed_share_the_call_s_generator(as_dict):
+    """A sampling entry that sets no seed leaves its row on the generator the rows share, seeded by
+    the call's ``seed`` (SamplingConfig's default seed 0 gave every such row a generator of its
+    own seeded 0: identical samples, whatever ``seed`` said); as ``temperature=`` for every row."""
+    dec = SpeculativeDecoder(TorchRuntime(tiny_llama(vocab=512, seed=7, sharpness=1.0)))
+    prompt, hot = [5, 17, 300, 42, 9, 77], (dict(temperature=1.0) if as_dict else SamplingConfig(temperature=1.0))
+    rows = [r.token_ids for r in dec.generate_batch([prompt] * 4, 12, sampling=[hot] * 4, seed=123)]
+    assert rows == [r.token_ids for r in dec.generate_batch([prompt] * 4, 12, temperature=1.0, seed=123)]
+    assert len({tuple(r) for r in rows}) > 1
+    other = [r.token_ids for r in dec.generate_batch([prompt] * 4, 12, sampling=[hot] * 4, seed=999)]
+    assert other != rows
+
+
 # ---- why a row failed -----------------------------------------------------------------------------
 def _text_decoder(proposer=True):
     prop = NgramProposer(NgramProposer.Config(num_draft_tokens=5)) if proposer else None

@@ -183,3 +183,24 @@ def test_the_server_queues_a_request_until_the_cells_it_reserves_are_free():
         solo = dec.generate(texts[i], max_new_tokens=150, chat=False)
         assert answers[i].json()["generated_text"] == solo.text
     assert too_big.status_code == 422 and "n_ctx" in too_big.json()["error"]
+
+
+@_model_test
+def test_a_llama_cpp_draft_model_s_cache_is_reserved_too():
+    """A llama.cpp draft model caches the same sequences in a pool of its own: rows that fit the
+    target's 1,024 cells but not the draft's 256 ran until the draft's cache was full, then every
+    row failed. They are refused at admission, naming the draft model's n_ctx; rows that fit it run
+    to their limit with plain decoding's tokens."""
+    from spec_plugins import SpeculativeDecoder
+
+    dec = SpeculativeDecoder.from_config({
+        "target": {"backend": "llamacpp", "model": "smollm2-135m-instruct", "threads": 1, "n_ctx": 1024},
+        "proposer": {"type": "draft_model", "num_draft_tokens": 3,
+                     "model": {"backend": "llamacpp", "model": "smollm2-135m-instruct", "threads": 1, "n_ctx": 256}}})
+    prompt = dec.encode("Count: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,", False)
+    with pytest.raises(ValueError, match=r"the draft model's cache holds 256 \(n_ctx\)"):
+        dec.generate_batch([prompt] * 3, max_new_tokens=60, chat=False)
+    n = (256 - 2 * len(prompt)) // 2
+    outs = dec.generate_batch([prompt] * 2, max_new_tokens=n, chat=False)
+    plain = dec.without_speculation().generate_batch([prompt] * 2, max_new_tokens=n, chat=False)
+    assert [o.token_ids for o in outs] == [p.token_ids for p in plain] and outs[0].stats.draft_tokens > 0

@@ -291,3 +291,17 @@ def test_a_seeded_row_drafts_from_its_own_generator():
     assert len(alone) == 30
     assert _seeded_draft_run(1, False) == alone
     assert _seeded_draft_run(0, True) == alone
+
+
+def test_a_short_draft_model_is_measured_drafting():
+    """Measuring a draft model's cost on a context longer than its own timed calls that drafted
+    nothing (it drafts no row past its context): drafting read as free to ``auto``. The
+    measurement context fits the drafter, so every timed call drafts."""
+    from spec_plugins.policy.cost import measure_draft
+
+    target = TorchRuntime(tiny_llama(seed=3, max_pos=256))
+    prop = DraftModelProposer(None, target=target, runtime=TorchRuntime(tiny_llama(seed=4, max_pos=64)))
+    drafts, inner = [], prop.propose
+    prop.propose = lambda ctx: drafts.append(inner(ctx)) or drafts[-1]
+    measure_draft(prop, GREEDY, target, context=128)
+    assert drafts and all(d is not None for d in drafts)

@@ -166,10 +166,13 @@ class Batch:
     def shortfall(self, requests: Sequence[RowRequest], leaving: Sequence[Hashable] = (),
                   alone: bool = False) -> str | None:
         """Why ``requests`` cannot join the running rows (but ``leaving``; none if ``alone``) in the
-        runtime's shared pool, if it has one (``loop.capacity``); None when they fit."""
+        runtime's shared pool or its draft model's, where they have one (``loop.capacity``); None
+        when they fit."""
         gone = set(leaving)
         held = [] if alone else [r.prompt_len + r.max_new for r in self.rows if r.key not in gone and not r.done]
-        return pool_shortfall(pool_of(self.runtime), held, [len(r.prompt) + self._limit(r) for r in requests])
+        new = [len(r.prompt) + self._limit(r) for r in requests]
+        return (pool_shortfall(pool_of(self.runtime), held, new)
+                or pool_shortfall(getattr(self.proposer, "pool", None), held, new, "the draft model's"))
 
     def _limit(self, r: RowRequest) -> int:
         """The most tokens a request's row may add: its max_new_tokens, within the context."""

@@ -4,8 +4,9 @@ A runtime with a pool (``backends.base.SharedPool``) keeps every row's cache in 
 positions in all and gives a tree one sequence id per leaf (``sequences`` ids in all, at least one
 per row). Two rules keep every round inside it, so no round fails for room:
 
-1. admission reserves each row's prompt + token limit in cells, and one sequence id: a request
-   that does not fit beside the running rows waits (the server) or is refused (a fixed batch);
+1. admission reserves each row's prompt + token limit in cells, and one sequence id, in the
+   target's pool and in a draft model's (which caches the same sequences): a request that does not
+   fit beside the running rows waits (the server) or is refused (a fixed batch);
 2. each round's draft is cut to its longest node prefix whose leaves fit the sequence ids and whose
    nodes fit the cells left after the rows' caches. Every prefix of a draft is a tree (a parent
    precedes its children) and drafters order nodes best-first, so the cut keeps the best part.
@@ -27,19 +28,19 @@ def pool_of(runtime: Any) -> Any:
     return getattr(runtime, "pool", None)
 
 
-def shortfall(pool: Any, held: Sequence[int], new: Sequence[int]) -> str | None:
-    """Why rows reserving ``new`` cells cannot join rows holding ``held`` (None: they fit).
-    A reservation is a row's prompt + token limit (rule 1)."""
+def shortfall(pool: Any, held: Sequence[int], new: Sequence[int], whose: str = "the runtime's") -> str | None:
+    """Why rows reserving ``new`` cells cannot join rows holding ``held`` in ``whose`` pool (None:
+    they fit). A reservation is a row's prompt + token limit (rule 1)."""
     if pool is None:
         return None
     rows = len(held) + len(new)
     if rows > pool.sequences:
-        return (f"{len(held)} running + {len(new)} new rows exceed the runtime's {pool.sequences} sequences "
+        return (f"{len(held)} running + {len(new)} new rows exceed {whose} {pool.sequences} sequences "
                 "(max_sequences)")
     cells = sum(held) + sum(new)
     if cells > pool.cells:
         return (f"{len(held)} running + {len(new)} new rows reserve {cells} KV cells (prompt + max_new_tokens "
-                f"each); the runtime's cache holds {pool.cells} (n_ctx)")
+                f"each); {whose} cache holds {pool.cells} (n_ctx)")
     return None
 
 

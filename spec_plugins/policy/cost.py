@@ -267,6 +267,9 @@ def measure_draft(proposer: Any, pipeline: Any, runtime: Any, context: int = 128
 
     if k < 2:
         raise ValueError(f"k must be >= 2 to separate the per-token cost, got {k}")
+    own = getattr(getattr(proposer, "runtime", None), "max_context", None)  # a draft model's context
+    if own is not None:  # shorter than the context: it would draft nothing, and read as free
+        context = max(2, min(context, own - k))
     seq = _context_tokens(runtime.vocab_size, context)
     hidden = None
     want = ProposerTraits.of(proposer).want_hidden

@@ -93,13 +93,21 @@ class DraftModelProposer(Proposer):
                 self._cached = held
                 return logits
 
+    @property
+    def pool(self) -> Any:
+        """The draft runtime's shared cache (llama.cpp), if it has one: rows are admitted against
+        it as against the target's (``Batch.shortfall``)."""
+        return getattr(self.runtime, "pool", None)
+
     def propose(self, ctx: ProposeContext) -> Draft | None:
         k = max(ctx.budgets, default=0)
         seqs = ctx.sequences
+        if self.pool is not None:  # one cache holds every row's sequence and the k - 1 drafts fed to all
+            k = min(k, (self.pool.cells - sum(len(s) for s in seqs)) // len(seqs) + 1)
         # a row drafts only where its k-1 fed draft tokens stay inside the draft's context
         room = self.runtime.max_context - (k - 1)
         fits = [len(s) <= room for s in seqs]
-        budgets = [n if f else 0 for f, n in zip(fits, ctx.budgets)]
+        budgets = [min(n, k) if f else 0 for f, n in zip(fits, ctx.budgets)]
         k = max(budgets, default=0)
         if k <= 0:
             return None
