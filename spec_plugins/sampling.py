@@ -223,7 +223,8 @@ def sample_rows(probs: torch.Tensor, generators: Sequence[torch.Generator | None
     """One token per row of ``probs`` [B, V], row b drawing from ``generators[b]``: rows sharing a
     generator draw together, so a seeded row's draws do not depend on its neighbours."""
     gen_device = next((g.device for g in generators if g is not None), probs.device)
-    if gen_device != probs.device:  # a drafter on another device than the rows' generators: draw there
+    if (gen_device.type, gen_device.index or 0) != (probs.device.type, probs.device.index or 0):
+        # a drafter on another device than the rows' generators (cpu and cpu:0 are one): draw there
         return sample_rows(probs.to(gen_device), generators).to(probs.device)
     groups: dict[int, list[int]] = {}
     for b, g in enumerate(generators):
