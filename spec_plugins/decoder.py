@@ -7,13 +7,12 @@ streaming. Plain decoding is the same object with no proposer.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping, Sequence, Union
+from typing import Any, Iterable, Iterator, Sequence, Union
 
 import torch
-from pydantic import ValidationError
 
+from spec_plugins.api_inputs import Stop, in_vocab, row_sampling, row_seeds, stop_strings, token_id, token_limits
 from spec_plugins.backends import build_runtime
 from spec_plugins.config import SamplingConfig, SpecConfig
 from spec_plugins.grammar import GrammarSpec, RowGrammar, compile_grammar, ll_tokenizer
@@ -29,8 +28,6 @@ from spec_plugins.wiring import Wiring, wire
 Prompt = Union[str, Sequence[dict], Sequence[int]]
 # a constraint on the output: a GrammarSpec, or TGI's {"type": "json" | "regex", "value": ...}
 Grammar = Union[GrammarSpec, dict, None]
-# stop strings: one string, several, or None (no stop)
-Stop = Union[str, Sequence[str], None]
 
 
 @dataclass
@@ -114,7 +111,8 @@ class SpeculativeDecoder:
                 raise ValueError("prompt is empty")
             if chat and self.has_chat_template:
                 return self.encode([{"role": "user", "content": prompt}])
-            return self._in_vocab(list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"]))
+            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+            return in_vocab(list(ids), self.target.vocab_size)
         if not isinstance(prompt, Iterable):
             raise TypeError(f"a prompt is a str, chat messages or a list of token ids, got {type(prompt).__name__}")
         seq = list(prompt)
@@ -126,18 +124,8 @@ class SpeculativeDecoder:
             ids = self.tokenizer.apply_chat_template(seq, add_generation_prompt=True, tokenize=True)
             if hasattr(ids, "keys"):
                 ids = ids["input_ids"]
-            return self._in_vocab(list(ids))
-        return self._in_vocab([_token_id(t, i) for i, t in enumerate(seq)])
-
-    def _in_vocab(self, ids: list[int]) -> list[int]:
-        """``ids``, each checked to be a row of the target's embedding (an id outside it fails
-        deep inside the forward otherwise)."""
-        vocab = int(self.target.vocab_size)
-        for i, t in enumerate(ids):
-            if not 0 <= t < vocab:
-                raise ValueError(f"prompt token id {t} (position {i}) is outside the model's vocabulary "
-                                 f"(0..{vocab - 1})")
-        return ids
+            return in_vocab(list(ids), self.target.vocab_size)
+        return in_vocab([token_id(t, i) for i, t in enumerate(seq)], self.target.vocab_size)
 
     @property
     def has_chat_template(self) -> bool:
@@ -189,7 +177,7 @@ class SpeculativeDecoder:
         that fails (a logits processor raising, a grammar with no way on) ends with finish reason
         ``error`` and the event's ``error`` says why."""
         ids = self.encode(prompt, chat)
-        stops = _stop_strings(stop)
+        stops = stop_strings(stop)
         pipeline = LogitsPipeline(self._sampling(temperature, seed), processors)
         rows = self.row_grammars([grammar], response_format, forced_drafts)
         yield from self._stream_ids(ids, max_new_tokens, stops, pipeline, stats, observers, rows)
@@ -219,7 +207,7 @@ class SpeculativeDecoder:
                  forced_drafts: bool = True) -> GenerationResult:
         """One prompt to the end (``stream``'s arguments)."""
         ids = self.encode(prompt, chat)
-        stops = _stop_strings(stop)
+        stops = stop_strings(stop)
         pipeline = LogitsPipeline(self._sampling(temperature, seed), processors)
         rows = self.row_grammars([grammar], response_format, forced_drafts)
         stats = DecodeStats()
@@ -251,7 +239,7 @@ class SpeculativeDecoder:
         if isinstance(prompts, (str, bytes)):
             raise TypeError("generate_batch takes a list of prompts, got one str; use generate() for one prompt")
         ids = [self.encode(p, chat) for p in prompts]
-        stops = _stop_strings(stop)
+        stops = stop_strings(stop)
         per_row = list(grammar) if isinstance(grammar, (list, tuple)) else [grammar] * len(ids)
         if len(per_row) != len(ids):
             raise ValueError(f"grammar needs one entry per prompt ({len(ids)}), got {len(per_row)}")
@@ -259,8 +247,8 @@ class SpeculativeDecoder:
         base = self._sampling(temperature, seed)
         if sampling is not None and len(sampling) != len(ids) or seeds is not None and len(seeds) != len(ids):
             raise ValueError(f"sampling and seeds need one entry per prompt ({len(ids)})")
-        configs = [_row_sampling(s, i) for i, s in enumerate(sampling)] if sampling is not None else None
-        row_seeds = _row_seeds(seeds, configs)
+        configs = [row_sampling(s, i) for i, s in enumerate(sampling)] if sampling is not None else None
+        seeds_by_row = row_seeds(seeds, configs)
         shared = {base: LogitsPipeline(base, processors)}
         for s in configs or ():
             shared.setdefault(s, LogitsPipeline(s, processors))
@@ -270,7 +258,8 @@ class SpeculativeDecoder:
         reasons = ["length"] * len(ids)
         errors: list[str | None] = [None] * len(ids)
         stats = DecodeStats()
-        for step, _ in self._rounds(ids, pipes, max_new_tokens, streams, row_seeds, stats, observers, base.seed, rows):
+        rounds = self._rounds(ids, pipes, max_new_tokens, streams, seeds_by_row, stats, observers, base.seed, rows)
+        for step, _ in rounds:
             for i, t in step.emitted.items():
                 outs[i].extend(t)
             for i, r in step.finished.items():
@@ -294,14 +283,7 @@ class SpeculativeDecoder:
                 ) -> Iterator[tuple[Step, DecodeStats]]:
         """The one decode behind every method: rows' text streams see each token once (their stop
         strings are row stops), and end flushed."""
-        many = isinstance(max_new_tokens, (list, tuple))
-        limits = list(max_new_tokens) if many else [max_new_tokens] * len(ids)
-        if len(limits) != len(ids):
-            raise ValueError(f"max_new_tokens needs one entry per prompt ({len(ids)}), got {len(limits)}")
-        if any(isinstance(n, bool) or not isinstance(n, int) for n in limits):
-            raise ValueError(f"max_new_tokens must be an integer (or one per prompt), got {max_new_tokens!r}")
-        if min(limits, default=0) < 0:
-            raise ValueError("max_new_tokens must be >= 0")
+        limits = token_limits(max_new_tokens, len(ids))
         stats = stats if stats is not None else DecodeStats()
         self.last_stats = stats
         row_stop = [StopStrings(s) for s in streams]
@@ -348,55 +330,3 @@ class SpeculativeDecoder:
 def _reason(reason: str | None) -> str | None:
     """The batch's row-stop reason, named as the API names a stop string's."""
     return "stop_sequence" if reason == "stop" else reason
-
-
-def _token_id(t: Any, i: int) -> int:
-    """A prompt's token id at position ``i``: an integer (Python, numpy, or a one-element integer
-    tensor), never a float, bool or str read as one."""
-    if isinstance(t, bool) or getattr(t, "dtype", None) == torch.bool:
-        raise TypeError(f"prompt token ids must be integers; position {i} holds the bool {t!r}")
-    try:
-        return operator.index(t)
-    except TypeError:
-        raise TypeError(f"prompt token ids must be integers; position {i} holds {t!r} "
-                        f"({type(t).__name__})") from None
-
-
-def _stop_strings(stop: Stop) -> list[str]:
-    """Stop strings as a list: one string is one stop, None none; every entry a string."""
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        return [stop]
-    if not isinstance(stop, Iterable):
-        raise TypeError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
-    stops = list(stop)
-    for i, s in enumerate(stops):
-        if not isinstance(s, str):
-            raise TypeError(f"stop strings must be strings; stop[{i}] is {s!r} ({type(s).__name__})")
-    return stops
-
-
-def _row_sampling(s: SamplingConfig | Mapping, i: int) -> SamplingConfig:
-    """Row ``i``'s sampling: a ``SamplingConfig``, or its fields (checked as a config is)."""
-    if isinstance(s, SamplingConfig):
-        return s
-    if isinstance(s, Mapping):
-        return SamplingConfig.model_validate(dict(s))
-    raise TypeError(f"sampling[{i}] must be a SamplingConfig or a dict of its fields, got {type(s).__name__}")
-
-
-def _row_seeds(seeds: Sequence[int | None] | None, sampling: Sequence[SamplingConfig] | None
-               ) -> list[int | None] | None:
-    """Each row's generator seed: ``seeds[i]`` (checked as ``SamplingConfig.seed`` is) where
-    given, else ``sampling[i].seed`` where that entry sets one; None without either (the row draws
-    from the generator the rows share, seeded from the call's ``seed``)."""
-    if seeds is None:
-        return [s.seed if "seed" in s.model_fields_set else None for s in sampling] if sampling is not None else None
-    out = []
-    for i, seed in enumerate(seeds):
-        try:
-            out.append(SamplingConfig(seed=seed).seed)
-        except ValidationError as exc:
-            raise ValueError(f"seeds[{i}] = {seed!r}: {exc.errors()[0]['msg']}") from None
-    return out

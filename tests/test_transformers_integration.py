@@ -461,13 +461,13 @@ def test_dropped_draft_models_and_proposers_are_freed_and_a_live_draft_is_reused
     import io
     import weakref
 
-    import spec_plugins.integrations.transformers as plugin
+    import spec_plugins.integrations.plugin_state as plugin_state
 
     model = tiny_llama(seed=3)
     inputs = {"input_ids": torch.tensor([PROMPTS[0]])}
     plain = model.generate(**inputs, max_new_tokens=8, do_sample=False)
     built = []
-    monkeypatch.setattr(plugin, "TorchRuntime", lambda m, **kw: built.append(m) or TorchRuntime(m, **kw))
+    monkeypatch.setattr(plugin_state, "TorchRuntime", lambda m, **kw: built.append(m) or TorchRuntime(m, **kw))
     draft = tiny_llama(seed=4)
     for _ in range(2):
         out = model.generate(**inputs, max_new_tokens=8, do_sample=False, custom_generate=speculative_generate,

@@ -26,26 +26,19 @@ form, ``custom_generate=CUSTOM_GENERATE`` with ``trust_remote_code=True``, recei
 
 from __future__ import annotations
 
-import threading
-import weakref
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
 from spec_plugins.backends import hf_compat
-from spec_plugins.backends.torch_runtime import TorchRuntime, attention_implementation
 from spec_plugins.config import SamplingConfig, SpecConfig, default_config
+from spec_plugins.integrations.plugin_state import Setup, model_lock
 from spec_plugins.loop import decode
-from spec_plugins.policy import Costs
-from spec_plugins.policy.tree_size import TreeSizer
 from spec_plugins.proposers.base import Proposer
-from spec_plugins.proposers.draft_model import DraftModelProposer
 from spec_plugins.registry import VERIFIERS
 from spec_plugins.sampling import LogitsPipeline
 from spec_plugins.stats import DecodeStats
-from spec_plugins.wiring import Wiring, wire
 
 __all__ = ["CUSTOM_GENERATE", "speculative_generate"]
 
@@ -83,7 +76,7 @@ def speculative_generate(
     ``proposer`` (a Proposer instance), ``spec_stats`` (a DecodeStats to fill), ``stop_strings``
     with ``spec_tokenizer`` (the tokenizer: transformers drops ``tokenizer=`` from a callable; the
     directory form takes ``tokenizer=``). Calls on one model decode one after another
-    (``_model_lock``)."""
+    (``plugin_state.model_lock``)."""
     gc = generation_config if generation_config is not None else model.generation_config
     streamer = spec_streamer
     _check_supported(model, gc, synced_gpus, model_kwargs)
@@ -95,11 +88,11 @@ def speculative_generate(
     eos = _ids(getattr(gc, "_eos_token_tensor", gc.eos_token_id))
     pad_id = next(iter(_ids(getattr(gc, "_pad_token_tensor", gc.pad_token_id))), None)
 
-    with _model_lock(model):
+    with model_lock(model):
         # 2. components: the user's model as target (its runtime wrapper, costs and wired proposers kept,
-        # so later calls measure nothing: ``_Setup``), proposer/verifier from the spec config
+        # so later calls measure nothing: ``plugin_state.Setup``), proposer/verifier from the spec config
         cfg = _spec_config(spec_config)
-        setup = _Setup.of(model)
+        setup = Setup.of(model)
         target = setup.runtime
         _check_context(rows, max_new, target.max_context)
         wiring = setup.wired(cfg, draft_model, spec_config is None, proposer)
@@ -234,95 +227,6 @@ def _spec_config(spec: SpecConfig | dict | str | Path | None) -> SpecConfig:
     if isinstance(spec, SpecConfig):
         return spec
     raise TypeError(f"spec_config must be a path, a dict or a SpecConfig, got {type(spec).__name__}")
-
-
-def _model_lock(model: Any) -> threading.Lock:
-    """The lock one loaded model's calls decode under: its kept runtime holds one KV cache, so a
-    second thread waits for the first call to finish instead of sharing that cache. Kept beside
-    the model, not on it, so the model still copies and pickles."""
-    with _LOCKS_GUARD:
-        return _LOCKS.setdefault(model, threading.Lock())
-
-
-_LOCKS: "weakref.WeakKeyDictionary[Any, threading.Lock]" = weakref.WeakKeyDictionary()
-_LOCKS_GUARD = threading.Lock()  # creates each model's lock once
-
-
-@dataclass
-class _Setup:
-    """What the plugin keeps per loaded model, on the model itself (``model._spec_plugins``): its
-    runtime wrapper, the measured costs, the tree sizer and the proposers wired to it from spec
-    config sections. A second ``generate()`` then costs one forward per round plus its prefill
-    (re-measuring the runtime and rebuilding proposers every call cost 56 extra forwards per call
-    on SmolLM2). Rebuilt when the model moves to another device or dtype, or switches attention
-    implementation (one the runtime cannot mask is refused then). It holds nothing of a
-    draft model or proposer instance a call passes (``wired``), so dropping those frees them."""
-
-    runtime: TorchRuntime
-    costs: Costs | None = None
-    sizer: TreeSizer = field(default_factory=TreeSizer)
-    wirings: dict[str, Wiring] = field(default_factory=dict)  # per proposer section (its JSON; "": none)
-
-    @staticmethod
-    def of(model: Any) -> "_Setup":
-        p = next(model.parameters())
-        setup = model.__dict__.get("_spec_plugins")
-        if (setup is None or setup.runtime.device != p.device or setup.runtime.dtype != p.dtype
-                or setup.runtime.attention != attention_implementation(model)):  # checked again: it may change
-            setup = _Setup(TorchRuntime(model, tokenizer=None))
-            model.__dict__["_spec_plugins"] = setup  # a plain attribute: not a submodule, never saved
-        return setup
-
-    def wired(self, cfg: SpecConfig, draft_model: Any, implicit: bool, proposer: Proposer | None) -> Wiring:
-        """The proposer of the spec config (wired once per section), of the draft model (built once
-        per target and section, ``_draft_proposer``) or the instance given, wired to this model.
-        Wiring a built proposer again is cheap: the costs keep each proposer's measured drafting."""
-        section = cfg.proposer
-        if proposer is None and draft_model is None:
-            key = section.model_dump_json() if section is not None else ""
-            if key not in self.wirings:
-                self.wirings[key] = self._wire(section, tokenizer=None)
-            return self.wirings[key]
-        if proposer is not None:
-            return self._wire(proposer.config, proposer=proposer)
-        if section is not None and section.type != "draft_model" and not implicit:
-            raise ValueError(f"draft_model/assistant_model given, but spec_config's proposer is {section.type!r}; "
-                             "use proposer type draft_model (or drop the model)")
-        if section is None or section.type != "draft_model":
-            section = DraftModelProposer.Config.model_validate(_DRAFT_ALONE)
-        return self._wire(section, proposer=self._draft_proposer(section, draft_model))
-
-    def _wire(self, section: Any, **build: Any) -> Wiring:
-        wiring = wire(self.runtime, section, costs=self.costs, sizer=self.sizer, **build)
-        self.costs = wiring.costs or self.costs
-        return wiring
-
-    def _draft_proposer(self, section: Any, draft_model: Any) -> DraftModelProposer:
-        """The draft model's proposer for this target and section, kept on the draft model, keyed
-        weakly by the target's runtime: reused while both live, freed with the draft model (the
-        target keeps no reference to it) or with this setup (the proposer keeps none to it)."""
-        per_target = draft_model.__dict__.setdefault("_spec_plugins_drafts", _DraftProposers())
-        kept = per_target.setdefault(self.runtime, {})
-        key = section.model_dump_json()
-        if key not in kept:
-            kept[key] = DraftModelProposer(section, target=self.runtime, runtime=TorchRuntime(draft_model))
-        return kept[key]
-
-
-class _DraftProposers(weakref.WeakKeyDictionary):
-    """A draft model's proposers per target runtime (weak: a dropped target's entries go). A cache
-    on the draft model: a copy or a pickle of the model starts without it."""
-
-    def __reduce__(self) -> tuple:
-        return type(self), ()
-
-    def __deepcopy__(self, memo: dict) -> "_DraftProposers":
-        return type(self)()
-
-
-# a draft model given alone (no spec_config): 5 draft tokens per round
-_DRAFT_ALONE = {"type": "draft_model", "num_draft_tokens": 5,
-                "model": {"backend": "torch", "model": "<the draft model given to generate()>"}}
 
 
 class _PadBlindRepetitionPenalty:

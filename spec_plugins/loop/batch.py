@@ -10,7 +10,7 @@ steps below in order; they hold the mechanics, the round holds the order.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable, Hashable, Sequence
 
 import torch
@@ -18,44 +18,18 @@ import torch
 from spec_plugins.config import SamplingConfig
 from spec_plugins.grammar import rounds as grammar
 from spec_plugins.loop.capacity import fit as fit_pool, pool_of, shortfall as pool_shortfall
-from spec_plugins.loop.logprobs import row_logprobs
+from spec_plugins.loop.ownership import Lease
+from spec_plugins.loop.rows import Row
 from spec_plugins.loop.verdicts import read_round, verify_groups
 from spec_plugins.proposers.base import ProposerTraits, check_pairing
 from spec_plugins.sampling import LogitsPipeline, RowPipelines
 from spec_plugins.stats import DecodeStats
 from spec_plugins.row_trees import Parents, RowTrees, forward_layout, rows_of
 from spec_plugins.tree import TreeLayout, layout
-from spec_plugins.types import (BatchView, Draft, Emission, ProposeContext, Ranked, RoundRecord, RowRequest, RowStop,
-                                Verdict)
+from spec_plugins.types import BatchView, Draft, Emission, ProposeContext, Ranked, RoundRecord, RowRequest, Verdict
 from spec_plugins.transfer import upload_tensor
 
 GREEDY = SamplingConfig()
-
-
-@dataclass
-class Row:
-    """One sequence being decoded. ``tokens[-1]`` is pending (emitted, not yet cached)."""
-
-    key: Hashable
-    tokens: list[int]
-    prompt_len: int
-    max_new: int
-    pipeline: LogitsPipeline
-    generator: torch.Generator | None
-    prefix: tuple[int, ...] = ()
-    stop: RowStop | None = None
-    logprobs: bool = False
-    tenant: Hashable = None
-    hidden: torch.Tensor | None = None  # [T, H] target features the proposer has not consumed
-    seen: torch.Tensor | None = None  # [L] prefix + tokens on the device, for user logits processors
-    grammar: Any = None  # ``grammar.RowGrammar``: the constraint on this row's output
-    done: bool = False
-    finish_reason: str | None = None
-    error: str | None = None  # set when this row's sampling failed; it leaves at the next round
-
-    @property
-    def n_new(self) -> int:
-        return len(self.tokens) - self.prompt_len
 
 
 class Batch:
@@ -85,9 +59,10 @@ class Batch:
         self.fetched: dict = {}  # what the round's one fetch read (``loop.verdicts.read_round``)
         self.forced: list[list[int]] = []  # this round's forced tokens per row (``grammar.rounds``)
         self._masks: torch.Tensor | None = None  # this round's grammar masks per node
-        self._lease = object()  # what the runtime (and a row-aware proposer) carry while this batch owns them
-        for holder in self._holders():
-            holder.batch_lease = self._lease
+        # what holds this batch's rows besides itself: the runtime's caches, and a row-aware
+        # proposer's per-row state (a draft model's own runtime and cache)
+        self._lease = Lease()
+        self._lease.claim([runtime] + ([proposer] if self.traits.row_aware else []))
         self._select([])  # the runtime and proposer start with no rows (a previous batch may have left some)
 
     def __len__(self) -> int:
@@ -97,25 +72,16 @@ class Batch:
         return [r.key for r in self.rows]
 
     # ---- ownership ----------------------------------------------------------------------------------
-    def _holders(self) -> list[Any]:
-        """What holds this batch's rows besides itself: the runtime's caches, and a row-aware
-        proposer's per-row state (a draft model's own runtime and cache)."""
-        return [self.runtime] + ([self.proposer] if self.traits.row_aware else [])
-
     @property
     def owns_runtime(self) -> bool:
         """Whether the runtime and proposer still hold this batch's rows: a batch built later over
         them (another generation on the same decoder) takes them over."""
-        return all(getattr(h, "batch_lease", None) is self._lease for h in self._holders())
+        return self._lease.held
 
     def check_owner(self) -> None:
         """Refuse to go on over a runtime another batch took over: its caches now hold that
         batch's rows, so a round here would decode on them."""
-        if not self.owns_runtime:
-            raise RuntimeError("another generation on this decoder started before this one finished (two stream() "
-                               "generators interleaved, or a stream resumed after another generate()); its runtime "
-                               "now holds the other generation's rows. Finish or close a stream before starting the "
-                               "next generation on the same decoder, or give each its own decoder and runtime")
+        self._lease.check()
 
     # ---- rows join --------------------------------------------------------------------------------
     def add(self, requests: Sequence[RowRequest]) -> list[Emission]:
@@ -150,7 +116,7 @@ class Batch:
             r.hidden = step.hidden[b] if step.hidden is not None else None
         self.rows += new
         first = [Emission(r.key, [], [], "error", r.error) if r.error
-                 else self._emit(r, [verdict.next_tokens[b]], host, b) for b, r in enumerate(new)]
+                 else r.emit([verdict.next_tokens[b]], self.eos, host, b) for b, r in enumerate(new)]
         self.stats.observe_admit(sum(1 for e in first if e.tokens), self.clock() - t0)  # rows that emitted a token
         return out + first
 
@@ -275,7 +241,7 @@ class Batch:
 
     def _process(self, rows: Sequence[Row], logits: torch.Tensor, tokens: torch.Tensor,
                  parents: Parents) -> torch.Tensor:
-        """Processed logits of ``rows``; a row whose processing raises fails alone (``_fail``) and
+        """Processed logits of ``rows``; a row whose processing raises fails alone (``Row.fail``) and
         gets a harmless placeholder (rows whose result is not a distribution are found by
         ``_verify``, on the device, without a sync)."""
         seen = self._seen(rows)
@@ -288,7 +254,7 @@ class Batch:
                     z[b] = r.pipeline.process_tree(logits[b:b + 1], [seen[b]], tokens[b:b + 1],
                                                    rows_of(parents, slice(b, b + 1)))[0]
                 except Exception as exc:  # noqa: BLE001
-                    self._fail(r, f"logits processing failed: {type(exc).__name__}: {exc}")
+                    r.fail(f"logits processing failed: {type(exc).__name__}: {exc}")
             return z
 
     def verify(self, draft: Draft | None, z: torch.Tensor) -> Verdict:
@@ -303,9 +269,6 @@ class Batch:
         if draft is None or "valid" not in self.fetched:
             return draft
         return replace(draft, host_valid=torch.from_numpy(self.fetched["valid"]))
-
-    def _fail(self, row: Row, message: str) -> None:
-        row.error, row.done, row.finish_reason = message, True, "error"
 
     def check(self) -> None:
         """The batch's invariants: the runtime holds exactly its rows, each live row's cache is its
@@ -329,7 +292,7 @@ class Batch:
             if r.error is not None:
                 out.append(Emission(r.key, [], [], "error", r.error))
                 continue
-            out.append(self._emit(r, verdict.tokens[b] + [verdict.next_tokens[b]], self.fetched, b))
+            out.append(r.emit(verdict.tokens[b] + [verdict.next_tokens[b]], self.eos, self.fetched, b))
             if kept is not None:
                 r.hidden = kept[b, : len(keep[b])]
         self._logits = None  # not held between rounds
@@ -402,30 +365,6 @@ class Batch:
         verdict, host = read_round(dv, draft, z, bad, lp, self.top_logprobs, extra)
         for b, f in enumerate(host["bad"].tolist()):
             if f and rows[b].error is None:
-                self._fail(rows[b], "sampling failed: the processed logits are not finite (NaN, inf, or every "
-                                    "token masked)")
+                rows[b].fail("sampling failed: the processed logits are not finite (NaN, inf, or every token "
+                             "masked)")
         return verdict, host
-
-    def _emit(self, row: Row, toks: list[int], host: dict, b: int) -> Emission:
-        """Append tokens to a row, stopping at EOS, its limit or its stop rule (``host``: the
-        round's fetch, row ``b``'s logprobs in it)."""
-        out: list[int] = []
-        for t in toks[: row.max_new - row.n_new]:
-            out.append(t)
-            if t in self.eos:
-                row.finish_reason = "eos_token"
-                break
-        row.tokens.extend(out)
-        if row.grammar is not None and not row.grammar.advance(out):
-            self._fail(row, f"the output left its grammar: {row.grammar.error}")
-            return Emission(row.key, [], [], "error", row.error)
-        if row.stop is not None and out:
-            keep = row.stop(row.tokens, len(out))
-            if keep is not None:
-                del row.tokens[len(row.tokens) - len(out) + keep:]
-                out, row.finish_reason = out[:keep], "stop"
-        if row.finish_reason is None and row.n_new >= row.max_new:
-            row.finish_reason = "length"
-        row.done = row.finish_reason is not None
-        lps = row_logprobs(host, b, len(out)) if row.logprobs else []
-        return Emission(row.key, out, lps, row.finish_reason)

@@ -1,0 +1,40 @@
+"""Which batch a runtime's rows belong to.
+
+A runtime's caches (and a row-aware proposer's per-row state) hold the rows of one batch at a
+time. A batch claims them when it is built; a batch built later over them (another generation on
+the same decoder) takes them over, and the earlier one then refuses to go on instead of decoding
+on the other's rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+
+class Lease:
+    """One batch's claim on what holds its rows besides itself: each holder carries the claim's
+    token as ``batch_lease`` while this claim is the latest."""
+
+    def __init__(self) -> None:
+        self._token = object()  # what the holders carry: refers to nothing, so it keeps nothing alive
+        self._holders: list[Any] = []
+
+    def claim(self, holders: Sequence[Any]) -> None:
+        """Take ``holders`` over (from any batch that held them before)."""
+        self._holders = list(holders)
+        for holder in self._holders:
+            holder.batch_lease = self._token
+
+    @property
+    def held(self) -> bool:
+        """Whether every holder still carries this claim (no later batch took one over)."""
+        return all(getattr(h, "batch_lease", None) is self._token for h in self._holders)
+
+    def check(self) -> None:
+        """Refuse to go on over a runtime another batch took over: its caches now hold that
+        batch's rows, so a round here would decode on them."""
+        if not self.held:
+            raise RuntimeError("another generation on this decoder started before this one finished (two stream() "
+                               "generators interleaved, or a stream resumed after another generate()); its runtime "
+                               "now holds the other generation's rows. Finish or close a stream before starting the "
+                               "next generation on the same decoder, or give each its own decoder and runtime")

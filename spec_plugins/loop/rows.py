@@ -1,0 +1,67 @@
+"""One row of the batch: a sequence being decoded, and how tokens join it (its end decided by
+EOS, its limit, its grammar and its stop rule)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Hashable
+
+import torch
+
+from spec_plugins.loop.logprobs import row_logprobs
+from spec_plugins.sampling import LogitsPipeline
+from spec_plugins.types import Emission, RowStop
+
+
+@dataclass
+class Row:
+    """One sequence being decoded. ``tokens[-1]`` is pending (emitted, not yet cached)."""
+
+    key: Hashable
+    tokens: list[int]
+    prompt_len: int
+    max_new: int
+    pipeline: LogitsPipeline
+    generator: torch.Generator | None
+    prefix: tuple[int, ...] = ()
+    stop: RowStop | None = None
+    logprobs: bool = False
+    tenant: Hashable = None
+    hidden: torch.Tensor | None = None  # [T, H] target features the proposer has not consumed
+    seen: torch.Tensor | None = None  # [L] prefix + tokens on the device, for user logits processors
+    grammar: Any = None  # ``grammar.RowGrammar``: the constraint on this row's output
+    done: bool = False
+    finish_reason: str | None = None
+    error: str | None = None  # set when this row's sampling failed; it leaves at the next round
+
+    @property
+    def n_new(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    def fail(self, message: str) -> None:
+        """End this row alone with finish reason ``error`` (it leaves at the next round)."""
+        self.error, self.done, self.finish_reason = message, True, "error"
+
+    def emit(self, toks: list[int], eos: set[int], host: dict, b: int) -> Emission:
+        """Append tokens, stopping at EOS, the row's limit or its stop rule (``host``: the round's
+        fetch, this row's logprobs in it at batch index ``b``)."""
+        out: list[int] = []
+        for t in toks[: self.max_new - self.n_new]:
+            out.append(t)
+            if t in eos:
+                self.finish_reason = "eos_token"
+                break
+        self.tokens.extend(out)
+        if self.grammar is not None and not self.grammar.advance(out):
+            self.fail(f"the output left its grammar: {self.grammar.error}")
+            return Emission(self.key, [], [], "error", self.error)
+        if self.stop is not None and out:
+            keep = self.stop(self.tokens, len(out))
+            if keep is not None:
+                del self.tokens[len(self.tokens) - len(out) + keep:]
+                out, self.finish_reason = out[:keep], "stop"
+        if self.finish_reason is None and self.n_new >= self.max_new:
+            self.finish_reason = "length"
+        self.done = self.finish_reason is not None
+        lps = row_logprobs(host, b, len(out)) if self.logprobs else []
+        return Emission(self.key, out, lps, self.finish_reason)
