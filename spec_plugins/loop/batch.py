@@ -138,7 +138,7 @@ class Batch:
         held = [] if alone else [r.prompt_len + r.max_new for r in self.rows if r.key not in gone and not r.done]
         new = [len(r.prompt) + self._limit(r) for r in requests]
         return (pool_shortfall(pool_of(self.runtime), held, new)
-                or pool_shortfall(getattr(self.proposer, "pool", None), held, new, "the draft model's"))
+                or pool_shortfall(pool_of(self.proposer), held, new, "the draft model's"))
 
     def _limit(self, r: RowRequest) -> int:
         """The most tokens a request's row may add: its max_new_tokens, within the context."""

@@ -23,9 +23,10 @@ from spec_plugins.row_trees import RowTrees
 from spec_plugins.types import Draft
 
 
-def pool_of(runtime: Any) -> Any:
-    """The runtime's shared pool, or None (each row has a context of its own)."""
-    return getattr(runtime, "pool", None)
+def pool_of(holder: Any) -> Any:
+    """The shared pool of a runtime, or of a proposer that caches rows in one (a llama.cpp draft
+    model); None where each row has a context of its own."""
+    return getattr(holder, "pool", None)
 
 
 def shortfall(pool: Any, held: Sequence[int], new: Sequence[int], whose: str = "the runtime's") -> str | None:
@@ -50,7 +51,7 @@ def fit(draft: Draft | None, pool: Any, lengths: Sequence[int]) -> Draft | None:
         return draft
     B = len(lengths)
     free_cells = pool.cells - sum(lengths) - B  # the pending tokens take one cell per row
-    width = min(draft.size, max(0, free_cells // max(B, 1)), _leaf_width(draft, pool.sequences))
+    width = min(draft.size, max(0, free_cells // B), _leaf_width(draft, pool.sequences))  # a round has rows
     if width == draft.size:
         return draft
     if width == 0:
