@@ -30,6 +30,7 @@ class RuntimeCapabilities:
     # decoder-layer outputs it can return instead (EAGLE-3's fused features): None = any layer,
     # () = none, else exactly this tuple (an exported graph returns the layers it was exported with)
     feature_layers: tuple[int, ...] | None = ()
+    num_layers: int | None = None  # decoder layers, so "any layer" still means one of 1..num_layers
     # a position's logits do not depend on how many positions the forward holds; speculation
     # needs it (verify forwards hold many, plain decoding one), or its output leaves plain's
     batch_invariant: bool = True
@@ -41,7 +42,9 @@ class RuntimeCapabilities:
             return True
         if want is True:
             return self.hidden_states
-        return self.feature_layers is None or tuple(want) == self.feature_layers
+        if self.feature_layers is None:
+            return self.num_layers is None or all(1 <= layer <= self.num_layers for layer in want)
+        return tuple(want) == self.feature_layers
 
 
 

@@ -126,6 +126,13 @@ class MaskLayout:
         return {"full_attention": mask, "sliding_attention": sliding} if self.per_type else sliding
 
 
+def decoder_layers(model: Any) -> int | None:
+    """How many decoder layers a transformers causal LM has (None where its config does not say)."""
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    count = getattr(cfg, "num_hidden_layers", None)
+    return int(count) if count is not None else None
+
+
 def mask_layout(model: Any) -> MaskLayout:
     """The mask layout of a transformers causal LM, read from its decoder config as transformers'
     own caches read it (``layer_types``, else every layer slides when ``sliding_window`` is set).

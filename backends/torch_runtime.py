@@ -205,7 +205,7 @@ class TorchRuntime(SlotRuntime):
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_context = int(max_context or getattr(cfg, "max_position_embeddings", 2048))
         self.capabilities = RuntimeCapabilities(tree_mask=True, hidden_states=True, feature_layers=None,
-                                                name="torch")
+                                                num_layers=hf_compat.decoder_layers(model), name="torch")
         # the KV cache keyword of this transformers version ('cache' or 'past_key_values')
         self._cache_kw = hf_compat.cache_keyword(model)
         self.layout = hf_compat.mask_layout(model)  # what a custom mask looks like (sliding-window layers)

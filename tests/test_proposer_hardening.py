@@ -224,6 +224,24 @@ def test_head_drafting_tokens_past_the_target_vocabulary_is_refused_at_load(kind
     assert str(heads[kind]) in str(err.value)
 
 
+@pytest.mark.parametrize("kind", ["eagle", "parallel"])
+def test_head_reading_layers_the_target_lacks_is_refused_before_a_forward(kind, tmp_path):
+    """Heads fused from layers 1 and 2 on a one-layer target of the same width: refused when the
+    batch pairs them, not an IndexError inside the first forward's hidden states."""
+    from spec_plugins.proposers.parallel import ParallelProposer
+
+    heads = save_random_heads(tiny_llama(seed=3), tmp_path)
+    target = TorchRuntime(tiny_llama(seed=3, layers=1))
+    cls = {"eagle": EagleProposer, "parallel": ParallelProposer}[kind]
+    prop = cls(cls.Config(heads=str(heads[kind])), target=target)
+    calls = []
+    forward = target.forward
+    target.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
+    with pytest.raises(ValueError, match=r"reads decoder layers \[1, 2\], but the target has layers 1..1"):
+        run(target, prop, [[3, 7, 1]], 4, 3)
+    assert calls == []
+
+
 # ---- configs that could never draft --------------------------------------------------------------
 
 def test_recycling_refuses_empty_paths():

@@ -194,6 +194,9 @@ def check_pairing(runtime: Any, proposer: Any) -> ProposerTraits:
                          "output would leave its plain output; set pad_single: true (or auto) on the target, or "
                          "decode without speculation")
     if traits.feature_layers and not caps.serves(traits.feature_layers):
+        if caps.feature_layers is None:
+            raise ValueError(f"proposer {type(proposer).__name__} reads decoder layers {list(traits.feature_layers)}, "
+                             f"but the target has layers 1..{caps.num_layers}: it was trained for another target")
         have = "none" if not caps.feature_layers else list(caps.feature_layers)
         raise ValueError(f"proposer {type(proposer).__name__} reads decoder layers {list(traits.feature_layers)}, "
                          f"but the {caps.name or 'target'} runtime returns {have}; export the target again with "
