@@ -180,4 +180,8 @@ def _register_subcommands() -> None:
 _register_subcommands()
 
 if __name__ == "__main__":
-    app()
+    # ``python -m spec_plugins.cli`` runs this file as ``__main__``, a second copy of the module: the
+    # subcommand modules import ``spec_plugins.cli`` and add themselves to that module's ``app``
+    from spec_plugins.cli import app as _registered_app
+
+    _registered_app(prog_name="spec-plugins")

@@ -74,7 +74,7 @@ def load_file(path: str | Path, what: str = "config") -> Any:
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{what} file not found: {path}")
-    if not path.is_file():
+    if path.is_dir():  # anything else is read: a pipe (``--config <(...)``) holds a file's text too
         raise ConfigError(f"{what} {path} is a directory, not a YAML/JSON file")
     try:
         text = path.read_text(encoding="utf-8")
@@ -107,18 +107,29 @@ SWITCH = BeforeValidator(_switch_from_yaml)
 
 def _numeric(annotation: Any) -> bool:
     """Whether a field's type takes an int or a float and no bool (``int | Literal["auto"]``,
-    ``float | None``, under ``Annotated``): pydantic would read ``True`` there as 1."""
+    ``float | None``, under ``Annotated``, or as the items of lists and tuples such as
+    ``list[list[int]]``): pydantic would read ``True`` there as 1."""
     leaves, todo = set(), [annotation]
     while todo:
         t = todo.pop()
         origin = typing.get_origin(t)
         if origin is Annotated:
             todo.append(typing.get_args(t)[0])
-        elif origin in (typing.Union, types.UnionType):
-            todo.extend(typing.get_args(t))
+        elif origin in (typing.Union, types.UnionType, list, tuple):
+            todo.extend(a for a in typing.get_args(t) if a is not Ellipsis)
         else:
             leaves.add(t)
     return bool(leaves & {int, float}) and bool not in leaves
+
+
+def _boolean_in(value: Any, where: str) -> str | None:
+    """Where the first boolean in ``value`` (a scalar, or nested lists and tuples) sits, as
+    ``paths[1][0]``, with its value; None when there is none."""
+    if isinstance(value, bool):
+        return f"{where}: expected a number, got the boolean {value}"
+    if isinstance(value, (list, tuple)):
+        return next((hit for i, v in enumerate(value) if (hit := _boolean_in(v, f"{where}[{i}]"))), None)
+    return None
 
 
 class PluginConfig(BaseModel):
@@ -133,8 +144,8 @@ class PluginConfig(BaseModel):
         (``SWITCH``) are text fields, and keep taking YAML's booleans."""
         if not isinstance(data, dict):
             return data
-        bad = [f"{name}: expected a number, got the boolean {data[key]}" for name, field in cls.model_fields.items()
-               if isinstance(data.get(key := field.alias or name), bool) and _numeric(field.annotation)]
+        bad = [hit for name, field in cls.model_fields.items()
+               if _numeric(field.annotation) and (hit := _boolean_in(data.get(field.alias or name), name))]
         if bad:
             raise ValueError("; ".join(bad) + " (YAML reads unquoted yes/no/on/off/true/false as booleans)")
         return data
@@ -202,6 +213,28 @@ class SamplingConfig(PluginConfig):
         return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
+def plugin_class(registry: Registry[Any], key: str, name: Any) -> Any:
+    """The class a section's ``key`` field names, or a ``ValueError`` naming the field: missing,
+    not a string (a YAML list or mapping), not registered (with the allowed values), or
+    registered but failing to load (the registry's reason, naming the entry point)."""
+    try:
+        names = registry.names()
+    except RegistryError as exc:  # the installed entry points clash
+        raise ValueError(f"{key}: {exc}") from exc
+    allowed = f"allowed values: {', '.join(names)}"
+    if name is None:
+        raise ValueError(f"missing field {key!r}; {allowed}")
+    if not isinstance(name, str):
+        raise ValueError(f"{key} must be a {registry.kind} name (a string), got {type(name).__name__} {name!r}; "
+                         f"{allowed}")
+    if name not in names:
+        raise ValueError(f"{key}={name!r} is not a known {registry.kind}; {allowed}")
+    try:
+        return registry.get(name)
+    except RegistryError as exc:
+        raise ValueError(f"{key}={name!r}: {exc}") from exc
+
+
 def _dispatch(registry: Registry[Any], key: str, default: str | None = None):
     """Validator that routes a dict section to the Config of the plugin it names."""
 
@@ -211,13 +244,7 @@ def _dispatch(registry: Registry[Any], key: str, default: str | None = None):
         if not isinstance(value, dict):
             raise ValueError(f"expected a mapping with a {key!r} field, got {type(value).__name__}")
         name = value.get(key, default)
-        if name is None:
-            raise ValueError(f"missing field {key!r}; allowed values: {', '.join(registry.names())}")
-        try:
-            cls = registry.get(name)
-        except RegistryError as exc:
-            raise ValueError(f"{key}={name!r} is not a known {registry.kind}; allowed values: "
-                             f"{', '.join(registry.names())}") from exc
+        cls = plugin_class(registry, key, name)
         try:
             return cls.Config.model_validate({key: name, **value})
         except ValidationError as exc:

@@ -34,13 +34,14 @@ class Registry(Generic[T]):
         self._lazy: dict[str, str] = dict(builtins or {})
         self._hints: dict[str, str] = {}
         self._entry_points_loaded = False
+        self._from_entry_points: set[str] = set()  # names that entry points added
+        self._loaded_from: dict[str, str] = {}  # name -> the "module:attr" a lazy entry was imported from
 
     def register(self, name: str, *, install_hint: str | None = None) -> Callable[[T], T]:
         def deco(obj: T) -> T:
             if name in self._entries and self._entries[name] is not obj:
                 raise RegistryError(f"{self.kind} {name!r} is already registered ({self._entries[name]!r})")
-            if self._check is not None:
-                self._check(obj)
+            self._checked(name, obj, repr(obj))
             self._entries[name] = obj
             self._lazy.pop(name, None)
             if install_hint:
@@ -57,19 +58,61 @@ class Registry(Generic[T]):
         if install_hint:
             self._hints[name] = install_hint
 
+    def _checked(self, name: str, obj: Any, origin: str) -> None:
+        """The contract check, its failure a ``RegistryError`` naming the entry and where it came
+        from, so a config naming a broken plugin is refused as a config error, not a traceback."""
+        if self._check is None:
+            return
+        try:
+            self._check(obj)
+        except TypeError as exc:
+            raise RegistryError(f"{self.kind} {name!r} ({origin}) cannot be used: {exc}") from exc
+
+    def _target(self, name: str) -> str | None:
+        """The ``"module:attr"`` ``name`` stands for (None: not registered), to tell an entry point
+        that points at the same object (an installed copy of a built-in) from one that does not."""
+        if name in self._lazy or name in self._loaded_from:
+            return self._lazy.get(name) or self._loaded_from[name]
+        if name in self._entries:
+            obj = self._entries[name]
+            return f"{getattr(obj, '__module__', '')}:{getattr(obj, '__qualname__', '')}"
+        return None
+
+    def _origin(self, name: str) -> str:
+        """Where ``name`` comes from, for messages: its entry point, or its ``"module:attr"``."""
+        target = self._target(name) or "?"
+        return f"entry point {name} = {target} in group {self.group}" if name in self._from_entry_points else target
+
     def _load_entry_points(self) -> None:
+        """Add the group's entry points; one whose name is already taken by another object (a
+        built-in, an earlier entry point) is refused naming both, as ``register`` refuses. All are
+        checked before any is added, so a refusal leaves the registry as it was and repeats."""
         if self._entry_points_loaded:
             return
-        self._entry_points_loaded = True
+        found: dict[str, str] = {}
         for ep in metadata.entry_points(group=self.group):
-            if ep.name not in self._entries and ep.name not in self._lazy:
-                self._lazy[ep.name] = ep.value
+            taken = found.get(ep.name) or self._target(ep.name)
+            if taken is not None and taken != ep.value:
+                raise RegistryError(
+                    f"{self.kind} entry point {ep.name} = {ep.value} (group {self.group}): the name {ep.name!r} "
+                    f"is already the {self.kind} {taken}; rename the entry point")
+            found[ep.name] = ep.value
+        for name, value in found.items():
+            if self._target(name) is None:
+                self._lazy[name] = value
+                self._from_entry_points.add(name)
+        self._entry_points_loaded = True
 
     def names(self) -> list[str]:
         self._load_entry_points()
         return sorted(set(self._entries) | set(self._lazy))
 
     def get(self, name: str) -> T:
+        """The entry ``name``, imported on first use; a ``RegistryError`` for a name that is not a
+        string or not registered, a missing package, or an entry that does not load or breaks the
+        plugin contract (naming the entry point it came from)."""
+        if not isinstance(name, str):
+            raise RegistryError(f"a {self.kind} name must be a string, got {type(name).__name__} {name!r}")
         if name not in self._entries:
             self._load_entry_points()
         if name in self._entries:
@@ -85,12 +128,16 @@ class Registry(Generic[T]):
                     f"{self.kind} {name!r} needs a package that is not installed ({exc.name or exc})."
                     + (f" {hint}" if hint else "")
                 ) from exc
+            if attr and not hasattr(mod, attr):
+                raise RegistryError(f"{self.kind} {name!r} ({self._origin(name)}) cannot be loaded: "
+                                    f"module {module} has no attribute {attr!r}")
             obj: Any = getattr(mod, attr) if attr else mod
             # Importing the module may have registered it already through the decorator.
-            if name not in self._entries and self._check is not None:
-                self._check(obj)
+            if name not in self._entries:
+                self._checked(name, obj, self._origin(name))
             self._entries.setdefault(name, obj)
-            self._lazy.pop(name, None)
+            self._lazy.pop(name, None)  # (a decorator run by the import has removed it already)
+            self._loaded_from[name] = target
             return self._entries[name]
         raise RegistryError(f"unknown {self.kind} {name!r}; registered: {', '.join(self.names()) or 'none'}")
 

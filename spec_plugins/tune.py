@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 RUNTIMES = {  # label -> target section fields (besides the model)
@@ -133,6 +134,21 @@ def check_choices(runtimes: Sequence[str], proposers: Sequence[str], model: str 
         raise TuneError("tune needs at least one runtime and one proposer")
 
 
+def model_reference(model: str) -> str:
+    """``model`` as the written config names it: an existing local path made absolute, so the
+    config loads from any directory; a built-in name (which ``resolve_model`` takes first) as given."""
+    from spec_plugins.models import BUILTIN_MODELS
+
+    path = Path(model).expanduser()
+    return model if model in BUILTIN_MODELS or not path.exists() else str(path.resolve())
+
+
+def _skipped(notes: list[str], log: Callable[[str], None], what: str) -> None:
+    """A candidate left unmeasured (the budget is spent), in the written notes and in the log."""
+    notes.append(f"{what} skipped: budget spent")
+    log(f"[tune] {what} skipped: budget spent")
+
+
 def _decoder(model: str, runtime: str, proposer: str | None, target: Any = None, draft: int | str | None = None,
              costs: Any = None) -> Any:
     """A decoder of the candidate (``draft``: its draft length instead of the default section's),
@@ -221,6 +237,7 @@ def tune(model: str, prompts: Sequence[str], runtimes: Sequence[str] | None, pro
     from spec_plugins.registry import PROPOSERS as REGISTRY
 
     notes: list[str] = []
+    model = model_reference(model)
     if runtimes is None:
         runtimes, left_out = default_runtimes(model)
         for rt, why in left_out.items():
@@ -235,7 +252,7 @@ def tune(model: str, prompts: Sequence[str], runtimes: Sequence[str] | None, pro
     candidates: list[Measured] = []
     for rt in runtimes:  # 1. each runtime: cost curve, plain speed, outputs
         if budget.left <= 0 and built:
-            notes.append(f"runtime {rt} skipped: budget spent")
+            _skipped(notes, log, f"runtime {rt}")
             continue
         log(f"[tune] {rt}: loading, measuring the verify cost and plain decoding ...")
         dec = _decoder(model, rt, None)
@@ -266,7 +283,10 @@ def tune(model: str, prompts: Sequence[str], runtimes: Sequence[str] | None, pro
         if p in REPLAYABLE:
             continue
         for rt, (dec, ids, outs, costs) in built.items():
-            if not dec.target.capabilities.hidden_states or budget.left <= 0:
+            if not dec.target.capabilities.hidden_states:
+                continue
+            if budget.left <= 0:
+                _skipped(notes, log, f"{p} on {rt}")
                 continue
             try:
                 d = _decoder(model, rt, p, target=dec.target, costs=costs)

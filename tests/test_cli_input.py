@@ -84,3 +84,25 @@ def test_unreadable_option_files_are_errors_naming_the_file_not_tracebacks(nothi
         res = CliRunner().invoke(app, args)
         assert res.exit_code == 2 and isinstance(res.exception, SystemExit), res.exception
         assert msg in res.output.replace("\n", ""), res.output
+
+
+@pytest.mark.parametrize("module", ["spec_plugins.cli", "spec_plugins"])
+def test_python_dash_m_runs_every_subcommand(module):
+    """``python -m spec_plugins.cli tune`` said "No such command": the subcommands add themselves to
+    ``spec_plugins.cli.app``, not to the ``__main__`` copy that ran; ``python -m spec_plugins`` works too."""
+    import os
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", module, "tune", "--help"], capture_output=True, text=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert res.returncode == 0 and "--budget" in res.stdout, res.stdout + res.stderr
+
+
+def test_a_list_for_a_plugin_name_is_an_error_not_a_traceback(nothing_runs, tmp_path):
+    """``type: [ngram]`` in a config was a raw ``TypeError: unhashable type``: exit 2, naming the field."""
+    config = tmp_path / "c.yaml"
+    config.write_text("target: {backend: torch, model: x}\nproposer:\n  type: [ngram]\n")
+    res = CliRunner().invoke(app, ["generate", "-c", str(config), "-p", "hi"])
+    assert res.exit_code == 2 and isinstance(res.exception, SystemExit), res.exception
+    assert "proposer: type must be a proposer name (a string), got list" in res.output.replace("\n", ""), res.output

@@ -16,11 +16,19 @@ from spec_plugins.config import ConfigError, default_config
 from spec_plugins.registry import PROPOSERS, Registry, RegistryError
 
 
+def _fake_dist(root: Path, monkeypatch, name: str, module: str, entry_points: str) -> None:
+    """A third-party package ``name`` on sys.path with a real dist-info entry point (no pip needed)."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / f"{name}.py").write_text(textwrap.dedent(module))
+    dist = root / f"{name}-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(textwrap.dedent(entry_points))
+    monkeypatch.syspath_prepend(str(root))
+
+
 def _install_fake_dist(tmp_path: Path, monkeypatch) -> None:
-    """A third-party package on sys.path with a real dist-info entry point (no pip needed)."""
-    pkg = tmp_path / "thirdparty_drafter"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text(textwrap.dedent('''
+    _fake_dist(tmp_path, monkeypatch, "thirdparty_drafter", '''
         from typing import Literal
         from spec_plugins.config import ProposerConfig
         from spec_plugins.proposers.base import Draft, Proposer
@@ -36,12 +44,7 @@ def _install_fake_dist(tmp_path: Path, monkeypatch) -> None:
 
             def propose(self, ctx):
                 return Draft.from_chains([[s[-1]] * k for s, k in zip(ctx.sequences, ctx.budgets)])
-    '''))
-    dist = tmp_path / "thirdparty_drafter-1.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: thirdparty-drafter\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text("[spec_plugins.proposers]\nrepeat_last = thirdparty_drafter:RepeatLast\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    ''', "[spec_plugins.proposers]\nrepeat_last = thirdparty_drafter:RepeatLast\n")
 
 
 def test_third_party_proposer_via_entry_point(tmp_path, monkeypatch):
@@ -150,7 +153,8 @@ def test_a_config_file_naming_a_key_twice_is_refused(tmp_path, name, text, needl
     ("proposer: {type: ngram, num_draft_tokens: yes}", ["num_draft_tokens"]),
     ("sampling: {temperature: true, top_k: on, seed: no}", ["temperature", "top_k", "seed"]),
     ("sampling: {top_p: true}", ["top_p"]),
-], ids=["int-or-auto", "several", "float-or-none"])
+    ("proposer: {type: recycling, paths: [[0], [0, 1], [yes]]}", ["paths[2][0]"]),
+], ids=["int-or-auto", "several", "float-or-none", "nested-in-a-list"])
 def test_a_yaml_boolean_for_a_number_is_refused_naming_the_field(tmp_path, section, fields):
     """YAML 1.1 reads ``yes``/``on``/``true`` as booleans, which pydantic took as 1 (``num_draft_tokens:
     yes`` drafted 1 token): refused, naming each field; an on/off switch still takes them."""
@@ -162,3 +166,140 @@ def test_a_yaml_boolean_for_a_number_is_refused_naming_the_field(tmp_path, secti
     path.write_text("target: {backend: torch, model: smollm2-135m-instruct, compile: on, kv: static}\n"
                     "proposer: {type: ngram, num_draft_tokens: 3}\n")
     assert SpecConfig.from_file(path).target.compile == "on"
+
+
+@pytest.mark.parametrize("data, needle", [
+    ({"proposer": {"type": ["ngram"]}}, "proposer: type must be a proposer name (a string), got list ['ngram']"),
+    ({"proposer": {"type": {"a": 1}}}, "proposer: type must be a proposer name (a string), got dict"),
+    ({"target": {"backend": ["torch"], "model": "x"}}, "target: backend must be a backend name (a string), got list"),
+    ({"verifier": {"type": ["exact"]}}, "verifier: type must be a verifier name (a string), got list"),
+    ({"proposer": {"type": "hybrid", "proposers": [{"type": "suffix", "tree_nodes": 8}, {"type": ["x"]}]}},
+     "proposer: hybrid: type must be a proposer name (a string), got list ['x']"),
+], ids=["type-list", "type-dict", "backend-list", "verifier-list", "hybrid-child-list"])
+def test_a_plugin_name_that_is_not_a_string_is_refused_naming_the_field(data, needle):
+    """A YAML list or mapping where a plugin's name belongs (``type: [ngram]``) was a raw
+    ``TypeError: unhashable type`` from the registry lookup: refused, naming the field."""
+    with pytest.raises(ConfigError) as err:
+        SpecConfig.parse({"target": {"backend": "torch", "model": "x"}, **data})
+    assert needle in str(err.value) and "allowed values" in str(err.value), err.value
+
+
+@pytest.fixture
+def fresh_entry_points(monkeypatch):
+    """The global registries reload their entry points in this test and forget them after."""
+    from spec_plugins.registry import BACKENDS
+
+    for reg in (PROPOSERS, BACKENDS):
+        monkeypatch.setattr(reg, "_entry_points_loaded", False)
+        for name, value in list(vars(reg).items()):  # its tables, restored afterwards
+            if isinstance(value, (dict, set)):
+                monkeypatch.setattr(reg, name, type(value)(value))
+
+
+def test_a_broken_entry_point_is_a_config_error_naming_it(tmp_path, monkeypatch, fresh_entry_points):
+    """An entry point naming a missing attribute, or a class breaking the plugin contract, was a raw
+    AttributeError / TypeError; it is a config error naming the entry point, and the CLI says
+    ``error: invalid ...`` with exit 2."""
+    from typer.testing import CliRunner
+
+    from spec_plugins.cli import app
+
+    _fake_dist(tmp_path, monkeypatch, "brokenplug", """
+        class NotAProposer:
+            pass
+        class Half:
+            pass
+    """, """
+        [spec_plugins.proposers]
+        notaproposer = brokenplug:NotAProposer
+        typo = brokenplug:Missing
+        [spec_plugins.backends]
+        halfbackend = brokenplug:Half
+    """)
+    target = {"backend": "torch", "model": "x"}
+    for data, needle in [
+        ({"target": target, "proposer": {"type": "typo"}},
+         "entry point typo = brokenplug:Missing in group spec_plugins.proposers) cannot be loaded: "
+         "module brokenplug has no attribute 'Missing'"),
+        ({"target": target, "proposer": {"type": "notaproposer"}},
+         "entry point notaproposer = brokenplug:NotAProposer in group spec_plugins.proposers) cannot be used: "
+         "proposer NotAProposer must subclass"),
+        ({"target": {"backend": "halfbackend", "model": "x"}},
+         "entry point halfbackend = brokenplug:Half in group spec_plugins.backends) cannot be used: "
+         "runtime Half does not implement the Runtime contract"),
+    ]:
+        with pytest.raises(ConfigError, match="invalid config") as err:
+            SpecConfig.parse(data)
+        assert needle in str(err.value), err.value
+    config = tmp_path / "c.yaml"
+    config.write_text("target: {backend: torch, model: x}\nproposer: {type: notaproposer}\n")
+    res = CliRunner().invoke(app, ["generate", "-c", str(config), "-p", "hi"])
+    assert res.exit_code == 2 and isinstance(res.exception, SystemExit), res.exception
+    assert f"error: invalid {config}" in res.output.replace("\n", ""), res.output
+    sys.modules.pop("brokenplug", None)
+
+
+def _proposer_registry() -> Registry[object]:
+    """A registry like ``PROPOSERS`` (same group, built-in ``ngram``), loading entry points anew."""
+    from spec_plugins.registry import _check_proposer
+
+    return Registry("proposer", "spec_plugins.proposers",
+                    builtins={"ngram": "spec_plugins.proposers.ngram:NgramProposer"}, check=_check_proposer)
+
+
+def test_an_entry_point_taking_a_built_in_name_is_refused(tmp_path, monkeypatch):
+    """A third-party entry point called ``ngram`` was silently ignored (the built-in kept the name):
+    refused, naming both; one pointing at the built-in itself (the project's own entry points, a
+    second installed copy) is the same plugin and loads, as an environment without any does."""
+    from spec_plugins.proposers.ngram import NgramProposer
+
+    assert _proposer_registry().names() == ["ngram"]  # this environment: no third-party proposers
+    _fake_dist(tmp_path / "same", monkeypatch, "sameplug", "",
+               "[spec_plugins.proposers]\nngram = spec_plugins.proposers.ngram:NgramProposer\n")
+    reg = _proposer_registry()
+    assert reg.names() == ["ngram"] and reg.get("ngram") is NgramProposer
+    _fake_dist(tmp_path / "dup", monkeypatch, "dupplug", """
+        from spec_plugins.proposers.ngram import NgramProposer
+        class MyNgram(NgramProposer):
+            pass
+    """, "[spec_plugins.proposers]\nngram = dupplug:MyNgram\n")
+    reg = _proposer_registry()
+    for _ in range(2):  # refused each time, nothing half-loaded
+        with pytest.raises(RegistryError, match=r"entry point ngram = dupplug:MyNgram .*the name 'ngram' is "
+                                                r"already the proposer spec_plugins\.proposers\.ngram:NgramProposer"):
+            reg.get("ngram")
+    assert reg._lazy == {"ngram": "spec_plugins.proposers.ngram:NgramProposer"}
+
+
+def test_a_config_from_a_pipe_is_read_and_a_directory_refused(tmp_path):
+    """``--config <(...)`` hands over a pipe, which was refused as "a directory": a pipe is read;
+    only a directory gets that message."""
+    import os
+    import threading
+    import time
+
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("no named pipes on this platform")
+    fifo = tmp_path / "config.yaml"
+    os.mkfifo(fifo)
+    text = b"target: {backend: torch, model: smollm2-135m-instruct}\nproposer: {type: ngram, num_draft_tokens: 3}\n"
+
+    def write() -> None:  # opens without blocking once the reader has the pipe open (gives up after 10 s)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:
+                time.sleep(0.01)
+                continue
+            os.write(fd, text)
+            os.close(fd)
+            return
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    cfg = SpecConfig.from_file(fifo)
+    writer.join()
+    assert cfg.proposer.num_draft_tokens == 3 and cfg.target.model == "smollm2-135m-instruct"
+    with pytest.raises(ConfigError, match="is a directory, not a YAML/JSON file"):
+        SpecConfig.from_file(tmp_path)

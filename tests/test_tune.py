@@ -108,3 +108,34 @@ def test_tune_default_runtimes_complete_on_a_transformers_dir(tiny_dir, tmp_path
     text = out.read_text()
     assert "# note: runtime onnxruntime-int4 left out" in text and "onnxruntime-int4:" not in text
     SpecConfig.parse(yaml.safe_load(text))
+
+
+def test_a_relative_model_path_is_written_absolute(tiny_dir, tmp_path, monkeypatch):
+    """``--model ./tiny-model`` was written as typed, so the config failed to load from any other
+    directory: an existing local path is written absolute; a built-in name stays a name."""
+    from spec_plugins.models import resolve_model
+
+    monkeypatch.setenv("SPEC_PLUGINS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tiny_dir.parent)
+    res = tune("./tiny-model", ["w1 w2 w3 w1 w2 w3"], ["torch"], ["ngram"], Budget(600), max_new=8,
+               log=lambda _: None)
+    assert res.config["target"]["model"] == str(tiny_dir.resolve())
+    monkeypatch.chdir(tmp_path)  # elsewhere, the written config still finds the model
+    assert resolve_model(SpecConfig.parse(res.config).target.model).directory == tiny_dir.resolve()
+    from spec_plugins.tune import model_reference
+
+    (tmp_path / "smollm2-135m-instruct").mkdir()
+    assert model_reference("smollm2-135m-instruct") == "smollm2-135m-instruct"
+
+
+def test_a_feature_drafter_left_out_by_the_budget_is_noted(tiny_dir, tmp_path, monkeypatch):
+    """With the budget spent after the first runtime, EAGLE was dropped without a word: it is noted
+    in the written YAML and logged, as a runtime the budget leaves out is."""
+    monkeypatch.setenv("SPEC_PLUGINS_CACHE", str(tmp_path / "cache"))
+    logs: list[str] = []
+    res = tune(str(tiny_dir), ["w1 w2 w3 w1 w2 w3"], ["torch"], ["ngram", "eagle"], Budget(1e-9), max_new=8,
+               log=logs.append)
+    assert "eagle on torch skipped: budget spent" in res.notes
+    assert "[tune] eagle on torch skipped: budget spent" in logs
+    assert "# note: eagle on torch skipped: budget spent" in render_yaml(res, "spec-plugins tune")
+    assert {m.proposer for m in res.measured} == {"ngram"}

@@ -20,9 +20,9 @@ from typing import Any, Literal, Sequence
 import torch
 from pydantic import Field, model_validator
 
-from spec_plugins.config import ProposerConfig
+from spec_plugins.config import ProposerConfig, plugin_class
 from spec_plugins.proposers.base import Metric, ProposeContext, Proposer, ProposerTraits, RoundRecord, RowAware
-from spec_plugins.registry import PROPOSERS, RegistryError, register_proposer
+from spec_plugins.registry import PROPOSERS, register_proposer
 from spec_plugins.types import Ranked, RankedRow
 
 
@@ -33,12 +33,10 @@ RANKING = "suffix, eagle, parallel, or recycling with tree_size: auto"  # the ch
 def child_config(section: dict[str, Any], num_draft_tokens: int | str) -> tuple[type[Proposer], ProposerConfig]:
     """A child's class and config as the hybrid builds it: the hybrid's depth unless the section
     sets its own, and a fixed tree size where the child's default is 'auto' (the hybrid sizes)."""
-    name = section.get("type", "")
     try:
-        cls = PROPOSERS.get(name)
-    except RegistryError as exc:
-        raise ValueError(f"hybrid: type={name!r} is not a known proposer; allowed values: "
-                         f"{', '.join(PROPOSERS.names())}") from exc
+        cls = plugin_class(PROPOSERS, "type", section.get("type"))
+    except ValueError as exc:
+        raise ValueError(f"hybrid: {exc}") from exc
     sub = cls.Config.model_validate({"num_draft_tokens": num_draft_tokens, **section})
     if getattr(sub, "tree_nodes", None) == "auto":  # a default 'auto' (an explicit one is refused)
         sub = sub.model_copy(update={"tree_nodes": DEFAULT_NODES})
