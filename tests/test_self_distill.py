@@ -68,6 +68,25 @@ def test_greedy_rows_are_the_targets_own_answers_turn_by_turn():
     again = list(regenerate(dec, convs, ways, max_new_tokens=6, max_seq=64, rows=4))
     assert again == got  # seeded: the same data on a rerun, whatever the batching
     assert list(regenerate(dec, convs, ways, max_new_tokens=6, max_seq=64, rows=64)) == got
+    for rows in (1, 2):  # fewer rows than a conversation's variants: they are split across calls
+        widths = _call_widths(dec)
+        assert list(regenerate(dec, convs, ways, max_new_tokens=6, max_seq=64, rows=rows)) == got
+        assert widths and max(widths) <= rows, (rows, widths)
+
+
+def _call_widths(dec):
+    """The rows of every ``generate_batch`` call ``dec``'s plain decoders make from now on."""
+    widths: list[int] = []
+    plain = type(dec).without_speculation.__get__(dec)
+
+    def spied():
+        p = plain()
+        generate = p.generate_batch
+        p.generate_batch = lambda prompts, **kw: widths.append(len(prompts)) or generate(prompts, **kw)
+        return p
+
+    dec.without_speculation = spied
+    return widths
 
 
 def test_token_shards_of_regenerated_answers_feed_the_features_step(tmp_path):

@@ -57,12 +57,23 @@ def plan_windows(store: ShardSource, window: int, max_tokens: int | None = None)
 
 
 def token_counts(store: ShardSource, vocab: int, windows: Sequence[Window] | None = None) -> torch.Tensor:
-    """How often each token is an assistant token in the (used part of the) training data."""
+    """How often each token is an assistant token in the training data: with ``windows``, only
+    their labels (x_{j+2} of every query j; the windows of a conversation label disjoint
+    positions), so the draft vocabulary comes from the data a run trains on, not from the rest of
+    the shards its windows touch (a ``--max-train-tokens`` prefix); without, every shard."""
     counts = torch.zeros(vocab, dtype=torch.long)
-    shards = sorted({w.shard for w in windows}) if windows is not None else range(len(store.shards))
-    for i in shards:
+    by_shard: dict[int, list[Window]] = {}
+    for w in windows or ():
+        by_shard.setdefault(w.shard, []).append(w)
+    for i in sorted(by_shard) if windows is not None else range(len(store.shards)):
         t = _read(store, i, ("tokens", "trained"))
-        counts += torch.bincount(t["tokens"][t["trained"].bool()].long(), minlength=vocab)[:vocab]
+        keep = t["trained"].bool()
+        if windows is not None:
+            labels = torch.zeros_like(keep)
+            for w in by_shard[i]:
+                labels[w.start + 2: w.start + 2 + w.length] = True
+            keep = keep & labels
+        counts += torch.bincount(t["tokens"][keep].long(), minlength=vocab)[:vocab]
     return counts
 
 

@@ -13,7 +13,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import typer
 
@@ -61,9 +61,12 @@ def features_cmd(
     heldout_share: float = typer.Option(0.02, "--heldout-share", min=0.0, max=0.5),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="--source prompts: JSONL with a `prompt` field "
                                                                    "(default: examples/prompts/train.jsonl)."),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1, help="--responses self: answer length."),
-    gen_backend: str = typer.Option("onnxruntime", "--gen-backend", help="--responses self: runtime that answers."),
-    gen_batch: int = typer.Option(16, "--gen-batch", min=1, help="--responses self: rows per target forward."),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", min=1,
+                                                 help="--responses self: answer length (default 256)."),
+    gen_backend: Optional[str] = typer.Option(None, "--gen-backend",
+                                              help="--responses self: runtime that answers (default onnxruntime)."),
+    gen_batch: Optional[int] = typer.Option(None, "--gen-batch", min=1,
+                                            help="--responses self: rows per target forward (default 16)."),
     shard_tokens: int = typer.Option(32768, "--shard-tokens", min=256),
     threads: int = typer.Option(2, "--threads", min=1, help="torch threads."),
     no_progress: bool = NO_PROGRESS,
@@ -81,6 +84,11 @@ def features_cmd(
         fail("--source tokens reads answers already made (e.g. by `train self-distill`); drop --responses self")
     if (source == "tokens") != (tokens is not None):
         fail("--tokens DIR goes with --source tokens (and --source tokens needs it)")
+    if prompts is not None and source != "prompts":
+        fail(f"--prompts goes with --source prompts (it does nothing with --source {source})")
+    gen = {"--max-new-tokens": max_new_tokens, "--gen-backend": gen_backend, "--gen-batch": gen_batch}
+    for flag in (f for f, v in gen.items() if v is not None and responses != "self"):
+        fail(f"{flag} goes with --responses self (it does nothing with --responses {responses})")
     check_output_dir(out)
     import torch
 
@@ -103,42 +111,44 @@ def features_cmd(
             dataset_file()  # fail fast with the install hint
         texts = None
         if source == "prompts":
-            from spec_plugins.training.sources import DEFAULT_PROMPTS, load_prompts
+            from spec_plugins.training.sources import DEFAULT_PROMPTS, load_prompts, prompts_fingerprint
 
             texts = load_prompts(prompts or DEFAULT_PROMPTS)
         model, tok = load_hf(target, "float32", "cpu")
         keep = parse_feature_layers(layers, int(model.config.num_hidden_layers))
+        max_new_tokens = max_new_tokens or 256
         meta = {"target": target, "source": source, "responses": responses, "split": split, "max_seq": max_seq,
                 "layers": list(keep), "language": language, "heldout_share": heldout_share,
                 "prompts": str(prompts) if prompts else None,
                 "max_new_tokens": max_new_tokens if responses == "self" else None}
-        if source == "tokens":
+        if source == "tokens":  # the shards' content too: a rerun of self-distill may have replaced them
             store.check_model(target, int(model.get_input_embeddings().weight.shape[0]))
-            meta |= {"tokens": str(tokens), "token_meta": store.state.get("meta")}
-        resume_state(out, meta)  # an --out made with other settings is refused before any work
+            meta |= {"tokens": str(tokens), "token_meta": store.state.get("meta"),
+                     "token shards (fingerprint)": store.fingerprint()}
+        if texts is not None:
+            meta["prompts (fingerprint)"] = prompts_fingerprint(texts)
+        done = resume_state(out, meta)  # an --out made with other settings is refused before any work
+        skipped = done["consumed"] if done and responses == "self" else 0  # answered by an earlier run
         if source == "tokens":
-            examples = _token_examples(store, max_seq)
+            examples = store.examples(max_seq)
         elif responses == "fixed":
             from spec_plugins.training.sources import sharegpt_examples
 
             examples = sharegpt_examples(tok, split, max_seq, flt, heldout_share, counts)  # type: ignore[arg-type]
         else:
-            examples = _generated(_decoder(gen_backend, target), texts, split, flt, heldout_share, max_seq,
-                                  max_new_tokens, gen_batch)
+            from spec_plugins.training.sources import self_examples
+
+            dec = _decoder(gen_backend or "onnxruntime", target)
+            examples = self_examples(dec, texts, split, flt, heldout_share, max_seq,  # type: ignore[arg-type]
+                                     max_new_tokens, gen_batch or 16, skipped)
+        t0 = time.perf_counter()
+        state = extract(model, examples, out, meta, keep, max_tokens, shard_tokens, progress=not no_progress,
+                        skipped=skipped)  # refuses a target whose logits are not its LM head's (first batch)
     except (FileNotFoundError, ValueError, LookupError) as exc:
         fail(str(exc))
         return
-    t0 = time.perf_counter()
-    state = extract(model, examples, out, meta, keep, max_tokens, shard_tokens, progress=not no_progress)
     state = {**state, "filter_counts_this_run": counts.as_dict(), "wall_seconds_this_run": round(time.perf_counter() - t0, 1)}
     typer.echo(json.dumps({k: v for k, v in state.items() if k != "shards"} | {"shards": len(state["shards"])}, indent=1))
-
-
-def _token_examples(store: Any, max_seq: int) -> Iterator[tuple[list[int], list[bool]]]:
-    """The token shards' conversations, each cut at ``max_seq`` tokens as every source's are."""
-    for i in range(len(store.shards)):
-        for ids, trained in store.conversations(i):
-            yield ids[:max_seq], trained[:max_seq]
 
 
 def _decoder(backend: str, target: str) -> Any:
@@ -148,23 +158,6 @@ def _decoder(backend: str, target: str) -> Any:
 
     return SpeculativeDecoder.from_config(SpecConfig.parse({"target": {"backend": backend, "model": target},
                                                             "proposer": None}))
-
-
-def _generated(dec: Any, texts: Any, split: str, flt: Any, heldout_share: float, max_seq: int, max_new_tokens: int,
-               gen_batch: int):
-    """The (ids, trained) stream of the target's own answers, lazily (extraction stops at its budget)."""
-    from spec_plugins.training.sources import first_turns, self_distilled
-
-    heads = texts if texts is not None else first_turns(split, flt, heldout_share)  # type: ignore[arg-type]
-    it = iter(heads)
-    while True:  # in chunks, so a token budget never waits for the whole corpus to be answered
-        chunk = [next(it, None) for _ in range(gen_batch * 4)]
-        chunk = [c for c in chunk if c is not None]
-        if not chunk:
-            return
-        for ids, trained in self_distilled(dec, chunk, max_new_tokens, gen_batch, progress=False,
-                                           max_prompt=max(16, max_seq - max_new_tokens)):
-            yield ids[:max_seq], trained[:max_seq]
 
 
 def _train_cfg(**kw: Any):
@@ -230,7 +223,8 @@ def self_distill_cmd(
         return
     convs = sharegpt_examples(dec.tokenizer, split, max_seq, DataFilter(language=language), heldout_share)  # type: ignore[arg-type]
     meta = {"target": target, "source": "sharegpt", "responses": "self", "split": split, "max_seq": max_seq,
-            "variants": [vars(w) for w in ways], "max_new_tokens": max_new_tokens, "backend": backend, "rows": rows}
+            "language": language, "heldout_share": heldout_share, "variants": [vars(w) for w in ways],
+            "max_new_tokens": max_new_tokens, "backend": backend, "rows": rows}
     t0 = time.perf_counter()
     state = write_token_shards(regenerate(dec, convs, ways, max_new_tokens, max_seq, rows), out, meta,
                                len(dec.tokenizer), max_tokens, shard_tokens)

@@ -247,6 +247,10 @@ def _finish(model: EagleDrafter, res: TrainResult, cfg: TrainConfig, out: Path, 
         "scheduled_steps": res.scheduled, "resumed_from": res.resumed_from, "train": asdict(cfg) | (recipe or {}),
         "first_losses": [round(x, 4) for x in res.losses[:5]], "last_losses": [round(x, 4) for x in res.losses[-5:]],
     }
+    earlier = out / "train_report.json"
+    if not res.losses and earlier.is_file():  # a rerun of a finished run trains no step: keep the run's losses
+        old = json.loads(earlier.read_text())
+        report |= {k: old[k] for k in ("first_losses", "last_losses") if k in old}
     if heldout is not None:
         from spec_plugins.training.parallel_train import ParallelDrafter, evaluate_parallel
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Iterable, Iterator, Protocol, Sequence
@@ -95,6 +96,7 @@ def batch_outputs(model: Any, ids: torch.Tensor, lengths: Sequence[int], layers:
     sits after every real position, so causal attention never reads it: no mask is needed.
     Hidden states keep the model's dtype; lse and top-1 come from float32 logits, computed
     ``logit_rows`` positions at a time (a GPU batch of 64k positions would need 13 GB at once)."""
+    check_plain_head(model, ids[:1, : lengths[0]])
     out = model.get_decoder()(input_ids=ids, output_hidden_states=bool(layers))
     real = torch.arange(ids.shape[1], device=ids.device)[None, :] < torch.tensor(lengths, device=ids.device)[:, None]
     h = out.last_hidden_state[real]  # [N, H]
@@ -108,6 +110,31 @@ def batch_outputs(model: Any, ids: torch.Tensor, lengths: Sequence[int], layers:
         lse.append(torch.logsumexp(logits, -1))
         top1.append(logits.argmax(-1))
     return {"hidden": h, "layers": sel, "lse": torch.cat(lse), "top1": torch.cat(top1)}
+
+
+_PLAIN_HEAD: "weakref.WeakSet[Any]" = weakref.WeakSet()  # models whose logits were found to be linear(h, head)
+
+
+@torch.inference_mode()
+def check_plain_head(model: Any, ids: torch.Tensor, probe: int = 64) -> None:
+    """Refuse a model whose logits are not its LM head's product: lse, top-1 and the trainer's soft
+    labels p(v) = exp(w_v . h - lse) rebuild them as linear(h, head), which a transform after the
+    head (Granite's logits_scaling, Gemma-2's soft-capping, Cohere's logit_scale) makes another
+    distribution. Compared numerically on the first ``probe`` tokens of ``ids`` [1, T], once per
+    model, so any such model is caught whatever its config calls the transform."""
+    if model in _PLAIN_HEAD:
+        return
+    ids = ids[:1, :probe]
+    own = model(input_ids=ids, use_cache=False).logits
+    mine = model.get_output_embeddings()(model.get_decoder()(input_ids=ids).last_hidden_state)
+    tol = max(1e-4, 4 * torch.finfo(mine.dtype).eps)  # the same ops in the model's dtype: a rounding apart
+    err = float((own.float() - mine.float()).abs().max())
+    if not err <= tol * (1.0 + float(own.float().abs().max())):
+        raise ValueError(f"{type(model).__name__}'s logits are not its LM head's product linear(h, lm_head) (they "
+                         f"differ by up to {err:.3g}: a scaling or soft-capping after the head, such as Granite's "
+                         "logits_scaling or Gemma-2's final_logit_softcapping); features rebuilt from the LM head "
+                         "would not be its distribution, so this target cannot be trained on")
+    _PLAIN_HEAD.add(model)
 
 
 def resume_state(out: Path, meta: dict) -> dict | None:
@@ -177,22 +204,27 @@ class ShardWriter:
 
 
 def extract(model: Any, examples: Iterable[tuple[list[int], list[bool]]], out: Path, meta: dict,
-            layers: Sequence[int], max_tokens: int, shard_tokens: int = 32768, progress: bool = True) -> dict:
+            layers: Sequence[int], max_tokens: int, shard_tokens: int = 32768, progress: bool = True,
+            skipped: int = 0) -> dict:
     """Run the target over ``examples`` ((ids, trained mask) per conversation, in a fixed order)
     until ``max_tokens`` tokens are written; resumes from ``out/progress.json`` (an interrupted
-    run, or a finished one given a bigger budget)."""
+    run, or a finished one given a bigger budget). ``skipped``: ``examples`` already leaves out
+    that many examples from its start, which must be those an earlier run consumed (a source
+    that skips them before making them: regenerating answers is slow)."""
     from tqdm.auto import tqdm
 
     writer = ShardWriter(Path(out), meta, shard_tokens)
     if writer.state.get("exhausted") or writer.tokens >= max_tokens:
         return writer.state
     start_consumed = writer.state["consumed"]
+    if skipped not in (0, start_consumed):
+        raise ValueError(f"the examples start after {skipped} examples, but {out} resumes after {start_consumed}")
     bar = tqdm(total=max_tokens, initial=writer.tokens, unit="tok", desc="target features", disable=not progress,
                dynamic_ncols=True)
     dev = next(model.parameters()).device
-    consumed = 0
+    consumed = skipped
     exhausted = True
-    for consumed, (ids, trained) in enumerate(examples, start=1):
+    for consumed, (ids, trained) in enumerate(examples, start=skipped + 1):
         if consumed <= start_consumed:
             continue
         if writer.tokens >= max_tokens:

@@ -13,13 +13,15 @@ Sources: ``sharegpt`` (the ``[train]`` extra) or the shipped template prompts
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
-from typing import Any, Iterator, Literal, Sequence
+from typing import Any, Iterable, Iterator, Literal, Sequence, Union
 
 from spec_plugins.training.sharegpt import DataFilter, FilterCounts, conversations, dataset_file, encode_conversation
 
 Example = tuple[list[int], list[bool]]
+Prompt = Union[str, Sequence[dict[str, str]], Sequence[int]]  # text, chat messages or token ids
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "examples" / "prompts" / "train.jsonl"
 
 
@@ -59,18 +61,25 @@ def first_turns(split: Literal["train", "heldout"], flt: DataFilter = DataFilter
         yield head
 
 
-def self_distilled(decoder: Any, prompts: Sequence[Sequence[dict[str, str]] | str], max_new_tokens: int,
+def answerable(decoder: Any, prompts: Iterable[Prompt], max_prompt: int | None = None) -> Iterator[list[int]]:
+    """The prompts as token ids (text in the chat template; token ids as they are), lazily, those
+    longer than ``max_prompt`` tokens left out: a batch of long prompts prefills all their
+    positions at once (a 15k-token ShareGPT question exhausted 24 GB here)."""
+    for p in prompts:
+        ids = decoder.encode([{"role": "user", "content": p}] if isinstance(p, str) else list(p))
+        if max_prompt is None or len(ids) <= max_prompt:
+            yield ids
+
+
+def self_distilled(decoder: Any, prompts: Sequence[Prompt], max_new_tokens: int,
                    batch: int = 16, progress: bool = True, max_prompt: int | None = None) -> Iterator[Example]:
-    """The target's own greedy answers (plain decoding, ``batch`` rows per target forward).
-    Prompts longer than ``max_prompt`` tokens are skipped: a batch of long prompts prefills all
-    their positions at once (a 15k-token ShareGPT question exhausted 24 GB here)."""
+    """The target's own greedy answers (plain decoding, ``batch`` rows per target forward), one
+    example per prompt ``answerable`` keeps."""
     from tqdm.auto import tqdm
 
     plain = decoder.without_speculation()
     bar = tqdm(total=len(prompts), desc="self-distillation (answers)", disable=not progress, dynamic_ncols=True)
-    encoded = [plain.encode([{"role": "user", "content": p}] if isinstance(p, str) else list(p)) for p in prompts]
-    if max_prompt is not None:
-        encoded = [e for e in encoded if len(e) <= max_prompt]
+    encoded = list(answerable(plain, prompts, max_prompt))
     for s in range(0, len(encoded), batch):
         ids = encoded[s: s + batch]
         results = plain.generate_batch(ids, max_new_tokens=max_new_tokens)
@@ -78,3 +87,24 @@ def self_distilled(decoder: Any, prompts: Sequence[Sequence[dict[str, str]] | st
             yield list(p) + list(r.token_ids), [False] * len(p) + [True] * len(r.token_ids)
         bar.update(len(ids))
     bar.close()
+
+
+def self_examples(decoder: Any, texts: Sequence[Prompt] | None, split: Literal["train", "heldout"],
+                  flt: DataFilter, heldout_share: float, max_seq: int, max_new_tokens: int, batch: int,
+                  skip: int = 0) -> Iterator[Example]:
+    """The (ids, trained) stream of the target's own answers to ``texts`` (None: ShareGPT's first
+    turns), lazily and in chunks, so a token budget never waits for the whole corpus to be
+    answered. ``skip``: the first answerable prompts a resumed extraction already consumed (one
+    example each), left out before they are answered."""
+    import itertools
+
+    heads = texts if texts is not None else first_turns(split, flt, heldout_share)
+    todo = itertools.islice(answerable(decoder, heads, max(16, max_seq - max_new_tokens)), skip, None)
+    while chunk := list(itertools.islice(todo, batch * 4)):
+        for ids, trained in self_distilled(decoder, chunk, max_new_tokens, batch, progress=False):
+            yield ids[:max_seq], trained[:max_seq]
+
+
+def prompts_fingerprint(texts: Sequence[str]) -> str:
+    """What a prompts file holds, as a short hash: a resumed extraction must answer the same prompts."""
+    return hashlib.sha256(json.dumps(list(texts)).encode()).hexdigest()[:16]

@@ -13,11 +13,12 @@ same data whichever way the features are made.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -183,6 +184,22 @@ class TokenStore(ShardDirectory):
         if unknown:
             raise KeyError(f"token shards hold tokens, trained and offsets, not {sorted(unknown)}")
         return {n: torch.from_numpy(arrays[n]) for n in names}
+
+    def fingerprint(self) -> str:
+        """What the shards hold (tokens, assistant marks, conversation bounds), as a short hash: a
+        resumed extraction over shards written again with other data must not continue."""
+        h = hashlib.sha256()
+        for i in range(len(self.shards)):
+            s = self.load(i)
+            for a in (s.tokens.astype(np.int64), s.trained.astype(bool), s.offsets.astype(np.int64)):
+                h.update(np.ascontiguousarray(a).tobytes())
+        return h.hexdigest()[:16]
+
+    def examples(self, max_seq: int) -> Iterator[tuple[list[int], list[bool]]]:
+        """Every conversation, in order, cut at ``max_seq`` tokens as every source's are."""
+        for i in range(len(self.shards)):
+            for ids, trained in self.conversations(i):
+                yield ids[:max_seq], trained[:max_seq]
 
     def conversations(self, i: int) -> list[tuple[list[int], list[bool]]]:
         """Shard i as (ids, assistant mask) per conversation."""
