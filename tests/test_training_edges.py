@@ -204,14 +204,21 @@ def test_features_options_that_do_nothing_for_the_source_are_refused(extra, name
 
 
 # ---- reports ---------------------------------------------------------------------------------
-def test_a_rerun_of_a_finished_run_keeps_the_reports_losses(tmp_path):
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_a_rerun_of_a_finished_run_keeps_the_reports_losses(kind, tmp_path):
     from spec_plugins.training.eagle_train import train_eagle
+    from spec_plugins.training.medusa_train import train_medusa
 
     model = tiny_llama(seed=0, sharpness=8.0)
     extract(model, examples(n=8), tmp_path / "f", {"target": "t", "layers": [1, 2]}, (1, 2), 10_000, progress=False)
     cfg = TrainConfig(epochs=1, max_steps=3, batch_size=2, window=16, unroll=1)
-    first = train_eagle(FeatureStore(tmp_path / "f"), model, cfg, tmp_path / "h", True, vocab_size=20, progress=False)
-    again = train_eagle(FeatureStore(tmp_path / "f"), model, cfg, tmp_path / "h", True, vocab_size=20, progress=False)
+    def train():
+        if kind == "medusa":
+            return train_medusa(FeatureStore(tmp_path / "f"), model, cfg, tmp_path / "h", num_heads=2, vocab_size=20,
+                                progress=False)
+        return train_eagle(FeatureStore(tmp_path / "f"), model, cfg, tmp_path / "h", True, vocab_size=20, progress=False)
+
+    first, again = train(), train()
     assert first["first_losses"] and again["first_losses"] == first["first_losses"]
     assert again["last_losses"] == first["last_losses"]
     assert json.loads((tmp_path / "h" / "train_report.json").read_text())["first_losses"] == first["first_losses"]

@@ -26,7 +26,7 @@ from spec_plugins.training.batches import (EagleBatch, ShardCache, Window, batch
                                            eagle_batch, epoch_batches, epoch_steps, plan_windows, soft_labels,
                                            step_mask, token_counts, unroll_masks)
 from spec_plugins.training.features import ShardSource
-from spec_plugins.training.trainer import IGNORE, Loop, StepHook, TrainConfig, TrainResult, map_vocab
+from spec_plugins.training.trainer import IGNORE, Loop, StepHook, TrainConfig, TrainResult, loss_summary, map_vocab
 
 
 def unrolled(model: EagleDrafter, b: EagleBatch, steps: int, noise: float = 0.0) -> list[torch.Tensor]:
@@ -245,12 +245,8 @@ def _finish(model: EagleDrafter, res: TrainResult, cfg: TrainConfig, out: Path, 
         "train_tokens": tokens, "train_windows": len(windows), "draft_vocab": int(model.vocab_ids.numel()),
         "draft_vocab_coverage": round(coverage, 4), "train_seconds": round(res.seconds, 1), "steps": res.steps,
         "scheduled_steps": res.scheduled, "resumed_from": res.resumed_from, "train": asdict(cfg) | (recipe or {}),
-        "first_losses": [round(x, 4) for x in res.losses[:5]], "last_losses": [round(x, 4) for x in res.losses[-5:]],
+        **loss_summary(res, out),
     }
-    earlier = out / "train_report.json"
-    if not res.losses and earlier.is_file():  # a rerun of a finished run trains no step: keep the run's losses
-        old = json.loads(earlier.read_text())
-        report |= {k: old[k] for k in ("first_losses", "last_losses") if k in old}
     if heldout is not None:
         from spec_plugins.training.parallel_train import ParallelDrafter, evaluate_parallel
 

@@ -17,7 +17,7 @@ from spec_plugins.training.batches import (ShardCache, Window, batches_for_steps
                                            plan_windows, soft_labels)
 from spec_plugins.training.eagle_train import draft_vocab
 from spec_plugins.training.features import Shard, ShardSource
-from spec_plugins.training.trainer import IGNORE, Loop, StepHook, TrainConfig, map_vocab
+from spec_plugins.training.trainer import IGNORE, Loop, StepHook, TrainConfig, loss_summary, map_vocab
 
 
 def positions(shard: Shard, windows: list[Window], heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,7 +101,7 @@ def train_medusa(store: ShardSource, target_model: Any, cfg: TrainConfig, out: s
         "train_tokens": tokens, "draft_vocab": int(vocab_ids.numel()), "draft_vocab_coverage": round(coverage, 4),
         "train_seconds": round(res.seconds, 1), "steps": res.steps, "scheduled_steps": res.scheduled,
         "resumed_from": res.resumed_from, "train": asdict(cfg),
-        "first_losses": [round(x, 4) for x in res.losses[:5]], "last_losses": [round(x, 4) for x in res.losses[-5:]],
+        **loss_summary(res, out),
     }
     if heldout is not None:
         report["heldout"] = evaluate(heads, heldout, cfg.window)

@@ -183,5 +183,16 @@ class Loop:
         return res
 
 
+def loss_summary(res: TrainResult, out: Path) -> dict[str, list[float]]:
+    """A report's first and last losses; a rerun of a finished run trains no step, so it keeps
+    those of the run's earlier ``train_report.json`` instead of writing empty lists over them."""
+    earlier = out / "train_report.json"
+    if not res.losses and earlier.is_file():
+        old = json.loads(earlier.read_text())
+        return {k: old[k] for k in ("first_losses", "last_losses") if k in old}
+    return {"first_losses": [round(x, 4) for x in res.losses[:5]],
+            "last_losses": [round(x, 4) for x in res.losses[-5:]]}
+
+
 def write_report(out: Path, info: dict[str, Any]) -> None:
     (out / "train_report.json").write_text(json.dumps(info, indent=2) + "\n")
