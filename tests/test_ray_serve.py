@@ -182,3 +182,26 @@ def test_killing_a_replica_mid_flight_fails_visibly_and_recovers(deployed, refer
     assert [t.id for t in r.details.tokens] == solo(model, tok, PROMPTS[2], 6)
     print(f"fault test: {in_flight} of 8 in flight at the kill, {outcomes}, "
           f"back to 2 replicas {recovery:.1f} s after the kill")
+
+
+def test_body_timeout_and_cpu_workers_reach_each_replica(model_dir, tmp_path):
+    """``serve --ray`` carries them in the Serve config file, and each replica's state applies them."""
+    import dataclasses
+
+    import yaml
+    from typer.testing import CliRunner
+
+    from spec_plugins.cli import app
+    from spec_plugins.server import ray_serve
+
+    cfg = tmp_path / "spec.yaml"
+    cfg.write_text(yaml.safe_dump({"target": {"backend": "torch", "model": str(model_dir)}}))
+    out = tmp_path / "serve.yaml"
+    res = CliRunner().invoke(app, ["serve", "--ray", "-c", str(cfg), "--body-timeout", "3", "--cpu-workers", "5",
+                                   "--write-config", str(out)])
+    assert res.exit_code == 0, res.output
+    opts = ReplicaOptions(**yaml.safe_load(out.read_text())["applications"][0]["args"]["options"])
+    assert (opts.body_timeout, opts.cpu_workers) == (3.0, 5)
+    ray_serve.build_replica_app(dataclasses.replace(opts, threads=None))  # as a replica builds it, outside Ray
+    state = ray_serve._REPLICA["state"]
+    assert (state.body_timeout, state.cpu_workers, state.cpu_limiter.total_tokens) == (3.0, 5, 5)

@@ -100,7 +100,7 @@ def serve(
     if ray or write_config is not None:
         _serve_ray(config, host, port, max_batch, max_input_tokens, max_total_tokens, draft_policy, no_speculation,
                    shutdown_timeout, replicas, autoscale, ray_address, num_cpus, num_gpus, write_config,
-                   escape_special_tokens)
+                   escape_special_tokens, body_timeout, cpu_workers)
         return
     try:
         limits.check()
@@ -139,7 +139,8 @@ def serve(
 def _serve_ray(config: Optional[Path], host: str, port: int, max_batch: int, max_input_tokens: Optional[int],
                max_total_tokens: Optional[int], draft_policy: str, no_speculation: bool, shutdown_timeout: float,
                replicas: int, autoscale: Optional[str], ray_address: Optional[str], num_cpus: float, num_gpus: float,
-               write_config: Optional[Path], escape_special_tokens: bool = False) -> None:
+               write_config: Optional[Path], escape_special_tokens: bool = False, body_timeout: float = 30.0,
+               cpu_workers: int = 2) -> None:
     """``serve --ray``: the same app on Ray Serve replicas (``spec_plugins.server.ray_serve``).
     Connections are Ray's proxy's (its own timeouts): the connection limits above are not applied."""
     import json
@@ -155,7 +156,7 @@ def _serve_ray(config: Optional[Path], host: str, port: int, max_batch: int, max
             cfg = cfg.model_copy(update={"proposer": None})
         opts = ReplicaOptions(cfg.model_dump(mode="json"), max_batch, max_input_tokens, max_total_tokens, draft_policy,
                               shutdown_timeout, max(1, int(num_cpus)) if num_cpus >= 1 else None,
-                              escape_special_tokens)
+                              escape_special_tokens, body_timeout, cpu_workers)
         scaling = Scaling(replicas, parse_autoscale(autoscale) if autoscale else None, num_cpus, num_gpus,
                           max_ongoing_requests=max(2 * max_batch, 8))
     except (ConfigError, ValueError, FileNotFoundError, LookupError) as exc:

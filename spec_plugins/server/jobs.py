@@ -116,7 +116,7 @@ async def follow(state: Any, job: Job, prep: Prepared, request: Request,
             # leaves the batch within a round: at most every 0.1 s a cheap receive() check
             if item is None or time.perf_counter() - checked > 0.1:
                 checked = time.perf_counter()
-                if await request.is_disconnected():
+                if await _disconnected(request):
                     return
             if item is None:
                 continue
@@ -144,6 +144,24 @@ async def follow(state: Any, job: Job, prep: Prepared, request: Request,
                 yield tok
     finally:
         state.scheduler.cancel(job)  # no-op when finished; frees the slot otherwise
+
+
+def ray_cancelled(exc: BaseException) -> bool:
+    """Ray's error for a request whose client left (``TaskCancelledError`` or a subclass, such as
+    Serve's ``RequestCancelledError``): a replica's calls to the proxy for that request raise it.
+    Matched by class name, so the single-machine server never imports ray."""
+    return any(c.__name__ == "TaskCancelledError" and c.__module__.startswith("ray.") for c in type(exc).__mro__)
+
+
+async def _disconnected(request: Request) -> bool:
+    """Whether the client hung up; under Ray Serve asking can raise Ray's cancellation error,
+    which says the same."""
+    try:
+        return await request.is_disconnected()
+    except Exception as exc:
+        if ray_cancelled(exc):
+            return True
+        raise
 
 
 def _finished(state: Any, prep: Prepared, toks: list[TokenOut], reason: str,
@@ -219,7 +237,9 @@ class JobStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         except ClientDisconnect:  # its client left (ASGI 2.4 servers): the 499 it is counted as
             raise
-        except Exception:
+        except Exception as exc:
+            if ray_cancelled(exc):  # its client left (Ray Serve): a 499, and no one to tell
+                return
             self._tally.status = 500  # the stream broke off (the error is the server's to log)
             raise
         finally:
@@ -236,17 +256,25 @@ def timed(state: Any, route: str) -> Callable:
     """Count the request once in /metrics, with its latency, tokens and time to first token
     (``fn`` fills its ``Tally``), errors included; a stream is counted by its ``JobStream`` when
     it ends. Errors in TGI's shape, an internal one with a request id whose details only the log
-    has."""
+    has. A client that left is a 499 and no error: Ray Serve cancels the handler's task (the
+    cancellation goes on) or raises its own cancellation error (``ray_cancelled``)."""
 
     def deco(fn: Callable) -> Callable:
         async def wrapper(request: Request) -> Response:
             tally = Tally()
             try:
                 resp = await fn(request, tally)
+            except asyncio.CancelledError:
+                tally.record(state, route, 499)
+                raise
             except ApiError as exc:
                 tally.record(state, route, exc.status)
                 return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-            except Exception:  # noqa: BLE001 - the details go to the log, never to the client
+            except Exception as exc:  # noqa: BLE001 - the details go to the log, never to the client
+                if ray_cancelled(exc):
+                    gone = ApiError(499, "client disconnected", "cancelled")
+                    tally.record(state, route, gone.status)
+                    return JSONResponse(gone.body(), status_code=gone.status)
                 rid = uuid.uuid4().hex[:12]
                 log.exception("request failed (request id %s)", rid)
                 tally.record(state, route, 500)

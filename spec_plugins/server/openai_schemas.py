@@ -136,12 +136,14 @@ class OpenAIRequest(BaseModel):
 
     def parameters(self, max_new_tokens: int | None, choice: int = 0) -> GenerateParameters:
         """TGI's mapping: temperature 0 = greedy, otherwise sample (OpenAI's default is 1);
-        choice ``i`` of a seeded request samples with ``seed + i``."""
+        choice ``i`` of a seeded request samples with ``seed + i``. Greedy takes no ``top_p`` or
+        seed: TGI's rule samples whenever a warper is set, which would sample at temperature 1."""
         greedy = self.temperature == 0.0
-        seed = None if self.seed is None else (self.seed + choice) % (MAX_SEED + 1)
+        seed = None if self.seed is None or greedy else (self.seed + choice) % (MAX_SEED + 1)
+        top_p = None if greedy or self.top_p in (None, 1.0) else self.top_p
         return GenerateParameters(
             max_new_tokens=max_new_tokens, do_sample=not greedy, temperature=None if greedy else self.temperature,
-            top_p=self.top_p if self.top_p not in (None, 1.0) else None, seed=seed,
+            top_p=top_p, seed=seed,
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             repetition_penalty=self.repetition_penalty)
 

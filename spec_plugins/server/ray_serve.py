@@ -32,6 +32,8 @@ class ReplicaOptions:
     shutdown_timeout: float = 30.0
     threads: int | None = None  # torch threads per replica (None: its num_cpus)
     escape_special_tokens: bool = False  # chat message text spelling a special token stays text
+    body_timeout: float = 30.0  # seconds a client has to send its whole request body (then 408)
+    cpu_workers: int = 2  # threads parsing and tokenizing request bodies at once, per replica
 
 
 @dataclass(frozen=True)
@@ -83,8 +85,9 @@ def build_replica_app(options: ReplicaOptions) -> Any:
     cfg = SpecConfig.parse(options.config)
     dec = SpeculativeDecoder.from_config(cfg)
     state = build_state(dec, options.max_batch, options.max_input_tokens, options.max_total_tokens,
-                        options.draft_policy, model_id=cfg.target.model)
+                        options.draft_policy, model_id=cfg.target.model, cpu_workers=options.cpu_workers)
     state.shutdown_timeout = options.shutdown_timeout
+    state.body_timeout = options.body_timeout
     state.escape_special_tokens = options.escape_special_tokens
     replica = _replica_id()
     state.info_extra["replica"] = replica

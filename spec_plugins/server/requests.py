@@ -8,8 +8,11 @@ limit can possibly fit is refused on the count of its first characters (``encode
 
 from __future__ import annotations
 
+import copy
 import random
 import re
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -225,6 +228,7 @@ def escape_special(tokenizer: Any, text: str, ids: list[int], spans: Sequence[tu
     re-tokenized with ``split_special_tokens``; the template's tokens stay."""
     if not spans:
         return ids
+    split = _splitter(tokenizer)
     offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
     if len(offsets) != len(ids):  # ``ids`` is ``text`` tokenized the same way; a mismatch is a bug here
         raise RuntimeError("escape_special: the token offsets do not match the tokenized chat")
@@ -235,9 +239,27 @@ def escape_special(tokenizer: Any, text: str, ids: list[int], spans: Sequence[tu
         last = max(k for k in range(first, len(ids)) if offsets[k][0] < end)  # the last one starting inside it
         out += ids[j:first]
         piece = text[offsets[first][0]:offsets[last][1]]
-        out += list(tokenizer(piece, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+        out += list(split(piece, add_special_tokens=False, split_special_tokens=True)["input_ids"])
         j = last + 1
     return out + ids[j:]
+
+
+_SPLITTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its splitting copy
+_SPLITTERS_LOCK = threading.Lock()
+
+
+def _splitter(tokenizer: Any) -> Any:
+    """A private copy of ``tokenizer`` for ``split_special_tokens``: transformers applies that
+    option by setting a flag on the shared Rust tokenizer for the call, which would change how
+    prompts tokenized at the same time in other worker threads are encoded. The copy gets the
+    flag once, here, and every call on it asks for the same value, so nothing flips it again."""
+    with _SPLITTERS_LOCK:
+        split = _SPLITTERS.get(tokenizer)
+        if split is None:
+            split = copy.deepcopy(tokenizer)
+            split("", add_special_tokens=False, split_special_tokens=True)  # sets the copy's flag before any use
+            _SPLITTERS[tokenizer] = split
+    return split
 
 
 def check_token_ids(state: Any, ids: Sequence[int], field: str) -> list[int]:
