@@ -6,12 +6,15 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
 from spec_plugins.cli import app, check_output_dir, fail, load_config
 from spec_plugins.graphs.io import MAX_OPSET, MIN_OPSET, OPSET
+
+if TYPE_CHECKING:
+    from spec_plugins.graphs.quant import QuantScheme
 
 export_app = typer.Typer(add_completion=False, no_args_is_help=True,
                          help="Export the target/draft graphs (ONNX) and check them against PyTorch.")
@@ -33,30 +36,30 @@ def export_onnx(
                                             "drafters: auto (the drafter's, else low/mid/high), none, or e.g. 3,15,28."),
     quantize: str = typer.Option("none", "--quantize", help="Weight-only quantization: none, int4 or int8 "
                                                             "(ONNX Runtime MatMulNBits)."),
-    block_size: int = typer.Option(32, "--block-size", help="Quantization block (weights sharing one scale)."),
+    block_size: Optional[int] = typer.Option(None, "--block-size",
+                                             help="Quantization block (weights sharing one scale; default 32)."),
     asymmetric: bool = typer.Option(False, "--asymmetric", help="Blocks with zero points (default symmetric)."),
-    accuracy_level: int = typer.Option(4, "--accuracy-level", min=0, max=4,
-                                       help="ORT compute accuracy of quantized MatMuls (4 = int8 activations)."),
+    accuracy_level: Optional[int] = typer.Option(None, "--accuracy-level", min=0, max=4,
+                                                 help="ORT compute accuracy of quantized MatMuls (4 = int8 "
+                                                      "activations; the default)."),
     fp32_lm_head: bool = typer.Option(False, "--fp32-lm-head", help="Keep the LM head in fp32."),
     gguf_grid: bool = typer.Option(False, "--gguf-grid", help="Carry the source GGUF's own Q4_1/Q8_0 blocks "
-                                                              "instead of re-quantizing (GGUF models only)."),
+                                                              "instead of re-quantizing (GGUF models only; "
+                                                              "--quantize int4, default block)."),
 ) -> None:
     """Write the verify graph of the target, the draft graphs and manifest.json to DIR."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from spec_plugins.config import ConfigError
     from spec_plugins.exporters.onnx_export import export_config
 
-    check_output_dir(out)
     t0 = time.perf_counter()
     try:
-        scheme = None
-        if quantize not in ("none", "int4", "int8"):
-            raise ValueError(f"--quantize {quantize!r}; allowed values: none, int4, int8")
-        if quantize != "none":
-            from spec_plugins.graphs.quant import QuantScheme
-
-            scheme = QuantScheme(int(quantize[3:]), block_size, not asymmetric, accuracy_level, not fp32_lm_head,
-                                 "gguf" if gguf_grid else "rtn")
+        scheme = quant_scheme(quantize, block_size, asymmetric, accuracy_level, fp32_lm_head, gguf_grid)
+    except ValueError as exc:
+        fail(str(exc))
+        return
+    check_output_dir(out)
+    try:
         man = export_config(load_config(config), out, opset, log=_log, feature_layers=feature_layers,
                             quantize=scheme)
     except (ConfigError, ValueError, FileNotFoundError, LookupError, ImportError) as exc:
@@ -69,13 +72,46 @@ def export_onnx(
     typer.echo(f"manifest: {out / 'manifest.json'}  (total {time.perf_counter() - t0:.1f} s including model load)")
 
 
+def quant_scheme(quantize: str, block_size: int | None, asymmetric: bool, accuracy_level: int | None,
+                 fp32_lm_head: bool, gguf_grid: bool) -> "QuantScheme | None":
+    """The ``QuantScheme`` the quantization flags ask for (None for ``--quantize none``), checked
+    before any model loads: a flag that would change nothing is refused by name, not ignored."""
+    if quantize not in ("none", "int4", "int8"):
+        raise ValueError(f"--quantize {quantize!r}; allowed values: none, int4, int8")
+    flags = {"--block-size": block_size is not None, "--asymmetric": asymmetric,
+             "--accuracy-level": accuracy_level is not None, "--fp32-lm-head": fp32_lm_head, "--gguf-grid": gguf_grid}
+    if quantize == "none":
+        given = [f for f, on in flags.items() if on]
+        if given:
+            raise ValueError(f"{', '.join(given)} set how weights are quantized; add --quantize int4 or int8 "
+                             "(the export is not quantized without it)")
+        return None
+    from spec_plugins.exporters.onnx_quantize import gguf_conflicts
+    from spec_plugins.graphs.quant import QuantScheme
+
+    try:
+        scheme = QuantScheme(int(quantize[3:]), 32 if block_size is None else block_size, not asymmetric,
+                             4 if accuracy_level is None else accuracy_level, not fp32_lm_head,
+                             "gguf" if gguf_grid else "rtn")
+    except ValueError as exc:  # the block size: the one flag typer does not range-check
+        raise ValueError(f"--block-size {block_size}: {exc}") from None
+    if gguf_grid and (bad := gguf_conflicts(scheme)):
+        named = {"bits": f"--quantize {quantize}", "block_size": f"--block-size {block_size}",
+                 "symmetric": "--asymmetric"}
+        raise ValueError(f"--gguf-grid carries the GGUF's own blocks (Q4_1 4-bit, Q8_0 8-bit, 32 weights a block); "
+                         f"it takes no {', '.join(named[f] for f in bad)}: use --quantize int4 --gguf-grid")
+    return scheme
+
+
 @export_app.command("check")
 def export_check(
     directory: Path = typer.Argument(..., help="An export directory (with manifest.json)."),
     gamma: int = typer.Option(5, "--gamma", min=1, max=64, help="Check N = 1..gamma+1 new nodes."),
     rtol: Optional[float] = typer.Option(None, "--rtol", help="Allowed max|diff| relative to max|logits| "
                                                                "(default: by each graph's dtype, see "
-                                                               "docs/runtimes/onnxruntime.md)."),
+                                                               "docs/runtimes/onnxruntime.md; quantized graphs: "
+                                                               "QUANT_RTOL of exporters/parity.py against fp32 "
+                                                               "on real inputs)."),
     max_new_tokens: int = typer.Option(48, "--max-new-tokens", min=1, help="Greedy speculative tokens compared."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="ONNX Runtime intra-op threads."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),

@@ -54,10 +54,12 @@ def check_opset(opset: int) -> None:
         raise ValueError(f"opset {opset} is not supported; the ONNX export writes opsets {MIN_OPSET}..{MAX_OPSET}")
 
 
-def check_out_dir(out: Path) -> None:
+def check_out_dir(out: Path, holds_previous: Callable[[Path], bool] | None = None,
+                  what: str = f"ONNX export ({MANIFEST_NAME})") -> None:
     """Refuse an output directory that is not safe to replace: only a new path, an empty
-    directory or a previous export of this tool (its manifest.json) is replaced, and never the
-    current directory or one above it."""
+    directory or a previous output of the same kind (``holds_previous``, by default an ONNX
+    export's manifest.json; ``what`` names it) is replaced, and never the current directory or
+    one above it. Shared by the ONNX export and the TensorRT builder."""
     here, target = Path.cwd().resolve(), out.resolve()
     if target == here or target in here.parents:
         raise ValueError(f"output directory {out} is the current directory or one above it; give a new directory "
@@ -68,9 +70,9 @@ def check_out_dir(out: Path) -> None:
         return
     if not out.is_dir():
         raise ValueError(f"output directory {out} exists and is not a directory")
-    if any(out.iterdir()) and not _holds_export(out):
-        raise ValueError(f"output directory {out} is not empty and holds no ONNX export ({MANIFEST_NAME}); "
-                         "refusing to replace it: give a new or empty directory, or a previous export")
+    if any(out.iterdir()) and not (holds_previous or _holds_export)(out):
+        raise ValueError(f"output directory {out} is not empty and holds no {what}; refusing to replace it: "
+                         "give a new or empty directory, or a previous one")
 
 
 def _holds_export(directory: Path) -> bool:
@@ -82,10 +84,10 @@ def _holds_export(directory: Path) -> bool:
     return data.get("format") == FORMAT
 
 
-def _move_into_place(tmp: Path, out: Path) -> None:
-    """Rename the finished export ``tmp`` onto ``out``. What ``out`` held (a previous export or an
+def move_into_place(tmp: Path, out: Path) -> None:
+    """Rename the finished output ``tmp`` onto ``out``. What ``out`` held (a previous output or an
     empty directory: ``check_out_dir``) is renamed aside first, put back if the rename fails, and
-    deleted only once the new export is in place."""
+    deleted only once the new output is in place."""
     if not out.exists():
         os.replace(tmp, out)
         return
@@ -118,9 +120,13 @@ def export_models(out: str | Path, target: tuple[Any, Any, str], draft: tuple[An
     ``target`` is (model, tokenizer, source name); ``draft`` is (model, source name); ``heads``
     are (graph name, MedusaHeads or EagleDrafter, trained head directory). The verify graph
     also returns ``feature_layers`` (default: EAGLE-3's low/mid/high layers; () for none).
-    ``quantize`` (an ``onnx_quantize.QuantScheme``) quantizes every graph's weights."""
+    ``quantize`` (an ``onnx_quantize.QuantScheme``) quantizes the decoder graphs' weights; head
+    graphs stay float, so their manifest entries carry no scheme and are checked as float."""
     out = Path(out).absolute()
     check_opset(opset)
+    check_dtype(target[0], target[2])  # before any directory is made
+    if draft is not None:
+        check_dtype(*draft)
     check_out_dir(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
@@ -147,7 +153,8 @@ def export_models(out: str | Path, target: tuple[Any, Any, str], draft: tuple[An
                 log(f"  {name}.onnx: {graphs[-1].size_bytes / 2**20:.1f} MiB in {graphs[-1].export_seconds:.1f} s")
         if quantize is not None:
             for g in graphs:
-                _quantize_entry(tmp, g, quantize, log)
+                if g.kind == "decoder_with_past":
+                    _quantize_entry(tmp, g, quantize, log)
         if tok is not None:
             tok.save_pretrained(str(tmp / "tokenizer"))
         man = Manifest(graphs=graphs, opset=opset, versions=library_versions(),
@@ -155,7 +162,7 @@ def export_models(out: str | Path, target: tuple[Any, Any, str], draft: tuple[An
                        pending=list(pending or []))
         man.write(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private
-        _move_into_place(tmp, out)
+        move_into_place(tmp, out)
         return man
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -174,7 +181,7 @@ def _quantize_entry(directory: Path, g: GraphEntry, scheme: Any, log: Log) -> No
     try:
         gguf = resolve_model(g.source_model).gguf_path
     except ModelNotFound:
-        gguf = None  # a head graph or a model given otherwise: only the rtn grid applies
+        gguf = None  # a model given otherwise than by a known name: only the rtn grid applies
     info = quantize_graph(src, dst, scheme, gguf)
     for f in (src, directory / (src.name + ".data")):
         f.unlink(missing_ok=True)

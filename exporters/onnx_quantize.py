@@ -25,6 +25,9 @@ LM_HEAD = "/lm_head/MatMul"
 
 
 CARRIED = frozenset({"Q4_1", "Q8_0"})  # the GGUF block types the gguf grid carries across (``carry_gguf_grid``)
+# The scheme fields the GGUF's blocks set (Q4_1 4-bit with mins, Q8_0 8-bit, 32 weights a block): the gguf grid
+# takes these values only, so a scheme name never claims a bit width or block the graph does not hold.
+GGUF_FIXED = {"bits": 4, "block_size": 32, "symmetric": True}
 
 
 def gguf_block_types(gguf_path: str | Path) -> set[str]:
@@ -41,6 +44,11 @@ def quantize_graph(src: str | Path, dst: str | Path, scheme: QuantScheme, gguf_p
     import onnx
 
     if scheme.grid == "gguf":
+        bad = gguf_conflicts(scheme)
+        if bad:
+            raise ValueError(f"grid 'gguf' carries the GGUF's own blocks (Q4_1 4-bit, Q8_0 8-bit, 32 weights a block), "
+                             f"so it takes no {', '.join(f'{f}={getattr(scheme, f)}' for f in bad)}: use bits 4 with "
+                             "the default block and symmetry, or the rtn grid")
         if gguf_path is None:
             raise ValueError("grid 'gguf' needs the source GGUF file; the model was not loaded from one")
         kinds = gguf_block_types(gguf_path)
@@ -58,6 +66,11 @@ def quantize_graph(src: str | Path, dst: str | Path, scheme: QuantScheme, gguf_p
                              accuracy_level=scheme.accuracy_level, nodes_to_exclude=_excluded(scheme))
     q.process()
     return {**scheme.to_dict(), **_save(q.model.model, Path(dst)), "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def gguf_conflicts(scheme: QuantScheme) -> list[str]:
+    """The fields of ``scheme`` the gguf grid cannot honour (:data:`GGUF_FIXED`), in that order."""
+    return [f for f, v in GGUF_FIXED.items() if getattr(scheme, f) != v]
 
 
 def _excluded(scheme: QuantScheme) -> list[str]:
@@ -121,7 +134,9 @@ def carry_gguf_grid(src: str | Path, dst: str | Path, gguf_path: str | Path, acc
     Rows are matched by value, so the loader's q/k row permutation is followed. With accuracy
     level 4 the activations are quantized to int8 per block inside the kernel, as llama.cpp's own
     Q4_1 x Q8_1 dot products do. MatMuls named in ``exclude`` stay as they are (fp32 weights, which
-    for a GGUF model are its blocks dequantized, so the same values computed in fp32)."""
+    for a GGUF model are its blocks dequantized, so the same values computed in fp32). Any other MatMul
+    with a constant weight that no Q4_1 / Q8_0 tensor holds is refused by name, before anything is
+    written: left float, it would sit under a label that says quantized."""
     import numpy as np
     import onnx
     from gguf import GGUFReader
@@ -135,9 +150,9 @@ def carry_gguf_grid(src: str | Path, dst: str | Path, gguf_path: str | Path, acc
     reader = GGUFReader(str(gguf_path))
     by_shape: dict[tuple[int, int], list[Any]] = {}
     for t in reader.tensors:
-        if t.tensor_type.name in CARRIED:
+        if len(t.shape) == 2:  # matrices; norms and biases are 1-D
             by_shape.setdefault((int(t.shape[1]), int(t.shape[0])), []).append(t)  # (rows N, cols K)
-    new_nodes, dropped, done = [], set(), 0
+    new_nodes, dropped, done, left = [], set(), 0, []
     for node in g.node:
         carry = node.op_type == "MatMul" and len(node.input) == 2 and node.name not in exclude
         w = inits.get(node.input[1]) if carry else None
@@ -145,8 +160,10 @@ def carry_gguf_grid(src: str | Path, dst: str | Path, gguf_path: str | Path, acc
             new_nodes.append(node)
             continue
         W = numpy_helper.to_array(w).T  # [N, K], the torch weight
-        found = _match(W, by_shape.get(W.shape, []), dequantize)
+        same_shape = by_shape.get(W.shape, [])
+        found = _match(W, [t for t in same_shape if t.tensor_type.name in CARRIED], dequantize)
         if found is None:
+            left.append((node.name, sorted({t.tensor_type.name for t in same_shape})))
             new_nodes.append(node)
             continue
         t, perm = found
@@ -177,6 +194,8 @@ def carry_gguf_grid(src: str | Path, dst: str | Path, gguf_path: str | Path, acc
             new_nodes.append(helper.make_node("Add", [out, base + "_ym"], [y], name=base + "_add"))
         dropped.add(node.input[1])
         done += 1
+    if left:
+        raise ValueError(_uncarried(left, Path(gguf_path).name))
     del g.node[:]
     g.node.extend(new_nodes)
     used = {i for n in g.node for i in n.input}
@@ -186,6 +205,21 @@ def carry_gguf_grid(src: str | Path, dst: str | Path, gguf_path: str | Path, acc
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     return {**_save(model, Path(dst)), "carried": done, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _uncarried(left: list[tuple[str, list[str]]], gguf_name: str) -> str:
+    """Why a graph with MatMuls the grid could not carry is refused: they would stay float under a
+    quantized label. Names them, the GGUF types of their shape, and the way out."""
+    what = "; ".join(f"{name} ({'tensors of its shape: ' + ', '.join(types) if types else 'no tensor of its shape'})"
+                     for name, types in left[:5])
+    more = f" and {len(left) - 5} more" if len(left) > 5 else ""
+    ways = []
+    if any(name == LM_HEAD for name, _ in left):
+        ways.append("keep the LM head float with --fp32-lm-head (quant_lm_head: false)")
+    if any(name != LM_HEAD for name, _ in left):
+        ways.append("export with the rtn grid (re-quantized)")
+    return (f"grid 'gguf' carries {' and '.join(sorted(CARRIED))} blocks, and no such tensor of {gguf_name} holds "
+            f"the weights of {what}{more}; they would stay float under a quantized label: {' or '.join(ways)}")
 
 
 def _match(W: Any, candidates: list[Any], dequantize: Any) -> tuple[Any, Any] | None:

@@ -9,16 +9,18 @@ Three checks per decoder graph (target verify graph, draft model graph):
 Every logits comparison goes through :func:`compare`: max |ort - torch| relative to max |torch|,
 held to a tolerance set by the graph's dtype (:data:`RTOL`) unless one is given.
 
-A quantized graph (``export onnx --quantize``) is not the fp32 model, so for it the logit error
-against fp32 is reported rather than held to ``rtol``, and step 3 holds it to its own standard:
-greedy speculative decoding on the quantized graph must equal plain greedy decoding on it.
+A quantized graph (``export onnx --quantize``) is not the fp32 model, so its logits on real inputs
+(step 2) are held to ``rtol`` if one is given, else to the loose bound :data:`QUANT_RTOL` against
+its fp32 source (another model's weights miss it); on random inputs (step 1) the error is reported,
+not held; step 3 holds it to its own standard: greedy speculative decoding on the quantized graph
+must equal plain greedy decoding on it.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -30,6 +32,12 @@ from spec_plugins.graphs.manifest import Manifest
 # off by about their whole scale: the float16 bound sits between (the measurements that place it are
 # in docs/runtimes/onnxruntime.md).
 RTOL = {"float32": 1e-4, "float16": 0.2}
+# A quantized graph against its fp32 source on real inputs: max |diff| <= QUANT_RTOL * max |fp32 logits|.
+# Measured worst real-input rel (default gamma): SmolLM2-135M int8 0.049, int4 on the GGUF grid 0.104, int4
+# re-quantized (rtn) 0.425; the tests' tiny models 0.119 (int4 with its LM head). Another model's weights:
+# >= 1.58 on the tiny ones. Random ids over a random past are out of distribution for activation
+# quantization (SmolLM2 int8 reaches 1.4 there), so those cases are reported, not held.
+QUANT_RTOL = 0.75
 _PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog again, and"
 
 
@@ -45,6 +53,7 @@ class GreedyCase:
 class ParityReport:
     directory: str
     tolerances: dict[str, float] = field(default_factory=dict)  # graph name -> rtol it was held to
+    quantized: list[str] = field(default_factory=list)  # graphs compared with their fp32 source
     cases: list[ParityCase] = field(default_factory=list)
     greedy: list[GreedyCase] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -60,7 +69,7 @@ class ParityReport:
             dc["rel"] = c.rel
         d["max_abs"] = max((c.max_abs for c in self.cases), default=0.0)
         d["max_rel"] = max((c.rel for c in self.cases), default=0.0)
-        quant = [c for c in self.cases if c.reported]
+        quant = [c for c in self.cases if c.graph in self.quantized]
         if quant:  # the logit error of quantized graphs against fp32
             d["quantized_max_rel"] = max(c.rel for c in quant)
         return d
@@ -187,10 +196,13 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def tolerance(dtype: str, rtol: float | None = None) -> float:
-    """``rtol`` if given, else the tolerance of a graph computed in ``dtype`` (:data:`RTOL`)."""
+def tolerance(dtype: str, rtol: float | None = None, quantized: bool = False) -> float:
+    """``rtol`` if given, else :data:`QUANT_RTOL` for a quantized graph (held against fp32), else
+    the tolerance of a graph computed in ``dtype`` (:data:`RTOL`)."""
     if rtol is not None:
         return rtol
+    if quantized:
+        return QUANT_RTOL
     if dtype not in RTOL:
         raise ValueError(f"no parity tolerance for dtype {dtype!r} (known: {', '.join(RTOL)}); pass rtol")
     return RTOL[dtype]
@@ -230,19 +242,16 @@ def check_export(directory: str | Path, gamma: int = 5, rtol: float | None = Non
         if g.kind != "decoder_with_past" or (only and g.name not in only):
             continue
         log(f"checking {g.name} ({g.source_model}) ...")
-        tol = report.tolerances[g.name] = tolerance(g.dtype, rtol)
+        tol = report.tolerances[g.name] = tolerance(g.dtype, rtol, bool(g.quantization))
         model = model_of(g.source_model, g.dtype)
         session = create_session(directory / g.file, "cpu", threads=threads)
         ort_rt = OnnxRuntime(session, g, tok, eos_token_ids=man.eos_token_ids)  # checks the manifest's fields
         cases = check_random(g.name, session, model, gamma, tol)
         ids = list(tok(_PROMPT)["input_ids"]) if tok is not None else list(range(1, 25))
-        cases += check_runtimes(g.name, TorchRuntime(model), ort_rt, ids, gamma, tol)
+        real = check_runtimes(g.name, TorchRuntime(model), ort_rt, ids, gamma, tol)
         if g.quantization:
-            for c in cases:
-                c.case, c.ok, c.reported = f"{c.case} vs fp32", True, True
-            report.notes.append(f"{g.name} is quantized ({g.quantization.get('name')}): its logits are compared "
-                                "with fp32 and reported; its speculative greedy output must equal its own plain")
-        report.cases += cases
+            _mark_quantized(report, g, real, tol, reported=cases)
+        report.cases += cases + real
         if g.quantization:
             want = greedy_tokens(ort_rt, ids, max_new_tokens, plain=True)
             got = greedy_tokens(ort_rt, ids, max_new_tokens)
@@ -261,6 +270,21 @@ def check_export(directory: str | Path, gamma: int = 5, rtol: float | None = Non
             log(f"checking {g.name} ...")
             module = (heads or {}).get(g.name)
             model = model_of(g.source_model) if module is None else None
-            tol = report.tolerances[g.name] = tolerance(g.dtype, rtol)
+            # a quantized head comes from an export made before head graphs stayed float
+            tol = report.tolerances[g.name] = tolerance(g.dtype, rtol, bool(g.quantization))
             report.cases += check_head(directory, g, model, tol, module)
     return report
+
+
+def _mark_quantized(report: ParityReport, g: Any, held: list[ParityCase], tol: float,
+                    reported: Sequence[ParityCase] = ()) -> None:
+    """Label a quantized graph's cases as compared with fp32, the ``reported`` ones (random inputs:
+    see :data:`QUANT_RTOL`) as measured rather than held, and say what the others were held to."""
+    for c in held:
+        c.case = f"{c.case} vs fp32"
+    for c in reported:
+        c.case, c.ok, c.reported = f"{c.case} vs fp32", True, True
+    report.quantized.append(g.name)
+    report.notes.append(f"{g.name} is quantized ({g.quantization.get('name')}): its logits on real inputs are held "
+                        f"to rtol {tol:g} against its fp32 source (on random inputs reported); its speculative "
+                        "greedy output must equal its own plain")

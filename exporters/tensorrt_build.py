@@ -5,20 +5,20 @@ TensorRT's ONNX parser, add the ``decode`` and ``prefill`` optimisation profiles
 ``tensorrt_profiles.profiles``, set the precision flags and serialise the plan. The plans are
 written with a manifest recording the TensorRT version, GPU and profiles, so the runtime can
 refuse plans built elsewhere. Everything is written to a temporary directory first, so a
-failed build never leaves a half-written engine directory behind.
+failed build never leaves a half-written engine directory behind; ``--out`` is replaced only when
+it is new, empty or a previous engine directory (the ONNX export's own rules, ``check_out_dir``).
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from spec_plugins.graphs.engines import (HARDWARE_COMPAT, BuildEnv, EngineEntry, EngineManifest,
-                                                      file_sha256)
+from spec_plugins.graphs.engines import (FORMAT, HARDWARE_COMPAT, MANIFEST_NAME, BuildEnv, EngineEntry,
+                                         EngineManifest, EngineManifestError, file_sha256)
 from spec_plugins.graphs.profiles import Limits, Profile, ProfileError, check_graph, profiles
 
 Log = Callable[[str], None]
@@ -75,6 +75,37 @@ def set_hardware_compat(trt: Any, config: Any, level: str) -> None:
     config.hardware_compatibility_level = member
 
 
+def _holds_engines(directory: Path) -> bool:
+    """Whether ``directory`` holds an engine manifest written by this builder (any version)."""
+    from spec_plugins.graphs.manifest import read_json
+
+    try:
+        _, data = read_json(directory, MANIFEST_NAME, EngineManifestError, "", "")
+    except EngineManifestError:
+        return False
+    return data.get("format") == FORMAT
+
+
+def check_engine_out(onnx_dir: Path, out: Path) -> None:
+    """Refuse an ``--out`` the build must not replace: the ONNX export it reads (or a directory
+    holding it), and whatever ``check_out_dir`` refuses (the current directory, one above it, a
+    directory of other files); a previous engine directory is replaced."""
+    from spec_plugins.exporters.onnx_export import check_out_dir
+
+    src, target = onnx_dir.resolve(), out.resolve()
+    if target == src or target in src.parents:
+        raise ValueError(f"--out {out} is the ONNX export {onnx_dir} or holds it; give a new directory for the "
+                         "engines (its contents would be replaced)")
+    check_out_dir(out, _holds_engines, f"TensorRT engines ({MANIFEST_NAME})")
+
+
+def default_context(man: Any, graphs: Sequence[str] | None = None) -> int:
+    """``--max-context`` when not given: min(2048, the positions of every decoder graph to build).
+    Head graphs hold no positions of their own (their max_context is 0) and are not built."""
+    return min([2048] + [g.max_context for g in man.graphs
+                         if g.kind == "decoder_with_past" and (graphs is None or g.name in graphs)])
+
+
 def build_plan(trt: Any, onnx_path: Path, graph: Any, profs: Sequence[Profile], precision: str,
                workspace_gib: float | None, log: Log, hardware_compat: str = "none") -> bytes:
     """Parse one ONNX graph and return the serialised engine."""
@@ -107,12 +138,16 @@ def build_plan(trt: Any, onnx_path: Path, graph: Any, profs: Sequence[Profile], 
 def build_engines(onnx_dir: str | Path, out: str | Path, precision: str = "fp32", limits: Limits | None = None,
                   graphs: Sequence[str] | None = None, workspace_gib: float | None = None,
                   log: Log = _quiet, hardware_compat: str = "none") -> EngineManifest:
-    """Build plans for the decoder graphs of ``onnx_dir`` into ``out`` (replaced atomically)."""
+    """Build plans for the decoder graphs of ``onnx_dir`` into ``out`` (a new or empty directory or
+    previous engines: ``check_engine_out``; replaced atomically)."""
     from spec_plugins.backends.tensorrt_runtime import cuda_device, import_tensorrt
     from spec_plugins.graphs.manifest import MANIFEST_NAME as ONNX_MANIFEST
     from spec_plugins.graphs.manifest import Manifest
 
-    onnx_dir, out = Path(onnx_dir), Path(out)
+    from spec_plugins.exporters.onnx_export import move_into_place
+
+    onnx_dir, out = Path(onnx_dir), Path(out).absolute()
+    check_engine_out(onnx_dir, out)
     if hardware_compat not in HARDWARE_COMPAT:
         raise ProfileError(f"unknown hardware compatibility {hardware_compat!r} (known: {', '.join(HARDWARE_COMPAT)})")
     man = Manifest.read(onnx_dir)
@@ -164,9 +199,7 @@ def build_engines(onnx_dir: str | Path, out: str | Path, precision: str = "fp32"
                             eos_token_ids=list(man.eos_token_ids), skipped=skipped,
                             hardware_compatibility=hardware_compat)
         em.write(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        move_into_place(tmp, out)
         return em
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -188,7 +221,8 @@ def add_command(export_app: Any) -> None:
     @export_app.command("tensorrt")
     def tensorrt_cmd(
         onnx: Path = typer.Option(..., "--onnx", help="Directory written by `spec-plugins export onnx`."),
-        out: Path = typer.Option(..., "--out", help="Engine directory to write (replaced if present)."),
+        out: Path = typer.Option(..., "--out", help="Engine directory to write: a new or empty one, or previous "
+                                                    "engines (replaced); anything else is refused."),
         fp16: bool = typer.Option(False, "--fp16", help="Allow fp16 kernels."),
         bf16: bool = typer.Option(False, "--bf16", help="Allow bf16 kernels (TensorRT >= 9)."),
         tf32: bool = typer.Option(False, "--tf32", help="Allow TF32 matmuls (default: strict fp32)."),
@@ -212,12 +246,12 @@ def add_command(export_app: Any) -> None:
             precision = precision_of(fp16, bf16, tf32)
             ctx = max_context
             if ctx is None:
-                ctx = min([2048] + [g.max_context for g in Manifest.read(onnx).graphs])
+                ctx = default_context(Manifest.read(onnx), graph or None)
             limits = Limits(max_batch=max_batch, max_draft=max_draft, max_context=ctx,
                             prefill_chunk=min(prefill_chunk, ctx))
             em = build_engines(onnx, out, precision, limits, graph or None, workspace_gib, log=typer.echo,
                                hardware_compat=hardware_compat)
-        except (ProfileError, BuildError, ManifestError, RegistryError, FileNotFoundError) as exc:
+        except (ValueError, BuildError, ManifestError, RegistryError, FileNotFoundError) as exc:
             fail(str(exc))
             return
         typer.echo(f"wrote {len(em.engines)} engine(s) to {out}" + (f"; skipped: {'; '.join(em.skipped)}"

@@ -1,0 +1,201 @@
+"""Export hardening: what the TensorRT builder may replace and its default context, the power of
+the quantized parity check, float head graphs in quantized exports, the GGUF grid's refusals, the
+quantization flags of ``export onnx``, and a refused dtype leaving no directories behind. The
+TensorRT paths tested here run without TensorRT: the checks come before it is imported."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+
+from conftest import tiny_llama  # noqa: E402
+from spec_plugins.exporters.onnx_export import export_models  # noqa: E402
+from spec_plugins.exporters.parity import check_export  # noqa: E402
+from spec_plugins.graphs.manifest import Manifest  # noqa: E402
+from spec_plugins.graphs.quant import QuantScheme  # noqa: E402
+
+NO_TRT = pytest.mark.skipif(importlib.util.find_spec("tensorrt") is not None, reason="tensorrt is installed here")
+
+
+def _eagle(model):
+    from spec_plugins.heads import EagleConfig, EagleDrafter
+
+    torch.manual_seed(0)
+    return EagleDrafter(EagleConfig(hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64,
+                                    draft_vocab_size=16), model.lm_head.weight, model.model.embed_tokens.weight,
+                        torch.arange(0, 32, 2))
+
+
+@pytest.fixture(scope="module")
+def with_eagle(tmp_path_factory):
+    """An export of a tiny target (256 positions) with an EAGLE head graph (max_context 0)."""
+    model = tiny_llama(vocab=32, seed=2)
+    out = tmp_path_factory.mktemp("onnx") / "export"
+    export_models(out, (model, None, "tiny"), heads=[("eagle", _eagle(model), "unused")])
+    return out
+
+
+# ---- TensorRT: what --out may be, the default context --------------------------------------------
+def test_engine_build_refuses_an_out_it_must_not_replace(with_eagle, tmp_path, monkeypatch):
+    """--out was rmtree'd whatever it held: a user's folder, the ONNX export being read, the cwd.
+    Now only a new or empty directory or previous engines qualify, checked before TensorRT loads."""
+    from spec_plugins.exporters.tensorrt_build import build_engines
+
+    user = tmp_path / "my_project"
+    (user / "src").mkdir(parents=True)
+    (user / "src" / "main.py").write_text("print('important')\n")
+    with pytest.raises(ValueError, match="my_project is not empty and holds no TensorRT engines"):
+        build_engines(with_eagle, user)
+    assert (user / "src" / "main.py").read_text() == "print('important')\n"
+    with pytest.raises(ValueError, match="is the ONNX export"):
+        build_engines(with_eagle, with_eagle)
+    assert (with_eagle / "manifest.json").is_file()
+    monkeypatch.chdir(user)
+    with pytest.raises(ValueError, match="current directory or one above it"):
+        build_engines(with_eagle, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my_project"]  # no temporary directory left
+
+
+def test_engine_out_check_accepts_new_empty_and_previous_engines(with_eagle, tmp_path):
+    from spec_plugins.exporters.tensorrt_build import check_engine_out
+    from spec_plugins.graphs.engines import BuildEnv, EngineManifest
+
+    check_engine_out(with_eagle, tmp_path / "new")
+    (tmp_path / "empty").mkdir()
+    check_engine_out(with_eagle, tmp_path / "empty")
+    prev = tmp_path / "prev"
+    prev.mkdir()
+    EngineManifest(engines=[], built_with=BuildEnv("10.0", "GPU", (9, 0)).to_dict(), precision="fp32",
+                   limits={}, onnx_manifest_sha256="0").write(prev)
+    (prev / "verify.plan").write_bytes(b"old")
+    check_engine_out(with_eagle, prev)
+    with pytest.raises(ValueError, match="is the ONNX export .* or holds it"):
+        check_engine_out(with_eagle, with_eagle.parent)
+
+
+def test_default_context_ignores_head_graphs(with_eagle):
+    """Head graphs record max_context 0; the default --max-context took the min over them too."""
+    from spec_plugins.exporters.tensorrt_build import default_context
+
+    man = Manifest.read(with_eagle)
+    assert [(g.name, g.max_context) for g in man.graphs] == [("verify", 256), ("eagle", 0)]
+    assert default_context(man) == 256 and default_context(man, ["verify"]) == 256
+
+
+@NO_TRT
+def test_export_tensorrt_cli_default_context_with_a_head_graph(with_eagle, tmp_path):
+    from typer.testing import CliRunner
+
+    from spec_plugins.cli import app
+
+    res = CliRunner().invoke(app, ["export", "tensorrt", "--onnx", str(with_eagle), "--out", str(tmp_path / "e")])
+    assert res.exit_code == 2 and "spec-plugins[tensorrt]" in res.output, res.output  # got past the limits
+
+
+# ---- quantized exports: the check's power, float heads -------------------------------------------
+def test_quantized_check_fails_another_model_and_honours_rtol(tmp_path):
+    """Every quantized case was forced ok: another model's weights passed, and so did rtol=1e-9. Real
+    inputs are held to the loose bound (or rtol), random ones reported (see QUANT_RTOL)."""
+    target = tiny_llama(vocab=32, seed=2, sharpness=4.0)
+    export_models(tmp_path / "q", (target, None, "t"), quantize=QuantScheme(bits=4, block_size=16))
+    other = tiny_llama(vocab=32, seed=7, sharpness=4.0)
+    rep = check_export(tmp_path / "q", gamma=2, max_new_tokens=8, models={"t": other})
+    assert not rep.ok and any(not c.ok for c in rep.cases), rep.format()
+    rep = check_export(tmp_path / "q", gamma=1, rtol=1e-9, max_new_tokens=4, models={"t": target})
+    assert rep.tolerances == {"verify": 1e-9} and not rep.ok
+    from spec_plugins.exporters.parity import QUANT_RTOL
+
+    rep = check_export(tmp_path / "q", gamma=2, max_new_tokens=8, models={"t": target})
+    assert rep.ok and rep.tolerances == {"verify": QUANT_RTOL}, rep.format()
+    assert 0 < rep.to_dict()["quantized_max_rel"] < QUANT_RTOL / 2  # int4 with its LM head: the loosest scheme
+    assert {c.reported for c in rep.cases if "random" in c.case} == {True}
+    assert {c.reported for c in rep.cases if "real" in c.case} == {False}
+
+
+def test_quantize_leaves_head_graphs_float_and_the_check_passes(tmp_path):
+    """Head graphs were quantized too (medusa labelled quantized with no MatMul quantized) and then
+    failed `export check` at the float tolerance."""
+    from spec_plugins.heads import MedusaConfig, MedusaHeads
+
+    model = tiny_llama(vocab=32, seed=2)
+    eagle = _eagle(model)
+    medusa = MedusaHeads(MedusaConfig(hidden_size=32, num_heads=2, draft_vocab_size=16), model.lm_head.weight,
+                         torch.arange(0, 32, 2), zero_init=False)
+    man = export_models(tmp_path / "q", (model, None, "tiny"), heads=[("eagle", eagle, "unused"),
+                                                                      ("medusa", medusa, "unused")],
+                        quantize=QuantScheme(bits=8, block_size=16))
+    assert [(g.name, g.file, bool(g.quantization)) for g in man.graphs] == [
+        ("verify", "verify.int8-b16-sym-acc4.onnx", True), ("eagle", "eagle.onnx", False),
+        ("medusa", "medusa.onnx", False)]
+    rep = check_export(tmp_path / "q", gamma=1, max_new_tokens=4, models={"tiny": model},
+                       heads={"eagle": eagle, "medusa": medusa})
+    assert rep.ok, rep.format()
+    assert rep.quantized == ["verify"] and rep.tolerances["eagle"] == 1e-4
+
+
+# ---- the GGUF grid ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("fields,named", [({"bits": 8}, "bits=8"), ({"block_size": 64}, "block_size=64"),
+                                          ({"symmetric": False}, "symmetric=False")])
+def test_gguf_grid_refuses_bits_and_blocks_it_does_not_hold(tmp_path, fields, named):
+    """int8 + gguf grid wrote the GGUF's 4-bit blocks labelled int8 (bits, block, zero points are the GGUF's)."""
+    from test_onnx_export import _gguf_and_graph
+
+    from spec_plugins.exporters.onnx_quantize import quantize_graph
+
+    src, gguf_file, _, _ = _gguf_and_graph(tmp_path, ("layer", "lm_head"), chained=True)
+    with pytest.raises(ValueError, match=f"grid 'gguf' carries the GGUF's own blocks.*takes no {named}"):
+        quantize_graph(src, tmp_path / "q.onnx", QuantScheme(grid="gguf", **fields), gguf_file)
+    assert not (tmp_path / "q.onnx").exists()
+
+
+def test_gguf_grid_refuses_an_lm_head_of_another_type(tmp_path):
+    """An F16 LM head (llama.cpp's Q4_1 files keep it Q6_K) stayed a float MatMul while the manifest
+    said lm_head: true. It is refused by name, and carried as float with --fp32-lm-head."""
+    from test_onnx_export import _gguf_and_graph
+
+    from spec_plugins.exporters.onnx_quantize import quantize_graph
+
+    src, gguf_file, _, _ = _gguf_and_graph(tmp_path, ("layer", "lm_head"), chained=True, second="F16")
+    with pytest.raises(ValueError, match=r"/lm_head/MatMul \(tensors of its shape: F16\).*--fp32-lm-head"):
+        quantize_graph(src, tmp_path / "q.onnx", QuantScheme(grid="gguf"), gguf_file)
+    assert not (tmp_path / "q.onnx").exists()
+    info = quantize_graph(src, tmp_path / "q.onnx", QuantScheme(grid="gguf", lm_head=False), gguf_file)
+    assert info["lm_head"] is False and info["carried"] == 1 and info["name"] == "int4-gguf-acc4-fp32head"
+
+
+# ---- export onnx flags, dtype ------------------------------------------------------------------------
+@pytest.mark.parametrize("flags,needles", [
+    (["--block-size", "64"], ["--block-size", "add --quantize int4 or int8"]),
+    (["--gguf-grid", "--fp32-lm-head", "--asymmetric"], ["--asymmetric, --fp32-lm-head, --gguf-grid"]),
+    (["--accuracy-level", "0"], ["--accuracy-level"]),
+    (["--quantize", "int8", "--gguf-grid"], ["--gguf-grid", "takes no --quantize int8"]),
+    (["--quantize", "int4", "--gguf-grid", "--block-size", "64", "--asymmetric"],
+     ["takes no --block-size 64, --asymmetric"]),
+    (["--quantize", "int4", "--block-size", "24"], ["--block-size 24: block_size must be a power of two"]),
+])
+def test_export_onnx_refuses_quantization_flags_that_would_change_nothing(tmp_path, flags, needles):
+    """With --quantize none these flags were ignored, and --gguf-grid ignored bits and blocks: refused
+    by name before the config (a missing file here) is read, nothing written."""
+    from typer.testing import CliRunner
+
+    from spec_plugins.cli import app
+
+    res = CliRunner().invoke(app, ["export", "onnx", "--config", str(tmp_path / "missing.yaml"),
+                                   "--out", str(tmp_path / "out"), *flags])
+    assert res.exit_code == 2, res.output
+    for needle in needles:
+        assert needle in res.output, res.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_refused_dtype_leaves_no_directories(tmp_path):
+    model = tiny_llama(vocab=32, seed=2).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="loaded as bfloat16"):
+        export_models(tmp_path / "a" / "b" / "out", (model, None, "tiny"))
+    assert list(Path(tmp_path).iterdir()) == []
