@@ -238,6 +238,7 @@ def tune(model: str, prompts: Sequence[str], runtimes: Sequence[str] | None, pro
 
     notes: list[str] = []
     model = model_reference(model)
+    by_default = runtimes is None
     if runtimes is None:
         runtimes, left_out = default_runtimes(model)
         for rt, why in left_out.items():
@@ -255,7 +256,14 @@ def tune(model: str, prompts: Sequence[str], runtimes: Sequence[str] | None, pro
             _skipped(notes, log, f"runtime {rt}")
             continue
         log(f"[tune] {rt}: loading, measuring the verify cost and plain decoding ...")
-        dec = _decoder(model, rt, None)
+        try:
+            dec = _decoder(model, rt, None)
+        except (ValueError, FileNotFoundError) as exc:  # e.g. a GGUF the int4 grid cannot carry whole
+            if not by_default:
+                raise TuneError(f"runtime {rt} cannot run {model!r}: {exc}") from exc
+            notes.append(f"runtime {rt} left out: {exc}")
+            log(f"[tune] runtime {rt} left out: {exc}")
+            continue
         ids = [dec.encode([{"role": "user", "content": p}]) if dec.has_chat_template else dec.encode(p)
                for p in prompts]
         costs = Costs.measure(dec.target, max_positions=17)

@@ -139,3 +139,27 @@ def test_a_feature_drafter_left_out_by_the_budget_is_noted(tiny_dir, tmp_path, m
     assert "[tune] eagle on torch skipped: budget spent" in logs
     assert "# note: eagle on torch skipped: budget spent" in render_yaml(res, "spec-plugins tune")
     assert {m.proposer for m in res.measured} == {"ngram"}
+
+
+def test_a_default_runtime_that_cannot_load_the_model_is_left_out_and_a_named_one_refused(tiny_dir, tmp_path,
+                                                                                         monkeypatch):
+    """A runtime that passes the up-front checks but refuses the model when built (a GGUF whose LM
+    head the int4 grid cannot carry) ended the whole tune: chosen by default it is left out with
+    its reason; named by the user it is a TuneError naming it."""
+    import spec_plugins.tune as tune_module
+
+    real = tune_module._decoder
+
+    def decoder(model, rt, proposer, *args, **kwargs):
+        if rt == "onnxruntime":
+            raise ValueError("holds output.weight as Q6_K")
+        return real(model, rt, proposer, *args, **kwargs)
+
+    monkeypatch.setattr(tune_module, "_decoder", decoder)
+    monkeypatch.setattr(tune_module, "default_runtimes", lambda model: (["onnxruntime", "torch"], {}))
+    logs: list[str] = []
+    res = tune(str(tiny_dir), ["w1 w2 w3 w1 w2 w3"], None, ["ngram"], Budget(600), max_new=8, log=logs.append)
+    assert "runtime onnxruntime left out: holds output.weight as Q6_K" in res.notes
+    assert set(res.runtimes) == {"torch"}
+    with pytest.raises(TuneError, match="runtime onnxruntime cannot run .*Q6_K"):
+        tune(str(tiny_dir), ["w1 w2 w3"], ["onnxruntime"], ["ngram"], Budget(600), max_new=8, log=logs.append)
