@@ -20,6 +20,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+import yaml  # noqa: E402
 
 from spec_plugins.decoder import SpeculativeDecoder  # noqa: E402
 from spec_plugins.registry import PROPOSERS  # noqa: E402
@@ -89,7 +90,7 @@ def main() -> None:
             key, val = s.split("=", 1)
             m, field = key.split(".", 1)
             if m == name:
-                spec[field] = type(spec.get(field, val))(val) if field in spec else val
+                spec[field] = yaml.safe_load(val)  # as a config file reads it; the proposer's Config validates
         cls = PROPOSERS.get(spec["type"])
         prop = cls(cls.Config(**spec), target=target, tokenizer=target.tokenizer)
         methods[name] = (spec, SpeculativeDecoder(target, prop, ExactVerifier(),

@@ -7,6 +7,8 @@ streaming. Plain decoding is the same object with no proposer.
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Sequence, Union
 
@@ -85,14 +87,16 @@ class SpeculativeDecoder:
         return self.wiring.sizer
 
     @classmethod
-    def from_config(cls, config: SpecConfig | dict | str, target: Any = None, costs: Costs | None = None
-                    ) -> "SpeculativeDecoder":
+    def from_config(cls, config: SpecConfig | dict | str | os.PathLike, target: Any = None,
+                    costs: Costs | None = None) -> "SpeculativeDecoder":
         """Build every component from a config (object, dict or file path); ``target`` and its
         measured ``costs`` to reuse instead of loading / measuring."""
-        if isinstance(config, str):
+        if isinstance(config, (str, os.PathLike)):
             config = SpecConfig.from_file(config)
         elif isinstance(config, dict):
             config = SpecConfig.parse(config)
+        elif not isinstance(config, SpecConfig):
+            raise TypeError(f"config must be a SpecConfig, a dict or a file path, got {type(config).__name__}")
         target = target if target is not None else build_runtime(config.target)
         wiring = wire(target, config.proposer, costs=costs, tokenizer=getattr(target, "tokenizer", None))
         verifier = VERIFIERS.get(config.verifier.type)(config.verifier)

@@ -272,3 +272,20 @@ def test_a_tokenizer_wider_than_the_model_is_named():
     """A tokenizer with more tokens than the logits was refused as 'need a fast tokenizer'."""
     with pytest.raises(GrammarError, match="tokenizer has 36 tokens but the model's vocabulary .* has 32"):
         ll_tokenizer(tiny_tokenizer("egim"), VOCAB, [EOS])
+
+
+def test_from_config_takes_a_path_object_as_a_file_path(tmp_path):
+    """The docstring says "object, dict or file path": a ``pathlib.Path`` fell through to the
+    config object branch (AttributeError 'PosixPath' has no 'target')."""
+    import yaml
+
+    tiny_llama(vocab=VOCAB, seed=2).save_pretrained(str(tmp_path / "m"))
+    tiny_tokenizer().save_pretrained(str(tmp_path / "m"))
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"target": {"backend": "torch", "model": str(tmp_path / "m")},
+                                    "proposer": {"type": "ngram"}}))
+    dec = SpeculativeDecoder.from_config(path)
+    assert dec.generate([3, 7, 1, 3, 7], max_new_tokens=6).token_ids == \
+        SpeculativeDecoder.from_config(str(path)).generate([3, 7, 1, 3, 7], max_new_tokens=6).token_ids
+    with pytest.raises(TypeError, match="config must be a SpecConfig, a dict or a file path, got int"):
+        SpeculativeDecoder.from_config(3)

@@ -258,6 +258,7 @@ def test_cli_bench_runs_and_writes_files(tmp_path):
     (["--prompts", "/nonexistent.jsonl"], "prompt file not found"),
     (["--prompts", "{p}", "--gammas", "x"], "--gammas"),
     (["--prompts", "{p}", "--config", "{noprop}"], "no proposer section"),
+    (["--prompts", "{p}", "--title", "My run"], "--title names the --markdown section"),  # was silently unused
 ])
 def test_cli_bench_bad_input(tmp_path, args, msg):
     from typer.testing import CliRunner

@@ -34,6 +34,10 @@ def run(args: list[str]) -> tuple[int, str]:
     (["generate", "--prompt", ""], "--prompt cannot be empty"),
     (["serve", "--shutdown-timeout", "inf", "--port", "0"], "--shutdown-timeout inf: give a finite number"),
     (["serve", "--body-timeout", "inf", "--port", "0"], "--body-timeout inf: give a finite number"),
+    # Ray Serve's replica flags without --ray started a local server as if they were not given
+    (["serve", "--replicas", "3", "--num-gpus", "1", "--port", "0"], "--replicas, --num-gpus configure Ray Serve"),
+    (["serve", "--ray-address", "ray://head:10001", "--port", "0"], "--ray-address configure Ray Serve"),
+    (["serve", "--autoscale", "2:8", "--num-cpus", "2", "--port", "0"], "--autoscale, --num-cpus configure Ray"),
 ])
 def test_generate_and_serve_refuse_before_loading(nothing_runs, args, msg):
     code, out = run(args)

@@ -92,6 +92,8 @@ def bench(
     from spec_plugins.config import ConfigError
     from spec_plugins.decoder import SpeculativeDecoder
 
+    if title is not None and markdown_doc is None:
+        fail("--title names the --markdown section; give --markdown DOC too (the run's own files have no title)")
     check_output_dir(out)
     t0 = time.perf_counter()
     try:

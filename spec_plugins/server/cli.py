@@ -97,6 +97,12 @@ def serve(
     if (ray or write_config is not None) and limits != ConnectionLimits():
         fail("--header-timeout, --max-header-bytes, --max-headers-bytes, --idle-timeout and --max-connections "
              "apply to the single-machine server; with --ray, Ray Serve's proxy holds the connections")
+    ray_only = [flag for flag, given in (("--replicas", replicas != 1), ("--autoscale", autoscale is not None),
+                                         ("--ray-address", ray_address is not None), ("--num-cpus", num_cpus != 1.0),
+                                         ("--num-gpus", num_gpus != 0.0)) if given]
+    if ray_only and not (ray or write_config is not None):
+        fail(f"{', '.join(ray_only)} configure Ray Serve replicas: add --ray (or --write-config), or leave them out "
+             "for the single-machine server")
     if ray or write_config is not None:
         _serve_ray(config, host, port, max_batch, max_input_tokens, max_total_tokens, draft_policy, no_speculation,
                    shutdown_timeout, replicas, autoscale, ray_address, num_cpus, num_gpus, write_config,
