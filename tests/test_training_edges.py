@@ -196,6 +196,9 @@ def test_token_counts_cover_only_the_trained_windows_labels(tmp_path):
     (["--max-new-tokens", "8"], "--max-new-tokens goes with --responses self"),
     (["--gen-backend", "torch"], "--gen-backend goes with --responses self"),
     (["--gen-batch", "4"], "--gen-batch goes with --responses self"),
+    (["--source", "tokens", "--tokens", "t", "--split", "heldout"], "--split picks ShareGPT conversations"),
+    (["--source", "prompts", "--responses", "self", "--language", "any"], "--language picks ShareGPT"),
+    (["--source", "tokens", "--tokens", "t", "--heldout-share", "0.1"], "--heldout-share picks ShareGPT"),
 ])
 def test_features_options_that_do_nothing_for_the_source_are_refused(extra, named, tmp_path):
     res = cli("train", "features", "--target", tmp_path / "no-model", "--out", tmp_path / "f", *extra)

@@ -86,6 +86,9 @@ def features_cmd(
         fail("--tokens DIR goes with --source tokens (and --source tokens needs it)")
     if prompts is not None and source != "prompts":
         fail(f"--prompts goes with --source prompts (it does nothing with --source {source})")
+    picked = {"--split": split != "train", "--language": language != "en", "--heldout-share": heldout_share != 0.02}
+    for flag in (f for f, given in picked.items() if given and source != "sharegpt"):
+        fail(f"{flag} picks ShareGPT conversations (it does nothing with --source {source})")
     gen = {"--max-new-tokens": max_new_tokens, "--gen-backend": gen_backend, "--gen-batch": gen_batch}
     for flag in (f for f, v in gen.items() if v is not None and responses != "self"):
         fail(f"{flag} goes with --responses self (it does nothing with --responses {responses})")
