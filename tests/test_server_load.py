@@ -170,3 +170,52 @@ def test_a_cancelled_handler_is_counted_as_499_and_stays_cancelled(idle, caplog,
         asyncio.run(main())
     assert _count(state, route, 499) == before + 1
     assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+def _chain_model(nxt: dict[int, int], vocab: int = 32):
+    """A one-layer llama whose next token is ``nxt[last token]`` (else token 2): its attention and
+    MLP write nothing, its embeddings are one-hot and its LM head reads the table."""
+    import torch
+
+    m = tiny_llama(vocab=vocab, hidden=vocab, layers=1)
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        m.model.embed_tokens.weight.copy_(torch.eye(vocab))
+        table = torch.zeros(vocab, vocab)
+        for t in range(vocab):
+            table[nxt.get(t, 2), t] = 50.0
+        m.lm_head.weight.copy_(table)
+    return m
+
+
+def _streamed(url: str, route: str, body: dict) -> str:
+    text = []
+    with httpx.stream("POST", url + route, json=body | {"stream": True}, timeout=60) as s:
+        for line in s.iter_lines():
+            if line.startswith("data:") and "[DONE]" not in line:
+                for c in json.loads(line[5:])["choices"]:
+                    text.append(c["text"] if "text" in c else c["delta"].get("content") or "")
+    return "".join(text)
+
+
+def test_text_held_for_a_stop_string_streams_when_the_row_ends_on_eos():
+    """Text that might still grow into a stop string is held back; when the row then ends on EOS
+    the EOS token released it, and the OpenAI streams skipped special tokens' text: the streamed
+    answer lost its end ("w5 " instead of "w5 w6")."""
+    tok = tiny_tokenizer()
+    w = tok.convert_tokens_to_ids
+    model = _chain_model({w("w3"): w("w5"), w("w2"): w("w5"), w("w5"): w("w6"), w("w6"): tok.eos_token_id})
+    live = LiveServer(model, tok)
+    try:
+        stop = {"model": "tiny", "max_tokens": 10, "temperature": 0, "stop": ["w6 w7"]}
+        for route, body, field in (("/v1/completions", {"prompt": "w3"}, "text"),
+                                   ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w3"}]},
+                                    "message")):
+            r = httpx.post(live.url + route, json=stop | body, timeout=60).json()["choices"][0]
+            whole = r["text"] if field == "text" else r["message"]["content"]
+            assert whole == "w5 w6" and r["finish_reason"] == "stop"
+            assert _streamed(live.url, route, stop | body) == whole, route
+    finally:
+        live.stop()

@@ -133,13 +133,16 @@ async def follow(state: Any, job: Job, prep: Prepared, request: Request,
                     piece += prep.text.flush()
                 if shown is not None:
                     piece = shown.push(piece, prep.text.stop_at, last)
-                tok = TokenOut(t, piece, float(lp), t in state.special_ids, getattr(lp, "top", ()))
+                special, released = t in state.special_ids, ""
+                if last and special and shown is not None:  # text held back for a stop string, let go by
+                    released, piece = piece, ""  # the row's EOS: the row's tail, not the EOS token's text
+                tok = TokenOut(t, piece, float(lp), special, getattr(lp, "top", ()))
                 toks.append(tok)
                 tally.arrived()
                 if last:
                     tok.last = True
                     yield tok
-                    yield _finished(state, prep, toks, reason, shown)
+                    yield _finished(state, prep, toks, reason, shown, released)
                     return
                 yield tok
     finally:
@@ -165,11 +168,12 @@ async def _disconnected(request: Request) -> bool:
 
 
 def _finished(state: Any, prep: Prepared, toks: list[TokenOut], reason: str,
-              shown: StopFreeText | None) -> Finished:
-    """The row's end. ``shown`` (OpenAI's routes): the ``tail`` is what is still held back, the
-    text stream's flushed end included (a character the row's tokens never completed, as U+FFFD),
-    so the streamed text equals the non-streamed one even when the last token is special."""
-    tail = shown.push(prep.text.flush(), prep.text.stop_at, True) if shown is not None else ""
+              shown: StopFreeText | None, released: str = "") -> Finished:
+    """The row's end. ``shown`` (OpenAI's routes): the ``tail`` is what is still held back
+    (``released``: what a special last token let go of), the text stream's flushed end included (a
+    character the row's tokens never completed, as U+FFFD), so the streamed text equals the
+    non-streamed one even when the last token is special."""
+    tail = released + shown.push(prep.text.flush(), prep.text.stop_at, True) if shown is not None else ""
     return Finished(_reason(reason), _final_text(state, prep, toks, reason), toks, tail)
 
 
