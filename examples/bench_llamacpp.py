@@ -57,7 +57,7 @@ def compare(model: str, k: int, runs: int, max_new: int, threads: int) -> dict:
     out: dict = {}
     names = list(methods)
     for pname, text in PROMPTS.items():
-        ids = dec.encode(text, chat=True)
+        ids = dec.encode(text, chat=dec.has_chat_template)
         speeds: dict[str, list[float]] = {m: [] for m in names}
         toks: dict[str, list[int]] = {}
         for r in range(runs + 1):  # run 0 warms up and is not counted
@@ -85,14 +85,15 @@ def backends_side_by_side(runs: int, max_new: int) -> dict:
     for pname, text in PROMPTS.items():
         row = {}
         for b, d in decs.items():
-            d.generate(text, max_new_tokens=8, chat=True)  # warm-up
+            d.generate(text, max_new_tokens=8, chat=d.has_chat_template)  # warm-up
             speeds, plain = [], []
             for _ in range(runs):
                 t0 = time.perf_counter()
-                r = d.generate(text, max_new_tokens=max_new, chat=True)
+                r = d.generate(text, max_new_tokens=max_new, chat=d.has_chat_template)
                 speeds.append(len(r.token_ids) / (time.perf_counter() - t0))
                 t0 = time.perf_counter()
-                p = d.without_speculation().generate(text, max_new_tokens=max_new, chat=True)
+                p = d.without_speculation().generate(text, max_new_tokens=max_new,
+                                                    chat=d.has_chat_template)
                 plain.append(len(p.token_ids) / (time.perf_counter() - t0))
             row[b] = {"ngram_tok_s": statistics.median(speeds), "plain_tok_s": statistics.median(plain),
                       "identical_to_own_plain": r.token_ids == p.token_ids}

@@ -52,7 +52,7 @@ def main() -> int:
         model = getattr(dec.target, "model", None)
         if model is None or not hasattr(model, "generate"):
             raise SystemExit(f"{name}: the reference needs a torch target (target.backend: torch)")
-        ids = [dec.encode(t, chat=True) for p in prompts for t in p.turns]
+        ids = [dec.encode(t, chat=dec.has_chat_template) for p in prompts for t in p.turns]
         eos = dec.eos_ids()
         t0 = time.perf_counter()
         refs = greedy_reference(model, ids, args.max_new_tokens, eos)

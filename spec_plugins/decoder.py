@@ -108,12 +108,19 @@ class SpeculativeDecoder:
 
     # ---- prompts ---------------------------------------------------------------------------
     def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
-        """str -> tokens (chat template applied if ``chat``), messages -> chat template, ids as is
-        (integers within the target's vocabulary)."""
+        """str -> tokens (as one user turn of the chat template if ``chat`` is True; a model
+        without one is refused rather than prompted raw), messages -> chat template, ids as is
+        (integers within the target's vocabulary). Text needs the runtime's tokenizer."""
+        if isinstance(prompt, str) or isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+            if self.tokenizer is None:
+                raise ValueError("a text or chat prompt needs a tokenizer (this runtime has none); pass token ids")
         if isinstance(prompt, str):
             if prompt == "":
                 raise ValueError("prompt is empty")
-            if chat and self.has_chat_template:
+            if chat:
+                if not self.has_chat_template:
+                    raise ValueError("chat=True, but the model's tokenizer has no chat template; pass chat=False "
+                                     "to prompt with the raw text")
                 return self.encode([{"role": "user", "content": prompt}])
             ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
             return in_vocab(list(ids), self.target.vocab_size)

@@ -289,3 +289,24 @@ def test_from_config_takes_a_path_object_as_a_file_path(tmp_path):
         SpeculativeDecoder.from_config(str(path)).generate([3, 7, 1, 3, 7], max_new_tokens=6).token_ids
     with pytest.raises(TypeError, match="config must be a SpecConfig, a dict or a file path, got int"):
         SpeculativeDecoder.from_config(3)
+
+
+def test_chat_true_without_a_chat_template_is_refused():
+    """``chat=True`` on a tokenizer without a template prompted the raw text silently (the same
+    request as messages was refused); None and False still mean the raw text."""
+    tok = tiny_tokenizer()
+    dec = SpeculativeDecoder(TorchRuntime(tiny_llama(vocab=VOCAB, seed=2), tok), None, ExactVerifier(), tokenizer=tok)
+    assert not dec.has_chat_template
+    with pytest.raises(ValueError, match="chat=True, but the model's tokenizer has no chat template"):
+        dec.generate("ab", max_new_tokens=2, chat=True)
+    assert dec.encode("ab", chat=False) == dec.encode("ab") == tok("ab")["input_ids"]
+
+
+@pytest.mark.parametrize("prompt", ["hello", [{"role": "user", "content": "hi"}]])
+def test_a_text_prompt_without_a_tokenizer_is_refused_by_name(prompt):
+    """With no tokenizer a str prompt was a bare ``TypeError: 'NoneType' object is not callable``
+    and chat messages were said to lack a chat template."""
+    dec = SpeculativeDecoder(TorchRuntime(tiny_llama(seed=2)), None, ExactVerifier())
+    assert dec.generate([3, 7, 1], max_new_tokens=3).token_ids == plain_greedy(dec.target.model, [3, 7, 1], 3)
+    with pytest.raises(ValueError, match="needs a tokenizer .*pass token ids"):
+        dec.generate(prompt, max_new_tokens=3)

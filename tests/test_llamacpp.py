@@ -377,7 +377,7 @@ def test_gemma_batched_logits_differ_yet_every_token_is_verify_argmax(report):
             "the bicycle lane network by 40 kilometres over the next three years. The plan adds protected lanes "
             "on the main north-south avenues, new bike parking near the train stations and a bike-share scheme "
             "with 500 bicycles.")
-    ids = dec.encode(text, chat=True)
+    ids = dec.encode(text, chat=dec.has_chat_template)  # gemma's GGUF has none: the raw text
     plain = dec.without_speculation()
     seen_plain, restore = _record_verify_forwards(plain)
     try:
