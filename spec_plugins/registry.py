@@ -36,12 +36,14 @@ class Registry(Generic[T]):
         self._entry_points_loaded = False
         self._from_entry_points: set[str] = set()  # names that entry points added
         self._loaded_from: dict[str, str] = {}  # name -> the "module:attr" a lazy entry was imported from
+        self._clashes: dict[str, list[str]] = {}  # name -> entry points naming it beside what it is
 
     def register(self, name: str, *, install_hint: str | None = None) -> Callable[[T], T]:
         def deco(obj: T) -> T:
             if name in self._entries and self._entries[name] is not obj:
                 raise RegistryError(f"{self.kind} {name!r} is already registered ({self._entries[name]!r})")
-            self._checked(name, obj, repr(obj))
+            if self._check is not None:
+                self._check(obj)  # a class written against the wrong contract: the plugin author's TypeError
             self._entries[name] = obj
             self._lazy.pop(name, None)
             if install_hint:
@@ -84,24 +86,46 @@ class Registry(Generic[T]):
         return f"entry point {name} = {target} in group {self.group}" if name in self._from_entry_points else target
 
     def _load_entry_points(self) -> None:
-        """Add the group's entry points; one whose name is already taken by another object (a
-        built-in, an earlier entry point) is refused naming both, as ``register`` refuses. All are
-        checked before any is added, so a refusal leaves the registry as it was and repeats."""
+        """Add the group's entry points as lazy entries. One whose name is taken (a built-in, a class
+        registered by decorator, an earlier entry point) is kept as a clash and checked when that
+        name is looked up: the same object (a package re-exporting its class) is fine, another
+        object is refused naming both, and a clash never blocks the other names."""
         if self._entry_points_loaded:
             return
-        found: dict[str, str] = {}
         for ep in metadata.entry_points(group=self.group):
-            taken = found.get(ep.name) or self._target(ep.name)
-            if taken is not None and taken != ep.value:
-                raise RegistryError(
-                    f"{self.kind} entry point {ep.name} = {ep.value} (group {self.group}): the name {ep.name!r} "
-                    f"is already the {self.kind} {taken}; rename the entry point")
-            found[ep.name] = ep.value
-        for name, value in found.items():
-            if self._target(name) is None:
-                self._lazy[name] = value
-                self._from_entry_points.add(name)
+            if self._target(ep.name) is None:
+                self._lazy[ep.name] = ep.value
+                self._from_entry_points.add(ep.name)
+            elif self._target(ep.name) != ep.value:
+                self._clashes.setdefault(ep.name, []).append(ep.value)
         self._entry_points_loaded = True
+
+    def _import(self, name: str, target: str, origin: str | None = None) -> Any:
+        """The object ``"module:attr"`` names; any failure to import it (a missing package with its
+        install hint, a module raising at import, a missing attribute) a ``RegistryError`` naming it."""
+        module, _, attr = target.partition(":")
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as exc:
+            hint = self._hints.get(name, "")
+            raise RegistryError(f"{self.kind} {name!r} needs a package that is not installed ({exc.name or exc})."
+                                + (f" {hint}" if hint else "")) from exc
+        except Exception as exc:  # noqa: BLE001 - a plugin module may raise anything at import
+            raise RegistryError(f"{self.kind} {name!r} ({origin or self._origin(name)}) cannot be loaded: importing "
+                                f"{module} raised {type(exc).__name__}: {exc}") from exc
+        if attr and not hasattr(mod, attr):
+            raise RegistryError(f"{self.kind} {name!r} ({origin or self._origin(name)}) cannot be loaded: "
+                                f"module {module} has no attribute {attr!r}")
+        return getattr(mod, attr) if attr else mod
+
+    def _check_clashes(self, name: str, obj: Any) -> None:
+        """Entry points naming ``name`` beside ``obj``: each must load to ``obj`` itself."""
+        for value in self._clashes.get(name, ()):
+            other = self._import(name, value, f"entry point {name} = {value} in group {self.group}")
+            if other is not obj:
+                raise RegistryError(f"{self.kind} entry point {name} = {value} (group {self.group}): the name "
+                                    f"{name!r} is already the {self.kind} {self._target(name)}; rename the entry point")
+        self._clashes.pop(name, None)  # each one is the same object: nothing to check again
 
     def names(self) -> list[str]:
         self._load_entry_points()
@@ -115,29 +139,18 @@ class Registry(Generic[T]):
             raise RegistryError(f"a {self.kind} name must be a string, got {type(name).__name__} {name!r}")
         if name not in self._entries:
             self._load_entry_points()
-        if name in self._entries:
-            return self._entries[name]
         if name in self._lazy:
             target = self._lazy[name]
-            module, _, attr = target.partition(":")
-            try:
-                mod = importlib.import_module(module)
-            except ImportError as exc:
-                hint = self._hints.get(name, "")
-                raise RegistryError(
-                    f"{self.kind} {name!r} needs a package that is not installed ({exc.name or exc})."
-                    + (f" {hint}" if hint else "")
-                ) from exc
-            if attr and not hasattr(mod, attr):
-                raise RegistryError(f"{self.kind} {name!r} ({self._origin(name)}) cannot be loaded: "
-                                    f"module {module} has no attribute {attr!r}")
-            obj: Any = getattr(mod, attr) if attr else mod
+            obj: Any = self._import(name, target)
             # Importing the module may have registered it already through the decorator.
             if name not in self._entries:
                 self._checked(name, obj, self._origin(name))
             self._entries.setdefault(name, obj)
             self._lazy.pop(name, None)  # (a decorator run by the import has removed it already)
             self._loaded_from[name] = target
+        if name in self._entries:
+            self._load_entry_points()
+            self._check_clashes(name, self._entries[name])
             return self._entries[name]
         raise RegistryError(f"unknown {self.kind} {name!r}; registered: {', '.join(self.names()) or 'none'}")
 

@@ -268,7 +268,47 @@ def test_an_entry_point_taking_a_built_in_name_is_refused(tmp_path, monkeypatch)
         with pytest.raises(RegistryError, match=r"entry point ngram = dupplug:MyNgram .*the name 'ngram' is "
                                                 r"already the proposer spec_plugins\.proposers\.ngram:NgramProposer"):
             reg.get("ngram")
-    assert reg._lazy == {"ngram": "spec_plugins.proposers.ngram:NgramProposer"}
+    assert reg.names() == ["ngram"]
+
+
+def test_an_entry_point_re_exporting_a_decorated_class_is_the_same_plugin(tmp_path, monkeypatch):
+    """A plugin registered by decorator whose entry point names the package's re-export
+    (``bigram = bigplug:Bigram``, the class living in ``bigplug.impl``) was refused as a clash once
+    the package was imported, and the refusal blocked every config; a clash with another object is
+    refused only when its name is looked up, so other names still load."""
+    import sys
+
+    (tmp_path / "bigplug").mkdir()
+    (tmp_path / "bigplug" / "impl.py").write_text(textwrap.dedent("""
+        from spec_plugins.proposers.ngram import NgramProposer
+        class Bigram(NgramProposer):
+            pass
+    """))
+    (tmp_path / "bigplug" / "__init__.py").write_text("from bigplug.impl import Bigram\n")
+    _fake_dist(tmp_path, monkeypatch, "bigplug_dist", "", "[spec_plugins.proposers]\nbigram = bigplug:Bigram\n"
+               "other = bigplug.impl:Bigram\nngram = bigplug:Bigram\n")
+    monkeypatch.delitem(sys.modules, "bigplug", raising=False)
+    reg = _proposer_registry()
+    import bigplug
+
+    reg.register("bigram")(bigplug.Bigram)  # the package registers itself on import, as the docs show
+    assert reg.names() == ["bigram", "ngram", "other"]
+    assert reg.get("bigram") is bigplug.Bigram and reg.get("other") is bigplug.Bigram
+    with pytest.raises(RegistryError, match="entry point ngram = bigplug:Bigram"):
+        reg.get("ngram")  # another object under a built-in's name
+
+
+def test_an_entry_point_module_raising_at_import_is_a_registry_error(tmp_path, monkeypatch):
+    """Only ImportError was caught: a plugin module raising anything else at import (a missing
+    shared library) escaped the config's validation as a raw traceback."""
+    _fake_dist(tmp_path, monkeypatch, "crashplug", "raise RuntimeError('cannot find libfoo.so')\n",
+               "[spec_plugins.proposers]\ncrash = crashplug:Crash\n")
+    reg = _proposer_registry()
+    with pytest.raises(RegistryError, match=r"'crash' \(entry point crash = crashplug:Crash in group "
+                                            r"spec_plugins.proposers\) cannot be loaded: importing crashplug raised "
+                                            r"RuntimeError: cannot find libfoo.so"):
+        reg.get("crash")
+    assert reg.get("ngram").__name__ == "NgramProposer"
 
 
 def test_a_config_from_a_pipe_is_read_and_a_directory_refused(tmp_path):
