@@ -4,7 +4,11 @@ Conventions (vLLM's): ``mean_accepted_tokens`` is per sequence per round = token
 rounds / row-rounds, so it counts the corrected-or-bonus token (plain decoding gives 1.0) and
 does not grow with the batch; ``tokens_per_forward`` is the batch-level figure = tokens emitted
 by rounds / target forwards (B rows emit up to B x that per forward). Acceptance by position is
-per row-round too: of the rows that drafted depth d, the share that accepted it.
+per row-round too: of the rows that drafted depth d, the share that accepted it. A row that fails
+in a round (its processing raises, its grammar has no way on: finish reason ``error``) emits
+nothing and its verdict is ignored, so that round is no row-round for it: it is left out of
+``row_rounds``, the drafted / accepted / emitted counts and the per-depth counts (plain decoding
+stays at 1.0 when rows fail); the target forward still counts.
 """
 
 from __future__ import annotations
@@ -34,19 +38,22 @@ class DecodeStats:
     time_draft: float = 0.0  # proposer: propose + observe (a draft model's forwards included)
     time_draft_forward: float = 0.0  # of which: draft-model forwards
     time_verify: float = 0.0  # logits processing + accept/reject
-    time_cache: float = 0.0  # KV commit / rollback / compaction of the target cache
+    time_cache: float = 0.0  # KV commit / rollback of the target cache, compaction of the caches when rows leave
     time_total: float = 0.0
     lossy: bool = False
 
     def observe(self, record: Any) -> None:
         """One round (``RoundRecord``): every row's drafted nodes by depth, accepted and emitted."""
         self.target_forwards += 1
-        self.row_rounds += record.rows
         self.verify_positions += record.positions
-        for drafted, acc, em in zip(record.drafted_by_depth(), record.accepted, record.emitted):
-            self.observe_round(drafted, len(acc), len(em))
-            self.new_tokens += len(em)
-        self.forced_tokens += sum(min(f, len(a)) for f, a in zip(record.ahead, record.accepted))
+        failed = {e.key for e in record.emissions if e.error is not None}  # rows failing this round
+        ok = [k not in failed for k in record.keys]
+        self.row_rounds += sum(ok)
+        for drafted, acc, em, good in zip(record.drafted_by_depth(), record.accepted, record.emitted, ok):
+            if good:
+                self.observe_round(drafted, len(acc), len(em))
+                self.new_tokens += len(em)
+        self.forced_tokens += sum(min(f, len(a)) for f, a, good in zip(record.ahead, record.accepted, ok) if good)
         t = record.times
         self.time_draft += t.draft
         self.time_draft_forward += t.draft_forward
@@ -61,6 +68,11 @@ class DecodeStats:
         self.prefill_forwards += 1
         self.new_tokens += rows
         self.time_prefill += seconds
+        self.time_total += seconds
+
+    def observe_compaction(self, seconds: float) -> None:
+        """Rows left the batch: their caches were compacted between rounds (no round timed it)."""
+        self.time_cache += seconds
         self.time_total += seconds
 
     def observe_round(self, depth_drafted: list[int], accepted_depth: int, emitted: int) -> None:

@@ -48,12 +48,13 @@ def machine() -> str:
 
 
 def section(report: dict, title: str, command: str, out_dir: Path, doc: Path) -> str:
-    """The Markdown of one run: header lines, the summary tables and the plots (copied next to
-    the document so the page is self-contained)."""
+    """The Markdown of one run: header lines, the summary tables and the plots this run wrote
+    (``report["files"]``: not every PNG of ``out_dir``, where an earlier run may have left plots this
+    one did not draw), copied next to the document so the page is self-contained."""
     meta = report["meta"]
+    pngs = _plots(report, Path(out_dir))
     img = doc.parent / "img" / slug(title)
     img.mkdir(parents=True, exist_ok=True)
-    pngs = sorted(Path(out_dir).glob("*.png"))
     for p in pngs:
         shutil.copy(p, img / p.name)
     body = markdown(report).split("\n", 1)[1].lstrip()  # drop the page title
@@ -62,6 +63,18 @@ def section(report: dict, title: str, command: str, out_dir: Path, doc: Path) ->
              f"- date: {meta.get('started_utc', '')[:10]}", f"- command: `{local(command)}`", "", local(body)]
     lines += [f"![{p.stem}](img/{slug(title)}/{p.name})" for p in pngs]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _plots(report: dict, out_dir: Path) -> list[Path]:
+    """The PNGs this run wrote into ``out_dir``, in name order; a report without its files list
+    (a run without ``out``) or whose plots are gone is refused, naming why."""
+    if "files" not in report:
+        raise ValueError("the report lists no files: section() embeds the plots its run wrote (run_bench(..., out=))")
+    pngs = sorted(out_dir / Path(f).name for f in report["files"] if Path(f).suffix == ".png")
+    missing = [p.name for p in pngs if not p.is_file()]
+    if missing:
+        raise ValueError(f"the report's plots are not in {out_dir}: {', '.join(missing)}")
+    return pngs
 
 
 def update(doc: Path, title: str, text: str) -> None:

@@ -219,7 +219,9 @@ def markdown(report: dict) -> str:
     mm = report["greedy_mismatches"]
     if meta["greedy"]:
         if mm:
-            L.append(f"**WARNING: {len(mm)} greedy output mismatch(es) against plain decoding:** "
+            pairs = len({(x["method"], x["question_id"]) for x in mm})  # what the tables' column sums to
+            L.append(f"**WARNING: greedy outputs differ from plain decoding in {len(mm)} run(s) of {pairs} "
+                     f"method × prompt pair(s):** "
                      + ", ".join(f"{x['method']} on {x['question_id']} (run {x.get('run', 0)}, turn {x['turn']}, "
                                  f"token {x['index']})"
                                  for x in mm))
@@ -230,7 +232,7 @@ def markdown(report: dict) -> str:
     for name, why in report["unavailable_baselines"].items():
         L.append(f"Baseline `{name}` not run: {why}")
     head = "| method | γ | tokens/s | speedup vs plain | " + "".join(f"vs {p} | " for p in peers)
-    head += "mean accepted / forward | acceptance | draft | verify | other | greedy mismatches |"
+    head += "mean accepted / forward | acceptance | draft | verify | other | prompts with greedy mismatch |"
     L += ["## Overall", "", head, "|" + "---|" * (head.count("|") - 1)]
     for m in report["methods"]:
         r = summ[m["name"]]["all"]
@@ -247,7 +249,9 @@ def markdown(report: dict) -> str:
         cells.append(str(r["greedy_mismatches"]) if meta["greedy"] else "–")
         L.append("| " + " | ".join(cells) + " |")
     L += ["", "draft / verify / other: share of our decode time spent proposing, in accept/reject + logits "
-          "processing, and in cache bookkeeping + loop overhead (the rest is target forwards and prefill).", ""]
+          "processing, and in cache bookkeeping + loop overhead (the rest is target forwards and prefill). "
+          "prompts with greedy mismatch: prompts on which some run of the method differs from plain decoding "
+          "(each differing run is listed above the table).", ""]
     others = [m for m in report["methods"] if m.get("group")]
     if others:
         L += ["`name@runtime`: measured on another runtime in the same run; its speedup is over "

@@ -32,7 +32,7 @@ def run_round(batch: Batch, policy: DraftPolicy) -> RoundRecord | None:
     if not batch.rows:
         return None
     clock = batch.clock
-    t0 = clock()
+    t0, f0 = clock(), _draft_forward_time(batch)
     view = batch.view()
     ks = policy.choose(view)                                     # 1. per-row draft depths (0 = none)
     budgets, proposed = batch.draft(view, ks, policy)            # 2. each paying source drafts
@@ -49,7 +49,8 @@ def run_round(batch: Batch, policy: DraftPolicy) -> RoundRecord | None:
     batch.runtime.commit(keep)                                   # 7. KV of the accepted paths
     t4 = clock()
     emissions = batch.emit(verdict, keep, tokens, z, out.hidden)  # 8. EOS, limits, stop rules, logprobs
-    times = RoundTimes(draft=t1 - t0, forward=t2 - t1, verify=t3 - t2, commit=t4 - t3, total=clock() - t0)
+    times = RoundTimes(draft=t1 - t0, forward=t2 - t1, verify=t3 - t2, commit=t4 - t3, total=clock() - t0,
+                       draft_forward=_draft_forward_time(batch) - f0)  # propose()'s; observe() adds its own
     record = RoundRecord(keys=batch.keys(), sequences=[r.tokens for r in batch.rows], budgets=budgets,
                          draft_keys=view.keys, draft=draft, accepted=verdict.accepted,
                          emitted=[e.tokens for e in emissions], emissions=emissions, positions=int(tokens.shape[1]),
@@ -58,6 +59,12 @@ def run_round(batch: Batch, policy: DraftPolicy) -> RoundRecord | None:
     batch.observe(record)                                        # 9. proposer, stats, observers learn
     policy.observe(record)
     return record
+
+
+def _draft_forward_time(batch: Batch) -> float:
+    """The proposer's draft-model forward seconds so far, read around a round's drafting so the
+    forwards ``propose()`` makes count in ``RoundTimes.draft_forward`` (0 without a proposer)."""
+    return batch.proposer.draft_forward_time if batch.proposer is not None else 0.0
 
 
 @dataclass
