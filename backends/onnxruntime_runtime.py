@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal, Sequence
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from spec_plugins.backends.base import RuntimeCapabilities, StepOutput, Want
 from spec_plugins.backends.slot_runtime import SlotRuntime
@@ -182,6 +182,27 @@ class OnnxRuntime(SlotRuntime):
         quant_grid: Literal["rtn", "gguf"] = Field(
             "rtn", description="rtn: ONNX Runtime's round-to-nearest blocks; gguf: the source GGUF's own Q4_1/Q8_0 "
                                "blocks carried over (its weights exactly).")
+
+        @model_validator(mode="after")
+        def _quant_fields_that_apply(self) -> "OnnxRuntime.Config":
+            """``quant_*`` fields change nothing without ``quantize``, and the gguf grid takes the
+            GGUF's own bits, block and symmetry: refused here, by field, not after an export."""
+            from spec_plugins.graphs.quant import QuantScheme, gguf_conflicts
+
+            given = sorted(f for f in self.model_fields_set if f.startswith("quant_"))
+            if self.quantize == "none":
+                if given:
+                    raise ValueError(f"{', '.join(given)} set how weights are quantized; they do nothing with "
+                                     "quantize: none (set quantize: int4 or int8, or leave them out)")
+                return self
+            scheme = QuantScheme(**self.scheme())  # type: ignore[arg-type]  # (a block size not a power of two)
+            if self.quant_grid == "gguf" and (bad := gguf_conflicts(scheme)):
+                fields = {"bits": f"quantize: {self.quantize}", "block_size": f"quant_block_size: {self.quant_block_size}",
+                          "symmetric": "quant_symmetric: false"}
+                raise ValueError(f"quant_grid: gguf carries the GGUF's own blocks (Q4_1 4-bit, Q8_0 8-bit, 32 weights a "
+                                 f"block); it takes no {', '.join(fields[f] for f in bad)}: use quantize: int4 with the "
+                                 "default quant_block_size and quant_symmetric")
+            return self
 
         def scheme(self) -> dict | None:
             """The ``QuantScheme`` fields of ``quantize``, or None."""

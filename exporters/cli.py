@@ -86,8 +86,7 @@ def quant_scheme(quantize: str, block_size: int | None, asymmetric: bool, accura
             raise ValueError(f"{', '.join(given)} set how weights are quantized; add --quantize int4 or int8 "
                              "(the export is not quantized without it)")
         return None
-    from spec_plugins.exporters.onnx_quantize import gguf_conflicts
-    from spec_plugins.graphs.quant import QuantScheme
+    from spec_plugins.graphs.quant import QuantScheme, gguf_conflicts
 
     try:
         scheme = QuantScheme(int(quantize[3:]), 32 if block_size is None else block_size, not asymmetric,

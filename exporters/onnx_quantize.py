@@ -19,15 +19,12 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from spec_plugins.graphs.quant import QuantScheme
+from spec_plugins.graphs.quant import QuantScheme, gguf_conflicts
 
 LM_HEAD = "/lm_head/MatMul"
 
 
 CARRIED = frozenset({"Q4_1", "Q8_0"})  # the GGUF block types the gguf grid carries across (``carry_gguf_grid``)
-# The scheme fields the GGUF's blocks set (Q4_1 4-bit with mins, Q8_0 8-bit, 32 weights a block): the gguf grid
-# takes these values only, so a scheme name never claims a bit width or block the graph does not hold.
-GGUF_FIXED = {"bits": 4, "block_size": 32, "symmetric": True}
 
 
 def gguf_block_types(gguf_path: str | Path) -> set[str]:
@@ -66,11 +63,6 @@ def quantize_graph(src: str | Path, dst: str | Path, scheme: QuantScheme, gguf_p
                              accuracy_level=scheme.accuracy_level, nodes_to_exclude=_excluded(scheme))
     q.process()
     return {**scheme.to_dict(), **_save(q.model.model, Path(dst)), "seconds": round(time.perf_counter() - t0, 1)}
-
-
-def gguf_conflicts(scheme: QuantScheme) -> list[str]:
-    """The fields of ``scheme`` the gguf grid cannot honour (:data:`GGUF_FIXED`), in that order."""
-    return [f for f, v in GGUF_FIXED.items() if getattr(scheme, f) != v]
 
 
 def _excluded(scheme: QuantScheme) -> list[str]:

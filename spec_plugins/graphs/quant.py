@@ -38,6 +38,16 @@ class QuantScheme:
         return {**asdict(self), "name": self.name, "method": "onnxruntime MatMulNBits (weight-only)"}
 
 
+# what the gguf grid carries over from the GGUF's blocks (Q4_1 4-bit, 32 weights a block, Q8_0's
+# symmetric 8-bit LM head), so a scheme asking for anything else cannot be honoured on it
+GGUF_FIXED = {"bits": 4, "block_size": 32, "symmetric": True}
+
+
+def gguf_conflicts(scheme: QuantScheme) -> list[str]:
+    """The fields of ``scheme`` the gguf grid cannot honour (:data:`GGUF_FIXED`), in that order."""
+    return [f for f, v in GGUF_FIXED.items() if getattr(scheme, f) != v]
+
+
 def scheme_name(fields: dict | None) -> str:
     """The name of a scheme given as ``QuantScheme`` fields, ``none`` for no quantization."""
     return QuantScheme(**fields).name if fields else "none"
