@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from spec_plugins.backends.torch_runtime import TorchRuntime, attention_implementation
 from spec_plugins.config import SpecConfig
@@ -64,9 +64,7 @@ class Setup:
         section = cfg.proposer
         if proposer is None and draft_model is None:
             key = section.model_dump_json() if section is not None else ""
-            if key not in self.wirings:
-                self.wirings[key] = self._wire(section, tokenizer=None)
-            return self.wirings[key]
+            return _recent(self.wirings, key, lambda: self._wire(section, tokenizer=None))
         if proposer is not None:
             return self._wire(proposer.config, proposer=proposer)
         if section is not None and section.type != "draft_model" and not implicit:
@@ -87,10 +85,21 @@ class Setup:
         target keeps no reference to it) or with this setup (the proposer keeps none to it)."""
         per_target = draft_model.__dict__.setdefault("_spec_plugins_drafts", _DraftProposers())
         kept = per_target.setdefault(self.runtime, {})
-        key = section.model_dump_json()
-        if key not in kept:
-            kept[key] = DraftModelProposer(section, target=self.runtime, runtime=TorchRuntime(draft_model))
-        return kept[key]
+        return _recent(kept, section.model_dump_json(),
+                       lambda: DraftModelProposer(section, target=self.runtime, runtime=TorchRuntime(draft_model)))
+
+
+KEPT = 8  # proposers kept per model (and per draft model and target): the sections used most recently
+
+
+def _recent(kept: dict[str, Any], key: str, build: Callable[[], Any]) -> Any:
+    """``kept[key]``, built on first use; ``kept`` holds the ``KEPT`` most recently used entries,
+    so calls sweeping a proposer's settings do not keep a head or a draft model's cache per value."""
+    value = kept.pop(key) if key in kept else build()
+    kept[key] = value  # most recent last
+    while len(kept) > KEPT:
+        kept.pop(next(iter(kept)))
+    return value
 
 
 class _DraftProposers(weakref.WeakKeyDictionary):
