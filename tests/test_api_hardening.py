@@ -310,3 +310,29 @@ def test_a_text_prompt_without_a_tokenizer_is_refused_by_name(prompt):
     assert dec.generate([3, 7, 1], max_new_tokens=3).token_ids == plain_greedy(dec.target.model, [3, 7, 1], 3)
     with pytest.raises(ValueError, match="needs a tokenizer .*pass token ids"):
         dec.generate(prompt, max_new_tokens=3)
+
+
+def test_a_row_whose_processor_raises_while_a_draft_model_drafts_fails_alone():
+    """The draft model runs the rows' processors over its own logits; one row's raising there left
+    ``generate_batch`` with every row lost (an n-gram batch fails that row alone). The row now
+    drafts nothing that round, the others draft as they would alone, and the batch fails the row
+    when it processes its logits."""
+    from spec_plugins.sampling import LogitsPipeline, RowPipelines
+    from spec_plugins.types import ProposeContext
+
+    def boom(seq, logits):
+        raise RuntimeError("boom")
+
+    prompts = [[3, 7, 1, 3, 7], [9, 9, 2, 5], [4, 1, 6]]
+    greedy, failing = LogitsPipeline(SamplingConfig(temperature=0.0)), LogitsPipeline(SamplingConfig(temperature=0.0),
+                                                                                     [boom])
+    drafts = []
+    for pipes in ([greedy, failing, greedy], [greedy] * 3):
+        prop = DraftModelProposer(DraftModelProposer.Config(num_draft_tokens=3, model={"backend": "torch",
+                                                                                        "model": "x"}),
+                                  runtime=TorchRuntime(tiny_llama(seed=4)))
+        prop.admit([p[:-1] for p in prompts])
+        drafts.append(prop.propose(ProposeContext(prompts, [3, 3, 3], RowPipelines(pipes))))
+    apart, alone = drafts
+    assert apart.valid.tolist() == [[True] * 3, [False] * 3, [True] * 3]
+    assert torch.equal(apart.tokens[[0, 2]], alone.tokens[[0, 2]])

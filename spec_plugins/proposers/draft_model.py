@@ -118,9 +118,12 @@ class DraftModelProposer(Proposer):
         toks = torch.zeros(B, k, dtype=torch.long, device=logits.device)
         probs = None if ctx.pipeline.greedy else torch.zeros(B, k, self.vocab_size, device=logits.device)
         prefix = [upload_tensor(list(s), logits.device) for s in seqs] if ctx.pipeline.needs_prefix else seqs
-        # 2. draft k tokens autoregressively, each from the processed draft distribution q
+        # 2. draft k tokens autoregressively, each from the processed draft distribution q; a row
+        # whose processors raise drafts nothing (the batch fails it alone when it processes its logits)
+        failed: set[int] = set()
         for i in range(k):
-            z = ctx.pipeline.process_rows(logits, prefix)
+            z, bad = ctx.pipeline.process_rows_apart(logits, prefix)
+            failed.update(bad)
             if ctx.pipeline.greedy:
                 x = z.argmax(-1)
             else:
@@ -133,6 +136,7 @@ class DraftModelProposer(Proposer):
             if i + 1 < k:  # the last token's logits are never needed
                 logits = self._forward(x[:, None])[:, -1]
         self._cached = [b + k - 1 for b in self._base]
+        budgets = [0 if b in failed else n for b, n in enumerate(budgets)]
         valid = torch.arange(k, device="cpu")[None, :] < torch.tensor(budgets, device="cpu")[:, None]
         return Draft(toks, tuple(range(-1, k - 1)), probs, None if bool(valid.all()) else valid)  # host valid
 
