@@ -160,22 +160,6 @@ class RowPipelines:
             out[at] = self._point_mass(p, p.process_rows(logits[at], [prefixes[r] for r in rows]))
         return out
 
-    def process_rows_apart(self, logits: torch.Tensor, prefixes: Sequence[Sequence[int] | torch.Tensor]
-                           ) -> tuple[torch.Tensor, list[int]]:
-        """``process_rows``, and where it raises, each row alone: the rows whose own processing
-        raises are returned, their logits left unprocessed (a placeholder nothing may be drafted
-        from), so one row's failing processor does not end the others' drafting."""
-        try:
-            return self.process_rows(logits, prefixes), []
-        except Exception:  # noqa: BLE001 - find the rows it fails for, one at a time
-            out, failed = logits.clone(), []
-            for b, p in enumerate(self.pipelines):
-                try:
-                    out[b:b + 1] = self._point_mass(p, p.process_rows(logits[b:b + 1], [prefixes[b]]))
-                except Exception:  # noqa: BLE001 - the row fails alone when the batch processes its logits
-                    failed.append(b)
-            return out, failed
-
     def process_tree(self, logits: torch.Tensor, sequences: Sequence[Sequence[int]], tokens: torch.Tensor,
                      parents: tuple[int, ...]) -> torch.Tensor:
         if len(self.groups) == 1:
@@ -191,6 +175,25 @@ class RowPipelines:
         if p.greedy and not self.greedy:
             return z.masked_fill(z < z.max(-1, keepdim=True).values, float("-inf"))
         return z
+
+
+def process_rows_apart(pipeline: "LogitsPipeline | RowPipelines", logits: torch.Tensor,
+                       prefixes: Sequence[Sequence[int] | torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """``pipeline.process_rows``, and where it raises, each row alone: the rows whose own
+    processing raises are returned, their logits left unprocessed (a placeholder nothing may be
+    drafted from), so one row's failing processor does not end the other rows' drafting."""
+    try:
+        return pipeline.process_rows(logits, prefixes), []
+    except Exception:  # noqa: BLE001 - find the rows it fails for, one at a time
+        out, failed = logits.clone(), []
+        for b in range(logits.shape[0]):
+            own = pipeline.pipelines[b] if isinstance(pipeline, RowPipelines) else pipeline
+            try:
+                z = own.process_rows(logits[b:b + 1], [prefixes[b]])
+                out[b:b + 1] = pipeline._point_mass(own, z) if isinstance(pipeline, RowPipelines) else z
+            except Exception:  # noqa: BLE001 - the row fails alone when the batch processes its logits
+                failed.append(b)
+        return out, failed
 
 
 def _depth_groups(parents: Parents, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -19,7 +19,7 @@ from pydantic import Field
 from spec_plugins.config import ProposerConfig, TargetField
 from spec_plugins.proposers.base import Draft, ProposeContext, Proposer, RoundRecord
 from spec_plugins.registry import register_proposer
-from spec_plugins.sampling import sample_rows
+from spec_plugins.sampling import process_rows_apart, sample_rows
 from spec_plugins.transfer import upload_tensor
 from spec_plugins.vocab import check_vocab_compatible, fit_vocab
 
@@ -122,7 +122,7 @@ class DraftModelProposer(Proposer):
         # whose processors raise drafts nothing (the batch fails it alone when it processes its logits)
         failed: set[int] = set()
         for i in range(k):
-            z, bad = ctx.pipeline.process_rows_apart(logits, prefix)
+            z, bad = process_rows_apart(ctx.pipeline, logits, prefix)
             failed.update(bad)
             if ctx.pipeline.greedy:
                 x = z.argmax(-1)
