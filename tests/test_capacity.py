@@ -189,3 +189,19 @@ def test_a_llama_cpp_draft_model_s_cache_is_reserved_too():
     outs = dec.generate_batch([prompt] * 2, max_new_tokens=n, chat=False)
     plain = dec.without_speculation().generate_batch([prompt] * 2, max_new_tokens=n, chat=False)
     assert [o.token_ids for o in outs] == [p.token_ids for p in plain] and outs[0].stats.draft_tokens > 0
+
+
+@_model_test
+@pytest.mark.parametrize("max_batch,cache", [(8, {"n_ctx": 256}), (8, {"max_sequences": 4})])
+def test_the_load_policy_measures_only_batches_the_shared_cache_holds(max_batch, cache):
+    """``serve``'s load policy times forwards of every batch size up to ``--max-batch``; on
+    llama.cpp those rows share one cache, and 8 rows of context did not fit 256 cells (or 4
+    sequence ids): the server failed at startup. It measures the sizes that fit and extrapolates."""
+    from spec_plugins.server.setup import build_state
+
+    dec = _decoder({"type": "ngram", "num_draft_tokens": 4}, **cache)
+    state = build_state(dec, max_batch=max_batch, max_total_tokens=128, draft_policy="load")
+    base, pool = state.policy.costs.forward.base, dec.target.pool
+    assert max(base.rows) <= pool.sequences and max(base.rows) * (base.context + base.max_positions) <= pool.cells
+    assert dec.target.lengths() == []
+    assert base(max_batch, 4) >= base(max(base.rows), 4) > 0  # priced beyond what was measured

@@ -246,6 +246,7 @@ def measure(runtime: Any, rows: Sequence[int] = (1,), widths: Sequence[int] = tu
         raise ValueError(f"rows, widths, context and repeats must be >= 1, got {rows}, {widths}, {context}, {repeats}")
     if context + widths[-1] > runtime.max_context:
         raise ValueError(f"context {context} + {widths[-1]} positions exceeds the runtime's {runtime.max_context}")
+    rows = _fitting_rows(runtime, rows, context + widths[-1])
     ctx = _context_tokens(runtime.vocab_size, context + widths[-1])
     table: dict[tuple[int, int], float] = {}
     for b in sorted(set(rows)):
@@ -255,6 +256,22 @@ def measure(runtime: Any, rows: Sequence[int] = (1,), widths: Sequence[int] = tu
     runtime.select_rows([])
     name = getattr(getattr(runtime, "capabilities", None), "name", "") or type(runtime).__name__
     return ForwardCost(table, context=context, runtime=name, repeats=repeats)
+
+
+def _fitting_rows(runtime: Any, rows: Sequence[int], positions: int) -> list[int]:
+    """The row counts a runtime whose rows share one cache (llama.cpp) can hold at ``positions``
+    each (the others' costs are extrapolated from these); every count elsewhere. None fitting is
+    refused, naming the cache."""
+    from spec_plugins.loop.capacity import pool_of
+
+    pool = pool_of(runtime)
+    if pool is None:
+        return list(rows)
+    fit = [b for b in rows if b <= pool.sequences and b * positions <= pool.cells]
+    if not fit:
+        raise ValueError(f"measuring forward costs needs a row of {positions} positions, but the runtime's shared "
+                         f"cache holds {pool.cells} cells and {pool.sequences} sequences; raise n_ctx")
+    return fit
 
 
 def measure_draft(proposer: Any, pipeline: Any, runtime: Any, context: int = 128, k: int = 4,
