@@ -189,7 +189,9 @@ class OnnxRuntime(SlotRuntime):
             GGUF's own bits, block and symmetry: refused here, by field, not after an export."""
             from spec_plugins.graphs.quant import QuantScheme, gguf_conflicts
 
-            given = sorted(f for f in self.model_fields_set if f.startswith("quant_"))
+            fields = type(self).model_fields  # a dumped config carries every field: only changed values count
+            given = sorted(f for f in self.model_fields_set
+                           if f.startswith("quant_") and getattr(self, f) != fields[f].default)
             if self.quantize == "none":
                 if given:
                     raise ValueError(f"{', '.join(given)} set how weights are quantized; they do nothing with "

@@ -220,3 +220,6 @@ def test_an_onnxruntime_target_refuses_quant_fields_it_cannot_honour_when_parsed
     ok = SpecConfig.parse({"target": {"backend": "onnxruntime", "model": "smollm2-135m-instruct", "quantize": "int4",
                                       "quant_grid": "gguf"}})
     assert ok.target.scheme()["grid"] == "gguf"
+    for target in ({"backend": "onnxruntime", "model": "smollm2-135m-instruct"}, ok.target.model_dump(mode="json")):
+        plain = SpecConfig.parse({"target": target})  # a dumped config (serve --ray, bench --methods) reads back
+        assert SpecConfig.parse(plain.model_dump(mode="json")) == plain
