@@ -70,18 +70,20 @@ def check_out_dir(out: Path, holds_previous: Callable[[Path], bool] | None = Non
         return
     if not out.is_dir():
         raise ValueError(f"output directory {out} exists and is not a directory")
-    if any(out.iterdir()) and not (holds_previous or _holds_export)(out):
+    if any(out.iterdir()) and not (holds_previous or holds_manifest)(out):
         raise ValueError(f"output directory {out} is not empty and holds no {what}; refusing to replace it: "
                          "give a new or empty directory, or a previous one")
 
 
-def _holds_export(directory: Path) -> bool:
-    """Whether ``directory`` holds a manifest written by this exporter (any version)."""
+def holds_manifest(directory: Path, name: str = MANIFEST_NAME, error: type[Exception] = ManifestError,
+                   fmt: str = FORMAT) -> bool:
+    """Whether ``directory`` holds a manifest ``name`` of format ``fmt`` (any version): by default
+    an ONNX export's; the TensorRT builder asks for its engine manifest."""
     try:
-        _, data = read_json(directory, MANIFEST_NAME, ManifestError, "", "")
-    except ManifestError:
+        _, data = read_json(directory, name, error, "", "")
+    except error:
         return False
-    return data.get("format") == FORMAT
+    return data.get("format") == fmt
 
 
 def move_into_place(tmp: Path, out: Path) -> None:

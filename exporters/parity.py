@@ -32,11 +32,10 @@ from spec_plugins.graphs.manifest import Manifest
 # off by about their whole scale: the float16 bound sits between (the measurements that place it are
 # in docs/runtimes/onnxruntime.md).
 RTOL = {"float32": 1e-4, "float16": 0.2}
-# A quantized graph against its fp32 source on real inputs: max |diff| <= QUANT_RTOL * max |fp32 logits|.
-# Measured worst real-input rel (default gamma): SmolLM2-135M int8 0.049, int4 on the GGUF grid 0.104, int4
-# re-quantized (rtn) 0.425; the tests' tiny models 0.119 (int4 with its LM head). Another model's weights:
-# >= 1.58 on the tiny ones. Random ids over a random past are out of distribution for activation
-# quantization (SmolLM2 int8 reaches 1.4 there), so those cases are reported, not held.
+# A quantized graph against its fp32 source on real inputs: max |diff| <= QUANT_RTOL * max |fp32 logits|,
+# loose enough for every scheme's rounding and far below another model's weights (the measurements that
+# place it are in docs/runtimes/onnxruntime.md). Random ids over a random past drive activation
+# quantization out of its range, so those cases are reported, not held.
 QUANT_RTOL = 0.75
 _PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog again, and"
 

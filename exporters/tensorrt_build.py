@@ -14,6 +14,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -75,28 +76,18 @@ def set_hardware_compat(trt: Any, config: Any, level: str) -> None:
     config.hardware_compatibility_level = member
 
 
-def _holds_engines(directory: Path) -> bool:
-    """Whether ``directory`` holds an engine manifest written by this builder (any version)."""
-    from spec_plugins.graphs.manifest import read_json
-
-    try:
-        _, data = read_json(directory, MANIFEST_NAME, EngineManifestError, "", "")
-    except EngineManifestError:
-        return False
-    return data.get("format") == FORMAT
-
-
 def check_engine_out(onnx_dir: Path, out: Path) -> None:
     """Refuse an ``--out`` the build must not replace: the ONNX export it reads (or a directory
     holding it), and whatever ``check_out_dir`` refuses (the current directory, one above it, a
     directory of other files); a previous engine directory is replaced."""
-    from spec_plugins.exporters.onnx_export import check_out_dir
+    from spec_plugins.exporters.onnx_export import check_out_dir, holds_manifest
 
     src, target = onnx_dir.resolve(), out.resolve()
     if target == src or target in src.parents:
         raise ValueError(f"--out {out} is the ONNX export {onnx_dir} or holds it; give a new directory for the "
                          "engines (its contents would be replaced)")
-    check_out_dir(out, _holds_engines, f"TensorRT engines ({MANIFEST_NAME})")
+    engines = partial(holds_manifest, name=MANIFEST_NAME, error=EngineManifestError, fmt=FORMAT)
+    check_out_dir(out, engines, f"TensorRT engines ({MANIFEST_NAME})")
 
 
 def default_context(man: Any, graphs: Sequence[str] | None = None) -> int:
