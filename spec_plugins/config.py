@@ -217,10 +217,7 @@ def plugin_class(registry: Registry[Any], key: str, name: Any) -> Any:
     """The class a section's ``key`` field names, or a ``ValueError`` naming the field: missing,
     not a string (a YAML list or mapping), not registered (with the allowed values), or
     registered but failing to load (the registry's reason, naming the entry point)."""
-    try:
-        names = registry.names()
-    except RegistryError as exc:  # the installed entry points clash
-        raise ValueError(f"{key}: {exc}") from exc
+    names = registry.names()
     allowed = f"allowed values: {', '.join(names)}"
     if name is None:
         raise ValueError(f"missing field {key!r}; {allowed}")
