@@ -36,9 +36,8 @@ _LOCKS_GUARD = threading.Lock()  # creates each model's lock once
 class Setup:
     """What the plugin keeps per loaded model, on the model itself (``model._spec_plugins``): its
     runtime wrapper, the measured costs, the tree sizer and the proposers wired to it from spec
-    config sections. A second ``generate()`` then costs one forward per round plus its prefill
-    (re-measuring the runtime and rebuilding proposers every call cost 56 extra forwards per call
-    on SmolLM2). Rebuilt when the model moves to another device or dtype, or switches attention
+    config sections. A second ``generate()`` then costs one forward per round plus its prefill,
+    not the forwards of measuring the runtime and building proposers again. Rebuilt when the model moves to another device or dtype, or switches attention
     implementation (one the runtime cannot mask is refused then). It holds nothing of a
     draft model or proposer instance a call passes (``wired``), so dropping those frees them."""
 

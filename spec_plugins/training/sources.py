@@ -64,7 +64,7 @@ def first_turns(split: Literal["train", "heldout"], flt: DataFilter = DataFilter
 def answerable(decoder: Any, prompts: Iterable[Prompt], max_prompt: int | None = None) -> Iterator[list[int]]:
     """The prompts as token ids (text in the chat template; token ids as they are), lazily, those
     longer than ``max_prompt`` tokens left out: a batch of long prompts prefills all their
-    positions at once (a 15k-token ShareGPT question exhausted 24 GB here)."""
+    positions at once, and one very long question can exhaust the host's memory."""
     for p in prompts:
         ids = decoder.encode([{"role": "user", "content": p}] if isinstance(p, str) else list(p))
         if max_prompt is None or len(ids) <= max_prompt:
