@@ -52,7 +52,7 @@ class DecodeStats:
         for drafted, acc, em, good in zip(record.drafted_by_depth(), record.accepted, record.emitted, ok):
             if good:
                 self.observe_round(drafted, len(acc), len(em))
-                self.new_tokens += len(em)
+            self.new_tokens += len(em)  # a failing row's tokens before its failure are output too
         self.forced_tokens += sum(min(f, len(a)) for f, a, good in zip(record.ahead, record.accepted, ok) if good)
         t = record.times
         self.time_draft += t.draft

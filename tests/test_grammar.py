@@ -306,12 +306,12 @@ def test_masks_on_a_branch_with_forced_text_without_end_equal_a_fresh_matcher(en
     mask was computed at its state: the walk masks every node and goes on down that branch, each
     node's mask the fresh matcher's, and the committed state still takes "bc"."""
     g = RowGrammar(endless, [EOS], VOCAB)
-    assert g.advance([X])
+    assert g.advance([X]) == 1
     masks = g.masks([A, A, A, B], [-1, 0, 1, -1])
     for j, path in enumerate([[A], [A, A], [A, A, A], [B]]):
         assert (masks[j + 1] == _path_mask(endless, [X] + path)).all(), j
     assert (g.mask() == _path_mask(endless, [X])).all() and not g.matcher.is_error()
-    assert g.advance([B, C, EOS]), g.error
+    assert g.advance([B, C, EOS]) == 3, g.error
 
 
 def test_a_cursor_rebuilds_a_matcher_left_in_error(endless):
@@ -423,8 +423,66 @@ def test_a_matcher_in_error_ends_the_row_with_error_naming_the_cause(target, tok
 
 
 def test_an_end_of_sequence_the_grammar_does_not_allow_is_refused(grammars):
-    """``advance`` ends a row on end-of-sequence only where the grammar is complete."""
+    """``advance`` ends a row on end-of-sequence only where the grammar is complete; it counts the
+    tokens it accepted, those before the refused one."""
     g = RowGrammar(grammars["regex"], [EOS], VOCAB)
-    assert not g.advance([21, EOS]) and "not complete" in g.error  # "ab": the regex needs a number
+    assert g.advance([21, EOS]) == 1 and "not complete" in g.error  # "ab": the regex needs a number
     g = RowGrammar(grammars["regex"], [EOS], VOCAB)
-    assert g.advance([21, 25, EOS]), g.error  # "ab12"
+    assert g.advance([21, 25, EOS]) == 3, g.error  # "ab12"
+    with pytest.raises(ValueError, match="follow end-of-sequence"):
+        RowGrammar(grammars["regex"], [EOS], VOCAB).advance([21, 25, EOS, 21])
+
+
+class _LastSequence:
+    """Observer: the row's token list after the last round (``RoundRecord.sequences``) and the
+    most tokens a round carried (its accepted drafted tokens and the next token)."""
+
+    tokens: list = []
+    widest = 0
+
+    def observe(self, record):
+        self.tokens = record.sequences[0]
+        self.widest = max(self.widest, len(record.accepted[0]) + 1)
+
+
+def _generate_and_stream(model, tok, proposer, forced, stop):
+    """``generate`` and ``stream`` of "abc" under ``cxyabz`` (no token spells "z": after "cxyab" the
+    grammar has no way on): (ids, text, finish, error, row tokens past the prompt) of each, and
+    the most tokens a round carried."""
+    from spec_plugins import SpeculativeDecoder
+
+    runs, widest = [], 0
+    for how in ("generate", "stream"):
+        dec = SpeculativeDecoder(TorchRuntime(model, tok, matmul="native"), proposer() if proposer else None,
+                                 ExactVerifier(), tokenizer=tok)
+        seen = _LastSequence()
+        kw = dict(grammar=GrammarSpec.regex("cxyabz"), stop=stop, forced_drafts=forced, observers=[seen])
+        if how == "generate":
+            r = dec.generate("abc", 12, **kw)
+            ids, text, reason, error = r.token_ids, r.text, r.finish_reason, r.error
+            assert r.stats.new_tokens == len(ids), r.stats  # a failing round's kept tokens count
+        else:
+            events = list(dec.stream("abc", 12, **kw))
+            ids = [t for e in events for t in e.token_ids]
+            text, reason, error = "".join(e.text for e in events), events[-1].finish_reason, events[-1].error
+        runs.append((ids, text, reason, error, seen.tokens[len(tok.encode("abc")):]))
+        widest = max(widest, seen.widest)
+    return runs, widest
+
+
+@pytest.mark.parametrize("stop, finish", [(["xy"], "stop_sequence"), ((), "error")])
+@pytest.mark.parametrize("drafts", ["forced", "ngram"])
+def test_a_round_past_a_grammar_failure_ends_as_plain_decoding(target, tok, stop, finish, drafts):
+    """A round carrying tokens up to one the grammar refuses keeps those before it, as one-token
+    rounds emit them, and a stop string they complete ends the row with ``stop`` (no error): output,
+    finish reason, error and the row's own tokens equal plain decoding's (no drafts)."""
+    from spec_plugins.proposers.ngram import NgramProposer
+
+    model, _ = target
+    plain, _ = _generate_and_stream(model, tok, None, False, stop)
+    ngram = (lambda: NgramProposer(NgramProposer.Config(num_draft_tokens=4))) if drafts == "ngram" else None
+    spec, widest = _generate_and_stream(model, tok, ngram, True, stop)
+    assert widest > 1  # a round carried several tokens
+    assert plain[0][2] == finish and len(plain[0][0]) > 1, plain
+    for p, s in zip(plain, spec):
+        assert s == p and s[4] == s[0], (s, p)  # the row's tokens are its output

@@ -147,3 +147,22 @@ def test_a_grammar_with_no_way_on_fails_the_row_naming_why(live):
     assert r.status_code == 500, (r.status_code, r.text)
     assert "no token of this model's vocabulary can continue the grammar" in r.json()["error"], r.json()
     assert httpx.get(live.url + "/health", timeout=10).status_code == 200
+
+
+def test_a_stream_carries_what_the_grammar_took_before_it_failed(live):
+    """Regex ``cxyabz``: the grammar takes "c", "xy", "ab", then has no way on. Plain decoding
+    streams those tokens one a round before the error event; a speculative round carries several
+    to the failure at once, and they must stream too, before the error, never dropped."""
+    events: list = []
+    _events_of(live.url, {"inputs": "abc", "parameters": {
+        "grammar": {"type": "regex", "value": "cxyabz"}, "max_new_tokens": 12}}, events)
+    assert "error" in events[-1], events
+    assert "".join(e["token"]["text"] for e in events[:-1]) == "cxyab", events
+
+
+def _events_of(url: str, body: dict, out: list) -> None:
+    """The SSE events of one /generate_stream request, appended to ``out``."""
+    with httpx.stream("POST", url + "/generate_stream", timeout=120, json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                out.append(json.loads(line[5:]))

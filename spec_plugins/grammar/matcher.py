@@ -19,7 +19,8 @@ under the masked target is 0) and an all-masked row would read as a failed sampl
 node the matcher refuses to consume although its mask allowed it; where the target takes it,
 ``advance`` refuses it too and the row ends with ``error``. A state with no way on (no token of
 the vocabulary continues the grammar) has a mask allowing end-of-sequence only, and ``advance``
-ends that row with ``error``, naming the cause, not as a finished output.
+ends that row with ``error``, naming the cause, not as a finished output (the tokens before the
+refused one are still emitted: ``loop.rows.Row.emit``).
 """
 
 from __future__ import annotations
@@ -100,17 +101,21 @@ class RowGrammar:
             return []
         return [int(t) for t in self.matcher.deep_copy().compute_ff_tokens()[:limit]]
 
-    def advance(self, tokens: Sequence[int]) -> bool:
-        """Commit emitted tokens, up to an end-of-sequence token (which ends the row); False where
-        the output cannot go on in its grammar (``error`` says why): a token the matcher refuses,
-        or an end of sequence where the output is not complete in the grammar."""
-        for t in tokens:
+    def advance(self, tokens: Sequence[int]) -> int:
+        """Commit emitted tokens; returns how many the grammar accepted: all of them, or those
+        before the first it refuses (``error`` says why): a token the matcher refuses, or an end of
+        sequence where the output is not complete in the grammar. A round emits several tokens, so
+        the ones before a refused token stay the output, as one-token rounds would have left them.
+        An end-of-sequence token ends the row, so it may only come last."""
+        for i, t in enumerate(tokens):
             if t in self.eos:
-                return self._may_end(int(t))
+                if i + 1 < len(tokens):
+                    raise ValueError(f"tokens {list(tokens[i + 1:])} follow end-of-sequence token {t}")
+                return i + 1 if self._may_end(int(t)) else i
             if not self.matcher.consume_token(int(t)):
                 self.error = f"token {t}: {error_of(self.matcher)}"
-                return False
-        return True
+                return i
+        return len(tokens)
 
     def _may_end(self, eos: int) -> bool:
         """Whether the output may end here: only where it is complete in its grammar. The masks

@@ -43,25 +43,31 @@ class Row:
         self.error, self.done, self.finish_reason = message, True, "error"
 
     def emit(self, toks: list[int], eos: set[int], host: dict, b: int) -> Emission:
-        """Append tokens, stopping at EOS, the row's limit or its stop rule (``host``: the round's
-        fetch, this row's logprobs in it at batch index ``b``)."""
+        """Append tokens, stopping at EOS, the row's limit, its grammar or its stop rule (``host``:
+        the round's fetch, this row's logprobs in it at batch index ``b``). The rules apply as in
+        one-token rounds, so a round's several tokens end the row as plain decoding would: the
+        tokens before one the grammar refuses are kept and go through the stop rule, and only a
+        row they do not stop fails."""
         out: list[int] = []
         for t in toks[: self.max_new - self.n_new]:
             out.append(t)
             if t in eos:
                 self.finish_reason = "eos_token"
                 break
+        accepted = self.grammar.advance(out) if self.grammar is not None else len(out)
+        refused = accepted < len(out)
+        if refused:  # cut before the refused token; a refused EOS no longer ends the row, it fails below
+            out, self.finish_reason = out[:accepted], None
         self.tokens.extend(out)
-        if self.grammar is not None and not self.grammar.advance(out):
-            self.fail(f"the output left its grammar: {self.grammar.error}")
-            return Emission(self.key, [], [], "error", self.error)
         if self.stop is not None and out:
             keep = self.stop(self.tokens, len(out))
             if keep is not None:
                 del self.tokens[len(self.tokens) - len(out) + keep:]
                 out, self.finish_reason = out[:keep], "stop"
+        if refused and self.finish_reason is None:
+            self.fail(f"the output left its grammar: {self.grammar.error}")
         if self.finish_reason is None and self.n_new >= self.max_new:
             self.finish_reason = "length"
         self.done = self.finish_reason is not None
         lps = row_logprobs(host, b, len(out)) if self.logprobs else []
-        return Emission(self.key, out, lps, self.finish_reason)
+        return Emission(self.key, out, lps, self.finish_reason, self.error)

@@ -199,6 +199,8 @@ class Scheduler:
             if job is None:
                 continue
             if em.error is not None:
+                if em.tokens and not job.cancelled:  # what the grammar took before it failed streams first
+                    job.push(("tokens", em.tokens, em.logprobs, None))
                 job.push(("error", em.error))
             elif not job.cancelled:
                 job.push(("tokens", em.tokens, em.logprobs, em.finish_reason))
