@@ -12,6 +12,10 @@ sliding-window layer attends as far back as the mask lets it. ``MaskLayout`` put
 the mask (per layer type where the model takes a mapping), and ``full_cache`` keeps every position
 in every layer (transformers' sliding-window cache layers drop the oldest; tree rounds, rollback
 and commit by slot need them all).
+
+Context: ``context_limit`` caps a runtime's context where positions stop being exact (a learned
+absolute position table ends; a longrope or dynamic-NTK rope starts choosing its frequencies from
+each forward's longest position) and refuses a larger one asked for.
 """
 
 from __future__ import annotations
@@ -126,9 +130,14 @@ class MaskLayout:
         return {"full_attention": mask, "sliding_attention": sliding} if self.per_type else sliding
 
 
+def _text_config(model: Any) -> Any:
+    """The decoder's config (a multimodal model's text config; the config itself otherwise)."""
+    return model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+
+
 def decoder_layers(model: Any) -> int | None:
     """How many decoder layers a transformers causal LM has (None where its config does not say)."""
-    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    cfg = _text_config(model)
     count = getattr(cfg, "num_hidden_layers", None)
     return int(count) if count is not None else None
 
@@ -137,7 +146,7 @@ def mask_layout(model: Any) -> MaskLayout:
     """The mask layout of a transformers causal LM, read from its decoder config as transformers'
     own caches read it (``layer_types``, else every layer slides when ``sliding_window`` is set).
     Layer types a mask cannot express (chunked, linear, recurrent attention) are refused."""
-    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    cfg = _text_config(model)
     window = getattr(cfg, "sliding_window", None)
     types = getattr(cfg, "layer_types", None)
     if types is None:
@@ -154,6 +163,70 @@ def mask_layout(model: Any) -> MaskLayout:
     if window is None:
         raise ValueError(f"{type(model).__name__} has sliding_attention layers but its config sets no sliding_window")
     return MaskLayout(window=int(window), per_type=True)
+
+
+POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")  # learned absolute position embeddings
+
+
+def _rope_dicts(cfg: Any) -> list[dict]:
+    """The config's rope parameter dicts: ``rope_parameters`` as transformers 5.x stores it (one dict,
+    or one per layer type), else the older ``rope_scaling``."""
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
+    if not isinstance(params, dict):
+        return []
+    if "rope_type" in params or "type" in params:
+        return [params]
+    return [p for p in params.values() if isinstance(p, dict)]
+
+
+def _rope_limit(cfg: Any) -> tuple[str, str, int] | None:
+    """(rope type, config field, positions) up to which the rotary frequencies are fixed, for a rope
+    that picks them per forward from its largest position (transformers' ``dynamic_rope_update``):
+    past that, a verify forward's draft nodes would switch the frequencies of every position in it."""
+    limits = []
+    for d in _rope_dicts(cfg):
+        kind = str(d.get("rope_type", d.get("type", "default")))
+        if kind == "longrope":  # long factors once max(position) + 1 > original_max_position_embeddings
+            orig = d.get("original_max_position_embeddings") or getattr(cfg, "original_max_position_embeddings", None)
+            limits.append((kind, "original_max_position_embeddings", int(orig or cfg.max_position_embeddings)))
+        elif "dynamic" in kind:  # a new base once max(position) + 1 > max_position_embeddings
+            limits.append((kind, "max_position_embeddings", int(cfg.max_position_embeddings)))
+    return min(limits, key=lambda t: t[2]) if limits else None
+
+
+def _position_table(model: Any, cfg: Any) -> tuple[str, int] | None:
+    """(config field, positions) of a learned absolute position embedding (GPT-2's ``wpe``): no
+    position past it has an embedding."""
+    rows = [m.num_embeddings for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in POSITION_TABLES]
+    if not rows:
+        return None
+    field = getattr(cfg, "attribute_map", {}).get("max_position_embeddings", "max_position_embeddings")
+    size = getattr(cfg, "max_position_embeddings", None)
+    return field, min(rows) if size is None else min(int(size), *rows)
+
+
+def context_limit(model: Any, requested: int | None = None) -> int:
+    """The context a runtime of ``model`` holds: ``requested``, else the config's
+    ``max_position_embeddings`` (2048 without one), capped where positions stop being exact: a
+    learned absolute position table ends, or a rope changes its frequencies with the forward's
+    length (longrope, dynamic NTK). A ``requested`` context past such a cap is refused."""
+    cfg = _text_config(model)
+    name = type(model).__name__
+    caps: list[tuple[int, str]] = []
+    if (table := _position_table(model, cfg)) is not None:
+        field, n = table
+        caps.append((n, f"{name}'s learned absolute position table ({field}={n}) has no embedding past it"))
+    if (rope := _rope_limit(cfg)) is not None:
+        kind, field, n = rope
+        caps.append((n, f"{name}'s {kind} rope ({field}={n}) recomputes its frequencies from each forward's "
+                        "longest position past it, so plain and speculative decoding would differ from generate()"))
+    limit = int(requested or getattr(cfg, "max_position_embeddings", None) or 2048)
+    for n, why in sorted(caps):
+        if requested and requested > n:
+            raise ValueError(f"max_context {requested} exceeds {n} positions: {why}; use max_context <= {n}")
+        limit = min(limit, n)
+    return limit
 
 
 def _version() -> str:

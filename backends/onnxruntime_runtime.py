@@ -283,6 +283,10 @@ class OnnxRuntime(SlotRuntime):
             raise ValueError(f"graph dtype {entry.dtype!r} is not supported; expected one of {list(_TORCH_DTYPES)}")
         self.dtype = self.mask_dtype = _TORCH_DTYPES[entry.dtype]
         self.vocab_size = int(entry.vocab_size)
+        if max_context and max_context > entry.max_context:  # the export capped it where positions stop being exact
+            raise ValueError(f"max_context {max_context} exceeds the {entry.max_context} positions graph "
+                             f"{entry.name!r} was exported for (its manifest's max_context); use max_context <= "
+                             f"{entry.max_context}")
         self.max_context = int(max_context or entry.max_context)
         q = entry.quantization or {}
         # int8 activations (accuracy level >= 2): the one-row kernel differs from the wider ones

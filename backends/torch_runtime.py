@@ -195,15 +195,14 @@ class TorchRuntime(SlotRuntime):
                  matmul: Literal["auto", "auto_transposed", "native"] = "auto") -> None:
         self.model = model
         self.attention = attention_implementation(model)  # one that takes our 4D masks, else refused
+        self.max_context = hf_compat.context_limit(model, max_context)  # capped where positions stop being exact
         # measured few-row kernel choice, active only inside _call (None: stock F.linear)
         self.kernels = (torch_kernels.tune(model, transposed=matmul == "auto_transposed")
                         if matmul != "native" else None)
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.dtype = self.mask_dtype = next(model.parameters()).dtype
-        cfg = model.config
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
-        self.max_context = int(max_context or getattr(cfg, "max_position_embeddings", 2048))
         self.capabilities = RuntimeCapabilities(tree_mask=True, hidden_states=True, feature_layers=None,
                                                 num_layers=hf_compat.decoder_layers(model), name="torch")
         # the KV cache keyword of this transformers version ('cache' or 'past_key_values')

@@ -6,7 +6,7 @@ shapes) is written down once, in ``spec_plugins.graphs.io``, shared with the run
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,16 +24,29 @@ class UnsupportedModel(ValueError):
 
 
 def check_exportable(model: Any) -> None:
-    """Refuse models whose cache is not one plain growing KV per layer."""
+    """Refuse models whose cache is not one plain growing KV per layer, or whose attention a window
+    limits within the context: the graph's attention sees all of its past, as the runtime's mask
+    says (``hf_compat.mask_layout`` reads the window as the torch runtime does)."""
     cfg = model.config.get_text_config(decoder=True)
-    kinds = set(getattr(cfg, "layer_types", None) or ["full_attention"])
-    if kinds != {"full_attention"}:
-        raise UnsupportedModel(
-            f"{type(model).__name__} has layer types {sorted(kinds)}; the ONNX verify graph supports "
-            "full-attention decoders only (sliding-window / hybrid caches are not exported)"
-        )
     if getattr(cfg, "is_encoder_decoder", False):
         raise UnsupportedModel("encoder-decoder models are not supported by the verify graph")
+    name = type(model).__name__
+    try:
+        window = hf_compat.mask_layout(model).window
+    except ValueError as exc:
+        raise UnsupportedModel(f"{exc}; the ONNX verify graph supports full-attention decoders only") from None
+    context = hf_compat.context_limit(model)
+    if window is not None and window < context:
+        raise UnsupportedModel(
+            f"{name} attends within a sliding window (sliding_window={window}, below its context of {context}); "
+            "the ONNX verify graph supports full-attention decoders only (sliding-window and hybrid models are "
+            "not exported: run them on the torch backend)")
+
+
+def graph_shape(model: Any) -> DecoderShape:
+    """The decoder's graph shape, its context capped where positions stop being exact
+    (``hf_compat.context_limit``: the graph computes positions as the model does)."""
+    return replace(DecoderShape.of(model), max_context=hf_compat.context_limit(model))
 
 
 class VerifyGraph(torch.nn.Module):
@@ -47,7 +60,7 @@ class VerifyGraph(torch.nn.Module):
         super().__init__()
         self.model = model
         self.feature_layers = tuple(feature_layers)
-        self.shape = DecoderShape.of(model)
+        self.shape = graph_shape(model)
 
     def forward(self, input_ids, position_ids, attention_mask, *past):
         cache = hf_compat.full_cache(list(past))

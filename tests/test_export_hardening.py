@@ -223,3 +223,48 @@ def test_an_onnxruntime_target_refuses_quant_fields_it_cannot_honour_when_parsed
     for target in ({"backend": "onnxruntime", "model": "smollm2-135m-instruct"}, ok.target.model_dump(mode="json")):
         plain = SpecConfig.parse({"target": target})  # a dumped config (serve --ray, bench --methods) reads back
         assert SpecConfig.parse(plain.model_dump(mode="json")) == plain
+
+
+# ---- what the verify graph can express: windows, positions ---------------------------------------
+def _windowed(family: str, window: int | None):
+    """A tiny Mistral or Phi3 whose every layer slides (``sliding_window`` set, no ``layer_types``)."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, sliding_window=window,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg = T.MistralConfig(**common) if family == "mistral" else T.Phi3Config(**common)
+    cfg._attn_implementation = "sdpa"
+    return (T.MistralForCausalLM if family == "mistral" else T.Phi3ForCausalLM)(cfg).eval()
+
+
+@pytest.mark.parametrize("family", ["mistral", "phi3"])
+def test_a_sliding_window_model_without_layer_types_is_refused(tmp_path, family):
+    """Only layer_types were read: a Mistral-style window was exported as full attention and the graph
+    attended to the whole past (output past the window differed from generate())."""
+    from spec_plugins.exporters.onnx_verify import UnsupportedModel, check_exportable
+
+    with pytest.raises(UnsupportedModel, match=r"sliding window \(sliding_window=6, below its context of 256\)"):
+        export_models(tmp_path / "out", (_windowed(family, 6), None, "tiny"))
+    assert list(Path(tmp_path).iterdir()) == []
+    check_exportable(_windowed(family, None))  # no window, or one no query reaches past: full attention
+    check_exportable(_windowed(family, 256))
+
+
+def test_a_graph_holds_the_context_its_positions_are_exact_for(with_eagle):
+    """LongRoPE picks its factors from each forward's largest position, in a traced graph too: the
+    graph's context is original_max_position_embeddings (where the export traces; transformers 5.25's
+    in-place frequency switch is not an ONNX op). ONNX Runtime refuses a context past the export's."""
+    from test_runtime_hardening import ORIGINAL, tiny_longrope_phi3
+
+    from spec_plugins.backends.onnxruntime_runtime import OnnxRuntime, create_session
+    from spec_plugins.exporters.onnx_verify import graph_shape
+
+    assert graph_shape(tiny_longrope_phi3()).max_context == ORIGINAL
+    entry = Manifest.read(with_eagle).graph("verify")
+    session = create_session(with_eagle / entry.file, "cpu")
+    with pytest.raises(ValueError, match=r"max_context 300 exceeds the 256 positions graph 'verify' was exported"):
+        OnnxRuntime(session, entry, max_context=300)
+    assert OnnxRuntime(session, entry, max_context=100).max_context == 100
+    assert OnnxRuntime(session, entry).max_context == 256

@@ -166,3 +166,79 @@ def test_a_bad_torch_device_is_a_config_error_naming_the_field(device):
         SpecConfig.parse({"target": {"backend": "torch", "model": "smollm2-135m-instruct", "device": device}})
     assert SpecConfig.parse({"target": {"backend": "torch", "model": "smollm2-135m-instruct",
                                         "device": "cuda:1"}}).target.device == "cuda:1"
+
+
+# ---- the context a runtime holds: where positions stop being exact -------------------------------
+ORIGINAL = 24  # the longrope model's original_max_position_embeddings
+
+
+def tiny_longrope_phi3(seed: int = 2):
+    """A random Phi3ForCausalLM with LongRoPE (Phi-3-*-128k's rope): long factors past ORIGINAL positions."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(seed)
+    half = 4  # head_dim 8
+    cfg = Phi3Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=128, original_max_position_embeddings=ORIGINAL,
+                     rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * half,
+                                      "long_factor": [40.0] * half, "original_max_position_embeddings": ORIGINAL},
+                     bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg._attn_implementation = "sdpa"
+    m = Phi3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(2.0)
+    return m
+
+
+@pytest.mark.parametrize("runtime", list(RUNTIMES))
+def test_a_longrope_model_s_context_is_capped_where_its_frequencies_are_fixed(runtime):
+    """LongRoPE switches to its long factors once a forward's largest position passes
+    original_max_position_embeddings: a verify forward's draft nodes would switch them early."""
+    model = tiny_longrope_phi3()
+    assert RUNTIMES[runtime](model).max_context == ORIGINAL
+    with pytest.raises(ValueError, match=rf"max_context 128 exceeds {ORIGINAL} positions: .*longrope rope "
+                                         rf"\(original_max_position_embeddings={ORIGINAL}\)"):
+        TorchRuntime(model, max_context=128, matmul="native") if runtime == "dynamic" else \
+            StaticTorchRuntime(model, max_context=128)
+
+
+@pytest.mark.parametrize("runtime", list(RUNTIMES))
+@pytest.mark.parametrize("kind", ["plain", "ngram"])
+def test_longrope_greedy_within_the_cap_equals_transformers_generate(runtime, kind):
+    model = tiny_longrope_phi3()
+    prompt = [[1, 2, 3] * 4]  # 12 tokens: 12 more fill the context
+    rt = RUNTIMES[runtime](model)
+    out: list[int] = []
+    for step in decode(rt, _proposer(kind, rt), ExactVerifier(), LogitsPipeline(SamplingConfig()), prompt,
+                       ORIGINAL - 12, (), None, None, FixedLength(4)):
+        out.extend(step.emitted.get(0, []))
+    assert out == hf_generate(model, prompt, ORIGINAL - 12, PAD)[0]
+
+
+def test_a_dynamic_ntk_rope_refuses_a_context_past_max_position_embeddings():
+    """Dynamic NTK rope raises its base once a forward's largest position passes max_position_embeddings."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, bos_token_id=None, eos_token_id=None,
+                      pad_token_id=None, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    cfg._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(cfg).eval()
+    assert TorchRuntime(model, matmul="native").max_context == 64
+    with pytest.raises(ValueError, match=r"max_context 65 exceeds 64 positions: .*dynamic rope "
+                                         r"\(max_position_embeddings=64\)"):
+        TorchRuntime(model, max_context=65, matmul="native")
+
+
+def test_a_context_past_a_learned_position_table_is_refused_naming_the_field():
+    """GPT-2 learns one embedding per position (n_positions): past it the embedding lookup fails."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                       bos_token_id=None, eos_token_id=None)).eval()
+    assert TorchRuntime(model, matmul="native").max_context == 64
+    assert TorchRuntime(model, max_context=40, matmul="native").max_context == 40
+    with pytest.raises(ValueError, match=r"max_context 100 exceeds 64 positions: .*position table \(n_positions=64\)"):
+        TorchRuntime(model, max_context=100, matmul="native")
