@@ -18,7 +18,8 @@ from spec_plugins.policy import AutoDraftLength, Costs, DraftCost, ForwardCost
 from spec_plugins.policy.sources import SourceGate
 from spec_plugins.policy.tree_size import TreeSizer
 from spec_plugins.policy.acceptance import AcceptanceEstimate
-from spec_plugins.types import BatchView, Draft, ProposeContext, Ranked, RankedRow, RoundRecord, RoundTimes
+from spec_plugins.policy.objective import best_option
+from spec_plugins.types import BatchView, Draft, ProposeContext, Ranked, RankedRow, RoundRecord, RoundTimes, Shaped
 
 FLAT = ForwardCost.from_curve([0.010] * 17)  # GPU-like: verifying 17 positions costs one forward
 CPU = ForwardCost.from_curve([0.010 * (1 + 0.12 * (n - 1)) for n in range(1, 18)])  # 8 positions ~1.84x
@@ -197,6 +198,46 @@ def test_each_key_learns_its_own_length():
     assert pol.choose(BatchView([[1]], [99], [1])) == [0]
     assert min(pol.choose(BatchView([[1]] * 2, [99] * 2, [3, 1]))) >= 6
     assert pol.choose(BatchView([[1]] * 2, [99] * 2, [1, 1])) == [0, 0]
+
+
+def test_a_batch_teaches_a_key_the_same_in_any_row_order_as_the_unkeyed_estimate():
+    """16 rows of one key, 8 accepting every drafted token and 8 none: the key's evidence fades
+    once per round, then each row adds its counts, so the rows' order in the batch does not
+    matter and the counts equal the unkeyed estimate's under the same parameters. (Before: each
+    row faded the key's evidence again, so the rows last in the batch decided it.)"""
+    same = {"decay": 0.8, "prior_accept": 0.5, "prior_weight": 1.0, "idle_decay": 0.97, "chain_weight": 3.0,
+            "max_growth": None}
+    good = [True] * 8 + [False] * 8
+    counts = []
+    for rows in (good, good[::-1], good[::2] + good[1::2]):
+        keyed, plain = AutoDraftLength(CPU, max_k=8, keyed=same), AutoDraftLength(CPU, max_k=8)
+        for k in (4, 4, 2, 0, 4):
+            acc = [k if g else 0 for g in rows]
+            keyed.observe(record([k] * 16, [k] * 16, acc, [9] * 16))
+            plain.observe(record([k] * 16, [k] * 16, acc))
+        est, ref = keyed.by_key[9], plain.estimate
+        got = est.reach + est.hits + est.offer_trials + est.offered
+        assert got == pytest.approx(ref.reach + ref.hits + ref.offer_trials + ref.offered)
+        assert est.hits[0] / est.reach[0] == pytest.approx(0.5)
+        counts.append(got)
+    assert counts[1] == pytest.approx(counts[0]) and counts[2] == pytest.approx(counts[0])
+
+
+def test_shadows_resolved_together_fade_their_key_once():
+    """Shadows of one round's rows, resolved in one ``choose``, fade their key once: four rows of
+    which two would have been accepted give p_0 = 1/2 whichever rows come first."""
+    estimates = []
+    for order in ([1, 1, 0, 0], [0, 0, 1, 1]):
+        pol = AutoDraftLength(STEEP, max_k=8, shadow_horizon=1)
+        seqs = [[1, 2] for _ in order]
+        pol.choose(BatchView(seqs, [99] * 4, [3] * 4, lambda rows, k: [[50]] * len(rows)))
+        for seq, hit in zip(seqs, order):
+            seq.append(50 if hit else 51)
+        pol.choose(BatchView(seqs, [99] * 4, [3] * 4))  # resolves the four shadows
+        est = pol.by_key[3]
+        assert (est.reach[0], est.hits[0]) == pytest.approx((4.0, 2.0))
+        estimates.append(est.accept_probs())
+    assert estimates[0] == pytest.approx(estimates[1])
 
 
 def test_a_key_is_reprobed_after_it_stopped():
@@ -384,3 +425,61 @@ def test_the_gate_counts_the_round_overhead_on_both_sides():
     gate.draft(ProposeContext([[1, 2, 3]], [4], None))  # round 0: every child probed
     gate.draft(ProposeContext([[1, 2, 3]], [4], None))
     assert dear.calls == 2 and gate.skipped[1] == 0
+
+
+def _objective_keeps(costs: Costs, expected: float, positions: int, min_gain: float = 1.0) -> bool:
+    """The reference: one row, no draft vs a draft of ``positions`` nodes, by the one objective
+    with the round's overhead on both sides (as ``AutoDraftLength._best`` prices them)."""
+    options = [(1.0, costs(1, 1) + costs.overhead), (1.0 + expected, costs(1, 1 + positions) + costs.overhead)]
+    return best_option(options, min_gain) == 1
+
+
+def test_the_sizer_counts_the_round_overhead_and_the_policy_margin():
+    """10 ms one position, 15 ms two, 10 ms overhead a round: one node accepted with p = 0.45 is
+    worth 1.45 / 25 ms = 58 tok/s against plain's 1 / 20 ms = 50, so it is kept, by the batch cut,
+    by a shaped draft's cut and by the length policy alike; without the overhead (1 / 10 ms = 100
+    against 1.45 / 15 ms = 97) it looked a loss. A draft that gains 2 % is cut under a 5 % margin."""
+    costs = Costs(ForwardCost.from_curve([0.010, 0.015, 0.016]), frozen=True)
+    costs.overhead = 0.010
+    assert _objective_keeps(costs, 0.45, 1)
+    sizer = TreeSizer(costs)
+    assert sizer.cut([RankedRow([7], [(0,)], [0.45])]) == [1]
+    chain = Draft.from_chains([[7]])
+    assert sizer.size(Ranked([[]], True, [Shaped(chain, (0.45,))])) is not None  # the shaped draft's slot kept
+    length = AutoDraftLength(costs, max_k=2, prior_accept=0.45)
+    assert length.choose(BatchView([[1]], [99]))[0] > 0  # the length policy agrees
+    margin = Costs(ForwardCost.from_curve([0.010, 0.0102, 0.011]), frozen=True)  # one node gains 2 %
+    row = RankedRow([7], [(0,)], [0.04])
+    assert _objective_keeps(margin, 0.04, 1) and not _objective_keeps(margin, 0.04, 1, 1.05)
+    assert TreeSizer(margin).cut([row]) == [1]
+    assert TreeSizer(margin, min_gain=1.05).cut([row]) == [0]
+    assert TreeSizer(margin, min_gain=1.05).size(Ranked([[]], True, [Shaped(chain, (0.04,))])) is None
+    with pytest.raises(ValueError, match="min_gain"):
+        TreeSizer(margin, min_gain=0.9)
+    # the policy a decoder builds holds its trees to the same margin as its lengths (DEFAULTS)
+    from spec_plugins.policy.cost import DraftCost
+    from spec_plugins.policy.draft_policy import DEFAULTS, build_policy
+    from spec_plugins.proposers.suffix import SuffixProposer
+
+    suffix = SuffixProposer(SuffixProposer.Config(num_draft_tokens="auto", tree_nodes="auto"))
+    margin.set_drafter(suffix, DraftCost())  # drafting free: only the margin decides
+    policy = build_policy(suffix.config, suffix, margin, TreeSizer())
+    assert policy.sizer.min_gain == DEFAULTS.min_gain > 1.0
+    assert policy.size(Ranked([[row]], True)) is None
+
+
+def test_the_sizer_picks_a_rows_alternative_with_the_round_overhead():
+    """Two drafters' alternatives for one row: 1 node worth 0.3 (1.3 / 12 ms = 108 tok/s) or 4 nodes
+    worth 1.1 (2.1 / 20 ms = 105). The round's 10 ms overhead makes the wider one pay better
+    (2.1 / 30 ms = 70 against 1.3 / 22 ms = 59), as the sources' gate prices it."""
+    curve = ForwardCost.from_curve([0.010, 0.012, 0.014, 0.017, 0.020])
+    alternatives = [RankedRow([7], [(0,)], [0.3], 0), RankedRow([7] * 4, [(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)],
+                                                                [0.5, 0.3, 0.2, 0.1], 1)]
+    picked = []
+    for overhead in (0.0, 0.010):
+        costs = Costs(curve, frozen=True)
+        costs.overhead = overhead
+        sizer = TreeSizer(costs)
+        sizer.size(Ranked([alternatives], auto=False))
+        picked.append(sizer.picked)
+    assert picked == [{0: 1}, {1: 1}]

@@ -43,3 +43,43 @@ def test_calls_sweeping_proposer_settings_keep_the_most_recent_few():
     model.generate(**inputs, max_new_tokens=6, do_sample=False, custom_generate=speculative_generate,
                    spec_config={"proposer": {"type": "ngram", "num_draft_tokens": sweep[-1]}})
     assert setup.wirings[recent] is before
+
+
+def test_each_proposer_sizes_trees_with_its_own_calibrations():
+    """The model keeps one cost curve for every proposer, but a tree sizer per wiring: a sizer's
+    calibrations are per source index, and source 0 of a suffix section is another drafter than
+    source 0 of a recycling one. (Before: one sizer per model, so what suffix learnt scaled
+    recycling's estimates in the next call.) A section's and a proposer's sizer carry across calls."""
+    model, draft, other = tiny_llama(seed=3, sharpness=4.0), tiny_llama(seed=4), tiny_llama(seed=5)
+    inputs = {"input_ids": torch.tensor([[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]])}
+
+    def generate(section, n=8, **extra):
+        return model.generate(**inputs, max_new_tokens=n, do_sample=False, custom_generate=speculative_generate,
+                              spec_config={"proposer": section}, **extra)
+
+    suffix = {"type": "suffix", "num_draft_tokens": 8, "tree_nodes": "auto", "scope": "request"}
+    generate(suffix)
+    setup = model.__dict__["_spec_plugins"]
+    (first,) = setup.wirings.values()
+    learnt = first.sizer.calibration(0)
+    learnt.observe(0.0, 50.0)  # suffix over-predicted: its scale is at the floor
+    floor = (learnt.accepted, learnt.predicted)
+    generate({"type": "recycling", "num_draft_tokens": 6, "tree_size": "auto"}, n=1)  # wired, no round sized
+    second = list(setup.wirings.values())[-1]
+    assert second.section.type == "recycling" and second.sizer is not first.sizer
+    assert second.sizer.calibration(0).scale == 1.0  # recycling's estimates start calibrated
+    assert (learnt.accepted, learnt.predicted) == floor
+    generate(suffix, n=1)
+    assert list(setup.wirings.values())[-1] is first  # the section's wiring, its sizer with it, reused
+    for d in (draft, draft, other):  # a draft model's proposer keeps its own sizer across calls
+        generate({"type": "draft_model", "num_draft_tokens": 3, "model": {"backend": "torch", "model": "<given>"}},
+                 n=4, draft_model=d)
+    assert len(setup.sizers) == 2 and all(s is not first.sizer for s in setup.sizers.values())
+    # the kept state does not stop the model from pickling (torch.save) or copying: a copy starts
+    # without the sizers (a weak dictionary does not pickle)
+    import copy
+    import pickle
+
+    again = pickle.loads(pickle.dumps(model))
+    assert len(again.__dict__["_spec_plugins"].sizers) == 0
+    assert len(copy.deepcopy(model).__dict__["_spec_plugins"].sizers) == 0

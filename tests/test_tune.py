@@ -163,3 +163,26 @@ def test_a_default_runtime_that_cannot_load_the_model_is_left_out_and_a_named_on
     assert set(res.runtimes) == {"torch"}
     with pytest.raises(TuneError, match="runtime onnxruntime cannot run .*Q6_K"):
         tune(str(tiny_dir), ["w1 w2 w3"], ["onnxruntime"], ["ngram"], Budget(600), max_new=8, log=logs.append)
+
+
+def test_the_replayed_auto_is_the_policy_the_decoder_builds():
+    """tune predicts ``auto`` by replay (``bench.replay.auto``): its length policy must be the one
+    ``build_policy`` gives the decoder for tune's n-gram section (its depth and its margin over no
+    draft), not one with the constructor's defaults. (Before: min_gain 1.0 against 1.05.) tune
+    measures no drafter cost: the replay charges none and the policy prices none, alike."""
+    from spec_plugins.bench.replay import auto
+    from spec_plugins.policy import Costs, DraftCost, ForwardCost, build_policy
+    from spec_plugins.registry import PROPOSERS as REGISTRY
+    from spec_plugins.tune import PROPOSERS
+
+    cost = ForwardCost.from_curve([0.01 * (1 + 0.1 * n) for n in range(17)])
+    section = SpecConfig.parse({"target": {"backend": "torch", "model": "x"}, "proposer": PROPOSERS["ngram"]}).proposer
+    proposer = REGISTRY.get(section.type)(section)
+    costs = Costs(cost)
+    costs.set_drafter(proposer, DraftCost())
+    built, replayed = build_policy(section, proposer, costs).length, auto(cost)().length
+
+    def shape(p):
+        return type(p), p.max_k, p.min_gain, p.draft
+
+    assert shape(replayed) == shape(built)

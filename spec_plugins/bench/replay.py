@@ -29,7 +29,7 @@ import torch
 from spec_plugins.backends.base import RuntimeCapabilities, StepOutput
 from spec_plugins.config import SamplingConfig
 from spec_plugins.loop import decode
-from spec_plugins.policy import AutoDraftLength, Costs, DraftCost, DraftPolicy, FixedLength, ForwardCost
+from spec_plugins.policy import DEFAULTS, AutoDraftLength, Costs, DraftCost, DraftPolicy, FixedLength, ForwardCost
 from spec_plugins.policy.tree_size import TreeSizer
 from spec_plugins.sampling import LogitsPipeline
 from spec_plugins.stats import DecodeStats
@@ -224,9 +224,12 @@ def fixed(k: int) -> Callable[[], Any]:
 
 
 def auto(cost: ForwardCost, draft: DraftCost = DraftCost(), **kwargs: Any) -> Callable[[], Any]:
-    """``auto`` as the decoder builds it: one ``Costs`` (online correction, overhead) and one tree
-    sizer shared by every turn, fresh acceptance estimates per turn."""
+    """``auto`` as the decoder builds it (``build_policy``): ``DEFAULTS``' depth and margin over
+    no draft (``kwargs`` override them), one ``Costs`` (online correction, overhead) and one tree
+    sizer shared by every turn, fresh acceptance estimates per turn. ``draft``: the drafter's
+    cost, as the replay charges it."""
     costs, sizer = Costs(cost), TreeSizer()
+    kwargs = {"max_k": DEFAULTS.max_k, "min_gain": DEFAULTS.min_gain, **kwargs}
     return lambda: DraftPolicy(AutoDraftLength(costs, draft, **kwargs), sizer, costs)
 
 

@@ -17,6 +17,7 @@ from spec_plugins.policy import Costs
 from spec_plugins.policy.tree_size import TreeSizer
 from spec_plugins.proposers.base import Proposer
 from spec_plugins.proposers.draft_model import DraftModelProposer
+from spec_plugins.weak_cache import WeakCache
 from spec_plugins.wiring import Wiring, wire
 
 
@@ -35,16 +36,20 @@ _LOCKS_GUARD = threading.Lock()  # creates each model's lock once
 @dataclass
 class Setup:
     """What the plugin keeps per loaded model, on the model itself (``model._spec_plugins``): its
-    runtime wrapper, the measured costs, the tree sizer and the proposers wired to it from spec
-    config sections. A second ``generate()`` then costs one forward per round plus its prefill,
+    runtime wrapper, the measured costs (one cost curve, shared by every proposer) and the
+    proposers wired to it from spec config sections, each wiring with its own tree sizer (a
+    sizer's calibrations are per source index, which means another drafter in another section).
+    A second ``generate()`` then costs one forward per round plus its prefill,
     not the forwards of measuring the runtime and building proposers again. Rebuilt when the model moves to another device or dtype, or switches attention
     implementation (one the runtime cannot mask is refused then). It holds nothing of a
     draft model or proposer instance a call passes (``wired``), so dropping those frees them."""
 
     runtime: TorchRuntime
     costs: Costs | None = None
-    sizer: TreeSizer = field(default_factory=TreeSizer)
     wirings: dict[str, Wiring] = field(default_factory=dict)  # per proposer section (its JSON; "": none)
+    # the tree sizer of each proposer instance a call passes (or built for a draft model), kept
+    # across calls while the proposer lives (weak keys, as ``Costs`` keeps drafters' costs)
+    sizers: WeakCache = field(default_factory=WeakCache)
 
     @staticmethod
     def of(model: Any) -> "Setup":
@@ -63,26 +68,36 @@ class Setup:
         section = cfg.proposer
         if proposer is None and draft_model is None:
             key = section.model_dump_json() if section is not None else ""
-            return _recent(self.wirings, key, lambda: self._wire(section, tokenizer=None))
+            return _recent(self.wirings, key, lambda: self._wire(section, TreeSizer(), tokenizer=None))
         if proposer is not None:
-            return self._wire(proposer.config, proposer=proposer)
+            return self._wire(proposer.config, self._sizer(proposer), proposer=proposer)
         if section is not None and section.type != "draft_model" and not implicit:
             raise ValueError(f"draft_model/assistant_model given, but spec_config's proposer is {section.type!r}; "
                              "use proposer type draft_model (or drop the model)")
         if section is None or section.type != "draft_model":
             section = DraftModelProposer.Config.model_validate(_DRAFT_ALONE)
-        return self._wire(section, proposer=self._draft_proposer(section, draft_model))
+        drafter = self._draft_proposer(section, draft_model)
+        return self._wire(section, self._sizer(drafter), proposer=drafter)
 
-    def _wire(self, section: Any, **build: Any) -> Wiring:
-        wiring = wire(self.runtime, section, costs=self.costs, sizer=self.sizer, **build)
+    def _wire(self, section: Any, sizer: TreeSizer, **build: Any) -> Wiring:
+        """``section`` wired over the kept costs with its own ``sizer``."""
+        wiring = wire(self.runtime, section, costs=self.costs, sizer=sizer, **build)
         self.costs = wiring.costs or self.costs
         return wiring
+
+    def _sizer(self, proposer: Proposer) -> TreeSizer:
+        """The tree sizer of a proposer instance, made on its first call: its calibrations carry
+        across calls with it, and no other proposer's estimates are scaled by them."""
+        sizer = self.sizers.get(proposer)
+        if sizer is None:
+            sizer = self.sizers[proposer] = TreeSizer()
+        return sizer
 
     def _draft_proposer(self, section: Any, draft_model: Any) -> DraftModelProposer:
         """The draft model's proposer for this target and section, kept on the draft model, keyed
         weakly by the target's runtime: reused while both live, freed with the draft model (the
         target keeps no reference to it) or with this setup (the proposer keeps none to it)."""
-        per_target = draft_model.__dict__.setdefault("_spec_plugins_drafts", _DraftProposers())
+        per_target = draft_model.__dict__.setdefault("_spec_plugins_drafts", WeakCache())
         kept = per_target.setdefault(self.runtime, {})
         return _recent(kept, section.model_dump_json(),
                        lambda: DraftModelProposer(section, target=self.runtime, runtime=TorchRuntime(draft_model)))
@@ -99,17 +114,6 @@ def _recent(kept: dict[str, Any], key: str, build: Callable[[], Any]) -> Any:
     while len(kept) > KEPT:
         kept.pop(next(iter(kept)))
     return value
-
-
-class _DraftProposers(weakref.WeakKeyDictionary):
-    """A draft model's proposers per target runtime (weak: a dropped target's entries go). A cache
-    on the draft model: a copy or a pickle of the model starts without it."""
-
-    def __reduce__(self) -> tuple:
-        return type(self), ()
-
-    def __deepcopy__(self, memo: dict) -> "_DraftProposers":
-        return type(self)()
 
 
 # a draft model given alone (no spec_config): 5 draft tokens per round

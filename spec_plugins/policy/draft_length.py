@@ -175,9 +175,12 @@ class AutoDraftLength:
         ahead = record.ahead or [0] * record.rows  # a grammar's forced tokens: not this drafter's evidence
         self._observe_probe(any(a > f for a, f in zip(accepted, ahead)))
         if record.draft_keys is not None:
-            for key, k, d, a, f in zip(record.draft_keys, record.budgets, drafted, accepted, ahead):
-                if not (k == 0 and self._shadowing) and a >= f:  # a shadow brings its evidence; no idle fading
-                    self._keyed(key).update(k, 1, [1] * (d - f), [1] * (a - f))
+            rows = [(key, k, d, a, f)
+                    for key, k, d, a, f in zip(record.draft_keys, record.budgets, drafted, accepted, ahead)
+                    if not (k == 0 and self._shadowing) and a >= f]  # a shadow brings its evidence; no idle fading
+            self._fade_keys([(key, k > 0) for key, k, *_ in rows])
+            for key, k, d, a, f in rows:
+                self._keyed(key).update(k, 1, [1] * (d - f), [1] * (a - f), fade=False)
             return
         self.estimate.fade(max(record.budgets, default=0) > 0)
         for row, k, a, f in zip(record.drafted_by_depth(), record.budgets, accepted, ahead):
@@ -218,7 +221,7 @@ class AutoDraftLength:
         that many tokens (or missed earlier). Waiting for the whole draft would keep a row that
         stopped drafting blind for up to max_k rounds, exactly when its drafts start to match.
         Every shadow is cut at the same horizon, so positions < horizon stay unbiased."""
-        keep = []
+        keep, scored = [], []
         for key, seq, start, d, drafted in self._shadows:
             d = d[: self.shadow_horizon]
             seen = seq[start: start + len(d)]
@@ -227,10 +230,24 @@ class AutoDraftLength:
                 a += 1
             if a < len(seen) or len(seen) == len(d):  # a mismatch decided it, or all of it matched
                 if a >= drafted:  # the real draft was accepted whole (else it says nothing more)
-                    self._keyed(key).update(len(d), 1, [1] * len(d), [1] * a, start=drafted, fade=not drafted)
+                    scored.append((key, d, a, drafted))
             else:
                 keep.append((key, seq, start, d, drafted))
         self._shadows = keep[-256:]
+        # a shadow past a real draft: that round's ``observe`` faded its key already
+        self._fade_keys([(key, True) for key, _, _, drafted in scored if not drafted])
+        for key, d, a, drafted in scored:
+            self._keyed(key).update(len(d), 1, [1] * len(d), [1] * a, start=drafted, fade=False)
+
+    def _fade_keys(self, seen: Sequence[tuple[int, bool]]) -> None:
+        """Fade each key's evidence once for the rows of one round (``seen``: (key, drafted) per
+        row), by ``decay`` if any of its rows drafted. Why: the rows' updates then only add counts,
+        so a batch teaches a key the same whatever its rows' order, as the unkeyed estimate does."""
+        drafting: dict[int, bool] = {}
+        for key, d in seen:
+            drafting[key] = drafting.get(key, False) or d
+        for key, d in drafting.items():
+            self._keyed(key).fade(d)
 
     def _keyed(self, key: int) -> AcceptanceEstimate:
         est = self.by_key.get(key)

@@ -46,13 +46,15 @@ class DraftPolicy:
     """A length policy, the sources' gate, a tree sizer and the costs they price against (module docstring)."""
 
     def __init__(self, length: LengthPolicy, sizer: TreeSizer | None = None, costs: Costs | None = None,
-                 gated: bool = False, probe_every: int = 16) -> None:
+                 gated: bool = False, probe_every: int = 16, min_gain: float = DEFAULTS.min_gain) -> None:
         """``gated``: a source may be skipped in a round where its drafting does not pay
-        (``policy.sources``); otherwise every source drafts every round it is asked to."""
+        (``policy.sources``); otherwise every source drafts every round it is asked to.
+        ``min_gain``: what a tree the sizer keeps must beat no draft by, as a length must."""
         self.length = length
         self.costs = costs if costs is not None else length.costs if isinstance(length, AutoDraftLength) else None
         self.sizer = sizer if sizer is not None else TreeSizer()
         self.sizer.costs = self.costs  # a long-lived sizer prices with the costs of the policy using it
+        self.sizer.min_gain = min_gain  # ... and holds trees to its margin
         self.gated, self.probe_every = gated, probe_every
         self.gate: SourceGate | None = None  # built for the proposer's sources when they first draft
 
@@ -150,4 +152,4 @@ def build_policy(section: Any, proposer: Any, costs: Costs | None = None, sizer:
     else:
         max_k = defaults.max_k if k == "auto" else int(k)
         length_policy = AutoDraftLength(costs, costs.drafter(proposer), max_k=max_k, min_gain=defaults.min_gain)
-    return DraftPolicy(length_policy, sizer, costs, gated=gated)
+    return DraftPolicy(length_policy, sizer, costs, gated=gated, min_gain=defaults.min_gain)

@@ -6,16 +6,19 @@ expansion, a static tree in prior order) gives each node an estimate of its prob
 accepted, in descending order, and every prefix is a valid tree. The rows of a batch are verified
 in one forward over the union of their trees (``merge_trees``: identical paths share a
 position), so every row pays for the batch's width. Two choices, both by the one objective
-(``policy.objective``), with each source's estimates scaled by its own ``Calibration``:
+(``policy.objective``) as the length policy and the sources' gate price it, with each source's
+estimates scaled by its own ``Calibration``:
 
 1. per row, which alternative to take (a hybrid offers one per child):
-   argmax (1 + scale x sum p) / T(1, 1 + nodes);
+   argmax (1 + scale x sum p) / (T(1, 1 + nodes) + overhead);
 2. (``auto``) one cut w for the batch, each row keeping its first min(w, n_row) nodes:
-   argmax (B + scale x sum_rows sum_{i<min(w, n_row)} p_i) / (T(B, width(w) + 1) + spent),
-   ``spent`` being the drafting already paid this round (sunk: it counts the same for every w,
-   including w = 0, which drafts nothing). Within the paid width an extra node of a row is almost
-   free. A per-row choice against the one-row curve over-drafts a batch: over many rows, a
-   wider forward costs relatively more than it does for one row.
+   argmax (B + scale x sum_rows sum_{i<min(w, n_row)} p_i) / (T(B, width(w) + 1) + overhead + spent),
+   a draft beating no draft (w = 0) by ``min_gain``; ``overhead`` is the runtime's measured
+   seconds per round outside forwards and drafting (``Costs.overhead``), ``spent`` the drafting
+   already paid this round (sunk: it counts the same for every w, including w = 0, which drafts
+   nothing). Within the paid width an extra node of a row is almost free. A per-row choice
+   against the one-row curve over-drafts a batch: over many rows, a wider forward costs
+   relatively more than it does for one row.
 
 Whether to draft at all before paying the drafter is the draft-length policy's choice
 (``draft_length``), which prices the drafter's own seconds. T is the runtime's ``Costs`` (without
@@ -40,8 +43,12 @@ MAX_AUTO_NODES = 32  # candidates a drafter offers for an 'auto' cut (costs are 
 class TreeSizer:
     """Picks and cuts ranked candidates against the cost model; calibrates each source online."""
 
-    def __init__(self, costs: Any = None, decay: float = 0.9, prior: float = 2.0) -> None:
-        self.costs = costs
+    def __init__(self, costs: Any = None, decay: float = 0.9, prior: float = 2.0, min_gain: float = 1.0) -> None:
+        """``min_gain``: the factor a cut that keeps nodes must beat no draft by (``best_option``),
+        as ``AutoDraftLength``'s does."""
+        if not min_gain >= 1.0:  # nan fails too
+            raise ValueError(f"min_gain must be >= 1, got {min_gain}")
+        self.costs, self.min_gain = costs, min_gain
         self.decay, self.prior = decay, prior
         self.calib: dict[int, Calibration] = {}
         self.picked: dict[int, int] = {}  # rows that kept a non-empty draft from each source, in all
@@ -54,10 +61,18 @@ class TreeSizer:
         return c
 
     def seconds(self, rows: int, positions: float) -> float:
+        """One forward's seconds (without costs: its positions)."""
         return float(positions) if self.costs is None else self.costs(rows, positions)
 
+    @property
+    def overhead(self) -> float:
+        """Seconds per round outside forwards and drafting (``Costs.overhead``; a bare forward
+        cost model, or none, has none), counted in every option as ``AutoDraftLength`` counts it."""
+        return float(getattr(self.costs, "overhead", 0.0))
+
     def rate(self, expected: float, nodes: float, source: int, extra: float = 0.0) -> float:
-        """One row's tokens per second with this many nodes expected accepted (uncalibrated)."""
+        """One row's tokens per second with this many nodes expected accepted (uncalibrated),
+        ``extra`` seconds besides the forward (the round's overhead, which the caller adds)."""
         return (1.0 + self.calibration(source).scale * expected) / (self.seconds(1, 1 + nodes) + extra)
 
     # ---- the step ---------------------------------------------------------------------------------
@@ -90,24 +105,25 @@ class TreeSizer:
         """The slots of a shaped draft worth verifying for ``rows`` rows (the same for every row:
         its estimates are): the best-first prefix with the most expected tokens per second."""
         order, scale = shaped.order(), self.calibration(shaped.source).scale
-        options, gain = [(float(rows), self.seconds(rows, 1) + spent)], 0.0
+        fixed = self.overhead + spent
+        options, gain = [(float(rows), self.seconds(rows, 1) + fixed)], 0.0
         for w, j in enumerate(order, 1):
             if shaped.estimates[j] <= 0.0:
                 break
             gain += min(1.0, shaped.estimates[j] * scale)
-            options.append((rows * (1.0 + gain), self.seconds(rows, 1 + w) + spent))
-        return sorted(order[:best_option(options)])
+            options.append((rows * (1.0 + gain), self.seconds(rows, 1 + w) + fixed))
+        return sorted(order[:best_option(options, self.min_gain)])
 
     def _pick(self, alternatives: Sequence[RankedRow], offers: dict[int, tuple[Shaped, list[int]]]
               ) -> RankedRow | int:
         best: RankedRow | int = RankedRow((), (), ())
-        best_rate = float("-inf")
+        best_rate, overhead = float("-inf"), self.overhead
         for r in alternatives:
-            rate = self.rate(sum(r.estimates), r.size, r.source)
+            rate = self.rate(sum(r.estimates), r.size, r.source, overhead)
             if r.size and rate > best_rate:
                 best, best_rate = r, rate
         for source, (shaped, slots) in offers.items():
-            rate = self.rate(sum(shaped.estimates[j] for j in slots), len(slots), source)
+            rate = self.rate(sum(shaped.estimates[j] for j in slots), len(slots), source, overhead)
             if slots and rate > best_rate:
                 best, best_rate = source, rate
         return best
@@ -125,13 +141,14 @@ class TreeSizer:
                     break
                 g.append(g[-1] + min(1.0, p * scale))
             gains.append(g)
-        options = [(float(B), self.seconds(B, 1) + spent)]  # w = 0: no draft
+        fixed = self.overhead + spent
+        options = [(float(B), self.seconds(B, 1) + fixed)]  # w = 0: no draft
         union: set = set()
         for w in range(1, max(len(g) for g in gains)):
             union.update(r.paths[w - 1] for r, g in zip(rows, gains) if w < len(g))
             tokens = B + sum(g[min(w, len(g) - 1)] for g in gains)
-            options.append((tokens, self.seconds(B, len(union) + 1) + spent))
-        w = best_option(options)
+            options.append((tokens, self.seconds(B, len(union) + 1) + fixed))
+        w = best_option(options, self.min_gain)
         return [min(w, len(g) - 1) for g in gains]
 
     def observe(self, record: RoundRecord) -> None:
