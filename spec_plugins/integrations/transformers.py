@@ -26,8 +26,9 @@ form, ``custom_generate=CUSTOM_GENERATE`` with ``trust_remote_code=True``, recei
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -100,7 +101,7 @@ def speculative_generate(
         # transformers' processor list already holds its warpers (temperature, top-k, top-p, ...):
         # sample from the processed scores as they are (temperature 1), or take their argmax.
         sampling = SamplingConfig(temperature=1.0 if gc.do_sample else 0.0, seed=None)
-        pipeline = LogitsPipeline(sampling, _adapt_processors(logits_processor or [], rows, pads, pad_id))
+        pipeline = LogitsPipeline(sampling, _adapt_processors(logits_processor or [], input_ids))
         criteria = [*(stopping_criteria or []), *_stop_string_criteria(stop_strings, spec_tokenizer)]
         stop = _stop_fn(criteria, gc, pads, eos, input_ids.device)
 
@@ -112,18 +113,23 @@ def speculative_generate(
         if streamer is not None:
             streamer.put(input_ids.cpu())  # the prompt first, as generate() puts it
         errors: dict[int, str] = {}
-        for step in decode(target, wiring.proposer, verifier, pipeline, rows, max_new, eos, None, stats,
-                           wiring.policy(), processor_prefix=pads, stop=stop, traits=wiring.traits):
-            for i, toks in step.emitted.items():
-                out[i].extend(toks)
-            for i in step.finished:
-                done[i] = True
-            errors |= step.errors
-            if errors:
-                break  # plain generate() raises where a row's processing fails: so does this
-            if streamer is not None:
-                sent = _stream(streamer, out, done, sent, pad_id)
-        target.select_rows([])  # the kept runtime holds no KV between calls
+        try:
+            for step in decode(target, wiring.proposer, verifier, pipeline, rows, max_new, eos, None, stats,
+                               wiring.policy(), processor_prefix=pads, stop=stop, traits=wiring.traits):
+                for i, toks in step.emitted.items():
+                    out[i].extend(toks)
+                for i in step.finished:
+                    done[i] = True
+                errors |= step.errors
+                if errors:
+                    break  # plain generate() raises where a row's processing fails: so does this
+                if streamer is not None:
+                    sent = _stream(streamer, out, done, sent, pad_id)
+        finally:  # the kept runtime (and proposer) hold no rows or KV between calls, also after a
+            # streamer, stopping criterion or Ctrl-C raised mid-decode
+            target.select_rows([])
+            if wiring.traits.row_aware:
+                wiring.proposer.select_rows([])
         if errors:
             i, why = next(iter(sorted(errors.items())))
             raise RuntimeError(f"speculative_generate: row {i} failed: {why}")
@@ -229,23 +235,93 @@ def _spec_config(spec: SpecConfig | dict | str | Path | None) -> SpecConfig:
     raise TypeError(f"spec_config must be a path, a dict or a SpecConfig, got {type(spec).__name__}")
 
 
-class _PadBlindRepetitionPenalty:
-    """transformers' own repetition penalty for a padded batch ignores each row's left pads via a
-    per-row tensor (``prompt_ignore_length``), which breaks once rows are regrouped. Same effect,
-    row-free: ignore the leading run of pad tokens (exact when no prompt starts with the pad id)."""
+class _PromptRepetitionPenalty:
+    """transformers' repetition penalty for a padded batch skips row b's first
+    ``prompt_ignore_length[b]`` tokens (its left pads) by batch index, which breaks once rows are
+    regrouped per drafted node. Same effect, row-free: a row's prefix starts with its padded prompt
+    (the first L columns), which gives the row's count whatever token fills its pads. Prompts are
+    looked up by a hash of those columns, then compared exactly; a prefix that is no prompt (a draft
+    model's pad-free one) skips nothing, which changes acceptance only."""
 
-    def __init__(self, penalty: float, pad_id: int) -> None:
-        self.penalty, self.pad_id = penalty, pad_id
+    def __init__(self, penalty: float, prompts: torch.Tensor, ignore: torch.Tensor) -> None:
+        # distinct padded prompts [U, L] and their counts [U], on the prompts' device
+        self.penalty, self.prompts, self.ignore = penalty, prompts, ignore.to(prompts.device)
+        gen = torch.Generator().manual_seed(0)  # not torch's global RNG, which sampling draws from
+        while True:  # weights under which the distinct prompts hash apart, so one lookup finds each
+            self.weights = torch.randint(1, 2**31, (prompts.shape[1],), generator=gen).to(prompts.device)
+            self.keys = self._hash(prompts)
+            if len(set(self.keys.tolist())) == len(prompts):
+                break
+
+    def _hash(self, ids: torch.Tensor) -> torch.Tensor:
+        return (ids * self.weights.to(ids.device)).sum(1)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         from transformers import RepetitionPenaltyLogitsProcessor
 
-        lead = (input_ids == self.pad_id).long().cumprod(1).sum(1)
+        dev = input_ids.device
+        prompts, ignore, keys = self.prompts.to(dev), self.ignore.to(dev), self.keys.to(dev)
+        head = input_ids[:, :prompts.shape[1]]
+        lead = torch.zeros(input_ids.shape[0], dtype=torch.long, device=dev)
+        if head.shape[1] == prompts.shape[1]:
+            hit = self._hash(head)[:, None] == keys[None]  # [R, U]
+            at = hit.long().argmax(1)
+            lead = torch.where(hit.any(1) & (head == prompts[at]).all(1), ignore[at], lead)
         return RepetitionPenaltyLogitsProcessor(self.penalty, prompt_ignore_length=lead)(input_ids, scores)
 
 
-def _adapt_processors(procs: Sequence[Any], rows: list[list[int]], pads: list[list[int]],
-                      pad_id: int | None) -> list[Any]:
+def _repetition_penalty(p: Any, input_ids: torch.Tensor) -> Any:
+    """transformers' per-row ``prompt_ignore_length`` (generate()'s: the left pads) made row-free."""
+    from transformers.generation import logits_process as lp
+
+    counts = p.prompt_ignore_length.tolist()
+    if len(counts) != input_ids.shape[0]:
+        raise ValueError(f"RepetitionPenaltyLogitsProcessor: prompt_ignore_length has {len(counts)} entries for a "
+                         f"batch of {input_ids.shape[0]} rows")
+    if not any(counts):
+        return lp.RepetitionPenaltyLogitsProcessor(p.penalty)
+    first: dict[tuple[int, ...], int] = {}
+    for b, row in enumerate(map(tuple, input_ids.tolist())):
+        c = first.setdefault(row, b)
+        if counts[c] != counts[b]:
+            raise ValueError(f"repetition_penalty: rows {c} and {b} have identical input_ids but skip {counts[c]} "
+                             f"and {counts[b]} leading tokens (their attention masks differ); rows regrouped per "
+                             "drafted node are told apart by their prompt only, so this batch is not supported")
+    rows = list(first.values())
+    return _PromptRepetitionPenalty(p.penalty, input_ids[rows], torch.tensor([counts[b] for b in rows]))
+
+
+class _PromptScoped:
+    """transformers builds its ``encoder_*`` processors from the whole prompt batch (also for
+    decoder-only models) and indexes them by batch row, which breaks once rows are regrouped per
+    drafted node. Same effect, row-free: rebuilt per call from each prefix's first L columns, its
+    row's padded prompt, which is what plain ``generate()`` builds them from. A draft model's
+    pad-free prefix gives other columns there: that changes acceptance only."""
+
+    def __init__(self, build: Callable[[torch.Tensor], Any], prompt_len: int) -> None:
+        self.build, self.prompt_len = build, prompt_len
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return self.build(input_ids[:, :self.prompt_len])(input_ids, scores)
+
+
+def _encoder_processor(p: Any, prompt_len: int) -> _PromptScoped:
+    """An ``encoder_*`` processor rebuilt from each row's prompt; the penalty is copied as stored
+    (the constructor keeps 1/penalty, which a round trip could round)."""
+    from transformers.generation import logits_process as lp
+
+    if isinstance(p, lp.EncoderNoRepeatNGramLogitsProcessor):
+        return _PromptScoped(lambda enc: lp.EncoderNoRepeatNGramLogitsProcessor(p.ngram_size, enc), prompt_len)
+
+    def with_prompt(enc: torch.Tensor) -> Any:
+        q = copy.copy(p)
+        q.encoder_input_ids = enc
+        return q
+
+    return _PromptScoped(with_prompt, prompt_len)
+
+
+def _adapt_processors(procs: Sequence[Any], input_ids: torch.Tensor) -> list[Any]:
     """Make transformers' processor list row-free; refuse processors that depend on batch layout."""
     from transformers.generation import logits_process as lp
 
@@ -262,21 +338,9 @@ def _adapt_processors(procs: Sequence[Any], rows: list[list[int]], pads: list[li
         if name in refused:
             raise ValueError(f"logits processor {name} is not supported by speculative_generate: {refused[name]}")
         if isinstance(p, lp.RepetitionPenaltyLogitsProcessor) and isinstance(p.prompt_ignore_length, torch.Tensor):
-            if p.prompt_ignore_length.tolist() != [len(x) for x in pads]:
-                raise ValueError("RepetitionPenaltyLogitsProcessor with a per-row prompt_ignore_length other than "
-                                 "the left padding is not supported (rows are regrouped per drafted node)")
-            seen = {t for x in pads for t in x}
-            pid = pad_id if pad_id is not None or len(seen) != 1 else next(iter(seen))  # else the pads' one value
-            if any(pads) and pid is None:
-                raise ValueError("repetition_penalty with left padding by several token values needs a pad_token_id "
-                                 "(the pads, which it must not penalise, are found by it)")
-            if any(pads):
-                if any(x != [pid] * len(x) or (r and r[0] == pid) for x, r in zip(pads, rows)):
-                    raise ValueError("repetition_penalty with left padding needs pad tokens equal to pad_token_id "
-                                     "and prompts that do not start with pad_token_id")
-                p = _PadBlindRepetitionPenalty(p.penalty, pid)
-            else:
-                p = lp.RepetitionPenaltyLogitsProcessor(p.penalty)
+            p = _repetition_penalty(p, input_ids)
+        elif isinstance(p, (lp.EncoderRepetitionPenaltyLogitsProcessor, lp.EncoderNoRepeatNGramLogitsProcessor)):
+            p = _encoder_processor(p, input_ids.shape[1])
         out.append(p)
     return out
 

@@ -1,0 +1,90 @@
+"""``speculative_generate`` against plain ``model.generate()`` where a batch's layout used to leak
+into row-free processing (transformers' ``encoder_*`` processors, the pad-aware repetition penalty
+with pads of any value) and where a call that raised mid-decode left its rows on the model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import full_logits
+from test_transformers_integration import PAD, PROMPTS, both, left_padded
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+from conftest import tiny_llama
+from spec_plugins.integrations.transformers import speculative_generate
+from spec_plugins.proposers.ngram import NgramProposer
+
+NGRAM = {"spec_config": {"proposer": {"type": "ngram", "num_draft_tokens": 4, "max_ngram": 2}}}
+
+
+@pytest.mark.parametrize("option", [{"encoder_repetition_penalty": 0.3}, {"encoder_no_repeat_ngram_size": 2}])
+@pytest.mark.parametrize("draft", ["ngram", "draft_model"])
+def test_encoder_processors_in_a_left_padded_batch_equal_plain_generate(option, draft):
+    """transformers builds these from the padded prompt batch, indexed by row, also for
+    decoder-only models: a batch > 1 failed with a tensor size error (or ZeroDivisionError)."""
+    model = tiny_llama(seed=3)
+    inputs = left_padded([*PROMPTS[:3], [11, 12, 13, 11, 8, 14]])  # row 3 ends in a pair the model repeats
+    spec_kw = NGRAM if draft == "ngram" else {"draft_model": tiny_llama(seed=4)}
+    kw = dict(max_new_tokens=16, do_sample=False, pad_token_id=PAD)
+    plain, spec = both(model, inputs, spec_kw, **kw, **option)
+    assert torch.equal(spec, plain)
+    assert not torch.equal(plain, model.generate(**inputs, **kw))  # the option changes the output
+
+
+@pytest.mark.parametrize("pad_token_id", [None, 5])
+def test_repetition_penalty_skips_pads_of_any_token_like_plain_generate(pad_token_id):
+    """The pads are the attention mask's zeros, whatever token fills them: pads other than
+    pad_token_id (or than EOS, which transformers puts there when none is given) were refused,
+    and so was a prompt starting with the pads' token."""
+    model = tiny_llama(seed=3)
+    prompts = [*PROMPTS, [9, 3, 9]]
+    pad = int(full_logits(model, prompts[1]).argmax())  # a token the short row wants: penalising pads bites
+    prompts[-1][0] = pad  # a prompt that starts with the pads' token
+    inputs = left_padded(prompts, pad)
+    kw = dict(max_new_tokens=12, do_sample=False, eos_token_id=31, pad_token_id=pad_token_id)
+    plain, spec = both(model, inputs, NGRAM, repetition_penalty=3.0, **kw)
+    assert torch.equal(spec, plain)
+    # meaningful only because penalising the pads would change plain generate()'s output
+    from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+    blind = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(3.0)])
+    assert not torch.equal(plain, model.generate(**inputs, **kw, logits_processor=blind))
+
+
+def test_repetition_penalty_refuses_identical_prompts_with_different_pads():
+    """Rows regrouped per drafted node are told apart by their padded prompt: two equal ones
+    that skip different numbers of tokens cannot be, and are refused by name."""
+    model = tiny_llama(seed=3)
+    inputs = {"input_ids": torch.tensor([[PAD, 5, 6], [PAD, 5, 6]]), "attention_mask": torch.tensor([[1, 1, 1],
+                                                                                                      [0, 1, 1]])}
+    with pytest.raises(ValueError, match="rows 0 and 1 have identical input_ids but skip 0 and 1 leading tokens"):
+        model.generate(**inputs, max_new_tokens=4, pad_token_id=PAD, repetition_penalty=1.3,
+                       custom_generate=speculative_generate)
+
+
+class RaiseAt(StoppingCriteria):
+    """Raises once it has been asked ``n`` times (a user criterion that fails mid-decode)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.n -= 1
+        if self.n == 0:
+            raise OSError("client went away")
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+def test_a_call_that_raises_mid_decode_leaves_no_rows_on_the_model():
+    """The kept runtime holds no KV between calls: the release ran on the normal path only, so a
+    raising criterion (streamer, Ctrl-C) left the failed call's cache on the model."""
+    model = tiny_llama(seed=3)
+    inputs = left_padded(PROMPTS)
+    proposer = NgramProposer(NgramProposer.Config())
+    kw = dict(max_new_tokens=24, pad_token_id=PAD, custom_generate=speculative_generate, proposer=proposer)
+    with pytest.raises(OSError, match="client went away"):
+        model.generate(**inputs, **kw, stopping_criteria=StoppingCriteriaList([RaiseAt(20)]))
+    runtime = model.__dict__["_spec_plugins"].runtime
+    assert runtime.lengths() == [] and sum(t.numel() for t in runtime.kv) == 0
+    assert proposer.num_rows() == 0
+    assert torch.equal(model.generate(**inputs, **kw), model.generate(**inputs, max_new_tokens=24, pad_token_id=PAD))
