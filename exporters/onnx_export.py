@@ -214,9 +214,11 @@ def export_config(config: Any, out: str | Path, opset: int = OPSET, log: Log = _
         draft = (dmodel, dm.model)
     elif prop is not None and prop.type in ("medusa", "eagle", "parallel"):
         from spec_plugins.heads import MedusaHeads, drafter_class
+        from spec_plugins.proposers.medusa import resolve_head_dir
 
-        cls = MedusaHeads if prop.type == "medusa" else drafter_class(prop.heads)
-        heads.append((prop.type, cls.from_pretrained(prop.heads, model), str(prop.heads)))
+        where = str(resolve_head_dir(prop.heads))  # as the proposers find it: shipped examples from any directory
+        cls = MedusaHeads if prop.type == "medusa" else drafter_class(where)
+        heads.append((prop.type, cls.from_pretrained(where, model), where))
     layers = parse_feature_layers(feature_layers, int(model.config.get_text_config(decoder=True).num_hidden_layers))
     drafter_layers = tuple(getattr(heads[0][1].config, "feature_layers", ())) if heads else ()
     if feature_layers == "auto" and drafter_layers:

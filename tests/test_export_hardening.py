@@ -268,3 +268,32 @@ def test_a_graph_holds_the_context_its_positions_are_exact_for(with_eagle):
         OnnxRuntime(session, entry, max_context=300)
     assert OnnxRuntime(session, entry, max_context=100).max_context == 100
     assert OnnxRuntime(session, entry).max_context == 256
+
+
+# ---- export onnx finds the heads where decoding does ---------------------------------------------
+def test_export_finds_a_shipped_head_from_any_directory_as_the_proposers_do(tmp_path, monkeypatch):
+    """docs/proposers.md's `heads: examples/heads/...` decodes from any directory (the proposers
+    also look relative to the repository root); `export onnx` looked only in the current one."""
+    import spec_plugins.backends.torch_runtime as runtime
+    import spec_plugins.exporters.onnx_export as onnx_export
+    from spec_plugins.config import SpecConfig
+    from spec_plugins.heads import ParallelDrafter
+    from spec_plugins.proposers.medusa import resolve_head_dir
+
+    shipped = "examples/heads/smollm2-135m-instruct/parallel"
+    target = tiny_llama(vocab=49152, hidden=576, layers=1, max_pos=64)  # the shipped head's widths, one layer
+    monkeypatch.setattr(runtime, "load_hf", lambda *a, **k: (target, None))
+    exported: list = []
+    monkeypatch.setattr(onnx_export, "export_models", lambda *args: exported.append(args[6]))
+    monkeypatch.chdir(tmp_path)
+
+    def config(heads: str) -> SpecConfig:
+        return SpecConfig.parse({"target": {"backend": "onnxruntime", "model": "smollm2-135m-instruct"},
+                                 "proposer": {"type": "parallel", "heads": heads}})
+
+    onnx_export.export_config(config(shipped), tmp_path / "out")
+    (kind, head, where), = exported[0]
+    assert kind == "parallel" and isinstance(head, ParallelDrafter)
+    assert Path(where) == resolve_head_dir(shipped) and Path(where).is_absolute()
+    with pytest.raises(FileNotFoundError, match=r"train \{medusa,eagle,parallel\}"):
+        onnx_export.export_config(config("no/such/heads"), tmp_path / "out2")

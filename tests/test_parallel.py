@@ -191,6 +191,32 @@ def test_an_eagle_head_is_refused_as_a_parallel_one_and_back(tmp_path):
         ParallelConfig(32, block_size=1)
 
 
+def _edited(tmp_path, model, **fields):
+    """A saved drafter whose config.json then says ``fields`` (its weights as they were)."""
+    import json
+
+    d = drafter(model)
+    save_head(d, d.config.to_dict(), tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **fields}))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("fields,named", [
+    ({"block_size": 8}, r"size mismatch for block_inputs: .*torch\.Size\(\[3, 32\]\).*torch\.Size\(\[7, 32\]\)"),
+    ({"block_layers": 1}, r'Missing key\(s\) in state_dict: "refiner\.layers\.0\.in_norm\.weight"'),
+    ({"mask_token": 32}, r"mask_token 32 is outside this target's vocabulary of 32 tokens"),
+    ({"mask_token": -1}, r"mask_token must be a token id \(>= 0\), got -1"),
+])
+def test_a_head_its_config_does_not_fit_is_refused_with_the_reason(tmp_path, fields, named):
+    """A config.json that disagrees with the weights is refused naming the tensor and both shapes
+    (or the missing keys), not only torch's heading line; a mask token the target cannot embed is
+    refused when loading, not by an IndexError on the first draft."""
+    model = tiny_llama(seed=3)
+    with pytest.raises(ValueError, match="does not hold a parallel head for this model.*" + named):
+        ParallelProposer(ParallelProposer.Config(heads=_edited(tmp_path, model, **fields)), target=TorchRuntime(model))
+
+
 def test_the_marginal_tree_scores_paths_by_the_product_of_marginals():
     """Every candidate's score is the sum of its path's per-depth log-marginals, its token is its
     depth's, and the best-first prefix is a tree (a child never outscores its parent)."""

@@ -117,3 +117,48 @@ def test_cli_checks_its_options_before_loading(tmp_path):
     res = r.invoke(app, ["train", "self-distill", "--out", str(tmp_path / "s"), "--temperatures", "-1"])
     assert res.exit_code == 2 and "temperatures must be >= 0" in res.output
     assert not (tmp_path / "s" / "meta.json").exists()
+
+
+def _first_turn(row):
+    """A regenerated row cut after its first answer (the first run of marked tokens)."""
+    ids, marks = row
+    end = marks.index(True)
+    while end < len(marks) and marks[end]:
+        end += 1
+    return ids[:end], marks[:end]
+
+
+def test_a_deadline_keeps_every_answer_made_and_starts_no_more():
+    """``due`` is asked before each chunk and turn: when it says True the rows answered so far
+    come back whole (the same as an unhurried run's, cut after those turns), and no call follows."""
+    model = tiny_llama(seed=7, sharpness=3.0)
+    dec = SpeculativeDecoder(TorchRuntime(model))
+    convs = [([1, 2, 3 + i, 9, 9, 4, 6, 9, 9], [F, F, F, T, T, F, F, T, T]) for i in range(4)]
+    ways = variants([0.0, 1.0], 1)
+    full = list(regenerate(dec, convs, ways, max_new_tokens=6, max_seq=64, rows=4))  # chunks of 2 conversations
+    asked = []
+
+    def due():  # the chunk's first turn starts, then the deadline passes before its second
+        asked.append(True)
+        return len(asked) >= 2
+
+    widths = _call_widths(dec)
+    got = list(regenerate(dec, convs, ways, max_new_tokens=6, max_seq=64, rows=4, due=due))
+    assert widths == [4]  # the first chunk's first turn only
+    assert got == [_first_turn(r) for r in full[:4]]
+    assert all(len(turns(ids, marks)) == 1 for ids, marks in got)
+    widths = _call_widths(dec)
+    assert list(regenerate(dec, convs, ways, max_new_tokens=6, max_seq=64, rows=4, due=lambda: True)) == []
+    assert widths == []
+
+
+def test_a_turn_is_answered_while_its_prompt_is_shorter_than_max_seq_the_answer_cut_to_fit():
+    """What docs/training.md says of `train self-distill`: no prompt budget of max_seq minus the
+    answer length (that is `train features --responses self`); a long prompt gets the room left."""
+    model = tiny_llama(seed=7, sharpness=3.0)
+    dec = SpeculativeDecoder(TorchRuntime(model))
+    ctx = [(i * 7) % 30 + 1 for i in range(60)]
+    (ids, marks), = regenerate(dec, [(ctx + [9, 9, 9], [F] * 60 + [T] * 3)], variants([0.0], 1),
+                               max_new_tokens=24, max_seq=64, rows=4)
+    assert ids[:60] == ctx and marks == [F] * 60 + [T] * 4 and len(ids) == 64
+    assert ids[60:] == plain_greedy(model, ctx, 4, ())

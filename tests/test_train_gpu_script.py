@@ -197,3 +197,54 @@ def test_the_device_step_self_distills_then_trains_the_parallel_drafter(smoke, t
     EagleDrafter.from_pretrained(str(tmp_path / "out" / "eagle"), model)
     assert par.config.block_size == 4 and len(rep["heads"]["parallel"]["heldout"]["top1_by_step"]) == 4
     assert rep["heads"]["parallel"]["steps"] == 6 and rep["heads"]["eagle"]["steps"] == 6
+
+
+def tiny_bundle(d: Path) -> Path:
+    """An unpacked bundle as the device step reads it: a transformers target and token shards
+    of conversations with two answered turns each (no tokenizer, no ShareGPT)."""
+    tiny_llama(seed=7, sharpness=3.0).save_pretrained(str(d / "model"))
+    F, T = False, True
+    convs = [([1, 2, 3 + i % 5, 9, 9, 9, 4, 6, 9, 9] * 3, [F, F, F, T, T, T, F, F, T, T] * 3) for i in range(12)]
+    for split in ("train", "heldout"):
+        write_token_shards(convs, d / "tokens" / split, {"target": "tiny"}, 32, 10_000)
+    model = {"name": "tiny", "format": "transformers", "path": "model"}
+    (d / "manifest.json").write_text(json.dumps({"model": model, "tokens": {}}))
+    return d
+
+
+def test_distill_keeps_the_answers_made_and_says_whether_the_deadline_cut_it(tmp_path):
+    from spec_plugins.backends.torch_runtime import TorchRuntime
+    from spec_plugins.decoder import SpeculativeDecoder
+    from spec_plugins.training.device_run import RunOptions, distill
+    from spec_plugins.training.self_distill import regenerate, variants
+
+    bundle = tiny_bundle(tmp_path / "b")
+    model = tiny_llama(seed=7, sharpness=3.0)
+    prompts = TokenStore(bundle / "tokens" / "train")
+    opts = RunOptions(temperatures=(0.0, 1.0), gen_rows=8, gen_max_new=8, gen_max_seq=64)
+    done = distill(model, prompts, tmp_path / "all", opts, float("inf"), torch.device("cpu"))
+    want = list(regenerate(SpeculativeDecoder(TorchRuntime(model)), prompts.conversations(0), variants((0.0, 1.0), 1),
+                           8, 64, 8))
+    assert done["exhausted"] and done["conversations"] == len(want) == 24
+    assert TokenStore(tmp_path / "all").conversations(0) == want
+    none = distill(model, prompts, tmp_path / "none", opts, 0.0, torch.device("cpu"))  # due before the first chunk
+    assert none["conversations"] == 0 and not none["exhausted"]
+    assert json.loads((tmp_path / "none" / "meta.json").read_text())["exhausted"] is False
+
+
+def test_a_self_distillation_deadline_before_any_answer_trains_on_the_bundles_answers_and_says_so(tmp_path, capsys):
+    from spec_plugins.training.device_run import RunOptions, run
+
+    bundle = tiny_bundle(tmp_path / "b")
+    opts = RunOptions(device="cpu", dtype="float32", batch_size=2, window=32, draft_vocab=32, max_steps=2,
+                      prefill_tokens=512, reserve_s=0.0, medusa=False, distill_s=1e-9,  # due before any answer
+                      temperatures=(0.0,), gen_rows=8, gen_max_new=8, gen_max_seq=64)
+    rep = run(bundle, tmp_path / "out", tmp_path / "work", opts)
+    sd = rep["self_distill"]
+    assert sd["conversations"] == 0 and not sd["exhausted"]
+    assert "deadline" in sd["fallback"] and "bundle's written answers" in sd["fallback"]
+    assert sd["fallback"] in capsys.readouterr().err
+    assert json.loads((tmp_path / "out" / "run.json").read_text())["self_distill"] == sd
+    head = json.loads((tmp_path / "out" / "eagle" / "train_report.json").read_text())
+    assert rep["heads"]["eagle"]["steps"] == 2 and head["finished"]
+    assert "responses" not in head["features"]  # the bundle's shards' meta, not the self-distilled ones' ("self")

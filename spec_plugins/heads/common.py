@@ -104,7 +104,7 @@ def load_head(directory: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     files = HeadFiles(Path(directory))
     if not files.exists():
         raise FileNotFoundError(f"no trained head in {files.directory} (need head.safetensors and config.json); "
-                                "train one with `spec-plugins train {medusa,eagle} --target MODEL --out DIR`")
+                                "train one with `spec-plugins train {medusa,eagle,parallel} --features DIR --out DIR`")
     try:
         cfg = json.loads(files.config.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -134,9 +134,12 @@ def check_target_fit(hidden_size: int, vocab_ids: torch.Tensor, lm_weight: torch
 
 def build_head(kind: str, directory: str | Path, build: Any) -> Any:
     """``build()`` a head from a saved directory; a head of the other kind (or of another model)
-    fails with one line naming the directory instead of a deep KeyError / size mismatch."""
+    fails with one line naming the directory instead of a deep KeyError / size mismatch. The
+    error's lines are joined, not cut to the first: torch's load_state_dict names the tensor and
+    both shapes (or the missing keys) only after its heading line."""
     try:
         return build()
     except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as exc:
+        why = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
         raise ValueError(f"{directory} does not hold a {kind} head for this model "
-                         f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
+                         f"({type(exc).__name__}: {why if len(why) <= 500 else why[:497] + '...'})") from None

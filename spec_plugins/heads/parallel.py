@@ -55,6 +55,8 @@ class ParallelConfig(EagleConfig):
             raise ValueError(f"block_layers must be 0..16, got {self.block_layers}")
         if self.block_context and not self.block_layers:
             raise ValueError("block_context needs block layers (block_layers >= 1): they attend to the context")
+        if self.mask_token < 0:
+            raise ValueError(f"mask_token must be a token id (>= 0), got {self.mask_token}")
 
     @property
     def cache_heads(self) -> int:
@@ -117,6 +119,9 @@ class ParallelDrafter(EagleDrafter):
 
     def __init__(self, config: ParallelConfig, lm_weight: torch.Tensor, embed_weight: torch.Tensor,
                  vocab_ids: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+        if config.mask_token >= embed_weight.shape[0]:  # block queries embed it on every draft
+            raise ValueError(f"mask_token {config.mask_token} is outside this target's vocabulary of "
+                             f"{embed_weight.shape[0]} tokens")
         super().__init__(config, lm_weight, embed_weight, vocab_ids, dtype)
         H = config.hidden_size
         w = torch.randn(config.block_size - 1, H, device=self.fuse.weight.device) * H ** -0.5

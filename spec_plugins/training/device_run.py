@@ -16,6 +16,7 @@ import json
 import math
 import shutil
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -166,10 +167,15 @@ def run(bundle: str | Path, out: str | Path, work: str | Path, opts: RunOptions)
     tokens = TokenStore(bundle / "tokens" / "train")
     if opts.distill_s > 0:  # the target's own answers first, then features over them
         t0 = time.time()
-        tokens = distill(model, tokens, work / "self-tokens", opts, min(opts.until, t0 + opts.distill_s), dev)
-        report["self_distill"] = {k: tokens.state[k] for k in ("tokens", "trained_tokens", "conversations")}
+        made = distill(model, tokens, work / "self-tokens", opts, min(opts.until, t0 + opts.distill_s), dev)
+        report["self_distill"] = {k: made[k] for k in ("tokens", "trained_tokens", "conversations", "exhausted")}
         report["self_distill"] |= {"seconds": round(time.time() - t0, 1), "seconds_per_million_tokens":
-                                   round((time.time() - t0) / max(1, tokens.state["tokens"]) * 1e6, 1)}
+                                   round((time.time() - t0) / max(1, made["tokens"]) * 1e6, 1)}
+        if made["conversations"]:
+            tokens = TokenStore(work / "self-tokens")
+        else:  # no answer came back: the written ones, recorded and said on stderr
+            report["self_distill"]["fallback"] = _fallback(made)
+            print(f"self-distillation: {report['self_distill']['fallback']}", file=sys.stderr, flush=True)
         write()
     train = LiveFeatures(tokens, model, layers, name, opts.prefill_tokens)
     held = LiveFeatures(TokenStore(bundle / "tokens" / "heldout"), model, layers, name, opts.prefill_tokens)
@@ -222,31 +228,44 @@ def run(bundle: str | Path, out: str | Path, work: str | Path, opts: RunOptions)
     return report
 
 
-def distill(model: Any, prompts: Any, out: Path, opts: RunOptions, deadline: float, dev: torch.device) -> Any:
+def distill(model: Any, prompts: Any, out: Path, opts: RunOptions, deadline: float,
+            dev: torch.device) -> dict[str, Any]:
     """The target's own answers to every turn of the bundle's conversations (``self_distill``),
-    on the static cache (CUDA graphs on a GPU), until ``deadline``; returns their token shards."""
+    on the static cache (CUDA graphs on a GPU), until ``deadline``: every answer made by then is
+    kept (``exhausted`` false when the deadline left work). Returns the token shards' state
+    (``out/meta.json``); ``conversations`` 0 when the deadline came before the first answers."""
     from spec_plugins.backends.torch_runtime import TorchRuntime
     from spec_plugins.backends.torch_static import StaticTorchRuntime
     from spec_plugins.decoder import SpeculativeDecoder
     from spec_plugins.training.self_distill import regenerate, variants
-    from spec_plugins.training.tokens import TokenStore, write_token_shards
+    from spec_plugins.training.tokens import write_meta, write_token_shards
 
     cuda = dev.type == "cuda"
     runtime = StaticTorchRuntime(model, graphs=True) if cuda else TorchRuntime(model)
     ways = variants(opts.temperatures, opts.samples)
     convs = (c for i in range(len(prompts.shards)) for c in prompts.conversations(i))
+    stopped = False
 
-    def until_deadline(rows: Any) -> Any:
-        for row in rows:
-            if time.time() >= deadline:
-                return
-            yield row
+    def due() -> bool:  # regenerate asks only while work is left: True here means the deadline cut it
+        nonlocal stopped
+        stopped = stopped or time.time() >= deadline
+        return stopped
 
     meta = {**prompts.state.get("meta", {}), "responses": "self", "variants": [asdict(w) for w in ways],
             "max_new_tokens": opts.gen_max_new, "rows": opts.gen_rows}
-    rows = regenerate(SpeculativeDecoder(runtime), convs, ways, opts.gen_max_new, opts.gen_max_seq, opts.gen_rows)
-    write_token_shards(until_deadline(rows), out, meta, prompts.state["vocab"], 1 << 40, 1_000_000)
-    return TokenStore(out)
+    rows = regenerate(SpeculativeDecoder(runtime), convs, ways, opts.gen_max_new, opts.gen_max_seq, opts.gen_rows, due)
+    state = write_token_shards(rows, out, meta, prompts.state["vocab"], 1 << 40, 1_000_000)
+    if stopped:
+        state["exhausted"] = False
+        write_meta(out, state)
+    return state
+
+
+def _fallback(state: dict[str, Any]) -> str:
+    """Why the run trains on the bundle's written answers although self-distillation was asked for."""
+    why = "no conversation had a turn to answer" if state["exhausted"] else \
+        "the deadline (--distill-s) came before the first answers"
+    return f"{why}; training on the bundle's written answers instead"
 
 
 def _stamp(path: Path, device: dict[str, Any]) -> None:
