@@ -13,7 +13,7 @@ i.e. ``input_ids[b]`` with its left pads + the tokens before the scored one (the
 suppress-at-begin) therefore count as transformers does. Processors must be functions of
 (row prefix, scores): they are called per drafted node, rows grouped by prefix length, so one
 that reads a batch index or keeps state between calls is refused or mis-applied (see
-``_adapt_processors``). Draft models see processors over their pad-free prefix; that only
+``integrations.hf_processors``). Draft models see processors over their pad-free prefix; that only
 changes acceptance, never the output law, because the verifier uses the target's scores.
 
 transformers 5.x does not pass ``streamer`` or ``assistant_model`` to a callable
@@ -26,14 +26,14 @@ form, ``custom_generate=CUSTOM_GENERATE`` with ``trust_remote_code=True``, recei
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from spec_plugins.backends import hf_compat
 from spec_plugins.config import SamplingConfig, SpecConfig, default_config
+from spec_plugins.integrations.hf_processors import adapt_processors
 from spec_plugins.integrations.plugin_state import Setup, model_lock
 from spec_plugins.loop import decode
 from spec_plugins.proposers.base import Proposer
@@ -101,7 +101,7 @@ def speculative_generate(
         # transformers' processor list already holds its warpers (temperature, top-k, top-p, ...):
         # sample from the processed scores as they are (temperature 1), or take their argmax.
         sampling = SamplingConfig(temperature=1.0 if gc.do_sample else 0.0, seed=None)
-        pipeline = LogitsPipeline(sampling, _adapt_processors(logits_processor or [], input_ids))
+        pipeline = LogitsPipeline(sampling, adapt_processors(logits_processor or [], input_ids))
         criteria = [*(stopping_criteria or []), *_stop_string_criteria(stop_strings, spec_tokenizer)]
         stop = _stop_fn(criteria, gc, pads, eos, input_ids.device)
 
@@ -233,116 +233,6 @@ def _spec_config(spec: SpecConfig | dict | str | Path | None) -> SpecConfig:
     if isinstance(spec, SpecConfig):
         return spec
     raise TypeError(f"spec_config must be a path, a dict or a SpecConfig, got {type(spec).__name__}")
-
-
-class _PromptRepetitionPenalty:
-    """transformers' repetition penalty for a padded batch skips row b's first
-    ``prompt_ignore_length[b]`` tokens (its left pads) by batch index, which breaks once rows are
-    regrouped per drafted node. Same effect, row-free: a row's prefix starts with its padded prompt
-    (the first L columns), which gives the row's count whatever token fills its pads. Prompts are
-    looked up by a hash of those columns, then compared exactly; a prefix that is no prompt (a draft
-    model's pad-free one) skips nothing, which changes acceptance only."""
-
-    def __init__(self, penalty: float, prompts: torch.Tensor, ignore: torch.Tensor) -> None:
-        # distinct padded prompts [U, L] and their counts [U], on the prompts' device
-        self.penalty, self.prompts, self.ignore = penalty, prompts, ignore.to(prompts.device)
-        gen = torch.Generator().manual_seed(0)  # not torch's global RNG, which sampling draws from
-        while True:  # weights under which the distinct prompts hash apart, so one lookup finds each
-            self.weights = torch.randint(1, 2**31, (prompts.shape[1],), generator=gen).to(prompts.device)
-            self.keys = self._hash(prompts)
-            if len(set(self.keys.tolist())) == len(prompts):
-                break
-
-    def _hash(self, ids: torch.Tensor) -> torch.Tensor:
-        return (ids * self.weights.to(ids.device)).sum(1)
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        from transformers import RepetitionPenaltyLogitsProcessor
-
-        dev = input_ids.device
-        prompts, ignore, keys = self.prompts.to(dev), self.ignore.to(dev), self.keys.to(dev)
-        head = input_ids[:, :prompts.shape[1]]
-        lead = torch.zeros(input_ids.shape[0], dtype=torch.long, device=dev)
-        if head.shape[1] == prompts.shape[1]:
-            hit = self._hash(head)[:, None] == keys[None]  # [R, U]
-            at = hit.long().argmax(1)
-            lead = torch.where(hit.any(1) & (head == prompts[at]).all(1), ignore[at], lead)
-        return RepetitionPenaltyLogitsProcessor(self.penalty, prompt_ignore_length=lead)(input_ids, scores)
-
-
-def _repetition_penalty(p: Any, input_ids: torch.Tensor) -> Any:
-    """transformers' per-row ``prompt_ignore_length`` (generate()'s: the left pads) made row-free."""
-    from transformers.generation import logits_process as lp
-
-    counts = p.prompt_ignore_length.tolist()
-    if len(counts) != input_ids.shape[0]:
-        raise ValueError(f"RepetitionPenaltyLogitsProcessor: prompt_ignore_length has {len(counts)} entries for a "
-                         f"batch of {input_ids.shape[0]} rows")
-    if not any(counts):
-        return lp.RepetitionPenaltyLogitsProcessor(p.penalty)
-    first: dict[tuple[int, ...], int] = {}
-    for b, row in enumerate(map(tuple, input_ids.tolist())):
-        c = first.setdefault(row, b)
-        if counts[c] != counts[b]:
-            raise ValueError(f"repetition_penalty: rows {c} and {b} have identical input_ids but skip {counts[c]} "
-                             f"and {counts[b]} leading tokens (their attention masks differ); rows regrouped per "
-                             "drafted node are told apart by their prompt only, so this batch is not supported")
-    rows = list(first.values())
-    return _PromptRepetitionPenalty(p.penalty, input_ids[rows], torch.tensor([counts[b] for b in rows]))
-
-
-class _PromptScoped:
-    """transformers builds its ``encoder_*`` processors from the whole prompt batch (also for
-    decoder-only models) and indexes them by batch row, which breaks once rows are regrouped per
-    drafted node. Same effect, row-free: rebuilt per call from each prefix's first L columns, its
-    row's padded prompt, which is what plain ``generate()`` builds them from. A draft model's
-    pad-free prefix gives other columns there: that changes acceptance only."""
-
-    def __init__(self, build: Callable[[torch.Tensor], Any], prompt_len: int) -> None:
-        self.build, self.prompt_len = build, prompt_len
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        return self.build(input_ids[:, :self.prompt_len])(input_ids, scores)
-
-
-def _encoder_processor(p: Any, prompt_len: int) -> _PromptScoped:
-    """An ``encoder_*`` processor rebuilt from each row's prompt; the penalty is copied as stored
-    (the constructor keeps 1/penalty, which a round trip could round)."""
-    from transformers.generation import logits_process as lp
-
-    if isinstance(p, lp.EncoderNoRepeatNGramLogitsProcessor):
-        return _PromptScoped(lambda enc: lp.EncoderNoRepeatNGramLogitsProcessor(p.ngram_size, enc), prompt_len)
-
-    def with_prompt(enc: torch.Tensor) -> Any:
-        q = copy.copy(p)
-        q.encoder_input_ids = enc
-        return q
-
-    return _PromptScoped(with_prompt, prompt_len)
-
-
-def _adapt_processors(procs: Sequence[Any], input_ids: torch.Tensor) -> list[Any]:
-    """Make transformers' processor list row-free; refuse processors that depend on batch layout."""
-    from transformers.generation import logits_process as lp
-
-    refused = {
-        "PrefixConstrainedLogitsProcessor": "prefix_allowed_tokens_fn receives a batch index",
-        "UnbatchedClassifierFreeGuidanceLogitsProcessor": "guidance runs its own model with a cache between calls",
-        "ClassifierFreeGuidanceLogitsProcessor": "it expects the batch doubled with unconditional rows",
-        "SynthIDTextWatermarkLogitsProcessor": "it keeps state between calls (its recent contexts), which calls per "
-                                               "drafted node would advance out of step",
-    }
-    out = []
-    for p in procs:
-        name = type(p).__name__
-        if name in refused:
-            raise ValueError(f"logits processor {name} is not supported by speculative_generate: {refused[name]}")
-        if isinstance(p, lp.RepetitionPenaltyLogitsProcessor) and isinstance(p.prompt_ignore_length, torch.Tensor):
-            p = _repetition_penalty(p, input_ids)
-        elif isinstance(p, (lp.EncoderRepetitionPenaltyLogitsProcessor, lp.EncoderNoRepeatNGramLogitsProcessor)):
-            p = _encoder_processor(p, input_ids.shape[1])
-        out.append(p)
-    return out
 
 
 def _stop_string_criteria(stop_strings: str | Sequence[str] | None, tokenizer: Any) -> list[Any]:
