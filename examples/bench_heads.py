@@ -67,7 +67,10 @@ def cost_curve(target, ids: list[int], sizes: list[int], reps: int = 5) -> dict[
     return out
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict[str, dict]]:
+    """The command line and each selected method's proposer section with its ``--set`` overrides;
+    an unknown method, or a ``--set`` not of the form ``method.field=value`` or for a method not
+    selected, is refused before any model loads (it would otherwise be silently unused)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--methods", default="medusa-tree,eagle-chain,eagle-tree")
@@ -76,7 +79,25 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="method.field=value override, e.g. eagle-tree.tree_nodes=16")
     ap.add_argument("--cost-curve", default="", help="comma-separated N, e.g. 1,2,4,8,12,16,24")
     ap.add_argument("--out", default="")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    names = [m for m in args.methods.split(",") if m]
+    unknown = [m for m in names if m not in METHODS]
+    if unknown:
+        ap.error(f"--methods: unknown {', '.join(unknown)}; known: {', '.join(METHODS)}")
+    specs = {name: dict(METHODS[name]) for name in names}
+    for s in args.set:
+        key, eq, val = s.partition("=")
+        m, dot, field = key.partition(".")
+        if not (eq and dot and m and field):
+            ap.error(f"--set {s!r}: expected method.field=value, e.g. eagle-tree.tree_nodes=16")
+        if m not in specs:
+            ap.error(f"--set {s!r}: method {m!r} is not among --methods ({', '.join(names)})")
+        specs[m][field] = yaml.safe_load(val)  # as a config file reads it; the proposer's Config validates
+    return args, specs
+
+
+def main() -> None:
+    args, specs = parse_args()
     torch.set_num_threads(args.threads)
     from spec_plugins.backends.torch_runtime import TorchRuntime
 
@@ -84,13 +105,7 @@ def main() -> None:
                                                           device="cpu"))
     plain = SpeculativeDecoder(target, None, ExactVerifier())
     methods = {}
-    for name in [m for m in args.methods.split(",") if m]:
-        spec = dict(METHODS[name])
-        for s in args.set:
-            key, val = s.split("=", 1)
-            m, field = key.split(".", 1)
-            if m == name:
-                spec[field] = yaml.safe_load(val)  # as a config file reads it; the proposer's Config validates
+    for name, spec in specs.items():
         cls = PROPOSERS.get(spec["type"])
         prop = cls(cls.Config(**spec), target=target, tokenizer=target.tokenizer)
         methods[name] = (spec, SpeculativeDecoder(target, prop, ExactVerifier(),

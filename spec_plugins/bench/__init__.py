@@ -22,15 +22,19 @@ def run_bench(decoder, prompts, options: BenchOptions, out=None, meta: dict | No
     """Run, summarise and (if ``out`` is a directory path) write report.json, summary.md, PNGs."""
     from pathlib import Path
 
-    from spec_plugins.bench.plots import write_plots
+    from spec_plugins.bench.plots import PLOTS, write_plots
     from spec_plugins.bench.report import build_report, markdown, write_json
 
+    bench = Bench(decoder, options)  # bad options fail here, before an earlier run's files go
     partial = None
     if out is not None:
+        # an earlier run's files would pass for this run's if it fails: only the names the bench
+        # writes are removed, other files in the directory are left alone
         Path(out).mkdir(parents=True, exist_ok=True)
+        for name in ("report.json", "summary.md", "partial.jsonl", *PLOTS):
+            (Path(out) / name).unlink(missing_ok=True)
         partial = Path(out) / "partial.jsonl"
-        partial.unlink(missing_ok=True)
-    raw = Bench(decoder, options).run(prompts, partial)
+    raw = bench.run(prompts, partial)
     # chat: whether turns were wrapped in the chat template where the model has one (False: --raw),
     # so the replay encodes the prompts as the bench did
     base_meta = {"max_new_tokens": options.max_new_tokens, "runs": options.runs, "num_prompts": len(prompts),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Optional
 
 import typer
 
-from spec_plugins.cli import app, check_output_dir, fail, load_config
+from spec_plugins.cli import app, check_output_dir, check_output_file, fail, load_config
 
 
 def parse_gammas(text: str) -> list[int]:
@@ -50,6 +51,17 @@ def load_methods(path: Optional[Path]) -> list[tuple[str, dict]]:
             raise ValueError(f"--methods {path}: {label!r} must be a proposer section with a `type`")
         out.append((str(label), section))
     return out
+
+
+def check_doc_title(doc: Path, name: str) -> None:
+    """``--markdown``'s section title, checked before the bench runs (``docs.check_title``: another
+    title with the same slug is refused); a document that cannot be read is named."""
+    from spec_plugins.bench.docs import check_title
+
+    try:
+        check_title(doc, name)
+    except OSError as exc:
+        fail(f"--markdown {doc}: cannot read it ({exc.strerror or exc})")
 
 
 @app.command("bench")
@@ -95,11 +107,19 @@ def bench(
     if title is not None and markdown_doc is None:
         fail("--title names the --markdown section; give --markdown DOC too (the run's own files have no title)")
     check_output_dir(out)
+    if markdown_doc is not None:
+        check_output_file(markdown_doc, "--markdown")  # written after the bench: checked before it
     t0 = time.perf_counter()
     try:
         cfg = load_config(config)
         if cfg.proposer is None:
             raise ValueError("the config has no proposer section; the bench compares a proposer against plain")
+        name = title or f"{Path(prompts).stem} on {cfg.target.backend}"
+        if markdown_doc is not None:
+            check_doc_title(markdown_doc, name)
+        if not parse_gammas(gammas) and not auto and cfg.proposer.num_draft_tokens == "auto":
+            raise ValueError("--gammas '' with --no-auto leaves only the config's draft length, which is auto; "
+                             "give --gammas or drop --no-auto")
         cats = [c.strip() for c in categories.split(",") if c.strip()] if categories else None
         plist = load_prompts(prompts, limit, cats)
         opts = BenchOptions(max_new_tokens=max_new_tokens, runs=runs,
@@ -141,11 +161,11 @@ def bench(
     if markdown_doc is not None:
         from spec_plugins.bench.docs import section, update
 
-        name = title or f"{Path(prompts).stem} on {report['meta'].get('backend')}"
-        import shlex
-
         command = "spec-plugins bench " + shlex.join(sys.argv[2:])
-        update(markdown_doc, name, section(report, name, command, out, markdown_doc))
+        try:
+            update(markdown_doc, name, section(report, name, command, out, markdown_doc))
+        except (OSError, ValueError) as exc:
+            fail(f"--markdown {markdown_doc}: {exc} (the run's own files are in {out}/)")
     if as_json:
         print(json.dumps(report))
     else:

@@ -77,8 +77,25 @@ def _plots(report: dict, out_dir: Path) -> list[Path]:
     return pngs
 
 
+def check_title(doc: Path, title: str) -> None:
+    """Sections are found by the slug of their title: a different title with the same slug (e.g.
+    "Dev prompts (ORT)" and "Dev prompts, ORT") would replace that section, so it is refused, naming
+    both (the section's first line is ``## <title>``, as ``section`` writes it)."""
+    s = START.format(slug(title))
+    old = doc.read_text() if doc.exists() else ""
+    if s not in old:
+        return
+    head = old[old.index(s) + len(s):].lstrip("\n").split("\n", 1)[0]
+    if head != f"## {title}":
+        raise ValueError(f"title {title!r}: {doc} has a section {head.removeprefix('## ')!r} with the same "
+                         f"key {slug(title)!r}, which this title would replace; give a title that differs "
+                         "in its letters or digits (or the same title to replace that section)")
+
+
 def update(doc: Path, title: str, text: str) -> None:
-    """Replace the section of ``title`` in ``doc`` (or append it)."""
+    """Replace the section of ``title`` in ``doc`` (or append it); another title with the same
+    slug is refused (``check_title``)."""
+    check_title(doc, title)
     s, e = START.format(slug(title)), END.format(slug(title))
     block = f"{s}\n{text}{e}\n"
     old = doc.read_text() if doc.exists() else "# Benchmarks\n\nGenerated from bench reports by `spec-plugins bench ... --markdown docs/benchmarks.md --title ...`; do not edit by hand.\n\n"

@@ -39,6 +39,9 @@ def parse_prompt(obj: object, where: str = "prompt", index: int = 0) -> BenchPro
     category = obj.get("category", "default")
     if not isinstance(category, str) or not category:
         raise ValueError(f"{where}: 'category' must be a non-empty string, got {category!r}")
+    if category == "all":
+        raise ValueError(f"{where}: category 'all' is the report's name for every prompt together; "
+                         "give this prompt another category")
     qid = obj.get("question_id", index)
     return BenchPrompt(str(qid), category, tuple(turns))
 
@@ -49,7 +52,7 @@ def load_prompts(path: str | Path, limit: int | None = None, categories: list[st
     if not path.is_file():
         raise FileNotFoundError(f"prompt file not found: {path}")
     out: list[BenchPrompt] = []
-    seen: set[str] = set()
+    seen: dict[str, tuple[str, bool]] = {}  # question_id -> (where, whether the line gave it)
     for n, line in enumerate(path.read_text().splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):
@@ -60,9 +63,10 @@ def load_prompts(path: str | Path, limit: int | None = None, categories: list[st
         except json.JSONDecodeError as exc:
             raise ValueError(f"{where}: not valid JSON ({exc.msg})") from None
         p = parse_prompt(obj, where, len(out))
+        given = isinstance(obj, dict) and "question_id" in obj
         if p.question_id in seen:
-            raise ValueError(f"{where}: duplicate question_id {p.question_id!r}")
-        seen.add(p.question_id)
+            raise ValueError(_duplicate(p.question_id, (where, given), seen[p.question_id]))
+        seen[p.question_id] = (where, given)
         out.append(p)
     if categories:
         known = sorted({p.category for p in out})
@@ -76,3 +80,13 @@ def load_prompts(path: str | Path, limit: int | None = None, categories: list[st
     if not out:
         raise ValueError(f"no prompts in {path}")
     return out
+
+
+def _duplicate(qid: str, this: tuple[str, bool], first: tuple[str, bool]) -> str:
+    """A duplicate question_id, saying which side's id is a default (a prompt without one gets its
+    0-based position among the prompts, which another line may give explicitly)."""
+    def how(where: str, given: bool) -> str:
+        return f"{where} gives it" if given else f"{where} has no question_id and gets its position as its id"
+
+    return (f"{this[0]}: duplicate question_id {qid!r}: {how('this line', this[1])}, and {how(*first)}; "
+            "give each prompt its own id")

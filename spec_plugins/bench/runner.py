@@ -8,6 +8,7 @@ runtime. Multi-turn prompts feed each method its own previous answers.
 
 from __future__ import annotations
 
+import re
 import statistics
 import sys
 import time
@@ -134,6 +135,23 @@ def ours_name(gamma: int | str) -> str:
     return f"ours_k{gamma}" if gamma != "auto" else "ours_auto"
 
 
+def check_labels(labels: Sequence[str], built: Sequence[str]) -> None:
+    """``--methods`` labels key the results with the built-in methods' names, so a label equal to
+    one of those (or to a name the bench gives its own methods: a registered baseline,
+    ``ours_k<N>``, ``ours_auto``, ``<name>@<runtime>``) or to another label would merge two
+    methods' runs; it is refused, naming it."""
+    taken = set(built) | set(BASELINES.names())
+    seen: set[str] = set()
+    for label in labels:
+        if label in taken or re.fullmatch(r"ours_(k\d+|auto)", label) or "@" in label:
+            raise ValueError(f"--methods label {label!r} is the name of a method the bench runs itself "
+                             f"(built in this run: {', '.join(built)}; also reserved: registered baselines, "
+                             "ours_k<N>, ours_auto, <name>@<runtime>); rename it")
+        if label in seen:
+            raise ValueError(f"--methods label {label!r} is given twice; labels name one method each")
+        seen.add(label)
+
+
 class Bench:
     """Holds one decoder (one loaded runtime) and the methods built around it."""
 
@@ -192,6 +210,7 @@ class Bench:
             prop = self._proposer(cfg.proposer) if ProposerTraits.of(dec.proposer).remembers else dec.proposer
             traced = self._traced(prop, cfg)
             methods.append(Method(ours_name(g), "ours", g, _bind(traced, rec), rec, traced))
+        check_labels([lab for lab, _ in opts.methods], [m.name for m in methods])
         for label, section in opts.methods:
             methods.append(self._extra_method(label, section))
         for label, other in opts.compare:
