@@ -3,8 +3,11 @@
 Engines come from ``spec-plugins export tensorrt`` (``exporters/tensorrt_build.py``). One
 execution context per optimisation profile (``decode``, ``prefill``); every call sets the
 input shapes, binds torch CUDA tensors with ``set_tensor_address`` and runs
-``execute_async_v3`` on torch's current stream, so the small torch ops around it (masks, KV
-gathers) are ordered with it without host syncs.
+``execute_async_v3`` on a torch CUDA stream of the runtime's own (as the ONNX Runtime runtime's
+``create_session`` gives its session one), on which the profiles were set too. Stream waits
+order the engine after the torch work on the caller's current stream that writes its inputs, and
+that stream's later work (masks, KV gathers) after the engine, without host syncs. TensorRT is
+never handed the default (null) stream: on it TensorRT adds device-wide synchronisations.
 
 KV layout and the Runtime contract come from
 :class:`~spec_plugins.backends.slot_runtime.SlotRuntime`, the hole-masked slot layer shared with
@@ -34,7 +37,7 @@ from spec_plugins.graphs.engines import (BuildEnv, EngineEntry, EngineManifest, 
 from spec_plugins.graphs.profiles import Limits, bindings
 from spec_plugins.registry import RegistryError, register_backend
 
-INSTALL_HINT = ('Install it with `pip install "spec-plugins[tensorrt]"` (TensorRT 10 wheels for CUDA 12, fetched '
+INSTALL_HINT = ('Install it with `pip install "spec-plugins[tensorrt]"` (TensorRT >= 10 wheels, fetched '
                 "from pypi.nvidia.com) on a machine with an NVIDIA GPU and a CUDA build of torch.")
 
 
@@ -115,11 +118,12 @@ class TensorRTRuntime(SlotRuntime):
                 raise EngineManifestError(f"engine {entry.name!r} has {self.engine.num_optimization_profiles} "
                                           f"profiles, its manifest lists {len(profiles)}; rebuild the engines")
             dtypes = self._io_dtypes(trt)
-            stream = torch.cuda.current_stream(device).cuda_stream
+            # torch's streams come from a pool that lives as long as the process: the handle stays valid
+            self._stream = torch.cuda.Stream(device)
             self.contexts = []
             for i in range(len(profiles)):  # one context per profile: switching profiles costs a sync
                 ctx = self.engine.create_execution_context()
-                ctx.set_optimization_profile_async(i, stream)
+                ctx.set_optimization_profile_async(i, self._stream.cuda_stream)  # ordered before every enqueue
                 self.contexts.append(ctx)
         self._scratch = torch.empty(256, dtype=torch.uint8, device=device)  # address for empty tensors
         self._init_layout(profiles, limits, entry.model, dtypes, device, max_context)
@@ -193,11 +197,15 @@ class TensorRTRuntime(SlotRuntime):
 
     def _run_engine(self, profile: int, feeds: dict[str, torch.Tensor],
                     out_shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-        """Bind torch CUDA tensors by address and enqueue on torch's current stream (no sync), with
-        the runtime's device current, as when its engine and contexts were made (a caller on
-        another device, e.g. a draft on cuda:1 beside a target on cuda:0, would else run them there)."""
+        """Bind torch CUDA tensors by address and enqueue on the runtime's stream, between stream
+        waits on the caller's current stream (no host sync), with the runtime's device current, as
+        when its engine and contexts were made (a caller on another device, e.g. a draft on cuda:1
+        beside a target on cuda:0, would else run them there). Every bound tensor is recorded on
+        the runtime's stream, so the caching allocator hands its memory to no other stream's work
+        before the engine is done with it, whichever stream the caller runs on next."""
         ctx = self.contexts[profile]
         with torch.cuda.device(self.device):
+            current = torch.cuda.current_stream(self.device)
             for name, t in feeds.items():
                 ctx.set_input_shape(name, tuple(t.shape))
                 ctx.set_tensor_address(name, self._addr(t))
@@ -208,6 +216,10 @@ class TensorRTRuntime(SlotRuntime):
                     raise RuntimeError(f"engine output {name} has shape {got}; the manifest layout gives {shape}")
                 outs[name] = torch.empty(shape, dtype=self._dtypes[name], device=self.device)
                 ctx.set_tensor_address(name, self._addr(outs[name]))
-            if not ctx.execute_async_v3(torch.cuda.current_stream(self.device).cuda_stream):
+            for t in (*feeds.values(), *outs.values()):
+                t.record_stream(self._stream)
+            self._stream.wait_stream(current)  # inputs written, output memory free
+            if not ctx.execute_async_v3(self._stream.cuda_stream):
                 raise RuntimeError("TensorRT execute_async_v3 failed (see the TensorRT log above)")
+            current.wait_stream(self._stream)  # the caller's next work reads the outputs
         return outs

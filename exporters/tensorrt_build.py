@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from spec_plugins.graphs.engines import (FORMAT, HARDWARE_COMPAT, MANIFEST_NAME, BuildEnv, EngineEntry,
                                          EngineManifest, EngineManifestError, file_sha256)
+from spec_plugins.graphs.io import GRAPH_DTYPES
 from spec_plugins.graphs.profiles import Limits, Profile, ProfileError, check_graph, profiles
 
 Log = Callable[[str], None]
@@ -40,16 +41,38 @@ def network_flags(trt: Any) -> int:
     return 1 << int(trt.NetworkDefinitionCreationFlag.EXPLICIT_BATCH)
 
 
+def check_precision(trt: Any, precision: str, graph_dtypes: Sequence[str]) -> None:
+    """Refuse --fp16 / --bf16 before anything is built where this TensorRT has no such builder flag.
+    TensorRT 11 dropped BuilderFlag.FP16 / BF16: its networks are always strongly typed, so an
+    engine computes in the dtype of the ONNX graph it was parsed from."""
+    flag = {"fp16": "FP16", "bf16": "BF16"}.get(precision)
+    if flag is None or hasattr(trt.BuilderFlag, flag):
+        return
+    if hasattr(trt.BuilderFlag, "FP16"):  # 8.x: weakly typed, but bf16 came in 9
+        raise BuildError(f"--bf16 needs TensorRT >= 9 (installed: {trt.__version__})")
+    have = ", ".join(sorted(set(graph_dtypes))) or "none"
+    if precision == "fp16":
+        how = ("Export the ONNX graphs in float16 instead (set `dtype: float16` on the target, and on a draft "
+               "model, in the config of `spec-plugins export onnx --config CONFIG --out DIR`), then build "
+               "them without --fp16")
+    else:
+        how = (f"`spec-plugins export onnx` writes {' or '.join(GRAPH_DTYPES)} graphs only, so this TensorRT "
+               "cannot build bfloat16 engines from them; export in float16 (`dtype: float16` in the config) "
+               "and build without --bf16, or build with TensorRT 10 and --bf16")
+    raise BuildError(f"--{precision}: TensorRT {trt.__version__} has no BuilderFlag.{flag}; it builds strongly "
+                     f"typed networks that take their precision from the ONNX graph's dtype (these graphs: "
+                     f"{have}). {how}.")
+
+
 def set_precision(trt: Any, config: Any, precision: str) -> None:
     """fp32: strict (no TF32, so greedy tokens match PyTorch fp32); tf32: TensorRT's default;
-    fp16 / bf16: reduced-precision kernels allowed where TensorRT finds them faster."""
+    fp16 / bf16: reduced-precision kernels allowed where TensorRT finds them faster (flags only
+    TensorRT <= 10 has: ``build_engines`` runs ``check_precision`` first)."""
     if precision == "fp32":
         config.clear_flag(trt.BuilderFlag.TF32)
     elif precision == "fp16":
         config.set_flag(trt.BuilderFlag.FP16)
     elif precision == "bf16":
-        if not hasattr(trt.BuilderFlag, "BF16"):
-            raise ProfileError(f"--bf16 needs TensorRT >= 9 (installed: {trt.__version__})")
         config.set_flag(trt.BuilderFlag.BF16)
     elif precision != "tf32":
         raise ProfileError(f"unknown precision {precision!r}")
@@ -143,10 +166,11 @@ def build_engines(onnx_dir: str | Path, out: str | Path, precision: str = "fp32"
         raise ProfileError(f"unknown hardware compatibility {hardware_compat!r} (known: {', '.join(HARDWARE_COMPAT)})")
     man = Manifest.read(onnx_dir)
     trt = import_tensorrt()
+    chosen = [g for g in man.graphs if graphs is None or g.name in graphs]
+    check_precision(trt, precision, [g.dtype for g in chosen if g.kind == "decoder_with_past"])
     cuda_device("cuda")
     env = BuildEnv.current()
     limits = limits or Limits()
-    chosen = [g for g in man.graphs if graphs is None or g.name in graphs]
     skipped = [f"{g}: not in the export" for g in (graphs or []) if g not in {x.name for x in man.graphs}]
     for g in man.graphs:
         if g.kind != "decoder_with_past":
@@ -214,8 +238,9 @@ def add_command(export_app: Any) -> None:
         onnx: Path = typer.Option(..., "--onnx", help="Directory written by `spec-plugins export onnx`."),
         out: Path = typer.Option(..., "--out", help="Engine directory to write: a new or empty one, or previous "
                                                     "engines (replaced); anything else is refused."),
-        fp16: bool = typer.Option(False, "--fp16", help="Allow fp16 kernels."),
-        bf16: bool = typer.Option(False, "--bf16", help="Allow bf16 kernels (TensorRT >= 9)."),
+        fp16: bool = typer.Option(False, "--fp16", help="Allow fp16 kernels (TensorRT <= 10; 11 takes the "
+                                                        "precision from the ONNX graph's dtype)."),
+        bf16: bool = typer.Option(False, "--bf16", help="Allow bf16 kernels (TensorRT 9 and 10)."),
         tf32: bool = typer.Option(False, "--tf32", help="Allow TF32 matmuls (default: strict fp32)."),
         max_batch: int = typer.Option(1, "--max-batch", help="Largest batch the engines take."),
         max_draft: int = typer.Option(8, "--max-draft",

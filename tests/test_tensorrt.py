@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
@@ -326,6 +326,120 @@ def test_export_tensorrt_cli_checks_flags_then_gives_install_hint(exported, tmp_
     assert "--max-draft must be >= 1" in run("--max-draft", "0").output
     assert "--hardware-compat" in CliRunner().invoke(app, ["export", "tensorrt", "--help"]).output
     assert not (tmp_path / "engines").exists()
+
+
+def _fake_trt11() -> ModuleType:
+    """TensorRT 11's Python module as far as the builder reaches: BuilderFlag as NVIDIA/TensorRT
+    v11.0 binds it (no FP16 / BF16: networks are always strongly typed); the parser reads the
+    ONNX file's input and output names; a build returns placeholder bytes."""
+    import enum
+
+    import onnx
+
+    def parse(network: SimpleNamespace, path: str) -> bool:
+        g = onnx.load(path, load_external_data=False).graph
+        network.num_inputs, network.num_outputs = len(g.input), len(g.output)
+        network.get_input, network.get_output = g.input.__getitem__, g.output.__getitem__
+        return True
+
+    trt = ModuleType("tensorrt")
+    trt.__version__ = "11.4.0.106"
+    trt.BuilderFlag = enum.IntEnum("BuilderFlag", "DEBUG GPU_FALLBACK REFIT TF32 STRIP_PLAN STRICT_NANS")
+    trt.Logger = type("Logger", (), {"WARNING": 2, "__init__": lambda self, level=None: None})
+    none = lambda *a: None  # noqa: E731
+    trt.Builder = lambda logger: SimpleNamespace(
+        create_network=lambda flags=0: SimpleNamespace(),
+        create_builder_config=lambda: SimpleNamespace(set_flag=none, clear_flag=none, add_optimization_profile=none),
+        create_optimization_profile=lambda: SimpleNamespace(set_shape=none),
+        build_serialized_network=lambda network, config: b"plan")
+    trt.OnnxParser = lambda network, logger: SimpleNamespace(num_errors=0, parse_from_file=lambda f: parse(network, f))
+    return trt
+
+
+def test_fp16_bf16_on_tensorrt_11_refused_with_what_to_do_instead(exported, tmp_path, monkeypatch):
+    """TensorRT 11 has no FP16 / BF16 builder flags: the CLI says to export the ONNX graph in
+    float16 instead (rc 2, no traceback, nothing left in --out); fp32 still builds."""
+    from typer.testing import CliRunner
+
+    import spec_plugins.backends.tensorrt_runtime as trt_runtime
+    from spec_plugins.cli import app
+
+    _, onnx_dir = exported
+    trt = _fake_trt11()
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setattr(trt_runtime, "cuda_device", lambda name: torch.device("cuda", 0))  # no GPU here
+    monkeypatch.setattr(BuildEnv, "current", classmethod(lambda cls, device=0: cls(trt.__version__, "GPU", (9, 0))))
+    run = lambda out, *a: CliRunner().invoke(app, ["export", "tensorrt", "--onnx", str(onnx_dir),  # noqa: E731
+                                                   "--out", str(tmp_path / out), "--max-context", "64", *a])
+    res = run("e16", "--fp16")
+    assert res.exit_code == 2 and isinstance(res.exception, SystemExit), res.output
+    assert "no BuilderFlag.FP16" in res.output and "(these graphs: float32)" in res.output, res.output
+    assert "`dtype: float16`" in res.output and "spec-plugins export onnx --config" in res.output
+    res = run("e16", "--bf16")
+    assert res.exit_code == 2 and "no BuilderFlag.BF16" in res.output and ">= 9" not in res.output, res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no --out, no temporary directory
+    res = run("e32")
+    assert res.exit_code == 0 and (tmp_path / "e32" / "verify.plan").read_bytes() == b"plan", res.output
+    from spec_plugins.exporters.tensorrt_build import BuildError, check_precision
+
+    flags = lambda *names: SimpleNamespace(__version__="8.6.1",  # noqa: E731
+                                           BuilderFlag=SimpleNamespace(**dict.fromkeys(names)))
+    check_precision(flags("FP16", "BF16"), "bf16", ["float32"])  # TensorRT 9 / 10: the flag is set
+    with pytest.raises(BuildError, match=">= 9"):  # TensorRT 8.x: fp16 only
+        check_precision(flags("FP16"), "bf16", ["float32"])
+
+
+class _Stream:
+    """A stand-in for torch.cuda.Stream that logs waits into ``log``; handle 0 is the null stream."""
+
+    def __init__(self, log: list, handle: int) -> None:
+        self.log, self.cuda_stream = log, handle
+
+    def wait_stream(self, other: "_Stream") -> None:
+        self.log.append(("wait", self.cuda_stream, other.cuda_stream))
+
+
+def test_engine_runs_on_its_own_stream_between_waits(tmp_path, monkeypatch):
+    """Profiles and enqueues get the runtime's own stream, never the default (null) one (on which
+    TensorRT adds device syncs); the engine waits for the caller's stream, the caller's stream
+    for the engine, and every bound tensor is recorded on the engine's stream. CUDA streams and
+    the engine are fakes that log what TensorRT is handed."""
+    import contextlib
+
+    from spec_plugins.backends.tensorrt_runtime import TensorRTRuntime
+
+    log: list = []
+    null = _Stream(log, 0)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _Stream(log, 0x7F00 + len(log)))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: null)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, stream: log.append(("record", stream.cuda_stream)))
+    man = _manifest(tmp_path)
+    entry, limits = man.engine("verify"), man.limits_object()
+    bd = bindings(INPUTS, OUTPUTS, entry.profile_objects(), B=1, N=2, P=3)
+    dtypes = {t["name"]: t["dtype"] for t in INPUTS + OUTPUTS}
+    names = list(dtypes)
+    ctx = SimpleNamespace(set_optimization_profile_async=lambda i, h: log.append(("profile", i, h)),
+                          set_input_shape=lambda n, s: None, set_tensor_address=lambda n, a: None,
+                          get_tensor_shape=bd.outputs.__getitem__,
+                          execute_async_v3=lambda h: log.append(("execute", h)) or True)
+    trt_names = {"float32": "FLOAT", "int64": "INT64"}
+    engine = SimpleNamespace(num_optimization_profiles=2, num_io_tensors=len(names), get_tensor_name=names.__getitem__,
+                             get_tensor_mode=lambda n: "in" if n in bd.inputs else "out",
+                             get_tensor_dtype=lambda n: SimpleNamespace(name=trt_names[dtypes[n]]),
+                             create_execution_context=lambda: ctx)
+    trt = SimpleNamespace(Logger=_fake_trt11().Logger, TensorIOMode=SimpleNamespace(INPUT="in"),
+                          Runtime=lambda logger: SimpleNamespace(deserialize_cuda_engine=lambda plan: engine))
+    rt = TensorRTRuntime(trt, b"plan", entry, limits, torch.device("cpu"))
+    profiles_set = [e for e in log if e[0] == "profile"]
+    own = profiles_set[0][2]
+    assert own != 0 and profiles_set == [("profile", 0, own), ("profile", 1, own)]
+    del log[:]
+    feeds = {n: torch.zeros(shape, dtype=getattr(torch, dtypes[n])) for n, shape in bd.inputs.items()}
+    outs = rt._run_engine(bd.profile, feeds, bd.outputs)
+    assert {n: tuple(t.shape) for n, t in outs.items()} == bd.outputs
+    assert [e for e in log if e[0] != "record"] == [("wait", own, 0), ("execute", own), ("wait", 0, own)]
+    assert log.count(("record", own)) == len(feeds) + len(outs) == len(log) - 3
 
 
 # ---- without TensorRT: configs validate, building says how to install ----------------------------
