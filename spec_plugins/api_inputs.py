@@ -2,33 +2,55 @@
 
 Prompt token ids, stop strings, per-row sampling and seeds and token limits are checked and
 normalised here before any row starts, so a bad value fails with an error naming it (never deep
-inside a forward, never read as something else).
+inside a forward, never read as something else). A proposer's drafts, the other input a user
+hands the package, are checked here too (``check_draft``), as the batch places them.
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Any, Iterable, Mapping, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 
 import torch
 from pydantic import ValidationError
 
 from spec_plugins.config import SamplingConfig
+from spec_plugins.row_trees import RowTrees
+from spec_plugins.types import Draft
 
 # stop strings: one string, several, or None (no stop)
 Stop = Union[str, Sequence[str], None]
 
 
-def token_id(t: Any, i: int) -> int:
-    """A prompt's token id at position ``i``: an integer (Python, numpy, or a one-element integer
-    tensor), never a float, bool or str read as one."""
-    if isinstance(t, bool) or getattr(t, "dtype", None) == torch.bool:
-        raise TypeError(f"prompt token ids must be integers; position {i} holds the bool {t!r}")
+def _is_bool(x: Any) -> bool:
+    return isinstance(x, bool) or getattr(x, "dtype", None) in (torch.bool, bool)
+
+
+def integer(x: Any) -> int | None:
+    """``x`` as an int where it is an integer (Python, numpy, or a one-element integer tensor),
+    else None: never a float, bool or str read as one."""
+    if _is_bool(x):
+        return None
     try:
-        return operator.index(t)
+        return operator.index(x)
     except TypeError:
-        raise TypeError(f"prompt token ids must be integers; position {i} holds {t!r} "
-                        f"({type(t).__name__})") from None
+        return None
+
+
+def token_id(t: Any, i: int) -> int:
+    """A prompt's token id at position ``i`` (``integer``)."""
+    out = integer(t)
+    if out is None:
+        kind = "bool" if _is_bool(t) else type(t).__name__
+        raise TypeError(f"prompt token ids must be integers; position {i} holds {t!r} ({kind})")
+    return out
+
+
+def not_bytes(prompt: Any) -> None:
+    """Refuse bytes: they iterate as integers, so they would be read as token ids."""
+    if isinstance(prompt, (bytes, bytearray, memoryview)):
+        raise TypeError(f"a prompt is a str, chat messages or a list of token ids, got {type(prompt).__name__}: "
+                        "decode it to a str first (e.g. prompt.decode('utf-8')) or pass its token ids")
 
 
 def in_vocab(ids: list[int], vocab_size: int) -> list[int]:
@@ -46,14 +68,14 @@ def stop_strings(stop: Stop) -> list[str]:
     """Stop strings as a list: one string is one stop, None none; every entry a string."""
     if stop is None:
         return []
-    if isinstance(stop, str):
-        return [stop]
     if not isinstance(stop, Iterable):
         raise TypeError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
-    stops = list(stop)
+    stops = [stop] if isinstance(stop, str) else list(stop)
     for i, s in enumerate(stops):
         if not isinstance(s, str):
             raise TypeError(f"stop strings must be strings; stop[{i}] is {s!r} ({type(s).__name__})")
+    if "" in stops:  # would stop before the first token; the CLI's --stop says the same
+        raise ValueError("stop: stop strings must not be empty")
     return stops
 
 
@@ -63,8 +85,10 @@ def token_limits(max_new_tokens: int | Sequence[int], rows: int) -> list[int]:
     limits = list(max_new_tokens) if many else [max_new_tokens] * rows
     if len(limits) != rows:
         raise ValueError(f"max_new_tokens needs one entry per prompt ({rows}), got {len(limits)}")
-    if any(isinstance(n, bool) or not isinstance(n, int) for n in limits):
+    ints = [integer(n) for n in limits]
+    if any(n is None for n in ints):
         raise ValueError(f"max_new_tokens must be an integer (or one per prompt), got {max_new_tokens!r}")
+    limits = [int(n) for n in ints]  # type: ignore[arg-type]
     if min(limits, default=0) < 0:
         raise ValueError("max_new_tokens must be >= 0")
     return limits
@@ -93,3 +117,88 @@ def row_seeds(seeds: Sequence[int | None] | None, sampling: Sequence[SamplingCon
         except ValidationError as exc:
             raise ValueError(f"seeds[{i}] = {seed!r}: {exc.errors()[0]['msg']}") from None
     return out
+
+
+# ---- a proposer's drafts ------------------------------------------------------------------------
+OWN_PROPOSERS = ("spec_plugins.proposers.", "spec_plugins.heads.")  # modules of the package's own drafters
+Q_SUM_TOLERANCE = 1e-2  # a q row's sum may miss 1 by this (float16/bfloat16 rounding, summed in float64)
+
+
+def foreign(proposers: Sequence[Any]) -> bool:
+    """Whether any of ``proposers`` (a proposer and its sources) is not one of the package's own."""
+    return any(not type(p).__module__.startswith(OWN_PROPOSERS) for p in proposers)
+
+
+def _shape(t: Any) -> str:
+    return f"{list(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def check_draft(draft: Any, rows: int, vocab: int, who: str, values: bool) -> None:
+    """Refuse a draft that verification would crash on deep inside (a token outside the vocabulary,
+    wrong shapes) or, worse, verify to a wrong output law (a q that is no distribution, or gives
+    its own drafted token probability 0, which exact verification then always accepts), naming
+    the proposer ``who``.
+
+    Types and shapes need no tensor data, so every draft has them checked. ``values`` reads the
+    tokens and q: the batch asks for it only where that read costs no device sync (a draft on the
+    host) or the proposer is not the package's own, so the device-resident round of the package's
+    drafters keeps its one host sync. A node whose q is NaN throughout (softmax over logits a row's
+    processors masked entirely) is let through: that row fails when the batch processes its
+    logits, and such a q rejects its token."""
+    def bad(problem: str) -> ValueError:
+        return ValueError(f"proposer {who} returned a bad draft: {problem}")
+
+    if draft is None:
+        return
+    if not isinstance(draft, Draft):
+        raise bad(f"propose() must return a Draft or None, got {type(draft).__name__}")
+    t = draft.tokens
+    if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[0] != rows or t.dtype.is_floating_point \
+            or t.dtype.is_complex or t.dtype == torch.bool:
+        raise bad(f"tokens must be an integer tensor [B={rows}, n], got {_shape(t)}")
+    n = int(t.shape[1])
+    par = draft.parents
+    if isinstance(par, tuple):
+        if len(par) != n or any(integer(p) is None or not -1 <= p < i for i, p in enumerate(par)):
+            raise bad(f"parents must be {n} ints (one per token), each -1 or an earlier node, got {par!r}")
+    elif not isinstance(par, RowTrees) or tuple(par.parents.shape) != (rows, n) or len(par) != n:
+        raise bad(f"parents must be a tuple of {n} ints or RowTrees over [B={rows}, n={n}], got {type(par).__name__}")
+    v = draft.valid
+    if v is not None and (not isinstance(v, torch.Tensor) or tuple(v.shape) != (rows, n) or v.dtype != torch.bool):
+        raise bad(f"valid must be a bool tensor [B={rows}, n={n}] or None, got {_shape(v)}")
+    q = draft.probs
+    if q is not None and (not isinstance(q, torch.Tensor) or tuple(q.shape) != (rows, n, vocab)
+                          or not q.dtype.is_floating_point):
+        raise bad(f"probs must be a float tensor [B={rows}, n={n}, V={vocab}] (V: the target's logits width) "
+                  f"or None, got {_shape(q)}")
+    if values and n:
+        _check_values(draft, vocab, bad)
+
+
+def _check_values(draft: Any, vocab: int, bad: Callable[[str], ValueError]) -> None:
+    """``check_draft``'s value checks: per-node flags computed where each tensor is (a proposer's
+    valid may sit on the host, its tokens on the device), read at once (more only to word an error)."""
+    tok = draft.tokens.long()
+    flags = [((tok < 0) | (tok >= vocab))[None]]  # every node: the forward embeds the invalid ones too
+    on = draft.valid.to(tok.device) if draft.valid is not None else torch.ones_like(tok, dtype=torch.bool)
+    q = draft.probs
+    if q is not None:
+        tok, on = tok.to(q.device), on.to(q.device)
+        on = on & ~q.isnan().all(-1)  # no draft at all (docstring)
+        total = q.sum(-1, dtype=torch.float64)
+        q_x = q.gather(-1, tok.clamp(0, vocab - 1)[..., None]).squeeze(-1)
+        flags.append(torch.stack([on & ~total.isfinite(), on & (q.amin(-1) < 0),
+                                  on & ((total - 1).abs() > Q_SUM_TOLERANCE), on & (q_x <= 0)]))
+    found = torch.cat([f.cpu() for f in flags])  # [checks, B, n]
+    if not bool(found.any()):
+        return
+    check, b, i = (int(x) for x in found.nonzero()[0])
+    at, x = f"row {b}, node {i}", int(tok[b, i])
+    if check == 0:
+        raise bad(f"token id {x} ({at}) is outside the target's vocabulary (0..{vocab - 1})")
+    problem = {1: "are not finite (NaN or inf)", 2: "hold a negative probability",
+               3: f"sum to {float(total[b, i]):.4g}, not 1: probs must be the distribution each token was drawn from"}
+    if check in problem:
+        raise bad(f"probs at {at} {problem[check]}")
+    raise bad(f"token {x} ({at}) has probability 0 under the draft's own probs: it cannot have been drawn "
+              "from them (exact verification would accept it every time)")

@@ -67,7 +67,9 @@ def generate(
                                        help="Tokens to generate (at least 1, as the server's max_new_tokens)."),
     temperature: Optional[float] = typer.Option(None, "--temperature", "-t", min=0.0,
                                                 help="0 = greedy; below 1e-5 also greedy (the limit of sampling)."),
-    seed: Optional[int] = typer.Option(None, "--seed", min=0, max=2**63 - 1),
+    seed: Optional[int] = typer.Option(None, "--seed", min=0, max=2**63 - 1,
+                                       help="Sampling seed: the same output with any proposer or draft length "
+                                            "(a draft model's chain: for the same draft schedule)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object: text, token_ids, stats."),
     no_speculation: bool = typer.Option(False, "--no-speculation", help="Plain decoding on the same runtime."),
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),

@@ -12,9 +12,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Sequence, Union
 
-import torch
-
-from spec_plugins.api_inputs import Stop, in_vocab, row_sampling, row_seeds, stop_strings, token_id, token_limits
+from spec_plugins.api_inputs import (Stop, in_vocab, not_bytes, row_sampling, row_seeds, stop_strings, token_id,
+                                     token_limits)
 from spec_plugins.backends import build_runtime
 from spec_plugins.config import SamplingConfig, SpecConfig
 from spec_plugins.grammar import GrammarSpec, RowGrammar, compile_grammar, ll_tokenizer
@@ -110,7 +109,9 @@ class SpeculativeDecoder:
     def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
         """str -> tokens (as one user turn of the chat template if ``chat`` is True; a model
         without one is refused rather than prompted raw), messages -> chat template, ids as is
-        (integers within the target's vocabulary). Text needs the runtime's tokenizer."""
+        (integers within the target's vocabulary). Text needs the runtime's tokenizer; bytes are
+        refused (``api_inputs.not_bytes``)."""
+        not_bytes(prompt)
         if isinstance(prompt, str) or isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
             if self.tokenizer is None:
                 raise ValueError("a text or chat prompt needs a tokenizer (this runtime has none); pass token ids")
@@ -159,11 +160,6 @@ class SpeculativeDecoder:
         """The draft policy of one generation (fresh acceptance estimates) over this decoder's
         costs and tree sizer, which carry across generations."""
         return self.wiring.policy()
-
-    def _generator(self, seed: int | None) -> torch.Generator | None:
-        if seed is None:
-            return None
-        return torch.Generator(device=getattr(self.target, "device", "cpu")).manual_seed(seed)
 
     # ---- generation ------------------------------------------------------------------------
     def stream(
@@ -241,14 +237,21 @@ class SpeculativeDecoder:
                        grammar: Grammar | Sequence[Grammar] = None, forced_drafts: bool = True) -> list[GenerationResult]:
         """Decode several prompts (a list; ``generate`` takes one) as one batch (one target forward
         per round for all rows). ``sampling[i]``: row i's own sampling (a ``SamplingConfig`` or its
-        fields as a dict), its generator seeded from its ``seed`` as ``generate(seed=...)`` seeds
-        one; ``seeds[i]``: row i's generator seed, over ``sampling[i].seed`` where both are given
-        (None: the generator the rows share, seeded from the config's sampling or ``seed``);
+        fields as a dict; not with ``temperature``, which it would override), seeded from its
+        ``seed`` as ``generate(seed=...)`` seeds one; ``seeds[i]``: row i's seed, over
+        ``sampling[i].seed`` where both are given (None: lane i of the config's sampling seed or
+        ``seed``, so rows sharing a seed sample apart; no seed at all: torch's global generator). A
+        seeded row's output depends on its seed alone, not on the drafts, the draft schedule or the
+        rows beside it (``keyed_draws``; drafts with their own distributions, a draft model's, use
+        the row's stream generator, and those do depend on the schedule);
         ``stop``: stop strings for every row; ``grammar``: one for every row, or one per row
         (None: that row is free). A row that fails ends with finish reason ``error`` and its
         result's ``error`` says why."""
-        if isinstance(prompts, (str, bytes)):
-            raise TypeError("generate_batch takes a list of prompts, got one str; use generate() for one prompt")
+        if isinstance(prompts, (str, bytes, bytearray, memoryview)):
+            raise TypeError(f"generate_batch takes a list of prompts, got one {type(prompts).__name__}; use "
+                            "generate() for one prompt")
+        if sampling is not None and temperature is not None:
+            raise ValueError("give temperature or sampling, not both: sampling sets each row's temperature")
         ids = [self.encode(p, chat) for p in prompts]
         stops = stop_strings(stop)
         per_row = list(grammar) if isinstance(grammar, (list, tuple)) else [grammar] * len(ids)
@@ -300,8 +303,8 @@ class SpeculativeDecoder:
         row_stop = [StopStrings(s) for s in streams]
         stop = (lambda i, toks, n: row_stop[i](toks, n)) if streams else None
         for step in decode(self.target, self.proposer, self.verifier, list(pipes), ids, limits, self.eos_ids(),
-                           self._generator(seed), stats, self.policy(), stop=stop, seeds=seeds,
-                           observers=observers, traits=self.wiring.traits, grammars=grammars):
+                           None, stats, self.policy(), stop=stop, seeds=seeds, observers=observers,
+                           traits=self.wiring.traits, grammars=grammars, seed=seed):
             for i in step.finished:
                 if streams:
                     streams[i].flush()

@@ -62,9 +62,17 @@ class LogitsPipeline:
         return x
 
     def apply_user(self, prefix: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """Run the user processors on ``logits`` [R, V] whose rows continue ``prefix`` [R, L]."""
+        """Run the user processors on ``logits`` [R, V] whose rows continue ``prefix`` [R, L]; each
+        result is taken in the logits' dtype (transformers accepts a processor returning another
+        float dtype) and must keep their shape (one that does not is named)."""
         for proc in self.processors:
-            logits = proc(prefix, logits)
+            out = proc(prefix, logits)
+            if not isinstance(out, torch.Tensor) or out.shape != logits.shape:
+                got = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                name = getattr(proc, "__qualname__", None) or type(proc).__name__
+                raise ValueError(f"logits processor {name} returned {got}; it must return the scores "
+                                 f"{list(logits.shape)} it was given ([rows, vocabulary])")
+            logits = out.to(logits.dtype)
         return logits
 
     def process(self, logits: torch.Tensor, prefix: torch.Tensor | None = None) -> torch.Tensor:

@@ -226,6 +226,7 @@ class RowRequest:
     max_new_tokens: int
     sampling: "SamplingConfig | None" = None  # None: greedy
     seed: int | None = None  # own generator (reproducible per request); None = the batch's
+    lane: int = 0  # rows sharing one seed each take their own lane of it (``keyed_draws``)
     processors: "Sequence[LogitsProcessorFn]" = ()  # user logits processors for this row
     prefix: Sequence[int] = ()  # tokens the processors see before the prompt (transformers' left pads)
     stop: RowStop | None = None

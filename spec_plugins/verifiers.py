@@ -49,6 +49,7 @@ class ExactVerifier(_Verifier):
     """Lossless: greedy match at temperature 0, exact rejection sampling otherwise."""
 
     lossy: ClassVar[bool] = False
+    keyed_draws: ClassVar[bool] = True  # takes a seeded row's ``KeyedDraws`` for its generator
 
     class Config(VerifierConfig):
         type: Literal["exact"] = "exact"

@@ -42,9 +42,10 @@ from functools import lru_cache
 
 import torch
 
+from spec_plugins.keyed_draws import KeyedDraws
 from spec_plugins.sampling import sample
-from spec_plugins.transfer import upload
-from spec_plugins.row_trees import Parents
+from spec_plugins.transfer import upload, upload_tensor
+from spec_plugins.row_trees import Parents, node_depths
 from spec_plugins.tree import layout
 from spec_plugins.types import DeviceVerdict, Verdict
 
@@ -109,13 +110,19 @@ def rejection_verify(
     parents: Parents,
     p: torch.Tensor,
     q: torch.Tensor | None,
-    generator: torch.Generator | None,
+    generator: torch.Generator | KeyedDraws | None,
     valid: torch.Tensor | None = None,
 ) -> DeviceVerdict:
-    """Exact speculative sampling. x [B, n]; p [B, n+1, V] target probs; q [B, n, V] or None."""
+    """Exact speculative sampling. x [B, n]; p [B, n+1, V] target probs; q [B, n, V] or None.
+    ``generator``: a stream, or seeded rows' ``KeyedDraws`` for point masses (each sample keyed on
+    its absolute position, so a row's output does not depend on the draft schedule)."""
     B, n = x.shape
     if q is None or n == 0:  # point masses, chain or tree: one sample per position, follow the matches
-        y = sample(p.reshape(B * (n + 1), -1), generator).view(B, n + 1)
+        if isinstance(generator, KeyedDraws):
+            offsets = upload_tensor([0, *(d + 1 for d in node_depths(parents))], p.device)
+            y = generator.sample(p, offsets)
+        else:
+            y = sample(p.reshape(B * (n + 1), -1), generator).view(B, n + 1)
         return follow(x, parents, y, valid)
     if not (isinstance(parents, tuple) and layout(parents).is_chain):
         raise ValueError("drafts with their own distributions (a draft model's) are verified as chains; "

@@ -132,3 +132,76 @@ def test_rows_at_the_context_end_decode_beside_rows_that_draft_deeper(kind, tmp_
         got = dec.generate_batch(prompts, max_new_tokens=20)
         assert [g.token_ids for g in got] == [plain_greedy(model, p, min(20, 40 - len(p))) for p in prompts]
         assert [g.finish_reason for g in got] == ["length"] * len(prompts)
+
+
+# ---- API inputs read as something else, or dropped ---------------------------------------------------
+@pytest.mark.parametrize("prompt", [b"\x01\x02\x03", bytearray(b"\x01\x02\x03")])
+def test_a_bytes_prompt_is_refused_not_read_as_token_ids(prompt):
+    """Bytes iterate as integers: ``generate(b"...")`` decoded them as token ids."""
+    dec = _decoder()
+    with pytest.raises(TypeError, match=rf"got {type(prompt).__name__}: decode it to a str"):
+        dec.generate(prompt, max_new_tokens=3)
+    with pytest.raises(TypeError, match=rf"got {type(prompt).__name__}: decode it to a str"):
+        dec.generate_batch([prompt], max_new_tokens=3)
+    with pytest.raises(TypeError, match=rf"list of prompts, got one {type(prompt).__name__}"):
+        dec.generate_batch(prompt, max_new_tokens=3)
+
+
+def test_numpy_and_torch_integer_token_limits_are_taken():
+    import numpy as np
+    import torch
+
+    dec = _decoder()
+    want = dec.generate([1, 2, 3], max_new_tokens=3).token_ids
+    assert dec.generate([1, 2, 3], max_new_tokens=np.int64(3)).token_ids == want
+    assert dec.generate([1, 2, 3], max_new_tokens=torch.tensor(3)).token_ids == want
+    got = dec.generate_batch([[1, 2, 3], [1, 2, 3]], max_new_tokens=[np.int32(3), 2])
+    assert [g.token_ids for g in got] == [want, want[:2]]
+    with pytest.raises(ValueError, match="must be an integer"):
+        dec.generate([1, 2], max_new_tokens=np.bool_(True))
+
+
+def test_generate_batch_refuses_temperature_beside_per_row_sampling():
+    """``temperature`` was dropped silently where ``sampling`` set each row's."""
+    with pytest.raises(ValueError, match="temperature or sampling, not both"):
+        _decoder().generate_batch([[1, 2, 3]], 3, temperature=0.5, sampling=[{"temperature": 1.0}])
+
+
+@pytest.mark.parametrize("stop", ["", ["ab", ""]])
+def test_an_empty_stop_string_is_refused_as_the_cli_refuses_it(stop):
+    from grammar_helpers import tiny_tokenizer
+
+    dec = SpeculativeDecoder(TorchRuntime(tiny_llama(seed=3)), tokenizer=tiny_tokenizer())
+    with pytest.raises(ValueError, match="stop strings must not be empty"):
+        dec.generate("abc", 5, stop=stop)
+    with pytest.raises(ValueError, match="stop strings must not be empty"):
+        dec.generate_batch(["abc"], 5, stop=stop)
+
+
+def _ban(ids, scores):
+    out = scores.clone()
+    out[:, [4, 9]] = float("-inf")
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float16", "bfloat16"])
+@pytest.mark.parametrize("proposer", [False, True])
+def test_a_processor_returning_another_float_dtype_is_taken_in_the_logits_dtype(dtype, proposer):
+    """transformers takes a processor returning float64 or float16 scores; the row failed ("Index
+    put requires the source and destination dtypes match")."""
+    import torch
+
+    other = lambda ids, scores: _ban(ids, scores).to(getattr(torch, dtype))  # noqa: E731
+    dec = _decoder() if proposer else SpeculativeDecoder(TorchRuntime(tiny_llama(seed=3)))
+    want = dec.generate([1, 2, 3, 1, 2, 3], max_new_tokens=8, processors=[_ban])
+    got = dec.generate([1, 2, 3, 1, 2, 3], max_new_tokens=8, processors=[other])
+    assert got.error is None and got.token_ids == want.token_ids and not {4, 9} & set(got.token_ids)
+
+
+def test_a_processor_returning_another_shape_fails_its_row_by_name():
+    """A processor returning [V] for [1, V] scores was broadcast silently into one row's logits."""
+    def first_row(ids, scores):
+        return _ban(ids, scores)[0]
+
+    r = _decoder().generate([1, 2, 3], max_new_tokens=4, processors=[first_row])
+    assert r.finish_reason == "error" and "logits processor" in r.error and "first_row returned [32]" in r.error

@@ -106,12 +106,11 @@ class RowGrammar:
         before the first it refuses (``error`` says why): a token the matcher refuses, or an end of
         sequence where the output is not complete in the grammar. A round emits several tokens, so
         the ones before a refused token stay the output, as one-token rounds would have left them.
-        An end-of-sequence token ends the row, so it may only come last."""
+        The grammar ends at an end-of-sequence token it allows: what follows it (a row whose
+        decoder stops on other ids) is past the grammar and counts as accepted."""
         for i, t in enumerate(tokens):
             if t in self.eos:
-                if i + 1 < len(tokens):
-                    raise ValueError(f"tokens {list(tokens[i + 1:])} follow end-of-sequence token {t}")
-                return i + 1 if self._may_end(int(t)) else i
+                return len(tokens) if self._may_end(int(t)) else i
             if not self.matcher.consume_token(int(t)):
                 self.error = f"token {t}: {error_of(self.matcher)}"
                 return i

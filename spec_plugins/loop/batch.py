@@ -15,8 +15,10 @@ from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
+from spec_plugins.api_inputs import check_draft, foreign
 from spec_plugins.config import SamplingConfig
 from spec_plugins.grammar import rounds as grammar
+from spec_plugins.keyed_draws import lane_seed
 from spec_plugins.loop.capacity import fit as fit_pool, pool_of, shortfall as pool_shortfall
 from spec_plugins.loop.ownership import Lease
 from spec_plugins.loop.rows import Row
@@ -27,7 +29,7 @@ from spec_plugins.stats import DecodeStats
 from spec_plugins.row_trees import Parents, RowTrees, forward_layout, rows_of
 from spec_plugins.tree import TreeLayout, layout
 from spec_plugins.types import BatchView, Draft, Emission, ProposeContext, Ranked, RoundRecord, RowRequest, Verdict
-from spec_plugins.transfer import upload_tensor
+from spec_plugins.transfer import HOST, upload_tensor
 
 GREEDY = SamplingConfig()
 
@@ -42,6 +44,7 @@ class Batch:
         """``traits``: the pairing already checked (``wiring.wire``); checked here otherwise."""
         self.runtime, self.proposer, self.verifier = runtime, proposer, verifier
         self.traits = traits if traits is not None else check_pairing(runtime, proposer)
+        self._foreign = proposer is not None and foreign([proposer, *self.traits.sources])  # ``place``
         self.device = torch.device(getattr(runtime, "device", "cpu"))
         self.eos = {int(e) for e in eos_ids}
         self.lossy = bool(getattr(verifier, "lossy", False))
@@ -157,11 +160,11 @@ class Batch:
                     self._pipes.clear()  # rows hold their pipelines; only sharing restarts
                 self._pipes[key] = LogitsPipeline(sampling, r.processors)
             pipeline = self._pipes[key]
-        gen = self.generator
-        if r.seed is not None:
-            gen = torch.Generator(device=self.device).manual_seed(r.seed)
+        gen, seed = self.generator, None
+        if r.seed is not None:  # its samples keyed on (seed, lane), its stream for the other draws
+            gen, seed = torch.Generator(device=self.device).manual_seed(lane_seed(r.seed, r.lane)), (r.seed, r.lane)
         return Row(r.key, list(r.prompt), len(r.prompt), self._limit(r), pipeline, gen, tuple(r.prefix), r.stop,
-                   r.logprobs, r.tenant, grammar=r.grammar)
+                   r.logprobs, r.tenant, grammar=r.grammar, seed=seed)
 
     # ---- rows leave -------------------------------------------------------------------------------
     def remove(self, keys: Sequence[Hashable]) -> None:
@@ -219,13 +222,25 @@ class Batch:
     def place(self, draft: Draft | None) -> Draft | None:
         """The sized draft (forced tokens ahead), cut to what the runtime's shared pool holds
         (``loop.capacity``), on the runtime's device (moved once), and its rows' grammar masks
-        built where its tokens are."""
+        built where its tokens are. The proposer's draft is checked first (``api_inputs.check_draft``):
+        its values only where reading them costs no device sync or the drafter is not the package's own."""
+        self._check_draft(draft)
         draft = grammar.splice(draft, self.forced)
         draft = fit_pool(draft, pool_of(self.runtime), [len(r.tokens) - 1 for r in self.rows])
         if self.forced:
             self.forced = [f[: draft.size if draft is not None else 0] for f in self.forced]
         self._masks = grammar.round_masks(self.rows, draft, self.device)
         return draft.to(self.device) if draft is not None else None
+
+    def _check_draft(self, draft: Any) -> None:
+        """``api_inputs.check_draft``: shapes always; values where the draft is on the host (free)
+        or the drafter is not the package's own (a read that syncs: its drafts are not known right)."""
+        if self.proposer is None:
+            return
+        tensors = (draft.tokens, draft.probs, draft.valid) if isinstance(draft, Draft) else ()
+        on_host = all(not isinstance(t, torch.Tensor) or t.device == HOST for t in tensors)
+        check_draft(draft, len(self.rows), self.runtime.vocab_size, type(self.proposer).__name__,
+                    values=on_host or self._foreign)
 
     def verify_input(self, draft: Draft | None) -> tuple[torch.Tensor, TreeLayout]:
         """The forward's input [B, 1 + n] (pending token + drafted nodes) on the runtime's device,

@@ -110,10 +110,12 @@ def decode(
     clock: Callable[[], float] = time.perf_counter,
     traits: ProposerTraits | None = None,
     grammars: Sequence[Any] | None = None,
+    seed: int | None = None,
 ) -> Iterator[Step]:
     """A fixed batch: add every prompt, run rounds until no row is left; yields a Step per
     prefill/round. ``pipeline``: one for all rows or one per row; ``seeds[i]``: row i's own
-    generator (None: the shared ``generator``); ``processor_prefix[i]``: tokens prepended to row
+    generator (None: the shared ``generator``, or lane i of ``seed`` where one is given: every row
+    then draws as a seeded row, ``keyed_draws``); ``processor_prefix[i]``: tokens prepended to row
     i's sequence where its user processors see it (transformers' left pads); ``traits``: the
     pairing already checked (``wiring.wire``); ``grammars[i]``: row i's ``grammar.RowGrammar`` or None."""
     n = len(prompts)
@@ -121,7 +123,9 @@ def decode(
     pipes = [pipeline] * n if isinstance(pipeline, LogitsPipeline) else list(pipeline)
     batch = Batch(target, proposer, verifier, eos_ids, seed=None, generator=generator, stats=stats,
                   observers=observers, clock=clock, traits=traits)  # generator None: torch's global RNG, as plain generate()
-    requests = [RowRequest(i, list(p), limits[i], seed=seeds[i] if seeds else None, pipeline=pipes[i],
+    own = [seeds[i] if seeds else None for i in range(n)]
+    requests = [RowRequest(i, list(p), limits[i], seed=own[i] if own[i] is not None else seed,
+                           lane=0 if own[i] is not None else i, pipeline=pipes[i],
                            prefix=processor_prefix[i] if processor_prefix else (), stop=_row_stop(stop, i),
                            grammar=grammars[i] if grammars else None)
                 for i, p in enumerate(prompts)]

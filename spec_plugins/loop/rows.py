@@ -33,6 +33,7 @@ class Row:
     done: bool = False
     finish_reason: str | None = None
     error: str | None = None  # set when this row's sampling failed; it leaves at the next round
+    seed: tuple[int, int] | None = None  # (seed, lane) of a seeded row: its samples are keyed (``keyed_draws``)
 
     @property
     def n_new(self) -> int:

@@ -15,29 +15,39 @@ from typing import Any, Callable, Hashable, Sequence
 import numpy as np
 import torch
 
+from spec_plugins.keyed_draws import KeyedDraws
 from spec_plugins.loop.logprobs import emitted_logprobs
 from spec_plugins.transfer import HOST, fetch, upload_tensor
 from spec_plugins.row_trees import node_depths, rows_of
 from spec_plugins.types import DeviceVerdict, Draft, Verdict
 
 
+_KEYED = "keyed"  # the group of seeded rows drawing keyed samples (``keyed_draws``)
+
+
 def verify_groups(verifier: Callable, rows: Sequence[Any], draft: Draft | None, z: torch.Tensor,
                   generator_of: Callable[[Any], Hashable]) -> DeviceVerdict:
     """The verifier on each group of rows (``generator_of(row)``: the group's key), its decisions
-    laid out over the batch on the logits' device (no host read)."""
+    laid out over the batch on the logits' device (no host read). Seeded rows of a point-mass draft
+    are one group whose samples are keyed on their positions where the verifier takes that
+    (``keyed_draws``): independent of the draft schedule and of the rows beside them."""
     B, dev = len(rows), z.device
     x = draft.tokens if draft is not None else torch.zeros(B, 0, dtype=torch.long, device=dev)
     parents = draft.parents if draft is not None else ()
+    keyed = getattr(verifier, "keyed_draws", False) and (draft is None or draft.probs is None)
     groups: dict[Hashable, list[int]] = {}
     for b, r in enumerate(rows):
-        groups.setdefault(generator_of(r), []).append(b)
+        key = generator_of(r)
+        groups.setdefault(_KEYED if keyed and r.seed is not None and key != "greedy" else key, []).append(b)
     parts = []
-    for idx in groups.values():
+    for key, idx in groups.items():
         r0 = rows[idx[0]]
         sel: Any = slice(None) if len(groups) == 1 else upload_tensor(idx, dev)
         q = draft.probs[sel] if draft is not None and draft.probs is not None else None
         valid = draft.valid[sel] if draft is not None and draft.valid is not None else None
-        v = verifier(x[sel], rows_of(parents, sel), z[sel], q, r0.pipeline, r0.generator, valid)
+        gen = KeyedDraws(tuple(rows[b].seed for b in idx), tuple(len(rows[b].tokens) for b in idx)) \
+            if key is _KEYED else r0.generator
+        v = verifier(x[sel], rows_of(parents, sel), z[sel], q, r0.pipeline, gen, valid)
         parts.append((idx, v if isinstance(v, DeviceVerdict) else _on_device(v, x[sel].shape, dev)))
     if len(parts) == 1:
         return parts[0][1]

@@ -1,0 +1,99 @@
+"""A seeded row's samples keyed on (seed, lane, absolute position), not drawn from a stream.
+
+A stream generator (``torch.Generator``) hands out its numbers in call order, so a seeded row's
+output would depend on how many positions each round verified: on the draft schedule, which
+``auto`` picks from measured timings, and on the neighbours sharing its generator. Point-mass
+drafts (every model-free proposer and the heads' top-k) are verified by sampling one token from
+the target at every forward position and following the matches (``verify.rejection_verify``);
+here that sample is the inverse CDF at a uniform that is a hash of (seed, lane, position). The
+token at absolute position t is then a function of the seed and the target's distribution there
+alone, the same for plain decoding and for any drafter and schedule. The law is unchanged: along
+the path the walk follows, each position's uniform is used once, and the uniforms of different
+positions are independent (a position a round looked at past its emitted token decided nothing,
+so the next round's use of it is fresh).
+
+``lane`` keeps rows that share one seed apart (``generate_batch(seed=...)``: row i is lane i); a
+row with its own seed is lane 0, so ``generate(p, seed=s)`` equals row 0 of
+``generate_batch([p, ...], seed=s)``. Seeded rows are verified together with keyed draws where
+the draft is point masses; draws that are not one per position (a drafted distribution's
+rejection test, a drafter's own sampling) use the row's own stream generator, seeded from
+``lane_seed(seed, lane)``, as before.
+
+The hash is 32-bit integer mixing (Wellons' ``lowbias32``) in int64 tensor arithmetic whose
+products stay below 2**63 (no overflow on any device), two of them giving 53 bits of uniform.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spec_plugins.transfer import upload_tensor
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor | int, c: int) -> torch.Tensor | int:
+    """(x * c) mod 2**32 for x, c < 2**32, by 16-bit halves of c (no int64 overflow)."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+
+
+def _mix(x: torch.Tensor | int) -> torch.Tensor | int:
+    """lowbias32: a bijection of 32-bit integers with full avalanche."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _key(seed: int, lane: int) -> int:
+    """A 32-bit key of (seed, lane): every bit of both counts."""
+    s = int(seed) % (1 << 64)
+    k = _mix((s & _M32) ^ 0x2545F491)
+    k = _mix(k ^ (s >> 32))
+    return _mix(k ^ (int(lane) & _M32))
+
+
+def lane_seed(seed: int, lane: int) -> int:
+    """The stream generator's seed of a row in lane ``lane`` of ``seed``: the seed itself in lane 0
+    (a row with its own seed), a distinct one per lane otherwise (rows sharing a seed)."""
+    return int(seed) if lane == 0 else (_key(seed, lane) << 31) ^ _key(seed + 1, lane)
+
+
+def uniforms(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One uniform in [0, 1) (float64, 53 bits) per absolute position, ``keys`` (``_key`` of each
+    row's seed and lane) broadcast against ``positions``, on their device."""
+    a = _mix((positions.long() & _M32) ^ keys)
+    hi, lo = _mix(a ^ 0x68E31DA4), _mix(a ^ 0x1B56C4E9)
+    return ((hi << 21) | (lo >> 11)).double() * 2.0 ** -53
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The token of each row of ``probs`` [R, V] at uniform ``u`` [R]: the first whose cumulative
+    mass passes u times the total (a token of zero mass is never taken)."""
+    cdf = probs.double().cumsum(-1)
+    total = cdf[:, -1:]
+    idx = torch.searchsorted(cdf, u[:, None].to(cdf.dtype) * total, right=True).squeeze(-1)
+    last = (cdf < total).sum(-1)  # the last token with mass (a rounded u * total may reach the end)
+    return torch.minimum(idx, last)
+
+
+@dataclass(frozen=True)
+class KeyedDraws:
+    """The draws of a group of seeded rows for one round: each row's (seed, lane) and ``start``, the
+    absolute index of the token its root position samples (the row's length)."""
+
+    seeds: tuple[tuple[int, int], ...]
+    starts: tuple[int, ...]
+
+    def sample(self, p: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """One token per forward position: p [B, N, V], ``offsets`` [N] each position's distance
+        from the root (a node's depth + 1). [B, N]."""
+        B, N, V = p.shape
+        keys = upload_tensor([_key(s, lane) for s, lane in self.seeds], p.device)
+        starts = upload_tensor(list(self.starts), p.device)
+        u = uniforms(keys[:, None], starts[:, None] + offsets[None])  # [B, N]
+        return inverse_cdf(p.reshape(B * N, V), u.reshape(-1)).view(B, N)
