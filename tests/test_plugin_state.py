@@ -75,11 +75,14 @@ def test_each_proposer_sizes_trees_with_its_own_calibrations():
         generate({"type": "draft_model", "num_draft_tokens": 3, "model": {"backend": "torch", "model": "<given>"}},
                  n=4, draft_model=d)
     assert len(setup.sizers) == 2 and all(s is not first.sizer for s in setup.sizers.values())
-    # the kept state does not stop the model from pickling (torch.save) or copying: a copy starts
-    # without the sizers (a weak dictionary does not pickle)
+    # the kept state does not stop the model from pickling (torch.save) or copying, and a copy
+    # decodes as the model does: it starts without the kept state and builds its own
     import copy
     import pickle
 
-    again = pickle.loads(pickle.dumps(model))
-    assert len(again.__dict__["_spec_plugins"].sizers) == 0
-    assert len(copy.deepcopy(model).__dict__["_spec_plugins"].sizers) == 0
+    want = generate(suffix).tolist()
+    for again in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
+        assert again.__dict__.get("_spec_plugins") is None
+        out = again.generate(**inputs, max_new_tokens=8, do_sample=False, custom_generate=speculative_generate,
+                             spec_config={"proposer": suffix})
+        assert out.tolist() == want and again.__dict__["_spec_plugins"].runtime.model is again

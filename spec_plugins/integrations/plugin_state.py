@@ -51,6 +51,14 @@ class Setup:
     # across calls while the proposer lives (weak keys, as ``Costs`` keeps drafters' costs)
     sizers: WeakCache = field(default_factory=WeakCache)
 
+    def __reduce__(self) -> tuple:
+        """A pickle of the model (``torch.save``) starts without it: rebuilt on first use (its costs
+        and proposers belong to this process's runtime)."""
+        return _absent, ()
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None  # a copy of the model builds its own, around the copy
+
     @staticmethod
     def of(model: Any) -> "Setup":
         p = next(model.parameters())
@@ -114,6 +122,11 @@ def _recent(kept: dict[str, Any], key: str, build: Callable[[], Any]) -> Any:
     while len(kept) > KEPT:
         kept.pop(next(iter(kept)))
     return value
+
+
+def _absent() -> None:
+    """What an unpickled ``Setup`` is: none (``Setup.of`` builds one)."""
+    return None
 
 
 # a draft model given alone (no spec_config): 5 draft tokens per round

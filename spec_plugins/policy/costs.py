@@ -15,11 +15,11 @@ policy that needs a drafter's cost it was not given refuses to be built.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Sequence
 
 from spec_plugins.policy.cost import DraftCost, ForwardCost, OnlineCost, measure, measure_draft
 from spec_plugins.types import RoundRecord
-from spec_plugins.weak_cache import WeakCache
 
 
 class Costs:
@@ -32,8 +32,8 @@ class Costs:
         self.frozen = frozen
         self.overhead = 0.0  # seconds per round outside forwards and drafting (verify, commit, Python)
         self._decay = overhead_decay
-        self._drafts: "WeakCache[Any, DraftCost]" = WeakCache()  # per drafter, measured again after a copy
-        self._drafted: "WeakCache[Any, float]" = WeakCache()  # seconds per call, seen
+        self._drafts: "weakref.WeakKeyDictionary[Any, DraftCost]" = weakref.WeakKeyDictionary()
+        self._drafted: "weakref.WeakKeyDictionary[Any, float]" = weakref.WeakKeyDictionary()  # seconds per call, seen
         self.context = forward.context if isinstance(forward, ForwardCost) else forward.base.context
 
     # ---- setup ------------------------------------------------------------------------------------
