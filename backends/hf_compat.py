@@ -206,11 +206,8 @@ def _position_table(model: Any, cfg: Any) -> tuple[str, int] | None:
     return field, min(rows) if size is None else min(int(size), *rows)
 
 
-def context_limit(model: Any, requested: int | None = None) -> int:
-    """The context a runtime of ``model`` holds: ``requested``, else the config's
-    ``max_position_embeddings`` (2048 without one), capped where positions stop being exact: a
-    learned absolute position table ends, or a rope changes its frequencies with the forward's
-    length (longrope, dynamic NTK). A ``requested`` context past such a cap is refused."""
+def _caps(model: Any) -> list[tuple[int, str]]:
+    """(positions, why) of each point where ``model``'s positions stop being exact, smallest first."""
     cfg = _text_config(model)
     name = type(model).__name__
     caps: list[tuple[int, str]] = []
@@ -221,8 +218,24 @@ def context_limit(model: Any, requested: int | None = None) -> int:
         kind, field, n = rope
         caps.append((n, f"{name}'s {kind} rope ({field}={n}) recomputes its frequencies from each forward's "
                         "longest position past it, so plain and speculative decoding would differ from generate()"))
+    return sorted(caps)
+
+
+def context_cap(model: Any) -> int | None:
+    """The positions past which ``model``'s outputs stop being exact (``context_limit``'s caps), None
+    where nothing caps them (a plain rope runs past ``max_position_embeddings`` as the model does)."""
+    caps = _caps(model)
+    return caps[0][0] if caps else None
+
+
+def context_limit(model: Any, requested: int | None = None) -> int:
+    """The context a runtime of ``model`` holds: ``requested``, else the config's
+    ``max_position_embeddings`` (2048 without one), capped where positions stop being exact: a
+    learned absolute position table ends, or a rope changes its frequencies with the forward's
+    length (longrope, dynamic NTK). A ``requested`` context past such a cap is refused."""
+    cfg = _text_config(model)
     limit = int(requested or getattr(cfg, "max_position_embeddings", None) or 2048)
-    for n, why in sorted(caps):
+    for n, why in _caps(model):
         if requested and requested > n:
             raise ValueError(f"max_context {requested} exceeds {n} positions: {why}; use max_context <= {n}")
         limit = min(limit, n)

@@ -283,10 +283,11 @@ class OnnxRuntime(SlotRuntime):
             raise ValueError(f"graph dtype {entry.dtype!r} is not supported; expected one of {list(_TORCH_DTYPES)}")
         self.dtype = self.mask_dtype = _TORCH_DTYPES[entry.dtype]
         self.vocab_size = int(entry.vocab_size)
-        if max_context and max_context > entry.max_context:  # the export capped it where positions stop being exact
-            raise ValueError(f"max_context {max_context} exceeds the {entry.max_context} positions graph "
-                             f"{entry.name!r} was exported for (its manifest's max_context); use max_context <= "
-                             f"{entry.max_context}")
+        cap = entry.context_cap
+        if max_context and cap is not None and max_context > cap:  # where the model's positions stop being exact
+            raise ValueError(f"max_context {max_context} exceeds the {cap} positions graph {entry.name!r} is exact for "
+                             f"(its manifest's context_cap: a learned position table or a length-dependent rope); "
+                             f"use max_context <= {cap}")
         self.max_context = int(max_context or entry.max_context)
         q = entry.quantization or {}
         # int8 activations (accuracy level >= 2): the one-row kernel differs from the wider ones

@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from spec_plugins.backends import hf_compat
 from spec_plugins.graphs.manifest import (FORMAT, MANIFEST_NAME, GraphEntry, Manifest, ManifestError,
                                           library_versions, read_json)
 from spec_plugins.exporters.onnx_verify import export_verify_graph
@@ -35,8 +36,8 @@ def graph_entry(name: str, model: Any, source: str, path: Path, opset: int = OPS
     return GraphEntry(name=name, kind="decoder_with_past", file=path.name, source_model=source, dtype=res.dtype,
                       num_layers=s.num_layers, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                       hidden_size=s.hidden_size, vocab_size=s.vocab_size, max_context=s.max_context,
-                      inputs=res.inputs, outputs=res.outputs, size_bytes=res.size_bytes,
-                      export_seconds=round(res.seconds, 3), feature_layers=list(res.feature_layers))
+                      context_cap=hf_compat.context_cap(model), inputs=res.inputs, outputs=res.outputs,
+                      size_bytes=res.size_bytes, export_seconds=round(res.seconds, 3), feature_layers=list(res.feature_layers))
 
 
 def check_dtype(model: Any, source: str) -> None:

@@ -5,6 +5,7 @@ TensorRT paths tested here run without TensorRT: the checks come before it is im
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from pathlib import Path
 
@@ -255,19 +256,27 @@ def test_a_sliding_window_model_without_layer_types_is_refused(tmp_path, family)
 def test_a_graph_holds_the_context_its_positions_are_exact_for(with_eagle):
     """LongRoPE picks its factors from each forward's largest position, in a traced graph too: the
     graph's context is original_max_position_embeddings (where the export traces; transformers 5.25's
-    in-place frequency switch is not an ONNX op). ONNX Runtime refuses a context past the export's."""
+    in-place frequency switch is not an ONNX op), recorded as its ``context_cap``; ONNX Runtime
+    refuses a context past a graph's cap, and takes any context for a graph with none (a plain rope
+    runs past max_position_embeddings as the model does)."""
     from test_runtime_hardening import ORIGINAL, tiny_longrope_phi3
 
     from spec_plugins.backends.onnxruntime_runtime import OnnxRuntime, create_session
     from spec_plugins.exporters.onnx_verify import graph_shape
 
+    from spec_plugins.backends import hf_compat
+
     assert graph_shape(tiny_longrope_phi3()).max_context == ORIGINAL
+    assert hf_compat.context_cap(tiny_longrope_phi3()) == ORIGINAL
     entry = Manifest.read(with_eagle).graph("verify")
+    assert entry.context_cap is None  # a plain rope: nothing caps it
     session = create_session(with_eagle / entry.file, "cpu")
-    with pytest.raises(ValueError, match=r"max_context 300 exceeds the 256 positions graph 'verify' was exported"):
-        OnnxRuntime(session, entry, max_context=300)
-    assert OnnxRuntime(session, entry, max_context=100).max_context == 100
+    assert OnnxRuntime(session, entry, max_context=300).max_context == 300
     assert OnnxRuntime(session, entry).max_context == 256
+    capped = dataclasses.replace(entry, context_cap=200)
+    with pytest.raises(ValueError, match=r"max_context 300 exceeds the 200 positions graph 'verify' is exact for"):
+        OnnxRuntime(session, capped, max_context=300)
+    assert OnnxRuntime(session, capped, max_context=200).max_context == 200
 
 
 # ---- export onnx finds the heads where decoding does ---------------------------------------------

@@ -45,6 +45,9 @@ class GraphEntry:
     hidden_size: int = 0
     vocab_size: int = 0
     max_context: int = 0
+    # decoder graphs: positions past which the model's outputs change (a learned position table,
+    # longrope, dynamic NTK rope: ``hf_compat.context_cap``); None: a runtime may hold more
+    context_cap: int | None = None
     source_heads: str | None = None  # head graphs: the trained head directory
     feature_layers: list[int] = field(default_factory=list)  # decoder graphs: layers of the `features` output
     quantization: dict | None = None  # weight-only scheme (``exporters.onnx_quantize``), None = as exported
