@@ -19,13 +19,14 @@ the draft is point masses; draws that are not one per position (a drafted distri
 rejection test, a drafter's own sampling) use the row's own stream generator, seeded from
 ``lane_seed(seed, lane)``, as before.
 
-The hash is 32-bit integer mixing (Wellons' ``lowbias32``) in int64 tensor arithmetic whose
+The key is 64 bits (two words, one per half of the seed). The hash is 32-bit integer mixing (Wellons' ``lowbias32``) in int64 tensor arithmetic whose
 products stay below 2**63 (no overflow on any device), two of them giving 53 bits of uniform.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -49,24 +50,27 @@ def _mix(x: torch.Tensor | int) -> torch.Tensor | int:
     return x ^ (x >> 16)
 
 
-def _key(seed: int, lane: int) -> int:
-    """A 32-bit key of (seed, lane): every bit of both counts."""
-    s = int(seed) % (1 << 64)
-    k = _mix((s & _M32) ^ 0x2545F491)
-    k = _mix(k ^ (s >> 32))
-    return _mix(k ^ (int(lane) & _M32))
+@lru_cache(maxsize=4096)
+def _key(seed: int, lane: int) -> tuple[int, int]:
+    """A 64-bit key of (seed, lane) as two 32-bit words: distinct 64-bit seeds in one lane give
+    distinct keys (each word is a bijection of one half of the seed, given the lane)."""
+    s, lane = int(seed) % (1 << 64), int(lane) & _M32
+    return _mix(_mix((s & _M32) ^ 0x2545F491) ^ lane), _mix(_mix((s >> 32) ^ 0x1B873593) ^ lane)
 
 
 def lane_seed(seed: int, lane: int) -> int:
     """The stream generator's seed of a row in lane ``lane`` of ``seed``: the seed itself in lane 0
     (a row with its own seed), a distinct one per lane otherwise (rows sharing a seed)."""
-    return int(seed) if lane == 0 else (_key(seed, lane) << 31) ^ _key(seed + 1, lane)
+    if lane == 0:
+        return int(seed)
+    hi, lo = _key(seed, lane)
+    return (hi << 31) ^ lo
 
 
 def uniforms(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """One uniform in [0, 1) (float64, 53 bits) per absolute position, ``keys`` (``_key`` of each
-    row's seed and lane) broadcast against ``positions``, on their device."""
-    a = _mix((positions.long() & _M32) ^ keys)
+    """One uniform in [0, 1) (float64, 53 bits) per absolute position, ``keys`` [..., 2] (``_key``
+    of each row's seed and lane) broadcast against ``positions``, on their device."""
+    a = _mix(_mix((positions.long() & _M32) ^ keys[..., 0]) ^ keys[..., 1])
     hi, lo = _mix(a ^ 0x68E31DA4), _mix(a ^ 0x1B56C4E9)
     return ((hi << 21) | (lo >> 11)).double() * 2.0 ** -53
 
@@ -93,7 +97,7 @@ class KeyedDraws:
         """One token per forward position: p [B, N, V], ``offsets`` [N] each position's distance
         from the root (a node's depth + 1). [B, N]."""
         B, N, V = p.shape
-        keys = upload_tensor([_key(s, lane) for s, lane in self.seeds], p.device)
+        keys = upload_tensor([_key(s, lane) for s, lane in self.seeds], p.device)  # [B, 2]
         starts = upload_tensor(list(self.starts), p.device)
-        u = uniforms(keys[:, None], starts[:, None] + offsets[None])  # [B, N]
+        u = uniforms(keys[:, None, :], starts[:, None] + offsets[None])  # [B, N]
         return inverse_cdf(p.reshape(B * N, V), u.reshape(-1)).view(B, N)

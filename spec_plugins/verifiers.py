@@ -49,7 +49,7 @@ class ExactVerifier(_Verifier):
     """Lossless: greedy match at temperature 0, exact rejection sampling otherwise."""
 
     lossy: ClassVar[bool] = False
-    keyed_draws: ClassVar[bool] = True  # takes a seeded row's ``KeyedDraws`` for its generator
+    keyed_draws: ClassVar[bool] = True  # takes seeded rows' ``KeyedDraws`` for its generator (this class only)
 
     class Config(VerifierConfig):
         type: Literal["exact"] = "exact"

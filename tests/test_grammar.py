@@ -486,3 +486,28 @@ def test_a_round_past_a_grammar_failure_ends_as_plain_decoding(target, tok, stop
     assert plain[0][2] == finish and len(plain[0][0]) > 1, plain
     for p, s in zip(plain, spec):
         assert s == p and s[4] == s[0], (s, p)  # the row's tokens are its output
+
+
+def test_an_end_of_sequence_the_grammar_knows_ends_the_row_whatever_the_drafts(target, tok):
+    """A grammar's end-of-sequence id ends its row even where the decoder stops on other ids
+    (``decode(eos_ids=())``): speculative output equals plain decoding's (before: tokens drafted past
+    the grammar's end were taken unchecked, outside the grammar)."""
+    from spec_plugins.proposers.ngram import NgramProposer
+
+    model, _ = target
+    compiled = compile_grammar(GrammarSpec.regex("ab12"), ll_tokenizer(tok, VOCAB, [EOS]))
+    prompt = (tok.encode("ab12") + [EOS]) * 4
+
+    def run(proposer, forced):
+        out, reasons = [], []
+        for step in decode(TorchRuntime(model, matmul="native"), proposer, ExactVerifier(),
+                           LogitsPipeline(SamplingConfig()), [prompt], 12, (), None, None, FixedLength(4),
+                           grammars=[RowGrammar(compiled, [EOS], VOCAB, forced)]):
+            out += step.emitted.get(0, [])
+            reasons += list(step.finished.values())
+        return out, reasons
+
+    plain = run(None, False)
+    assert plain == (tok.encode("ab12") + [EOS], ["eos_token"]), plain
+    assert run(None, True) == plain
+    assert run(NgramProposer(NgramProposer.Config(num_draft_tokens=4)), False) == plain

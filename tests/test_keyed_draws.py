@@ -101,3 +101,26 @@ def test_power_a_keying_that_ignores_the_position_fails_the_same_test(model, mon
     monkeypatch.setattr(keyed_draws, "uniforms", lambda keys, positions: real(keys, positions * 0))
     samples, pipe = _keyed_samples(model, None)
     assert chi_square_pvalue(samples, exact_joint(model, LAW_PROMPT, 3, pipe)) < 1e-6
+
+
+def test_seeds_are_64_bits_and_a_subclassed_verifier_keeps_its_stream(model):
+    """Two seeds equal in their low 32 bits sample apart (the key holds both halves); a verifier
+    subclassing ExactVerifier that draws from ``generator`` itself still gets a torch.Generator (the
+    keyed draws are ExactVerifier's own promise, not inherited)."""
+    from spec_plugins.verify import follow
+
+    dec = SpeculativeDecoder(TorchRuntime(model, matmul="native"))
+    low = dec.generate(PROMPT, 12, temperature=1.2, seed=0).token_ids
+    assert dec.generate(PROMPT, 12, temperature=1.2, seed=6403054999995154433).token_ids != low
+    assert dec.generate(PROMPT, 12, temperature=1.2, seed=1 << 32).token_ids != low
+
+    class OwnDraws(ExactVerifier):
+        def sample(self, x, parents, p, q, generator, valid):
+            assert generator is None or isinstance(generator, torch.Generator), type(generator)
+            B, n = x.shape
+            y = torch.multinomial(p.reshape(B * (n + 1), -1), 1, generator=generator).view(B, n + 1)
+            return follow(x, parents, y, valid)
+
+    own = SpeculativeDecoder(TorchRuntime(model, matmul="native"),
+                             NgramProposer(NgramProposer.Config(num_draft_tokens=3, max_ngram=2)), OwnDraws())
+    assert len(own.generate(PROMPT, 8, temperature=0.9, seed=3).token_ids) == 8

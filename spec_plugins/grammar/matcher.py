@@ -106,8 +106,8 @@ class RowGrammar:
         before the first it refuses (``error`` says why): a token the matcher refuses, or an end of
         sequence where the output is not complete in the grammar. A round emits several tokens, so
         the ones before a refused token stay the output, as one-token rounds would have left them.
-        The grammar ends at an end-of-sequence token it allows: what follows it (a row whose
-        decoder stops on other ids) is past the grammar and counts as accepted."""
+        An end-of-sequence token it allows ends the grammar, and the row (``Row.emit`` cuts there,
+        also where the decoder's own end-of-sequence ids are others)."""
         for i, t in enumerate(tokens):
             if t in self.eos:
                 return len(tokens) if self._may_end(int(t)) else i

@@ -50,9 +50,10 @@ class Row:
         tokens before one the grammar refuses are kept and go through the stop rule, and only a
         row they do not stop fails."""
         out: list[int] = []
+        ends = eos if self.grammar is None else eos | set(self.grammar.eos)  # a grammar's end of sequence ends it
         for t in toks[: self.max_new - self.n_new]:
             out.append(t)
-            if t in eos:
+            if t in ends:
                 self.finish_reason = "eos_token"
                 break
         accepted = self.grammar.advance(out) if self.grammar is not None else len(out)
