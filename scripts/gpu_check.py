@@ -14,21 +14,27 @@
 3. The CUDA cases of ``tests/test_devices.py`` (the device audit on the GPU) and of
    ``tests/test_tensorrt.py`` (they skip, saying why, where TensorRT is not installed).
 
-Each stage is skipped once the time budget is spent; the table is printed last; exit 1 on any FAIL.
+Each stage is skipped once the time budget is spent. Each finished row is appended at once as a JSON
+line to ``--rows`` (default ``$OUT/gpu_check.jsonl`` where ``$OUT`` is set, as on the lent machine), so
+a call cut off by its limit still returns what it finished; the table is printed last, also when
+SIGINT (``gpu_check.sh``'s time limit) cuts the run short, the unfinished rows marked ``cut off``.
+Exit 1 on any FAIL, 130 when interrupted.
 Installs nothing and downloads nothing (``gpu_check.sh`` installs carried wheels first).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,6 +50,37 @@ class Row:
     syncs: str = "-"
     tps: str = "-"
     note: str = ""
+
+
+class Rows(list):
+    """The table's rows; ``finish`` appends a finished row to ``path`` as one JSON line at once (the
+    call's files keep what finished even when the run is killed)."""
+
+    def __init__(self, path: Path | None) -> None:
+        super().__init__()
+        self.path, self._finished = path, set()
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("")  # this run's rows only
+
+    def add(self, row: Row) -> Row:
+        self.append(row)
+        return row
+
+    def finish(self, row: Row) -> None:
+        if id(row) in self._finished:
+            return
+        self._finished.add(id(row))
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps(asdict(row)) + "\n")
+
+    def cut_off(self, why: str) -> None:
+        """Mark every row not finished (the one running when the run stopped) and write it."""
+        for row in self:
+            if id(row) not in self._finished:
+                row.result, row.note = "cut off", why
+                self.finish(row)
 
 
 def table(rows: list[Row]) -> str:
@@ -105,7 +142,7 @@ def decode_rows(rt, proposer, prompts, n: int, count_syncs: bool):
     return outs, stats.mean_accepted_tokens, per_round
 
 
-def exactness(rows: list[Row], dev: str, n: int, deadline: float, compiled: bool) -> None:
+def exactness(rows: Rows, dev: str, n: int, deadline: float, compiled: bool) -> None:
     import torch
     from conftest import tiny_llama
     from helpers import EVERY_PROPOSER, every_proposer, save_random_heads
@@ -126,10 +163,10 @@ def exactness(rows: list[Row], dev: str, n: int, deadline: float, compiled: bool
         cases += [("ngram", "graphs"), ("eagle-tree", "graphs")] if dev == "cuda" else []
         for kind, kv in cases:
             for batched in (False, True):
-                row = Row(f"{kind} {dname} {kv} {'batch of 3' if batched else '1 row'}")
-                rows.append(row)
+                row = rows.add(Row(f"{kind} {dname} {kv} {'batch of 3' if batched else '1 row'}"))
                 if time.monotonic() > deadline:
                     row.note = "time budget spent"
+                    rows.finish(row)
                     continue
                 try:
                     rt = runtime(kv, model)
@@ -147,6 +184,7 @@ def exactness(rows: list[Row], dev: str, n: int, deadline: float, compiled: bool
                 except Exception as exc:  # one failing proposer must not hide the others
                     row.result, row.note = "FAIL", f"{type(exc).__name__}: {str(exc)[:140]}"
                     traceback.print_exc()
+                rows.finish(row)
 
 
 def runtime(kv: str, model):
@@ -180,7 +218,7 @@ def model_shape(name: str, dev: str, dtype):
         return LlamaForCausalLM(cfg).to(dtype).eval()
 
 
-def speed(rows: list[Row], dev: str, n: int, compiled: bool, deadline: float) -> None:
+def speed(rows: Rows, dev: str, n: int, compiled: bool, deadline: float) -> None:
     """Plain and n-gram decoding at SmolLM2's shape, plain at Llama-3.2-1B's: tok/s, host syncs per
     round, and the warm-up (where the compiled step's buckets compile) in the note."""
     import torch
@@ -195,10 +233,10 @@ def speed(rows: list[Row], dev: str, n: int, compiled: bool, deadline: float) ->
     plans += [("llama1b", "plain", None, kv, "1 row") for kv in kvs] if dev == "cuda" else []
     models: dict = {}
     for shape, name, prop, kv, label in plans:
-        row = Row(f"speed {shape}-shape {name} {kv} {label}")
-        rows.append(row)
+        row = rows.add(Row(f"speed {shape}-shape {name} {kv} {label}"))
         if time.monotonic() > deadline:
             row.note = "time budget spent"
+            rows.finish(row)
             continue
         if shape not in models:
             models.clear()  # one shape's weights on the device at a time
@@ -228,17 +266,49 @@ def speed(rows: list[Row], dev: str, n: int, compiled: bool, deadline: float) ->
         except Exception as exc:
             row.result, row.note = "FAIL", f"{type(exc).__name__}: {str(exc)[:140]}"
             traceback.print_exc()
+        rows.finish(row)
 
 
-def device_tests(rows: list[Row], deadline: float) -> None:
-    row = Row("pytest test_devices + test_tensorrt (cuda)")
-    rows.append(row)
-    left = max(30, int(deadline - time.monotonic()))
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_devices.py", "tests/test_tensorrt.py",
-                          "-k", "gpu or cuda"], cwd=ROOT, capture_output=True, text=True, timeout=left)
-    print(res.stdout[-3000:], res.stderr[-2000:], flush=True)
-    row.result = "ok" if res.returncode == 0 else "FAIL"
-    row.note = (res.stdout.strip().splitlines() or ["(no output)"])[-1]
+# the CUDA cases only: "cuda" is the device id of test_devices' parametrized cases, "gpu_trt" names the
+# TensorRT engine tests (a bare "gpu" also selected test_gpu_check_runs_its_whole_matrix_on_the_cpu,
+# this whole script on the CPU, and the CPU-only TensorRT checks); a CPU test must not name "cuda"
+DEVICE_TESTS = ("tests/test_devices.py", "tests/test_tensorrt.py", "-k", "cuda or gpu_trt")
+LEAST_TEST_S = 30.0  # the pytest stage's timeout when less of the budget is left
+
+
+def run_group(cmd: list[str], timeout: float) -> tuple[int | None, str, str]:
+    """Run ``cmd`` in its own process group: (exit status, stdout, stderr), status None when it ran
+    past ``timeout``. The whole group is killed then, and when this process is interrupted, so no
+    test process outlives the run."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        out, err = proc.communicate()
+        return None, out, err
+    finally:
+        kill_group(proc)  # KeyboardInterrupt: the group too; a no-op once it has ended
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def device_tests(rows: Rows, deadline: float) -> None:
+    row = rows.add(Row("pytest test_devices + test_tensorrt (cuda)"))
+    left = max(LEAST_TEST_S, deadline - time.monotonic())
+    rc, out, err = run_group([sys.executable, "-m", "pytest", "-q", *DEVICE_TESTS], left)
+    print(out[-4000:], err[-2000:], flush=True)
+    last = (out.strip().splitlines() or ["(no output)"])[-1]
+    row.result = "ok" if rc == 0 else "FAIL"
+    row.note = last if rc is not None else f"timed out after {left:.0f} s, killed; last line: {last}"
+    rows.finish(row)
 
 
 def main() -> int:
@@ -249,6 +319,8 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=420.0, help="seconds for all stages")
     ap.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                     help="include the compiled static step (auto: on CUDA; compiling on a CPU takes minutes)")
+    ap.add_argument("--rows", type=Path, default=None,
+                    help="append each finished row here as a JSON line (default: $OUT/gpu_check.jsonl where $OUT is set)")
     args = ap.parse_args()
     import torch
 
@@ -263,16 +335,26 @@ def main() -> int:
     print(f"gpu_check on {where}, torch {torch.__version__}, transformers {transformers.__version__}", flush=True)
     t0 = time.monotonic()
     deadline = t0 + args.budget
-    rows: list[Row] = []
+    out = os.environ.get("OUT")
+    rows = Rows(args.rows if args.rows is not None else Path(out) / "gpu_check.jsonl" if out else None)
     compiled = args.compile == "on" or (args.compile == "auto" and dev == "cuda")
-    exactness(rows, dev, args.max_new, t0 + 0.55 * args.budget, compiled)  # the rest is left for the speed rows
-    if args.speed_tokens and time.monotonic() < deadline:
-        speed(rows, dev, args.speed_tokens, compiled, deadline)
-    if not args.cpu and time.monotonic() < deadline:
-        device_tests(rows, deadline)
-    print(f"\ngpu_check: {where}, {time.monotonic() - t0:.0f} s; exactness: greedy, {args.max_new} tokens x "
-          f"{len(PROMPTS)} prompts, against transformers generate()")
-    print(table(rows))
+    interrupted = False
+    try:
+        exactness(rows, dev, args.max_new, t0 + 0.55 * args.budget, compiled)  # the rest is left for the speed rows
+        if args.speed_tokens and time.monotonic() < deadline:
+            speed(rows, dev, args.speed_tokens, compiled, deadline)
+        if not args.cpu and time.monotonic() < deadline:
+            device_tests(rows, deadline)
+    except KeyboardInterrupt:  # gpu_check.sh's `timeout --signal=INT`: the rows so far, then the table
+        interrupted = True
+        rows.cut_off("interrupted (SIGINT: the time limit)")
+    finally:
+        rows.cut_off("the run stopped on an error (traceback above)")
+        print(f"\ngpu_check: {where}, {time.monotonic() - t0:.0f} s; exactness: greedy, {args.max_new} tokens x "
+              f"{len(PROMPTS)} prompts, against transformers generate()" + ("; INTERRUPTED" if interrupted else ""))
+        print(table(rows), flush=True)
+    if interrupted:
+        return 130
     return 1 if any(r.result == "FAIL" for r in rows) else 0
 
 

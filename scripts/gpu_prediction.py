@@ -28,6 +28,10 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from spec_plugins.config import SpecConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,6 +62,30 @@ def curves(directory: Path, shape: str = "smollm2") -> dict[str, list[float]]:
     }
 
 
+BENCH_DEFAULT = "built-in default"  # meta.config of a bench run without --config (spec_plugins/bench/cli.py)
+
+
+def report_config(meta: dict) -> "SpecConfig":
+    """The config a bench report was made with: its file, or the built-in default that
+    ``spec-plugins bench`` uses without ``--config`` (recorded as ``built-in default``)."""
+    from spec_plugins.config import ConfigError, SpecConfig, default_config
+
+    if "config" not in meta:
+        raise ConfigError("the report's meta has no `config`: is it a `spec-plugins bench` report.json?")
+    return default_config() if meta["config"] == BENCH_DEFAULT else SpecConfig.from_file(meta["config"])
+
+
+def check_prompts(report: dict, prompts_file: str) -> None:
+    """Every prompt the report answered must be in ``prompts_file`` (the replay re-encodes its turns)."""
+    from spec_plugins.bench.prompts import load_prompts
+
+    have = {p.question_id for p in load_prompts(prompts_file)}
+    missing = [e["question_id"] for e in report["prompts"] if e["question_id"] not in have]
+    if missing:
+        raise ValueError(f"prompts {missing[:5]} of the report are not in {prompts_file}; give --prompts the file "
+                         f"the bench ran on (its meta.prompts_file: {report['meta'].get('prompts_file')})")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--report", required=True, help="report.json of a greedy bench run (plain's token ids)")
@@ -78,7 +106,8 @@ def main() -> int:
     from spec_plugins.registry import PROPOSERS
 
     report = json.loads(Path(args.report).read_text())
-    cfg = SpecConfig.from_file(report["meta"]["config"])
+    cfg = report_config(report["meta"])
+    check_prompts(report, args.prompts)
     cfg = SpecConfig.parse({**cfg.model_dump(mode="json"), "proposer": {"type": "ngram", "num_draft_tokens": "auto",
                                                                         "max_ngram": 3}})
     dec = SpeculativeDecoder(build_runtime(cfg.target), None, None, cfg)  # its tokenizer re-encodes the turns

@@ -12,14 +12,19 @@ One process, one model, greedy, the first turn of each dev prompt through the ch
   cache and ``torch.compile`` (its documented fast path), and with prompt lookup
   (``prompt_lookup_num_tokens``), each on its own copy of the weights.
 
-Before them, the time to first token of the default config (``compile: auto``) from constructing
-the decoder, cold (the first in the process: loads, captures or compiles) and warm (a second one).
+Before them, the default config's (``compile: auto``) time from constructing the decoder to the
+prefill's token and to the first decode step's token (the compiled or captured step is built in
+that step, so only the second includes it), cold (the first in the process: loads, captures or
+compiles) and warm (a second one).
 
-Every method is warmed up once (the compiles happen there, timed), then the prompts run with the
-methods interleaved per prompt. It prints tok/s (median over prompts and the whole), accepted
-tokens per forward, host syncs per round (CUDA's sync debug mode, a separate untimed pass on one
-prompt) and whether each output equals plain eager's token for token. Results are written to
-``--out`` as JSON as each method finishes, so a run cut off by the call's limit still reports.
+Every method is warmed up on the longest prompt (the static buffers reach their size), then the
+prompts run with the methods interleaved per prompt, each method warmed on the prompt (untimed,
+``--no-warm-each`` skips it) before its timed run, so no compile or capture lands in a timed run.
+A method that raises is recorded with its error and dropped; the others go on. It prints tok/s
+(median over prompts and the whole), accepted tokens per forward, host syncs per round (CUDA's
+sync debug mode, a separate untimed pass on one prompt) and whether each output equals plain
+eager's token for token. Results are written to ``--out`` as JSON as each method finishes, so a run
+cut off by the call's limit still reports.
 
     python scripts/gpu_speed.py --model path/to/smollm2.gguf --out $OUT/speed.json   # on the GPU
     python scripts/gpu_speed.py --device cpu --model smollm2-135m-instruct --max-new 8 --limit 2 --compile off  # smoke
@@ -33,7 +38,9 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
@@ -112,18 +119,27 @@ class HFGenerate:
 
 
 def first_token(args: argparse.Namespace) -> dict:
-    """Seconds from constructing the default decoder (``compile: auto``) to its first token, cold
-    (the first in this process) and warm (a second construction)."""
+    """Seconds from constructing the default decoder (``compile: auto``) to its first token, which
+    the eager prefill makes (``prefill``), and to the first token of the first decode step
+    (``decode_step``: the compiled or captured step that ``auto`` builds is built there), cold (the
+    first in this process) and warm (a second construction)."""
     from spec_plugins.decoder import SpeculativeDecoder
 
-    out = {}
+    out: dict = {"prefill": {}, "decode_step": {}}
     for run in ("cold", "warm"):
         t0 = time.monotonic()
         dec = SpeculativeDecoder.from_config({"target": {"backend": "torch", "model": args.model, "device": args.device,
                                                          "dtype": args.dtype}})
-        dec.generate([{"role": "user", "content": "Name three colours."}], max_new_tokens=1)
-        sync(args.device)
-        out[run] = round(time.monotonic() - t0, 2)
+        marks, seen = [], 0
+        for ev in dec.stream([{"role": "user", "content": "Name three colours."}], max_new_tokens=2):
+            if ev.token_ids:
+                sync(args.device)
+                seen += len(ev.token_ids)
+                marks += [round(time.monotonic() - t0, 2)] * min(len(ev.token_ids), 2 - len(marks))
+            if seen >= 2:
+                break
+        out["prefill"][run] = marks[0] if marks else None
+        out["decode_step"][run] = marks[1] if len(marks) > 1 else None  # None: it ended after one token
         del dec
     return out
 
@@ -133,6 +149,24 @@ def sync(device: str) -> None:
         import torch
 
         torch.cuda.synchronize()
+
+
+def timed(dec: Any, ids: list[int], max_new: int, device: str) -> tuple[Any, float]:
+    """One greedy generate and its seconds, the device's queue drained before and after."""
+    sync(device)
+    s0 = time.perf_counter()
+    res = dec.generate(ids, max_new_tokens=max_new)
+    sync(device)
+    return res, time.perf_counter() - s0
+
+
+def drop(report: dict, decs: dict, name: str, where: str, exc: Exception) -> None:
+    """Record why ``name`` failed and drop it from the later loops: one method that fails (a capture
+    never run on this GPU) must not end the others' run."""
+    traceback.print_exc()
+    report["methods"][name]["error"] = f"{where}: {type(exc).__name__}: {str(exc)[:300]}"
+    del decs[name]
+    print(f"{name} FAILED in {where} ({type(exc).__name__}); dropped from the rest of the run", flush=True)
 
 
 def main() -> int:
@@ -152,6 +186,8 @@ def main() -> int:
                     help="transformers' generate(): eager, static cache + torch.compile, prompt lookup")
     ap.add_argument("--ttft", action=argparse.BooleanOptionalAction, default=True,
                     help="time to first token of the default config from construction, cold and warm")
+    ap.add_argument("--warm-each", action=argparse.BooleanOptionalAction, default=True,
+                    help="warm every method on each prompt before timing it (no compile in the timed runs)")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds: stop starting new prompts after this")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -169,8 +205,9 @@ def main() -> int:
     prompts = load_prompts(args.prompts, limit=args.limit)
     ttft = first_token(args) if args.ttft else None
     if ttft:
-        print(f"time to first token from construction, default config: cold {ttft['cold']} s, warm {ttft['warm']} s",
-              flush=True)
+        print(f"time from construction, default config, to the prefill's token: cold {ttft['prefill']['cold']} s, "
+              f"warm {ttft['prefill']['warm']} s; to the first decode step's token: cold "
+              f"{ttft['decode_step']['cold']} s, warm {ttft['decode_step']['warm']} s", flush=True)
     decs = decoders(args)
     enc = next(iter(decs.values()))
     ids = [enc.encode([{"role": "user", "content": p.turns[0]}]) for p in prompts]
@@ -178,7 +215,8 @@ def main() -> int:
           f"tokens, {args.max_new} new tokens each", flush=True)
     report: dict = {"device": where, "torch": torch.__version__, "transformers": transformers.__version__,
                     "model": Path(args.model).name, "dtype": args.dtype, "compile": args.compile, "max_new": args.max_new,
-                    "prompts": [p.question_id for p in prompts], "first_token_s": ttft, "methods": {}}
+                    "prompts": [p.question_id for p in prompts], "first_token_s": ttft and ttft["prefill"],
+                    "first_decode_step_token_s": ttft and ttft["decode_step"], "methods": {}}
 
     def save() -> None:
         if args.out:
@@ -186,67 +224,89 @@ def main() -> int:
 
     # 1. warm-up: the longest prompt first (the static buffers reach their size), every method
     longest = max(range(len(ids)), key=lambda i: len(ids[i]))
-    for name, dec in decs.items():
-        w0 = time.monotonic()
-        dec.generate(ids[longest], max_new_tokens=args.max_new)
-        sync(args.device)
-        report["methods"][name] = {"warmup_s": round(time.monotonic() - w0, 1), "tps": [], "tokens": [],
-                                   "seconds": [], "accepted": [], "same_as_plain_eager": []}
-        print(f"warm-up {name}: {time.monotonic() - w0:.1f} s", flush=True)
+    for name in decs:
+        report["methods"][name] = {"warmup_s": 0.0, "tps": [], "tokens": [], "seconds": [], "accepted": [],
+                                   "same_as_plain_eager": []}
+    for name, dec in list(decs.items()):
+        try:
+            report["methods"][name]["warmup_s"] = round(timed(dec, ids[longest], args.max_new, args.device)[1], 1)
+            print(f"warm-up {name}: {report['methods'][name]['warmup_s']} s", flush=True)
+        except Exception as exc:
+            drop(report, decs, name, "warm-up", exc)
         save()
-    # 2. timed: per prompt, the methods in turn
+    # 2. timed: per prompt, the methods in turn, each first warmed on that prompt (untimed) where
+    # --warm-each: transformers' static cache is sized per prompt length and our drafts differ per
+    # prompt, so every shape the timed run meets is compiled or captured before it
     for i, p in enumerate(prompts):
         if time.monotonic() - t0 > args.budget:
             print(f"budget spent: stopped before prompt {i + 1}", flush=True)
             break
+        for name, dec in list(decs.items()) if args.warm_each and i != longest else ():
+            try:
+                m = report["methods"][name]
+                m["warmup_s"] = round(m["warmup_s"] + timed(dec, ids[i], args.max_new, args.device)[1], 1)
+            except Exception as exc:
+                drop(report, decs, name, f"warm-up on prompt {p.question_id}", exc)
         ref = None
-        for name, dec in decs.items():
-            sync(args.device)
-            s0 = time.perf_counter()
-            res = dec.generate(ids[i], max_new_tokens=args.max_new)
-            sync(args.device)
-            dt = time.perf_counter() - s0
-            ref = res.token_ids if ref is None else ref
+        for name, dec in list(decs.items()):
+            try:
+                res, dt = timed(dec, ids[i], args.max_new, args.device)
+            except Exception as exc:
+                drop(report, decs, name, f"prompt {p.question_id}", exc)
+                continue
+            ref = res.token_ids if name == "plain eager" else ref
             m = report["methods"][name]
             m["tps"].append(round(len(res.token_ids) / dt, 2))
             m["tokens"].append(len(res.token_ids))
             m["seconds"].append(round(dt, 4))
             tpf = res.stats.tokens_per_forward  # None: transformers' generate() does not say
             m["accepted"].append(None if tpf is None else round(tpf, 3))
-            m["same_as_plain_eager"].append(res.token_ids == ref)
+            m["same_as_plain_eager"].append(None if ref is None else res.token_ids == ref)
         print(f"prompt {p.question_id}: " + ", ".join(f"{n} {report['methods'][n]['tps'][-1]:.0f}" for n in decs),
               flush=True)
         save()
     # 3. host syncs per round: one untimed pass on the first prompt under the sync debug mode
     if args.device == "cuda":
-        for name, dec in decs.items():
+        for name, dec in list(decs.items()):
             if isinstance(dec, HFGenerate):
                 continue
-            with Syncs(True) as syncs:
-                res = dec.generate(ids[0], max_new_tokens=min(args.max_new, 48))
+            try:
+                with Syncs(True) as syncs:
+                    res = dec.generate(ids[0], max_new_tokens=min(args.max_new, 48))
+            except Exception as exc:
+                drop(report, decs, name, "the sync count", exc)
+                continue
             rounds = max(res.stats.target_forwards, 1)
             report["methods"][name]["syncs_per_round"] = round(syncs.count() / rounds, 2)
         save()
-    # 4. the table
-    plain = report["methods"]["plain compiled"]
-    eager = report["methods"]["plain eager"]
-    whole = lambda m: sum(m["tokens"]) / max(sum(m["seconds"]), 1e-9)  # noqa: E731
-    known = lambda m: [a for a in m["accepted"] if a is not None]  # noqa: E731
-    acc = lambda m: f"{statistics.mean(known(m)):.2f}" if known(m) else "-"  # noqa: E731
-    print(f"\n{where}, {report['model']} {args.dtype}, {len(plain['tps'])} prompts x {args.max_new} tokens, greedy")
-    print("| method | tok/s (median) | tok/s (all) | vs plain eager | vs plain compiled | acc/fwd | syncs/round "
-          "| = plain eager | warm-up s |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name, m in report["methods"].items():
-        if not m["tps"]:
-            continue
-        m["tps_all"] = round(whole(m), 2)
-        print(f"| {name} | {statistics.median(m['tps']):.1f} | {whole(m):.1f} | {whole(m) / whole(eager):.2f}x | "
-              f"{whole(m) / whole(plain):.2f}x | {acc(m)} | {m.get('syncs_per_round', '-')} "
-              f"| {sum(m['same_as_plain_eager'])}/{len(m['tps'])} | {m['warmup_s']} |")
+    # 4. the table (a method that failed: its error, after it)
+    print(f"\n{where}, {report['model']} {args.dtype}, {args.max_new} tokens per prompt, greedy")
+    print(table(report["methods"]))
     save()
     print(f"gpu_speed: {time.monotonic() - t0:.0f} s", flush=True)
     return 0
+
+
+def table(methods: dict) -> str:
+    """The markdown table: tok/s, the ratios to plain eager and plain compiled (``-`` where that one
+    has no timed prompt), acceptance, syncs, identity, warm-up; then each failed method's error."""
+    whole = lambda m: sum(m["tokens"]) / max(sum(m["seconds"]), 1e-9)  # noqa: E731
+    known = lambda m: [a for a in m["accepted"] if a is not None]  # noqa: E731
+    acc = lambda m: f"{statistics.mean(known(m)):.2f}" if known(m) else "-"  # noqa: E731
+    base = {k: whole(methods[k]) for k in ("plain eager", "plain compiled") if methods.get(k, {}).get("tps")}
+    ratio = lambda m, k: f"{whole(m) / base[k]:.2f}x" if k in base else "-"  # noqa: E731
+    lines = ["| method | tok/s (median) | tok/s (all) | vs plain eager | vs plain compiled | acc/fwd | syncs/round "
+             "| = plain eager | warm-up s |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, m in methods.items():
+        if m["tps"]:
+            m["tps_all"] = round(whole(m), 2)
+            same = [x for x in m["same_as_plain_eager"] if x is not None]
+            lines.append(f"| {name} | {statistics.median(m['tps']):.1f} | {whole(m):.1f} | {ratio(m, 'plain eager')} | "
+                         f"{ratio(m, 'plain compiled')} | {acc(m)} | {m.get('syncs_per_round', '-')} "
+                         f"| {sum(same)}/{len(same)} | {m['warmup_s']} |")
+    lines += [f"\n{name} FAILED ({len(m['tps'])} prompts timed before): {m['error']}"
+              for name, m in methods.items() if "error" in m]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

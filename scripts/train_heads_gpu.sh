@@ -21,6 +21,9 @@
 #    64k-position prefills, the EAGLE head trained on them by the project's trainer, then Medusa.
 #    It stops by BUDGET_S (default 480 s after the call starts) and writes the heads from their
 #    last weights; snapshots every 60 s mean a call cut off by its timeout still returns a head.
+#    Optimizer checkpoints stay in $HOME/spec-gpu-stage/work/KEY (KEY: the bundle and the options
+#    after `train K`): the same call again on the warm machine resumes them; other options get
+#    their own folder (the log names it).
 # 3. The heads come back in the last call's files: eagle/ and medusa/ (head.safetensors fp16,
 #    config.json, train_report.json), run.json (tokens seen, time per step and per phase), log.txt.
 #    Copy eagle/ to runs/gpu-eagle and measure it here: python scripts/data_curve.py --only gpu-eagle --merge
@@ -55,8 +58,17 @@ install() {  # the image has torch and transformers; pydantic, gguf and the proj
   fi
 }
 
+work_dir() {  # work_dir [device-step options]: this call's optimizer checkpoints, keyed on the bundle and options
+  # A repeated identical call resumes from its own checkpoints (a series cut off by a call's limit
+  # goes on in the next); a call with other options or another bundle gets its own folder, so a
+  # checkpoint made with other settings never meets it. BUDGET_S is not part of the key.
+  local key
+  key=$({ cat "$STAGE_HOME/bundle/manifest.json"; printf '%s\0' "$@"; } | sha256sum | cut -c1-16)
+  echo "$STAGE_HOME/work/$key"
+}
+
 train() {  # train K [device-step options]: the last call
-  local start k=$1; shift
+  local start work k=$1; shift
   start=$(date +%s)
   : "${OUT:?OUT (the folder whose files come back) is not set}"
   mkdir -p "$OUT"
@@ -67,7 +79,14 @@ train() {  # train K [device-step options]: the last call
     at "received and unpacked"
     install
     at "installed"
-    "$PY" $DRIVER device --bundle "$STAGE_HOME/bundle" --out "$OUT" --work "$STAGE_HOME/work" \
+    work=$(work_dir "$@")
+    if [ -d "$work" ]; then at "work folder $work: resuming this call's checkpoints (same bundle and options)"
+    else at "work folder $work: new (this bundle and these options)"; fi
+    for other in "$STAGE_HOME"/work/*/; do  # made by other options: kept, not used
+      [ "${other%/}" = "$work" ] || [ ! -f "$other/options.txt" ] || at "NOTE: left as it is, other options: ${other%/} ($(cat "$other/options.txt"))"
+    done
+    mkdir -p "$work" && printf '%s ' "$@" > "$work/options.txt"
+    "$PY" $DRIVER device --bundle "$STAGE_HOME/bundle" --out "$OUT" --work "$work" \
       --until $((start + ${BUDGET_S:-480})) "$@"
     at "done"
   } 2>&1 | tee "$OUT/log.txt"
@@ -88,5 +107,5 @@ case "${1:-}" in
     train "$n" --device cpu --dtype float32 --batch-size 2 --window 64 --draft-vocab 512 --max-steps 12 \
       --medusa-batch 2 --prefill-tokens 2048 --snapshot-steps 4 --save-every 5 --reserve-s 0 --medusa-min-s 0
     ;;
-  *) sed -n '2,29p' "$0"; exit 2 ;;
+  *) sed -n '2,40p' "$0"; exit 2 ;;
 esac

@@ -248,3 +248,34 @@ def test_a_self_distillation_deadline_before_any_answer_trains_on_the_bundles_an
     head = json.loads((tmp_path / "out" / "eagle" / "train_report.json").read_text())
     assert rep["heads"]["eagle"]["steps"] == 2 and head["finished"]
     assert "responses" not in head["features"]  # the bundle's shards' meta, not the self-distilled ones' ("self")
+
+
+def test_a_second_call_resumes_its_own_checkpoints_and_other_options_get_their_own(smoke, tmp_path):
+    """Two more calls on the smoke's warm machine: the smoke's own call again resumes its finished
+    checkpoints (no step trained twice); a call with other options (fewer steps, no Medusa) trains
+    in its own work folder instead of meeting checkpoints made with other settings, which stay."""
+    import re
+    import shutil
+
+    home = tmp_path / "home"
+    shutil.copytree(smoke / "home", home)
+    smoke_args = re.search(r'train "\$n" (.*?)\n\s*;;', SCRIPT.read_text(), re.S).group(1).replace("\\\n", " ").split()
+    env = {**os.environ, "PYTHON": sys.executable, "STAGE": str(smoke / "stage"), "STAGE_HOME": str(home)}
+
+    def call(name: str, args: list[str]) -> dict:
+        env["OUT"] = str(tmp_path / name)
+        proc = subprocess.run(["bash", str(SCRIPT), "train", "3", *args], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return json.loads((tmp_path / name / "run.json").read_text())["heads"]
+
+    again = call("again", smoke_args)
+    for kind in ("eagle", "medusa"):  # resumed where the smoke call ended
+        assert again[kind]["steps"] == 12 and again[kind]["steps_this_run"] == 0, again[kind]
+    kept = {p: p.read_bytes() for p in (home / "work").rglob("checkpoint.pt")}
+    assert len(kept) == 2
+    i = smoke_args.index("--max-steps")
+    other = call("other", [*smoke_args[:i + 1], "6", *smoke_args[i + 2:], "--no-medusa"])
+    assert other["eagle"]["steps"] == other["eagle"]["steps_this_run"] == 6 and "medusa" not in other
+    assert {p: p.read_bytes() for p in kept} == kept  # the first call's checkpoints, untouched
+    assert "other options" in (tmp_path / "other" / "log.txt").read_text()
