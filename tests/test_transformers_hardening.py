@@ -31,6 +31,26 @@ def test_encoder_processors_in_a_left_padded_batch_equal_plain_generate(option, 
     assert not torch.equal(plain, model.generate(**inputs, **kw))  # the option changes the output
 
 
+def test_encoder_ngram_processor_is_built_once_per_prompt_not_per_call(monkeypatch):
+    """Its n-gram table is built in Python from the whole prompt: it was rebuilt from every row's
+    prompt on every processor call (every depth group of every round). Now: generate()'s own
+    build, then one per distinct padded prompt, per speculative_generate call."""
+    from transformers.generation.logits_process import EncoderNoRepeatNGramLogitsProcessor as Proc
+
+    model = tiny_llama(seed=3)
+    prompts = [*PROMPTS, PROMPTS[1]]  # five rows, four distinct padded prompts
+    inputs = left_padded(prompts)
+    kw = dict(max_new_tokens=16, do_sample=False, pad_token_id=PAD, encoder_no_repeat_ngram_size=2)
+    plain = model.generate(**inputs, **kw)
+    built = []
+    init = Proc.__init__
+    monkeypatch.setattr(Proc, "__init__", lambda self, n, enc: (built.append(enc.shape), init(self, n, enc))[1])
+    spec = model.generate(**inputs, **kw, custom_generate=speculative_generate, **NGRAM)
+    assert torch.equal(spec, plain)
+    L = inputs["input_ids"].shape[1]
+    assert built == [(5, L)] + [(1, L)] * 4
+
+
 @pytest.mark.parametrize("pad_token_id", [None, 5])
 def test_repetition_penalty_skips_pads_of_any_token_like_plain_generate(pad_token_id):
     """The pads are the attention mask's zeros, whatever token fills them: pads other than

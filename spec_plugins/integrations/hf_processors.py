@@ -15,17 +15,13 @@ from typing import Any, Callable, Sequence
 import torch
 
 
-class _PromptRepetitionPenalty:
-    """transformers' repetition penalty for a padded batch skips row b's first
-    ``prompt_ignore_length[b]`` tokens (its left pads) by batch index, which breaks once rows are
-    regrouped per drafted node. Same effect, row-free: a row's prefix starts with its padded prompt
-    (the first L columns), which gives the row's count whatever token fills its pads. Prompts are
-    looked up by a hash of those columns, then compared exactly; a prefix that is no prompt (a draft
-    model's pad-free one) skips nothing, which changes acceptance only."""
+class _PromptIndex:
+    """Finds each prefix's row by its padded prompt: a row's prefix starts with it (the first L
+    columns), whatever token fills its pads. Prompts are looked up by a hash of those columns, then
+    compared exactly, so one lookup serves any number of rows and prompts."""
 
-    def __init__(self, penalty: float, prompts: torch.Tensor, ignore: torch.Tensor) -> None:
-        # distinct padded prompts [U, L] and their counts [U], on the prompts' device
-        self.penalty, self.prompts, self.ignore = penalty, prompts, ignore.to(prompts.device)
+    def __init__(self, prompts: torch.Tensor) -> None:
+        self.prompts = prompts  # distinct padded prompts [U, L]
         gen = torch.Generator().manual_seed(0)  # not torch's global RNG, which sampling draws from
         while True:  # weights under which the distinct prompts hash apart, so one lookup finds each
             self.weights = torch.randint(1, 2**31, (prompts.shape[1],), generator=gen).to(prompts.device)
@@ -36,17 +32,36 @@ class _PromptRepetitionPenalty:
     def _hash(self, ids: torch.Tensor) -> torch.Tensor:
         return (ids * self.weights.to(ids.device)).sum(1)
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        from transformers import RepetitionPenaltyLogitsProcessor
-
+    def find(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(prompt index [R], whether row r starts with that prompt [R]) on input_ids' device."""
         dev = input_ids.device
-        prompts, ignore, keys = self.prompts.to(dev), self.ignore.to(dev), self.keys.to(dev)
+        prompts, keys = self.prompts.to(dev), self.keys.to(dev)
         head = input_ids[:, :prompts.shape[1]]
-        lead = torch.zeros(input_ids.shape[0], dtype=torch.long, device=dev)
+        at = torch.zeros(input_ids.shape[0], dtype=torch.long, device=dev)
+        found = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=dev)
         if head.shape[1] == prompts.shape[1]:
             hit = self._hash(head)[:, None] == keys[None]  # [R, U]
             at = hit.long().argmax(1)
-            lead = torch.where(hit.any(1) & (head == prompts[at]).all(1), ignore[at], lead)
+            found = hit.any(1) & (head == prompts[at]).all(1)
+        return at, found
+
+
+class _PromptRepetitionPenalty:
+    """transformers' repetition penalty for a padded batch skips row b's first
+    ``prompt_ignore_length[b]`` tokens (its left pads) by batch index, which breaks once rows are
+    regrouped per drafted node. Same effect, row-free: the row's count comes from the padded prompt
+    its prefix starts with (``_PromptIndex``); a prefix that is no prompt (a draft model's pad-free
+    one) skips nothing, which changes acceptance only."""
+
+    def __init__(self, penalty: float, prompts: torch.Tensor, ignore: torch.Tensor) -> None:
+        # distinct padded prompts [U, L] and their counts [U], on the prompts' device
+        self.penalty, self.index, self.ignore = penalty, _PromptIndex(prompts), ignore.to(prompts.device)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        from transformers import RepetitionPenaltyLogitsProcessor
+
+        at, found = self.index.find(input_ids)
+        lead = torch.where(found, self.ignore.to(input_ids.device)[at], torch.zeros_like(at))
         return RepetitionPenaltyLogitsProcessor(self.penalty, prompt_ignore_length=lead)(input_ids, scores)
 
 
@@ -74,31 +89,40 @@ def _repetition_penalty(p: Any, input_ids: torch.Tensor) -> Any:
 class _PromptScoped:
     """transformers builds its ``encoder_*`` processors from the whole prompt batch (also for
     decoder-only models) and indexes them by batch row, which breaks once rows are regrouped per
-    drafted node. Same effect, row-free: rebuilt per call from each prefix's first L columns, its
-    row's padded prompt, which is what plain ``generate()`` builds them from. A draft model's
-    pad-free prefix gives other columns there: that changes acceptance only."""
+    drafted node. Same effect, row-free: one processor per distinct padded prompt, built once (the
+    n-gram table is costly to build), applied to the rows whose prefix starts with that prompt
+    (``_PromptIndex``), as plain ``generate()`` applies it to that prompt's row. A prefix that is no
+    prompt (a draft model's pad-free one) keeps its scores, as the repetition penalty skips nothing
+    there: that changes acceptance only."""
 
-    def __init__(self, build: Callable[[torch.Tensor], Any], prompt_len: int) -> None:
-        self.build, self.prompt_len = build, prompt_len
+    def __init__(self, build: Callable[[torch.Tensor], Any], input_ids: torch.Tensor) -> None:
+        prompts = torch.unique(input_ids, dim=0)  # distinct padded prompts [U, L]
+        self.index = _PromptIndex(prompts)
+        self.procs = [build(prompt[None]) for prompt in prompts]  # each from its prompt, batch size 1
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        return self.build(input_ids[:, :self.prompt_len])(input_ids, scores)
+        at, found = self.index.find(input_ids)
+        out = scores.clone()
+        for u in torch.unique(at[found]).tolist():
+            rows = (found & (at == u)).nonzero().squeeze(1)
+            out[rows] = self.procs[u](input_ids[rows], scores[rows])
+        return out
 
 
-def _encoder_processor(p: Any, prompt_len: int) -> _PromptScoped:
-    """An ``encoder_*`` processor rebuilt from each row's prompt; the penalty is copied as stored
-    (the constructor keeps 1/penalty, which a round trip could round)."""
+def _encoder_processor(p: Any, input_ids: torch.Tensor) -> _PromptScoped:
+    """An ``encoder_*`` processor per prompt row; the penalty is copied as stored (the constructor
+    keeps 1/penalty, which a round trip could round)."""
     from transformers.generation import logits_process as lp
 
     if isinstance(p, lp.EncoderNoRepeatNGramLogitsProcessor):
-        return _PromptScoped(lambda enc: lp.EncoderNoRepeatNGramLogitsProcessor(p.ngram_size, enc), prompt_len)
+        return _PromptScoped(lambda enc: lp.EncoderNoRepeatNGramLogitsProcessor(p.ngram_size, enc), input_ids)
 
     def with_prompt(enc: torch.Tensor) -> Any:
         q = copy.copy(p)
         q.encoder_input_ids = enc
         return q
 
-    return _PromptScoped(with_prompt, prompt_len)
+    return _PromptScoped(with_prompt, input_ids)
 
 
 def adapt_processors(procs: Sequence[Any], input_ids: torch.Tensor) -> list[Any]:
@@ -120,6 +144,6 @@ def adapt_processors(procs: Sequence[Any], input_ids: torch.Tensor) -> list[Any]
         if isinstance(p, lp.RepetitionPenaltyLogitsProcessor) and isinstance(p.prompt_ignore_length, torch.Tensor):
             p = _repetition_penalty(p, input_ids)
         elif isinstance(p, (lp.EncoderRepetitionPenaltyLogitsProcessor, lp.EncoderNoRepeatNGramLogitsProcessor)):
-            p = _encoder_processor(p, input_ids.shape[1])
+            p = _encoder_processor(p, input_ids)
         out.append(p)
     return out
