@@ -15,7 +15,7 @@ so the next round's use of it is fresh).
 ``lane`` keeps rows that share one seed apart (``generate_batch(seed=...)``: row i is lane i); a
 row with its own seed is lane 0, so ``generate(p, seed=s)`` equals row 0 of
 ``generate_batch([p, ...], seed=s)``. Seeded rows are verified together with keyed draws where
-the draft is point masses; draws that are not one per position (a drafted distribution's
+the proposer drafts point masses (every round: ``ProposerTraits.point_masses``); draws that are not one per position (a drafted distribution's
 rejection test, a drafter's own sampling) use the row's own stream generator, seeded from
 ``lane_seed(seed, lane)``, as before.
 

@@ -375,7 +375,8 @@ class Batch:
         if known:
             broken[upload_tensor(known, broken.device)] = True
         z = torch.where(broken[..., None], torch.zeros((), dtype=z.dtype, device=z.device), z)
-        dv = verify_groups(self.verifier, rows, draft, z, lambda r: "greedy" if r.pipeline.greedy else id(r.generator))
+        dv = verify_groups(self.verifier, rows, draft, z, lambda r: "greedy" if r.pipeline.greedy else id(r.generator),
+                           self.traits.point_masses)
         bad = broken[:, 0] | (broken[:, 1:] & dv.path).any(-1)  # [B]: the root, or a node on the path
         lp = logits if any(r.logprobs for r in rows) else None
         extra = {k: v for src in self.traits.sources for k, v in src.to_fetch(z).items()}

@@ -26,15 +26,16 @@ _KEYED = "keyed"  # the group of seeded rows drawing keyed samples (``keyed_draw
 
 
 def verify_groups(verifier: Callable, rows: Sequence[Any], draft: Draft | None, z: torch.Tensor,
-                  generator_of: Callable[[Any], Hashable]) -> DeviceVerdict:
+                  generator_of: Callable[[Any], Hashable], point_masses: bool = True) -> DeviceVerdict:
     """The verifier on each group of rows (``generator_of(row)``: the group's key), its decisions
-    laid out over the batch on the logits' device (no host read). Seeded rows of a point-mass draft
-    are one group whose samples are keyed on their positions where the verifier takes that
+    laid out over the batch on the logits' device (no host read). Seeded rows of a proposer that
+    drafts point masses (``point_masses``: every round, so a row draws one way throughout) are one
+    group whose samples are keyed on their positions where the verifier takes that
     (``keyed_draws``): independent of the draft schedule and of the rows beside them."""
     B, dev = len(rows), z.device
     x = draft.tokens if draft is not None else torch.zeros(B, 0, dtype=torch.long, device=dev)
     parents = draft.parents if draft is not None else ()
-    keyed = _takes_keyed_draws(verifier) and (draft is None or draft.probs is None)
+    keyed = point_masses and _takes_keyed_draws(verifier) and (draft is None or draft.probs is None)
     groups: dict[Hashable, list[int]] = {}
     for b, r in enumerate(rows):
         key = generator_of(r)

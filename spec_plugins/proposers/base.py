@@ -18,7 +18,9 @@ class registers (``check_proposer_class``) and when a batch is built (``Proposer
   recycling tree of fixed size is a plain ``Draft``); ``ranks_with(config)`` tells from a config
   alone, so a composition refuses a child that would not rank when its config is validated.
   A feature drafter that reads decoder-layer outputs rather than the last hidden state names
-  them in ``feature_layers`` (EAGLE-3).
+  them in ``feature_layers`` (EAGLE-3). ``point_masses = False``: its drafts carry their own
+  distribution (``Draft.probs``, a draft model's), so seeded rows beside it draw from their
+  stream generators rather than keyed samples (``keyed_draws``).
 - ``sources()``: the drafters the draft policy runs, each where it pays: the proposer itself, or
   a composition's children (a hybrid).
 - ``to_fetch(z)``: device tensors the proposer's ``observe`` reads (its draft's scores, the
@@ -50,6 +52,7 @@ class Proposer:
     tree: bool = False  # drafts trees (needs a runtime with tree masks)
     continues_ahead: ClassVar[bool] = False  # drafts after ``ProposeContext.ahead`` (a grammar's forced tokens)
     ranks: bool = False  # propose() returns ranked candidates (types.Ranked), sized by the policy
+    point_masses: bool = True  # drafts carry no distribution (probs None): seeded rows draw keyed samples
     feature_layers: tuple[int, ...] = ()  # decoder-layer outputs it reads instead of the last hidden state
 
     @classmethod
@@ -161,6 +164,7 @@ class ProposerTraits:
     remembers: bool = False
     reports: bool = False
     sources: tuple = ()  # the drafters the draft policy runs (``Proposer.sources``)
+    point_masses: bool = True  # no drafter of it drafts distributions (``loop.verdicts``: keyed draws)
 
     @property
     def want_hidden(self) -> "bool | tuple[int, ...]":
@@ -175,7 +179,8 @@ class ProposerTraits:
         return ProposerTraits(isinstance(proposer, RowAware), isinstance(proposer, Keyed), bool(proposer.needs_hidden),
                               bool(proposer.tree), tuple(proposer.feature_layers), bool(proposer.ranks),
                               isinstance(proposer, Remembers), isinstance(proposer, ReportsMetrics),
-                              tuple(proposer.sources()))
+                              tuple(proposer.sources()),
+                              all(getattr(p, "point_masses", True) for p in (proposer, *proposer.sources())))
 
 
 def check_pairing(runtime: Any, proposer: Any) -> ProposerTraits:

@@ -26,6 +26,7 @@ from spec_plugins.vocab import check_vocab_compatible, fit_vocab
 
 @register_proposer("draft_model")
 class DraftModelProposer(Proposer):
+    point_masses = False  # sampled drafts carry the draft model's distribution
     class Config(ProposerConfig):
         type: Literal["draft_model"] = "draft_model"
         model: TargetField = Field(description="The draft model's runtime section (any backend).")
