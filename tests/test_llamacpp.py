@@ -420,6 +420,22 @@ def test_failed_admission_leaves_the_running_rows_as_they_were(rt):
 
 
 @_model_test
+def test_lookahead_on_a_tree_cut_to_the_sequence_pool_equals_plain():
+    """Lookahead's tree (window + pool candidates) does not fit two sequence ids for two rows, so
+    each round is cut (``loop.capacity``): its Jacobi update reads only the window nodes that were
+    verified, and greedy output equals plain decoding."""
+    from spec_plugins import SpeculativeDecoder
+
+    dec = SpeculativeDecoder.from_config({**_cfg(max_sequences=2), "proposer": {"type": "lookahead"}})
+    prompts = ["Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox jumps over "
+               "the lazy dog.", "Count: 1, 2, 3, 4, 5,"]
+    spec = dec.generate_batch(prompts, 24, chat=False)
+    plain = dec.without_speculation().generate_batch(prompts, 24, chat=False)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert sum(o.stats.draft_tokens for o in spec) > 0
+
+
+@_model_test
 def test_inputs_longer_than_llama_cpp_s_own_batch_are_split_at_it(ref):
     """llama.cpp rounds a small n_ctx up (64 -> 256 cells) but caps n_batch at the n_ctx asked for:
     a 100-token prompt must go in chunks of that cap (one llama_decode of more tokens aborts the

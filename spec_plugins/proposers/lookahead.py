@@ -164,14 +164,27 @@ class LookaheadProposer(Proposer):
         if result.draft is None:
             return
         top = result.fetched["lookahead.argmax"]  # [B, n+1] on the host (the round's one read)
+        size = result.draft.size  # the verified draft: a shared pool (``loop.capacity``) may have cut it
         for b, (st, seq, em) in enumerate(zip(self.rows, result.sequences, result.emitted)):
             if not st.window_nodes:
                 continue
             P = len(seq) - len(em) - 1  # the pending position when the draft was made
-            m = self._node_maps[b]
+            drafted = _verified(self._node_maps[b], st.window_nodes, size)
             # guess for P+1 comes from the root; for P+2+j from window node j
-            new = [int(top[b][0])] + [int(top[b][m[j] + 1]) for j in st.window_nodes]
+            new = [int(top[b][0])] + [int(top[b][n + 1]) for n in drafted]
             st.harvest(P + 1, new)
+
+
+def _verified(node_map: Sequence[int], window_nodes: Sequence[int], size: int) -> list[int]:
+    """The shared-draft nodes of the window's leading guesses that the forward scored. A cut keeps
+    the first ``size`` nodes and the window is a chain (each node after its parent), so the scored
+    ones are a prefix: the next iterate is the root's guess plus theirs, one per position."""
+    out: list[int] = []
+    for j in window_nodes:
+        if node_map[j] >= size:
+            break
+        out.append(node_map[j])
+    return out
 
 
 def _trie(chains: Sequence[Sequence[int]], depth_caps: Sequence[int]):
