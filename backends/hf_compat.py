@@ -130,14 +130,14 @@ class MaskLayout:
         return {"full_attention": mask, "sliding_attention": sliding} if self.per_type else sliding
 
 
-def _text_config(model: Any) -> Any:
+def text_config(model: Any) -> Any:
     """The decoder's config (a multimodal model's text config; the config itself otherwise)."""
     return model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
 
 
 def decoder_layers(model: Any) -> int | None:
     """How many decoder layers a transformers causal LM has (None where its config does not say)."""
-    cfg = _text_config(model)
+    cfg = text_config(model)
     count = getattr(cfg, "num_hidden_layers", None)
     return int(count) if count is not None else None
 
@@ -146,7 +146,7 @@ def mask_layout(model: Any) -> MaskLayout:
     """The mask layout of a transformers causal LM, read from its decoder config as transformers'
     own caches read it (``layer_types``, else every layer slides when ``sliding_window`` is set).
     Layer types a mask cannot express (chunked, linear, recurrent attention) are refused."""
-    cfg = _text_config(model)
+    cfg = text_config(model)
     window = getattr(cfg, "sliding_window", None)
     types = getattr(cfg, "layer_types", None)
     if types is None:
@@ -208,7 +208,7 @@ def _position_table(model: Any, cfg: Any) -> tuple[str, int] | None:
 
 def _caps(model: Any) -> list[tuple[int, str]]:
     """(positions, why) of each point where ``model``'s positions stop being exact, smallest first."""
-    cfg = _text_config(model)
+    cfg = text_config(model)
     name = type(model).__name__
     caps: list[tuple[int, str]] = []
     if (table := _position_table(model, cfg)) is not None:
@@ -233,7 +233,7 @@ def context_limit(model: Any, requested: int | None = None) -> int:
     ``max_position_embeddings`` (2048 without one), capped where positions stop being exact: a
     learned absolute position table ends, or a rope changes its frequencies with the forward's
     length (longrope, dynamic NTK). A ``requested`` context past such a cap is refused."""
-    cfg = _text_config(model)
+    cfg = text_config(model)
     limit = int(requested or getattr(cfg, "max_position_embeddings", None) or 2048)
     for n, why in _caps(model):
         if requested and requested > n:

@@ -63,7 +63,7 @@ def attention_implementation(model: Any) -> str:
     additive floats for eager on the static one). transformers' ``flex_attention`` adds the mask to
     the scores (a boolean one hides nothing) and its flash attention reads a 2D padding mask only:
     either would decode with wrong masks and no error."""
-    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    cfg = hf_compat.text_config(model)
     impl = getattr(cfg, "_attn_implementation", None) or "eager"  # None: transformers' attention runs eager
     if impl not in MASKED_ATTENTION:
         raise ValueError(f"{type(model).__name__} is loaded with attn_implementation={impl!r}, which does not "

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from spec_plugins.backends import hf_compat
 from spec_plugins.backends.base import StepOutput, Want
 from spec_plugins.backends.torch_runtime import TorchRuntime, load_for, pick_device, selects_static
 from spec_plugins.fixed_steps import FixedSteps, Mode
@@ -114,7 +115,7 @@ class StaticTorchRuntime(TorchRuntime):
                  compile: bool = False, graphs: bool = False) -> None:
         # the measured few-row matmul kernels patch calls at run time: not inside a compiled graph
         super().__init__(model, tokenizer, max_context, matmul="native")
-        cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+        cfg = hf_compat.text_config(model)
         self._layers = int(cfg.num_hidden_layers)
         self._kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
         self._head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)

@@ -139,7 +139,7 @@ def export_models(out: str | Path, target: tuple[Any, Any, str], draft: tuple[An
         if feature_layers is None:
             from spec_plugins.heads.eagle import default_feature_layers
 
-            feature_layers = default_feature_layers(int(model.config.get_text_config(decoder=True).num_hidden_layers))
+            feature_layers = default_feature_layers(int(hf_compat.decoder_layers(model)))
         graphs = [graph_entry("verify", model, source, tmp / "verify.onnx", opset, tuple(feature_layers))]
         log(f"  verify.onnx: {graphs[0].size_bytes / 2**20:.1f} MiB in {graphs[0].export_seconds:.1f} s")
         if draft is not None:
@@ -220,7 +220,7 @@ def export_config(config: Any, out: str | Path, opset: int = OPSET, log: Log = _
         where = str(resolve_head_dir(prop.heads))  # as the proposers find it: shipped examples from any directory
         cls = MedusaHeads if prop.type == "medusa" else drafter_class(where)
         heads.append((prop.type, cls.from_pretrained(where, model), where))
-    layers = parse_feature_layers(feature_layers, int(model.config.get_text_config(decoder=True).num_hidden_layers))
+    layers = parse_feature_layers(feature_layers, int(hf_compat.decoder_layers(model)))
     drafter_layers = tuple(getattr(heads[0][1].config, "feature_layers", ())) if heads else ()
     if feature_layers == "auto" and drafter_layers:
         layers = drafter_layers

@@ -27,7 +27,7 @@ def check_exportable(model: Any) -> None:
     """Refuse models whose cache is not one plain growing KV per layer, or whose attention a window
     limits within the context: the graph's attention sees all of its past, as the runtime's mask
     says (``hf_compat.mask_layout`` reads the window as the torch runtime does)."""
-    cfg = model.config.get_text_config(decoder=True)
+    cfg = hf_compat.text_config(model)
     if getattr(cfg, "is_encoder_decoder", False):
         raise UnsupportedModel("encoder-decoder models are not supported by the verify graph")
     name = type(model).__name__
