@@ -247,6 +247,57 @@ def test_a_hybrid_is_a_composition_whose_children_the_policy_prices():
     assert cheap.calls == 32 and dear.calls == 2
 
 
+@pytest.mark.parametrize("k,length", [("auto", "config"), (16, "load")])
+def test_a_hybrids_depth_is_priced_at_its_cheapest_child_and_the_gate_owns_the_rest(k, length):
+    """With the depth chosen by cost (``num_draft_tokens: auto``, the default; a server's ``load``
+    policy), the length policy prices drafting at the cheapest child: the gate decides whether
+    the dear one pays. Priced at the children's sum, the depth was 0 every round and the cheap
+    child, which pays alone, was asked on probes only (2.7x its own target forwards)."""
+    from spec_plugins.policy import build_policy
+    from spec_plugins.policy.cost import DraftCost
+    from spec_plugins.proposers.hybrid import HybridProposer
+    from spec_plugins.proposers.suffix import SuffixProposer
+
+    cheap, dear = (_Tree(SuffixProposer.Config(num_draft_tokens=k, tree_nodes=8)) for _ in range(2))
+    hyb = HybridProposer(HybridProposer.Config(num_draft_tokens=k, proposers=[
+        {"type": "suffix", "tree_nodes": 8}, {"type": "suffix", "scope": "global", "tree_nodes": 8}]),
+        children=[cheap, dear])
+    costs = Costs(ForwardCost.from_curve([0.01] * 33), frozen=True)  # a flat verify curve: drafting pays
+    costs.set_drafter(cheap, DraftCost(per_call=0.0001))
+    costs.set_drafter(dear, DraftCost(per_call=0.1))
+    policy = build_policy(hyb.config, hyb, costs, length=length)
+    depths = []
+    for _ in range(32):
+        depths.append(policy.choose(BatchView([[1, 2, 3]], [99]))[0])
+        _rounds(policy, hyb, 1)
+    assert min(depths) > 0, depths
+    assert cheap.calls == 32 and dear.calls == 2
+
+
+def test_setup_measures_each_child_of_a_composition(monkeypatch):
+    """``setup_costs`` times the children the gate and the length policy price, not only the
+    composition as a whole (whose cost is both children's)."""
+    from types import SimpleNamespace
+
+    import spec_plugins.policy.costs as costs_module
+    from spec_plugins.policy.cost import DraftCost
+    from spec_plugins.policy.draft_policy import setup_costs
+    from spec_plugins.proposers.hybrid import HybridProposer
+    from spec_plugins.proposers.suffix import SuffixProposer
+
+    cheap, dear = (_Tree(SuffixProposer.Config(num_draft_tokens="auto", tree_nodes=8)) for _ in range(2))
+    hyb = HybridProposer(HybridProposer.Config(num_draft_tokens="auto", proposers=[
+        {"type": "suffix", "tree_nodes": 8}, {"type": "suffix", "scope": "global", "tree_nodes": 8}]),
+        children=[cheap, dear])
+    timed = []
+    monkeypatch.setattr(costs_module, "measure_draft", lambda p, *a, **kw: timed.append(p) or DraftCost(per_call=0.001))
+    costs = Costs(ForwardCost.from_curve([0.01] * 33), frozen=True)
+    runtime = SimpleNamespace(max_context=4096)  # the curve above covers every width: nothing re-measured
+    assert setup_costs(runtime, hyb, hyb.config, costs=costs) is costs
+    assert timed == [cheap, dear]
+    assert costs.drafter(cheap).per_call == costs.drafter(dear).per_call == 0.001
+
+
 def test_online_costs_read_the_measured_curve_once_per_row_count():
     """The policy prices ~17 widths every round and the costs learn from every round, so each
     observation must only rescale the measured curve, not interpolate it again (that rebuild was

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
+from spec_plugins.policy.cost import DraftCost
 from spec_plugins.policy.costs import Costs
 from spec_plugins.policy.draft_length import AutoDraftLength, FixedLength, LengthPolicy
 from spec_plugins.policy.sources import SourceGate
@@ -119,8 +120,21 @@ def setup_costs(runtime: Any, proposer: Any, section: Any, pipeline: Any = None,
         have = set(costs.forward.base.rows) if costs is not None else set()
         context = min(context or defaults.context, runtime.max_context - positions)
         costs = Costs.measure(runtime, sorted(set(rows) | have), positions, context)
-    costs.measure_drafter(proposer, runtime, pipeline)
+    sources = ProposerTraits.of(proposer).sources
+    for drafter in sources if len(sources) > 1 else (proposer,):  # a composition: its children (the gate's)
+        costs.measure_drafter(drafter, runtime, pipeline)
     return costs
+
+
+def drafting_cost(costs: Costs, proposer: Any) -> DraftCost:
+    """What a round's drafting costs the length policy: the proposer's own measured cost; for a
+    composition its cheapest source's. Whether a dearer child pays is the gate's decision
+    (``policy.sources``); pricing the depth at what all children cost together decided "no draft"
+    before the gate could ask the cheap child, which paid on its own."""
+    sources = ProposerTraits.of(proposer).sources
+    if len(sources) > 1:
+        return min((costs.drafter(s) for s in sources), key=lambda c: c(1))
+    return costs.drafter(proposer)
 
 
 def build_policy(section: Any, proposer: Any, costs: Costs | None = None, sizer: TreeSizer | None = None,
@@ -151,5 +165,5 @@ def build_policy(section: Any, proposer: Any, costs: Costs | None = None, sizer:
         length_policy = FixedLength(int(k))
     else:
         max_k = defaults.max_k if k == "auto" else int(k)
-        length_policy = AutoDraftLength(costs, costs.drafter(proposer), max_k=max_k, min_gain=defaults.min_gain)
+        length_policy = AutoDraftLength(costs, drafting_cost(costs, proposer), max_k=max_k, min_gain=defaults.min_gain)
     return DraftPolicy(length_policy, sizer, costs, gated=gated, min_gain=defaults.min_gain)
