@@ -10,7 +10,9 @@
    measured gap is printed. Host syncs per round are counted with
    ``torch.cuda.set_sync_debug_mode`` (CUDA only).
 2. Speed: random weights at SmolLM2-135M's shape (no weights to carry): plain and n-gram decoding,
-   eager on the growing cache and compiled on the static one, tok/s and host syncs per round.
+   eager on the growing cache and compiled on the static one, tok/s and host syncs per round;
+   plain at Llama-3.2-1B's shape; then one forward's cost per width (1..17) on the captured step
+   at both shapes, the curve ``gpu_prediction.py --measured`` prices the replayed dev prompts with.
 3. The CUDA cases of ``tests/test_devices.py`` (the device audit on the GPU) and of
    ``tests/test_tensorrt.py`` (they skip, saying why, where TensorRT is not installed).
 
@@ -50,6 +52,7 @@ class Row:
     syncs: str = "-"
     tps: str = "-"
     note: str = ""
+    curve: dict | None = None  # a cost-curve row's measured milliseconds per width (gpu_prediction reads it)
 
 
 class Rows(list):
@@ -143,14 +146,22 @@ def decode_rows(rt, proposer, prompts, n: int, count_syncs: bool):
 
 
 def exactness(rows: Rows, dev: str, n: int, deadline: float, compiled: bool) -> None:
+    from conftest import tiny_llama
+    from helpers import save_random_heads
+
+    with tempfile.TemporaryDirectory(prefix="gpu_check-heads-") as tmp:
+        heads = save_random_heads(tiny_llama(vocab=64, seed=2, sharpness=3.0, layers=4, hidden=128, max_pos=1024),
+                                  Path(tmp))
+        _exactness(rows, dev, n, deadline, compiled, heads)
+
+
+def _exactness(rows: Rows, dev: str, n: int, deadline: float, compiled: bool, heads) -> None:
     import torch
     from conftest import tiny_llama
-    from helpers import EVERY_PROPOSER, every_proposer, save_random_heads
+    from helpers import EVERY_PROPOSER, every_proposer
 
     from spec_plugins.bench.reference import compare, greedy_reference
 
-    heads = save_random_heads(tiny_llama(vocab=64, seed=2, sharpness=3.0, layers=4, hidden=128, max_pos=1024),
-                              Path(tempfile.mkdtemp(prefix="gpu_check-heads-")))
     for dtype in (torch.float32, torch.bfloat16):
         model = tiny_llama(vocab=64, seed=2, sharpness=3.0, layers=4, hidden=128, max_pos=1024).to(dev, dtype)
         draft = tiny_llama(vocab=64, seed=5, sharpness=3.0, layers=2, hidden=64, max_pos=1024).to(dev, dtype)
@@ -219,8 +230,9 @@ def model_shape(name: str, dev: str, dtype):
 
 
 def speed(rows: Rows, dev: str, n: int, compiled: bool, deadline: float) -> None:
-    """Plain and n-gram decoding at SmolLM2's shape, plain at Llama-3.2-1B's: tok/s, host syncs per
-    round, and the warm-up (where the compiled step's buckets compile) in the note."""
+    """Plain and n-gram decoding at SmolLM2's shape, plain at Llama-3.2-1B's (eager and captured; its
+    compile would spend the minutes the curves need): tok/s, host syncs per round, and the warm-up
+    (where the compiled step's buckets compile) in the note; then the cost curves."""
     import torch
 
     from spec_plugins.proposers.ngram import NgramProposer
@@ -230,7 +242,7 @@ def speed(rows: Rows, dev: str, n: int, compiled: bool, deadline: float) -> None
     ngram = NgramProposer(NgramProposer.Config())
     plans = [("smollm2", name, prop, kv, label) for name, prop in (("plain", None), ("ngram (3 drafts)", ngram))
              for kv in kvs for label in ("1 row", "batch of 4")]
-    plans += [("llama1b", "plain", None, kv, "1 row") for kv in kvs] if dev == "cuda" else []
+    plans += [("llama1b", "plain", None, kv, "1 row") for kv in kvs if kv != "compiled"] if dev == "cuda" else []
     models: dict = {}
     for shape, name, prop, kv, label in plans:
         row = rows.add(Row(f"speed {shape}-shape {name} {kv} {label}"))
@@ -267,11 +279,47 @@ def speed(rows: Rows, dev: str, n: int, compiled: bool, deadline: float) -> None
             row.result, row.note = "FAIL", f"{type(exc).__name__}: {str(exc)[:140]}"
             traceback.print_exc()
         rows.finish(row)
+    curve_shapes = ("llama1b", "smollm2") if dev == "cuda" else ("smollm2",)
+    for shape in curve_shapes:
+        if shape not in models:
+            models.clear()
+            if time.monotonic() < deadline:
+                models[shape] = model_shape(shape, dev, torch.bfloat16 if dev == "cuda" else torch.float32)
+        cost_curve(rows, shape, models.get(shape), dev, deadline)
+
+
+def cost_curve(rows: Rows, shape: str, model, dev: str, deadline: float) -> None:
+    """One forward's cost per width on the step the speculative rows run (``graphs`` on CUDA, the
+    static eager step on the CPU), on a warm cache: the curve ``gpu_prediction.py --measured``
+    replays the dev prompts' acceptance under (issue 45 item 3: n-gram ``auto`` at Llama-3.2-1B's
+    shape, whose random weights accept nothing of their own). Widths 1..17 cover ``auto``'s
+    drafts (at most 16) and the round's own token."""
+    from spec_plugins.policy.cost import measure
+
+    kv = "graphs" if dev == "cuda" else "static"
+    on_cpu = dev != "cuda"
+    widths, context = (range(1, 4), 32) if on_cpu else (range(1, 18), 512)
+    row = rows.add(Row(f"cost curve {shape}-shape {kv} 1 row"))
+    if model is None or time.monotonic() > deadline:
+        row.note = "time budget spent"
+        rows.finish(row)
+        return
+    try:
+        cost = measure(runtime(kv, model), rows=(1,), widths=tuple(widths), context=context, repeats=5)
+        ms = {n: cost(1, n) * 1e3 for n in widths}
+        last = max(ms)
+        row.result, row.note = "ok", f"T(1) {ms[1]:.2f} ms, T({last})/T(1) {ms[last] / ms[1]:.2f}, context {context}"
+        row.curve = {"shape": shape, "kv": kv, "dtype": str(model.dtype).removeprefix("torch."),
+                     "context": context, "ms": ms}
+    except Exception as exc:
+        row.result, row.note = "FAIL", f"{type(exc).__name__}: {str(exc)[:140]}"
+        traceback.print_exc()
+    rows.finish(row)
 
 
 # the CUDA cases only: "cuda" is the device id of test_devices' parametrized cases, "gpu_trt" names the
-# TensorRT engine tests (a bare "gpu" also selected test_gpu_check_runs_its_whole_matrix_on_the_cpu,
-# this whole script on the CPU, and the CPU-only TensorRT checks); a CPU test must not name "cuda"
+# TensorRT engine tests (a bare "gpu" also selected the CPU-only TensorRT checks); a CPU test in
+# these files must not name "cuda" (this script's own CPU run is in tests/test_gpu_scripts.py)
 DEVICE_TESTS = ("tests/test_devices.py", "tests/test_tensorrt.py", "-k", "cuda or gpu_trt")
 LEAST_TEST_S = 30.0  # the pytest stage's timeout when less of the budget is left
 

@@ -9,16 +9,19 @@ verifier and commits as a live run) with the forward costs measured on the H200
 - ``eager``: one eager forward over N positions (measured to N = 128);
 - ``graphed``: the same forward replayed as a CUDA graph, measured for N = 1 and 2 only, so wider
   steps are an assumption, printed with every row: ``graphed-rel`` scales N = 1 by the eager
-  curve's relative cost, ``graphed-linear`` extends the N = 1 -> 2 step linearly (pessimistic).
+  curve's relative cost, ``graphed-linear`` extends the N = 1 -> 2 step linearly (pessimistic);
+- ``measured-graphs`` (with ``--measured $OUT/gpu_check.jsonl`` from a lent GPU): the captured
+  step's own cost per width 1..17, as ``scripts/gpu_check.py`` measured it at each shape (issue
+  45 item 3: n-gram ``auto`` on graphs at Llama-3.2-1B's shape is this replay under that curve).
 
 Per round, the host's work outside forwards is ``--overhead-ms`` (default: the report's measured
 per-round overhead on this CPU). Prints tokens/s per policy and category under each curve, and
 the speedups that the GPU issue asks for (compiled plain / eager plain, n-gram `auto` and suffix
 (its own drafting cost measured here) / compiled plain), for SmolLM2's shape and Llama-3.2-1B's (the
-same acceptance: a prediction twice over for the larger shape; ``--shapes``); compiled
-plain).
+same acceptance: a prediction twice over for the larger shape; ``--shapes``).
 
-    python scripts/gpu_prediction.py --report bench-out/report.json --prompts examples/prompts/dev.jsonl
+    python scripts/gpu_prediction.py --report bench-out/report.json --prompts examples/prompts/dev.jsonl \
+        [--measured gpu_check.jsonl]
 """
 
 from __future__ import annotations
@@ -36,8 +39,23 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def curves(directory: Path, shape: str = "smollm2") -> dict[str, list[float]]:
-    """Seconds for N = 1..128 positions under each curve (module docstring)."""
+def measured_curves(path: Path | None) -> dict[str, dict]:
+    """shape -> the cost curve ``gpu_check`` measured on the device (its ``cost curve`` rows in
+    ``gpu_check.jsonl``); none without ``path``. A path with no such row is refused: the
+    prediction would silently fall back to the assumed curves."""
+    if path is None:
+        return {}
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    found = {r["curve"]["shape"]: r["curve"] for r in rows if r.get("curve") and r.get("result") == "ok"}
+    if not found:
+        raise ValueError(f"{path} has no finished `cost curve` row: was it written by scripts/gpu_check.py on the device?")
+    return found
+
+
+def curves(directory: Path, shape: str = "smollm2", measured: dict | None = None) -> dict[str, list[float]]:
+    """Seconds for N = 1..128 positions under each curve (module docstring), and ``measured-<kv>``
+    where ``measured`` (``measured_curves``) has this shape: its widths as measured, wider ones
+    extended along its last step (``auto`` drafts at most 16, so only trees read past 17)."""
     verify = [json.loads(x) for x in (directory / "h200-verify-curve.jsonl").read_text().splitlines() if x.strip()]
     graphs = [json.loads(x) for x in (directory / "h200-cuda-graphs.jsonl").read_text().splitlines() if x.strip()]
     eager = next(r for r in verify if r["shape"] == shape and r["dtype"] == "bfloat16")
@@ -59,7 +77,18 @@ def curves(directory: Path, shape: str = "smollm2") -> dict[str, list[float]]:
         "eager": [t1 * interp(n) for n in range(1, 129)],
         "graphed-rel": [g1 * interp(n) for n in range(1, 129)],
         "graphed-linear": [g1 + (g2 - g1) * (n - 1) for n in range(1, 129)],
+        **({f"measured-{measured[shape]['kv']}": _extended(measured[shape]["ms"])} if measured and shape in measured else {}),
     }
+
+
+def _extended(ms: dict) -> list[float]:
+    """Seconds for N = 1..128 from measured milliseconds per width (consecutive from 1)."""
+    pts = sorted((int(k), float(v) / 1e3) for k, v in ms.items())
+    if [n for n, _ in pts] != list(range(1, len(pts) + 1)):
+        raise ValueError(f"a measured curve needs widths 1..N without gaps, got {[n for n, _ in pts]}")
+    secs = [t for _, t in pts]
+    step = max(0.0, secs[-1] - secs[-2]) if len(secs) > 1 else 0.0
+    return secs + [secs[-1] + step * (n - len(secs)) for n in range(len(secs) + 1, 129)]
 
 
 BENCH_DEFAULT = "built-in default"  # meta.config of a bench run without --config (spec_plugins/bench/cli.py)
@@ -96,6 +125,8 @@ def main() -> int:
     ap.add_argument("--eagle-report", default=None,
                     help="a bench report.json with an EAGLE tree method (its acceptance and drafting, measured on the CPU)")
     ap.add_argument("--eagle-method", default="eagle-tree-auto", help="that method's name in the report")
+    ap.add_argument("--measured", type=Path, default=None,
+                    help="gpu_check.jsonl from the device: its cost-curve rows price the rounds too (measured-<kv>)")
     ap.add_argument("--out", default=None, help="write the prediction as JSON here")
     args = ap.parse_args()
     from spec_plugins.backends import build_runtime
@@ -105,6 +136,7 @@ def main() -> int:
     from spec_plugins.policy import DraftCost, ForwardCost
     from spec_plugins.registry import PROPOSERS
 
+    measured = measured_curves(args.measured)
     report = json.loads(Path(args.report).read_text())
     cfg = report_config(report["meta"])
     check_prompts(report, args.prompts)
@@ -130,7 +162,7 @@ def main() -> int:
           f"{len(turns)} recorded greedy SmolLM2 turns, host overhead {overhead * 1e3:.2f} ms/round")
     for shape in args.shapes.split(","):
         res = out["shapes"][shape] = {}
-        for name, secs in curves(Path(args.curves), shape).items():
+        for name, secs in curves(Path(args.curves), shape, measured).items():
             cost = ForwardCost.from_curve(secs)
             pol = {"ngram-auto": auto(cost, draft, max_k=16), **{f"ngram-k{k}": fixed(k) for k in (2, 4, 8)}}
             sim = replay_report(turns, make_ngram, pol, cost, overhead, draft)
@@ -143,20 +175,22 @@ def main() -> int:
                 print(f"{p:14}" + "".join(f"{row[c]:9.1f} ({row[c] / sim['plain'][c]:.2f}x)" for c in cats))
         e, g = res["eager"]["plain"]["all"], res["graphed-rel"]["plain"]["all"]
         line = {"compiled_plain_over_eager_plain": g / e}
-        for name in ("graphed-rel", "graphed-linear"):
+        line.update({f"{c}_plain_over_eager_plain": res[c]["plain"]["all"] / e for c in res if c.startswith("measured")})
+        for name in (c for c in res if c != "eager"):
             for p in ("ngram-auto", "suffix-auto"):
                 line[f"{p}_over_compiled_plain[{name}]"] = res[name][p]["all"] / res[name]["plain"]["all"]
         res["summary"] = line
         print(f"\n{shape}: " + ";  ".join(f"{k} {v:.2f}x" for k, v in line.items()))
     if args.eagle_report:
         out["eagle"] = eagle_rows(json.loads(Path(args.eagle_report).read_text()), args.eagle_method,
-                                  Path(args.curves), args.shapes.split(","), overhead)
+                                  Path(args.curves), args.shapes.split(","), overhead, measured)
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     return 0
 
 
-def eagle_rows(report: dict, method: str, directory: Path, shapes: list[str], overhead: float) -> dict:
+def eagle_rows(report: dict, method: str, directory: Path, shapes: list[str], overhead: float,
+               measured: dict | None = None) -> dict:
     """EAGLE tree rows, a PREDICTION from the CPU bench: its hidden-state drafter cannot be replayed
     from token ids, so each category's measured rounds (tokens emitted, nodes verified per round)
     are priced under the H200 curves, with the drafting of a round priced as it measured on the
@@ -166,7 +200,7 @@ def eagle_rows(report: dict, method: str, directory: Path, shapes: list[str], ov
     out: dict = {}
     print(f"\nPREDICTION (not measured): {method} from the CPU bench {report['meta'].get('config', '')}")
     for shape in shapes:
-        for name, secs in curves(directory, shape).items():
+        for name, secs in curves(directory, shape, measured).items():
             rows = out.setdefault(shape, {}).setdefault(name, {})
             for cat in report["categories"]:
                 e, p = summ[method][cat], summ["plain"][cat]
