@@ -230,62 +230,69 @@ def model_shape(name: str, dev: str, dtype):
 
 
 def speed(rows: Rows, dev: str, n: int, compiled: bool, deadline: float) -> None:
-    """Plain and n-gram decoding at SmolLM2's shape, plain at Llama-3.2-1B's (eager and captured; its
-    compile would spend the minutes the curves need): tok/s, host syncs per round, and the warm-up
-    (where the compiled step's buckets compile) in the note; then the cost curves."""
+    """Plain and n-gram decoding at SmolLM2's shape, plain at Llama-3.2-1B's (eager and captured):
+    tok/s, host syncs per round, the warm-up in the note; then the cost curves; the compiled rows
+    last, where the budget allows (each of their buckets compiles for tens of seconds)."""
     import torch
 
     from spec_plugins.proposers.ngram import NgramProposer
 
-    kvs = ("dynamic", "graphs", "compiled") if compiled else ("dynamic",)
-    kvs = kvs if dev == "cuda" else tuple(k for k in kvs if k != "graphs")
     ngram = NgramProposer(NgramProposer.Config())
-    plans = [("smollm2", name, prop, kv, label) for name, prop in (("plain", None), ("ngram (3 drafts)", ngram))
-             for kv in kvs for label in ("1 row", "batch of 4")]
-    plans += [("llama1b", "plain", None, kv, "1 row") for kv in kvs if kv != "compiled"] if dev == "cuda" else []
+    methods = (("plain", None), ("ngram (3 drafts)", ngram))
+    on_device = ("dynamic", "graphs") if dev == "cuda" else ("dynamic",)
+    plans: list[tuple] = [("smollm2", name, prop, kv, label) for name, prop in methods for kv in on_device
+                          for label in ("1 row", "batch of 4")]
+    plans += [("llama1b", "plain", None, kv, "1 row") for kv in on_device] if dev == "cuda" else []
+    plans += [(shape, "curve") for shape in (("llama1b", "smollm2") if dev == "cuda" else ("smollm2",))]
+    plans += [("smollm2", name, prop, "compiled", label) for name, prop in methods
+              for label in ("1 row", "batch of 4")] if compiled else []
     models: dict = {}
-    for shape, name, prop, kv, label in plans:
-        row = rows.add(Row(f"speed {shape}-shape {name} {kv} {label}"))
-        if time.monotonic() > deadline:
-            row.note = "time budget spent"
-            rows.finish(row)
-            continue
-        if shape not in models:
+    for shape, *plan in plans:
+        if shape not in models and time.monotonic() < deadline:
             models.clear()  # one shape's weights on the device at a time
             models[shape] = model_shape(shape, dev, torch.bfloat16 if dev == "cuda" else torch.float32)
-        model = models[shape]
-        g = torch.Generator(device="cpu").manual_seed(0)
-        block = torch.randint(0, model.config.vocab_size, (32,), generator=g, device="cpu").tolist()
-        prompts = [(block * 8)[:200 + 13 * i] for i in range(4)]  # repetitive: n-gram finds drafts
-        ps = prompts[:1] if label == "1 row" else prompts
-        try:
-            rt = runtime(kv, model)
-            w0 = time.monotonic()
-            decode_rows(rt, prop, ps, 8, False)  # warm-up (and compiles the buckets it meets)
-            decode_rows(rt, prop, ps, n, False)
-            if dev == "cuda":
-                torch.cuda.synchronize()
-            warm = time.monotonic() - w0
-            t0 = time.perf_counter()
-            outs, acc, _ = decode_rows(rt, prop, ps, n, False)
-            if dev == "cuda":
-                torch.cuda.synchronize()
-            row.tps = f"{sum(map(len, outs)) / (time.perf_counter() - t0):.1f}"
-            row.result, row.accepted, row.note = "ok", acc, f"warm-up {warm:.0f} s"
-            if dev == "cuda":  # an untimed pass under the sync debug mode
-                syncs = decode_rows(rt, prop, ps, min(n, 32), True)[2]
-                row.syncs = f"{sorted(syncs)[len(syncs) // 2]} (max {max(syncs)})" if syncs else "-"
-        except Exception as exc:
-            row.result, row.note = "FAIL", f"{type(exc).__name__}: {str(exc)[:140]}"
-            traceback.print_exc()
+        if plan == ["curve"]:
+            cost_curve(rows, shape, models.get(shape), dev, deadline)
+        else:
+            speed_row(rows, shape, *plan, models.get(shape), dev, n, deadline)
+
+
+def speed_row(rows: Rows, shape: str, name: str, prop, kv: str, label: str, model, dev: str, n: int,
+              deadline: float) -> None:
+    """One speed row: warm-up (compiles or captures the buckets it meets), a timed run, and on CUDA
+    an untimed pass under the sync debug mode."""
+    import torch
+
+    row = rows.add(Row(f"speed {shape}-shape {name} {kv} {label}"))
+    if model is None or time.monotonic() > deadline:
+        row.note = "time budget spent"
         rows.finish(row)
-    curve_shapes = ("llama1b", "smollm2") if dev == "cuda" else ("smollm2",)
-    for shape in curve_shapes:
-        if shape not in models:
-            models.clear()
-            if time.monotonic() < deadline:
-                models[shape] = model_shape(shape, dev, torch.bfloat16 if dev == "cuda" else torch.float32)
-        cost_curve(rows, shape, models.get(shape), dev, deadline)
+        return
+    g = torch.Generator(device="cpu").manual_seed(0)
+    block = torch.randint(0, model.config.vocab_size, (32,), generator=g, device="cpu").tolist()
+    prompts = [(block * 8)[:200 + 13 * i] for i in range(4)]  # repetitive: n-gram finds drafts
+    ps = prompts[:1] if label == "1 row" else prompts
+    try:
+        rt = runtime(kv, model)
+        w0 = time.monotonic()
+        decode_rows(rt, prop, ps, 8, False)
+        decode_rows(rt, prop, ps, n, False)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        warm = time.monotonic() - w0
+        t0 = time.perf_counter()
+        outs, acc, _ = decode_rows(rt, prop, ps, n, False)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        row.tps = f"{sum(map(len, outs)) / (time.perf_counter() - t0):.1f}"
+        row.result, row.accepted, row.note = "ok", acc, f"warm-up {warm:.0f} s"
+        if dev == "cuda":
+            syncs = decode_rows(rt, prop, ps, min(n, 32), True)[2]
+            row.syncs = f"{sorted(syncs)[len(syncs) // 2]} (max {max(syncs)})" if syncs else "-"
+    except Exception as exc:
+        row.result, row.note = "FAIL", f"{type(exc).__name__}: {str(exc)[:140]}"
+        traceback.print_exc()
+    rows.finish(row)
 
 
 def cost_curve(rows: Rows, shape: str, model, dev: str, deadline: float) -> None:
