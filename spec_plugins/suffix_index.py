@@ -86,6 +86,13 @@ class Trie:
                     self.nodes -= _size(n)
                     del parent.children[t]
 
+    def clear(self) -> None:
+        """Forget every node: a dropped key's trie stays named by stale fifo entries and must not
+        keep its nodes alive there. Cursors holding it re-sync (to nothing)."""
+        self.version += 1
+        self.root = Node()
+        self.nodes = 0
+
     def walk(self, tokens: Sequence[int]) -> Node | None:
         node: Node | None = self.root
         for t in tokens:
@@ -196,6 +203,7 @@ class GlobalIndex:
         self.tries: OrderedDict[Hashable, Trie] = OrderedDict()  # least recently used first
         self.held: dict[Hashable, list[int]] = {}  # per key: [requests, tokens]
         self.fifo: deque[tuple[Hashable, Trie, tuple[int, ...]]] = deque()  # entries of dropped keys go stale
+        self.stale_tokens = 0  # tokens of the stale fifo entries (their tries are cleared on drop)
         self.stats = IndexStats()
         self.epoch = 0  # bumped on every change: row cursors re-sync to find the new matches
         self._empty = Trie(depth)  # what a key holding nothing looks like (never added to)
@@ -228,6 +236,7 @@ class GlobalIndex:
         while self.stats.tokens > self.max_tokens:
             old_key, old_trie, old = self.fifo.popleft()
             if self.tries.get(old_key) is not old_trie:
+                self.stale_tokens -= len(old)
                 continue  # its key was dropped whole (``_drop``): already uncounted
             before = old_trie.nodes
             old_trie.remove(old)
@@ -254,10 +263,18 @@ class GlobalIndex:
         self.stats.nodes -= t.nodes
         self.stats.evicted_requests += requests
         self.stats.evicted_keys += 1
-        t.version += 1  # cursors holding it re-sync
+        t.clear()  # its stale fifo entries keep only the emptied trie, never its nodes
+        self.stale_tokens += tokens
         self.epoch += 1
-        if len(self.fifo) > 2 * self.stats.requests + 64:  # stale entries: drop them, amortised O(1) per add
-            self.fifo = deque(e for e in self.fifo if self.tries.get(e[0]) is e[1])
+        if len(self.fifo) > 2 * self.stats.requests + 64 or self.stale_tokens > self.max_tokens:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop the stale fifo entries. Run when they outnumber the live ones (plus a slack) or
+        hold more tokens than the cap, so each costs amortised O(1) per entry or token added and
+        stale entries hold at most about the cap in tokens besides the live ones."""
+        self.fifo = deque(e for e in self.fifo if self.tries.get(e[0]) is e[1])
+        self.stale_tokens = 0
 
 
 # ---- speculation trees ----------------------------------------------------------------------------
