@@ -5,8 +5,10 @@
 together before the response starts; streamed chunks of different choices interleave as their
 tokens come, each tagged with its ``index``. Logprobs are the target's raw log-probabilities of
 the emitted tokens (``loop.batch._logprobs``), with the most likely alternatives where asked;
-special tokens (EOS) are neither text nor logprob entries. ``stream_options.include_usage``
-adds ``"usage": null`` to every chunk and one last chunk with the usage and no choices.
+special tokens (EOS) are neither text nor logprob entries; the legacy (text completion) layout
+names a token that is not whole UTF-8 text by its bytes, ``bytes:\\xe3\\x81``, as OpenAI does.
+``stream_options.include_usage`` adds ``"usage": null`` to every chunk and one last chunk with
+the usage and no choices.
 """
 
 from __future__ import annotations
@@ -54,8 +56,23 @@ def add_openai_routes(app: FastAPI, state: Any) -> None:
                 return bytes(table[c] for c in piece)
         return state.token_text(t).encode("utf-8")
 
-    def token_str(t: int) -> str:
-        return token_bytes(t).decode("utf-8", "replace")
+    def token_label(t: int) -> str:
+        """The legacy completions' name of a token: its text, or ``bytes:\\xe3\\x81`` (every byte,
+        as OpenAI writes it) for a token that is not whole UTF-8 text, such as part of a character:
+        as U+FFFD such alternatives would share one ``top_logprobs`` key."""
+        b = token_bytes(t)
+        try:
+            return b.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{c:02x}" for c in b)
+
+    def top_by_label(top: Sequence[tuple[int, float]]) -> dict[str, float]:
+        """``top`` (best first) as {label: logprob}; two tokens of one label (equal text, e.g. two
+        special tokens) keep the likelier one's logprob."""
+        out: dict[str, float] = {}
+        for t, lp in top:
+            out.setdefault(token_label(t), lp)
+        return out
 
     def check_rows(rows: int, what: str) -> None:
         if rows > state.scheduler.max_batch:
@@ -173,8 +190,8 @@ def add_openai_routes(app: FastAPI, state: Any) -> None:
         for x in shown:
             offsets.append(pos)
             pos += len(x.text)
-        return {"tokens": [token_str(x.id) for x in shown], "token_logprobs": [x.logprob for x in shown],
-                "top_logprobs": [{token_str(t): lp for t, lp in x.top[:top]} for x in shown] if top else None,
+        return {"tokens": [token_label(x.id) for x in shown], "token_logprobs": [x.logprob for x in shown],
+                "top_logprobs": [top_by_label(x.top[:top]) for x in shown] if top else None,
                 "text_offset": offsets}
 
     def encode_prompts(prompts: Sequence[str | list[int]], names: Names) -> list[list[int]]:
@@ -227,7 +244,7 @@ def add_openai_routes(app: FastAPI, state: Any) -> None:
                     completion += len(ev.tokens)
                     if ev.tail:
                         yield sse(body([choice(i, ev.tail, None, (), offsets[i])], **more))
-                        offsets[i] += len(ev.tail)
+                    # the waiting tokens' text is the tail: they start where it starts, as in the answer
                     yield sse(body([choice(i, "", FINISH[ev.reason], waiting[i], offsets[i])], **more))
             if req.include_usage:
                 yield sse(body([], usage=usage(prompt_tokens, completion)))

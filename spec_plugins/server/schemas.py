@@ -51,10 +51,23 @@ def check_repetition_penalty(v: float | None) -> float | None:
     return v
 
 
-def check_seed(v: int | None) -> int | None:
-    if v is not None and not (0 <= v <= MAX_SEED):
-        raise ValueError("`seed` must be a non-negative 64-bit integer")
-    return v
+# each API's seed range: TGI's seed is a u64, OpenAI's an int64 (negative seeds included)
+TGI_SEEDS = (0, 2**64 - 1)
+OPENAI_SEEDS = (-(2**63), 2**63 - 1)
+
+
+def check_seed(v: int | None, bounds: tuple[int, int] = OPENAI_SEEDS) -> int | None:
+    """A seed in its API's 64-bit range (OpenAI's by default), as the sampler's seed: its low 63
+    bits (``SamplingConfig.seed`` is 0..MAX_SEED). Every seed in 0..MAX_SEED is itself; two seeds
+    differing only in the 64th bit (TGI's s and s + 2**63, OpenAI's s and s - 2**63, e.g. -1 and
+    MAX_SEED) sample alike: 2**64 values cannot map one-to-one onto 2**63. The same 64-bit
+    pattern samples alike on both APIs (TGI's 2**64 - 1 as OpenAI's -1)."""
+    lo, hi = bounds
+    if v is None:
+        return None
+    if not lo <= v <= hi:
+        raise ValueError(f"`seed` must be between {lo} and {hi}. Given: {v}")
+    return v & MAX_SEED
 
 
 def check_stops(v: Any) -> Any:
@@ -127,7 +140,7 @@ class GenerateParameters(BaseModel):
         return v
 
     _rep = field_validator("repetition_penalty")(classmethod(lambda cls, v: check_repetition_penalty(v)))
-    _seed = field_validator("seed")(classmethod(lambda cls, v: check_seed(v)))
+    _seed = field_validator("seed")(classmethod(lambda cls, v: check_seed(v, TGI_SEEDS)))
     _stop = field_validator("stop")(classmethod(lambda cls, v: check_stops(v)))
 
     @field_validator("top_n_tokens")
