@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
@@ -34,8 +35,9 @@ def export_onnx(
     feature_layers: str = typer.Option("auto", "--feature-layers",
                                        help="Decoder-layer outputs the verify graph also returns for EAGLE-3 "
                                             "drafters: auto (the drafter's, else low/mid/high), none, or e.g. 3,15,28."),
-    quantize: str = typer.Option("none", "--quantize", help="Weight-only quantization: none, int4 or int8 "
-                                                            "(ONNX Runtime MatMulNBits)."),
+    quantize: Optional[str] = typer.Option(None, "--quantize", help="Weight-only quantization: none, int4 or int8 "
+                                                                     "(ONNX Runtime MatMulNBits; default: the "
+                                                                     "config target's quantize, else none)."),
     block_size: Optional[int] = typer.Option(None, "--block-size",
                                              help="Quantization block (weights sharing one scale; default 32)."),
     asymmetric: bool = typer.Option(False, "--asymmetric", help="Blocks with zero points (default symmetric)."),
@@ -54,15 +56,17 @@ def export_onnx(
 
     t0 = time.perf_counter()
     try:
-        scheme = quant_scheme(quantize, block_size, asymmetric, accuracy_level, fp32_lm_head, gguf_grid)
+        flagged = quant_scheme(quantize or "none", block_size, asymmetric, accuracy_level, fp32_lm_head, gguf_grid)
     except ValueError as exc:
         fail(str(exc))
         return
     check_output_dir(out)
+    check_can_create(out)
     try:
-        man = export_config(load_config(config), out, opset, log=_log, feature_layers=feature_layers,
-                            quantize=scheme)
-    except (ConfigError, ValueError, FileNotFoundError, LookupError, ImportError) as exc:
+        cfg = load_config(config)
+        scheme = export_scheme(flagged, quantize is not None, cfg.target)
+        man = export_config(cfg, out, opset, log=_log, feature_layers=feature_layers, quantize=scheme)
+    except (ConfigError, ValueError, OSError, LookupError, ImportError) as exc:  # OSError: reading or writing
         fail(str(exc))
         return
     for g in man.graphs:
@@ -102,6 +106,36 @@ def quant_scheme(quantize: str, block_size: int | None, asymmetric: bool, accura
     return scheme
 
 
+def export_scheme(flagged: QuantScheme | None, given: bool, target: Any) -> QuantScheme | None:
+    """The scheme to export: ``--quantize``'s (``flagged``) when ``given``, else the config target's
+    (an onnxruntime target's ``quantize:``), so that target with ``path:`` set loads the export. A
+    config that sets ``quantize:`` to another scheme than the flags is refused, naming both."""
+    from spec_plugins.graphs.quant import QuantScheme
+
+    fields = target.scheme() if callable(getattr(target, "scheme", None)) else None
+    configured = QuantScheme(**fields) if fields else None
+    if not given:
+        return configured
+    if "quantize" in getattr(target, "model_fields_set", ()) and flagged != configured:
+        def name(s: QuantScheme | None) -> str:
+            return s.name if s is not None else "none"
+
+        raise ValueError(f"--quantize asks for {name(flagged)} but the config's target says quantize: "
+                         f"{target.quantize} ({name(configured)}); drop --quantize to export the config's scheme, "
+                         "or make the two agree")
+    return flagged
+
+
+def check_can_create(out: Path) -> None:
+    """Create and remove a directory where the export writes its temporary one, before any model
+    loads: ``os.access`` passes where creating fails (root under /sys, a read-only bind mount)."""
+    parent = next(p for p in out.absolute().parents if p.exists())
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.probe-"))
+    except OSError as exc:
+        fail(f"--out {out}: cannot create it under {parent} ({exc.strerror or exc})")
+
+
 @export_app.command("check")
 def export_check(
     directory: Path = typer.Argument(..., help="An export directory (with manifest.json)."),
@@ -125,7 +159,7 @@ def export_check(
     except (ValueError, FileNotFoundError, LookupError, ImportError) as exc:
         fail(str(exc))
         return
-    typer.echo(json.dumps(report.to_dict()) if as_json else report.format())
+    typer.echo(json.dumps(report.to_dict(), allow_nan=False) if as_json else report.format())
     if not report.ok:
         raise typer.Exit(1)
 

@@ -15,6 +15,8 @@ gives exactly that graph's plain output. Its distance from fp32 is measured, not
 from __future__ import annotations
 
 import logging
+import os
+import stat
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -75,12 +77,15 @@ def _save(model: Any, dst: Path) -> dict[str, Any]:
     import onnx
 
     dst.parent.mkdir(parents=True, exist_ok=True)
-    for old in (dst, dst.with_name(dst.name + ".data")):
+    data = dst.with_name(dst.name + ".data")
+    for old in (dst, data):
         old.unlink(missing_ok=True)
-    onnx.save(model, str(dst), save_as_external_data=True, location=dst.name + ".data")
+    onnx.save(model, str(dst), save_as_external_data=True, location=data.name)
+    # onnx creates the external data file owner-only; it gets the graph file's mode (the umask's)
+    os.chmod(data, stat.S_IMODE(dst.stat().st_mode))
     kinds = [n.op_type for n in model.graph.node]
     return {"quantized_matmuls": kinds.count("MatMulNBits"), "float_matmuls": kinds.count("MatMul"),
-            "size_bytes": dst.stat().st_size + dst.with_name(dst.name + ".data").stat().st_size}
+            "size_bytes": dst.stat().st_size + data.stat().st_size}
 
 
 # ---- the GGUF's own grid ------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ must equal plain greedy decoding on it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -71,7 +72,7 @@ class ParityReport:
         quant = [c for c in self.cases if c.graph in self.quantized]
         if quant:  # the logit error of quantized graphs against fp32
             d["quantized_max_rel"] = max(c.rel for c in quant)
-        return d
+        return _finite_or_null(d)
 
     def format(self) -> str:
         rtols = ", ".join(f"{g} {t:g}" for g, t in self.tolerances.items())
@@ -86,6 +87,18 @@ class ParityReport:
         lines += [f"  note: {n}" for n in self.notes]
         lines.append("PASS" if self.ok else "FAIL")
         return "\n".join(lines)
+
+
+def _finite_or_null(value: Any) -> Any:
+    """``value`` with every non-finite float (a shape mismatch's max|diff| is inf) as None, so the
+    report is valid JSON (null); such a case carries ``ok: false`` and the shapes in its name."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite_or_null(v) for v in value]
+    return value
 
 
 def random_tree(n: int, gen: torch.Generator) -> tuple[int, ...]:
@@ -220,17 +233,23 @@ def check_export(directory: str | Path, gamma: int = 5, rtol: float | None = Non
 
     directory = Path(directory)
     man = Manifest.read(directory)
+    head_dtype = _target_dtype(man)  # before ``only`` drops the verify graph the heads were built on
     if only:
         for name in only:
             man.graph(name)  # an unknown name fails here, naming the graphs there are
         man.graphs = [g for g in man.graphs if g.name in only or (g.name == "verify" and "draft" in only)]
     report = ParityReport(str(directory), notes=list(man.pending))
-    loaded: dict[str, Any] = dict(models or {})
+    given: dict[str, Any] = dict(models or {})
+    loaded: dict[tuple[str, str], Any] = {}
 
-    def model_of(source: str, dtype: str = "float32") -> Any:
-        if source not in loaded:
-            loaded[source] = load_hf(source, dtype, "cpu")[0]
-        return loaded[source]
+    def model_of(source: str, dtype: str) -> Any:
+        """The caller's model for ``source``, else ``source`` loaded in ``dtype``: one model per
+        (source, dtype), as a graph exported in float16 is compared with the float16 model."""
+        if source in given:
+            return given[source]
+        if (source, dtype) not in loaded:
+            loaded[source, dtype] = load_hf(source, dtype, "cpu")[0]
+        return loaded[source, dtype]
 
     tok = None
     if man.tokenizer:
@@ -255,7 +274,8 @@ def check_export(directory: str | Path, gamma: int = 5, rtol: float | None = Non
             want = greedy_tokens(ort_rt, ids, max_new_tokens, plain=True)
             got = greedy_tokens(ort_rt, ids, max_new_tokens)
         elif g.name == "draft":  # the draft graph drafts for the torch target; tokens must not change
-            target = model_of(man.graph("verify").source_model)
+            verify = man.graph("verify")
+            target = model_of(verify.source_model, verify.dtype)
             want = greedy_tokens(TorchRuntime(target), ids, max_new_tokens, TorchRuntime(model))
             got = greedy_tokens(TorchRuntime(target), ids, max_new_tokens, ort_rt)
         else:
@@ -268,11 +288,18 @@ def check_export(directory: str | Path, gamma: int = 5, rtol: float | None = Non
 
             log(f"checking {g.name} ...")
             module = (heads or {}).get(g.name)
-            model = model_of(g.source_model) if module is None else None
+            # the head graph was traced over the target's weights in the export's dtype
+            model = model_of(g.source_model, head_dtype) if module is None else None
             # a quantized head comes from an export made before head graphs stayed float
             tol = report.tolerances[g.name] = tolerance(g.dtype, rtol, bool(g.quantization))
             report.cases += check_head(directory, g, model, tol, module)
     return report
+
+
+def _target_dtype(man: Manifest) -> str:
+    """The dtype of the target model the head graphs were built on: the verify graph's (its float
+    dtype also when quantized; a head graph's own entry says float32, as it is computed in it)."""
+    return next((g.dtype for g in man.graphs if g.name == "verify"), "float32")
 
 
 def _mark_quantized(report: ParityReport, g: Any, held: list[ParityCase], tol: float,
