@@ -50,13 +50,12 @@ class LogitsPipeline:
             kth = torch.topk(x, s.top_k, dim=-1).values[..., -1:]
             x = x.masked_fill(x < kth, float("-inf"))
         if s.top_p is not None and s.top_p < 1.0:
-            sorted_x, order = torch.sort(x, dim=-1, descending=True)
-            probs = sorted_x.softmax(-1)
-            before = probs.cumsum(-1) - probs  # mass strictly above each token
-            drop_sorted = before >= s.top_p
-            # the top token always survives: a top_p below float32's smallest number rounds to 0,
-            # and 0 >= 0 would otherwise drop every token
-            drop_sorted[..., 0] = False
+            # transformers' rule to the float and the tie: ascending, a token goes while the mass
+            # up to and including it is <= 1 - top_p, the largest always stays (exactly tied
+            # logits at the edge keep the later index, as there)
+            sorted_x, order = torch.sort(x, dim=-1, descending=False)
+            drop_sorted = sorted_x.softmax(-1).cumsum(-1) <= 1 - s.top_p
+            drop_sorted[..., -1] = False
             drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
             x = x.masked_fill(drop, float("-inf"))
         return x

@@ -132,3 +132,24 @@ def test_seeded_runs_reproducible():
     a = speculative_samples(model, _draft, pipe, ExactVerifier(), k=2, seed=5)[:300]
     b = speculative_samples(model, _draft, pipe, ExactVerifier(), k=2, seed=5)[:300]
     assert a == b
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, None, 0.5), (0.7, 5, 0.8), (1.3, None, 0.3),
+                                                    (1.0, 3, 0.999), (2.0, None, 1e-9)])
+def test_warpers_keep_what_transformers_keeps_at_ties(temperature, top_k, top_p):
+    """The target's law under temperature / top-k / top-p is transformers' own: the same tokens
+    survive, also where logits tie exactly at the nucleus edge (rounded logits, a processor that
+    sets them) — there the later index stays, as in transformers' ascending sort."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    g = torch.Generator().manual_seed(0)
+    rounded = (torch.randn(64, 12, generator=g) * 2).round() / 2  # many exact ties
+    edge = torch.tensor([[2.0, 1.0, 1.0, 1.0, 1.0, 0.0] + [-9.0] * 6])  # ties straddle top_p = 0.5
+    logits = torch.cat([rounded, edge])
+    ours = LogitsPipeline(SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)).warp(logits.clone())
+    ref = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k is not None:
+        ref = TopKLogitsWarper(top_k)(None, ref)
+    ref = TopPLogitsWarper(top_p)(None, ref)
+    assert torch.equal(torch.isfinite(ours), torch.isfinite(ref))
+    assert torch.allclose(ours.softmax(-1), ref.softmax(-1))
