@@ -20,6 +20,8 @@ kernels, which a replayed CUDA graph does not. A graph needs fixed shapes and fi
 
 ``compile: auto`` compiles on CUDA only: on a CPU the compiled step is faster per forward, but
 compiling every bucket is a cold start a generation does not pay back (docs/runtimes/torch.md).
+A model whose forward cannot be one graph (a dynamic-NTK rope, ``graph_blocker``) runs the step
+eager under ``auto`` and is refused when the runtime is built under ``compile: on`` or ``graphs``.
 The cost model measures whichever path runs.
 """
 
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -40,11 +42,21 @@ from spec_plugins.transfer import upload
 MIN_CAPACITY = 64  # slots; capacity doubles as rows grow (one graph per capacity, log2 of them)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 WIDTH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+HEADROOM = WIDTH_BUCKETS[-1]  # slots the widest fixed-shape forward adds past the live ones
 
 
 def bucket(n: int, buckets: tuple[int, ...]) -> int:
     """The smallest bucket holding ``n`` (beyond the last: ``n`` itself, an eager call)."""
     return next((b for b in buckets if b >= n), n)
+
+
+def graph_blocker(model: Any) -> str | None:
+    """The rope type that keeps ``model``'s forward from being one fixed-shape graph, or None. A
+    dynamic-NTK rope (transformers' ``dynamic_rope_update``) branches on each forward's largest
+    position and re-registers its frequencies: a graph break under ``torch.compile(fullgraph=True)``,
+    a host read inside a CUDA graph capture."""
+    kinds = (str(d.get("rope_type", d.get("type", ""))) for d in hf_compat._rope_dicts(hf_compat.text_config(model)))
+    return next((k for k in kinds if "dynamic" in k), None)
 
 
 class SlotCache:
@@ -107,12 +119,14 @@ class StaticTorchRuntime(TorchRuntime):
         if config.compile == "graphs" and not cuda:
             raise ValueError(f"compile: graphs captures CUDA graphs: it needs a CUDA device, got {config.device!r} "
                              f"({pick_device(config.device)}); use compile: on or off there")
-        compile_ = config.compile == "on" or (config.compile == "auto" and cuda)
+        compile_: bool | Literal["auto"] = "auto" if config.compile == "auto" else config.compile == "on"
         model, tok = load_for(config)
         return cls(model, tok, max_context=config.max_context, compile=compile_, graphs=config.compile == "graphs")
 
     def __init__(self, model: Any, tokenizer: Any = None, max_context: int | None = None,
-                 compile: bool = False, graphs: bool = False) -> None:
+                 compile: bool | Literal["auto"] = False, graphs: bool = False) -> None:
+        """``compile``: ``True`` compiles the verify step, ``"auto"`` on CUDA only and only for a model
+        whose forward is one graph (``graph_blocker``); ``graphs``: captured as CUDA graphs instead."""
         # the measured few-row matmul kernels patch calls at run time: not inside a compiled graph
         super().__init__(model, tokenizer, max_context, matmul="native")
         cfg = hf_compat.text_config(model)
@@ -122,6 +136,7 @@ class StaticTorchRuntime(TorchRuntime):
         if graphs and (compile or self.device.type != "cuda"):
             raise ValueError(f"graphs: CUDA graphs of the eager step, on a CUDA device and instead of compiling "
                              f"(device {self.device}, compile={compile})")
+        compile = self._compiles(compile, graphs)
         self.compile, self.graphs = compile, graphs
         self.fixed_shapes = compile or graphs  # verify steps padded to buckets (compiled or captured)
         self.step_mode: Mode = "graphs" if graphs else "compile" if compile else "eager"  # drafters over it follow
@@ -130,6 +145,17 @@ class StaticTorchRuntime(TorchRuntime):
         self._live = (0, 0)  # rows and slots the buffers hold (what ``kv`` views)
         # SDPA takes a boolean mask; the eager implementation adds it to the scores
         self._additive = self.attention == "eager"
+
+    def _compiles(self, compile: bool | Literal["auto"], graphs: bool) -> bool:
+        """Whether the verify step compiles; a fixed-shape step asked for over a model whose forward is
+        no one graph is refused here, at build time, not by the compiler on the first verify (mid-round)."""
+        blocker = graph_blocker(self.model)
+        if blocker is not None and (compile is True or graphs):
+            raise ValueError(f"{type(self.model).__name__}'s rope (rope_type {blocker!r}) recomputes its frequencies "
+                             f"from each forward's largest position, a branch a {'captured' if graphs else 'compiled'} "
+                             "step cannot hold: use compile: off (the static cache, eager) or kv: dynamic (the "
+                             "growing cache)")
+        return compile is True or (compile == "auto" and self.device.type == "cuda" and blocker is None)
 
     # ---- the buffers, seen as the slot layer's KV tensors -------------------------------------------
     def _capacity(self, slots: int) -> int:
@@ -147,11 +173,16 @@ class StaticTorchRuntime(TorchRuntime):
         return min(cap, bound) if slots <= bound else cap
 
     def _ensure(self, rows: int, slots: int) -> None:
-        """Buffers for ``rows`` x ``slots`` (grown in steps, ``_capacity``, the live content carried over)."""
+        """Buffers for ``rows`` x ``slots`` (grown in steps, ``_capacity``, the live content carried over).
+        A reallocation copies the KV and drops every compiled step, so it never shrinks the capacity
+        the buffers have, and one for more rows (``slots``: the live ones) leaves ``_reset_kv``'s
+        headroom for the next forward instead of growing again on it."""
         c = self.cache
         if c is not None and c.rows >= rows and c.capacity >= slots:
             return
         cap = self._capacity(slots)
+        if c is not None:
+            cap = max(cap, c.capacity, self._capacity(slots + HEADROOM) if c.rows < rows else 0)
         live = self.kv
         self.cache = SlotCache(self._layers, bucket(rows, ROW_BUCKETS), cap, self._kv_heads, self._head_dim,
                                self.dtype, self.device,
@@ -187,7 +218,7 @@ class StaticTorchRuntime(TorchRuntime):
 
     def _reset_kv(self, rows: int) -> None:
         self._live = (0, 0)
-        self._ensure(rows, self.slots.slots + WIDTH_BUCKETS[-1])
+        self._ensure(rows, self.slots.slots + HEADROOM)
 
     def _kept_kv(self) -> list[torch.Tensor]:
         """The running rows' KV held apart while new rows prefill into the same buffers."""
@@ -257,20 +288,18 @@ class StaticTorchRuntime(TorchRuntime):
                     lambda i, p, mm, kp, w=want_hidden: self._eager(i, p, mm, kp, w),
                     self.step_mode, len(ROW_BUCKETS) * len(WIDTH_BUCKETS) * 4)
             logits, feats = self._steps[want_hidden](ids, pos, m, k_pos)
-        else:
-            logits, feats = self._eager(ids, pos, m, k_pos, want_hidden)
+        else:  # a prefill asks for its last position's logits only (hidden states stay per position)
+            logits, feats = self._eager(ids, pos, m, k_pos, want_hidden, last_only=prefill)
         if not compiled and self.cache.updates != before + self._layers:
             raise RuntimeError(f"{type(self.model).__name__} did not write into the static KV cache it was given "
                                f"({self.cache.updates - before} of {self._layers} layers): this transformers "
                                "version takes the cache under a keyword this runtime does not pass")
         self._live = (B, S + n)
-        logits = logits[:B, :n]
-        if prefill:
-            logits = logits[:, -1:]
-        return StepOutput(logits, feats[:B, :n] if feats is not None else None)
+        return StepOutput(logits[:B, -1:] if prefill else logits[:B, :n], feats[:B, :n] if feats is not None else None)
 
     def _eager(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, k_pos: torch.Tensor | None,
-               want_hidden: Want) -> tuple[torch.Tensor, torch.Tensor | None]:
+               want_hidden: Want, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model's forward over the buffers (``last_only``: logits of the last position, a prefill's)."""
         kwargs: dict[str, Any] = dict(input_ids=ids, position_ids=pos, use_cache=True,
                                       attention_mask=self.layout.masks(mask, pos, k_pos))
-        return self._model_call(kwargs, self.cache, want_hidden)
+        return self._model_call(kwargs, self.cache, want_hidden, last_only)

@@ -243,3 +243,115 @@ def test_the_eagle_draft_step_compiles_as_one_graph_and_drafts_as_eager(tmp_path
         assert _outs(rt, prop, PROMPTS, n=10) == [plain_greedy(model, p, 10) for p in PROMPTS]
         assert prop._draft_step.used == (mode == "compile")
     assert drafts["compile"] == drafts["eager"] and drafts["eager"]
+
+
+# ---- hardening: what the prefill computes, models a graph cannot hold, the buffers' capacity ---------
+def test_a_static_prefill_asks_the_model_for_the_last_logits_only():
+    """A prefill reads each row's last logits only, so the model computes those only (a large
+    vocabulary over a long prompt would be GiBs of float logits), as the growing cache asks; the
+    hidden states a feature drafter reads still come back for every position, equal to the
+    growing cache's, and decoding equals transformers' ``generate``."""
+    from helpers import hf_generate
+
+    from spec_plugins.proposers.ngram import NgramProposer
+
+    model = tiny_llama(seed=3, sharpness=2.0)
+    shapes = []
+    hook = model.register_forward_hook(lambda mod, args, out: shapes.append(tuple(out.logits.shape)))
+    try:
+        for want in (False, True, (1, 2)):
+            shapes.clear()
+            out = StaticTorchRuntime(model).prefill(PROMPTS, want_hidden=want)
+            assert shapes == [(3, 1, 32)] and out.logits.shape == (3, 1, 32), want
+            if want:
+                ref = TorchRuntime(model, matmul="native").prefill(PROMPTS, want_hidden=want)
+                assert out.hidden.shape[:2] == (3, 9)
+                torch.testing.assert_close(out.hidden, ref.hidden)
+    finally:
+        hook.remove()
+    got = _outs(StaticTorchRuntime(model), NgramProposer(NgramProposer.Config()), PROMPTS, n=12)
+    assert got == hf_generate(model, PROMPTS, 12, pad=0)
+
+
+def _dynamic_rope_llama():
+    """conftest's tiny llama with a dynamic-NTK rope (``rope_parameters``, transformers 5.x's spelling)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    cfg = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+                      bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                      rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    cfg._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(20.0)
+    return model
+
+
+def test_a_model_whose_forward_is_no_one_graph_is_decided_at_build(monkeypatch):
+    """A dynamic-NTK rope branches on each forward's largest position (no fullgraph compile, no
+    CUDA graph capture): ``compile: on`` is refused when the runtime is built, naming the rope type
+    and the settings that run it (not by the compiler on the first verify, mid-round), ``compile:
+    auto`` on CUDA keeps its step eager, and the eager static cache decodes it as plain greedy."""
+    from spec_plugins.backends import torch_static
+
+    from spec_plugins.proposers.ngram import NgramProposer
+
+    model = _dynamic_rope_llama()
+    with pytest.raises(ValueError, match=r"rope_type 'dynamic'.*compile: off.*kv: dynamic"):
+        StaticTorchRuntime(model, compile=True)
+    monkeypatch.setattr(torch_static, "load_for", lambda config: (model, None))
+    with pytest.raises(ValueError, match=r"rope_type 'dynamic'.*compile: off"):
+        StaticTorchRuntime.from_config(TorchRuntime.Config(model="x", device="cpu", compile="on"))
+    rt = StaticTorchRuntime.from_config(TorchRuntime.Config(model="x", device="cpu", kv="static"))
+    assert not rt.compile and rt.step_mode == "eager"
+    plain = StaticTorchRuntime(tiny_llama(seed=3))
+    for r in (rt, plain):
+        r.device = torch.device("cuda")  # what compile: auto reads (this machine has no CUDA device)
+    assert rt._compiles("auto", False) is False and plain._compiles("auto", False) is True
+    rt.device = torch.device("cpu")
+    out = _outs(rt, NgramProposer(NgramProposer.Config()), PROMPTS, n=12)
+    assert out == [plain_greedy(model, p, 12) for p in PROMPTS]
+
+
+def test_a_joining_row_never_shrinks_the_buffers_capacity(monkeypatch):
+    """A row joining a long one grows the buffers' rows: the reallocation keeps the capacity they
+    had (each one copies the KV and drops every compiled step; sizing it for the slots held now
+    shrank 128 to 64, and the next round grew it back), and both rows decode as plain greedy."""
+    from spec_plugins.backends import torch_static
+
+    from spec_plugins.loop import Batch, run_round
+    from spec_plugins.policy import DraftPolicy
+    from spec_plugins.proposers.ngram import NgramProposer
+    from spec_plugins.types import RowRequest
+
+    allocs = []
+
+    class Counted(torch_static.SlotCache):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            allocs.append((self.rows, self.capacity))
+
+    monkeypatch.setattr(torch_static, "SlotCache", Counted)
+    model = tiny_llama(seed=3, sharpness=2.0)
+    rt = StaticTorchRuntime(model)
+    batch, policy = Batch(rt, NgramProposer(NgramProposer.Config()), ExactVerifier()), DraftPolicy.of(FixedLength(3))
+    reqs = [RowRequest(0, [1, 2, 3, 4] * 14, 60), RowRequest(1, [9, 4], 20)]
+    outs: dict = {}
+
+    def emit(emissions):
+        for em in emissions:
+            outs.setdefault(em.key, []).extend(em.tokens)
+
+    emit(batch.add(reqs[:1]))
+    while rt.lengths()[0] < 61:  # past 64 slots with one row, then the second row joins
+        emit(run_round(batch, policy).emissions)
+    emit(batch.add(reqs[1:]))
+    while len(batch):
+        record = run_round(batch, policy)
+        emit(record.emissions if record is not None else [])
+    caps = [c for _, c in allocs]
+    assert caps == sorted(caps) and allocs[-1] == (2, 128), allocs
+    for r in reqs:
+        assert outs[r.key] == plain_greedy(model, r.prompt, r.max_new_tokens), r.key
