@@ -127,10 +127,22 @@ def source_files(src: Any) -> list[Path]:
     return sorted(p for p in src.directory.iterdir() if p.is_file())
 
 
-def export_cache_dir(model: str, quantize: str = "none", dtype: str = "float32") -> Path:
+def stored_model_name(name: str) -> str:
+    """How a manifest names a model or head directory: a local path made absolute, so that the
+    export is found from any directory and one model has one name however it was typed; a
+    built-in name as given."""
+    from spec_plugins.models import BUILTIN_MODELS
+
+    p = Path(name).expanduser()
+    return str(p.resolve()) if name not in BUILTIN_MODELS and p.exists() else name
+
+
+def export_cache_dir(model: str, quantize: str = "none", dtype: str = "float32",
+                     feature_layers: Sequence[int] | None = None) -> Path:
     """Where export-on-first-use puts a model's graphs, keyed by the source files' identity (path,
     size and nanosecond mtime of each: a stat per file, where a content digest would read
-    gigabytes of weights on every load), the quantization scheme's name and the graph dtype."""
+    gigabytes of weights on every load), the quantization scheme's name, the graph dtype and the
+    decoder layers its ``features`` output returns (None: the default ones)."""
     from spec_plugins.graphs.io import OPSET
     from spec_plugins.graphs.manifest import EXPORTER_VERSION
     from spec_plugins.models import cache_root, resolve_model
@@ -138,7 +150,8 @@ def export_cache_dir(model: str, quantize: str = "none", dtype: str = "float32")
     src = resolve_model(model)
     files = [(f.resolve(), f.stat()) for f in source_files(src)]
     ident = [f"{f}:{st.st_size}:{st.st_mtime_ns}" for f, st in files]
-    key = "|".join([*ident, EXPORTER_VERSION, str(OPSET), quantize, dtype])
+    layers = [] if feature_layers is None else [f"layers={','.join(map(str, feature_layers))}"]
+    key = "|".join([*ident, EXPORTER_VERSION, str(OPSET), quantize, dtype, *layers])
     suffix = ("" if quantize == "none" else f"-{quantize}") + ("" if dtype == "float32" else f"-{dtype}")
     return cache_root() / "onnx" / f"{src.name}-{hashlib.sha1(key.encode()).hexdigest()[:12]}{suffix}"
 
@@ -169,6 +182,10 @@ class OnnxRuntime(SlotRuntime):
                                "forwards the spinning threads take the cores from drafting and the decode loop "
                                "(measured here: EAGLE drafting 97 -> 57 ms per round, plain decoding not slower).")
         max_context: int | None = Field(None, ge=1, description="Override the model's context length.")
+        feature_layers: list[int] | None = Field(
+            None, description="Decoder layers whose outputs the graph exported on first use returns for an EAGLE-3 "
+                              "or parallel drafter (its config.json's feature_layers; [] = none); None = the "
+                              "default low/mid/high. With `path`, the export's own layers (then it must match).")
         dtype: Literal["auto", "float32", "float16"] = Field(
             "auto", description="Graph dtype. Without `path`: the dtype exported on first use (auto = float32); "
                                 "with `path`: the export's own (auto = whatever it is; else it must match).")
@@ -226,12 +243,14 @@ class OnnxRuntime(SlotRuntime):
             directory = Path(config.path).expanduser()
         else:
             dtype = "float32" if config.dtype == "auto" else config.dtype
-            directory = export_cache_dir(config.model, scheme_name(scheme), dtype)
+            layers = config.feature_layers
+            directory = export_cache_dir(config.model, scheme_name(scheme), dtype, layers)
             if not (directory / "manifest.json").is_file():
                 from spec_plugins.registry import EXPORTERS
 
                 # the exporters package, looked up by name
-                EXPORTERS.get("onnx")(config.model, directory, quantize=scheme, dtype=dtype)
+                EXPORTERS.get("onnx")(config.model, directory, quantize=scheme, dtype=dtype,
+                                      feature_layers=None if layers is None else tuple(layers))
         man = Manifest.read(directory)
         entry = man.graph(config.graph)
         if config.dtype not in ("auto", entry.dtype):
@@ -242,7 +261,12 @@ class OnnxRuntime(SlotRuntime):
         if config.path is not None and have != scheme_name(scheme):
             raise ValueError(f"target.path {directory} holds graph {config.graph!r} quantized as {have!r}, but the "
                              f"config asks for {scheme_name(scheme)!r}; set quantize to match or export again")
-        if config.path is not None and entry.source_model != config.model:
+        if config.feature_layers is not None and list(config.feature_layers) != list(entry.feature_layers):
+            want = list(config.feature_layers)
+            raise ValueError(f"target.path {directory} holds graph {config.graph!r} returning decoder layers "
+                             f"{entry.feature_layers}, not feature_layers: {want}; set them to match or export "
+                             f"again with --feature-layers {','.join(map(str, want)) or 'none'}")
+        if config.path is not None and stored_model_name(entry.source_model) != stored_model_name(config.model):
             raise ValueError(
                 f"target.path {directory} holds graph {config.graph!r} exported from model {entry.source_model!r}, "
                 f"but the config says model: {config.model!r}; set model: {entry.source_model!r} or export again"
@@ -286,8 +310,8 @@ class OnnxRuntime(SlotRuntime):
         cap = entry.context_cap
         if max_context and cap is not None and max_context > cap:  # where the model's positions stop being exact
             raise ValueError(f"max_context {max_context} exceeds the {cap} positions graph {entry.name!r} is exact for "
-                             f"(its manifest's context_cap: a learned position table or a length-dependent rope); "
-                             f"use max_context <= {cap}")
+                             f"(its manifest's context_cap: a learned position table, a length-dependent rope or a "
+                             f"sliding window); use max_context <= {cap}")
         self.max_context = int(max_context or entry.max_context)
         q = entry.quantization or {}
         # int8 activations (accuracy level >= 2): the one-row kernel differs from the wider ones

@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from spec_plugins.backends import hf_compat
+from spec_plugins.backends.onnxruntime_runtime import stored_model_name
 from spec_plugins.graphs.manifest import (FORMAT, MANIFEST_NAME, GraphEntry, Manifest, ManifestError,
                                           library_versions, read_json)
-from spec_plugins.exporters.onnx_verify import export_verify_graph
+from spec_plugins.exporters.onnx_verify import export_verify_graph, graph_context_cap
 from spec_plugins.graphs.io import GRAPH_DTYPES, MAX_OPSET, MIN_OPSET, OPSET
 
 Log = Callable[[str], None]
@@ -36,7 +37,7 @@ def graph_entry(name: str, model: Any, source: str, path: Path, opset: int = OPS
     return GraphEntry(name=name, kind="decoder_with_past", file=path.name, source_model=source, dtype=res.dtype,
                       num_layers=s.num_layers, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                       hidden_size=s.hidden_size, vocab_size=s.vocab_size, max_context=s.max_context,
-                      context_cap=hf_compat.context_cap(model), inputs=res.inputs, outputs=res.outputs,
+                      context_cap=graph_context_cap(model), inputs=res.inputs, outputs=res.outputs,
                       size_bytes=res.size_bytes, export_seconds=round(res.seconds, 3), feature_layers=list(res.feature_layers))
 
 
@@ -124,8 +125,12 @@ def export_models(out: str | Path, target: tuple[Any, Any, str], draft: tuple[An
     are (graph name, MedusaHeads or EagleDrafter, trained head directory). The verify graph
     also returns ``feature_layers`` (default: EAGLE-3's low/mid/high layers; () for none).
     ``quantize`` (an ``onnx_quantize.QuantScheme``) quantizes the decoder graphs' weights; head
-    graphs stay float, so their manifest entries carry no scheme and are checked as float."""
+    graphs stay float, so their manifest entries carry no scheme and are checked as float. Local
+    model and head paths are recorded absolute (``stored_model_name``)."""
     out = Path(out).absolute()
+    target = (target[0], target[1], stored_model_name(target[2]))
+    draft = (draft[0], stored_model_name(draft[1])) if draft is not None else None
+    heads = [(name, head, stored_model_name(where)) for name, head, where in heads or []]
     check_opset(opset)
     check_dtype(target[0], target[2])  # before any directory is made
     if draft is not None:
@@ -147,7 +152,7 @@ def export_models(out: str | Path, target: tuple[Any, Any, str], draft: tuple[An
             log(f"exporting draft graph of {dsource} ...")
             graphs.append(graph_entry("draft", dmodel, dsource, tmp / "draft.onnx", opset))
             log(f"  draft.onnx: {graphs[1].size_bytes / 2**20:.1f} MiB in {graphs[1].export_seconds:.1f} s")
-        for head, whole, head_dir in heads or []:
+        for head, whole, head_dir in heads:
             from spec_plugins.exporters.onnx_heads import export_head, head_graphs
 
             for name, module in head_graphs(head, whole):
@@ -227,13 +232,20 @@ def export_config(config: Any, out: str | Path, opset: int = OPSET, log: Log = _
     return export_models(out, (model, tok, tgt.model), draft, None, opset, log, heads, layers, quantize)
 
 
-def export_model(model: str, directory: str | Path, quantize: dict | None = None,
-                 dtype: str = "float32") -> Manifest:
+def export_model(model: str, directory: str | Path, quantize: dict | None = None, dtype: str = "float32",
+                 feature_layers: tuple[int, ...] | None = None) -> Manifest:
     """Export ``model`` in ``dtype`` as a lone verify graph into ``directory``, quantized with the
-    scheme ``quantize`` (``QuantScheme`` fields) if given: what ``backend: onnxruntime`` without
+    scheme ``quantize`` (``QuantScheme`` fields) if given, returning the outputs of decoder layers
+    ``feature_layers`` (None: the default low/mid/high): what ``backend: onnxruntime`` without
     a ``path`` does on first use (``EXPORTERS['onnx']``)."""
     from spec_plugins.backends.torch_runtime import load_hf
     from spec_plugins.exporters.onnx_quantize import QuantScheme
 
+    from spec_plugins.heads.eagle import parse_feature_layers
+
     hf, tok = load_hf(model, dtype, "cpu")
-    return export_models(directory, (hf, tok, model), quantize=QuantScheme(**quantize) if quantize else None)
+    if feature_layers is not None:  # the same check as --feature-layers: layer outputs 1..num_layers
+        spec = ",".join(map(str, feature_layers)) or "none"
+        feature_layers = parse_feature_layers(spec, int(hf_compat.decoder_layers(hf)))
+    return export_models(directory, (hf, tok, model), feature_layers=feature_layers,
+                         quantize=QuantScheme(**quantize) if quantize else None)

@@ -43,6 +43,15 @@ def check_exportable(model: Any) -> None:
             "not exported: run them on the torch backend)")
 
 
+def graph_context_cap(model: Any) -> int | None:
+    """The positions the graph is exact for (the manifest's ``context_cap``): where the model's
+    positions stop being exact (``hf_compat.context_cap``) and its sliding window. The graph
+    attends to all of its past, and ``check_exportable`` lets a window through only at or past the
+    model's context, so a runtime that held more positions than the window would attend past it."""
+    caps = (hf_compat.context_cap(model), hf_compat.mask_layout(model).window)
+    return min((c for c in caps if c is not None), default=None)
+
+
 def graph_shape(model: Any) -> DecoderShape:
     """The decoder's graph shape, its context capped where positions stop being exact
     (``hf_compat.context_limit``: the graph computes positions as the model does)."""

@@ -24,7 +24,7 @@ from spec_plugins.registry import VERIFIERS
 from spec_plugins.sampling import LogitsPipeline, LogitsProcessorFn
 from spec_plugins.stats import DecodeStats
 from spec_plugins.text import StopFreeText, StopStrings, TextStream
-from spec_plugins.wiring import Wiring, wire
+from spec_plugins.wiring import Wiring, target_for, wire
 
 Prompt = Union[str, Sequence[dict], Sequence[int]]
 # a constraint on the output: a GrammarSpec, or TGI's {"type": "json" | "regex", "value": ...}
@@ -96,7 +96,7 @@ class SpeculativeDecoder:
             config = SpecConfig.parse(config)
         elif not isinstance(config, SpecConfig):
             raise TypeError(f"config must be a SpecConfig, a dict or a file path, got {type(config).__name__}")
-        target = target if target is not None else build_runtime(config.target)
+        target = target if target is not None else build_runtime(target_for(config.target, config.proposer))
         wiring = wire(target, config.proposer, costs=costs, tokenizer=getattr(target, "tokenizer", None))
         verifier = VERIFIERS.get(config.verifier.type)(config.verifier)
         return cls(target, verifier=verifier, config=config, wiring=wiring)

@@ -11,6 +11,7 @@ generation (or a server's lifetime) over them, from the one factory (``policy.bu
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -48,3 +49,33 @@ def wire(runtime: Any, section: Any, proposer: Any = None, costs: Costs | None =
     traits = check_pairing(runtime, proposer)
     costs = setup_costs(runtime, proposer, section, rows=rows, costs=costs, length=length, context=context)
     return Wiring(runtime, proposer, section, traits, costs, sizer if sizer is not None else TreeSizer(), length)
+
+
+def drafter_layers(section: Any) -> tuple[int, ...]:
+    """The decoder layers a proposer section's trained drafter reads (its heads' ``config.json``:
+    an EAGLE-3 or parallel drafter; a hybrid's children), read without loading weights; () where
+    none does or the file is not there (building the proposer then says why)."""
+    from spec_plugins.proposers.medusa import resolve_head_dir
+
+    if section is None:
+        return ()
+    subs = getattr(section, "proposers", None) or [section]
+    for sub in subs:
+        kind = sub.get("type") if isinstance(sub, dict) else getattr(sub, "type", None)
+        heads = sub.get("heads") if isinstance(sub, dict) else getattr(sub, "heads", None)
+        if kind in ("eagle", "parallel") and heads:
+            config = resolve_head_dir(str(heads)) / "config.json"
+            if config.is_file():
+                return tuple(json.loads(config.read_text()).get("feature_layers") or ())
+    return ()
+
+
+def target_for(target: Any, section: Any) -> Any:
+    """The target section a runtime is built from: one that exports on first use (an onnxruntime
+    target without ``path`` or ``feature_layers``) returns the layers the section's drafter reads,
+    as ``export onnx --feature-layers auto`` does; any other as given."""
+    fields = getattr(type(target), "model_fields", {})
+    if "feature_layers" not in fields or target.feature_layers is not None or getattr(target, "path", None):
+        return target
+    layers = drafter_layers(section)
+    return target.model_copy(update={"feature_layers": list(layers)}) if layers else target

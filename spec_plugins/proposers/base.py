@@ -205,5 +205,6 @@ def check_pairing(runtime: Any, proposer: Any) -> ProposerTraits:
         have = "none" if not caps.feature_layers else list(caps.feature_layers)
         raise ValueError(f"proposer {type(proposer).__name__} reads decoder layers {list(traits.feature_layers)}, "
                          f"but the {caps.name or 'target'} runtime returns {have}; export the target again with "
-                         f"--feature-layers {','.join(map(str, traits.feature_layers))}")
+                         f"--feature-layers {','.join(map(str, traits.feature_layers))} (exported on first use: set "
+                         f"target.feature_layers: {list(traits.feature_layers)})")
     return traits
