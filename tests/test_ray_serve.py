@@ -205,3 +205,105 @@ def test_body_timeout_and_cpu_workers_reach_each_replica(model_dir, tmp_path):
     ray_serve.build_replica_app(dataclasses.replace(opts, threads=None))  # as a replica builds it, outside Ray
     state = ray_serve._REPLICA["state"]
     assert (state.body_timeout, state.cpu_workers, state.cpu_limiter.total_tokens) == (3.0, 5, 5)
+
+
+@pytest.mark.parametrize("replicas", ["3", "1"])  # 1 is the default, given explicitly
+@pytest.mark.parametrize("mode", ["--write-config", "--ray"])
+def test_replicas_with_autoscale_is_refused_before_anything_is_written(model_dir, tmp_path, monkeypatch, replicas,
+                                                                        mode):
+    """``--replicas N --autoscale MIN:MAX``: --autoscale used to win and --replicas was dropped
+    without a word, in the written config too. Now the command exits 2 naming both flags, with no
+    file written and no Ray started."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from spec_plugins.cli import app
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(ray, "init", no_ray)
+    cfg = tmp_path / "spec.yaml"
+    cfg.write_text(yaml.safe_dump({"target": {"backend": "torch", "model": str(model_dir)}}))
+    out = tmp_path / "serve.yaml"
+    args = ["serve", "-c", str(cfg), "--replicas", replicas, "--autoscale", "1:2"]
+    args += ["--write-config", str(out)] if mode == "--write-config" else ["--ray", "--port", "0"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2, (res.output, res.exception)
+    assert f"--replicas {replicas} and --autoscale 1:2" in res.output, res.output
+    assert not out.exists()
+
+
+def test_ctrl_c_drains_in_flight_streams_before_the_proxy_stops(model_dir, tmp_path):
+    """``spec-plugins serve --ray`` on Ctrl-C: a stream in flight ends with its final event and
+    every token it was due. ``serve.shutdown`` alone took Ray's proxy down with the replicas and cut
+    the stream; the app is now deleted first, so its replica drains while the proxy carries the
+    stream, then Serve and Ray stop and the command exits 0."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import yaml
+
+    cfg = tmp_path / "spec.yaml"
+    cfg.write_text(yaml.safe_dump({"target": {"backend": "torch", "model": str(model_dir)}}))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", "from spec_plugins.cli import app; app()", "serve", "--ray",
+                             "-c", str(cfg), "--port", str(port), "--no-speculation", "--max-total-tokens", "1024",
+                             "--max-input-tokens", "16", "--num-cpus", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    serving, err = threading.Event(), []
+
+    def read_stderr() -> None:
+        for line in proc.stderr:
+            err.append(line)
+            if "serving on" in line:
+                serving.set()
+
+    threading.Thread(target=read_stderr, daemon=True).start()
+    try:
+        assert serving.wait(180), "".join(err[-30:])
+        events, first = [], threading.Event()
+
+        def stream() -> None:
+            try:
+                with httpx.stream("POST", f"http://127.0.0.1:{port}/generate_stream", timeout=120,
+                                  json={"inputs": "w2", "parameters": {"max_new_tokens": 1000}}) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data:"):
+                            events.append(json.loads(line[5:]))
+                            first.set()
+            except httpx.HTTPError as exc:
+                events.append({"broken": repr(exc)})
+            first.set()
+
+        client = threading.Thread(target=stream)
+        client.start()
+        assert first.wait(60), "no token came"
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        client.join(120)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(60)
+    assert events and events[-1].get("details") is not None, events[-2:]
+    assert events[-1]["details"]["generated_tokens"] == len(events)
+    assert proc.returncode == 0 and '{"stopped": true}' in out, "".join(err[-30:])
+
+
+def test_a_serve_config_with_replicas_and_autoscale_is_refused():
+    """A Serve config file (``app_from_args``) or a ``Scaling`` giving a replica count beside an
+    autoscale range is refused naming both, as the CLI refuses the two flags."""
+    from spec_plugins.server.ray_serve import app_from_args
+
+    with pytest.raises(ValueError, match=r"replicas 3 and autoscale \[1, 2\] both set the replica count"):
+        Scaling(replicas=3, autoscale=(1, 2))
+    with pytest.raises(ValueError, match="replicas 2 and autoscale"):
+        app_from_args({"options": {"config": {}}, "scaling": {"replicas": 2, "autoscale": [1, 4]}})
+    assert Scaling(autoscale=(1, 2)).deployment_options()["autoscaling_config"]["min_replicas"] == 1

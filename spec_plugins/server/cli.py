@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -14,6 +14,7 @@ from spec_plugins.cli import app, check_finite, fail, load_config
 from spec_plugins.server.setup import build_state
 
 log = logging.getLogger("spec_plugins.server")
+APP_NAME = "spec-plugins"  # the Ray Serve application ``serve --ray`` runs
 
 
 def _check_port(host: str, port: int) -> None:
@@ -67,7 +68,8 @@ def serve(
                                                     "(<|im_end|>) is encoded as text, not as the control "
                                                     "token (off: as transformers, TGI and vLLM)."),
     ray: bool = typer.Option(False, "--ray", help="Serve as a Ray Serve deployment (replicas behind Ray's proxy)."),
-    replicas: int = typer.Option(1, "--replicas", min=1, help="--ray: replicas, each with its model and batch."),
+    replicas: Optional[int] = typer.Option(None, "--replicas", min=1,
+                                           help="--ray: replicas, each with its model and batch (default 1)."),
     autoscale: Optional[str] = typer.Option(None, "--autoscale", help="--ray: MIN:MAX replicas, scaled on "
                                                                       "ongoing requests (instead of --replicas)."),
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="--ray: a running cluster (default: "
@@ -97,12 +99,15 @@ def serve(
     if (ray or write_config is not None) and limits != ConnectionLimits():
         fail("--header-timeout, --max-header-bytes, --max-headers-bytes, --idle-timeout and --max-connections "
              "apply to the single-machine server; with --ray, Ray Serve's proxy holds the connections")
-    ray_only = [flag for flag, given in (("--replicas", replicas != 1), ("--autoscale", autoscale is not None),
+    ray_only = [flag for flag, given in (("--replicas", replicas is not None), ("--autoscale", autoscale is not None),
                                          ("--ray-address", ray_address is not None), ("--num-cpus", num_cpus != 1.0),
                                          ("--num-gpus", num_gpus != 0.0)) if given]
     if ray_only and not (ray or write_config is not None):
         fail(f"{', '.join(ray_only)} configure Ray Serve replicas: add --ray (or --write-config), or leave them out "
              "for the single-machine server")
+    if replicas is not None and autoscale is not None:  # before anything is written or started
+        fail(f"--replicas {replicas} and --autoscale {autoscale} both set the replica count: give one "
+             "(--autoscale starts at MIN replicas and scales between MIN and MAX)")
     if ray or write_config is not None:
         _serve_ray(config, host, port, max_batch, max_input_tokens, max_total_tokens, draft_policy, no_speculation,
                    shutdown_timeout, replicas, autoscale, ray_address, num_cpus, num_gpus, write_config,
@@ -144,7 +149,8 @@ def serve(
 
 def _serve_ray(config: Optional[Path], host: str, port: int, max_batch: int, max_input_tokens: Optional[int],
                max_total_tokens: Optional[int], draft_policy: str, no_speculation: bool, shutdown_timeout: float,
-               replicas: int, autoscale: Optional[str], ray_address: Optional[str], num_cpus: float, num_gpus: float,
+               replicas: Optional[int], autoscale: Optional[str], ray_address: Optional[str], num_cpus: float,
+               num_gpus: float,
                write_config: Optional[Path], escape_special_tokens: bool = False, body_timeout: float = 30.0,
                cpu_workers: int = 2) -> None:
     """``serve --ray``: the same app on Ray Serve replicas (``spec_plugins.server.ray_serve``).
@@ -163,8 +169,8 @@ def _serve_ray(config: Optional[Path], host: str, port: int, max_batch: int, max
         opts = ReplicaOptions(cfg.model_dump(mode="json"), max_batch, max_input_tokens, max_total_tokens, draft_policy,
                               shutdown_timeout, max(1, int(num_cpus)) if num_cpus >= 1 else None,
                               escape_special_tokens, body_timeout, cpu_workers)
-        scaling = Scaling(replicas, parse_autoscale(autoscale) if autoscale else None, num_cpus, num_gpus,
-                          max_ongoing_requests=max(2 * max_batch, 8))
+        scaling = Scaling(1 if replicas is None else replicas, parse_autoscale(autoscale) if autoscale else None,
+                          num_cpus, num_gpus, max_ongoing_requests=max(2 * max_batch, 8))
     except (ConfigError, ValueError, FileNotFoundError, LookupError) as exc:
         fail(str(exc))
         return
@@ -182,9 +188,9 @@ def _serve_ray(config: Optional[Path], host: str, port: int, max_batch: int, max
         return
     ray_mod.init(address=ray_address, include_dashboard=False) if ray_address else ray_mod.init(include_dashboard=False)
     serve.start(http_options={"host": host, "port": port})
-    serve.run(application(opts, scaling), name="spec-plugins", route_prefix="/")
+    serve.run(application(opts, scaling), name=APP_NAME, route_prefix="/")
     typer.secho(f"serving on http://{host}:{port} via Ray Serve "
-                f"({'autoscale ' + autoscale if autoscale else f'{replicas} replica(s)'}); Ctrl-C to stop",
+                f"({'autoscale ' + autoscale if autoscale else f'{scaling.replicas} replica(s)'}); Ctrl-C to stop",
                 err=True, fg=typer.colors.CYAN)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
@@ -196,6 +202,16 @@ def _serve_ray(config: Optional[Path], host: str, port: int, max_batch: int, max
     except KeyboardInterrupt:
         pass
     finally:
-        serve.shutdown()  # replicas drain: each app's lifespan waits up to --shutdown-timeout
-        ray_mod.shutdown()
+        _stop_serve(serve, ray_mod)
     typer.echo(json.dumps({"stopped": True}))
+
+
+def _stop_serve(serve: Any, ray_mod: Any) -> None:
+    """Delete the app first: its replicas drain (each app's lifespan waits up to
+    --shutdown-timeout) while Ray's proxy still carries their streams to the clients;
+    ``serve.shutdown`` takes the proxies down at once, so it comes after, as ``ray.shutdown``."""
+    try:
+        serve.delete(APP_NAME)
+    finally:
+        serve.shutdown()
+        ray_mod.shutdown()

@@ -47,6 +47,13 @@ class Scaling:
     target_ongoing_requests: float = 4.0  # per replica, for the autoscaler
     max_ongoing_requests: int = 32  # per replica: the proxy queues beyond this
 
+    def __post_init__(self) -> None:
+        """A fixed count and a range both set the replica count; Ray would keep only the range
+        (``deployment_options``), so a config file giving both is refused, not half applied."""
+        if self.autoscale is not None and self.replicas != 1:
+            raise ValueError(f"replicas {self.replicas} and autoscale {list(self.autoscale)} both set the replica "
+                             "count: give one (autoscale starts at MIN replicas)")
+
     def deployment_options(self) -> dict[str, Any]:
         opts: dict[str, Any] = {"ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus},
                                 "max_ongoing_requests": self.max_ongoing_requests}

@@ -60,6 +60,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._waiting: list[list[Job]] = []  # requests waiting for slots, oldest first: each its jobs
         self._jobs: dict[int, Job] = {}  # running, by row key
+        self._admitting: list[Job] = []  # taken off ``_waiting``, prefill in progress, not yet in ``_jobs``
         self._ids = itertools.count()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -114,16 +115,17 @@ class Scheduler:
         deadline = time.monotonic() + timeout
         while self.alive and time.monotonic() < deadline:
             with self._cv:
-                if not self._jobs and not self._waiting:
+                if not self._busy():
                     break
             time.sleep(0.02)
         with self._cv:
-            for job in [*self._jobs.values(), *(j for jobs in self._waiting for j in jobs)]:
+            for job in [*self._jobs.values(), *self._admitting, *(j for jobs in self._waiting for j in jobs)]:
                 if not job.finished:
                     job.finished = True
                     job.push(("error", "the server shut down before this request finished"))
             self._waiting.clear()
             self._jobs.clear()
+            self._admitting = []
             self._halt = True
             self._cv.notify()
         if self._thread is not None:
@@ -135,12 +137,13 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._cv:
-                if self._halt or (self._stop and not self._jobs and not self._waiting):
+                if self._halt or (self._stop and not self._busy()):
                     return
                 # drop cancelled rows, waiting or running, before the round
                 self._waiting = [left for jobs in self._waiting if (left := [j for j in jobs if not j.cancelled])]
                 gone = [k for k, j in self._jobs.items() if j.cancelled or j.finished]
                 admit = self._take(self.max_batch - (len(self._jobs) - len(gone)), gone)
+                self._admitting = admit  # in flight from here: ``stop`` drains or fails them too
                 if not gone and not admit and not self._jobs:
                     self._cv.wait(timeout=0.5)
                     continue
@@ -157,6 +160,11 @@ class Scheduler:
                 rid = uuid.uuid4().hex[:12]
                 log.exception("decode round failed (request id %s)", rid)
                 self._fail_all(f"generation failed (request id {rid}); the server log has the details")
+
+    def _busy(self) -> bool:
+        """Work in flight: running, being admitted (its prefill runs outside the lock) or waiting;
+        ``stop`` drains all three (the caller holds the lock)."""
+        return bool(self._jobs or self._admitting or self._waiting)
 
     def _queued(self) -> int:
         """Jobs waiting for a slot (the caller holds the lock)."""
@@ -177,19 +185,26 @@ class Scheduler:
 
     def _admit(self, jobs: list[Job]) -> None:
         """Admission is atomic (``Batch.add``): if it fails, only these jobs fail, with the reason,
-        and the running rows carry on."""
+        and the running rows carry on. The jobs stay in ``_admitting`` until they run or fail, so a
+        ``stop`` during the prefill waits for them; one that ``stop`` already ended is not run on."""
         try:
             ems = self.batch.add([j.row for j in jobs])
         except Exception as exc:  # noqa: BLE001
             rid = uuid.uuid4().hex[:12]
             log.exception("admission failed (request id %s)", rid)
-            for j in jobs:
-                j.finished = True
-                j.push(("error", f"could not start this request (request id {rid}): {type(exc).__name__}"))
+            with self._cv:
+                for j in jobs:
+                    if not j.finished:
+                        j.finished = True
+                        j.push(("error", f"could not start this request (request id {rid}): {type(exc).__name__}"))
+                self._admitting = []
             self.batch.check()  # atomic admission: the running rows exactly as before
             return
-        for j in jobs:
-            self._jobs[j.row.key] = j
+        with self._cv:
+            for j in jobs:
+                if not j.finished:  # ``stop`` ended it (error event sent) while its prefill ran
+                    self._jobs[j.row.key] = j
+            self._admitting = []
         self._dispatch(ems)
 
     def _dispatch(self, ems: list[Emission]) -> None:
@@ -216,8 +231,9 @@ class Scheduler:
         """A round failed for every row (not a row's own sampling, which fails alone): every running
         job gets the error and the batch starts empty (runtime and proposer hold no rows)."""
         with self._cv:
-            jobs = list(self._jobs.values())
+            jobs = [j for j in [*self._jobs.values(), *self._admitting] if not j.finished]
             self._jobs.clear()
+            self._admitting = []
         for j in jobs:
             j.finished = True
             j.push(("error", message))
