@@ -1,14 +1,16 @@
 """``speculative_generate`` against plain ``model.generate()`` where a batch's layout used to leak
 into row-free processing (transformers' ``encoder_*`` processors, the pad-aware repetition penalty
-with pads of any value) and where a call that raised mid-decode left its rows on the model."""
+with pads of any value), where a call that raised mid-decode left its rows on the model, where the
+kept runtime outlived a resized model, where stopping criteria ended rows unlike plain
+``generate()``, and where a mask or streamer transformers handles was refused or dropped obscurely."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from helpers import full_logits
-from test_transformers_integration import PAD, PROMPTS, both, left_padded
-from transformers import StoppingCriteria, StoppingCriteriaList
+from test_transformers_integration import PAD, PROMPTS, Recorder, both, left_padded
+from transformers import MaxTimeCriteria, StoppingCriteria, StoppingCriteriaList
 
 from conftest import tiny_llama
 from spec_plugins.integrations.transformers import speculative_generate
@@ -108,3 +110,112 @@ def test_a_call_that_raises_mid_decode_leaves_no_rows_on_the_model():
     assert runtime.lengths() == [] and sum(t.numel() for t in runtime.kv) == 0
     assert proposer.num_rows() == 0
     assert torch.equal(model.generate(**inputs, **kw), model.generate(**inputs, max_new_tokens=24, pad_token_id=PAD))
+
+
+def test_a_resized_vocabulary_rebuilds_the_kept_runtime():
+    """The kept runtime was rebuilt on a device, dtype or attention change only: after
+    ``resize_token_embeddings`` it kept the old vocabulary size and refused the new tokens
+    ("token id 44 is outside the target's vocabulary (0..31)") where plain generate() emits them."""
+    model = tiny_llama(seed=3)
+    inputs = left_padded(PROMPTS)
+    kw = {"max_new_tokens": 10, "pad_token_id": PAD}
+    plain, spec = both(model, inputs, NGRAM, **kw)
+    assert torch.equal(spec, plain)
+    model.resize_token_embeddings(48, mean_resizing=False)
+    with torch.no_grad():
+        model.lm_head.weight[32:] = model.lm_head.weight[:16] * 3  # the new tokens win
+    plain, spec = both(model, inputs, NGRAM, **kw)
+    assert torch.equal(spec, plain)
+    assert (plain >= 32).any()  # the new tokens are emitted
+
+
+def test_a_longer_context_rebuilds_the_kept_runtime():
+    """The kept runtime kept the context it read first: a call past it was refused after
+    ``max_position_embeddings`` grew (a call the runtime of a fresh load accepts)."""
+    model = tiny_llama(seed=3, max_pos=16)
+    inputs = {"input_ids": torch.tensor([PROMPTS[0]])}
+    both(model, inputs, NGRAM, max_new_tokens=4)
+    model.config.max_position_embeddings = 64
+    plain, spec = both(model, inputs, NGRAM, max_new_tokens=20)
+    assert torch.equal(spec, plain)
+
+
+class StopOn(StoppingCriteria):
+    """Stops a row whose last token is ``token`` (a per-row user criterion)."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+@pytest.mark.parametrize("pad_token_id", [None, PAD])
+@pytest.mark.parametrize("spec_kw", [NGRAM, "same_draft"])
+def test_rows_a_criterion_stops_keep_their_real_tokens_without_an_eos(pad_token_id, spec_kw):
+    """With no EOS criterion plain generate() keeps appending a stopped row's real tokens until
+    every row has stopped: without a pad id this raised after the whole decode ("rows finished at
+    different lengths"), with one the rows were padded."""
+    model = tiny_llama(seed=3)
+    spec_kw = {"draft_model": model} if spec_kw == "same_draft" else spec_kw  # long rounds: stops inside them
+    inputs = left_padded(PROMPTS)
+    kw = {"max_new_tokens": 12, "pad_token_id": pad_token_id, "stopping_criteria": StoppingCriteriaList([StopOn(8)])}
+    plain, spec = both(model, inputs, spec_kw, **kw)
+    assert torch.equal(spec, plain)
+    full = model.generate(**inputs, max_new_tokens=12, pad_token_id=pad_token_id)
+    new = plain[:, inputs["input_ids"].shape[1]:].tolist()
+    assert plain.shape[1] < full.shape[1]  # the criterion ended the batch early
+    assert sum(8 in row[:-1] for row in new) >= 2  # rows that stopped early went on with real tokens
+
+
+class TimeUpAfter(MaxTimeCriteria):
+    """``max_time`` with a clock that runs out after ``n`` checks: one answer for the whole batch."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(max_time=1.0)
+        self.n = n
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.n -= 1
+        return torch.full((input_ids.shape[0],), self.n < 0, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("pad_token_id", [None, PAD])
+def test_max_time_ends_every_row_at_one_step(pad_token_id):
+    """Plain generate() stops every row at the step time runs out: rows were ended at different
+    lengths (raising without a pad id, padded with one). Now all rows end together, each the
+    start of its plain greedy output. Checks are per token of each row, so time runs out inside a
+    round of long drafts (the model drafting for itself), with rows at different lengths."""
+    model = tiny_llama(seed=3)
+    inputs = left_padded(PROMPTS)
+    full = model.generate(**inputs, max_new_tokens=16, pad_token_id=pad_token_id)
+    spec = model.generate(**inputs, max_new_tokens=16, pad_token_id=pad_token_id, custom_generate=speculative_generate,
+                          stopping_criteria=StoppingCriteriaList([TimeUpAfter(13)]), draft_model=model)
+    assert inputs["input_ids"].shape[1] < spec.shape[1] < full.shape[1]
+    assert torch.equal(spec, full[:, :spec.shape[1]])
+
+
+def test_a_pad_id_inside_a_prompt_without_a_mask_is_refused_by_its_cause():
+    """generate() infers the mask from pad_token_id when none is passed, masking a pad id inside the
+    prompt: the refusal said the mask was not left-padded (and to set padding_side), though no
+    mask was passed. An explicit mask makes the same prompt run as in plain generate()."""
+    model = tiny_llama(seed=3)
+    ids = torch.tensor([[3, 4, PAD, 5, 6]])
+    with pytest.raises(ValueError, match=r"if you passed no attention_mask, generate\(\) inferred it from "
+                                         r"pad_token_id=0.*pass an explicit attention_mask"):
+        model.generate(input_ids=ids, max_new_tokens=8, pad_token_id=PAD, custom_generate=speculative_generate)
+    plain, spec = both(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, NGRAM,
+                       max_new_tokens=8, pad_token_id=PAD)
+    assert torch.equal(spec, plain)
+
+
+def test_a_streamer_given_to_the_callable_is_refused_and_ended():
+    """transformers puts the prompt into generate(streamer=) and calls a callable custom_generate
+    without it: the streamer got the prompt only and never end(), so a TextIteratorStreamer's
+    reader waited forever. Refused by name, the streamer ended first."""
+    model = tiny_llama(seed=3)
+    streamer = Recorder()
+    with pytest.raises(ValueError, match="pass it as spec_streamer="):
+        model.generate(input_ids=torch.tensor([PROMPTS[0]]), max_new_tokens=4, streamer=streamer,
+                       custom_generate=speculative_generate)
+    assert streamer.ended

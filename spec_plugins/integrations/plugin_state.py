@@ -11,6 +11,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from spec_plugins.backends import hf_compat
 from spec_plugins.backends.torch_runtime import TorchRuntime, attention_implementation
 from spec_plugins.config import SpecConfig
 from spec_plugins.policy import Costs
@@ -40,8 +41,10 @@ class Setup:
     proposers wired to it from spec config sections, each wiring with its own tree sizer (a
     sizer's calibrations are per source index, which means another drafter in another section).
     A second ``generate()`` then costs one forward per round plus its prefill,
-    not the forwards of measuring the runtime and building proposers again. Rebuilt when the model moves to another device or dtype, or switches attention
-    implementation (one the runtime cannot mask is refused then). It holds nothing of a
+    not the forwards of measuring the runtime and building proposers again. Rebuilt when what the
+    runtime read from the model changes (``_stale``): its device or dtype, its attention
+    implementation (one the runtime cannot mask is refused then), its vocabulary
+    (``resize_token_embeddings``) or its context. It holds nothing of a
     draft model or proposer instance a call passes (``wired``), so dropping those frees them."""
 
     runtime: TorchRuntime
@@ -61,10 +64,8 @@ class Setup:
 
     @staticmethod
     def of(model: Any) -> "Setup":
-        p = next(model.parameters())
         setup = model.__dict__.get("_spec_plugins")
-        if (setup is None or setup.runtime.device != p.device or setup.runtime.dtype != p.dtype
-                or setup.runtime.attention != attention_implementation(model)):  # checked again: it may change
+        if setup is None or _stale(setup.runtime, model):  # checked on every call: the model may change
             setup = Setup(TorchRuntime(model, tokenizer=None))
             model.__dict__["_spec_plugins"] = setup  # a plain attribute: not a submodule, never saved
         return setup
@@ -109,6 +110,17 @@ class Setup:
         kept = per_target.setdefault(self.runtime, {})
         return _recent(kept, section.model_dump_json(),
                        lambda: DraftModelProposer(section, target=self.runtime, runtime=TorchRuntime(draft_model)))
+
+
+def _stale(runtime: TorchRuntime, model: Any) -> bool:
+    """Whether ``model`` changed what ``runtime`` read from it when built: a runtime keeping an old
+    vocabulary size refuses the new tokens (its draft check, its sampling), one keeping an old
+    context refuses or allows the wrong calls."""
+    p = next(model.parameters())
+    return (runtime.device != p.device or runtime.dtype != p.dtype
+            or runtime.attention != attention_implementation(model)
+            or runtime.vocab_size != int(model.get_output_embeddings().weight.shape[0])
+            or runtime.max_context != hf_compat.context_limit(model))
 
 
 KEPT = 8  # proposers kept per model (and per draft model and target): the sections used most recently

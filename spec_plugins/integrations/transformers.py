@@ -26,6 +26,7 @@ form, ``custom_generate=CUSTOM_GENERATE`` with ``trust_remote_code=True``, recei
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -80,14 +81,15 @@ def speculative_generate(
     (``plugin_state.model_lock``)."""
     gc = generation_config if generation_config is not None else model.generation_config
     streamer = spec_streamer
+    _check_dropped_streamer(sys._getframe(1))
     _check_supported(model, gc, synced_gpus, model_kwargs)
-
-    # 1. rows: strip left padding, keep the pads for the processors' view
-    rows, pads = _split_left_padding(input_ids, model_kwargs.get("attention_mask"))
-    max_new = int(gc.max_length) - input_ids.shape[1]
     # generate() stores the resolved ids (pad falls back to EOS) as tensors on the config
     eos = _ids(getattr(gc, "_eos_token_tensor", gc.eos_token_id))
     pad_id = next(iter(_ids(getattr(gc, "_pad_token_tensor", gc.pad_token_id))), None)
+
+    # 1. rows: strip left padding, keep the pads for the processors' view
+    rows, pads = _split_left_padding(input_ids, model_kwargs.get("attention_mask"), pad_id)
+    max_new = int(gc.max_length) - input_ids.shape[1]
 
     with model_lock(model):
         # 2. components: the user's model as target (its runtime wrapper, costs and wired proposers kept,
@@ -103,12 +105,12 @@ def speculative_generate(
         sampling = SamplingConfig(temperature=1.0 if gc.do_sample else 0.0, seed=None)
         pipeline = LogitsPipeline(sampling, adapt_processors(logits_processor or [], input_ids))
         criteria = [*(stopping_criteria or []), *_stop_string_criteria(stop_strings, spec_tokenizer)]
-        stop = _stop_fn(criteria, gc, pads, eos, input_ids.device)
+        out: list[list[int]] = [[] for _ in rows]
+        done = [False] * len(rows)
+        stop = _Stops.build(criteria, gc, eos, pad_id, pads, rows, out, done, input_ids.device)
 
         # 3. decode, streaming as we go (global torch RNG, like plain generate)
         stats = spec_stats if spec_stats is not None else DecodeStats()
-        out: list[list[int]] = [[] for _ in rows]
-        done = [False] * len(rows)
         sent = 0
         if streamer is not None:
             streamer.put(input_ids.cpu())  # the prompt first, as generate() puts it
@@ -118,6 +120,9 @@ def speculative_generate(
                                wiring.policy(), processor_prefix=pads, stop=stop, traits=wiring.traits):
                 for i, toks in step.emitted.items():
                     out[i].extend(toks)
+                if stop is not None and stop.end is not None:
+                    for o in out:
+                        del o[stop.end:]  # tokens past the batch's end (emitted before it was known)
                 for i in step.finished:
                     done[i] = True
                 errors |= step.errors
@@ -179,6 +184,25 @@ def _check_supported(model: Any, gc: Any, synced_gpus: bool, model_kwargs: dict)
         raise ValueError("speculative_generate cannot continue from a pre-filled cache; pass the full input_ids")
 
 
+def _check_dropped_streamer(caller: Any) -> None:
+    """transformers puts the prompt into ``generate(streamer=...)`` and then calls a callable
+    ``custom_generate`` without it, so nothing more would reach it and its ``end()`` would never
+    come (a thread reading a ``TextIteratorStreamer`` would wait forever): refuse it, ending it
+    first so such a reader stops. ``caller`` is read only when it is transformers' ``generate()``."""
+    import inspect
+
+    from transformers.generation.utils import GenerationMixin
+
+    if caller.f_code is not inspect.unwrap(GenerationMixin.generate).__code__:
+        return
+    streamer = caller.f_locals.get("streamer")
+    if streamer is not None:
+        streamer.end()
+        raise ValueError("speculative_generate: transformers does not hand streamer= to a callable custom_generate "
+                         "(it would receive the prompt only): pass it as spec_streamer=, or use the directory "
+                         "form (custom_generate=CUSTOM_GENERATE, trust_remote_code=True), which takes streamer=")
+
+
 def _check_context(rows: list[list[int]], max_new: int, context: int) -> None:
     """Refuse a call that would run past the model's context: plain ``generate()`` runs on there
     (rotary positions extrapolate), where this engine stops each row at it, which would cut the
@@ -190,7 +214,8 @@ def _check_context(rows: list[list[int]], max_new: int, context: int) -> None:
                          "stops: lower max_new_tokens (or max_length)")
 
 
-def _split_left_padding(input_ids: torch.Tensor, mask: torch.Tensor | None) -> tuple[list[list[int]], list[list[int]]]:
+def _split_left_padding(input_ids: torch.Tensor, mask: torch.Tensor | None, pad_id: int | None
+                        ) -> tuple[list[list[int]], list[list[int]]]:
     """Per row: the real tokens and the left pads before them. Right or inner padding is refused."""
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
@@ -204,11 +229,26 @@ def _split_left_padding(input_ids: torch.Tensor, mask: torch.Tensor | None) -> t
     rows, pads = [], []
     for b, (row, k) in enumerate(zip(ids, n_pad)):
         if int(m[b, k:].sum()) != len(row) - k:
-            raise ValueError(f"row {b} of attention_mask is not left-padded (zeros after the first one); "
-                             "use tokenizer.padding_side = 'left' for decoder-only generation")
+            raise ValueError(_inner_zero(b, k, m, input_ids, pad_id))
         rows.append(row[k:])
         pads.append(row[:k])
     return rows, pads
+
+
+def _inner_zero(b: int, k: int, m: torch.Tensor, input_ids: torch.Tensor, pad_id: int | None) -> str:
+    """Why row ``b``'s mask, with a zero after its first one, is refused. Without an
+    ``attention_mask``, ``generate()`` infers one from ``pad_token_id`` (``input_ids != pad``), so
+    a pad id inside a prompt masks that token out: say so when the mask is exactly that."""
+    zeros = (m[b, k:] == 0).nonzero().flatten()
+    at = k + int(zeros[0])
+    inner = int(m[b, at:].sum()) > 0  # a one after the zero: not right padding
+    if inner and pad_id is not None and torch.equal(m, input_ids.ne(pad_id).long().cpu()):
+        return (f"row {b} of the attention mask has a zero inside the prompt (position {at}): if you passed no "
+                f"attention_mask, generate() inferred it from pad_token_id={pad_id}, which also occurs inside the "
+                "prompt there, and masked that token out; pass an explicit attention_mask (1 for every prompt "
+                "token, 0 for the left pads): this engine strips left padding only")
+    return (f"row {b} of attention_mask is not left-padded (a zero at position {at}, after the first one); "
+            "use tokenizer.padding_side = 'left' for decoder-only generation")
 
 
 def _ids(x: Any) -> list[int]:
@@ -251,32 +291,83 @@ def _stop_string_criteria(stop_strings: str | Sequence[str] | None, tokenizer: A
     return [StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings)]
 
 
-def _stop_fn(criteria: Sequence[Any], gc: Any, pads: list[list[int]], eos: list[int], device: torch.device):
-    """Stopping criteria the engine does not already apply (max length and EOS it does), evaluated
-    after every new token of a row on that row's transformers-layout sequence."""
-    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+class _Stops:
+    """The stopping criteria the engine does not apply itself (it applies max length and EOS),
+    evaluated after each new token of a row on that row's transformers-layout sequence (a
+    round's tokens are cut at the first hit), ending rows where plain ``generate()`` ends them:
 
-    rest = []
-    for c in criteria:
-        if isinstance(c, MaxLengthCriteria) and c.max_length >= gc.max_length:
-            continue  # the engine stops at max_new_tokens = max_length - padded prompt length
-        if isinstance(c, EosTokenCriteria) and set(_ids(c.eos_token_id)) <= set(eos):
-            continue
-        rest.append(c)
-    if not rest:
+    - a per-row criterion ends its row, which is then right-padded; with no EOS criterion
+      (``keep_going``) plain ``generate()`` instead keeps appending each stopped row's real
+      tokens until every row has stopped: the row decodes on, and all rows end at the last stop;
+    - ``max_time`` (``MaxTimeCriteria``: one answer for the whole batch) ends every row at one
+      length, the shortest running row's when it fires, as plain ``generate()`` stops every row
+      at one step.
+
+    ``end``: the number of new tokens every row ends at, once known (rows past it are cut to it).
+    ``out``/``done``: the caller's per-row new tokens and finished flags, as of the last round."""
+
+    def __init__(self, per_row: Any, batch: Any, keep_going: bool, pads: list[list[int]],
+                 rows: list[list[int]], out: list[list[int]], done: list[bool], device: torch.device) -> None:
+        self.per_row, self.batch, self.keep_going = per_row, batch, keep_going
+        self.pads, self.prompt = pads, [len(r) for r in rows]
+        self.out, self.done, self.device = out, done, device
+        self.stopped: dict[int, int] = {}  # keep_going: row -> new tokens at its stop
+        self.end: int | None = None
+
+    @staticmethod
+    def build(criteria: Sequence[Any], gc: Any, eos: list[int], pad_id: int | None, pads: list[list[int]],
+              rows: list[list[int]], out: list[list[int]], done: list[bool], device: torch.device) -> _Stops | None:
+        """The criteria left to apply (None: none), split into per-row and whole-batch ones."""
+        from transformers.generation.stopping_criteria import (
+            EosTokenCriteria,
+            MaxLengthCriteria,
+            MaxTimeCriteria,
+            StoppingCriteriaList,
+        )
+
+        rest = [c for c in criteria
+                if not (isinstance(c, MaxLengthCriteria) and c.max_length >= gc.max_length)  # max_new_tokens
+                and not (isinstance(c, EosTokenCriteria) and set(_ids(c.eos_token_id)) <= set(eos))]
+        if not rest:
+            return None
+        keep_going = not any(hasattr(c, "eos_token_id") for c in criteria)  # plain generate()'s own test
+        if not keep_going and pad_id is None and len(rows) > 1:
+            raise ValueError("speculative_generate: a stopping criterion with an eos_token_id pads the rows it stops, "
+                             "and there is no pad_token_id to pad them with: pass pad_token_id=")
+        per_row = [c for c in rest if not isinstance(c, MaxTimeCriteria)]
+        batch = [c for c in rest if isinstance(c, MaxTimeCriteria)]
+        return _Stops(StoppingCriteriaList(per_row) if per_row else None,
+                      StoppingCriteriaList(batch) if batch else None, keep_going, pads, rows, out, done, device)
+
+    def __call__(self, i: int, tokens: Sequence[int], n_new: int) -> int | None:
+        """How many of row ``i``'s ``n_new`` newest tokens it keeps before it ends (None: it goes on)."""
+        before = len(tokens) - n_new - self.prompt[i]
+        for j in range(1, n_new + 1):
+            seq = self.pads[i] + list(tokens[: len(tokens) - n_new + j])
+            if (self.end is None or before + j <= self.end) and self._stops(i, seq, before + j):
+                return j
+            if self.end is not None and before + j >= self.end:
+                return max(0, self.end - before)
         return None
-    crit = StoppingCriteriaList(rest)
 
-    def stop(i: int, tokens: Sequence[int], n_new: int) -> int | None:
-        head = pads[i]
-        for j in range(n_new):
-            upto = len(tokens) - n_new + j + 1
-            ids = torch.tensor([head + list(tokens[:upto])], dtype=torch.long, device=device)
-            if bool(crit(ids, None)[0]):
-                return j + 1
-        return None
+    def _stops(self, i: int, seq: list[int], n: int) -> bool:
+        """Whether a per-row criterion ends row ``i`` at ``n`` new tokens (``seq``: its padded
+        sequence there); sets ``end`` where the batch's end becomes known."""
+        ids = torch.tensor([seq], dtype=torch.long, device=self.device)
+        if self.batch is not None and bool(self.batch(ids, None)[0]):
+            running = [len(o) for o, d in zip(self.out, self.done) if not d]  # as of the last round: all reached
+            self._end_at(max(1, min([n, *running])))  # plain generate() makes one token before it checks
+        if self.per_row is None or i in self.stopped or not bool(self.per_row(ids, None)[0]):
+            return False
+        if not self.keep_going:
+            return True
+        self.stopped[i] = n
+        if len(self.stopped) == len(self.out):
+            self._end_at(max(self.stopped.values()))
+        return False
 
-    return stop
+    def _end_at(self, n: int) -> None:
+        self.end = n if self.end is None else min(self.end, n)
 
 
 # ---- output ------------------------------------------------------------------------------------
