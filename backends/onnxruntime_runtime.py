@@ -16,6 +16,7 @@ the prefix is never re-run.
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal, Sequence
@@ -137,6 +138,18 @@ def stored_model_name(name: str) -> str:
     return str(p.resolve()) if name not in BUILTIN_MODELS and p.exists() else name
 
 
+def exported_from(recorded: str, model: str) -> bool:
+    """Whether an export recorded as made from ``recorded`` is ``model``'s: the same files however
+    spelled, or (an export moved with its project: the recorded absolute path is gone) a model of
+    the same directory or file name."""
+    from spec_plugins.models import same_model
+
+    if same_model(recorded, model):
+        return True
+    gone = Path(recorded).is_absolute() and not Path(recorded).exists()
+    return gone and Path(recorded).name == Path(model).expanduser().name
+
+
 def export_cache_dir(model: str, quantize: str = "none", dtype: str = "float32",
                      feature_layers: Sequence[int] | None = None) -> Path:
     """Where export-on-first-use puts a model's graphs, keyed by the source files' identity (path,
@@ -154,6 +167,34 @@ def export_cache_dir(model: str, quantize: str = "none", dtype: str = "float32",
     key = "|".join([*ident, EXPORTER_VERSION, str(OPSET), quantize, dtype, *layers])
     suffix = ("" if quantize == "none" else f"-{quantize}") + ("" if dtype == "float32" else f"-{dtype}")
     return cache_root() / "onnx" / f"{src.name}-{hashlib.sha1(key.encode()).hexdigest()[:12]}{suffix}"
+
+
+def first_use_export(model: str, scheme: Any, dtype: str, layers: Sequence[int] | None) -> Path:
+    """The cached export of ``model`` returning decoder ``layers`` (None: the default ones), made
+    on first use. Named layers equal to the defaults share the default export: that one is used
+    when present, and an export made for named layers that turn out to be the defaults (the
+    manifest knows the layer count) becomes the default one, so each graph is exported once."""
+    from spec_plugins.graphs.manifest import Manifest
+    from spec_plugins.graphs.quant import scheme_name
+    from spec_plugins.heads.eagle import default_feature_layers
+    from spec_plugins.registry import EXPORTERS
+
+    default = export_cache_dir(model, scheme_name(scheme), dtype)
+    if layers is None or (default / "manifest.json").is_file() and \
+            list(Manifest.read(default).graph("verify").feature_layers) == list(layers):
+        directory = default
+    else:
+        directory = export_cache_dir(model, scheme_name(scheme), dtype, layers)
+    if not (directory / "manifest.json").is_file():
+        # the exporters package, looked up by name
+        man = EXPORTERS.get("onnx")(model, directory, quantize=scheme, dtype=dtype,
+                                    feature_layers=None if layers is None else tuple(layers))
+        n = man.graph("verify").num_layers
+        if directory != default and list(default_feature_layers(n)) == list(layers or ()):
+            if not (default / "manifest.json").is_file():
+                os.replace(directory, default)
+            directory = default  # (a racing process made it first: the same graph)
+    return directory
 
 
 @register_backend("onnxruntime", install_hint=INSTALL_HINT)
@@ -243,14 +284,7 @@ class OnnxRuntime(SlotRuntime):
             directory = Path(config.path).expanduser()
         else:
             dtype = "float32" if config.dtype == "auto" else config.dtype
-            layers = config.feature_layers
-            directory = export_cache_dir(config.model, scheme_name(scheme), dtype, layers)
-            if not (directory / "manifest.json").is_file():
-                from spec_plugins.registry import EXPORTERS
-
-                # the exporters package, looked up by name
-                EXPORTERS.get("onnx")(config.model, directory, quantize=scheme, dtype=dtype,
-                                      feature_layers=None if layers is None else tuple(layers))
+            directory = first_use_export(config.model, scheme, dtype, config.feature_layers)
         man = Manifest.read(directory)
         entry = man.graph(config.graph)
         if config.dtype not in ("auto", entry.dtype):
@@ -266,7 +300,7 @@ class OnnxRuntime(SlotRuntime):
             raise ValueError(f"target.path {directory} holds graph {config.graph!r} returning decoder layers "
                              f"{entry.feature_layers}, not feature_layers: {want}; set them to match or export "
                              f"again with --feature-layers {','.join(map(str, want)) or 'none'}")
-        if config.path is not None and stored_model_name(entry.source_model) != stored_model_name(config.model):
+        if config.path is not None and not exported_from(entry.source_model, config.model):
             raise ValueError(
                 f"target.path {directory} holds graph {config.graph!r} exported from model {entry.source_model!r}, "
                 f"but the config says model: {config.model!r}; set model: {entry.source_model!r} or export again"

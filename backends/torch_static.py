@@ -175,14 +175,13 @@ class StaticTorchRuntime(TorchRuntime):
     def _ensure(self, rows: int, slots: int) -> None:
         """Buffers for ``rows`` x ``slots`` (grown in steps, ``_capacity``, the live content carried over).
         A reallocation copies the KV and drops every compiled step, so it never shrinks the capacity
-        the buffers have, and one for more rows (``slots``: the live ones) leaves ``_reset_kv``'s
-        headroom for the next forward instead of growing again on it."""
+        the buffers have."""
         c = self.cache
         if c is not None and c.rows >= rows and c.capacity >= slots:
             return
         cap = self._capacity(slots)
         if c is not None:
-            cap = max(cap, c.capacity, self._capacity(slots + HEADROOM) if c.rows < rows else 0)
+            cap = max(cap, c.capacity)
         live = self.kv
         self.cache = SlotCache(self._layers, bucket(rows, ROW_BUCKETS), cap, self._kv_heads, self._head_dim,
                                self.dtype, self.device,

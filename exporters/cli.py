@@ -88,7 +88,7 @@ def quant_scheme(quantize: str, block_size: int | None, asymmetric: bool, accura
         given = [f for f, on in flags.items() if on]
         if given:
             raise ValueError(f"{', '.join(given)} set how weights are quantized; add --quantize int4 or int8 "
-                             "(the export is not quantized without it)")
+                             "(without it the export takes the config target's quantize: and quant_* fields)")
         return None
     from spec_plugins.graphs.quant import QuantScheme, gguf_conflicts
 

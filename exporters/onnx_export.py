@@ -225,10 +225,12 @@ def export_config(config: Any, out: str | Path, opset: int = OPSET, log: Log = _
         where = str(resolve_head_dir(prop.heads))  # as the proposers find it: shipped examples from any directory
         cls = MedusaHeads if prop.type == "medusa" else drafter_class(where)
         heads.append((prop.type, cls.from_pretrained(where, model), where))
+    from spec_plugins.wiring import drafter_layers
+
     layers = parse_feature_layers(feature_layers, int(hf_compat.decoder_layers(model)))
-    drafter_layers = tuple(getattr(heads[0][1].config, "feature_layers", ())) if heads else ()
-    if feature_layers == "auto" and drafter_layers:
-        layers = drafter_layers
+    read = drafter_layers(prop)  # the drafter's, a hybrid's child's too: as the first-use export takes them
+    if feature_layers == "auto" and read:
+        layers = read
     return export_models(out, (model, tok, tgt.model), draft, None, opset, log, heads, layers, quantize)
 
 

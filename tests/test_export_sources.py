@@ -121,3 +121,41 @@ def test_relative_model_and_head_paths_are_recorded_absolute(tiny_model_dir, tmp
     tiny_llama(vocab=32, seed=7).save_pretrained(str(tmp_path / "other"))
     with pytest.raises(ValueError, match="exported from model"):
         OnnxRuntime.from_config(OnnxRuntime.Config(model="other", path=exp))
+
+
+def test_named_default_layers_share_the_default_export(tiny_model_dir, tmp_path, monkeypatch):  # noqa: F811
+    """An EAGLE-3 drafter reading the model's default layers (named, as ``target_for`` names a
+    drafter's layers) uses the default first-use export, in either order: the graph is exported
+    once (a key of its own for them exported it a second time)."""
+    from spec_plugins.backends import onnxruntime_runtime as ort_rt
+    from spec_plugins.registry import EXPORTERS
+
+    monkeypatch.setenv("SPEC_PLUGINS_CACHE", str(tmp_path / "cache"))
+    real, made = EXPORTERS.get("onnx"), []
+    monkeypatch.setattr(EXPORTERS, "get", lambda name: (lambda *a, **kw: made.append(kw) or real(*a, **kw)))
+    m = str(tiny_model_dir)
+    default = export_cache_dir(m)
+    assert ort_rt.first_use_export(m, None, "float32", [2, 1, 1]) == default  # named first: becomes the default
+    assert ort_rt.first_use_export(m, None, "float32", None) == default
+    assert ort_rt.first_use_export(m, None, "float32", [2, 1, 1]) == default
+    assert len(made) == 1 and list((tmp_path / "cache" / "onnx").iterdir()) == [default]
+    assert ort_rt.first_use_export(m, None, "float32", [1, 2]) != default and len(made) == 2
+
+
+def test_an_export_moved_with_its_project_still_loads(tmp_path, monkeypatch):
+    """Model and export named by relative paths, the project folder moved (another checkout): the
+    recorded absolute path is gone and the same-named model loads it; another model is refused."""
+    import shutil
+
+    model = tiny_llama(vocab=32, seed=3)
+    proj = tmp_path / "projA"
+    proj.mkdir()
+    monkeypatch.chdir(proj)
+    model.save_pretrained("tiny")
+    tiny_llama(vocab=32, seed=4).save_pretrained("other")
+    export_models("exp", (model, None, "tiny"))
+    shutil.move(str(proj), str(tmp_path / "projB"))
+    monkeypatch.chdir(tmp_path / "projB")
+    assert OnnxRuntime.from_config(OnnxRuntime.Config(model="tiny", path="exp")).vocab_size == 32
+    with pytest.raises(ValueError, match="exported from model"):
+        OnnxRuntime.from_config(OnnxRuntime.Config(model="other", path="exp"))

@@ -134,3 +134,34 @@ def test_openai_takes_every_int64_seed_as_its_low_63_bits(live):
         r = httpx.post(live.url + "/v1/completions", json=dict(body, seed=bad), timeout=60)
         assert r.status_code == 422
         assert r.json()["error"] == f"`seed` must be between {-(2**63)} and {2**63 - 1}. Given: {bad}"
+
+
+def byte_fallback_tokenizer():
+    """A SentencePiece-style vocabulary of byte-fallback pieces only (``<0xE7>``, as gemma's):
+    every character's bytes are tokens of their own, named by the pieces, not a byte alphabet."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": b + 1 for b in range(256)}}
+    tk = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    tk.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>")
+
+
+def test_byte_fallback_pieces_are_named_by_their_bytes():
+    """Pieces like ``<0xE7>`` decode alone to U+FFFD: the legacy layout names them ``bytes:\\xe7``
+    too, each alternative under its own key (they collapsed into one U+FFFD entry)."""
+    tok = byte_fallback_tokenizer()
+    model = tiny_llama(vocab=len(tok), seed=6)
+    srv = LiveServer(model, tok, policy="fixed")
+    try:
+        ids = tok(PROMPT)["input_ids"]
+        want = plain_greedy(model, ids, 6)
+        lp = completion(srv, {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": 5})["logprobs"]
+    finally:
+        srv.stop()
+    for i, t in enumerate(want):
+        top = full_logits(model, ids + want[:i]).log_softmax(-1).topk(5)
+        expect = [openai_label(bytes([int(a) - 1])) for a in top.indices]  # piece <0xNN> is id NN + 1
+        assert list(lp["top_logprobs"][i]) == expect, i
+        assert lp["tokens"][i] == openai_label(bytes([t - 1]))

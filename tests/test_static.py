@@ -355,3 +355,16 @@ def test_a_joining_row_never_shrinks_the_buffers_capacity(monkeypatch):
     assert caps == sorted(caps) and allocs[-1] == (2, 128), allocs
     for r in reqs:
         assert outs[r.key] == plain_greedy(model, r.prompt, r.max_new_tokens), r.key
+
+
+@pytest.mark.parametrize("n", [400, 440])
+def test_a_wider_new_batch_gets_the_capacity_its_prompts_need_once(n):
+    """A new batch with more rows than the buffers: capacity for its prompts plus one widest
+    forward (the headroom counted once: twice doubled 512 to 1024 for 400-token prompts, and
+    attention reads the whole capacity every forward)."""
+    from spec_plugins.backends.torch_static import HEADROOM
+
+    rt = StaticTorchRuntime(tiny_llama(seed=3, max_pos=2048))
+    rt.prefill([[1, 2, 3]])
+    rt.prefill([[5] * n, [6] * n])
+    assert rt.cache.rows == 2 and n + HEADROOM <= rt.cache.capacity == 512

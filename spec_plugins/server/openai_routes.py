@@ -13,6 +13,7 @@ the usage and no choices.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from functools import lru_cache
@@ -44,6 +45,9 @@ def byte_table(tokenizer: Any) -> dict[str, int] | None:
     return {c: b for b, c in bytes_to_unicode().items()}
 
 
+BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a byte-fallback piece of a SentencePiece vocabulary
+
+
 def add_openai_routes(app: FastAPI, state: Any) -> None:
     """Register the /v1 routes on ``app`` over ``state`` (a ``ServerState``)."""
     table = byte_table(state.tokenizer)
@@ -54,6 +58,10 @@ def add_openai_routes(app: FastAPI, state: Any) -> None:
             piece = state.tokenizer.convert_ids_to_tokens(t)
             if isinstance(piece, str) and all(c in table for c in piece):
                 return bytes(table[c] for c in piece)
+        if table is None and t not in state.special_ids:  # SentencePiece's byte fallback: <0xE7> is byte e7
+            piece = state.tokenizer.convert_ids_to_tokens(t)
+            if isinstance(piece, str) and BYTE_PIECE.fullmatch(piece):
+                return bytes([int(piece[3:5], 16)])
         return state.token_text(t).encode("utf-8")
 
     def token_label(t: int) -> str:
