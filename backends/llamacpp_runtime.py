@@ -112,6 +112,11 @@ class LlamaCppRuntime:
         except ImportError:  # older packages: logs stay on
             pass
         L.llama_backend_init()
+        if cfg.gpu_layers != 0 and not L.llama_supports_gpu_offload():
+            raise ValueError(
+                f"gpu_layers={cfg.gpu_layers} asks for GPU offload, but this llama.cpp build has none "
+                "(llama_supports_gpu_offload() is False): set gpu_layers: 0 for the CPU, or install a "
+                "llama-cpp-python built with a GPU backend (e.g. CMAKE_ARGS='-DGGML_CUDA=on')")
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = cfg.gpu_layers
         if hasattr(mp, "use_extra_bufts"):
@@ -119,8 +124,7 @@ class LlamaCppRuntime:
         self._model = L.llama_model_load_from_file(str(gguf_path).encode(), mp)
         if not self._model:
             raise ValueError(f"llama.cpp could not load {gguf_path}")
-        self._ctx = None
-        self._batch = None
+        self._ctx = self._mem = self._batch = None
         if L.llama_model_is_recurrent(self._model) or L.llama_model_is_hybrid(self._model):
             self.close()
             raise ValueError(
@@ -162,8 +166,10 @@ class LlamaCppRuntime:
 
     # ---- lifetime ------------------------------------------------------------------------
     def close(self) -> None:
-        """Free the llama.cpp batch, context and model (also done on garbage collection)."""
+        """Free the llama.cpp batch, context and model (also done on garbage collection); calling it
+        again does nothing, and the runtime's other methods then raise instead of using freed memory."""
         L = self._L
+        self._mem = None
         if self._batch is not None:
             L.llama_batch_free(self._batch)
             self._batch = None
@@ -179,6 +185,11 @@ class LlamaCppRuntime:
             self.close()
         except Exception:  # interpreter shutdown
             pass
+
+    def _check_open(self) -> None:
+        """The context's memory is gone after close(): llama.cpp would crash the process on it."""
+        if self._mem is None:
+            raise RuntimeError("llama.cpp runtime is closed")
 
     # ---- llama.cpp calls -----------------------------------------------------------------
     def _decode(self, items: list[tuple[int, int, Sequence[int], bool]]) -> torch.Tensor:
@@ -223,6 +234,7 @@ class LlamaCppRuntime:
 
     # ---- Runtime contract ----------------------------------------------------------------
     def prefill(self, rows: Sequence[Sequence[int]], want_hidden: Want = False) -> StepOutput:
+        self._check_open()
         if want_hidden:
             raise ValueError("the llamacpp runtime does not return hidden states (capabilities.hidden_states=False)")
         if not rows or any(len(r) == 0 for r in rows):
@@ -243,10 +255,11 @@ class LlamaCppRuntime:
         return StepOutput(logits.view(len(rows), 1, self.vocab_size))
 
     def forward(self, tokens: torch.Tensor, tree: TreeLayout | None = None, want_hidden: Want = False) -> StepOutput:
+        self._check_open()
         if want_hidden:
             raise ValueError("the llamacpp runtime does not return hidden states (capabilities.hidden_states=False)")
         if self._pending is not None:
-            self._drop_temporaries()
+            self._drop_temporaries(self._pending)
             self._pending = None
         B, N = tokens.shape
         if B != len(self._seq):
@@ -256,16 +269,28 @@ class LlamaCppRuntime:
             if max(self._len) + N > self.max_context:
                 raise ValueError(f"position {max(self._len) + N - 1} exceeds the context of {self.max_context}")
             items = [(toks[b][j], self._len[b] + j, (s,), True) for b, s in enumerate(self._seq) for j in range(N)]
-            self._pending = {"before": list(self._len), "tree": None, "rows": None}
-            self._len = [n + N for n in self._len]
+            pend: dict[str, Any] = {"before": list(self._len), "tree": None, "rows": None}
+            grow = N
         else:
-            items = self._tree_items(toks, tree)
-        logits = self._decode(items)
+            items, pend = self._tree_items(toks, tree)
+            grow = int(tree.depth.max()) + 1
+        try:
+            logits = self._decode(items)
+        except BaseException:  # remove what a partly run decode wrote: the runtime stays as before the call
+            self._drop_temporaries(pend)
+            for s, n in zip(self._seq, pend["before"]):
+                self._seq_rm(s, n)
+            raise
+        self._pending = pend
+        self._len = [n + grow for n in self._len]
         return StepOutput(logits.view(B, N, self.vocab_size))
 
-    def _tree_items(self, toks: list[list[int]], tree: TreeLayout) -> list[tuple[int, int, Sequence[int], bool]]:
+    def _tree_items(
+        self, toks: list[list[int]], tree: TreeLayout
+    ) -> tuple[list[tuple[int, int, Sequence[int], bool]], dict]:
         """Give each leaf of a row's tree a sequence holding the row's prefix; tag nodes with their
-        leaves' ids (rows share one topology, or each has its own: ``TreeLayout.rows``)."""
+        leaves' ids (rows share one topology, or each has its own: ``TreeLayout.rows``). Returns the
+        nodes and the pending state that commit() needs once they are decoded."""
         N = tree.size
         depth = tree.depth.tolist()
         if max(self._len) + max(depth) + 1 > self.max_context:
@@ -289,18 +314,17 @@ class LlamaCppRuntime:
             row_ids.append(ids)
             base = self._len[b]
             items.extend((toks[b][j], base + depth[j], [ids[k] for k in rt.on_leaf[j]], True) for j in range(N))
-        self._pending = {"before": list(self._len), "tree": tree, "rows": rows, "ids": row_ids}
-        self._len = [n + max(depth) + 1 for n in self._len]
-        return items
+        return items, {"before": list(self._len), "tree": tree, "rows": rows, "ids": row_ids}
 
-    def _drop_temporaries(self) -> None:
-        pend = self._pending
+    def _drop_temporaries(self, pend: dict | None) -> None:
+        """Remove the tree leaves' temporary sequence ids (the rows' home ids stay)."""
         if pend is not None and pend.get("ids"):
             for ids in pend["ids"]:
                 for s in ids[1:]:
                     self._seq_rm(s, -1, -1)
 
     def commit(self, keep: Sequence[Sequence[int]]) -> None:
+        self._check_open()
         pend = self._pending
         if pend is None:
             raise RuntimeError("commit() without a preceding forward()")
@@ -318,10 +342,7 @@ class LlamaCppRuntime:
             else:
                 self._commit_path(b, k, tree, pend)
             self._len[b] = base + a
-        if tree is not None:
-            for ids in pend["ids"]:
-                for s in ids[1:]:
-                    self._seq_rm(s, -1, -1)
+        self._drop_temporaries(pend)
 
     def _commit_path(self, b: int, keep: list[int], tree: TreeLayout, pend: dict) -> None:
         """Leave exactly prefix + the kept root-to-node path on the row's home sequence."""
@@ -343,9 +364,10 @@ class LlamaCppRuntime:
         self._L.llama_memory_seq_cp(self._mem, ids[leaf_k], home, base, base + len(keep))
 
     def rollback(self, lengths: Sequence[int]) -> None:
+        self._check_open()
         if len(lengths) != len(self._seq):
             raise ValueError(f"rollback got {len(lengths)} rows; the runtime holds {len(self._seq)}")
-        self._drop_temporaries()
+        self._drop_temporaries(self._pending)
         self._pending = None
         for b, (s, n) in enumerate(zip(self._seq, lengths)):
             n = min(int(n), self._len[b])
@@ -357,6 +379,7 @@ class LlamaCppRuntime:
     def add_rows(self, rows: Sequence[Sequence[int]], want_hidden: Want = False) -> StepOutput:
         """Continuous batching: prefill ``rows`` on unused sequence ids and append them after
         the running rows (whose cache is untouched). Output as ``prefill``, new rows only."""
+        self._check_open()
         if not self._seq:
             return self.prefill(rows, want_hidden)
         if want_hidden:
@@ -385,10 +408,11 @@ class LlamaCppRuntime:
         return list(self._len)
 
     def select_rows(self, rows: Sequence[int]) -> None:
+        self._check_open()
         rows = list(rows)
         if any(r < 0 or r >= len(self._seq) for r in rows):
             raise ValueError(f"select_rows: rows {rows} out of range for {len(self._seq)} rows")
-        self._drop_temporaries()
+        self._drop_temporaries(self._pending)
         self._pending = None
         for b in set(range(len(self._seq))) - set(rows):
             self._seq_rm(self._seq[b], -1, -1)
