@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from spec_plugins.backends import hf_compat
-from spec_plugins.backends.onnxruntime_runtime import stored_model_name
+from spec_plugins.backends.onnx_cache import stored_model_name
 from spec_plugins.graphs.manifest import (FORMAT, MANIFEST_NAME, GraphEntry, Manifest, ManifestError,
                                           library_versions, read_json)
 from spec_plugins.exporters.onnx_verify import export_verify_graph, graph_context_cap

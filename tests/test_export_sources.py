@@ -11,11 +11,8 @@ pytest.importorskip("onnxruntime")
 
 from conftest import tiny_llama
 from helpers import plain_greedy, save_random_heads
-from spec_plugins.backends.onnxruntime_runtime import (
-    OnnxRuntime,
-    create_session,
-    export_cache_dir,
-)
+from spec_plugins.backends.onnx_cache import export_cache_dir
+from spec_plugins.backends.onnxruntime_runtime import OnnxRuntime, create_session
 from spec_plugins.exporters.onnx_export import export_config, export_models
 from test_onnx_runtime import tiny_model_dir  # noqa: F401  (the fixture)
 
@@ -127,7 +124,7 @@ def test_named_default_layers_share_the_default_export(tiny_model_dir, tmp_path,
     """An EAGLE-3 drafter reading the model's default layers (named, as ``target_for`` names a
     drafter's layers) uses the default first-use export, in either order: the graph is exported
     once (a key of its own for them exported it a second time)."""
-    from spec_plugins.backends import onnxruntime_runtime as ort_rt
+    from spec_plugins.backends import onnx_cache as ort_rt
     from spec_plugins.registry import EXPORTERS
 
     monkeypatch.setenv("SPEC_PLUGINS_CACHE", str(tmp_path / "cache"))

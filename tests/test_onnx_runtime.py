@@ -378,7 +378,7 @@ def test_feature_layers_the_graph_lacks_are_refused_at_pairing(exported):
 
 
 def test_quantize_in_the_config_exports_on_first_use_per_scheme(tiny_model_dir, tmp_path, monkeypatch):
-    from spec_plugins.backends.onnxruntime_runtime import export_cache_dir
+    from spec_plugins.backends.onnx_cache import export_cache_dir
 
     monkeypatch.setenv("SPEC_PLUGINS_CACHE", str(tmp_path))
     cfg = OnnxRuntime.Config(model=str(tiny_model_dir), quantize="int4", quant_block_size=16, threads=1,
@@ -434,7 +434,7 @@ def test_export_cache_follows_the_weights_not_only_the_config(tiny_model_dir, tm
     not the old model's cached graph."""
     import shutil
 
-    from spec_plugins.backends.onnxruntime_runtime import export_cache_dir
+    from spec_plugins.backends.onnx_cache import export_cache_dir
 
     monkeypatch.setenv("SPEC_PLUGINS_CACHE", str(tmp_path / "cache"))
     cfg = OnnxRuntime.Config(model=str(tiny_model_dir), device="cpu")
@@ -456,7 +456,7 @@ def test_dtype_swaps_with_the_backend(tiny_model_dir, tmp_path, monkeypatch):
 
     import yaml
 
-    from spec_plugins.backends.onnxruntime_runtime import export_cache_dir
+    from spec_plugins.backends.onnx_cache import export_cache_dir
     from spec_plugins.config import ConfigError
 
     monkeypatch.setenv("SPEC_PLUGINS_CACHE", str(tmp_path))
