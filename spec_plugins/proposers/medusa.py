@@ -9,6 +9,8 @@ point-mass rules keep sampling exact, and sibling tokens (distinct ranks of one 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -67,9 +69,7 @@ class MedusaProposer(Proposer):
             self.run_heads = FixedSteps(self.heads, getattr(target, "step_mode", "eager"))
         self.tree = config.mode == "tree"  # the decoder checks this against the runtime's tree support
         K = heads.config.num_heads
-        acc = [heads.calibration.get(f"head{d}", [])[: config.top_k] for d in range(K)]
-        if not all(len(a) == config.top_k for a in acc):
-            acc = default_accuracy(K, config.top_k)
+        acc = rank_accuracy(heads.calibration, K, config.top_k)
         self._tree = best_static_tree(acc, config.tree_nodes, max_depth=K)
         self.device = heads.lm_weight.device  # the target's: the heads were built there
         # the head that drafts each node (host: budgets are compared there) and its rank, for indexing logits
@@ -99,6 +99,38 @@ class MedusaProposer(Proposer):
         return Draft(toks, self._tree.parents, None, None if bool(valid.all()) else valid)  # host valid
 
 
+DEFAULT_RANK_RATIO = 0.35  # the prior's accuracy ratio between consecutive ranks of one head
+
+
 def default_accuracy(depth: int, top_k: int) -> list[list[float]]:
     """Uncalibrated rank accuracies (used when a head has no holdout measurements)."""
-    return [[0.6 * 0.85 ** d * 0.35 ** r for r in range(top_k)] for d in range(depth)]
+    return [[0.6 * 0.85 ** d * DEFAULT_RANK_RATIO ** r for r in range(top_k)] for d in range(depth)]
+
+
+def rank_accuracy(calibration: Mapping[str, Sequence[float]], K: int, top_k: int) -> list[list[float]]:
+    """``accept[d][r]`` for ``best_static_tree``: head d's accuracy at ranks 0..top_k-1, per head.
+
+    ``calibration["head{d}"]`` is head d's measured share of positions where the target's greedy
+    token is its rank-r candidate (training's ``_rank_accuracy``, 8 ranks). Those values are kept
+    as measured; a head without them takes ``default_accuracy``'s prior for its depth, and the
+    other heads keep theirs. Ranks past the last measured one continue geometrically from it, at
+    the ratio of the head's last two measured ranks clamped to [0, DEFAULT_RANK_RATIO] (one measured
+    rank: DEFAULT_RANK_RATIO). The clamp gives a rank nobody measured no more credit than the
+    uncalibrated prior's decay would: the extension is non-increasing, stays below the last measured
+    value (the tree prefers measured candidates) and its whole tail sums to at most 0.54 of it,
+    where a flat measured tail (ratio near 1) would credit every unmeasured rank almost as much."""
+    rows = []
+    for d in range(K):
+        measured = list(calibration.get(f"head{d}") or [])
+        if not all(isinstance(a, (int, float)) and math.isfinite(a) and 0.0 <= a <= 1.0 for a in measured):
+            raise ValueError(f"medusa: calibration head{d} holds {measured}; rank accuracies must be in [0, 1]")
+        if not measured:
+            rows.append(default_accuracy(d + 1, top_k)[d])
+            continue
+        row = measured[:top_k]
+        ratio = measured[-1] / measured[-2] if len(measured) > 1 and measured[-2] > 0 else DEFAULT_RANK_RATIO
+        ratio = min(ratio, DEFAULT_RANK_RATIO)
+        while len(row) < top_k:
+            row.append(row[-1] * ratio)
+        rows.append(row)
+    return rows
