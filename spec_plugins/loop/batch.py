@@ -310,8 +310,11 @@ class Batch:
                 out.append(Emission(r.key, [], [], "error", r.error))
                 continue
             out.append(r.emit(verdict.tokens[b] + [verdict.next_tokens[b]], self.eos, self.fetched, b))
-            if kept is not None:
-                r.hidden = kept[b, : len(keep[b])]
+        if kept is not None and self.proposer is not None:  # on the host: no device sync
+            need = self.proposer.features_pending([r.tokens for r in self.rows])
+            for b, r in enumerate(self.rows):
+                if not r.done:  # a finished row leaves before the next draft
+                    r.keep_features(kept[b, : len(keep[b])], need[b])
         self._logits = None  # not held between rounds
         return out
 

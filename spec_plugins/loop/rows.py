@@ -27,7 +27,7 @@ class Row:
     stop: RowStop | None = None
     logprobs: bool = False
     tenant: Hashable = None
-    hidden: torch.Tensor | None = None  # [T, H] target features the proposer has not consumed
+    hidden: torch.Tensor | None = None  # [T, H] target features the proposer has not consumed (``keep_features``)
     seen: torch.Tensor | None = None  # [L] prefix + tokens on the device, for user logits processors
     grammar: Any = None  # ``grammar.RowGrammar``: the constraint on this row's output
     done: bool = False
@@ -38,6 +38,17 @@ class Row:
     @property
     def n_new(self) -> int:
         return len(self.tokens) - self.prompt_len
+
+    def keep_features(self, new: torch.Tensor, need: int) -> None:
+        """Hold the last ``need`` committed target features: this round's ``new`` [T, H] after those
+        still pending from rounds the proposer did not draft. A proposer that consumed last round's
+        needs at most ``new``: a view of it, no device op; only a gap costs a concatenation."""
+        n = new.shape[0]
+        if need <= n or self.hidden is None:
+            self.hidden = new[n - min(need, n):]  # need 0: empty (new[-0:] would be all of it)
+        else:
+            old = self.hidden.shape[0]
+            self.hidden = torch.cat([self.hidden[max(0, old - (need - n)):], new])
 
     def fail(self, message: str) -> None:
         """End this row alone with finish reason ``error`` (it leaves at the next round)."""

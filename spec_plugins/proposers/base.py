@@ -21,6 +21,9 @@ class registers (``check_proposer_class``) and when a batch is built (``Proposer
   them in ``feature_layers`` (EAGLE-3). ``point_masses = False``: its drafts carry their own
   distribution (``Draft.probs``, a draft model's), so seeded rows beside it draw from their
   stream generators rather than keyed samples (``keyed_draws``).
+- ``features_pending(sequences)``: per row, how many trailing committed target features the batch
+  keeps for it (``ProposeContext.hidden``): the last one by default, every position not fed yet
+  for a drafter with its own cache (EAGLE), the most any child needs for a composition.
 - ``sources()``: the drafters the draft policy runs, each where it pays: the proposer itself, or
   a composition's children (a hybrid).
 - ``to_fetch(z)``: device tensors the proposer's ``observe`` reads (its draft's scores, the
@@ -63,6 +66,12 @@ class Proposer:
 
     def propose(self, ctx: ProposeContext) -> Draft | None:
         raise NotImplementedError
+
+    def features_pending(self, sequences: Sequence[Sequence[int]]) -> list[int]:
+        """Per row: how many trailing committed target features the batch must still hold for this
+        proposer (the positions it has not consumed), read on the host once a round's tokens are
+        appended. A feature reader of the last position (Medusa) needs 1, one without features 0."""
+        return [1 if self.needs_hidden else 0] * len(sequences)
 
     def sources(self) -> "Sequence[Proposer]":
         """The drafters the draft policy runs (a composition: its children)."""

@@ -1,8 +1,9 @@
 """EAGLE: a one-layer drafter continues the target's features autoregressively.
 
 State: the drafter's own KV cache over committed positions only. Each round it first catches
-up on the pairs (f_j, x_{j+1}) the target committed last round (``ctx.hidden``: the features of
-the root and accepted nodes, whose next tokens are now known), then drafts from the feature it
+up on the pairs (f_j, x_{j+1}) the target committed since it last drafted (``ctx.hidden``: the
+features of the root and accepted nodes, whose next tokens are now known, kept by the batch
+through rounds it did not draft: ``features_pending``), then drafts from the feature it
 predicts for the pending token's position. Draft steps attend to the cache plus their own
 ancestors and are never written to the cache, so rejected drafts need no rollback.
 
@@ -132,16 +133,28 @@ class EagleProposer(Proposer):
             plan = self.slots.compact().to(self.device)
             self.k, self.v = plan.apply(self.k), plan.apply(self.v)
 
+    def features_pending(self, sequences: Sequence[Sequence[int]]) -> list[int]:
+        """The pairs (f_j, x_{j+1}) not fed yet, j = fed..len(seq)-2: their features are what the
+        next catch-up reads, however many rounds passed without a draft."""
+        if len(sequences) != len(self.fed):
+            raise ValueError(f"{self.config.type}: {len(sequences)} sequences for {len(self.fed)} rows followed")
+        return [len(seq) - 1 - fed for seq, fed in zip(sequences, self.fed)]
+
     def _catch_up(self, ctx: ProposeContext) -> torch.Tensor:
-        """Feed last round's committed pairs; returns the predicted feature at each row's
-        pending position [B, H]. Token ids and positions are laid out on the host (slot
+        """Feed the pairs committed since each row was last fed; returns the predicted feature at
+        each row's pending position [B, H]. Token ids and positions are laid out on the host (slot
         bookkeeping) and moved once; features stay on the drafter's device."""
         B = len(ctx.sequences)
+        pending = self.features_pending(ctx.sequences)
+        if len(ctx.hidden) != B:
+            raise ValueError(f"{self.config.type}: target features for {len(ctx.hidden)} rows, sequences for {B}")
+        for b, (n, hid) in enumerate(zip(pending, ctx.hidden)):  # checked whole: no row fed on a refusal
+            if hid.shape[0] < n:
+                raise ValueError(f"{self.config.type}: row {b} has {n} committed positions the drafter has not fed, "
+                                 f"but {hid.shape[0]} target features were passed; pass the features of those {n} "
+                                 "positions (Proposer.features_pending)")
         rows = []
-        for b, seq in enumerate(ctx.sequences):
-            n = len(seq) - 1 - self.fed[b]
-            hid = ctx.hidden[b]
-            m = min(n, hid.shape[0])  # a round without propose() leaves a gap: skip it
+        for b, (seq, m, hid) in enumerate(zip(ctx.sequences, pending, ctx.hidden)):
             start = len(seq) - 1 - m
             rows.append((hid[hid.shape[0] - m:], list(seq[start + 1: len(seq)]), start, m))
             self.fed[b] = len(seq) - 1

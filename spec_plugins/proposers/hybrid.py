@@ -147,6 +147,12 @@ class HybridProposer(Proposer):
     def num_rows(self) -> int:
         return next((c.num_rows() for c in self.children if isinstance(c, RowAware)), 0)
 
+    def features_pending(self, sequences: Sequence[Sequence[int]]) -> list[int]:
+        """Per row, the most any child still needs: a child the policy's gate skipped keeps its
+        features until it drafts again."""
+        per = [c.features_pending(sequences) for c in self.children]
+        return [max(n) for n in zip(*per)] if per else [0] * len(sequences)
+
     # ---- drafting ---------------------------------------------------------------------------------
     def propose(self, ctx: ProposeContext) -> Ranked | None:
         """Every child's candidates per row, tagged with the child as their source (what the draft
