@@ -79,7 +79,8 @@ def generate(
     no_forced_drafts: bool = typer.Option(False, "--no-forced-drafts",
                                           help="Do not draft the tokens a grammar forces (for comparisons)."),
 ) -> None:
-    """Generate text for one prompt and report what speculation did."""
+    """Generate text for one prompt and report what speculation did (exit 1 if the output ended
+    in an error: what came before it is still printed)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from spec_plugins.config import ConfigError
     from spec_plugins.decoder import SpeculativeDecoder
@@ -128,6 +129,7 @@ def generate(
             err=True, fg=typer.colors.CYAN)
     if error is not None:  # the output ended early: say why (a grammar with no way on, a failed sampling)
         typer.secho(f"error: the generation failed: {error}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1)  # what was generated is printed; a script still sees the failure
 
 
 def _grammar(json_schema: Optional[Path], regex: Optional[str]) -> Any:

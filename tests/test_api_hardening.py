@@ -170,7 +170,7 @@ def test_cli_prints_why_the_generation_failed(monkeypatch):
 
     monkeypatch.setattr(SpeculativeDecoder, "from_config", lambda cfg: _text_decoder())
     res = CliRunner().invoke(app, ["generate", "--prompt", "abcxy12abc", "-n", "10", "--regex", "abz", "--json"])
-    assert res.exit_code == 0, res.output
+    assert res.exit_code == 1, res.output  # the failure reaches a script; 2 is a usage error
     assert "error: the generation failed: the output left its grammar" in res.output and NO_WAY_ON in res.output
     assert '"finish_reason": "error"' in res.output and '"error": "the output left its grammar' in res.output
 
