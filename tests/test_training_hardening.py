@@ -261,7 +261,7 @@ def test_a_features_out_made_with_other_settings_is_an_error(saved, tmp_path):
     tokens_dir(tmp_path / "t", dirs["a"])
     assert features_from_tokens(tmp_path / "t", dirs["a"], tmp_path / "f").exit_code == 0
     res = features_from_tokens(tmp_path / "t", dirs["a"], tmp_path / "f", "--max-seq", "20")
-    assert res.exit_code == 2 and "other settings" in res.output and "max_seq 1024 (now 20)" in res.output, res.output
+    assert res.exit_code == 2 and "other settings" in res.output and "max_seq 256 (now 20)" in res.output, res.output  # unset: the context
 
 
 def test_an_unknown_gen_backend_is_an_error_before_any_output(saved, tmp_path):
@@ -303,3 +303,30 @@ def test_an_init_head_of_another_shape_is_refused_by_tensor(model, features, sav
         train_eagle(FeatureStore(feats["wide"]), wide, cfg, tmp_path / "w", True, progress=False, block_size=3,
                     init=tmp_path / "eagle")
     assert not (tmp_path / "b4").exists() and not (tmp_path / "w").exists()
+
+
+def test_max_seq_past_the_targets_context_is_refused_and_unset_fits_it(saved, tmp_path):
+    """The tiny target serves 256 positions: features of positions past them were written."""
+    dirs, _ = saved
+    long = [((5 + 3 * i) % 32 for i in range(600))]
+    write_token_shards([(list(ids), [i >= 20 for i in range(600)]) for ids in long], tmp_path / "t", {"target": dirs["a"]},
+                       32, 10_000)
+    res = features_from_tokens(tmp_path / "t", dirs["a"], tmp_path / "over", "--max-seq", "1024")
+    assert res.exit_code == 2 and "--max-seq 1024 exceeds the target's context of 256" in res.output, res.output
+    assert not (tmp_path / "over").exists()
+    assert features_from_tokens(tmp_path / "t", dirs["a"], tmp_path / "fit").exit_code == 0
+    st = FeatureStore(tmp_path / "fit")
+    assert st.meta["max_seq"] == 256 and int(st.read(0, ["offsets"])["offsets"][-1]) == 256
+
+
+def test_held_out_chains_count_depths_past_a_short_window_as_misses():
+    """A held-out window of 3 queries evaluated at 5 depths (it crashed after training, so no head
+    was written): depth s of the draft from query i is query i + s, right only inside the window."""
+    from spec_plugins.training.eagle_train import chain_lengths
+
+    g = torch.Generator().manual_seed(0)
+    right = [torch.rand(2, 3, generator=g) < 0.8 for _ in range(5)]
+    start = torch.tensor([[True, True, False], [True, True, True]])
+    want = [sum(all(i + t < 3 and bool(right[t][b, i + t]) for t in range(s + 1))
+                for b in range(2) for i in range(3) if start[b, i]) for s in range(5)]
+    assert chain_lengths(right, start) == want and want[3:] == [0, 0]

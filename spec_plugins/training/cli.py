@@ -54,7 +54,8 @@ def features_cmd(
                                   help="fixed: answers as written; self: the target regenerates them (greedy)."),
     split: str = typer.Option("train", "--split", help="ShareGPT split by conversation id: train or heldout."),
     max_tokens: int = typer.Option(1_000_000, "--max-tokens", min=1, help="Stop after this many tokens in all."),
-    max_seq: int = typer.Option(1024, "--max-seq", min=16, help="Cut each conversation to this many tokens."),
+    max_seq: Optional[int] = typer.Option(None, "--max-seq", min=16, help="Cut each conversation to this many tokens "
+                                         "(at most the target's context; default 1024 within it)."),
     layers: str = typer.Option("auto", "--layers", help="Decoder layer outputs to keep: auto (low/mid/high), "
                                                         "none, or e.g. 3,15,28."),
     language: str = typer.Option("en", "--language", help="en (mostly Latin script) or any."),
@@ -118,6 +119,9 @@ def features_cmd(
 
             texts = load_prompts(prompts or DEFAULT_PROMPTS)
         model, tok = load_hf(target, "float32", "cpu")
+        from spec_plugins.training.sources import fit_max_seq
+
+        max_seq = fit_max_seq(max_seq, getattr(model.config, "max_position_embeddings", None))
         keep = parse_feature_layers(layers, int(model.config.num_hidden_layers))
         max_new_tokens = max_new_tokens or 256
         meta = {"target": target, "source": source, "responses": responses, "split": split, "max_seq": max_seq,
@@ -190,7 +194,8 @@ def self_distill_cmd(
     target: str = typer.Option("smollm2-135m-instruct", "--target", help="Target model (built-in name, .gguf, dir)."),
     split: str = typer.Option("train", "--split", help="ShareGPT split by conversation id: train or heldout."),
     max_tokens: int = typer.Option(1_000_000, "--max-tokens", min=1, help="Stop after this many tokens in all."),
-    max_seq: int = typer.Option(1024, "--max-seq", min=16, help="Cut each conversation to this many tokens."),
+    max_seq: Optional[int] = typer.Option(None, "--max-seq", min=16, help="Cut each conversation to this many tokens "
+                                         "(at most the target's context; default 1024 within it)."),
     temperatures: str = typer.Option("0,0.7,1.0", "--temperatures",
                                      help="Comma-separated; 0 = greedy (once), others sampled --samples times each."),
     samples: int = typer.Option(1, "--samples", min=1, help="Draws per sampled temperature."),
@@ -211,7 +216,7 @@ def self_distill_cmd(
     from spec_plugins.decoder import SpeculativeDecoder
     from spec_plugins.training.self_distill import regenerate, variants
     from spec_plugins.training.sharegpt import DataFilter
-    from spec_plugins.training.sources import sharegpt_examples
+    from spec_plugins.training.sources import fit_max_seq, sharegpt_examples
     from spec_plugins.training.tokens import write_meta, write_token_shards
 
     try:
@@ -221,6 +226,7 @@ def self_distill_cmd(
         dataset_file()
         dec = SpeculativeDecoder.from_config(SpecConfig.parse({"target": {"backend": backend, "model": target},
                                                                "proposer": None}))
+        max_seq = fit_max_seq(max_seq, dec.target.max_context)
     except (FileNotFoundError, ValueError, LookupError) as exc:
         fail(str(exc))
         return

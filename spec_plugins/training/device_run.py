@@ -238,10 +238,12 @@ def distill(model: Any, prompts: Any, out: Path, opts: RunOptions, deadline: flo
     from spec_plugins.backends.torch_static import StaticTorchRuntime
     from spec_plugins.decoder import SpeculativeDecoder
     from spec_plugins.training.self_distill import regenerate, variants
+    from spec_plugins.training.sources import fit_max_seq
     from spec_plugins.training.tokens import write_meta, write_token_shards
 
     cuda = dev.type == "cuda"
     runtime = StaticTorchRuntime(model, graphs=True) if cuda else TorchRuntime(model)
+    fit_max_seq(opts.gen_max_seq, runtime.max_context, "gen_max_seq")
     ways = variants(opts.temperatures, opts.samples)
     convs = (c for i in range(len(prompts.shards)) for c in prompts.conversations(i))
     stopped = False

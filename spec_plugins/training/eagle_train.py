@@ -110,8 +110,9 @@ def chain_lengths(right: list[torch.Tensor], start: torch.Tensor) -> list[int]:
     alive = start.clone()
     out = []
     for s, r in enumerate(right):
-        shifted = torch.zeros_like(r)
-        shifted[:, : r.shape[1] - s] = r[:, s:]
+        shifted = torch.zeros_like(r)  # a depth past the window's last query: no draft reaches it
+        n = max(0, r.shape[1] - s)
+        shifted[:, :n] = r[:, s: s + n]
         alive &= shifted
         out.append(int(alive.sum()))
     return out

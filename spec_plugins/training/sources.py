@@ -108,3 +108,19 @@ def self_examples(decoder: Any, texts: Sequence[Prompt] | None, split: Literal["
 def prompts_fingerprint(texts: Sequence[str]) -> str:
     """What a prompts file holds, as a short hash: a resumed extraction must answer the same prompts."""
     return hashlib.sha256(json.dumps(list(texts)).encode()).hexdigest()[:16]
+
+
+
+DEFAULT_MAX_SEQ = 1024
+
+
+def fit_max_seq(max_seq: int | None, context: int | None, flag: str = "--max-seq") -> int:
+    """Where conversations are cut: ``max_seq``, or unset DEFAULT_MAX_SEQ within the target's
+    context. Past the context its features (and the answers it would have to write) are
+    positions the target never serves, so an explicit ``max_seq`` there is refused."""
+    if max_seq is None:
+        return min(DEFAULT_MAX_SEQ, context) if context is not None else DEFAULT_MAX_SEQ
+    if context is not None and max_seq > context:
+        raise ValueError(f"{flag} {max_seq} exceeds the target's context of {context} positions; "
+                         f"set {flag} to at most {context}")
+    return max_seq
