@@ -31,10 +31,14 @@ def test_prompt_longer_than_context_is_refused():
         dec.generate(list(range(20)), max_new_tokens=4)
 
 
-def test_generation_stops_at_context_end():
+def test_generation_runs_to_the_context_end_and_no_further():
+    """A limit that fills the context runs to it; one past it is refused (it was cut at the
+    context without a word: ``test_context_limit``)."""
     dec = _decoder(max_pos=16)
-    r = dec.generate([1, 2, 3, 1, 2, 3, 1, 2, 3, 1], max_new_tokens=50)
+    r = dec.generate([1, 2, 3, 1, 2, 3, 1, 2, 3, 1], max_new_tokens=6)
     assert len(r.token_ids) == 6 and r.finish_reason == "length"
+    with pytest.raises(ValueError, match="runs past the context of 16"):
+        dec.generate([1, 2, 3, 1, 2, 3, 1, 2, 3, 1], max_new_tokens=50)
 
 
 def test_max_new_tokens_zero_and_negative():
@@ -129,8 +133,9 @@ def test_rows_at_the_context_end_decode_beside_rows_that_draft_deeper(kind, tmp_
     for prompts in ([([4, 7] * 20)[:37]], [short + plain_greedy(model, short, 12), [7, 3, 9, 12, 30, 2] * 6]):
         rt = TorchRuntime(model)
         dec = SpeculativeDecoder(rt, every_proposer(kind, rt, heads), ExactVerifier())
-        got = dec.generate_batch(prompts, max_new_tokens=20)
-        assert [g.token_ids for g in got] == [plain_greedy(model, p, min(20, 40 - len(p))) for p in prompts]
+        limits = [min(20, 40 - len(p)) for p in prompts]  # the short rows fill the context
+        got = dec.generate_batch(prompts, max_new_tokens=limits)
+        assert [g.token_ids for g in got] == [plain_greedy(model, p, n) for p, n in zip(prompts, limits)]
         assert [g.finish_reason for g in got] == ["length"] * len(prompts)
 
 

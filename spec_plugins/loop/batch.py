@@ -89,7 +89,8 @@ class Batch:
     # ---- rows join --------------------------------------------------------------------------------
     def add(self, requests: Sequence[RowRequest]) -> list[Emission]:
         """Prefill new rows into the batch; returns each one's first token (a row asking for no
-        tokens finishes at once, without touching the runtime)."""
+        tokens finishes at once, without touching the runtime). Every request is checked before
+        any is admitted, so one bad request refuses them all."""
         self.check_owner()
         for r in requests:
             self._check_request(r)
@@ -124,6 +125,7 @@ class Batch:
         return out + first
 
     def _check_request(self, r: RowRequest) -> None:
+        """Refuse a request the runtime cannot run whole: its prompt + max_new_tokens must fit the context."""
         if not r.prompt:
             raise ValueError(f"request {r.key!r}: prompt is empty")
         if len(r.prompt) >= self.runtime.max_context:
@@ -131,6 +133,11 @@ class Batch:
                              f"{self.runtime.max_context}")
         if r.max_new_tokens < 0:
             raise ValueError(f"request {r.key!r}: max_new_tokens must be >= 0")
+        if len(r.prompt) + r.max_new_tokens > self.runtime.max_context:
+            # refused, not cut at the context: a shorter output would read as the limit asked for
+            raise ValueError(f"request {r.key!r}: a prompt of {len(r.prompt)} tokens plus max_new_tokens "
+                             f"{r.max_new_tokens} runs past the context of {self.runtime.max_context} positions: "
+                             "lower max_new_tokens or shorten the prompt")
 
     def shortfall(self, requests: Sequence[RowRequest], leaving: Sequence[Hashable] = (),
                   alone: bool = False) -> str | None:
@@ -139,13 +146,9 @@ class Batch:
         when they fit."""
         gone = set(leaving)
         held = [] if alone else [r.prompt_len + r.max_new for r in self.rows if r.key not in gone and not r.done]
-        new = [len(r.prompt) + self._limit(r) for r in requests]
+        new = [len(r.prompt) + r.max_new_tokens for r in requests]
         return (pool_shortfall(pool_of(self.runtime), held, new)
                 or pool_shortfall(pool_of(self.proposer), held, new, "the draft model's"))
-
-    def _limit(self, r: RowRequest) -> int:
-        """The most tokens a request's row may add: its max_new_tokens, within the context."""
-        return min(r.max_new_tokens, self.runtime.max_context - len(r.prompt))
 
     def _row(self, r: RowRequest) -> Row:
         pipeline = r.pipeline
@@ -163,7 +166,7 @@ class Batch:
         gen, seed = self.generator, None
         if r.seed is not None:  # its samples keyed on (seed, lane), its stream for the other draws
             gen, seed = torch.Generator(device=self.device).manual_seed(lane_seed(r.seed, r.lane)), (r.seed, r.lane)
-        return Row(r.key, list(r.prompt), len(r.prompt), self._limit(r), pipeline, gen, tuple(r.prefix), r.stop,
+        return Row(r.key, list(r.prompt), len(r.prompt), r.max_new_tokens, pipeline, gen, tuple(r.prefix), r.stop,
                    r.logprobs, r.tenant, grammar=r.grammar, seed=seed)
 
     # ---- rows leave -------------------------------------------------------------------------------
