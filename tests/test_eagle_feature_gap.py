@@ -18,10 +18,11 @@ from spec_plugins.loop.round import run_round
 from spec_plugins.loop.rows import Row
 from spec_plugins.policy import FixedLength
 from spec_plugins.policy.draft_policy import DraftPolicy
+from spec_plugins.proposers.base import Proposer
 from spec_plugins.proposers.hybrid import HybridProposer
 from spec_plugins.proposers.suffix import SuffixProposer
 from spec_plugins.training.features import target_outputs
-from spec_plugins.types import ProposeContext, RowRequest
+from spec_plugins.types import Draft, ProposeContext, RowRequest
 from spec_plugins.verifiers import ExactVerifier
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 3, 3, 6]]
@@ -120,7 +121,7 @@ def test_a_hybrid_keeps_what_its_most_behind_child_needs():
                                            {"type": "eagle", "heads": "unused", "tree_nodes": 6}])
     hybrid = HybridProposer(cfg, children=[suffix, eagle])
     hybrid.admit([[1, 2, 3], [4, 5]])
-    assert suffix.features_pending([[1, 2, 3, 4], [4, 5, 6]]) == [0, 0]
+    assert suffix.features_pending([[1, 2, 3, 4], [4, 5, 6]]) == [None, None]  # the last round's
     assert hybrid.features_pending([[1, 2, 3, 4], [4, 5, 6]]) == [3, 2]
 
 
@@ -137,3 +138,42 @@ def test_a_row_keeps_only_the_features_still_needed():
     assert row.hidden.data_ptr() == new.data_ptr()
     row.keep_features(new + 10, 5)
     assert row.hidden.tolist() == [[2.0, 3.0], [4.0, 5.0], [10.0, 11.0], [12.0, 13.0], [14.0, 15.0]]
+
+
+def test_rounds_without_a_draft_hold_chunks_joined_once_when_read():
+    """A gap holds each round's features as a view (no copy a round); reading joins them once."""
+    row = Row("r", [1, 2], 2, 8, None, None)
+    rounds = [torch.full((2, 2), float(i)) for i in range(4)]
+    for i, new in enumerate(rounds):
+        row.keep_features(new, 2 * (i + 1))
+    assert len(row.features) == 4 and all(c.data_ptr() == n.data_ptr() for c, n in zip(row.features, rounds))
+    assert row.hidden.tolist() == [[float(i)] * 2 for i in range(4) for _ in range(2)] and len(row.features) == 1
+
+
+class LastRoundReader(Proposer):
+    """A third-party feature drafter: drafts the reference continuation, logs what it was passed."""
+
+    needs_hidden = True
+
+    def __init__(self, ref):
+        self.ref, self.seen = ref, []
+
+    def propose(self, ctx):
+        self.seen.append([h.shape[0] for h in ctx.hidden])
+        k = max(ctx.budgets)
+        toks = [[self.ref[min(len(s) + j, len(self.ref) - 1)] for j in range(k)] for s in ctx.sequences]
+        return Draft(torch.tensor(toks), tuple(range(-1, k - 1)), None, None)
+
+
+def test_a_proposer_that_counts_nothing_gets_the_last_rounds_features():
+    """The contract before ``features_pending``: the root and accepted nodes of the last round."""
+    model = tiny_llama(seed=3)
+    prompt = [1, 2, 3, 4, 5]
+    ref = prompt + hf_generate(model, [prompt], 40, pad=0)[0]
+    prop = LastRoundReader(ref)
+    batch = Batch(TorchRuntime(model), prop, ExactVerifier())
+    batch.add([RowRequest(0, prompt, 40)])
+    for _ in range(4):
+        rec = run_round(batch, DraftPolicy.of(FixedLength(4)))
+        assert rec.accepted == [[0, 1, 2, 3]]
+    assert prop.seen == [[5], [5], [5], [5]] and batch.rows[0].tokens == ref[: len(prompt) + 21]  # prefill emits one

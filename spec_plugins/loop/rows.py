@@ -3,7 +3,7 @@ EOS, its limit, its grammar and its stop rule)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Hashable
 
 import torch
@@ -27,7 +27,8 @@ class Row:
     stop: RowStop | None = None
     logprobs: bool = False
     tenant: Hashable = None
-    hidden: torch.Tensor | None = None  # [T, H] target features the proposer has not consumed (``keep_features``)
+    features: list[torch.Tensor] = field(default_factory=list)  # [T_i, H] chunks, oldest first: committed target
+    # features the proposer has not consumed (``keep_features``; read whole as ``hidden``)
     seen: torch.Tensor | None = None  # [L] prefix + tokens on the device, for user logits processors
     grammar: Any = None  # ``grammar.RowGrammar``: the constraint on this row's output
     done: bool = False
@@ -39,16 +40,29 @@ class Row:
     def n_new(self) -> int:
         return len(self.tokens) - self.prompt_len
 
-    def keep_features(self, new: torch.Tensor, need: int) -> None:
-        """Hold the last ``need`` committed target features: this round's ``new`` [T, H] after those
-        still pending from rounds the proposer did not draft. A proposer that consumed last round's
-        needs at most ``new``: a view of it, no device op; only a gap costs a concatenation."""
-        n = new.shape[0]
-        if need <= n or self.hidden is None:
-            self.hidden = new[n - min(need, n):]  # need 0: empty (new[-0:] would be all of it)
-        else:
-            old = self.hidden.shape[0]
-            self.hidden = torch.cat([self.hidden[max(0, old - (need - n)):], new])
+    @property
+    def hidden(self) -> torch.Tensor | None:
+        """The held features as one [T, H] tensor: chunks of rounds the proposer did not draft are
+        joined here, once, when a drafter reads them (not every round they wait)."""
+        if len(self.features) > 1:
+            self.features = [torch.cat(self.features)]
+        return self.features[0] if self.features else None
+
+    @hidden.setter
+    def hidden(self, value: torch.Tensor | None) -> None:
+        self.features = [] if value is None else [value]
+
+    def keep_features(self, new: torch.Tensor, need: int | None) -> None:
+        """Hold the last ``need`` committed target features (None: this round's ``new`` [T, H]):
+        ``new`` after the chunks still pending from rounds the proposer did not draft. Views only:
+        chunks no longer needed are dropped whole and the oldest kept one sliced, no device op."""
+        chunks, total = self.features + [new], sum(c.shape[0] for c in self.features) + new.shape[0]
+        need = new.shape[0] if need is None else need
+        while chunks and total - chunks[0].shape[0] >= need:
+            total -= chunks.pop(0).shape[0]
+        if chunks and total > need:
+            chunks[0] = chunks[0][total - need:]
+        self.features = chunks or [new[new.shape[0]:]]  # need 0: an empty [0, H] view
 
     def fail(self, message: str) -> None:
         """End this row alone with finish reason ``error`` (it leaves at the next round)."""

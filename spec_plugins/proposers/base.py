@@ -22,8 +22,8 @@ class registers (``check_proposer_class``) and when a batch is built (``Proposer
   distribution (``Draft.probs``, a draft model's), so seeded rows beside it draw from their
   stream generators rather than keyed samples (``keyed_draws``).
 - ``features_pending(sequences)``: per row, how many trailing committed target features the batch
-  keeps for it (``ProposeContext.hidden``): the last one by default, every position not fed yet
-  for a drafter with its own cache (EAGLE), the most any child needs for a composition.
+  keeps for it (``ProposeContext.hidden``): the last round's by default, every position not fed
+  yet for a drafter with its own cache (EAGLE), the most any child needs for a composition.
 - ``sources()``: the drafters the draft policy runs, each where it pays: the proposer itself, or
   a composition's children (a hybrid).
 - ``to_fetch(z)``: device tensors the proposer's ``observe`` reads (its draft's scores, the
@@ -67,11 +67,12 @@ class Proposer:
     def propose(self, ctx: ProposeContext) -> Draft | None:
         raise NotImplementedError
 
-    def features_pending(self, sequences: Sequence[Sequence[int]]) -> list[int]:
+    def features_pending(self, sequences: Sequence[Sequence[int]]) -> list[int | None]:
         """Per row: how many trailing committed target features the batch must still hold for this
         proposer (the positions it has not consumed), read on the host once a round's tokens are
-        appended. A feature reader of the last position (Medusa) needs 1, one without features 0."""
-        return [1 if self.needs_hidden else 0] * len(sequences)
+        appended; None: the last round's (its root and accepted nodes). A drafter with a cache of
+        its own (EAGLE) counts what it has not fed, so rounds it did not draft leave no gap."""
+        return [None] * len(sequences)
 
     def sources(self) -> "Sequence[Proposer]":
         """The drafters the draft policy runs (a composition: its children)."""

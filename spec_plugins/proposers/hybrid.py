@@ -147,11 +147,12 @@ class HybridProposer(Proposer):
     def num_rows(self) -> int:
         return next((c.num_rows() for c in self.children if isinstance(c, RowAware)), 0)
 
-    def features_pending(self, sequences: Sequence[Sequence[int]]) -> list[int]:
+    def features_pending(self, sequences: Sequence[Sequence[int]]) -> list[int | None]:
         """Per row, the most any child still needs: a child the policy's gate skipped keeps its
-        features until it drafts again."""
+        features until it drafts again. A child's None (the last round's) is within any count,
+        since a counting child has not fed the last round either."""
         per = [c.features_pending(sequences) for c in self.children]
-        return [max(n) for n in zip(*per)] if per else [0] * len(sequences)
+        return [max((n for n in ns if n is not None), default=None) for ns in zip(*per)]
 
     # ---- drafting ---------------------------------------------------------------------------------
     def propose(self, ctx: ProposeContext) -> Ranked | None:
