@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -330,3 +331,21 @@ def test_held_out_chains_count_depths_past_a_short_window_as_misses():
     want = [sum(all(i + t < 3 and bool(right[t][b, i + t]) for t in range(s + 1))
                 for b in range(2) for i in range(3) if start[b, i]) for s in range(5)]
     assert chain_lengths(right, start) == want and want[3:] == [0, 0]
+
+
+def test_self_answers_get_the_room_the_context_leaves(saved, tmp_path):
+    """--max-new-tokens 256 (the default) on a 256-position target: each answer is cut at the
+    context's room (it asked past the context, which the decoder refuses)."""
+    from transformers import AutoTokenizer
+
+    dirs, _ = saved
+    tok = AutoTokenizer.from_pretrained(dirs["a"])
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    tok.save_pretrained(tmp_path / "m")
+    for f in ("config.json", "model.safetensors"):
+        (tmp_path / "m" / f).write_bytes((Path(dirs["a"]) / f).read_bytes())
+    (tmp_path / "p.jsonl").write_text('{"prompt": "w1 w2 w3"}\n')
+    res = cli("train", "features", "--source", "prompts", "--prompts", tmp_path / "p.jsonl", "--responses", "self",
+              "--gen-backend", "torch", "--target", tmp_path / "m", "--layers", "1", "--out", tmp_path / "f",
+              "--max-tokens", "10", "--no-progress")
+    assert res.exit_code == 0, res.output

@@ -74,7 +74,7 @@ def answerable(decoder: Any, prompts: Iterable[Prompt], max_prompt: int | None =
 def self_distilled(decoder: Any, prompts: Sequence[Prompt], max_new_tokens: int,
                    batch: int = 16, progress: bool = True, max_prompt: int | None = None) -> Iterator[Example]:
     """The target's own greedy answers (plain decoding, ``batch`` rows per target forward), one
-    example per prompt ``answerable`` keeps."""
+    example per prompt ``answerable`` keeps; an answer has at most the room the context leaves."""
     from tqdm.auto import tqdm
 
     plain = decoder.without_speculation()
@@ -82,7 +82,8 @@ def self_distilled(decoder: Any, prompts: Sequence[Prompt], max_new_tokens: int,
     encoded = list(answerable(plain, prompts, max_prompt))
     for s in range(0, len(encoded), batch):
         ids = encoded[s: s + batch]
-        results = plain.generate_batch(ids, max_new_tokens=max_new_tokens)
+        room = [min(max_new_tokens, plain.target.max_context - len(p)) for p in ids]
+        results = plain.generate_batch(ids, max_new_tokens=room)
         for p, r in zip(ids, results):
             yield list(p) + list(r.token_ids), [False] * len(p) + [True] * len(r.token_ids)
         bar.update(len(ids))
