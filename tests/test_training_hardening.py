@@ -126,6 +126,19 @@ def test_a_medusa_resume_on_other_data_is_refused(model, features, other_feature
         train_medusa(other_features, model, TrainConfig(**cfg), tmp_path, 2, 24, progress=False)
 
 
+def test_a_medusa_calibration_says_which_features_it_was_measured_on(model, features, other_features, tmp_path):
+    """Without held-out features the rank accuracies come from the training ones (optimistic)."""
+    from spec_plugins.training.medusa_train import train_medusa
+
+    cfg = TrainConfig(epochs=1, batch_size=2, window=16)
+    train_medusa(features, model, cfg, tmp_path / "t", 2, 24, progress=False)
+    train_medusa(features, model, cfg, tmp_path / "h", 2, 24, heldout=other_features, progress=False)
+    for name, source in (("t", "train"), ("h", "heldout")):
+        saved = json.loads((tmp_path / name / "config.json").read_text())
+        report = json.loads((tmp_path / name / "train_report.json").read_text())
+        assert saved["calibration_source"] == report["calibration_source"] == source
+
+
 def test_the_cli_refuses_a_resume_with_another_lr(saved, tmp_path):
     _, feats = saved
     head = ["train", "eagle", "--features", feats["a"], "--out", tmp_path / "h", "--draft-vocab", "24", "--window", "16",

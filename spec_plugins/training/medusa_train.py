@@ -105,11 +105,14 @@ def train_medusa(store: ShardSource, target_model: Any, cfg: TrainConfig, out: s
     }
     if heldout is not None:
         report["heldout"] = evaluate(heads, heldout, cfg.window)
-    # the proposer sizes its tree from the held-out rank accuracies of each head
+    # the proposer sizes its tree from each head's rank accuracies: held out, or (no --heldout) the
+    # training features, optimistic where the heads overfit; which one is recorded beside them
     calib = _rank_accuracy(heads, heldout or store, cfg.window)
+    source = "heldout" if heldout is not None else "train"
     save_head(heads, {**heads.config.to_dict(), "train": asdict(cfg), "train_seconds": report["train_seconds"],
-                      "steps": res.steps, "train_tokens": tokens, "holdout_topk_accuracy": calib}, out)
-    report["holdout_topk_accuracy"] = calib
+                      "steps": res.steps, "train_tokens": tokens, "holdout_topk_accuracy": calib,
+                      "calibration_source": source}, out)
+    report["holdout_topk_accuracy"], report["calibration_source"] = calib, source
     report["head_bytes"] = (out / "head.safetensors").stat().st_size
     (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
