@@ -146,15 +146,19 @@ def test_prompt_past_the_draft_context_is_decoded_undrafted():
     assert drive.drafted["long"] == 0 and drive.drafted["short"] > 0
 
 
-def test_draft_model_refuses_a_joining_row_it_cannot_read():
-    """A row joining a running batch is checked against the draft's vocabulary as a fresh one is."""
+def test_a_joining_row_the_draft_model_cannot_read_decodes_without_drafts():
+    """A row joining a running batch with a token past the draft's vocabulary drafts nothing (the
+    target goes on alone there) and the running row keeps drafting: both are the target's greedy."""
     model = tiny_llama(seed=3, sharpness=6.0, vocab=32)
     target = TorchRuntime(model)
     prop = DraftModelProposer(None, target=target, runtime=TorchRuntime(tiny_llama(seed=4, sharpness=6.0, vocab=24)))
     batch = Batch(target, prop, ExactVerifier())
     batch.add([RowRequest("a", [1, 2, 3, 4], 10)])
-    with pytest.raises(ValueError, match="token 28 is outside the draft model's vocabulary of 24"):
-        batch.add([RowRequest("b", [1, 2, 28, 4], 10)])
+    batch.add([RowRequest("b", [1, 2, 28, 4], 10)])
+    while not all(r.done for r in batch.rows):
+        run_round(batch, DraftPolicy.of(FixedLength(3)))
+    want = hf_generate(model, [[1, 2, 3, 4], [1, 2, 28, 4]], 10, pad=0)
+    assert [r.tokens[r.prompt_len:] for r in batch.rows] == want
 
 
 # ---- hybrids of two feature drafters -------------------------------------------------------------

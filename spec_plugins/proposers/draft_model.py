@@ -3,9 +3,18 @@
 Its KV cache follows the target's: after each round it is rolled back to the longest prefix it
 shares with the committed sequence (known from the verdict: the accepted drafted tokens), so it
 never re-reads the prompt. A row whose sequence and draft would pass the draft model's context
-(shorter than the target's) gets no draft; the target goes on alone there. Drafted tokens stay
-on the drafting device: each step's token feeds the next step there, and the user processors see
-each row's prefix there too; nothing is read back.
+(shorter than the target's) gets no draft; the target goes on alone there. So does a row whose
+sequence holds a token the draft model has no embedding for (a draft with a smaller vocabulary than
+the target's, whose logits ``fit_vocab`` pads: a prompt's token, or one the target emits or a
+processor forces): its sequence only grows, so it never drafts again, and what the draft caches
+and feeds for it holds such tokens clamped into its vocabulary (a placeholder never drafted from).
+
+Drafted tokens stay on the drafting device: each step's token feeds the next step there, and the
+user processors see each row's prefix there too; nothing is read back. Each row draws from its
+generator only for the tokens of its own budget, so a seeded row's draws do not depend on the rows
+beside it. A row whose processed draft logits are no distribution (NaN, inf, every token masked)
+draws a placeholder token from a point mass; its q stays NaN, which rejects that token, and the
+target's pass fails the row alone where its own logits are no distribution either.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ class DraftModelProposer(Proposer):
         if tokenizer is not None and getattr(self.runtime, "tokenizer", None) is not None:
             check_vocab_compatible(tokenizer, self.runtime.tokenizer, "target", "draft model")
         self._cached: list[int] = []  # tokens in the draft's cache, per row
+        self._read: list[int] = []  # per row: leading tokens of its sequence the draft can read (-1: not all)
         self._base: list[int] = []  # per row: its sequence's length when the last draft started (0: none)
         self._forward_time = 0.0
 
@@ -50,44 +60,55 @@ class DraftModelProposer(Proposer):
 
     def _forward(self, tokens: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
-        logits = self.runtime.forward(tokens).logits
+        logits = self.runtime.forward(self._clamp(tokens)).logits
         self._forward_time += time.perf_counter() - t0
         return fit_vocab(logits.float(), self.vocab_size)
 
-    def _check_ids(self, rows: Sequence[Sequence[int]]) -> None:
-        """Refuse a token the draft model has no embedding for (a draft with a smaller vocabulary
-        than the target's: with tokenizers, ``check_vocab_compatible`` refuses such a pair up front)."""
-        top = max((max(r) for r in rows if r), default=-1)
-        if top >= self.runtime.vocab_size:
-            raise ValueError(f"token {top} is outside the draft model's vocabulary of {self.runtime.vocab_size}: "
-                             f"the target (vocabulary {self.vocab_size}) emits tokens the draft cannot read")
+    def _clamp(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Tokens fed to a draft with a smaller vocabulary than the target's, clamped into it: only
+        a row that drafts nothing (``_blind``) or a drafted token a processor forced outside it
+        (whose q is its own, so verification stays exact) holds one; on the device, no sync."""
+        return tokens.clamp_max(self.runtime.vocab_size - 1) if self.runtime.vocab_size < self.vocab_size else tokens
+
+    def _blind(self, seqs: Sequence[Sequence[int]]) -> list[bool]:
+        """Per row: whether its sequence holds a token the draft model has no embedding for (such a
+        row never drafts: its sequence only grows). Each token is checked once, on the host."""
+        top = self.runtime.vocab_size
+        if top >= self.vocab_size:
+            return [False] * len(seqs)
+        for b, s in enumerate(seqs):
+            n = self._read[b]
+            if n >= 0:
+                self._read[b] = len(s) if max(s[n:], default=-1) < top else -1
+        return [n < 0 for n in self._read]
 
     def _heads(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
         """What the draft caches of each new row: all but the last prompt token (``propose`` feeds
         it with the pending token), a one-token prompt whole. A prompt that leaves the draft's
         context no room for one more token can never be drafted for (its sequence only grows):
-        the draft runtime holds a row for it all the same, of its first token only."""
+        the draft runtime holds a row for it all the same, of its first token only. A prompt
+        holding tokens the draft cannot read is cached with them clamped (it never drafts)."""
         heads = [list(p[:1]) if len(p) >= self.runtime.max_context else list(p[:-1]) or list(p) for p in prompts]
-        self._check_ids(heads)
-        return heads
+        top = self.runtime.vocab_size
+        return [[min(t, top - 1) for t in h] for h in heads] if top < self.vocab_size else heads
 
     def _catch_up(self, seqs: Sequence[Sequence[int]], fits: Sequence[bool], room: int) -> torch.Tensor:
         """Feed each row that fits what its cache lacks of its sequence; returns the logits after
         each row's last fed token [B, V]. A forward feeds every row as many tokens, so a row
         missing fewer re-feeds tokens it holds; a row too short to re-feed that many (it joined
-        after rounds without a draft) bounds the width, and the rows missing more catch up over
-        several forwards. A row that does not fit (past the draft's context) drafts nothing: it
-        re-feeds tokens of its own below ``room``, so the draft steps after stay in the context."""
+        after rounds without a draft, or drafts nothing) bounds the width, and the rows missing
+        more catch up over several forwards. A row that does not fit (past the draft's context, or
+        ``_blind``) drafts nothing: it re-feeds tokens of its own below ``room``, so the draft steps
+        after stay in the context."""
         held = list(self._cached)
         while True:
             missing = max(len(s) - c for s, c, f in zip(seqs, held, fits) if f)
-            width = min(max(1, missing), min(len(s) for s, f in zip(seqs, fits) if f))
+            width = min(max(1, missing), min(len(s) for s in seqs))
             ends = [max(width, min(len(s), c + width) if f else min(c, room)) for s, c, f in zip(seqs, held, fits)]
             starts = [e - width for e in ends]
             if starts != held:
                 self.runtime.rollback(starts)
             fed = [list(s[a:e]) for s, a, e in zip(seqs, starts, ends)]
-            self._check_ids(fed)
             logits = self._forward(upload_tensor(fed, self.runtime.device))[:, -1]
             held = ends
             if all(e == len(s) for s, e, f in zip(seqs, ends, fits) if f):
@@ -107,7 +128,7 @@ class DraftModelProposer(Proposer):
             k = min(k, (self.pool.cells - sum(len(s) for s in seqs)) // len(seqs) + 1)
         # a row drafts only where its k-1 fed draft tokens stay inside the draft's context
         room = self.runtime.max_context - (k - 1)
-        fits = [len(s) <= room for s in seqs]
+        fits = [len(s) <= room and not blind for s, blind in zip(seqs, self._blind(seqs))]
         budgets = [min(n, k) if f else 0 for f, n in zip(fits, ctx.budgets)]
         k = max(budgets, default=0)
         if k <= 0:
@@ -122,6 +143,7 @@ class DraftModelProposer(Proposer):
         # 2. draft k tokens autoregressively, each from the processed draft distribution q; a row
         # whose processors raise drafts nothing (the batch fails it alone when it processes its logits)
         failed: set[int] = set()
+        generators = list(ctx.generators or [ctx.generator] * B)
         for i in range(k):
             z, bad = process_rows_apart(ctx.pipeline, logits, prefix)
             failed.update(bad)
@@ -130,7 +152,7 @@ class DraftModelProposer(Proposer):
             else:
                 q = z.float().softmax(-1)
                 probs[:, i] = q
-                x = sample_rows(q, ctx.generators or [ctx.generator] * B)
+                x = _draw(q, generators, [b for b, n in enumerate(budgets) if n > i and b not in failed])
             toks[:, i] = x
             if ctx.pipeline.needs_prefix:
                 prefix = [torch.cat([p, x[b:b + 1]]) for b, p in enumerate(prefix)]
@@ -159,17 +181,37 @@ class DraftModelProposer(Proposer):
         heads = self._heads(prompts)
         if not self._cached:
             self.runtime.prefill(heads)
-            self._cached, self._base = [], []
+            self._cached, self._base, self._read = [], [], []
         else:
             self.runtime.add_rows(heads)
         self._cached += [len(h) for h in heads]
         self._base += [0] * len(heads)
+        self._read += [0] * len(heads)
         self._forward_time += time.perf_counter() - t0
 
     def select_rows(self, rows: Sequence[int]) -> None:
         self.runtime.select_rows(rows)
         self._cached = [self._cached[r] for r in rows]
         self._base = [self._base[r] for r in rows]
+        self._read = [self._read[r] for r in rows]
 
     def num_rows(self) -> int:
         return len(self._cached)
+
+
+def _draw(q: torch.Tensor, generators: Sequence[torch.Generator | None], active: Sequence[int]) -> torch.Tensor:
+    """One token per row of q [B, V], drawn only for the ``active`` rows (those whose budget reaches
+    this step), each from its own generator, so a row's draws depend on its own budget alone; the
+    others get token 0, a node their valid mask leaves out. A row whose q is NaN (its processed
+    logits are no distribution: softmax then gives NaN throughout) draws from a point mass at 0:
+    its q stays NaN, which rejects that token (``api_inputs.check_draft``)."""
+    point = torch.zeros(q.shape[-1], device=q.device)
+    point[0] = 1.0
+    q = torch.where(q[:, :1].isnan(), point, q)
+    if len(active) == q.shape[0]:
+        return sample_rows(q, generators)
+    x = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
+    if active:
+        at = upload_tensor(list(active), q.device)
+        x[at] = sample_rows(q[at], [generators[b] for b in active])
+    return x

@@ -143,7 +143,7 @@ class Scheduler:
                 self._waiting = [left for jobs in self._waiting if (left := [j for j in jobs if not j.cancelled])]
                 gone = [k for k, j in self._jobs.items() if j.cancelled or j.finished]
                 admit = self._take(self.max_batch - (len(self._jobs) - len(gone)), gone)
-                self._admitting = admit  # in flight from here: ``stop`` drains or fails them too
+                self._admitting = [j for jobs in admit for j in jobs]  # in flight: ``stop`` drains or fails them too
                 if not gone and not admit and not self._jobs:
                     self._cv.wait(timeout=0.5)
                     continue
@@ -170,26 +170,35 @@ class Scheduler:
         """Jobs waiting for a slot (the caller holds the lock)."""
         return sum(len(jobs) for jobs in self._waiting)
 
-    def _take(self, room: int, leaving: list[int]) -> list[Job]:
+    def _take(self, room: int, leaving: list[int]) -> list[list[Job]]:
         """The jobs of the oldest waiting requests that fit in ``room`` slots and in the runtime's
         shared pool beside the running rows but ``leaving`` (``Batch.shortfall``), each request
         whole (its choices share a round, so a seed reproduces its output). The oldest request
         that does not fit waits for room to free, and the requests behind it wait with it: none
         overtakes another, so none waits forever (``submit`` refuses a request larger than an
-        empty batch). The caller holds the lock."""
-        admit: list[Job] = []
-        while self._waiting and len(admit) + len(self._waiting[0]) <= room and self.batch.shortfall(
-                [j.row for j in admit + self._waiting[0]], leaving) is None:
-            admit.extend(self._waiting.pop(0))
+        empty batch). Returns each request's jobs. The caller holds the lock."""
+        admit: list[list[Job]] = []
+        taken: list[Job] = []
+        while self._waiting and len(taken) + len(self._waiting[0]) <= room and self.batch.shortfall(
+                [j.row for j in taken + self._waiting[0]], leaving) is None:
+            admit.append(self._waiting.pop(0))
+            taken += admit[-1]
         return admit
 
-    def _admit(self, jobs: list[Job]) -> None:
-        """Admission is atomic (``Batch.add``): if it fails, only these jobs fail, with the reason,
-        and the running rows carry on. The jobs stay in ``_admitting`` until they run or fail, so a
-        ``stop`` during the prefill waits for them; one that ``stop`` already ended is not run on."""
+    def _admit(self, requests: list[list[Job]]) -> None:
+        """Admission is atomic (``Batch.add``): if it fails for several requests, each is tried
+        again alone, so only the requests that fail by themselves fail, with the reason, and the
+        running rows carry on. Jobs stay in ``_admitting`` until they run or fail, so a ``stop``
+        during the prefill waits for them; one that ``stop`` already ended is not run on."""
+        jobs = [j for js in requests for j in js]
         try:
             ems = self.batch.add([j.row for j in jobs])
         except Exception as exc:  # noqa: BLE001
+            self.batch.check()  # atomic admission: the running rows exactly as before
+            if len(requests) > 1:  # one request's failure must not end the requests beside it
+                for js in requests:
+                    self._admit([js])
+                return
             rid = uuid.uuid4().hex[:12]
             log.exception("admission failed (request id %s)", rid)
             with self._cv:
@@ -197,15 +206,19 @@ class Scheduler:
                     if not j.finished:
                         j.finished = True
                         j.push(("error", f"could not start this request (request id {rid}): {type(exc).__name__}"))
-                self._admitting = []
-            self.batch.check()  # atomic admission: the running rows exactly as before
+                self._settled(jobs)
             return
         with self._cv:
             for j in jobs:
                 if not j.finished:  # ``stop`` ended it (error event sent) while its prefill ran
                     self._jobs[j.row.key] = j
-            self._admitting = []
+            self._settled(jobs)
         self._dispatch(ems)
+
+    def _settled(self, jobs: list[Job]) -> None:
+        """``jobs`` run or failed: no longer in ``_admitting`` (the caller holds the lock)."""
+        gone = {id(j) for j in jobs}
+        self._admitting = [j for j in self._admitting if id(j) not in gone]
 
     def _dispatch(self, ems: list[Emission]) -> None:
         done = []
