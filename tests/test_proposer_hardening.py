@@ -19,7 +19,7 @@ from spec_plugins.backends.torch_runtime import TorchRuntime
 from spec_plugins.config import SamplingConfig
 from spec_plugins.heads import EagleConfig, EagleDrafter, MedusaHeads, save_head, target_lm_parts
 from spec_plugins.heads.parallel import ParallelDrafter
-from spec_plugins.loop import Batch, decode, run_round
+from spec_plugins.loop import Batch, run_round
 from spec_plugins.policy import FixedLength
 from spec_plugins.policy.draft_policy import DraftPolicy
 from spec_plugins.proposers.draft_model import DraftModelProposer
@@ -28,7 +28,6 @@ from spec_plugins.proposers.hybrid import HybridProposer
 from spec_plugins.proposers.medusa import MedusaProposer
 from spec_plugins.proposers.recycling import RecyclingProposer
 from spec_plugins.sampling import LogitsPipeline
-from spec_plugins.stats import DecodeStats
 from spec_plugins.types import RowRequest
 from spec_plugins.verifiers import ExactVerifier
 

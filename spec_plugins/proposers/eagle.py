@@ -26,7 +26,7 @@ from pydantic import Field, model_validator
 
 from spec_plugins.backends import torch_kernels
 from spec_plugins.fixed_steps import FixedSteps, Mode
-from spec_plugins.slots import HOST, KVSlots, additive, pad_slots
+from spec_plugins.slots import KVSlots, additive, pad_slots
 from spec_plugins.config import ProposerConfig
 from spec_plugins.heads.eagle import EagleDrafter
 from spec_plugins.heads.runner import OrtEagleLayer, head_session, pick_engine

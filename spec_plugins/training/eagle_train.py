@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from spec_plugins.heads.common import save_head
-from spec_plugins.heads.eagle import EagleConfig, EagleDrafter
+from spec_plugins.heads.eagle import EagleDrafter
 from spec_plugins.training.batches import (EagleBatch, ShardCache, Window, batches_for_steps, data_identity,
                                            eagle_batch, epoch_batches, epoch_steps, plan_windows, soft_labels,
                                            step_mask, token_counts, unroll_masks)
