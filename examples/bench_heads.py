@@ -44,6 +44,7 @@ METHODS = {
                       "tree_nodes": 64, "top_k": 8},
 }
 PICK = ["chat-1", "code-1", "sum-1", "qa-1", "math-1", "trans-1"]
+DEV = ROOT / "examples" / "prompts" / "dev.jsonl"
 
 
 def dev_prompts(path: Path, ids: list[str]) -> list[tuple[str, str]]:
@@ -93,6 +94,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict[
         if m not in specs:
             ap.error(f"--set {s!r}: method {m!r} is not among --methods ({', '.join(names)})")
         specs[m][field] = yaml.safe_load(val)  # as a config file reads it; the proposer's Config validates
+    known = [json.loads(x)["question_id"] for x in DEV.read_text().splitlines() if x.strip()]
+    missing = [i for i in args.prompts.split(",") if i not in known]
+    if missing:
+        ap.error(f"--prompts: unknown {', '.join(missing)}; known: {', '.join(known)}")
     return args, specs
 
 
@@ -113,7 +118,7 @@ def main() -> None:
     report: dict = {"max_new_tokens": args.max_new_tokens, "threads": args.threads, "methods": {}, "prompts": []}
     totals = {m: {"time": 0.0, "tokens": 0, "forwards": 0, "emitted": 0, "identical": True}
               for m in ["plain", *methods]}
-    for qid, text in dev_prompts(ROOT / "examples" / "prompts" / "dev.jsonl", args.prompts.split(",")):
+    for qid, text in dev_prompts(DEV, args.prompts.split(",")):
         ids = plain.encode([{"role": "user", "content": text}])
         ref = plain.generate(ids, args.max_new_tokens)
         row = {"id": qid, "prompt_tokens": len(ids), "plain": {"tokens": len(ref.token_ids), "s": ref.stats.time_total}}
@@ -134,7 +139,7 @@ def main() -> None:
             "speedup_vs_plain": round(base / t["time"], 3), "greedy_identical_to_plain": t["identical"],
             "config": methods[name][0] if name in methods else None}
     if args.cost_curve:
-        ids = plain.encode([{"role": "user", "content": dev_prompts(ROOT / "examples/prompts/dev.jsonl", ["qa-1"])[0][1]}])
+        ids = plain.encode([{"role": "user", "content": dev_prompts(DEV, ["qa-1"])[0][1]}])
         curve = cost_curve(target, ids, [int(x) for x in args.cost_curve.split(",")])
         report["verify_cost_curve_s"] = {n: round(s, 4) for n, s in curve.items()}
         report["verify_cost_relative"] = {n: round(s / curve[min(curve)], 2) for n, s in curve.items()}

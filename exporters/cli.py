@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
-from spec_plugins.cli import app, check_output_dir, fail, load_config
+from spec_plugins.cli import app, check_finite, check_output_dir, fail, load_config
 from spec_plugins.graphs.io import MAX_OPSET, MIN_OPSET, OPSET
 
 if TYPE_CHECKING:
@@ -152,6 +152,9 @@ def export_check(
 ) -> None:
     """ONNX Runtime vs PyTorch on random and real inputs; exit 1 on any mismatch."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    check_finite(rtol, "--rtol")  # nan fails every case, inf passes every one
+    if rtol is not None and rtol <= 0:
+        fail(f"--rtol {rtol}: give a tolerance above 0")
     from spec_plugins.exporters.parity import check_export
 
     try:

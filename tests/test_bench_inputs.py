@@ -180,6 +180,7 @@ def _bench_heads():
     (["--methods", "ngram", "--set", "ngram=3"], "expected method.field=value"),
     (["--methods", "ngram", "--set", "ngram.num_draft_tokens"], "expected method.field=value"),
     (["--methods", "ngrm"], "--methods: unknown ngrm"),
+    (["--methods", "ngram", "--prompts", "qa-1,qa-2"], "--prompts: unknown qa-2; known: chat-1"),
 ])
 def test_bench_heads_refuses_a_set_it_would_not_apply(argv, msg, capsys):
     with pytest.raises(SystemExit) as exc:

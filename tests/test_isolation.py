@@ -239,6 +239,18 @@ def test_cli_bad_prompt_files_and_manifests(tmp_path):
     one_line_error(cli("export", "check", str(d)), "expected a JSON object")
 
 
+def test_cli_bad_rtol_and_write_config_fail_in_one_line_and_help_keeps_brackets(tmp_path):
+    """``--rtol nan`` failed every parity case and ``inf`` passed every one; ``--write-config`` into
+    a missing folder ended in a traceback; rich read ``[train]`` in a help text as markup."""
+    d = tmp_path / "export"
+    d.mkdir()
+    for bad in ("nan", "inf", "-1", "0"):
+        one_line_error(cli("export", "check", str(d), "--rtol", bad), f"--rtol {float(bad)}")
+    one_line_error(cli("serve", "--write-config", str(tmp_path / "missing" / "x.yaml")), "--write-config")
+    one_line_error(cli("serve", "--write-config", str(tmp_path)), "--write-config")
+    assert "[train]" in cli("train", "features", "--help").stdout
+
+
 def test_corrupt_or_mismatched_heads_fail_in_one_line(tmp_path):
     from spec_plugins.heads import EagleDrafter, MedusaHeads
     from test_heads import medusa

@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import typer
 
-from spec_plugins.cli import app, check_finite, fail, load_config
+from spec_plugins.cli import app, check_finite, check_output_file, fail, load_config
 
 from spec_plugins.server.setup import build_state
 
@@ -108,6 +108,8 @@ def serve(
     if replicas is not None and autoscale is not None:  # before anything is written or started
         fail(f"--replicas {replicas} and --autoscale {autoscale} both set the replica count: give one "
              "(--autoscale starts at MIN replicas and scales between MIN and MAX)")
+    if write_config is not None:
+        check_output_file(write_config, "--write-config")
     if ray or write_config is not None:
         _serve_ray(config, host, port, max_batch, max_input_tokens, max_total_tokens, draft_policy, no_speculation,
                    shutdown_timeout, replicas, autoscale, ray_address, num_cpus, num_gpus, write_config,

@@ -47,7 +47,7 @@ NO_PROGRESS = typer.Option(False, "--no-progress")
 def features_cmd(
     out: Path = typer.Option(..., "--out", help="Directory for the shards and progress.json (resumable)."),
     target: str = typer.Option("smollm2-135m-instruct", "--target", help="Target model (built-in name, .gguf, dir)."),
-    source: str = typer.Option("sharegpt", "--source", help="sharegpt (the [train] extra), prompts (a JSONL file), "
+    source: str = typer.Option("sharegpt", "--source", help="sharegpt (the \\[train] extra), prompts (a JSONL file), "
                                                             "or tokens (token shards, e.g. from `train self-distill`)."),
     tokens: Optional[Path] = typer.Option(None, "--tokens", help="--source tokens: the token shard directory."),
     responses: str = typer.Option("fixed", "--responses",
