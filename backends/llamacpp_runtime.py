@@ -1,9 +1,9 @@
 """llama.cpp runtime over llama-cpp-python's low-level API (GGUF models, CPU or llama.cpp's GPUs).
 
 KV layout: one *unified* llama.cpp KV cache. Batch row ``b`` owns sequence id ``b`` (its "home");
-a forward appends its N nodes to that sequence at positions ``length[b] + depth``, with logits
-for every node, and ``commit``/``rollback`` remove what is not kept with
-``llama_memory_seq_rm`` (metadata only; the prefix is never re-run).
+a forward appends its N nodes to that sequence at positions ``length[b] + depth`` (a node's depth
+along its row's own parents), with logits for every node, and ``commit``/``rollback`` remove what
+is not kept with ``llama_memory_seq_rm`` (metadata only; the prefix is never re-run).
 
 Trees use llama.cpp's per-token sequence lists: every leaf of the tree gets a sequence id
 (the first leaf reuses the row's home id, the others are temporary ids whose prefix is shared
@@ -46,6 +46,24 @@ def _llama_cpp() -> Any:
     except ImportError as exc:
         raise ImportError(f"the llamacpp backend needs llama-cpp-python; {INSTALL_HINT}") from exc
     return llama_cpp
+
+
+def _decode_error(rc: int, cells: int) -> str:
+    """What a nonzero llama_decode return code means (llama.h's list), so a failure names its cause."""
+    if rc == 1:
+        return (f"llama.cpp KV cache is full ({cells} cells shared by all rows and draft nodes); "
+                "raise n_ctx in the llamacpp runtime config")
+    if rc == -1:
+        return ("llama_decode failed with code -1: llama.cpp rejected the batch as invalid (a sequence's "
+                "positions not continuous, or a bad token or sequence id): a bug in the runtime's draft layout")
+    if rc == 2:
+        return "llama_decode failed with code 2: aborted by llama.cpp's abort callback"
+    if rc == -2:
+        return ("llama_decode failed with code -2: llama.cpp could not allocate the batch's compute "
+                "buffers or cache cells (out of memory?)")
+    if rc == -3:
+        return "llama_decode failed with code -3: llama.cpp's graph computation failed (a backend error)"
+    return f"llama_decode failed with code {rc} (llama.cpp: {'a fatal error' if rc < 0 else 'a warning'})"
 
 
 class LlamaCppRuntime:
@@ -175,13 +193,8 @@ class LlamaCppRuntime:
             t0 = time.perf_counter()
             rc = L.llama_decode(self._ctx, batch)
             self.decode_time += time.perf_counter() - t0
-            if rc == 1:
-                raise RuntimeError(
-                    f"llama.cpp KV cache is full ({self.max_context} cells shared by all rows and draft nodes); "
-                    "raise n_ctx in the llamacpp runtime config"
-                )
             if rc != 0:
-                raise RuntimeError(f"llama_decode failed with code {rc}")
+                raise RuntimeError(_decode_error(rc, self.max_context))
             if n_out:
                 ptr = L.llama_get_logits(self._ctx)
                 buf = (ctypes.c_float * (n_out * V)).from_address(ctypes.addressof(ptr.contents))
@@ -276,7 +289,7 @@ class LlamaCppRuntime:
                 self._L.llama_memory_seq_cp(self._mem, home, s, -1, -1)
             row_ids.append(ids)
             base = self._len[b]
-            items.extend((toks[b][j], base + depth[j], [ids[k] for k in rt.on_leaf[j]], True) for j in range(N))
+            items.extend((toks[b][j], base + rt.depth[j], [ids[k] for k in rt.on_leaf[j]], True) for j in range(N))
         return items, {"before": list(self._len), "tree": tree, "rows": rows, "ids": row_ids}
 
     def _drop_temporaries(self, pend: dict | None) -> None:

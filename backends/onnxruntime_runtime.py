@@ -32,6 +32,9 @@ from spec_plugins.registry import register_backend
 
 INSTALL_HINT = "install the [onnx] extra: pip install 'spec-plugins[onnx]' (or [gpu] for onnxruntime-gpu)"
 _OPT_LEVELS = ("disable", "basic", "extended", "all")
+# the names an export's graphs have: the decoders (onnx_export.export_models) and the trained heads'
+# graphs (proposer type, and its block graph: onnx_heads.head_graphs)
+GraphName = Literal["verify", "draft", "medusa", "eagle", "eagle-block", "parallel", "parallel-block"]
 _TORCH_DTYPES = {name: getattr(torch, name) for name in GRAPH_DTYPES}
 
 
@@ -98,7 +101,22 @@ def create_session(file: str | Path, device: str = "cpu", device_id: int = 0, gr
     so.enable_cpu_mem_arena = arena
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     opts = provider_options(providers, device_id, stream)
-    return ort.InferenceSession(str(file), so, providers=providers, provider_options=opts)
+    try:
+        return ort.InferenceSession(str(file), so, providers=providers, provider_options=opts)
+    except load_errors(ort) as exc:
+        from spec_plugins.graphs.manifest import ManifestError
+
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ManifestError(f"ONNX Runtime cannot load graph {file}: {reason}; if the file is damaged "
+                            "(corrupted in place), export again") from exc
+
+
+def load_errors(ort: Any) -> tuple[type[Exception], ...]:
+    """ONNX Runtime's errors for a graph file it cannot read (not a provider's or a kernel's
+    failures, such as an op the device lacks: re-exporting would not help those)."""
+    state = ort.capi.onnxruntime_pybind11_state
+    names = ("InvalidGraph", "InvalidProtobuf", "NoModel", "NoSuchFile")
+    return tuple(getattr(state, n) for n in names if hasattr(state, n))
 
 
 def _check_torch_cuda() -> None:
@@ -128,7 +146,10 @@ class OnnxRuntime(SlotRuntime):
         path: str | None = Field(
             None, description="Export directory (spec-plugins export onnx); None = export `model` on first use "
                               "into the cache (~/.cache/spec-plugins/onnx).")
-        graph: str = Field("verify", description="Graph of the export to run: verify (target) or draft.")
+        graph: GraphName = Field(
+            "verify", description="Graph of the export to run: verify (target) or draft (a draft model's; only "
+                                  "`export onnx` of a draft_model config writes one). The head graphs' names are "
+                                  "taken too, and refused on load by their kind: the proposers load those.")
         device: Literal["auto", "cpu", "cuda"] = Field(
             "auto", description="auto = CUDAExecutionProvider when onnxruntime has it, else CPUExecutionProvider.")
         device_id: int = Field(0, ge=0, description="CUDA device index.")
@@ -162,6 +183,15 @@ class OnnxRuntime(SlotRuntime):
         quant_grid: Literal["rtn", "gguf"] = Field(
             "rtn", description="rtn: ONNX Runtime's round-to-nearest blocks; gguf: the source GGUF's own Q4_1/Q8_0 "
                                "blocks carried over (its weights exactly).")
+
+        @model_validator(mode="after")
+        def _device_id_that_applies(self) -> OnnxRuntime.Config:
+            """``device_id`` picks a CUDA device: with ``device: cpu`` it would be ignored, so a
+            value other than the default is refused by field (a dumped config carries every field)."""
+            if self.device == "cpu" and "device_id" in self.model_fields_set and self.device_id != 0:
+                raise ValueError(f"device_id: {self.device_id} picks a CUDA device, but device is cpu; set "
+                                 "device: cuda (or auto) to run on that device, or leave device_id out")
+            return self
 
         @model_validator(mode="after")
         def _quant_fields_that_apply(self) -> "OnnxRuntime.Config":
@@ -210,21 +240,21 @@ class OnnxRuntime(SlotRuntime):
         man = Manifest.read(directory)
         entry = man.graph(config.graph)
         if config.dtype not in ("auto", entry.dtype):
-            raise ValueError(f"target.path {directory} holds graph {config.graph!r} in {entry.dtype}, but the config "
+            raise ValueError(f"path {directory} holds graph {config.graph!r} in {entry.dtype}, but the config "
                              f"asks for dtype: {config.dtype}; set dtype: {entry.dtype} (or auto) or export again "
                              f"from a torch target with dtype: {config.dtype}")
         have = (entry.quantization or {}).get("name", "none")
         if config.path is not None and have != scheme_name(scheme):
-            raise ValueError(f"target.path {directory} holds graph {config.graph!r} quantized as {have!r}, but the "
+            raise ValueError(f"path {directory} holds graph {config.graph!r} quantized as {have!r}, but the "
                              f"config asks for {scheme_name(scheme)!r}; set quantize to match or export again")
         if config.feature_layers is not None and list(config.feature_layers) != list(entry.feature_layers):
             want = list(config.feature_layers)
-            raise ValueError(f"target.path {directory} holds graph {config.graph!r} returning decoder layers "
+            raise ValueError(f"path {directory} holds graph {config.graph!r} returning decoder layers "
                              f"{entry.feature_layers}, not feature_layers: {want}; set them to match or export "
                              f"again with --feature-layers {','.join(map(str, want)) or 'none'}")
         if config.path is not None and not exported_from(entry.source_model, config.model):
             raise ValueError(
-                f"target.path {directory} holds graph {config.graph!r} exported from model {entry.source_model!r}, "
+                f"path {directory} holds graph {config.graph!r} exported from model {entry.source_model!r}, "
                 f"but the config says model: {config.model!r}; set model: {entry.source_model!r} or export again"
             )
         session = create_session(directory / entry.file, config.device, config.device_id,
@@ -235,6 +265,7 @@ class OnnxRuntime(SlotRuntime):
 
             tok = AutoTokenizer.from_pretrained(str(directory / man.tokenizer))
         rt = cls(session, entry, tok, config.max_context, man.eos_token_ids, config.device_id)
+        rt.source_model = config.model  # the export's model (``exported_from``), where it is now
         rt.pad_single = rt.pad_single if config.pad_single == "auto" else bool(config.pad_single)
         rt.capabilities = replace(rt.capabilities, batch_invariant=not rt.single_differs or rt.pad_single)
         return rt

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from spec_plugins.backends.base import RuntimeCapabilities, StepOutput, Want
 from spec_plugins.backends.slot_runtime import SlotRuntime
@@ -54,10 +54,22 @@ def import_tensorrt() -> Any:
     return trt
 
 
+def parse_cuda(name: str) -> torch.device:
+    """``name`` as a torch CUDA device ('cuda', 'cuda:N'), or a ValueError: TensorRT runs on
+    CUDA only, so 'cpu' or a typo is refused when the config is read, not when an engine loads."""
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type != "cuda":
+        raise ValueError(f"backend 'tensorrt' runs on CUDA devices only: device must be 'cuda' or 'cuda:N' "
+                         f"(N a GPU index), got {name!r}")
+    return dev
+
+
 def cuda_device(name: str) -> torch.device:
-    dev = torch.device(name)
-    if dev.type != "cuda":
-        raise ValueError(f"backend 'tensorrt' runs on CUDA devices only, got device {name!r}")
+    """The CUDA device ``name`` names, with the current device for a bare 'cuda'; needs a GPU."""
+    dev = parse_cuda(name)
     if not torch.cuda.is_available():
         raise TensorRTUnavailable("backend 'tensorrt' needs a CUDA GPU, but torch sees none "
                                   f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'})")
@@ -87,6 +99,13 @@ class TensorRTRuntime(SlotRuntime):
             False, description="Run engines built on another GPU model of the same compute capability.")
         max_context: int | None = Field(None, ge=2,
                                         description="Cap on positions (at most the engines' --max-context).")
+
+        @field_validator("device")
+        @classmethod
+        def _check_device(cls, value: str) -> str:
+            """A CUDA device torch can parse (no GPU needed to validate a config)."""
+            parse_cuda(value)
+            return value
 
     @classmethod
     def from_config(cls, config: "TensorRTRuntime.Config") -> "TensorRTRuntime":

@@ -97,7 +97,10 @@ def load_hf(model: str, dtype: str = "float32", device: str = "auto") -> tuple[A
     cached = converted_dir(src) if src.gguf_file else None
     if cached is not None and (cached / "config.json").exists():
         path, kwargs = str(cached), {}
-    tok = AutoTokenizer.from_pretrained(path, **kwargs)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, **kwargs)
+    except OSError as exc:  # transformers' "can't load": a missing or unreadable file, not a crash
+        raise ValueError(f"cannot load the tokenizer of {path}: {exc}") from exc
     dev = pick_device(device)
     m = load_weights(path, pick_dtype(dtype, dev), torch.device("cpu"), kwargs.get("gguf_file"))
     if cached is not None and kwargs:
@@ -107,11 +110,15 @@ def load_hf(model: str, dtype: str = "float32", device: str = "auto") -> tuple[A
 
 def load_weights(path: str, dtype: torch.dtype, device: torch.device, gguf_file: str | None = None) -> Any:
     """A transformers model from a directory (or a GGUF file in it, dequantised by transformers),
-    on ``device``, in eval mode."""
+    on ``device``, in eval mode; files transformers cannot load are a ValueError naming ``path``."""
     from transformers import AutoModelForCausalLM
 
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device).eval()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    except OSError as exc:  # e.g. a directory with config.json but no weights: bad input, named
+        raise ValueError(f"cannot load the model weights from {path}: {exc}") from exc
+    return model.to(device).eval()
 
 
 def _save_converted(model: Any, tok: Any, target: Any) -> None:

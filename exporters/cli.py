@@ -34,10 +34,12 @@ def export_onnx(
     opset: int = typer.Option(OPSET, "--opset", help=f"ONNX opset ({MIN_OPSET}..{MAX_OPSET})."),
     feature_layers: str = typer.Option("auto", "--feature-layers",
                                        help="Decoder-layer outputs the verify graph also returns for EAGLE-3 "
-                                            "drafters: auto (the drafter's, else low/mid/high), none, or e.g. 3,15,28."),
+                                            "drafters: auto (the config target's feature_layers, else the "
+                                            "drafter's, else low/mid/high), none, or e.g. 3,15,28."),
     quantize: Optional[str] = typer.Option(None, "--quantize", help="Weight-only quantization: none, int4 or int8 "
-                                                                     "(ONNX Runtime MatMulNBits; default: the "
-                                                                     "config target's quantize, else none)."),
+                                                                     "(ONNX Runtime MatMulNBits; default: each "
+                                                                     "graph's config section's quantize (target, "
+                                                                     "draft model), else none)."),
     block_size: Optional[int] = typer.Option(None, "--block-size",
                                              help="Quantization block (weights sharing one scale; default 32)."),
     asymmetric: bool = typer.Option(False, "--asymmetric", help="Blocks with zero points (default symmetric)."),
@@ -58,16 +60,16 @@ def export_onnx(
     try:
         flagged = quant_scheme(quantize or "none", block_size, asymmetric, accuracy_level, fp32_lm_head, gguf_grid)
     except ValueError as exc:
-        fail(str(exc))
+        fail(exc)
         return
     check_output_dir(out)
     check_can_create(out)
     try:
         cfg = load_config(config)
-        scheme = export_scheme(flagged, quantize is not None, cfg.target)
-        man = export_config(cfg, out, opset, log=_log, feature_layers=feature_layers, quantize=scheme)
+        schemes = section_schemes(flagged, quantize is not None, cfg)
+        man = export_config(cfg, out, opset, log=_log, feature_layers=feature_layers, quantize=schemes)
     except (ConfigError, ValueError, OSError, LookupError, ImportError) as exc:  # OSError: reading or writing
-        fail(str(exc))
+        fail(exc)
         return
     for g in man.graphs:
         typer.echo(f"{g.name:<8} {out / g.file}  {g.size_bytes / 2**20:.1f} MiB  exported in {g.export_seconds:.1f} s")
@@ -88,7 +90,7 @@ def quant_scheme(quantize: str, block_size: int | None, asymmetric: bool, accura
         given = [f for f, on in flags.items() if on]
         if given:
             raise ValueError(f"{', '.join(given)} set how weights are quantized; add --quantize int4 or int8 "
-                             "(without it the export takes the config target's quantize: and quant_* fields)")
+                             "(without it the export takes each config section's quantize: and quant_* fields)")
         return None
     from spec_plugins.graphs.quant import QuantScheme, gguf_conflicts
 
@@ -106,10 +108,23 @@ def quant_scheme(quantize: str, block_size: int | None, asymmetric: bool, accura
     return scheme
 
 
-def export_scheme(flagged: QuantScheme | None, given: bool, target: Any) -> QuantScheme | None:
-    """The scheme to export: ``--quantize``'s (``flagged``) when ``given``, else the config target's
-    (an onnxruntime target's ``quantize:``), so that target with ``path:`` set loads the export. A
-    config that sets ``quantize:`` to another scheme than the flags is refused, naming both."""
+def section_schemes(flagged: QuantScheme | None, given: bool, cfg: Any) -> dict[str, QuantScheme | None]:
+    """Each decoder graph's scheme (``export_scheme``): the verify graph's from the config's target,
+    the draft graph's from its draft model's section, so that each section with ``path:`` set
+    loads the graph made for it."""
+    schemes = {"verify": export_scheme(flagged, given, cfg.target, "target")}
+    prop = cfg.proposer
+    if prop is not None and prop.type == "draft_model":
+        schemes["draft"] = export_scheme(flagged, given, prop.model, "proposer.model")
+    return schemes
+
+
+def export_scheme(flagged: QuantScheme | None, given: bool, target: Any, section: str = "target"
+                  ) -> QuantScheme | None:
+    """The scheme to export for one config section (``target``, named ``section``): ``--quantize``'s
+    (``flagged``) when ``given``, else the section's (an onnxruntime section's ``quantize:``), so
+    that section with ``path:`` set loads the export. A section that sets ``quantize:`` to another
+    scheme than the flags is refused, naming both."""
     from spec_plugins.graphs.quant import QuantScheme
 
     fields = target.scheme() if callable(getattr(target, "scheme", None)) else None
@@ -120,7 +135,7 @@ def export_scheme(flagged: QuantScheme | None, given: bool, target: Any) -> Quan
         def name(s: QuantScheme | None) -> str:
             return s.name if s is not None else "none"
 
-        raise ValueError(f"--quantize asks for {name(flagged)} but the config's target says quantize: "
+        raise ValueError(f"--quantize asks for {name(flagged)} but the config's {section} says quantize: "
                          f"{target.quantize} ({name(configured)}); drop --quantize to export the config's scheme, "
                          "or make the two agree")
     return flagged
@@ -160,7 +175,7 @@ def export_check(
     try:
         report = check_export(directory, gamma, rtol, max_new_tokens, threads, log=_log, only=graph or None)
     except (ValueError, FileNotFoundError, LookupError, ImportError) as exc:
-        fail(str(exc))
+        fail(exc)
         return
     typer.echo(json.dumps(report.to_dict(), allow_nan=False) if as_json else report.format())
     if not report.ok:

@@ -124,9 +124,11 @@ def export_models(out: str | Path, target: tuple[Any, Any, str], draft: tuple[An
     ``target`` is (model, tokenizer, source name); ``draft`` is (model, source name); ``heads``
     are (graph name, MedusaHeads or EagleDrafter, trained head directory). The verify graph
     also returns ``feature_layers`` (default: EAGLE-3's low/mid/high layers; () for none).
-    ``quantize`` (an ``onnx_quantize.QuantScheme``) quantizes the decoder graphs' weights; head
-    graphs stay float, so their manifest entries carry no scheme and are checked as float. Local
-    model and head paths are recorded absolute (``stored_model_name``)."""
+    ``quantize`` (an ``onnx_quantize.QuantScheme``) quantizes the decoder graphs' weights, or,
+    a dict of graph name -> scheme (None: float), each graph with its own (a config's target and
+    draft sections may differ); head graphs stay float, so their manifest entries carry no
+    scheme and are checked as float. Local model and head paths are recorded absolute
+    (``stored_model_name``)."""
     out = Path(out).absolute()
     target = (target[0], target[1], stored_model_name(target[2]))
     draft = (draft[0], stored_model_name(draft[1])) if draft is not None else None
@@ -159,10 +161,10 @@ def export_models(out: str | Path, target: tuple[Any, Any, str], draft: tuple[An
                 log(f"exporting {name} head graph from {head_dir} ...")
                 graphs.append(export_head(module, tmp / f"{name}.onnx", name, source, head_dir, opset))
                 log(f"  {name}.onnx: {graphs[-1].size_bytes / 2**20:.1f} MiB in {graphs[-1].export_seconds:.1f} s")
-        if quantize is not None:
-            for g in graphs:
-                if g.kind == "decoder_with_past":
-                    _quantize_entry(tmp, g, quantize, log)
+        for g in graphs:
+            scheme = quantize.get(g.name) if isinstance(quantize, dict) else quantize
+            if g.kind == "decoder_with_past" and scheme is not None:
+                _quantize_entry(tmp, g, scheme, log)
         if tok is not None:
             tok.save_pretrained(str(tmp / "tokenizer"))
         man = Manifest(graphs=graphs, opset=opset, versions=library_versions(),
@@ -201,22 +203,20 @@ def _quantize_entry(directory: Path, g: GraphEntry, scheme: Any, log: Log) -> No
 def export_config(config: Any, out: str | Path, opset: int = OPSET, log: Log = _quiet,
                   feature_layers: str = "auto", quantize: Any = None) -> Manifest:
     """Export the target (and the draft model or heads, if the proposer has them) of a SpecConfig.
-    ``feature_layers``: ``auto`` (an EAGLE-3 drafter's layers, else low/mid/high), ``none`` or a list."""
-    from spec_plugins.heads.eagle import parse_feature_layers
-
+    ``feature_layers``: ``auto`` (``export_layers``), ``none`` or a list. ``quantize``: as
+    ``export_models`` takes it."""
     from spec_plugins.backends.torch_runtime import load_hf
 
     check_opset(opset)  # before any model loads
     check_out_dir(Path(out).absolute())
     tgt = config.target
-    dtype = getattr(tgt, "dtype", "float32")
-    model, tok = load_hf(tgt.model, dtype, "cpu")
+    model, tok = load_hf(tgt.model, export_dtype(tgt), "cpu")
     draft = None
     heads: list[tuple[str, Any, str]] = []
     prop = config.proposer
     if prop is not None and prop.type == "draft_model":
         dm = prop.model
-        dmodel, _ = load_hf(dm.model, getattr(dm, "dtype", "float32"), "cpu")
+        dmodel, _ = load_hf(dm.model, export_dtype(dm), "cpu")
         draft = (dmodel, dm.model)
     elif prop is not None and prop.type in ("medusa", "eagle", "parallel"):
         from spec_plugins.heads import MedusaHeads, drafter_class
@@ -225,13 +225,49 @@ def export_config(config: Any, out: str | Path, opset: int = OPSET, log: Log = _
         where = str(resolve_head_dir(prop.heads))  # as the proposers find it: shipped examples from any directory
         cls = MedusaHeads if prop.type == "medusa" else drafter_class(where)
         heads.append((prop.type, cls.from_pretrained(where, model), where))
+    layers = export_layers(feature_layers, tgt, prop, int(hf_compat.decoder_layers(model)))
+    return export_models(out, (model, tok, tgt.model), draft, None, opset, log, heads, layers, quantize)
+
+
+GRAPH_DTYPE_BACKENDS = ("torch", "onnxruntime")  # sections whose ``dtype`` is the weights' dtype
+
+
+def export_dtype(section: Any) -> str:
+    """The dtype ``load_hf`` loads a config section's model in for export: a torch or onnxruntime
+    section's own ``dtype`` (``auto`` is float32 on this CPU load, as the onnxruntime runtime
+    exports on first use). Any other backend's ``dtype`` means something else (llama.cpp: its KV
+    cache's type, None for llama.cpp's default), so its model is exported in float32: a GGUF is
+    dequantised by transformers (``load_hf``)."""
+    if getattr(section, "backend", None) in GRAPH_DTYPE_BACKENDS:
+        return section.dtype
+    return "float32"
+
+
+def export_layers(spec: str, target: Any, proposer: Any, num_layers: int) -> tuple[int, ...]:
+    """The decoder layers the verify graph returns: ``spec``'s (--feature-layers); for ``auto``
+    the config target's ``feature_layers`` where it sets them (so that target with ``path:``
+    loads the export), else the drafter's (a hybrid's child's too, as the first-use export takes
+    them), else low/mid/high. A target whose layers differ from ``spec`` or from its drafter's
+    is refused, naming both, before anything is written."""
+    from spec_plugins.heads.eagle import parse_feature_layers
     from spec_plugins.wiring import drafter_layers
 
-    layers = parse_feature_layers(feature_layers, int(hf_compat.decoder_layers(model)))
-    read = drafter_layers(prop)  # the drafter's, a hybrid's child's too: as the first-use export takes them
-    if feature_layers == "auto" and read:
-        layers = read
-    return export_models(out, (model, tok, tgt.model), draft, None, opset, log, heads, layers, quantize)
+    configured = getattr(target, "feature_layers", None)
+    want = None if configured is None else parse_feature_layers(",".join(map(str, configured)) or "none",
+                                                                num_layers)
+    if spec != "auto":
+        layers = parse_feature_layers(spec, num_layers)
+        if want is not None and layers != want:
+            raise ValueError(f"--feature-layers {spec} but the config's target says feature_layers: {list(want)}; "
+                             "drop --feature-layers to export the config's layers, or make the two agree")
+        return layers
+    read = tuple(drafter_layers(proposer))
+    if want is None:
+        return read or parse_feature_layers("auto", num_layers)
+    if read and read != want:
+        raise ValueError(f"the config's target says feature_layers: {list(want)} but its drafter reads decoder "
+                         f"layers {list(read)}; set the target's feature_layers to {list(read)} (or leave them out)")
+    return want
 
 
 def export_model(model: str, directory: str | Path, quantize: dict | None = None, dtype: str = "float32",

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +93,24 @@ def _kind(module: Any) -> str:
     raise TypeError(f"cannot export {type(module).__name__}: expected MedusaHeads, EagleDrafter or BlockRefiner")
 
 
+@contextmanager
+def float_eval(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """``module`` in float32 and eval mode while the block runs, then as it was: its own tensors
+    back (a live drafter exported on first use may be float16, and its embeddings are the
+    target's own tensor, which a converted copy would no longer share) and its training flag."""
+    params = [(p, p.data) for p in module.parameters()]
+    buffers = [(m, name, b) for m in module.modules() for name, b in m._buffers.items()]
+    training = module.training
+    try:
+        yield module.float().eval()
+    finally:
+        for p, data in params:
+            p.data = data
+        for m, name, b in buffers:
+            m._buffers[name] = b
+        module.train(training)
+
+
 def head_graphs(name: str, module: Any) -> list[tuple[str, Any]]:
     """The graphs a trained head exports as: (graph name, module) pairs."""
     refiner = getattr(module, "refiner", None)
@@ -104,12 +124,11 @@ def export_head(module: Any, path: str | Path, name: str, source_model: str, sou
     import onnx
 
     kind = _kind(module)
-    module = module.float().eval()
     vd = int(module.vocab_ids.numel()) if hasattr(module, "vocab_ids") else 0
     ins, outs, axes = _io(kind, module.config, vd)
     path = Path(path)
     t0 = time.perf_counter()
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), float_eval(module):
         warnings.simplefilter("ignore")
         torch.onnx.export(module, head_inputs(kind, module), str(path), input_names=[i["name"] for i in ins],
                           output_names=[o["name"] for o in outs], dynamic_axes=axes, opset_version=opset,
@@ -185,10 +204,17 @@ def check_head(directory: str | Path, entry: GraphEntry, model: Any, rtol: float
     EAGLE: the drafter's output features, which its LM head reads, and the keys and values it
     caches)."""
     from spec_plugins.backends.onnxruntime_runtime import create_session
+
+    module = module if module is not None else load_head_module(entry, model)
+    session = create_session(Path(directory) / entry.file, "cpu")
+    with float_eval(module):
+        return _head_cases(entry, module, session, rtol)
+
+
+def _head_cases(entry: GraphEntry, module: Any, session: Any, rtol: float) -> list:
+    """``check_head``'s cases: ``module`` (float32, eval) against ``session`` at a few shapes."""
     from spec_plugins.exporters.parity_rule import compare
 
-    module = (module if module is not None else load_head_module(entry, model)).float().eval()
-    session = create_session(Path(directory) / entry.file, "cpu")
     names = [i["name"] for i in entry.inputs]
     cases = []
     for B, T, S in ((1, 1, 0), (2, 3, 5), (3, 6, 9)):

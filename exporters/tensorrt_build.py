@@ -268,7 +268,7 @@ def add_command(export_app: Any) -> None:
             em = build_engines(onnx, out, precision, limits, graph or None, workspace_gib, log=typer.echo,
                                hardware_compat=hardware_compat)
         except (ValueError, BuildError, ManifestError, RegistryError, FileNotFoundError) as exc:
-            fail(str(exc))
+            fail(exc)
             return
         typer.echo(f"wrote {len(em.engines)} engine(s) to {out}" + (f"; skipped: {'; '.join(em.skipped)}"
                                                                      if em.skipped else ""))

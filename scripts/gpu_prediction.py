@@ -31,11 +31,6 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from spec_plugins.config import SpecConfig
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -91,19 +86,6 @@ def _extended(ms: dict) -> list[float]:
     return secs + [secs[-1] + step * (n - len(secs)) for n in range(len(secs) + 1, 129)]
 
 
-BENCH_DEFAULT = "built-in default"  # meta.config of a bench run without --config (spec_plugins/bench/cli.py)
-
-
-def report_config(meta: dict) -> "SpecConfig":
-    """The config a bench report was made with: its file, or the built-in default that
-    ``spec-plugins bench`` uses without ``--config`` (recorded as ``built-in default``)."""
-    from spec_plugins.config import ConfigError, SpecConfig, default_config
-
-    if "config" not in meta:
-        raise ConfigError("the report's meta has no `config`: is it a `spec-plugins bench` report.json?")
-    return default_config() if meta["config"] == BENCH_DEFAULT else SpecConfig.from_file(meta["config"])
-
-
 def check_prompts(report: dict, prompts_file: str) -> None:
     """Every prompt the report answered must be in ``prompts_file`` (the replay re-encodes its turns)."""
     from spec_plugins.bench.prompts import load_prompts
@@ -130,7 +112,7 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="write the prediction as JSON here")
     args = ap.parse_args()
     from spec_plugins.backends import build_runtime
-    from spec_plugins.bench.replay import auto, fixed, replay_report, round_overhead, turns_from_report
+    from spec_plugins.bench.replay import auto, fixed, replay_report, report_config, round_overhead, turns_from_report
     from spec_plugins.config import SpecConfig
     from spec_plugins.decoder import SpeculativeDecoder
     from spec_plugins.policy import DraftCost, ForwardCost
@@ -138,7 +120,7 @@ def main() -> int:
 
     measured = measured_curves(args.measured)
     report = json.loads(Path(args.report).read_text())
-    cfg = report_config(report["meta"])
+    cfg = report_config(report)
     check_prompts(report, args.prompts)
     cfg = SpecConfig.parse({**cfg.model_dump(mode="json"), "proposer": {"type": "ngram", "num_draft_tokens": "auto",
                                                                         "max_ngram": 3}})

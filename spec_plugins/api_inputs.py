@@ -9,6 +9,8 @@ hands the package, are checked here too (``check_draft``), as the batch places t
 from __future__ import annotations
 
 import operator
+from collections.abc import MappingView
+from collections.abc import Set as AbstractSet
 from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 
 import torch
@@ -53,6 +55,17 @@ def not_bytes(prompt: Any) -> None:
                         "decode it to a str first (e.g. prompt.decode('utf-8')) or pass its token ids")
 
 
+def ordered_sequence(prompt: Any) -> Iterable:
+    """A token-id or chat-message prompt that iterates as one ordered sequence: a set, a dict or
+    its views (no order the caller chose, or keys for ids) and an array or tensor that is not 1-D
+    (read flat, or as a scalar) are refused, as anything not iterable is."""
+    ndim = getattr(prompt, "ndim", 1)
+    if not isinstance(prompt, Iterable) or isinstance(prompt, (AbstractSet, Mapping, MappingView)) or ndim != 1:
+        shape = f" of shape {list(prompt.shape)}" if ndim != 1 and hasattr(prompt, "shape") else ""
+        raise TypeError(f"a prompt is a str, chat messages or a list of token ids, got {type(prompt).__name__}{shape}")
+    return prompt
+
+
 def in_vocab(ids: list[int], vocab_size: int) -> list[int]:
     """``ids``, each checked to be a row of the target's embedding (an id outside it fails
     deep inside the forward otherwise)."""
@@ -92,6 +105,22 @@ def token_limits(max_new_tokens: int | Sequence[int], rows: int) -> list[int]:
     if min(limits, default=0) < 0:
         raise ValueError("max_new_tokens must be >= 0")
     return limits
+
+
+def per_prompt(name: str, value: Any, rows: int, entry: str) -> list[Any] | None:
+    """``value`` (None: not given) as one entry per prompt. A str, bytes, dict or set would
+    iterate as something else (characters, byte values, keys, an arbitrary order) and a single
+    value has no entries, so they are refused naming ``name`` (``entry``: what one entry is)."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes, bytearray, memoryview, Mapping, AbstractSet)) or not isinstance(value, Iterable) \
+            or not hasattr(value, "__len__"):
+        raise TypeError(f"{name} must be a list with one {entry} per prompt ({rows}), got {type(value).__name__}"
+                        f"{': wrap it in a list, one per prompt' if isinstance(value, Mapping) else ''}")
+    out = list(value)
+    if len(out) != rows:
+        raise ValueError(f"{name} needs one entry per prompt ({rows}), got {len(out)}")
+    return out
 
 
 def row_sampling(s: SamplingConfig | Mapping, i: int) -> SamplingConfig:

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, Optional
 
@@ -26,9 +27,28 @@ def load_config(path: Optional[Path]):
     return SpecConfig.from_file(path) if path else default_config()
 
 
-def fail(msg: str) -> None:
-    typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
+def fail(msg: str | BaseException) -> None:
+    """Print ``error: ...`` (an exception through ``error_message``) and exit 2."""
+    typer.secho(f"error: {error_message(msg) if isinstance(msg, BaseException) else msg}", fg=typer.colors.RED,
+                err=True)
     raise typer.Exit(2)
+
+
+def error_message(exc: BaseException) -> str:
+    """The line ``fail`` prints for a caught error: its message, or, for a LookupError that carries
+    none (a KeyError's bare key such as ``None``, an empty one), its repr and the function and
+    line that raised it, so the line still names something to look at."""
+    if not isinstance(exc, LookupError):
+        return str(exc)
+    if isinstance(exc, KeyError):  # str() of a KeyError is the repr of its argument
+        arg = exc.args[0] if len(exc.args) == 1 else None
+        if isinstance(arg, str) and " " in arg.strip():
+            return arg  # a message raised as a KeyError
+    elif str(exc).strip() not in ("", "None"):
+        return str(exc)
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" raised in {frames[-1].name} ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+    return f"unexpected {exc!r}{where}"
 
 
 def check_finite(value: float | None, flag: str) -> None:
@@ -113,7 +133,7 @@ def generate(
                 sys.stdout.write(ev.text)
                 sys.stdout.flush()
     except (ConfigError, ValueError, FileNotFoundError, LookupError) as exc:
-        fail(str(exc))
+        fail(exc)
         return
     if as_json:
         print(json.dumps({"text": text, "token_ids": toks, "finish_reason": reason, "error": error,

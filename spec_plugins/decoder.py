@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Sequence, Union
+from typing import Any, Iterator, Sequence, Union
 
-from spec_plugins.api_inputs import (Stop, in_vocab, not_bytes, row_sampling, row_seeds, stop_strings, token_id,
-                                     token_limits)
+from spec_plugins.api_inputs import (Stop, in_vocab, not_bytes, ordered_sequence, per_prompt, row_sampling, row_seeds,
+                                     stop_strings, token_id, token_limits)
 from spec_plugins.backends import build_runtime
 from spec_plugins.config import SamplingConfig, SpecConfig
 from spec_plugins.grammar import GrammarSpec, RowGrammar, compile_grammar, ll_tokenizer
@@ -125,9 +125,7 @@ class SpeculativeDecoder:
                 return self.encode([{"role": "user", "content": prompt}])
             ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
             return in_vocab(list(ids), self.target.vocab_size)
-        if not isinstance(prompt, Iterable):
-            raise TypeError(f"a prompt is a str, chat messages or a list of token ids, got {type(prompt).__name__}")
-        seq = list(prompt)
+        seq = list(ordered_sequence(prompt))
         if not seq:
             raise ValueError("prompt is empty")
         if isinstance(seq[0], dict):
@@ -259,10 +257,9 @@ class SpeculativeDecoder:
             raise ValueError(f"grammar needs one entry per prompt ({len(ids)}), got {len(per_row)}")
         rows = self.row_grammars(per_row, None, forced_drafts)
         base = self._sampling(temperature, seed)
-        if sampling is not None and len(sampling) != len(ids) or seeds is not None and len(seeds) != len(ids):
-            raise ValueError(f"sampling and seeds need one entry per prompt ({len(ids)})")
+        sampling = per_prompt("sampling", sampling, len(ids), "SamplingConfig or dict")
         configs = [row_sampling(s, i) for i, s in enumerate(sampling)] if sampling is not None else None
-        seeds_by_row = row_seeds(seeds, configs)
+        seeds_by_row = row_seeds(per_prompt("seeds", seeds, len(ids), "seed (an int or None)"), configs)
         shared = {base: LogitsPipeline(base, processors)}
         for s in configs or ():
             shared.setdefault(s, LogitsPipeline(s, processors))

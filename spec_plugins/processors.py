@@ -8,9 +8,24 @@ trees. Each is vectorised over the rows of one call and never leaves the logits'
 
 from __future__ import annotations
 
-from typing import Mapping
+import re
+from typing import Any, Mapping
 
 import torch
+
+from spec_plugins.api_inputs import integer
+
+
+def _token_id(key: Any) -> int:
+    """A ``logit_bias`` key as a token id: an integer (``api_inputs.integer``) or an integer
+    string (JSON keys are strings); a float, bool or other string would bias another token."""
+    token = integer(key)
+    if token is None and isinstance(key, str) and re.fullmatch(r"-?[0-9]+", key):
+        token = int(key)
+    if token is None:
+        raise ValueError(f"logit_bias: keys must be token ids (integers or integer strings), got {key!r} "
+                         f"({type(key).__name__})")
+    return token
 
 
 class LogitBias:
@@ -18,12 +33,13 @@ class LogitBias:
     in practice, +100 all but forces it)."""
 
     def __init__(self, bias: Mapping[int, float], vocab: int) -> None:
-        for token, value in bias.items():
-            if not 0 <= int(token) < vocab:
+        ids = [_token_id(token) for token in bias]
+        for token, value in zip(ids, bias.values()):
+            if not 0 <= token < vocab:
                 raise ValueError(f"logit_bias: token id {token} is outside the vocabulary (0..{vocab - 1})")
             if not -100.0 <= float(value) <= 100.0:
                 raise ValueError(f"logit_bias: the bias of token {token} must be between -100 and 100, got {value}")
-        self.ids = torch.tensor([int(t) for t in bias], dtype=torch.long, device="cpu")
+        self.ids = torch.tensor(ids, dtype=torch.long, device="cpu")
         self.values = torch.tensor([float(v) for v in bias.values()], device="cpu")
         self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 

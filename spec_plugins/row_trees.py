@@ -169,12 +169,16 @@ def depth_counts(parents: Parents, valid: torch.Tensor | None = None) -> list[in
 @dataclass(frozen=True)
 class LeafPaths:
     """One row's tree by its leaves: the nodes on each leaf's path and, per node, the leaves whose
-    paths hold it (llama.cpp gives each leaf a sequence)."""
+    paths hold it (llama.cpp gives each leaf a sequence), and each node's depth along this row's
+    own parents. That depth is the layered one for every valid node; a padding slot of a per-row
+    tree (``combine``, ``keep_slots``: parent -1 at a layered depth > 0) sits shallower, and
+    positions must follow it, or its leaf's sequence would skip positions."""
 
     parents: list[int]
     leaves: list[int]
     paths: list[set[int]]
     on_leaf: list[list[int]]
+    depth: list[int]
 
     @staticmethod
     def of(tree: TreeLayout, b: int) -> "LeafPaths":
@@ -188,4 +192,8 @@ class LeafPaths:
                 nodes.add(j)
                 j = parents[j]
             paths.append(nodes)
-        return LeafPaths(parents, leaves, paths, [[k for k, p in enumerate(paths) if j in p] for j in range(len(parents))])
+        depth: list[int] = []
+        for p in parents:  # topological: a parent precedes its children
+            depth.append(depth[p] + 1 if p >= 0 else 0)
+        on_leaf = [[k for k, p in enumerate(paths) if j in p] for j in range(len(parents))]
+        return LeafPaths(parents, leaves, paths, on_leaf, depth)

@@ -21,12 +21,27 @@ from spec_plugins.tree import paths
 LogitsProcessorFn = Callable[[torch.LongTensor, torch.FloatTensor], torch.FloatTensor]
 
 
+def checked_processors(processors: Sequence[LogitsProcessorFn]) -> list[LogitsProcessorFn]:
+    """``processors`` as a list, refused before any row runs unless it is a list or tuple of
+    callables (else every row would fail mid-decode with an error that never names them)."""
+    if callable(processors) and not isinstance(processors, (list, tuple)):
+        raise TypeError(f"processors must be a list of logits processors, got a single "
+                        f"{type(processors).__name__}: pass [processor]")
+    if not isinstance(processors, (list, tuple)):
+        raise TypeError(f"processors must be a list of logits processors, got {type(processors).__name__}")
+    for i, p in enumerate(processors):
+        if not callable(p):
+            raise TypeError(f"processors[{i}] is {p!r} ({type(p).__name__}), not callable: a logits processor "
+                            "is called as processor(input_ids, scores) -> scores")
+    return list(processors)
+
+
 class LogitsPipeline:
     """user processors -> temperature -> top-k -> top-p, in transformers' order."""
 
     def __init__(self, sampling: SamplingConfig, processors: Sequence[LogitsProcessorFn] = ()) -> None:
         self.sampling = sampling
-        self.processors: list[LogitsProcessorFn] = list(processors)
+        self.processors: list[LogitsProcessorFn] = checked_processors(processors)
         if sampling.repetition_penalty not in (None, 1.0):
             from transformers import RepetitionPenaltyLogitsProcessor
 

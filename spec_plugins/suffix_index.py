@@ -9,9 +9,11 @@ Work per token is O(D) with D fixed (24 by default), independent of the context 
 - the longest earlier-seen suffix of a row's context is tracked the same way against any trie
   (``Cursor.follow``), so a round never re-scans the context.
 
-``GlobalIndex`` holds finished requests under a token cap, evicting the oldest first; removing a
-request decrements the counts along its suffixes and drops nodes that reach zero, so memory
-follows the cap.
+``GlobalIndex`` holds finished requests under a token cap (and optionally a node cap), evicting
+the oldest first; removing a request decrements the counts along its suffixes and drops nodes
+that reach zero, so memory follows the caps. Memory is per trie node: about 265 bytes each
+(CPython objects), and a token adds up to ``depth`` nodes (about 26 on real text at depth 32,
+7 KB a token); the node cap bounds it directly.
 """
 
 from __future__ import annotations
@@ -190,7 +192,8 @@ class IndexStats:
 
 class GlobalIndex:
     """Tries over finished requests, one per scope key (one key for ``global``; the tenant for
-    ``tenant``), under one token cap shared by all keys: the oldest request goes first.
+    ``tenant``), under one token cap shared by all keys, and a node cap if ``max_nodes`` is given
+    (what memory follows): the oldest request goes first until both hold.
 
     A key's trie exists only while it holds a request: looking up a key that holds none gives an
     empty trie without storing it, and a key whose last request is evicted is dropped. At most
@@ -198,8 +201,8 @@ class GlobalIndex:
     with all its requests, so a client rotating tenant keys can neither grow the index past the
     bound nor slow an add: sizes are running counts, never sums over keys."""
 
-    def __init__(self, depth: int, max_tokens: int, max_keys: int | None = None) -> None:
-        self.depth, self.max_tokens, self.max_keys = depth, max_tokens, max_keys
+    def __init__(self, depth: int, max_tokens: int, max_keys: int | None = None, max_nodes: int | None = None) -> None:
+        self.depth, self.max_tokens, self.max_keys, self.max_nodes = depth, max_tokens, max_keys, max_nodes
         self.tries: OrderedDict[Hashable, Trie] = OrderedDict()  # least recently used first
         self.held: dict[Hashable, list[int]] = {}  # per key: [requests, tokens]
         self.fifo: deque[tuple[Hashable, Trie, tuple[int, ...]]] = deque()  # entries of dropped keys go stale
@@ -233,7 +236,7 @@ class GlobalIndex:
         self.epoch += 1
         self.fifo.append((key, t, toks))
         self._count(key, 1, len(toks))
-        while self.stats.tokens > self.max_tokens:
+        while self._over():
             old_key, old_trie, old = self.fifo.popleft()
             if self.tries.get(old_key) is not old_trie:
                 self.stale_tokens -= len(old)
@@ -244,6 +247,11 @@ class GlobalIndex:
             self.stats.evicted_requests += 1
             if self._count(old_key, -1, -len(old)) == 0:
                 del self.tries[old_key], self.held[old_key]
+
+    def _over(self) -> bool:
+        """Whether the index holds more than its caps allow (a request over the node cap on its
+        own is evicted whole: the index then holds none rather than break the bound)."""
+        return self.stats.tokens > self.max_tokens or (self.max_nodes is not None and self.stats.nodes > self.max_nodes)
 
     def _count(self, key: Hashable, requests: int, tokens: int) -> int:
         """Adjust the key's and the index's running counts; the key's requests left."""

@@ -11,7 +11,10 @@
    fastest runtime; the fastest measured one wins if it beats plain by more than ``noise``,
    otherwise the plain configuration is written. A lossy verifier is never chosen.
 
-The written YAML carries the measured numbers and the command in its comments.
+The budget bounds what ``BUDGET_BOUNDS`` says (tune's --help), checked between prompts and stages.
+
+The written YAML (``tune_yaml.render_yaml``) carries the measured numbers and the command in its
+comments.
 """
 
 from __future__ import annotations
@@ -45,6 +48,12 @@ class TuneError(ValueError):
     """Bad input to tune (the message names it)."""
 
 
+BUDGET_BOUNDS = ("It bounds the runtimes after the first, the feature drafters, the predictions confirmed after the "
+                 "best, and each plain decoding, replay and confirmation pass after its first prompt (what it cuts is "
+                 "noted in the YAML); loading the first runtime, measuring its verify cost and one prompt of each pass "
+                 "always run.")
+
+
 @dataclass
 class Budget:
     seconds: float
@@ -53,6 +62,11 @@ class Budget:
     @property
     def left(self) -> float:
         return self.seconds - (time.perf_counter() - self.start)
+
+
+def _spent(budget: Budget | None) -> bool:
+    """Whether a pass must stop before its next prompt (None: no budget, as the bench replays)."""
+    return budget is not None and budget.left <= 0
 
 
 @dataclass
@@ -143,10 +157,21 @@ def model_reference(model: str) -> str:
     return model if model in BUILTIN_MODELS or not path.exists() else str(path.resolve())
 
 
+def _note(notes: list[str], log: Callable[[str], None], text: str) -> None:
+    """Something the written YAML must say (a candidate left out or cut short), also logged."""
+    notes.append(text)
+    log(f"[tune] {text}")
+
+
 def _skipped(notes: list[str], log: Callable[[str], None], what: str) -> None:
     """A candidate left unmeasured (the budget is spent), in the written notes and in the log."""
-    notes.append(f"{what} skipped: budget spent")
-    log(f"[tune] {what} skipped: budget spent")
+    _note(notes, log, f"{what} skipped: budget spent")
+
+
+def _cut(notes: list[str], log: Callable[[str], None], what: str, done: int, total: int, unit: str) -> None:
+    """A pass the budget stopped early: how much of it ran, in the notes and the log."""
+    if done < total:
+        _note(notes, log, f"{what} cut to {done} of {total} {unit}: budget spent")
 
 
 def _decoder(model: str, runtime: str, proposer: str | None, target: Any = None, draft: int | str | None = None,
@@ -163,14 +188,18 @@ def _decoder(model: str, runtime: str, proposer: str | None, target: Any = None,
     return SpeculativeDecoder.from_config(cfg, target=target, costs=costs)
 
 
-def _plain_outputs(dec: Any, prompts: Sequence[list[int]], max_new: int) -> tuple[list[list[int]], float]:
-    """Greedy outputs and plain tokens/s on this runtime."""
+def _plain_outputs(dec: Any, prompts: Sequence[list[int]], max_new: int, budget: Budget | None = None
+                   ) -> tuple[list[list[int]], float]:
+    """Greedy outputs of the first prompts (all, or as many as ``budget`` allows, at least one) and
+    plain tokens/s on this runtime."""
     from spec_plugins.bench.baselines import time_decoder
 
     plain = dec.without_speculation()
     time_decoder(plain, prompts[0], 8)  # warm-up
     outs, secs, n = [], 0.0, 0
     for p in prompts:
+        if outs and _spent(budget):
+            break
         r = time_decoder(plain, p, max_new)
         outs.append(r.tokens)
         secs += r.seconds
@@ -180,32 +209,48 @@ def _plain_outputs(dec: Any, prompts: Sequence[list[int]], max_new: int) -> tupl
 
 def _replay(prompts: Sequence[list[int]], outputs: Sequence[list[int]], make: Callable[[], Any], cost: Any,
             overhead: float, vocab: int) -> dict[str, float]:
+    """``_replay_counted`` over every prompt, without the count."""
+    return _replay_counted(prompts, outputs, make, cost, overhead, vocab)[0]
+
+
+def _replay_counted(prompts: Sequence[list[int]], outputs: Sequence[list[int]], make: Callable[[], Any],
+                    cost: Any, overhead: float, vocab: int, budget: Budget | None = None
+                    ) -> tuple[dict[str, float], int]:
     """Simulated tokens/s of plain, fixed draft lengths 1..8 and auto over the recorded outputs, as
     ``_plain_outputs`` measures plain: every new token over the whole generation, prefill included
-    (``bench.replay.rates``)."""
+    (``bench.replay.rates``); and how many prompts were replayed (every policy on the same prompts,
+    as many as ``budget`` allows, at least one)."""
     from spec_plugins.bench.replay import auto, fixed, rates, replay_turn
     from spec_plugins.stats import DecodeStats
 
     policies = {"plain": fixed(0), **{str(k): fixed(k) for k in range(1, 9)}, "auto": auto(cost)}
-    out = {}
-    for name, factory in policies.items():
-        total = DecodeStats()
-        for p, o in zip(prompts, outputs):
-            total = total.merge(replay_turn(p, o, make(), factory(), cost, overhead, vocab_size=vocab))
-        out[name] = rates(total)["tokens_per_s"]
-    return out
+    totals = {name: DecodeStats() for name in policies}
+    done = 0
+    for p, o in zip(prompts, outputs):
+        if done and _spent(budget):
+            break
+        for name, factory in policies.items():
+            totals[name] = totals[name].merge(replay_turn(p, o, make(), factory(), cost, overhead, vocab_size=vocab))
+        done += 1
+    return {name: rates(t)["tokens_per_s"] for name, t in totals.items()}, done
 
 
-def _interleaved(decoders: dict[str, Any], prompts: Sequence[list[int]], max_new: int, rounds: int = 2
-                 ) -> dict[str, tuple[float, float | None]]:
-    """tokens/s and mean accepted tokens of each decoder, runs interleaved (A B C, B C A, ...)."""
+def _interleaved(decoders: dict[str, Any], prompts: Sequence[list[int]], max_new: int, rounds: int = 2,
+                 budget: Budget | None = None) -> tuple[dict[str, tuple[float, float | None]], int]:
+    """tokens/s and mean accepted tokens of each decoder, runs interleaved (A B C, B C A, ...); and
+    how many of the ``rounds`` x prompts runs took place (every decoder on each; as many as
+    ``budget`` allows, at least one)."""
     from spec_plugins.bench.baselines import time_decoder
 
     names = list(decoders)
     acc = {k: [0, 0.0, 0, 0] for k in names}  # tokens, seconds, emitted, forwards
+    done = 0
     for r in range(rounds):
         order = names[r % len(names):] + names[: r % len(names)]
         for p in prompts:
+            if done and _spent(budget):
+                break
+            done += 1
             for k in order:
                 run = time_decoder(decoders[k], p, max_new)
                 a = acc[k]
@@ -214,7 +259,7 @@ def _interleaved(decoders: dict[str, Any], prompts: Sequence[list[int]], max_new
                 if run.stats is not None:
                     a[2] += run.stats.emitted_tokens
                     a[3] += run.stats.target_forwards
-    return {k: (a[0] / a[1], a[2] / a[3] if a[3] else None) for k, a in acc.items()}
+    return {k: (a[0] / a[1], a[2] / a[3] if a[3] else None) for k, a in acc.items()}, done
 
 
 @dataclass
@@ -268,10 +313,11 @@ def tune(model: str, prompts: Sequence[str], runtimes: Sequence[str] | None, pro
                for p in prompts]
         costs = Costs.measure(dec.target, max_positions=17)
         cost = costs.forward.base
-        outs, plain_tps = _plain_outputs(dec, ids, max_new)
+        outs, plain_tps = _plain_outputs(dec, ids, max_new, budget)
+        _cut(notes, log, f"plain decoding on {rt}", len(outs), len(ids), "prompts")
         built[rt] = (dec, ids, outs, costs)
         info[rt] = {"plain_tokens_per_s": round(plain_tps, 2), "t1_ms": round(cost(1, 1) * 1e3, 2),
-                    "cost_relative": [round(x, 3) for x in cost.relative()[:17]]}
+                    "cost_relative": [round(x, 3) for x in cost.relative()[:17]], "prompts": len(outs)}
         # 2. model-free proposers: replay this runtime's outputs at its measured costs
         for p in proposers:
             if p not in REPLAYABLE:
@@ -280,7 +326,9 @@ def tune(model: str, prompts: Sequence[str], runtimes: Sequence[str] | None, pro
             pcls = REGISTRY.get(section["type"])
             cfg = pcls.Config.model_validate({k: v for k, v in section.items() if k != "tree_nodes"}
                                              | ({"tree_nodes": 16} if "tree_nodes" in section else {}))
-            sim = _replay(ids, outs, lambda: pcls(cfg), cost, overhead=0.3e-3, vocab=dec.target.vocab_size)
+            sim, done = _replay_counted(ids, outs, lambda: pcls(cfg), cost, overhead=0.3e-3,
+                                        vocab=dec.target.vocab_size, budget=budget)
+            _cut(notes, log, f"{p} replay on {rt}", done, len(outs), "decoded prompts")
             best = max((k for k in sim if k != "plain"), key=lambda k: sim[k])
             ratio = sim[best] / sim["plain"]
             candidates.append(Measured(f"{rt}+{p}", rt, p, best if best == "auto" else int(best), 0.0,
@@ -292,6 +340,7 @@ def tune(model: str, prompts: Sequence[str], runtimes: Sequence[str] | None, pro
             continue
         for rt, (dec, ids, outs, costs) in built.items():
             if not dec.target.capabilities.hidden_states:
+                _note(notes, log, f"{p} on {rt} not measured: the runtime returns no hidden states")
                 continue
             if budget.left <= 0:
                 _skipped(notes, log, f"{p} on {rt}")
@@ -299,9 +348,11 @@ def tune(model: str, prompts: Sequence[str], runtimes: Sequence[str] | None, pro
             try:
                 d = _decoder(model, rt, p, target=dec.target, costs=costs)
             except (ValueError, FileNotFoundError) as exc:
-                notes.append(f"{p} on {rt} not measured: {exc}")
+                _note(notes, log, f"{p} on {rt} not measured: {exc}")
                 continue
-            tps, mean = _interleaved({"x": d}, ids[:2], max_new, rounds=1)["x"]
+            got, done = _interleaved({"x": d}, ids[:2], max_new, rounds=1, budget=budget)
+            _cut(notes, log, f"{p} on {rt}", done, len(ids[:2]), "prompts")
+            tps, mean = got["x"]
             candidates.append(Measured(f"{rt}+{p}", rt, p, PROPOSERS[p]["num_draft_tokens"], 0.0, predicted=tps,
                                        mean_accepted=mean))
             log(f"[tune]   {p} on {rt}: {tps:.1f} tok/s measured briefly")
@@ -310,18 +361,26 @@ def tune(model: str, prompts: Sequence[str], runtimes: Sequence[str] | None, pro
     top = candidates[:confirm]
     dec_f, ids_f = built[fastest][0], built[fastest][1]
     decs = {"plain@" + fastest: dec_f.without_speculation()}
-    for m in top:
+    for i, m in enumerate(top):  # building one may measure its costs again (a tree's widths): bounded
+        if i and budget.left <= 0:
+            _cut(notes, log, "confirmation", i, len(top), "best predictions")
+            top = top[:i]
+            break
         dec, costs = built[m.runtime][0], built[m.runtime][3]
         draft = m.draft if m.proposer in REPLAYABLE else None
         decs[m.label] = _decoder(model, m.runtime, m.proposer, target=dec.target, draft=draft, costs=costs)
     log(f"[tune] confirming {', '.join(decs)} (interleaved) ...")
-    got = _interleaved(decs, ids_f[: max(2, min(4, len(ids_f)))], max_new)
+    confirm_ids = ids_f[: max(2, min(4, len(ids_f)))]
+    got, done = _interleaved(decs, confirm_ids, max_new, budget=budget)
+    _cut(notes, log, "confirmation", done, 2 * len(confirm_ids), "interleaved prompt runs")
     plain = Measured("plain@" + fastest, fastest, None, None, got["plain@" + fastest][0])
     for m in top:
         m.tokens_per_s, m.mean_accepted = got[m.label]
     best = max(top, key=lambda m: m.tokens_per_s) if top else plain
     chosen = best if best.tokens_per_s > plain.tokens_per_s * (1 + noise) else plain
-    if chosen is plain:
+    if not candidates:
+        notes.append("no speculative configuration was measured (see the notes above): writing plain")
+    elif chosen is plain:
         notes.append(f"no speculative configuration beat plain decoding by more than {noise:.0%}: writing plain")
     section = {**RUNTIMES[chosen.runtime], "model": model}
     prop = None
@@ -332,29 +391,3 @@ def tune(model: str, prompts: Sequence[str], runtimes: Sequence[str] | None, pro
     config = {"target": section, "proposer": prop, "verifier": {"type": "exact"},
               "sampling": {"temperature": 0.0, "seed": 0}}
     return TuneResult(chosen, plain, candidates, info, config, time.perf_counter() - t0, notes)
-
-
-def render_yaml(res: TuneResult, command: str) -> str:
-    """The config, with the measurements that chose it as comments."""
-    import yaml
-
-    c = res.chosen
-    lines = [f"# written by: {command}", f"# tuned in {res.seconds:.0f} s on {time.strftime('%Y-%m-%d')}",
-             "# plain decoding per runtime (tok/s, one-position forward, T(N)/T(1) for N = 1, 2, 4, 8, 16):"]
-    for rt, d in res.runtimes.items():
-        rel = d["cost_relative"]
-        pick = [rel[i] for i in (0, 1, 3, 7, 15) if i < len(rel)]
-        lines.append(f"#   {rt}: {d['plain_tokens_per_s']} tok/s, T(1) {d['t1_ms']} ms, T(N)/T(1) {pick}")
-    lines.append("# candidates (predicted tok/s; measured in the confirmation run where one took place):")
-    for m in res.measured:
-        meas = f", measured {m.tokens_per_s:.1f}" if m.tokens_per_s else ""
-        lines.append(f"#   {m.label} (draft {m.draft}): predicted {m.predicted or 0:.1f}{meas}")
-    lines.append(f"# plain on the fastest runtime in the confirmation run: {res.plain.tokens_per_s:.1f} tok/s")
-    if c is res.plain:
-        lines.append("# chosen: plain decoding (no speculative configuration was faster by more than noise)")
-    else:
-        lines.append(f"# chosen: {c.label}, measured {c.tokens_per_s:.1f} tok/s = "
-                     f"{c.tokens_per_s / res.plain.tokens_per_s:.2f}x plain (predicted "
-                     f"{(c.predicted or 0) / res.plain.tokens_per_s:.2f}x)")
-    lines += [f"# note: {n}" for n in res.notes]
-    return "\n".join(lines) + "\n" + yaml.safe_dump(res.config, sort_keys=False)

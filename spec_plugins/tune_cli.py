@@ -10,6 +10,7 @@ from typing import Optional
 import typer
 
 from spec_plugins.cli import app, check_output_file, fail
+from spec_plugins.tune import BUDGET_BOUNDS
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "examples" / "prompts" / "dev.jsonl"
 
@@ -21,7 +22,7 @@ def tune_cmd(
     runtimes: Optional[str] = typer.Option(
         None, "--runtimes", help="Comma-separated (default: those installed that can run the model)."),
     proposers: str = typer.Option("ngram,suffix,eagle", "--proposers", help="Comma-separated proposers to try."),
-    budget: str = typer.Option("10m", "--budget", help="Time budget, e.g. 5m, 90s."),
+    budget: str = typer.Option("10m", "--budget", help="Time budget, e.g. 5m, 90s. " + BUDGET_BOUNDS),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=8, help="Answer length while measuring."),
     limit: int = typer.Option(8, "--limit", min=1, help="Use at most this many prompts (first turns)."),
     out: Path = typer.Option(Path("tuned.yaml"), "--out", "-o", help="Where to write the chosen config."),
@@ -30,7 +31,8 @@ def tune_cmd(
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     check_output_file(out)  # before anything is measured: the result must have somewhere to go
     from spec_plugins.bench.prompts import load_prompts
-    from spec_plugins.tune import Budget, TuneError, parse_budget, render_yaml, tune
+    from spec_plugins.tune import Budget, TuneError, parse_budget, tune
+    from spec_plugins.tune_yaml import render_yaml
 
     try:
         seconds = parse_budget(budget)
@@ -43,7 +45,7 @@ def tune_cmd(
         res = tune(model, texts, rts, props, Budget(seconds), max_new_tokens,
                    log=lambda m: typer.secho(m, err=True, fg=typer.colors.CYAN))
     except (TuneError, ValueError, FileNotFoundError, LookupError, ImportError) as exc:
-        fail(str(exc))
+        fail(exc)
         return
     command = "spec-plugins tune " + " ".join(sys.argv[2:])
     out.write_text(render_yaml(res, command))

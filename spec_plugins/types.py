@@ -279,7 +279,9 @@ class RoundRecord:
     """What one round did, per row; observers (stats, policy, proposer, metrics) read it.
 
     Row lists are in batch order; ``sequences`` are the rows' token lists after the round
-    (held by reference: they keep growing), ``target_logits`` [B, N, V] the processed logits."""
+    (held by reference: they keep growing), ``target_logits`` [B, N, V] the processed logits.
+    An admission where a new row finished at its first token is recorded for the proposer alone
+    (``Batch._observe_prefill``): no draft, no logits, ``positions`` 1."""
 
     keys: list[Hashable]
     sequences: list[list[int]]

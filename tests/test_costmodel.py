@@ -40,6 +40,37 @@ def test_grid_interpolates_rows_and_positions():
     assert cm.max_positions == 2  # widths every row count has
 
 
+def test_a_falling_curve_is_never_priced_below_its_last_point_past_its_range():
+    """A noisy curve whose last width read cheaper than its first was extrapolated with that
+    negative slope: wider forwards ever cheaper, then free, then negative, in widths and in rows.
+    Past the measured range the cost is non-decreasing and never below the last measured value."""
+    cm = ForwardCost.from_curve([0.0100] + [0.0101] * 31 + [0.0095])
+    far = [cm(1, n) for n in (33, 100, 500, 1000, 2000)]
+    assert all(t >= 0.0095 and t > 0 for t in far) and far == sorted(far)
+    assert Costs(cm)(1, 2000) >= 0.0095
+    grid = ForwardCost({(1, 1): 0.010, (1, 2): 0.011, (4, 1): 0.009, (4, 2): 0.0105})  # 4 rows read cheaper
+    rows = [grid(b, 1) for b in (4, 8, 64, 200)]
+    assert all(t >= 0.009 for t in rows) and rows == sorted(rows)
+
+
+def test_the_tree_sizer_prices_widths_past_the_curve_as_a_curve_measured_flat_there():
+    """On 8 rows, the union of the trees reaches 257 positions, far past the 33 measured: the cut
+    must be the one a curve measured flat out to every such width gives (before: a 169-wide forward
+    priced near free, or a ZeroDivisionError where the price reached exactly 0)."""
+    from spec_plugins.policy.tree_size import TreeSizer
+    from spec_plugins.types import RankedRow
+
+    curve = [0.010] * 32 + [0.0081]  # T(8, 1..33): flat, the last sample read low
+    measured = ForwardCost({(8, n + 1): t for n, t in enumerate(curve)})
+    flat = ForwardCost({(8, n + 1): curve[min(n, 32)] for n in range(8 * 32 + 1)})  # the reference
+    rows = [RankedRow(list(range(32)), [(b, i) for i in range(32)], [0.02] * 32) for b in range(8)]
+    keep = TreeSizer(costs=Costs(measured, frozen=True), min_gain=1.05).cut(rows)
+    assert keep == TreeSizer(costs=Costs(flat, frozen=True), min_gain=1.05).cut(rows)
+    zero = ForwardCost({(1, 1): 0.010, (1, 2): 0.005})  # extrapolated to exactly 0 at width 3
+    row = [RankedRow(list(range(4)), [(0, i) for i in range(4)], [0.5] * 4)]
+    assert TreeSizer(costs=Costs(zero, frozen=True)).cut(row) == [4]  # no ZeroDivisionError
+
+
 @pytest.mark.parametrize("bad", [{}, {(1, 1): 0.0}, {(0, 1): 1.0}, {(1, 1): -1.0}])
 def test_cost_model_rejects_bad_timings(bad):
     with pytest.raises(ValueError, match="forward-cost model|positive seconds"):

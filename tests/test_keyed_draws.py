@@ -8,6 +8,8 @@ target's (chi-square against the enumerated joint, with a power check on a broke
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from helpers import chi_square_pvalue, exact_joint
@@ -16,6 +18,7 @@ from conftest import tiny_llama
 from spec_plugins import SpeculativeDecoder
 from spec_plugins.backends.torch_runtime import TorchRuntime
 from spec_plugins.config import SamplingConfig
+from spec_plugins.keyed_draws import KeyedDraws
 from spec_plugins.loop import decode
 from spec_plugins.policy import FixedLength
 from spec_plugins.proposers.ngram import NgramProposer
@@ -94,11 +97,11 @@ def test_keyed_samples_follow_the_target_law(model, drafts):
 
 
 def test_power_a_keying_that_ignores_the_position_fails_the_same_test(model, monkeypatch):
-    """The law test can fail: keyed on the lane alone, a row draws one uniform for every position."""
+    """The law test can fail: keyed on the lane alone, a row runs one race at every position."""
     from spec_plugins import keyed_draws
 
-    real = keyed_draws.uniforms
-    monkeypatch.setattr(keyed_draws, "uniforms", lambda keys, positions: real(keys, positions * 0))
+    real = keyed_draws.position_words
+    monkeypatch.setattr(keyed_draws, "position_words", lambda keys, positions: real(keys, positions * 0))
     samples, pipe = _keyed_samples(model, None)
     assert chi_square_pvalue(samples, exact_joint(model, LAW_PROMPT, 3, pipe)) < 1e-6
 
@@ -124,3 +127,79 @@ def test_seeds_are_64_bits_and_a_subclassed_verifier_keeps_its_stream(model):
     own = SpeculativeDecoder(TorchRuntime(model, matmul="native"),
                              NgramProposer(NgramProposer.Config(num_draft_tokens=3, max_ngram=2)), OwnDraws())
     assert len(own.generate(PROMPT, 8, temperature=0.9, seed=3).token_ids) == 8
+
+
+def _draws(probs: torch.Tensor, n: int, seed: tuple[int, int] = (12345, 0), start: int = 0,
+           chunk: int = 250) -> torch.Tensor:
+    """The keyed tokens of one row at absolute positions start..start+n-1, all with ``probs`` [V]
+    (a round of ``chunk`` positions at a time, as the verifier draws them)."""
+    out = []
+    for at in range(start, start + n, chunk):
+        m = min(chunk, start + n - at)
+        draws = KeyedDraws((seed,), (at,))
+        out.append(draws.sample(probs.expand(1, m, -1), torch.arange(m))[0])
+    return torch.cat(out)
+
+
+def test_a_seeded_draw_ignores_the_rounding_of_a_batched_forward():
+    """A batched forward moves logits by ~2e-6; the draw changes only on a near-tie of the race.
+    One likely token (half the mass) before a flat tail of 49152 ids: an inverse CDF over the ids
+    moved every tail boundary by the likely token's rounding and took another token at 20 of 2000
+    positions (a seeded request changed beside other rows)."""
+    V = 49152
+    g = torch.Generator().manual_seed(0)
+    logits = 0.01 * torch.randn(V, generator=g)
+    logits[0] += math.log(V)
+    shifted = logits + 2e-6 * torch.randn(V, generator=g)
+    alone, batched = _draws(logits.softmax(-1), 2000), _draws(shifted.softmax(-1), 2000)
+    assert int((alone != batched).sum()) <= 1
+    assert len(set(alone.tolist())) > 900  # the tail is drawn, not only the likely token
+
+
+# unnormalised masses over 600 ids: blocks of 256 (the last padded), block 1 without mass,
+# zero-mass ids inside the blocks with mass
+_LAW = {0: 1.0, 7: 3.0, 255: 0.5, 513: 2.0, 599: 1.5}
+
+
+def _law_probs(law: dict[int, float], V: int = 600) -> torch.Tensor:
+    p = torch.zeros(V)
+    p[list(law)] = torch.tensor(list(law.values()))
+    return p
+
+
+def _exact(law: dict[int, float]) -> dict[tuple, float]:
+    total = sum(law.values())
+    return {(t,): m / total for t, m in law.items()}
+
+
+def test_keyed_draws_follow_the_law_and_never_take_a_token_without_mass():
+    """Distinct positions are independent draws: 20000 of them fit the normalised law (chi-square),
+    a wrong law is rejected by the same test (power), and no zero-mass id is ever drawn."""
+    samples = [(t,) for t in _draws(_law_probs(_LAW), 20000, chunk=5000).tolist()]
+    assert {s[0] for s in samples} == set(_LAW)
+    assert chi_square_pvalue(samples, _exact(_LAW)) > 1e-3
+    wrong = {**_LAW, 7: _LAW[513], 513: _LAW[7]}  # two tokens of different blocks swap masses
+    assert chi_square_pvalue(samples, _exact(wrong)) < 1e-6
+    near = {**_LAW, 0: 1.15}  # a 15% error on one token's mass is seen too
+    assert chi_square_pvalue(samples, _exact(near)) < 1e-3
+
+
+def test_a_draw_is_a_function_of_seed_lane_position_and_distribution():
+    """The same (seed, lane, absolute position, probs) gives the same token whatever the round's
+    start, the rows beside it or a repeat; other lanes and seeds draw apart; a row without mass
+    takes token 0 (as before: the round flags such rows itself)."""
+    g = torch.Generator().manual_seed(1)
+    p = torch.rand(3, 8, 1000, generator=g)  # three rows, eight positions each
+    draws = KeyedDraws(((5, 0), (5, 1), (6, 0)), (10, 10, 10))
+    got = draws.sample(p, torch.arange(8))
+    assert torch.equal(got, draws.sample(p, torch.arange(8)))
+    # row 0 alone, its round starting 3 tokens later: positions 13..17 are the same draws
+    later = KeyedDraws(((5, 0),), (13,)).sample(p[:1, 3:], torch.arange(5))
+    assert torch.equal(later[0], got[0, 3:])
+    flat = torch.ones(1000)
+    lanes = [_draws(flat, 200, seed=s, chunk=200) for s in ((5, 0), (5, 1), (6, 0), (5 + (1 << 32), 0))]
+    for i in range(len(lanes)):
+        for j in range(i):
+            assert int((lanes[i] == lanes[j]).sum()) < 10  # ~0.2 of 200 agree by chance
+    dead = torch.zeros(1, 2, 1000)
+    assert KeyedDraws(((5, 0),), (0,)).sample(dead, torch.arange(2)).tolist() == [[0, 0]]

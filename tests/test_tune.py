@@ -8,7 +8,8 @@ import yaml
 
 from conftest import tiny_llama
 from spec_plugins.config import SpecConfig
-from spec_plugins.tune import Budget, TuneError, check_choices, parse_budget, render_yaml, tune
+from spec_plugins.tune import Budget, TuneError, check_choices, parse_budget, tune
+from spec_plugins.tune_yaml import render_yaml
 
 
 @pytest.fixture(scope="module")
@@ -186,3 +187,101 @@ def test_the_replayed_auto_is_the_policy_the_decoder_builds():
         return type(p), p.max_k, p.min_gain, p.draft
 
     assert shape(replayed) == shape(built)
+
+
+def test_a_spent_budget_cuts_every_pass_to_one_prompt_and_notes_it(tiny_dir, tmp_path, monkeypatch):
+    """``--budget 1s`` took 16 s: only the stages between runtimes and feature drafters checked it.
+    With the budget spent, plain decoding, each replay and the confirmation stop after their first
+    prompt, the confirmation builds only the best prediction (counted, not timed), and the notes
+    say what was cut."""
+    from spec_plugins.bench import baselines, replay
+
+    monkeypatch.setenv("SPEC_PLUGINS_CACHE", str(tmp_path / "cache"))
+    replayed, decoded = [], []
+    real_turn, real_time = replay.replay_turn, baselines.time_decoder
+    monkeypatch.setattr(replay, "replay_turn", lambda p, *a, **k: replayed.append(p) or real_turn(p, *a, **k))
+    monkeypatch.setattr(baselines, "time_decoder", lambda d, p, *a, **k: decoded.append(p) or real_time(d, p, *a, **k))
+    prompts = ["w1 w2 w3 w4 w1 w2 w3 w4 w1 w2", "w5 w6 w7 w5 w6 w7 w5", "w9 w8 w9 w8 w9 w8 w9"]
+    logs: list[str] = []
+    res = tune(str(tiny_dir), prompts, ["torch"], ["ngram", "suffix"], Budget(1e-9), max_new=8, log=logs.append)
+    assert len(set(map(tuple, replayed))) == 1 and len(replayed) == 2 * 10  # 2 proposers x 10 policies, 1 prompt
+    assert res.runtimes["torch"]["prompts"] == 1
+    assert len(decoded) == 1 + 1 + 2  # warm-up, 1 plain prompt, 1 confirmation run of plain and the best
+    assert [m.label for m in res.measured if m.tokens_per_s] == [res.measured[0].label]
+    assert "confirmation cut to 1 of 2 best predictions: budget spent" in res.notes
+    assert "plain decoding on torch cut to 1 of 3 prompts: budget spent" in res.notes
+    assert "confirmation cut to 1 of 6 interleaved prompt runs: budget spent" in res.notes
+    assert "[tune] plain decoding on torch cut to 1 of 3 prompts: budget spent" in logs
+    assert "# note: confirmation cut to 1 of 6" in render_yaml(res, "spec-plugins tune")
+    from spec_plugins.policy import ForwardCost
+    from spec_plugins.registry import PROPOSERS as REGISTRY
+    from spec_plugins.tune import _replay_counted
+
+    cls, cost = REGISTRY.get("ngram"), ForwardCost.from_curve([0.01] * 17)
+    args = ([[3, 4, 5]] * 3, [[6, 7, 8]] * 3, lambda: cls(cls.Config()), cost, 0.0, 32)
+    assert _replay_counted(*args)[1] == 3 and _replay_counted(*args, budget=Budget(1e-9))[1] == 1
+
+
+def test_a_feature_drafter_on_a_runtime_without_hidden_states_is_noted(tiny_dir, tmp_path, monkeypatch):
+    """EAGLE on llama.cpp (no hidden states) was skipped without a word, and the YAML said no
+    configuration beat plain though none was measured."""
+    import dataclasses
+
+    import spec_plugins.tune as tune_module
+
+    real = tune_module._decoder
+
+    def no_hidden(model, rt, proposer, *args, **kwargs):
+        dec = real(model, rt, proposer, *args, **kwargs)
+        dec.target.capabilities = dataclasses.replace(dec.target.capabilities, hidden_states=False)
+        return dec
+
+    monkeypatch.setenv("SPEC_PLUGINS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(tune_module, "_decoder", no_hidden)
+    logs: list[str] = []
+    res = tune(str(tiny_dir), ["w1 w2 w3 w1 w2 w3"], ["torch"], ["eagle"], Budget(600), max_new=8, log=logs.append)
+    assert "eagle on torch not measured: the runtime returns no hidden states" in res.notes
+    assert "[tune] eagle on torch not measured: the runtime returns no hidden states" in logs
+    assert res.measured == [] and res.chosen is res.plain
+    text = render_yaml(res, "spec-plugins tune")
+    assert "# chosen: plain decoding (no speculative configuration was measured)" in text
+    assert "beat plain" not in text
+
+
+def test_a_model_dir_without_weights_is_a_named_error(tiny_dir, tmp_path, monkeypatch):
+    """A directory with config and tokenizer but no weights: transformers' OSError came out as a raw
+    traceback (exit 1); it is a ValueError naming the directory, and tune exits 2 with error:."""
+    import shutil
+
+    import torch
+    from typer.testing import CliRunner
+
+    from spec_plugins.backends.torch_runtime import load_weights
+    from spec_plugins.cli import app
+
+    bare = tmp_path / "noweights"
+    bare.mkdir()
+    for f in tiny_dir.glob("*.json"):
+        shutil.copy(f, bare)
+    with pytest.raises(ValueError, match=f"cannot load the model weights from {bare}") as err:
+        load_weights(str(bare), torch.float32, torch.device("cpu"))
+    assert isinstance(err.value.__cause__, OSError)
+    monkeypatch.setenv("SPEC_PLUGINS_CACHE", str(tmp_path / "cache"))
+    r = CliRunner().invoke(app, ["tune", "--model", str(bare), "--prompts", str(_prompts(tmp_path)), "--runtimes",
+                                 "torch", "--proposers", "ngram", "--max-new-tokens", "8", "--out", str(tmp_path / "t")])
+    assert r.exit_code == 2 and "error:" in r.output and str(bare) in r.output
+    assert not (tmp_path / "t").exists()
+
+
+def test_the_chosen_configs_predicted_speedup_is_its_own_replays():
+    """The comment divided pass 1's predicted tok/s by the confirmation run's plain tok/s (another
+    time, fewer prompts): 254.1 tok/s = 2.07x plain (predicted 0.88x) while the log said 3.2x. The
+    prediction's ratio is over the same runtime's plain speed in the same pass."""
+    from spec_plugins.tune import Measured, TuneResult
+
+    chosen = Measured("torch+ngram", "torch", "ngram", "auto", 254.1, predicted=320.0)
+    plain = Measured("plain@torch", "torch", None, None, 122.75)
+    runtimes = {"torch": {"plain_tokens_per_s": 100.0, "t1_ms": 1.0, "cost_relative": [1.0]}}
+    res = TuneResult(chosen, plain, [chosen], runtimes, {"target": {}}, 1.0)
+    text = render_yaml(res, "spec-plugins tune")
+    assert "# chosen: torch+ngram, measured 254.1 tok/s = 2.07x plain (predicted 3.20x plain on torch)" in text

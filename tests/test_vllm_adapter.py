@@ -169,3 +169,14 @@ def test_a_step_reads_the_new_tokens_of_each_history_not_the_whole_history():
         assert drafts == [ours(ids[i, : lens[i]].tolist()) for i in range(rows)]
         # per row: the new tokens, and the key tokens of the indexes it is compared with
         assert tokens.read <= rows * (new + 2 * KEY_TOKENS * rows), tokens.read
+
+
+def test_suffix_drafter_keeps_the_node_cap_of_its_config():
+    """``global_max_nodes`` bounds vLLM's global index as it bounds ours: a request whose trie is
+    over the cap alone is evicted at once, not kept."""
+    sec = {"type": "suffix", "scope": "global", "min_token_prob": 0.0, "max_spec_factor": 4, "global_max_nodes": 5}
+    d = SuffixDrafter(vllm_config(), sec)
+    assert d.index.max_nodes == 5
+    call(d, [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]], [[7]])
+    call(d, [], [])
+    assert d.index.stats.requests == 0 and d.index.stats.tokens == 0

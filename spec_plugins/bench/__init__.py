@@ -9,13 +9,14 @@ from spec_plugins.bench.baselines import (
     BaselineContext,
     BaselineUnavailable,
     TurnRun,
+    plain_decoding,
     register_baseline,
 )
 from spec_plugins.bench.prompts import BenchPrompt, load_prompts
 from spec_plugins.bench.runner import Bench, BenchOptions
 
 __all__ = ["BASELINES", "Bench", "BenchOptions", "BenchPrompt", "BaselineContext", "BaselineUnavailable",
-           "TurnRun", "load_prompts", "register_baseline", "run_bench"]
+           "TurnRun", "load_prompts", "plain_decoding", "register_baseline", "run_bench"]
 
 
 def run_bench(decoder, prompts, options: BenchOptions, out=None, meta: dict | None = None) -> dict:
@@ -24,8 +25,10 @@ def run_bench(decoder, prompts, options: BenchOptions, out=None, meta: dict | No
 
     from spec_plugins.bench.plots import PLOTS, write_plots
     from spec_plugins.bench.report import build_report, markdown, write_json
+    from spec_plugins.bench.runner import check_prompts
 
-    bench = Bench(decoder, options)  # bad options fail here, before an earlier run's files go
+    check_prompts(prompts)  # bad prompts and options fail here, before an earlier run's files go
+    bench = Bench(decoder, options)
     partial = None
     if out is not None:
         # an earlier run's files would pass for this run's if it fails: only the names the bench

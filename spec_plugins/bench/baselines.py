@@ -4,7 +4,9 @@ A baseline is a factory ``make(ctx) -> run`` where ``run(prompt_ids, max_new_tok
 decodes one turn and times it. The factory does its setup once (load a model, build a generation
 config) and raises ``BaselineUnavailable`` when it does not apply (wrong runtime, method it does
 not implement), which the bench reports instead of failing. Register more with
-``@register_baseline("name")`` or the entry-point group ``spec_plugins.baselines``.
+``@register_baseline("name")`` or the entry-point group ``spec_plugins.baselines``; a baseline
+that does not draft (plain decoding) is marked ``@plain_decoding``, so the report gives it no
+draft length.
 """
 
 from __future__ import annotations
@@ -50,6 +52,18 @@ BASELINES: Registry[BaselineFactory] = Registry("baseline", "spec_plugins.baseli
 register_baseline = BASELINES.register
 
 
+def plain_decoding(factory: BaselineFactory) -> BaselineFactory:
+    """Marks a baseline factory as plain (non-drafting) decoding: no draft length is reported for it."""
+    factory.drafts = False  # type: ignore[attr-defined]
+    return factory
+
+
+def drafts(factory: BaselineFactory) -> bool:
+    """Whether a baseline drafts (a peer speculative implementation, run with the peers' draft
+    length); unmarked factories do."""
+    return bool(getattr(factory, "drafts", True))
+
+
 def time_decoder(decoder: "SpeculativeDecoder", prompt_ids: list[int], max_new_tokens: int,
                  observers: Sequence[Any] = ()) -> TurnRun:
     """Run our decode loop on one prompt (token ids in, no per-round detokenisation) and time it."""
@@ -59,6 +73,7 @@ def time_decoder(decoder: "SpeculativeDecoder", prompt_ids: list[int], max_new_t
 
 
 @register_baseline("plain")
+@plain_decoding
 def plain(ctx: BaselineContext) -> TurnFn:
     """Plain autoregressive decoding on our runtime: the reference for speed and for output."""
     dec = ctx.decoder.without_speculation()

@@ -16,23 +16,38 @@ import typer
 from spec_plugins.cli import app, check_output_dir, check_output_file, fail, load_config
 
 
+DEFAULT_CONFIG = "built-in default"  # meta.config of a run without --config (the replay reads it back)
+
+
 def parse_gammas(text: str) -> list[int]:
-    """'1-8' / '1,2,4' / '1-4,8' / '' -> sorted unique ints; bad syntax names the part."""
+    """'1-8' / '1,2,4' / '1-4,8' / '' -> sorted unique ints; bad syntax names the part, and a part
+    outside 1..MAX_GAMMA is refused before a range is expanded (a typo must not build a huge set)."""
+    from spec_plugins.bench.runner import MAX_GAMMA
+
     out: set[int] = set()
     for part in (p.strip() for p in text.split(",")):
         if not part:
             continue
         try:
-            if "-" in part:
-                lo, hi = (int(x) for x in part.split("-", 1))
-                if lo > hi:
-                    raise ValueError
-                out.update(range(lo, hi + 1))
-            else:
-                out.add(int(part))
+            lo, hi = (int(x) for x in part.split("-", 1)) if "-" in part else (int(part),) * 2
+            if lo > hi:
+                raise ValueError
         except ValueError:
             raise ValueError(f"--gammas: cannot read {part!r}; use e.g. '1-8' or '1,2,4'") from None
+        if lo < 1 or hi > MAX_GAMMA:
+            raise ValueError(f"--gammas: {part!r} reaches outside 1..{MAX_GAMMA}, the draft lengths the bench runs")
+        out.update(range(lo, hi + 1))
     return sorted(out)
+
+
+def parse_categories(text: Optional[str]) -> Optional[list[str]]:
+    """``--categories``: None (not given) keeps every category; given, it must name one."""
+    if text is None:
+        return None
+    cats = [c.strip() for c in text.split(",") if c.strip()]
+    if not cats:
+        raise ValueError(f"--categories {text!r} names no category; leave it out to run every category")
+    return cats
 
 
 def load_methods(path: Optional[Path]) -> list[tuple[str, dict]]:
@@ -120,8 +135,7 @@ def bench(
         if not parse_gammas(gammas) and not auto and cfg.proposer.num_draft_tokens == "auto":
             raise ValueError("--gammas '' with --no-auto leaves only the config's draft length, which is auto; "
                              "give --gammas or drop --no-auto")
-        cats = [c.strip() for c in categories.split(",") if c.strip()] if categories else None
-        plist = load_prompts(prompts, limit, cats)
+        plist = load_prompts(prompts, limit, parse_categories(categories))
         opts = BenchOptions(max_new_tokens=max_new_tokens, runs=runs,
                             baselines=[b.strip() for b in baselines.split(",") if b.strip()],
                             gammas=parse_gammas(gammas), auto=auto, baseline_gamma=baseline_gamma,
@@ -143,17 +157,18 @@ def bench(
         import torch
         import transformers
 
-        meta = {"config": str(config) if config else "built-in default", "model": cfg.target.model,
+        # config paths absolute: the replay reads the report's config from wherever it runs
+        meta = {"config": str(config.resolve()) if config else DEFAULT_CONFIG, "model": cfg.target.model,
                 "backend": cfg.target.backend, "proposer": cfg.proposer.model_dump(mode="json"),
                 "sampling": cfg.sampling.model_dump(mode="json"), "prompts_file": str(prompts),
                 "torch": torch.__version__, "transformers": transformers.__version__,
                 "torch_threads": torch.get_num_threads(), "machine": platform.machine(),
                 "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "model_load_s": load_s,
-                "compare_configs": {lab: str(p) for (lab, _), p in zip(compare, compare_config or [])},
+                "compare_configs": {lab: str(p.resolve()) for (lab, _), p in zip(compare, compare_config or [])},
                 "methods": dict(opts.methods), "memory": memory}
         report = run_bench(dec, plist, opts, out, meta)
     except (ConfigError, ValueError, FileNotFoundError, LookupError) as exc:
-        fail(str(exc))
+        fail(exc)
         return
     total = time.perf_counter() - t0
     report["meta"]["wall_s_including_load"] = total

@@ -9,6 +9,7 @@ import re
 import shutil
 from pathlib import Path
 
+from spec_plugins.bench.plots import PLOTS
 from spec_plugins.bench.report import markdown
 
 START, END = "<!-- bench:{} -->", "<!-- /bench:{} -->"
@@ -55,6 +56,8 @@ def section(report: dict, title: str, command: str, out_dir: Path, doc: Path) ->
     pngs = _plots(report, Path(out_dir))
     img = doc.parent / "img" / slug(title)
     img.mkdir(parents=True, exist_ok=True)
+    for name in PLOTS:  # an earlier run's plot this run did not draw would stay beside the new ones
+        (img / name).unlink(missing_ok=True)
     for p in pngs:
         shutil.copy(p, img / p.name)
     body = markdown(report).split("\n", 1)[1].lstrip()  # drop the page title

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from spec_plugins.bench.baselines import BaselineContext, BaselineUnavailable, TurnFn, TurnRun
+from spec_plugins.bench.baselines import BaselineContext, BaselineUnavailable, TurnFn, TurnRun, plain_decoding
 
 _MAX_BASELINE_CTX = 2048  # with a draft model llama-cpp-python keeps n_ctx x vocab float logits
 
@@ -63,6 +63,7 @@ def _runner(llm: Any, kw: dict, eos: tuple[int, ...]) -> TurnFn:
     return run
 
 
+@plain_decoding
 def llamacpp_plain(ctx: BaselineContext) -> TurnFn:
     """llama-cpp-python's plain decoding of the same GGUF."""
     llm, kw = _llama(ctx)

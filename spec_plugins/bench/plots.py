@@ -34,7 +34,9 @@ def acceptance_by_position(report: dict, path: Path) -> None:
     ours = _ours(report)
     cmap = plt.get_cmap("viridis")
     others = [m for m in ours if not _is_ours_auto(m)]
-    for i, m in enumerate(ours):
+    # auto is drawn black: the colour map spans the other methods only
+    colour = {m["name"]: cmap(i / max(1, len(others) - 1)) for i, m in enumerate(others)}
+    for m in ours:
         s = report["summary"][m["name"]]["all"]["stats"]
         rates = [a for a, rows in zip(s["acceptance_by_position"], s["rows_by_position"]) if rows]
         if not rates:
@@ -43,7 +45,7 @@ def acceptance_by_position(report: dict, path: Path) -> None:
         if _is_ours_auto(m):
             ax.plot(xs, rates, "k--o", label=_label(m), markersize=4)
         else:
-            ax.plot(xs, rates, "-o", color=cmap(i / max(1, len(others) - 1)), label=_label(m), markersize=4)
+            ax.plot(xs, rates, "-o", color=colour[m["name"]], label=_label(m), markersize=4)
     ax.set_xlabel("draft position (1 = first drafted token)")
     ax.set_ylabel("acceptance rate (of the rows that drafted a position, share accepted)")
     ax.set_ylim(0, 1.02)

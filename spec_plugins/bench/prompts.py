@@ -47,7 +47,10 @@ def parse_prompt(obj: object, where: str = "prompt", index: int = 0) -> BenchPro
 
 
 def load_prompts(path: str | Path, limit: int | None = None, categories: list[str] | None = None) -> list[BenchPrompt]:
-    """Read a JSONL prompt file (blank lines and ``#`` comments skipped)."""
+    """Read a JSONL prompt file (blank lines and ``#`` comments skipped). ``categories``: None keeps
+    every category; a list keeps those it names, so an empty one is refused (it would keep none)."""
+    if categories is not None and not categories:
+        raise ValueError("categories=[] names no category; give None to keep every category")
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file not found: {path}")
@@ -68,7 +71,7 @@ def load_prompts(path: str | Path, limit: int | None = None, categories: list[st
             raise ValueError(_duplicate(p.question_id, (where, given), seen[p.question_id]))
         seen[p.question_id] = (where, given)
         out.append(p)
-    if categories:
+    if categories is not None:
         known = sorted({p.category for p in out})
         missing = [c for c in categories if c not in known]
         if missing:

@@ -284,20 +284,41 @@ def round_overhead(report: dict) -> float:
     return spent / rounds if rounds else 0.0
 
 
+def report_config(report: dict, path: str | None = None) -> Any:
+    """The config to replay with: ``path`` if given, else the report's ``meta.config`` (a file, or
+    the built-in default that a bench run without ``--config`` records as ``DEFAULT_CONFIG``)."""
+    from spec_plugins.bench.cli import DEFAULT_CONFIG
+    from spec_plugins.config import ConfigError, SpecConfig, default_config
+
+    path = path or report.get("meta", {}).get("config")
+    if not path:
+        raise ConfigError("the report's meta names no config")
+    return default_config() if path == DEFAULT_CONFIG else SpecConfig.from_file(path)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--report", required=True, help="report.json of a greedy n-gram bench run")
     ap.add_argument("--prompts", required=True, help="the prompts file that bench run used")
     ap.add_argument("--config", default=None, help="config (tokenizer + proposer); default: the report's")
-    ap.add_argument("--gammas", default="1-8")
+    ap.add_argument("--gammas", default="1-8", help="fixed draft lengths that auto is compared with")
     args = ap.parse_args(argv)
     from spec_plugins.bench.cli import parse_gammas
-    from spec_plugins.config import SpecConfig
+    from spec_plugins.config import ConfigError
     from spec_plugins.decoder import SpeculativeDecoder
     from spec_plugins.registry import PROPOSERS
 
+    try:  # refused before the replay's work: auto is compared with the best fixed draft length
+        gammas = parse_gammas(args.gammas)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if not gammas:
+        ap.error(f"--gammas {args.gammas!r} names no draft length; the replay compares auto with the best of them")
     report = json.loads(open(args.report).read())
-    cfg = SpecConfig.from_file(args.config or report["meta"]["config"])
+    try:
+        cfg = report_config(report, args.config)
+    except ConfigError as exc:
+        ap.error(f"{exc}; give --config (the config the bench ran with)")
     dec = SpeculativeDecoder.from_config(cfg)
     cm = report["cost_model"]
     cost = ForwardCost.from_curve(cm.get("raw_target_seconds") or cm["target_seconds"])
@@ -305,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     turns = turns_from_report(report, args.prompts, dec)
     pcfg = cfg.proposer
     make = lambda: PROPOSERS.get(pcfg.type)(pcfg)  # noqa: E731
-    policies: dict[str, Callable[[], Any]] = {f"k{g}": fixed(g) for g in parse_gammas(args.gammas)}
+    policies: dict[str, Callable[[], Any]] = {f"k{g}": fixed(g) for g in gammas}
     policies["auto"] = auto(cost, draft)
     over = round_overhead(report)
     sim = replay_report(turns, make, policies, cost, over, draft)
@@ -323,7 +344,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     fixed_names = [n for n in sim if n.startswith("k")]
     for c in cats:
         best = max(fixed_names, key=lambda n: sim[n][c])
-        print(f"{c:14} best fixed {best} {sim[best][c]:.1f}; auto/best {sim['auto'][c] / sim[best][c]:.3f}")
+        ratio = f"{sim['auto'][c] / sim[best][c]:.3f}" if sim[best][c] else "–"
+        print(f"{c:14} best fixed {best} {sim[best][c]:.1f}; auto/best {ratio}")
 
 
 if __name__ == "__main__":

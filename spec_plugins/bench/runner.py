@@ -22,6 +22,7 @@ from spec_plugins.bench.baselines import (
     BaselineUnavailable,
     TurnFn,
     TurnRun,
+    drafts,
     time_decoder,
 )
 from spec_plugins.bench.prompts import BenchPrompt
@@ -30,6 +31,16 @@ from spec_plugins.policy import AutoDraftLength, DraftPolicy
 from spec_plugins.proposers.base import ProposerTraits
 from spec_plugins.types import RoundRecord
 from spec_plugins.stats import DecodeStats
+
+
+MAX_GAMMA = 64  # the longest fixed draft length the bench runs
+
+
+def check_prompts(prompts: Sequence[BenchPrompt]) -> None:
+    """A bench over no prompt measures nothing (warmup, categories and the report need one):
+    refused before anything runs or is written."""
+    if not prompts:
+        raise ValueError("no prompts to benchmark: give at least one prompt")
 
 
 @dataclass
@@ -60,9 +71,10 @@ class BenchOptions:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.runs < 1:
             raise ValueError(f"runs must be >= 1, got {self.runs}")
-        bad = [g for g in self.gammas if not (1 <= int(g) <= 64)]
+        bad = [g for g in self.gammas if not (1 <= int(g) <= MAX_GAMMA)]
         if bad:
-            raise ValueError(f"gammas must be integers in 1..64, got {bad}")
+            raise ValueError(f"gammas must be integers in 1..{MAX_GAMMA}, got {bad[:5]}"
+                             + (f" ... ({len(bad)} in all)" if len(bad) > 5 else ""))
         if self.cost_positions < 2:
             raise ValueError(f"cost_positions must be >= 2, got {self.cost_positions}")
         if self.memory not in ("independent", "sequence"):
@@ -190,7 +202,7 @@ class Bench:
         for name in names:
             factory = BASELINES.get(name)  # unknown names fail here with the registered list
             try:
-                methods.append(Method(name, "baseline", ctx.num_draft_tokens if name != "plain" else None,
+                methods.append(Method(name, "baseline", ctx.num_draft_tokens if drafts(factory) else None,
                                       factory(ctx)))
             except BaselineUnavailable as exc:
                 if name == "plain":
@@ -307,6 +319,7 @@ class Bench:
         from spec_plugins.policy import Costs
         from spec_plugins.sampling import LogitsPipeline
 
+        check_prompts(prompts)
         opts = self.options
         t_start = time.perf_counter()
         pipeline = LogitsPipeline(self.decoder._sampling(None, None))

@@ -139,7 +139,7 @@ def _type_name(hint: Any) -> str:
 
 def check_entry(path: Path, g: GraphEntry) -> None:
     """One graph's values make sense and its files exist: the graph, and the external data
-    files its weights live in."""
+    files its weights live in, together the size the export wrote (``check_files``)."""
     where = f"{path}: graph {g.name!r}"
     if not (path.parent / g.file).is_file():
         raise ManifestError(f"{where} names {g.file}, which does not exist" +
@@ -153,23 +153,66 @@ def check_entry(path: Path, g: GraphEntry) -> None:
         bad = [i for i in g.feature_layers if not 0 <= i <= g.num_layers]
         if bad:
             raise ManifestError(f"{where}: feature_layers {bad} are outside 0..num_layers ({g.num_layers})")
-    for name in external_data(path.parent, g):
-        if not (path.parent / name).is_file():
+    check_files(path.parent, g, where)
+
+
+# ops whose presence makes a graph quantized (``exporters.onnx_quantize`` writes MatMulNBits)
+QUANTIZED_OPS = frozenset({"MatMulNBits", "MatMulInteger", "QLinearMatMul", "DequantizeLinear",
+                           "GatherBlockQuantized"})
+
+
+def check_files(directory: Path, g: GraphEntry, where: str) -> None:
+    """Graph ``g``'s file and its external data files hold exactly the ``size_bytes`` the export
+    wrote, and its ``quantization`` agrees with its ops, so a truncated, replaced or relabelled
+    graph fails here, named, rather than as a protobuf or ONNX Runtime error. The graph is parsed
+    (without its external weights) only when the weights are elsewhere or it claims a scheme: a
+    float graph holding its own weights is never parsed."""
+    size = (directory / g.file).stat().st_size
+    if size == g.size_bytes and g.quantization is None:
+        return
+    model = load_graph(directory / g.file, where) if size <= g.size_bytes else None
+    names = external_data(model) if model is not None else []
+    for name in names:
+        if not (directory / name).is_file():
             raise ManifestError(f"{where}: {g.file} keeps its weights in {name}, which does not exist in "
-                                f"{path.parent}; copy it next to the graph or export again")
+                                f"{directory}; copy it next to the graph or export again")
+    total = size + sum((directory / name).stat().st_size for name in names)
+    if model is None or total != g.size_bytes:
+        files = " + ".join([g.file, *names])
+        raise ManifestError(f"{where}: {files} {'hold' if names else 'holds'} {total} bytes, not the "
+                            f"{g.size_bytes} the export wrote; "
+                            "the graph was truncated or replaced: export again")
+    check_quantization(g, model, where)
 
 
-def external_data(directory: Path, g: GraphEntry) -> list[str]:
-    """The external data files graph ``g``'s weights are stored in. Read from the graph only
-    when its file is smaller than the export's recorded size (the weights are elsewhere): the
-    graph is then small to parse, and a graph holding its own weights is never parsed."""
-    if (directory / g.file).stat().st_size >= g.size_bytes:
-        return []
+def load_graph(file: Path, where: str) -> Any:
+    """The ONNX model in ``file`` without its external weights, or ManifestError naming the file."""
     import onnx
+    from google.protobuf.message import DecodeError
+
+    try:
+        return onnx.load(str(file), format="protobuf", load_external_data=False)
+    except DecodeError as exc:
+        raise ManifestError(f"{where}: {file.name} is not a readable ONNX graph ({exc}); it was truncated or "
+                            "replaced: export again") from None
+
+
+def external_data(model: Any) -> list[str]:
+    """The external data files a graph's weights are stored in."""
     from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
-    model = onnx.load(str(directory / g.file), load_external_data=False)
     return sorted({ExternalDataInfo(t).location for t in model.graph.initializer if uses_external_data(t)})
+
+
+def check_quantization(g: GraphEntry, model: Any, where: str) -> None:
+    """The manifest's ``quantization`` says what the graph holds: a runtime takes it to decide
+    whether one-position forwards need padding (``OnnxRuntime.pad_single``)."""
+    ops = sorted({n.op_type for n in model.graph.node} & QUANTIZED_OPS)
+    if bool(ops) != (g.quantization is not None):
+        label = "null" if g.quantization is None else repr(g.quantization.get("name", "?"))
+        holds = f"quantized weights ({', '.join(ops)})" if ops else "no quantized weights"
+        raise ManifestError(f"{where}: the manifest's quantization is {label} but {g.file} holds {holds}; "
+                            "restore the manifest or export again")
 
 
 def check_decoder_io(g: GraphEntry, inputs: dict[str, Port], outputs: dict[str, Port]) -> None:

@@ -33,7 +33,7 @@ from typing import Any, Sequence
 import torch
 
 from spec_plugins.backends import hf_compat
-from spec_plugins.config import SamplingConfig, SpecConfig, default_config
+from spec_plugins.config import ConfigError, SamplingConfig, SpecConfig, default_config, load_file
 from spec_plugins.integrations.hf_processors import adapt_processors
 from spec_plugins.integrations.plugin_state import Setup, model_lock
 from spec_plugins.loop import decode
@@ -261,15 +261,20 @@ def _ids(x: Any) -> list[int]:
 
 # ---- components ----------------------------------------------------------------------------------
 def _spec_config(spec: SpecConfig | dict | str | Path | None) -> SpecConfig:
-    """File path, dict or SpecConfig; the target section may be omitted (the model is the target)."""
+    """File path (YAML/JSON), dict or SpecConfig. A file or dict gets a placeholder target where it
+    names none: the model ``generate()`` was called on is the target (one it names is unused)."""
     if spec is None:
         return default_config()
+    source = "spec_config"
     if isinstance(spec, (str, Path)):
-        return SpecConfig.from_file(spec)
+        spec, source = load_file(spec, what="spec_config"), str(spec)
+        if not isinstance(spec, dict):
+            raise ConfigError(f"spec_config {source} must be a mapping of config sections (proposer, verifier, "
+                              f"sampling), got {type(spec).__name__}")
     if isinstance(spec, dict):
         data = dict(spec)
         data.setdefault("target", {"backend": "torch", "model": "<the model generate() was called on>"})
-        return SpecConfig.parse(data, source="spec_config")
+        return SpecConfig.parse(data, source=source)
     if isinstance(spec, SpecConfig):
         return spec
     raise TypeError(f"spec_config must be a path, a dict or a SpecConfig, got {type(spec).__name__}")

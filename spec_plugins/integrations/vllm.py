@@ -150,7 +150,7 @@ class SuffixDrafter(_Drafter):
         from spec_plugins.suffix_index import Cursor, GlobalIndex, RequestIndex
 
         c = self.config
-        self.index = GlobalIndex(c.depth, c.global_max_tokens)
+        self.index = GlobalIndex(c.depth, c.global_max_tokens, max_nodes=c.global_max_nodes)
         self.rows = RowIndexes(lambda: RequestIndex(c.depth))
         self._Cursor = Cursor
 

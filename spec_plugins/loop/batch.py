@@ -22,7 +22,7 @@ from spec_plugins.keyed_draws import lane_seed
 from spec_plugins.loop.capacity import fit as fit_pool, pool_of, shortfall as pool_shortfall
 from spec_plugins.loop.ownership import Lease
 from spec_plugins.loop.rows import Row
-from spec_plugins.loop.verdicts import read_round, verify_groups
+from spec_plugins.loop.verdicts import broken_nodes, read_round, verify_groups
 from spec_plugins.proposers.base import ProposerTraits, check_pairing
 from spec_plugins.sampling import LogitsPipeline, RowPipelines
 from spec_plugins.stats import DecodeStats
@@ -121,8 +121,21 @@ class Batch:
         self.rows += new
         first = [Emission(r.key, [], [], "error", r.error) if r.error
                  else r.emit([verdict.next_tokens[b]], self.eos, host, b) for b, r in enumerate(new)]
+        self._observe_prefill(n0, first)
         self.stats.observe_admit(sum(1 for e in first if e.tokens), self.clock() - t0)  # rows that emitted a token
         return out + first
+
+    def _observe_prefill(self, n0: int, first: list[Emission]) -> None:
+        """Rows that finished at their first token never reach a round, so the proposer sees them
+        finish here (suffix decoding indexes finished requests): a record of the whole batch, no
+        draft, no logits, only the new rows' emissions. Stats and the policy learn nothing from it."""
+        if self.proposer is None or not any(e.finish_reason for e in first):
+            return
+        n = len(self.rows)
+        emissions = [Emission(r.key, []) for r in self.rows[:n0]] + first
+        self.proposer.observe(RoundRecord(self.keys(), [r.tokens for r in self.rows], [0] * n, None, None,
+                                          [[] for _ in range(n)], [e.tokens for e in emissions], emissions, 1,
+                                          lossy=self.lossy, tenants=[r.tenant for r in self.rows]))
 
     def _check_request(self, r: RowRequest) -> None:
         """Refuse a request the runtime cannot run whole: its prompt + max_new_tokens must fit the context."""
@@ -371,12 +384,12 @@ class Batch:
     def _verify(self, rows: Sequence[Row], draft: Draft | None, z: torch.Tensor, logits: torch.Tensor | None
                 ) -> tuple[Verdict, dict]:
         """The registered verifier on row groups (greedy rows together, sampled rows by
-        generator), read in the round's one fetch with the rows whose processed logits are no
-        distribution (NaN, +inf, every token masked) at a node the row's path reads (the root or
-        an accepted node, as plain decoding would read them): those fail alone, their verdict
-        ignored. Such a node off the path (after a drafted token its parent never allows) is a
-        placeholder the verdict does not read."""
-        broken = ~torch.isfinite(z.amax(-1))  # [B, 1 + n] nodes, on the device
+        generator), read in the round's one fetch with the rows whose processed logits are
+        unusable (``broken_nodes``) at a node the row's path reads (the root or an accepted node, as
+        plain decoding would read them): those fail alone, their verdict ignored. Such a node off
+        the path (after a drafted token its parent never allows) is a placeholder the verdict
+        does not read."""
+        broken = broken_nodes(rows, z)  # [B, 1 + n] nodes, on the device
         known = [b for b, r in enumerate(rows) if r.error is not None]
         if known:
             broken[upload_tensor(known, broken.device)] = True
@@ -392,3 +405,4 @@ class Batch:
                 rows[b].fail("sampling failed: the processed logits are not finite (NaN, inf, or every token "
                              "masked)")
         return verdict, host
+

@@ -91,3 +91,18 @@ def read_round(verdict: DeviceVerdict, draft: Draft | None, z: torch.Tensor, bad
     reads |= extra or {}
     host = fetch(reads)
     return Verdict.of(host), host
+
+
+def broken_nodes(rows: Sequence[Any], z: torch.Tensor) -> torch.Tensor:
+    """Nodes [B, 1 + n] whose processed logits ``z`` pick no token: NaN or every token masked, and
+    for a sampled row +inf too (its softmax is NaN). A greedy row takes its argmax, the first +inf
+    token where a processor forces one, as transformers' greedy ``generate()`` does."""
+    top = z.amax(-1)  # NaN where any logit is NaN
+    broken = top.isnan() | (top == float("-inf"))
+    sampled = [not r.pipeline.greedy for r in rows]
+    if any(sampled):
+        inf = top == float("inf")
+        if not all(sampled):
+            inf &= upload_tensor(sampled, z.device, torch.bool)[:, None]
+        broken |= inf
+    return broken

@@ -43,11 +43,13 @@ class DraftCost:
 
 
 def _interp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
-    """Linear between measured points; beyond the last, the average slope of the whole curve."""
+    """Linear between measured points; beyond the last, the average slope of the whole curve, never
+    below 0: a noisy curve whose last point reads cheaper than its first would otherwise price
+    wider forwards ever cheaper, then free, then negative (never measured, so never trusted)."""
     if len(xs) == 1 or x <= xs[0]:
         return ys[0]
     if x >= xs[-1]:
-        return ys[-1] + (ys[-1] - ys[0]) / (xs[-1] - xs[0]) * (x - xs[-1])
+        return ys[-1] + max(0.0, (ys[-1] - ys[0]) / (xs[-1] - xs[0])) * (x - xs[-1])
     for i in range(1, len(xs)):
         if x <= xs[i]:
             return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
@@ -58,8 +60,9 @@ class ForwardCost:
     """Measured seconds per (rows, positions per row), interpolated between measured points.
 
     Positions interpolate within each measured row count; rows interpolate between measured row
-    counts, and extrapolate linearly past the largest (a model measured for one row only prices
-    every batch as one row, which is what a single generation needs)."""
+    counts; past the largest of either, the cost grows linearly and never falls below the last
+    measured value (``_interp``). A model measured for one row only prices every batch as one
+    row, which is what a single generation needs."""
 
     def __init__(self, table: dict[tuple[int, int], float], context: int = 0, runtime: str = "",
                  repeats: int = 0) -> None:

@@ -84,7 +84,9 @@ class Proposer:
         return {}
 
     def observe(self, record: RoundRecord) -> None:
-        """Learn from a round (adaptive state, rolling back a draft model's cache)."""
+        """Learn from a round (adaptive state, rolling back a draft model's cache). Also called at
+        an admission where a new row finished at its first token: a record with no draft and no
+        logits (``draft``, ``target_logits`` None) whose emissions are the new rows' first tokens."""
 
     @property
     def draft_forward_time(self) -> float:

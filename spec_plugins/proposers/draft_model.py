@@ -33,6 +33,35 @@ from spec_plugins.transfer import upload_tensor
 from spec_plugins.vocab import check_vocab_compatible, fit_vocab
 
 
+SECTION = "proposer.model"  # the config section a draft model's runtime is built from
+
+
+def build_draft_runtime(section: Any) -> Any:
+    """The draft model's runtime. Its load errors name only what they check (``path ... holds graph
+    'draft' ...``, the same words as the target's), so a ValueError (a ManifestError too) is raised
+    again, of its own type, with the config section before its message."""
+    from spec_plugins.backends import build_runtime
+
+    try:
+        return build_runtime(section)
+    except ValueError as exc:
+        named = with_section(exc, SECTION)
+        if named is exc:
+            raise
+        raise named from exc
+
+
+def with_section(exc: ValueError, section: str) -> ValueError:
+    """``exc`` as a new error of its type whose message starts with ``section: ``; ``exc`` itself
+    where its type is not built from one message (a pydantic ValidationError, a JSONDecodeError)."""
+    if len(exc.args) != 1 or not isinstance(exc.args[0], str):
+        return exc
+    try:
+        return type(exc)(f"{section}: {exc.args[0]}")
+    except TypeError:
+        return exc
+
+
 @register_proposer("draft_model")
 class DraftModelProposer(Proposer):
     point_masses = False  # sampled drafts carry the draft model's distribution
@@ -42,10 +71,8 @@ class DraftModelProposer(Proposer):
 
     def __init__(self, config: "DraftModelProposer.Config", target: Any = None, tokenizer: Any = None,
                  runtime: Any = None, **_: object) -> None:
-        from spec_plugins.backends import build_runtime
-
         self.config = config
-        self.runtime = runtime if runtime is not None else build_runtime(config.model)
+        self.runtime = runtime if runtime is not None else build_draft_runtime(config.model)
         self.vocab_size = target.vocab_size if target is not None else self.runtime.vocab_size
         if tokenizer is not None and getattr(self.runtime, "tokenizer", None) is not None:
             check_vocab_compatible(tokenizer, self.runtime.tokenizer, "target", "draft model")

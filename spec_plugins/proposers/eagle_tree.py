@@ -153,13 +153,15 @@ def select(c: Candidates, widths: tuple[int, ...], budgets: list[int]
 def ranked_rows(c: Candidates, nodes: int, budgets: list[int], auto: bool) -> Ranked:
     """Each row's ``nodes`` best candidates within its depth budget, best-first (a child never
     scores above its parent, so every prefix is a tree), with their path probabilities: read
-    from candidates that live on the host (module docstring). Ties favour shallower nodes."""
+    from candidates that live on the host (module docstring). Ties favour shallower nodes; a
+    candidate scored NaN or +inf (a broken or overflowing drafter) is never drafted."""
     from spec_plugins.tree import rank_paths
 
     C = c.tokens.shape[1]
     depth = torch.tensor(c.depth, device=c.logp.device)
     key = (c.logp - 1e-6 * depth[None]).masked_fill(depth[None] >= torch.tensor(budgets, device=c.logp.device)[:, None],
                                                      NEG)
+    key = key.nan_to_num(nan=NEG, posinf=NEG, neginf=NEG)  # a broken drafter's NaN scores draft nothing (topk ranks NaN first)
     keep = key.topk(min(nodes, C), -1)
     rank = [j if d == 0 else (j - c.depth.index(d)) % _width0(c) for j, d in enumerate(c.depth)]
     parent, tok, logp = c.parent.tolist(), c.tokens.tolist(), c.logp.tolist()

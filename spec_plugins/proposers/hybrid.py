@@ -15,6 +15,7 @@ batch and merged.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Literal, Sequence
 
 import torch
@@ -67,6 +68,11 @@ def _named(child: Proposer) -> str:
     name = getattr(config, "type", type(child).__name__)
     heads = getattr(config, "heads", None)
     return f"{name} ({heads})" if heads else name
+
+
+def _per_child(name: str, i: int) -> str:
+    """Child ``i``'s own name for a metric: ``spec_child{i}_`` before the rest of its name."""
+    return f"spec_child{i}_{name.removeprefix('spec_')}"
 
 
 @register_proposer("hybrid")
@@ -130,8 +136,18 @@ class HybridProposer(Proposer):
                 c.forget()
 
     def metrics(self) -> list[Metric]:
-        """Every child's own metrics (suffix decoding's index inside a suffix + EAGLE hybrid)."""
-        return [m for c in self.children if ProposerTraits.of(c).reports for m in c.metrics()]
+        """Every child's own metrics (suffix decoding's index inside a suffix + EAGLE hybrid). A name
+        both children report (two suffix children) is made per child (``_per_child``): /metrics
+        gives a family one HELP and TYPE, and Prometheus refuses a family that comes twice."""
+        per = [c.metrics() if ProposerTraits.of(c).reports else [] for c in self.children]
+        shared = Counter(name for ms in per for name in {m[0] for m in ms})
+        out: list[Metric] = []
+        for i, (child, ms) in enumerate(zip(self.children, per)):
+            for name, kind, help_, value in ms:
+                if shared[name] > 1:
+                    name, help_ = _per_child(name, i), f"{help_.rstrip('.')} (hybrid child {i}, {_named(child)})."
+                out.append((name, kind, help_, value))
+        return out
 
     # ---- rows: every child follows the batch ---------------------------------------------------------
     def admit(self, prompts: Sequence[Sequence[int]]) -> None:

@@ -37,6 +37,8 @@ DEFAULT_ACCEPT: tuple[tuple[float, ...], ...] = (
     (0.29, 0.11, 0.045, 0.03, 0.02, 0.015, 0.01, 0.01),
     (0.55, 0.12, 0.05, 0.03, 0.02, 0.015, 0.01, 0.01),
 )
+PRIOR_RANKS = len(DEFAULT_ACCEPT[0])  # ranks with a prior: a shaped tree never holds a deeper rank
+AUTO_DEPTH = 6  # the depth limit of the shaped tree when num_draft_tokens is 'auto'
 
 
 @register_proposer("recycling")
@@ -71,6 +73,8 @@ class RecyclingProposer(Proposer):
                 tree = static_tree(self.paths)  # raises on malformed paths
                 if max(tree.ranks) >= self.candidates:
                     raise ValueError(f"paths use rank {max(tree.ranks)} but candidates={self.candidates}")
+            elif self.tree_size != "auto" and "tree_size" in self.model_fields_set:
+                _check_reachable(self.tree_size, self.candidates, self.num_draft_tokens)  # the default is a cap
             return self
 
     @classmethod
@@ -94,13 +98,19 @@ class RecyclingProposer(Proposer):
         # (depth, rank) -> [times reachable, times accepted]: acceptance statistics of the shape
         self.rank_stats: dict[tuple[int, int], list[int]] = {}
 
+    def forget(self) -> None:
+        """Drop the cross-request memory (``Remembers``): the table every row and request shares
+        (``keep_table``) and the rank statistics read on it, so the next request starts cold, as
+        on a fresh proposer (the bench's independent requests; a tenant's reset)."""
+        self.table = None
+        self.rank_stats = {}
+
     def _shape(self) -> StaticTree:
         c = self.config
         if c.paths is not None:
             return static_tree(c.paths)
-        depth = c.num_draft_tokens if isinstance(c.num_draft_tokens, int) else 6
         size = MAX_AUTO_NODES if self.auto else int(c.tree_size)
-        return best_static_tree(DEFAULT_ACCEPT, size, depth, max_rank=c.candidates)
+        return best_static_tree(DEFAULT_ACCEPT, size, _depth(c.num_draft_tokens), max_rank=c.candidates)
 
     # ---- table --------------------------------------------------------------------------------
     def _ensure_table(self, vocab: int, device: torch.device) -> torch.Tensor:
@@ -198,6 +208,27 @@ class RecyclingProposer(Proposer):
                     cell = self.rank_stats.setdefault(key, [0, 0])
                     cell[0] += 1
                     cell[1] += int(c in acc)
+
+
+def _depth(num_draft_tokens: int | str) -> int:
+    """The depth limit of the shaped tree."""
+    return num_draft_tokens if isinstance(num_draft_tokens, int) else AUTO_DEPTH
+
+
+def _check_reachable(tree_size: int, candidates: int, num_draft_tokens: int | str) -> None:
+    """Refuse a fixed ``tree_size`` the shaped tree cannot hold: it has at most min(candidates,
+    PRIOR_RANKS) children per node and ``num_draft_tokens`` levels, and a smaller tree would be
+    drafted without a word. Depth 0 (no drafting asked) drafts nothing whatever the size."""
+    depth = _depth(num_draft_tokens)
+    if depth == 0:
+        return
+    most = best_static_tree(DEFAULT_ACCEPT, tree_size, depth, max_rank=candidates).size  # short only when exhausted
+    if most < tree_size:
+        raise ValueError(
+            f"tree_size={tree_size} cannot be reached: with candidates={candidates} and num_draft_tokens="
+            f"{num_draft_tokens} (depth {depth}) the tree holds at most {most} nodes (up to {PRIOR_RANKS} "
+            f"ranks per node: ranks from {PRIOR_RANKS} on have no acceptance prior); set tree_size <= {most}, "
+            "or raise num_draft_tokens or candidates")
 
 
 def _layers(tree: StaticTree) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]:

@@ -57,7 +57,11 @@ class SuffixProposer(Proposer):
                                       description="Nodes whose estimated acceptance probability is lower are not drafted.")
         depth: int = Field(32, ge=2, le=128, description="Longest substring the indexes hold (work per token).")
         max_match: int = Field(12, ge=1, le=127, description="Longest suffix matched (the rest of depth is for drafts).")
-        global_max_tokens: int = Field(200_000, ge=1, description="Token cap of the global index (oldest evicted).")
+        global_max_tokens: int = Field(200_000, ge=1, description="Token cap of the global index (oldest "
+                                                                  "evicted); about 7 KB a token: 1.3 GiB at 200,000.")
+        global_max_nodes: int | None = Field(None, ge=1, description="Trie-node cap of the global index (oldest "
+                                                                     "evicted), about 265 bytes a node; none: the "
+                                                                     "token cap alone bounds it.")
         max_tenants: int = Field(10_000, ge=1, description="scope: tenant: tenants whose finished requests are "
                                                              "held at once; a new one evicts the least recently "
                                                              "used tenant with all its requests.")
@@ -72,6 +76,21 @@ class SuffixProposer(Proposer):
                 raise ValueError(f"tree_nodes must be 'auto' or 1..256, got {self.tree_nodes}")
             if self.max_match >= self.depth:
                 raise ValueError(f"max_match ({self.max_match}) must be < depth ({self.depth})")
+            return self._check_scope_fields()
+
+        def _check_scope_fields(self) -> SuffixProposer.Config:
+            """The global index's caps do nothing with ``scope: request`` (no global index), nor
+            ``max_tenants`` outside ``scope: tenant``: refused by field, not silently unused. Only
+            changed values count: a dumped config carries every field at its default."""
+            applies = {"global_max_tokens": ("global", "tenant"), "global_max_nodes": ("global", "tenant"),
+                       "max_tenants": ("tenant",)}
+            fields = type(self).model_fields
+            given = sorted(f for f in self.model_fields_set & applies.keys()
+                           if self.scope not in applies[f] and getattr(self, f) != fields[f].default)
+            if given:
+                named = ", ".join(f"{f} (scope: {' or '.join(applies[f])} only)" for f in given)
+                raise ValueError(f"{named} {'does' if len(given) == 1 else 'do'} nothing with scope: {self.scope}: "
+                                 "set the scope it applies to, or leave it out")
             return self
 
     def __init__(self, config: "SuffixProposer.Config | None" = None, target: Any = None, **_: object) -> None:
@@ -90,7 +109,8 @@ class SuffixProposer(Proposer):
 
     def _new_index(self) -> GlobalIndex:
         c = self.config
-        return GlobalIndex(c.depth, c.global_max_tokens, c.max_tenants if c.scope == "tenant" else None)
+        return GlobalIndex(c.depth, c.global_max_tokens, c.max_tenants if c.scope == "tenant" else None,
+                           c.global_max_nodes)
 
     def metrics(self) -> list[Metric]:
         """The global index's size and hit rate, for ``/metrics``."""

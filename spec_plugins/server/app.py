@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from spec_plugins.loop import Batch
 from spec_plugins.server.body import MAX_BODY_BYTES, offload, read_request
 from spec_plugins.server.controls import compiled, tgi_controls
-from spec_plugins.server.jobs import Finished, JobStream, Tally, TokenOut, follow, sse, submit, timed
+from spec_plugins.server.jobs import Finished, JobStream, Tally, TokenOut, follow, read_streamed, sse, submit, timed
 from spec_plugins.server.metrics import Metrics, proposer_metrics
 from spec_plugins.server.requests import Prepared, encode_text, max_token_chars, prepare, tenant_of
 from spec_plugins.server.scheduler import Scheduler
@@ -208,7 +208,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/")
     @timed(state, "compat")
     async def compat(request: Request, tally: Tally) -> Response:
-        req = await read_request(state, request, GenerateRequest)
+        req = await read_streamed(state, request, GenerateRequest, tally, "compat_stream")
         if req.stream:
             return await stream_tgi(request, req, tally, "compat_stream")
         return JSONResponse([await generate_body(request, req, tally)])

@@ -119,7 +119,7 @@ def serve(
         limits.check()
         ensure_file_limit(limits)
     except ValueError as exc:
-        fail(str(exc))
+        fail(exc)
     _check_port(host, port)  # before the model loads (tens of seconds)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -138,7 +138,7 @@ def serve(
         state = build_state(dec, max_batch, max_input_tokens, max_total_tokens, draft_policy,
                             model_id=cfg.target.model, cpu_workers=cpu_workers)
     except (ConfigError, ValueError, FileNotFoundError, LookupError) as exc:
-        fail(str(exc))
+        fail(exc)
         return
     state.shutdown_timeout = shutdown_timeout
     state.body_timeout = body_timeout
@@ -174,7 +174,7 @@ def _serve_ray(config: Optional[Path], host: str, port: int, max_batch: int, max
         scaling = Scaling(1 if replicas is None else replicas, parse_autoscale(autoscale) if autoscale else None,
                           num_cpus, num_gpus, max_ongoing_requests=max(2 * max_batch, 8))
     except (ConfigError, ValueError, FileNotFoundError, LookupError) as exc:
-        fail(str(exc))
+        fail(exc)
         return
     if write_config is not None:
         import yaml

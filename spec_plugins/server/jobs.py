@@ -11,18 +11,20 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
+from spec_plugins.server.body import offload, parse, parse_json, read_body
 from spec_plugins.server.requests import Prepared
 from spec_plugins.server.scheduler import Job, TooLarge
 from spec_plugins.server.schemas import ApiError
 from spec_plugins.text import StopFreeText
 
 log = logging.getLogger("spec_plugins.server")
+T = TypeVar("T")
 
 
 @dataclass
@@ -55,6 +57,7 @@ class Tally:
     tokens: int = 0  # tokens returned to the client
     first_token: float | None = None  # seconds from arrival until its first token reached the handler
     status: int = 499  # a stream's: its client left, until the stream is seen to end otherwise
+    route: str | None = None  # a stream's route, once its body said `"stream": true` (``read_streamed``)
 
     def arrived(self) -> None:
         """A token reached the handler (``follow``); the first one's time is the request's TTFT."""
@@ -62,7 +65,41 @@ class Tally:
             self.first_token = time.perf_counter() - self.t0
 
     def record(self, state: Any, route: str, status: int) -> None:
-        state.metrics.request_done(route, status, time.perf_counter() - self.t0, self.tokens, self.first_token)
+        """Counted under ``self.route`` where the body asked for a stream (also when refused before
+        the stream started), else under the handler's ``route``."""
+        state.metrics.request_done(self.route or route, status, time.perf_counter() - self.t0, self.tokens,
+                                   self.first_token)
+
+
+async def read_streamed(state: Any, request: Request, model: type[T], tally: Tally, stream_route: str) -> T:
+    """``read_request`` for a route that streams on ``"stream": true``: ``tally`` is marked as the
+    stream's (``stream_route``) as soon as the body says so, so a stream refused by the validation
+    of the rest of its body, or later (422, 429, 503 at intake), is counted as a stream."""
+    body = await read_body(request, state.max_body_bytes, state.body_timeout)
+    return await offload(state.cpu_limiter, _parse_streamed, model, body, state.max_json_items, tally, stream_route)
+
+
+def _parse_streamed(model: type[T], body: bytes, max_items: int, tally: Tally, stream_route: str) -> T:
+    """``parse``, marking ``tally``; a refused body is read again for its flag alone (only a refused
+    one: an accepted one's request has it)."""
+    try:
+        req = parse(model, body, max_items)
+    except ApiError:
+        if _asks_stream(body, max_items):
+            tally.route = stream_route
+        raise
+    if getattr(req, "stream", False):
+        tally.route = stream_route
+    return req
+
+
+def _asks_stream(body: bytes, max_items: int) -> bool:
+    """Whether a refused body is a JSON object with `"stream": true` (the models are strict: only
+    JSON's true is one); a body that is not a JSON object has no flag to read."""
+    try:
+        return parse_json(body, max_items).get("stream") is True
+    except ApiError:
+        return False
 
 
 def submit(state: Any, prep: Prepared) -> Job:

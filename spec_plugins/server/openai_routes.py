@@ -7,6 +7,8 @@ tokens come, each tagged with its ``index``. Logprobs are the target's raw log-p
 the emitted tokens (``loop.batch._logprobs``), with the most likely alternatives where asked;
 special tokens (EOS) are neither text nor logprob entries; the legacy (text completion) layout
 names a token that is not whole UTF-8 text by its bytes, ``bytes:\\xe3\\x81``, as OpenAI does.
+A token's ``text_offset`` is where its own text starts (``TextStream.pieces``; clipped to the
+text's end after a stop string), streamed or not.
 ``stream_options.include_usage`` adds ``"usage": null`` to every chunk and one last chunk with
 the usage and no choices.
 """
@@ -17,14 +19,15 @@ import re
 import time
 import uuid
 from functools import lru_cache
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from spec_plugins.server.body import offload, read_request
+from spec_plugins.server.body import offload
 from spec_plugins.server.controls import compiled
-from spec_plugins.server.jobs import Finished, JobStream, Tally, TokenOut, follow, merged, sse, submit_all, timed
+from spec_plugins.server.jobs import (Finished, JobStream, Tally, TokenOut, follow, merged, read_streamed, sse,
+                                      submit_all, timed)
 from spec_plugins.server.openai_schemas import ChatRequest, CompletionRequest, OpenAIRequest
 from spec_plugins.server.requests import Names, Prepared, check_token_ids, encode_chat, encode_text, prepare, tenant_of
 from spec_plugins.server.schemas import ApiError
@@ -46,6 +49,17 @@ def byte_table(tokenizer: Any) -> dict[str, int] | None:
 
 
 BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a byte-fallback piece of a SentencePiece vocabulary
+
+
+def piece_starts(pieces: Sequence[str], base: int) -> Iterator[int]:
+    """Where each token's own text starts, from ``base``: a row's ``TextStream.pieces`` (read as
+    they come: the batch appends to the list) are its tokens' text before OpenAI's routes hold
+    back a tail that may grow into a stop string, so a stop that never matches moves no offset."""
+    pos, k = base, 0
+    while True:
+        yield pos
+        pos += len(pieces[k])
+        k += 1
 
 
 def add_openai_routes(app: FastAPI, state: Any) -> None:
@@ -140,7 +154,7 @@ def add_openai_routes(app: FastAPI, state: Any) -> None:
     @app.post("/v1/chat/completions")
     @timed(state, "chat_completions")
     async def chat(request: Request, tally: Tally) -> Response:
-        req: ChatRequest = await read_request(state, request, ChatRequest)
+        req: ChatRequest = await read_streamed(state, request, ChatRequest, tally, "chat_completions_stream")
         check_rows(req.choices, "`n`")
         names = Names("messages", req.max_field)
         ids = await offload(state.cpu_limiter, encode_chat, state, req.messages, names)
@@ -191,16 +205,13 @@ def add_openai_routes(app: FastAPI, state: Any) -> None:
         return await run(request, req, preps, tally, "chat_completions", stream_body, reply)
 
     # ---- text completions ----------------------------------------------------------------------
-    def text_logprobs(toks: Sequence[TokenOut], top: int, offset: int) -> dict[str, Any]:
-        """OpenAI's legacy layout: parallel lists, top alternatives as {token: logprob}."""
-        shown = [x for x in toks if not x.special]
-        offsets, pos = [], offset
-        for x in shown:
-            offsets.append(pos)
-            pos += len(x.text)
-        return {"tokens": [token_label(x.id) for x in shown], "token_logprobs": [x.logprob for x in shown],
-                "top_logprobs": [top_by_label(x.top[:top]) for x in shown] if top else None,
-                "text_offset": offsets}
+    def text_logprobs(toks: Sequence[tuple[TokenOut, int]], top: int) -> dict[str, Any]:
+        """OpenAI's legacy layout: parallel lists, top alternatives as {token: logprob}; ``toks``
+        pairs each token with its ``text_offset``."""
+        shown = [(x, o) for x, o in toks if not x.special]
+        return {"tokens": [token_label(x.id) for x, _ in shown], "token_logprobs": [x.logprob for x, _ in shown],
+                "top_logprobs": [top_by_label(x.top[:top]) for x, _ in shown] if top else None,
+                "text_offset": [o for _, o in shown]}
 
     def encode_prompts(prompts: Sequence[str | list[int]], names: Names) -> list[list[int]]:
         return [check_token_ids(state, p, "prompt") if isinstance(p, list) else encode_text(state, p, None, names)
@@ -209,7 +220,7 @@ def add_openai_routes(app: FastAPI, state: Any) -> None:
     @app.post("/v1/completions")
     @timed(state, "completions")
     async def completions(request: Request, tally: Tally) -> Response:
-        req: CompletionRequest = await read_request(state, request, CompletionRequest)
+        req: CompletionRequest = await read_streamed(state, request, CompletionRequest, tally, "completions_stream")
         prompts = req.prompts()
         n = req.choices
         check_rows(len(prompts) * n, "`n`" if len(prompts) == 1 else f"`n` x {len(prompts)} prompts")
@@ -225,9 +236,9 @@ def add_openai_routes(app: FastAPI, state: Any) -> None:
         top = req.logprobs or 0
         prompt_tokens = sum(len(p) for p in ids)
 
-        def choice(i: int, text: str, reason: str | None, toks: Sequence[TokenOut], offset: int) -> dict:
+        def choice(i: int, text: str, reason: str | None, toks: Sequence[tuple[TokenOut, int]]) -> dict:
             return {"index": i, "text": text, "finish_reason": reason,
-                    "logprobs": text_logprobs(toks, top, offset) if req.logprobs is not None else None}
+                    "logprobs": text_logprobs(toks, top) if req.logprobs is not None else None}
 
         def body(choices: list[dict], **extra: Any) -> dict:
             return {"id": cid, "object": "text_completion", "created": created, "model": model,
@@ -235,30 +246,42 @@ def add_openai_routes(app: FastAPI, state: Any) -> None:
 
         async def stream_body(events: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[bytes]:
             more = {"usage": None} if req.include_usage else {}
-            offsets = [len(echo[i // n]) for i in range(len(preps))]
+            sent = [len(echo[i // n]) for i in range(len(preps))]  # characters of each choice's text sent
             for i in range(len(preps)):
                 if echo[i // n]:
-                    yield sse(body([choice(i, echo[i // n], None, (), 0)], **more))
-            waiting: dict[int, list[TokenOut]] = {i: [] for i in range(len(preps))}
+                    yield sse(body([choice(i, echo[i // n], None, ())], **more))
+            starts = [piece_starts(p.text.pieces, s) for p, s in zip(preps, sent)]
+            waiting: dict[int, list[tuple[TokenOut, int]]] = {i: [] for i in range(len(preps))}
             completion = 0
             async for i, ev in events:
                 if isinstance(ev, TokenOut):
-                    waiting[i].append(ev)
+                    waiting[i].append((ev, next(starts[i])))
                     if ev.text and not ev.special:
-                        yield sse(body([choice(i, ev.text, None, waiting[i], offsets[i])], **more))
-                        offsets[i] += sum(len(x.text) for x in waiting[i] if not x.special)
-                        waiting[i] = []
+                        sent[i] += len(ev.text)
+                        # a token goes with the chunk that sends the start of its text (so its offset
+                        # is within the text, whatever a stop string still holds back)
+                        k = sum(o < sent[i] for _, o in waiting[i])
+                        yield sse(body([choice(i, ev.text, None, waiting[i][:k])], **more))
+                        waiting[i] = waiting[i][k:]
                 else:
                     completion += len(ev.tokens)
                     if ev.tail:
-                        yield sse(body([choice(i, ev.tail, None, (), offsets[i])], **more))
-                    # the waiting tokens' text is the tail: they start where it starts, as in the answer
-                    yield sse(body([choice(i, "", FINISH[ev.reason], waiting[i], offsets[i])], **more))
+                        sent[i] += len(ev.tail)
+                        yield sse(body([choice(i, ev.tail, None, ())], **more))
+                    # the tokens left start in the tail or past the text's end (after a stop): clipped
+                    ends = [(x, min(o, sent[i])) for x, o in waiting[i]]
+                    yield sse(body([choice(i, "", FINISH[ev.reason], ends)], **more))
             if req.include_usage:
                 yield sse(body([], usage=usage(prompt_tokens, completion)))
 
+        def offsets(i: int, f: Finished) -> list[tuple[TokenOut, int]]:
+            """Each token with where its own text starts, clipped to the text's end (after a stop)."""
+            base = len(echo[i // n])
+            end = base + len(f.text)
+            return [(x, min(o, end)) for x, o in zip(f.tokens, piece_starts(preps[i].text.pieces, base))]
+
         def reply(fins: list[Finished]) -> dict[str, Any]:
-            return body([choice(i, echo[i // n] + f.text, FINISH[f.reason], f.tokens, len(echo[i // n]))
+            return body([choice(i, echo[i // n] + f.text, FINISH[f.reason], offsets(i, f))
                          for i, f in enumerate(fins)],
                         usage=usage(prompt_tokens, sum(len(f.tokens) for f in fins)))
 

@@ -1,9 +1,11 @@
 """OpenAI chat and text completions as the official ``openai`` client sends them.
 
 Field names, ranges and defaults are OpenAI's, and every error names the field the client sent
-(``max_completion_tokens``, not the TGI name it maps to). Fields this server does not implement
-are accepted at their neutral value (clients send them as null) and refused otherwise; the error
-bodies stay TGI's ``{"error", "error_type"}``, as on TGI's own OpenAI routes.
+(``max_completion_tokens``, not the TGI name it maps to). A field sent as null is one left out,
+as at OpenAI: it takes its default (``max_tokens`` 16 on /v1/completions, ``stream`` and ``echo``
+false). Fields this server does not implement are accepted at their neutral value (clients send
+them as null) and refused otherwise; the error bodies stay TGI's ``{"error", "error_type"}``, as
+on TGI's own OpenAI routes.
 """
 
 from __future__ import annotations
@@ -113,6 +115,17 @@ class OpenAIRequest(BaseModel):
     _freq = field_validator("frequency_penalty")(classmethod(lambda cls, v: check_penalty("frequency_penalty", v)))
     _pres = field_validator("presence_penalty")(classmethod(lambda cls, v: check_penalty("presence_penalty", v)))
     _bias = field_validator("logit_bias")(classmethod(lambda cls, v: openai_logit_bias(v)))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """OpenAI reads an optional field sent as null as one left out (clients send their unset
+        fields so), so it gets the field's default rather than a type error or, where the default
+        is not null, another meaning. Null stays an error for required fields and unknown ones."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
 
     @model_validator(mode="after")
     def _shared(self) -> "OpenAIRequest":

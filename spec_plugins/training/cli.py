@@ -152,7 +152,7 @@ def features_cmd(
         state = extract(model, examples, out, meta, keep, max_tokens, shard_tokens, progress=not no_progress,
                         skipped=skipped)  # refuses a target whose logits are not its LM head's (first batch)
     except (FileNotFoundError, ValueError, LookupError) as exc:
-        fail(str(exc))
+        fail(exc)
         return
     state = {**state, "filter_counts_this_run": counts.as_dict(), "wall_seconds_this_run": round(time.perf_counter() - t0, 1)}
     typer.echo(json.dumps({k: v for k, v in state.items() if k != "shards"} | {"shards": len(state["shards"])}, indent=1))
@@ -228,7 +228,7 @@ def self_distill_cmd(
                                                                "proposer": None}))
         max_seq = fit_max_seq(max_seq, dec.target.max_context)
     except (FileNotFoundError, ValueError, LookupError) as exc:
-        fail(str(exc))
+        fail(exc)
         return
     convs = sharegpt_examples(dec.tokenizer, split, max_seq, DataFilter(language=language), heldout_share)  # type: ignore[arg-type]
     meta = {"target": target, "source": "sharegpt", "responses": "self", "split": split, "max_seq": max_seq,
@@ -374,6 +374,6 @@ def _run_training(features: Path, heldout: Optional[Path], out: Path, threads: i
         store, held, model = _load(features, heldout, None)
         report = go(store, model, tcfg, held)
     except (FileNotFoundError, ValueError) as exc:
-        fail(str(exc))
+        fail(exc)
         return
     typer.echo(json.dumps(report, indent=2))
