@@ -9,7 +9,6 @@ runtime. Multi-turn prompts feed each method its own previous answers.
 from __future__ import annotations
 
 import re
-import statistics
 import sys
 import time
 from collections import Counter
@@ -402,7 +401,3 @@ def _mismatch(p: BenchPrompt, method: str, ref: list[list[int]], got: list[list[
             idx = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             return {"question_id": p.question_id, "method": method, "turn": t, "index": idx}
     return {"question_id": p.question_id, "method": method, "turn": len(ref), "index": 0}
-
-
-def median(xs: Sequence[float]) -> float:
-    return statistics.median(xs)

@@ -21,7 +21,7 @@ from spec_plugins.grammar import rounds as grammar
 from spec_plugins.keyed_draws import lane_seed
 from spec_plugins.loop.capacity import fit as fit_pool, pool_of, shortfall as pool_shortfall
 from spec_plugins.loop.ownership import Lease
-from spec_plugins.loop.rows import Row
+from spec_plugins.loop.rows import Row, seen_sequences
 from spec_plugins.loop.verdicts import broken_nodes, read_round, verify_groups
 from spec_plugins.proposers.base import ProposerTraits, check_pairing
 from spec_plugins.sampling import LogitsPipeline, RowPipelines
@@ -277,9 +277,10 @@ class Batch:
         """Processed logits of ``rows``; a row whose processing raises fails alone (``Row.fail``) and
         gets a harmless placeholder (rows whose result is not a distribution are found by
         ``_verify``, on the device, without a sync)."""
-        seen = self._seen(rows)
+        pipes = self._row_pipelines(rows)
+        seen = seen_sequences(rows, self.device) if pipes.needs_prefix else [r.tokens for r in rows]  # else read by none
         try:
-            return self._row_pipelines(rows).process_tree(logits, seen, tokens, parents)
+            return pipes.process_tree(logits, seen, tokens, parents)
         except Exception:  # noqa: BLE001 - find the rows it fails for, one at a time
             z = torch.zeros_like(logits)
             for b, r in enumerate(rows):
@@ -364,22 +365,6 @@ class Batch:
         if self._rp is None or self._rp[0] != key:
             self._rp = (key, RowPipelines([r.pipeline for r in rows]))
         return self._rp[1]
-
-    def _seen(self, rows: Sequence[Row]) -> list[Any]:
-        """The sequences the rows' user processors see (the row's prefix + its tokens), kept on
-        the device per row and extended by the tokens emitted since (a round copies those only)."""
-        if not self._row_pipelines(rows).needs_prefix:
-            return [r.tokens for r in rows]  # read by nothing: no processor looks at a prefix
-        out = []
-        for r in rows:
-            want = len(r.prefix) + len(r.tokens)
-            have = r.seen.shape[0] if r.seen is not None else 0
-            if have < want:
-                new = (list(r.prefix) + r.tokens)[have:] if have < len(r.prefix) else r.tokens[have - len(r.prefix):]
-                add = upload_tensor(new, self.device)
-                r.seen = add if r.seen is None else torch.cat([r.seen, add])
-            out.append(r.seen)
-        return out
 
     def _verify(self, rows: Sequence[Row], draft: Draft | None, z: torch.Tensor, logits: torch.Tensor | None
                 ) -> tuple[Verdict, dict]:

@@ -4,12 +4,13 @@ EOS, its limit, its grammar and its stop rule)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import Any, Hashable, Sequence
 
 import torch
 
 from spec_plugins.loop.logprobs import row_logprobs
 from spec_plugins.sampling import LogitsPipeline
+from spec_plugins.transfer import upload_tensor
 from spec_plugins.types import Emission, RowStop
 
 
@@ -98,3 +99,18 @@ class Row:
         self.done = self.finish_reason is not None
         lps = row_logprobs(host, b, len(out)) if self.logprobs else []
         return Emission(self.key, out, lps, self.finish_reason, self.error)
+
+
+def seen_sequences(rows: Sequence[Row], device: torch.device) -> list[torch.Tensor]:
+    """The sequences the rows' user processors see (each row's prefix + its tokens), kept on the
+    device per row (``Row.seen``) and extended by the tokens emitted since (a round copies those only)."""
+    out = []
+    for r in rows:
+        want = len(r.prefix) + len(r.tokens)
+        have = r.seen.shape[0] if r.seen is not None else 0
+        if have < want:
+            new = (list(r.prefix) + r.tokens)[have:] if have < len(r.prefix) else r.tokens[have - len(r.prefix):]
+            add = upload_tensor(new, device)
+            r.seen = add if r.seen is None else torch.cat([r.seen, add])
+        out.append(r.seen)
+    return out
