@@ -25,7 +25,7 @@ def run_bench(decoder, prompts, options: BenchOptions, out=None, meta: dict | No
 
     from spec_plugins.bench.plots import PLOTS, write_plots
     from spec_plugins.bench.report import build_report, markdown, write_json
-    from spec_plugins.bench.runner import check_prompts
+    from spec_plugins.bench.prompts import check_prompts
 
     check_prompts(prompts)  # bad prompts and options fail here, before an earlier run's files go
     bench = Bench(decoder, options)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 
 @dataclass(frozen=True)
@@ -93,3 +94,10 @@ def _duplicate(qid: str, this: tuple[str, bool], first: tuple[str, bool]) -> str
 
     return (f"{this[0]}: duplicate question_id {qid!r}: {how('this line', this[1])}, and {how(*first)}; "
             "give each prompt its own id")
+
+
+def check_prompts(prompts: Sequence[BenchPrompt]) -> None:
+    """A bench over no prompt measures nothing (warmup, categories and the report need one):
+    refused before anything runs or is written."""
+    if not prompts:
+        raise ValueError("no prompts to benchmark: give at least one prompt")

@@ -24,7 +24,7 @@ from spec_plugins.bench.baselines import (
     drafts,
     time_decoder,
 )
-from spec_plugins.bench.prompts import BenchPrompt
+from spec_plugins.bench.prompts import BenchPrompt, check_prompts
 from spec_plugins.decoder import SpeculativeDecoder
 from spec_plugins.policy import AutoDraftLength, DraftPolicy
 from spec_plugins.proposers.base import ProposerTraits
@@ -33,13 +33,6 @@ from spec_plugins.stats import DecodeStats
 
 
 MAX_GAMMA = 64  # the longest fixed draft length the bench runs
-
-
-def check_prompts(prompts: Sequence[BenchPrompt]) -> None:
-    """A bench over no prompt measures nothing (warmup, categories and the report need one):
-    refused before anything runs or is written."""
-    if not prompts:
-        raise ValueError("no prompts to benchmark: give at least one prompt")
 
 
 @dataclass
