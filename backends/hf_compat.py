@@ -13,6 +13,9 @@ the mask (per layer type where the model takes a mapping), and ``full_cache`` ke
 in every layer (transformers' sliding-window cache layers drop the oldest; tree rounds, rollback
 and commit by slot need them all).
 
+Positions: the runtimes give every token its position in ``position_ids``; ``slot_positioned``
+names the families that place tokens by cache slot instead (ALiBi, GPT-Neo's local layers).
+
 Context: ``context_limit`` caps a runtime's context where positions stop being exact (a learned
 absolute position table ends; a longrope or dynamic-NTK rope starts choosing its frequencies from
 each forward's longest position) and refuses a larger one asked for.
@@ -163,6 +166,32 @@ def mask_layout(model: Any) -> MaskLayout:
     if window is None:
         raise ValueError(f"{type(model).__name__} has sliding_attention layers but its config sets no sliding_window")
     return MaskLayout(window=int(window), per_type=True)
+
+
+ALIBI_FAMILIES = ("bloom", "mpt")  # transformers' ALiBi decoders without a switch (Falcon's is config.alibi)
+_NEEDS_POSITIONS = ("; this runtime and the ONNX verify graph need positions from position_ids (their rows hold "
+                    "holes: left padding, rejected drafts, tree nodes)")
+
+
+def slot_positioned(model: Any) -> str | None:
+    """Why ``model`` places tokens by their slot in the KV cache instead of by ``position_ids``, or
+    None. ALiBi biases (Bloom, MPT, Falcon with ``alibi``) are built from the key slots' order or a
+    2D mask, and GPT-Neo's local layers cut their window by slot distance: over rows with holes they
+    would bias or window other keys than ``generate()`` does (or crash), whatever mask is passed.
+    A GPT-Neo window at or past ``max_position_embeddings`` (the size of the model's own slot mask)
+    hides no key, so the layer is full attention and is let through."""
+    cfg = text_config(model)
+    kind = str(getattr(cfg, "model_type", "") or type(model).__name__)
+    name = f"{kind} ({type(model).__name__}"
+    if kind in ALIBI_FAMILIES or bool(getattr(cfg, "alibi", False)):
+        field = ", alibi=True" if kind not in ALIBI_FAMILIES else ""
+        return f"{name}{field}) uses ALiBi biases computed from cache slot order{_NEEDS_POSITIONS}"
+    window, table = getattr(cfg, "window_size", None), getattr(cfg, "max_position_embeddings", None)
+    hides_none = window is not None and table is not None and int(window) >= int(table)
+    if "local" in (getattr(cfg, "attention_layers", None) or ()) and not hides_none:
+        return (f"{name}) has local attention layers (attention_layers lists 'local', window_size={window}, below "
+                f"max_position_embeddings={table}) that cut their window by cache slot distance{_NEEDS_POSITIONS}")
+    return None
 
 
 POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")  # learned absolute position embeddings

@@ -200,6 +200,8 @@ class TorchRuntime(SlotRuntime):
 
     def __init__(self, model: Any, tokenizer: Any = None, max_context: int | None = None,
                  matmul: Literal["auto", "auto_transposed", "native"] = "auto") -> None:
+        if (why := hf_compat.slot_positioned(model)) is not None:  # ALiBi, GPT-Neo local layers: refused
+            raise ValueError(why)
         self.model = model
         self.attention = attention_implementation(model)  # one that takes our 4D masks, else refused
         self.max_context = hf_compat.context_limit(model, max_context)  # capped where positions stop being exact

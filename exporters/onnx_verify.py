@@ -24,12 +24,16 @@ class UnsupportedModel(ValueError):
 
 
 def check_exportable(model: Any) -> None:
-    """Refuse models whose cache is not one plain growing KV per layer, or whose attention a window
-    limits within the context: the graph's attention sees all of its past, as the runtime's mask
-    says (``hf_compat.mask_layout`` reads the window as the torch runtime does)."""
+    """Refuse models whose cache is not one plain growing KV per layer, that place tokens by cache
+    slot rather than by ``position_ids`` (``hf_compat.slot_positioned``: ALiBi, GPT-Neo's local
+    layers), or whose attention a window limits within the context: the graph's attention sees all
+    of its past, as the runtime's mask says (``hf_compat.mask_layout`` reads the window as the torch
+    runtime does)."""
     cfg = hf_compat.text_config(model)
     if getattr(cfg, "is_encoder_decoder", False):
         raise UnsupportedModel("encoder-decoder models are not supported by the verify graph")
+    if (why := hf_compat.slot_positioned(model)) is not None:  # the graph's positions come from position_ids
+        raise UnsupportedModel(why)
     name = type(model).__name__
     try:
         window = hf_compat.mask_layout(model).window

@@ -59,7 +59,7 @@ def markdown(rows: dict[str, dict], new: int) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
         h = r["heldout"] or {}
-        top = ", ".join(f"{x:.3f}" for x in h.get("top1_by_step", [])[:6])
+        top = ", ".join("-" if x is None else f"{x:.3f}" for x in h.get("top1_by_step", [])[:6])
         layers = r.get("block_layers") or 0
         kind = r["kind"] + (f", {layers} block layers" if layers else "")
         kind += " seeing the context" if r.get("block_context") else ""

@@ -17,7 +17,8 @@ import torch
 from pydantic import ValidationError
 
 from spec_plugins.config import SamplingConfig
-from spec_plugins.row_trees import RowTrees
+from spec_plugins.row_trees import RowTrees, node_depths
+from spec_plugins.transfer import HOST
 from spec_plugins.types import Draft
 
 # stop strings: one string, several, or None (no stop)
@@ -162,11 +163,13 @@ def _shape(t: Any) -> str:
     return f"{list(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
-def check_draft(draft: Any, rows: int, vocab: int, who: str, values: bool) -> None:
+def check_draft(draft: Any, rows: int, vocab: int, who: str, values: bool,
+                budgets: Sequence[int] | None = None) -> None:
     """Refuse a draft that verification would crash on deep inside (a token outside the vocabulary,
     wrong shapes) or, worse, verify to a wrong output law (a q that is no distribution, or gives
     its own drafted token probability 0, which exact verification then always accepts), naming
-    the proposer ``who``.
+    the proposer ``who``; given the round's ``budgets`` (``ProposeContext.budgets``), also one that
+    drafts a row deeper than its budget (``_check_depth``).
 
     Types and shapes need no tensor data, so every draft has them checked. ``values`` reads the
     tokens and q: the batch asks for it only where that read costs no device sync (a draft on the
@@ -200,8 +203,28 @@ def check_draft(draft: Any, rows: int, vocab: int, who: str, values: bool) -> No
                           or not q.dtype.is_floating_point):
         raise bad(f"probs must be a float tensor [B={rows}, n={n}, V={vocab}] (V: the target's logits width) "
                   f"or None, got {_shape(q)}")
+    if budgets is not None and n:
+        _check_depth(draft, budgets, values, bad)
     if values and n:
         _check_values(draft, vocab, bad)
+
+
+def _check_depth(draft: Draft, budgets: Sequence[int], values: bool, bad: Callable[[str], ValueError]) -> None:
+    """Refuse a row whose valid nodes reach deeper than its budget: the loop cuts each row's draft
+    to its room (under its token limit and the target's context), and the runtimes rely on it, so
+    a deeper draft would be verified and committed past both. Node depths come from the parents
+    (host data); ``valid`` is read where it is on the host or ``values`` already reads the draft
+    (a device-resident draft of the package's own drafters, sized by the policy, is not synced)."""
+    depth = torch.tensor(node_depths(draft.parents), dtype=torch.long, device="cpu") + 1  # tokens deep
+    valid = draft.valid_on_host()
+    if valid is not None and valid.device != HOST and not values:
+        return
+    per_row = depth.expand(len(budgets), -1) if valid is None else torch.where(valid.cpu(), depth, 0)
+    deepest = per_row.amax(1).tolist()
+    for b, (d, k) in enumerate(zip(deepest, budgets)):
+        if d > k:
+            raise bad(f"row {b} is drafted {d} tokens deep, past its budget of {k} (ProposeContext.budgets: the "
+                      "most tokens a row's draft may hold along any path)")
 
 
 def _check_values(draft: Any, vocab: int, bad: Callable[[str], ValueError]) -> None:

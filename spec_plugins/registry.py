@@ -14,6 +14,8 @@ from importlib import metadata
 from types import MappingProxyType
 from typing import Any, Callable, Generic, Mapping, TypeVar
 
+from pydantic import BaseModel
+
 T = TypeVar("T")
 
 
@@ -25,10 +27,12 @@ class Registry(Generic[T]):
     """One kind of plugin. Duplicate names are refused; lookups load entry points on a miss."""
 
     def __init__(self, kind: str, group: str, builtins: Mapping[str, str] | None = None,
-                 check: Callable[[Any], None] | None = None) -> None:
+                 check: Callable[[str, Any], None] | None = None) -> None:
         self.kind = kind
         self.group = group
-        self._check = check  # the contract every entry must meet, checked when it registers or loads
+        # the contract every entry must meet, checked (given the name it registers under and the
+        # entry) when it registers or loads
+        self._check = check
         self._entries: dict[str, T] = {}
         # Lazy built-ins: name -> "module:attr" (imported on first use, e.g. optional runtimes).
         self._lazy: dict[str, str] = dict(builtins or {})
@@ -43,7 +47,7 @@ class Registry(Generic[T]):
             if name in self._entries and self._entries[name] is not obj:
                 raise RegistryError(f"{self.kind} {name!r} is already registered ({self._entries[name]!r})")
             if self._check is not None:
-                self._check(obj)  # a class written against the wrong contract: the plugin author's TypeError
+                self._check(name, obj)  # a class written against the wrong contract: the plugin author's TypeError
             self._entries[name] = obj
             self._lazy.pop(name, None)
             if install_hint:
@@ -66,7 +70,7 @@ class Registry(Generic[T]):
         if self._check is None:
             return
         try:
-            self._check(obj)
+            self._check(name, obj)
         except TypeError as exc:
             raise RegistryError(f"{self.kind} {name!r} ({origin}) cannot be used: {exc}") from exc
 
@@ -159,16 +163,43 @@ class Registry(Generic[T]):
         return MappingProxyType(self._entries)
 
 
-def _check_proposer(cls: Any) -> None:
+def check_config_class(kind: str, cls: Any, name: str, key: str, base: str) -> None:
+    """Refuse a plugin class whose ``Config`` is not a subclass of ``base`` (named
+    ``module.Class``: ``spec_plugins.config`` imports this module, so it is matched by name along
+    the MRO) defaulting ``key`` to ``name``: a config section naming the plugin is validated by
+    ``cls.Config.model_validate`` with ``{key: name}``, where a missing or non-pydantic Config
+    would fail as a raw AttributeError and a foreign or mismatched one as a field error that never
+    names the plugin's mistake."""
+    label = getattr(cls, "__name__", repr(cls))
+    config = getattr(cls, "Config", None)
+    bases = {f"{c.__module__}.{c.__qualname__}" for c in getattr(config, "__mro__", ())}
+    if not (isinstance(config, type) and issubclass(config, BaseModel) and base in bases):
+        got = "none" if config is None else getattr(config, "__qualname__", type(config).__name__)
+        raise TypeError(f"{kind} {label} must carry a Config class subclassing {base} "
+                        f"(its config section, with {key} defaulting to {name!r}); got {got}")
+    field = config.model_fields.get(key)
+    if field is None or field.is_required() or field.default != name:
+        got = "no default" if field is None or field.is_required() else f"the default {field.default!r}"
+        raise TypeError(f"{kind} {label}: its Config's {key} must default to {name!r}, the name it is registered "
+                        f"under; it has {got}")
+
+
+def _check_proposer(name: str, cls: Any) -> None:
     from spec_plugins.proposers.base import check_proposer_class
 
     check_proposer_class(cls)
+    check_config_class("proposer", cls, name, "type", "spec_plugins.config.ProposerConfig")
 
 
-def _check_runtime(cls: Any) -> None:
+def _check_runtime(name: str, cls: Any) -> None:
     from spec_plugins.backends.base import check_runtime_class
 
     check_runtime_class(cls)
+    check_config_class("runtime", cls, name, "backend", "spec_plugins.config.RuntimeConfig")
+
+
+def _check_verifier(name: str, cls: Any) -> None:
+    check_config_class("verifier", cls, name, "type", "spec_plugins.config.VerifierConfig")
 
 
 PROPOSERS: Registry[Any] = Registry(
@@ -189,7 +220,8 @@ PROPOSERS: Registry[Any] = Registry(
 )
 VERIFIERS: Registry[Any] = Registry(
     "verifier", "spec_plugins.verifiers", builtins={"exact": "spec_plugins.verifiers:ExactVerifier",
-                                                   "typical": "spec_plugins.verifiers:TypicalVerifier"}
+                                                   "typical": "spec_plugins.verifiers:TypicalVerifier"},
+    check=_check_verifier,
 )
 BACKENDS: Registry[Any] = Registry(
     "backend", "spec_plugins.backends", builtins={"torch": "spec_plugins.backends.torch_backend:TorchBackend",

@@ -8,7 +8,9 @@ per row-round too: of the rows that drafted depth d, the share that accepted it.
 in a round (its processing raises, its grammar has no way on: finish reason ``error``) emits
 nothing and its verdict is ignored, so that round is no row-round for it: it is left out of
 ``row_rounds``, the drafted / accepted / emitted counts and the per-depth counts (plain decoding
-stays at 1.0 when rows fail); the target forward still counts.
+stays at 1.0 when rows fail); the target forward still counts. Accepted counts are the output's:
+a row's accepted path is cut where its emitted tokens end (``kept_depth``: an end-of-sequence
+token, its token limit, its grammar or a stop string), so accepted never exceeds emitted.
 """
 
 from __future__ import annotations
@@ -49,11 +51,12 @@ class DecodeStats:
         failed = {e.key for e in record.emissions if e.error is not None}  # rows failing this round
         ok = [k not in failed for k in record.keys]
         self.row_rounds += sum(ok)
-        for drafted, acc, em, good in zip(record.drafted_by_depth(), record.accepted, record.emitted, ok):
+        kept = [kept_depth(acc, em) for acc, em in zip(record.accepted, record.emitted)]
+        for drafted, depth, em, good in zip(record.drafted_by_depth(), kept, record.emitted, ok):
             if good:
-                self.observe_round(drafted, len(acc), len(em))
+                self.observe_round(drafted, depth, len(em))
             self.new_tokens += len(em)  # a failing row's tokens before its failure are output too
-        self.forced_tokens += sum(min(f, len(a)) for f, a, good in zip(record.ahead, record.accepted, ok) if good)
+        self.forced_tokens += sum(min(f, d) for f, d, good in zip(record.ahead, kept, ok) if good)
         t = record.times
         self.time_draft += t.draft
         self.time_draft_forward += t.draft_forward
@@ -128,6 +131,11 @@ class DecodeStats:
         return max(0.0, self.time_total - forwards)
 
     @property
+    def share_outside_forwards(self) -> float:
+        """The share of wall time not spent inside a model forward (0 before any time is counted)."""
+        return self.time_outside_forwards / self.time_total if self.time_total else 0.0
+
+    @property
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.time_total if self.time_total else 0.0
 
@@ -156,7 +164,14 @@ class DecodeStats:
             acceptance_by_position=self.acceptance_by_position,
             time_other=self.time_other,
             time_outside_forwards=self.time_outside_forwards,
-            share_outside_forwards=self.time_outside_forwards / self.time_total if self.time_total else 0.0,
+            share_outside_forwards=self.share_outside_forwards,
             tokens_per_second=self.tokens_per_second,
         )
         return d
+
+
+def kept_depth(accepted: list[int], emitted: list[int]) -> int:
+    """How many of a row's accepted drafted nodes are in its output: the verifier's path, cut
+    where the row's emitted tokens end (an end-of-sequence token, the row's token limit, its
+    grammar or a stop string cut it there; the emitted tokens are the path's, then one more)."""
+    return min(len(accepted), len(emitted))

@@ -2,20 +2,45 @@
 turned into row stops. Used by ``generate``, ``stream``, ``generate_batch`` and the server.
 
 Decoding the whole output again every round is quadratic in its length (2,000 tokens: two
-million characters decoded). Instead each token is decoded in a short window: ``prefix``..``read``
-is text already emitted, decoding ``prefix``..end and removing that part gives the new text (the
+million characters decoded). Instead each token is decoded in a short window: its first ``read``
+tokens are text already emitted, decoding all of it and removing that part gives the new text (the
 offsets of TGI's and vLLM's detokenizers), held back while it ends in an incomplete UTF-8
-character (U+FFFD). Work per token is the window, so a stream is linear in its length.
+character (U+FFFD). Work per token is the window, so a stream is linear in its length. Two things
+would grow the window without bound, so they are kept out of it: tokens ``decode`` leaves out
+(special tokens with ``skip_special_tokens``) never enter it, costing no decode (dropping them is
+what ``decode`` does); and held-back tokens are released once they cannot change any more
+(``_release``): a UTF-8 character has at most 4 bytes, so of a long held run only the last 3
+tokens can still complete one, the text before them shows U+FFFD for good (byte-level decoders
+per ill-formed sequence, byte-fallback ones for every byte of a run holding one).
 
 Stop strings are searched only in text not searched before (plus the longest stop's length
-minus one, for a stop spanning two tokens). A hit becomes a row stop (``StopStrings``, a
-``types.RowStop``): the row keeps its tokens up to the one that completed the stop string and
-finishes with reason ``"stop"``, inside the round, so no token past the stop is ever computed.
+minus one, for a stop spanning two tokens), also while a character is held back: the complete
+text before it (a space in the token that starts an emoji) may finish a stop string, and the
+incomplete tail a row ends on (``flush``) is searched too (only a stop string holding U+FFFD
+can start there; the text then ends before it, the row having finished already). A hit becomes
+a row stop (``StopStrings``, a ``types.RowStop``): the row keeps its tokens up to the one that
+completed the stop string and finishes with reason ``"stop"``, inside the round, so no token
+past the stop is ever computed.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
+
+_BAD = "\ufffd"  # what decode shows for bytes that are not (yet) a whole UTF-8 character
+_TAIL = 3  # held tokens that may still complete a character (its bytes but the last, one a token)
+_CONTEXT = 4  # held tokens kept as the context of a released run: one character's bytes
+
+
+def _special_ids(tok: Any) -> set[int]:
+    """The ids a tokenizer lists as special (``decode`` may leave them out): transformers keeps
+    some only in ``added_tokens_decoder`` (SmolLM2's ``<repo_name>``), some only in
+    ``all_special_ids``."""
+    ids = set(getattr(tok, "all_special_ids", None) or ())
+    added = getattr(tok, "added_tokens_decoder", None) or {}
+    ids.update(i for i, t in added.items() if getattr(t, "special", False))
+    return ids
 
 
 class TextStream:
@@ -29,47 +54,111 @@ class TextStream:
         self.pieces: list[str] = []  # per token: the text it completed ("" while held back or after a stop)
         self.text = ""  # everything emitted so far
         self.stop_at: int | None = None  # index in ``text`` where the first stop string starts
-        self._prefix = self._read = 0
+        self._win: list[int] = []  # the decode window: emitted context, then held-back tokens
+        self._read = 0  # index in ``_win`` where the tokens not yet emitted start
         self._searched = 0  # text before this index was searched for stops
+        self._specials: set[int] | None = None  # listed special ids, read on first use
+        self._left: dict[int, bool] = {}  # per special id: whether decode leaves it out
 
     def add(self, token: int) -> str:
         """Append one token; returns the text it completes ("" while a character is incomplete).
         After a stop string was found, nothing more is emitted."""
         self.ids.append(int(token))
-        self.pieces.append(self._decode_new())
+        self.pieces.append(self._decode_new(int(token)))
         return self.pieces[-1]
 
-    def _decode_new(self) -> str:
-        if self.stop_at is not None:
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=self.skip)
+
+    def _decode_new(self, token: int) -> str:
+        if self.stop_at is not None or self._left_out(token):
             return ""
-        done = self.tok.decode(self.ids[self._prefix:self._read], skip_special_tokens=self.skip)
-        full = self.tok.decode(self.ids[self._prefix:], skip_special_tokens=self.skip)
-        if len(full) <= len(done) or full.endswith("\ufffd"):
+        self._win.append(token)
+        done, full = self._decode(self._win[:self._read]), self._decode(self._win)
+        if len(full) <= len(done):
             return ""
-        self._prefix, self._read = self._read, len(self.ids)
-        new = full[len(done):]
-        self.text += new
-        self._find_stop()
-        return new
+        if full.endswith(_BAD):
+            head = self._release(done, full)
+            if self.stop_at is not None:
+                return head
+            return head + self._settled_stop(full[len(done) + len(head):].rstrip(_BAD))
+        self._win, self._read = self._win[self._read:], len(self._win) - self._read
+        return self._append(full[len(done):])
+
+    def _left_out(self, token: int) -> bool:
+        """Whether ``decode`` drops this token wherever it stands (a special token, skipped):
+        then it adds no text and changes none, so it stays out of the window. Checked once per
+        id, alone, so a listed token that decode keeps (or shows) is decoded as any other."""
+        if not self.skip:
+            return False
+        if self._specials is None:
+            self._specials = _special_ids(self.tok)
+        if token not in self._specials:
+            return False
+        if token not in self._left:
+            self._left[token] = self._decode([token]) == ""
+        return self._left[token]
+
+    def _release(self, done: str, full: str) -> str:
+        """Emit a long held-back run up to its last ``_TAIL`` tokens (returned; "" while it may
+        still change), keeping ``_CONTEXT`` tokens before them as the window's context.
+
+        Released only when each of those context tokens adds exactly one U+FFFD, both in the
+        window and alone, and the released text begins ``full``: then no later token changes it
+        (byte-level decoders render each ill-formed sequence on its own; byte-fallback ones show
+        one U+FFFD per byte for a whole run once it cannot become valid, which those U+FFFDs,
+        in place and alone, prove; an encoded U+FFFD character shows fewer and is held)."""
+        cut = len(self._win) - _TAIL - _CONTEXT
+        if cut < self._read:
+            return ""
+        ctx = self._win[cut:cut + _CONTEXT]
+        if any(self._decode(ctx[:j]) != _BAD * j for j in range(1, _CONTEXT + 1)):
+            return ""
+        base = self._decode(self._win[:cut])
+        if any(self._decode(self._win[:cut + j]) != base + _BAD * j for j in range(1, _CONTEXT + 1)):
+            return ""
+        settled = base + _BAD * _CONTEXT
+        if not (full.startswith(settled) and settled.startswith(done)):
+            return ""
+        self._win, self._read = self._win[cut:], _CONTEXT
+        return self._append(settled[len(done):])
+
+    def _settled_stop(self, settled: str) -> str:
+        """While a character is held back, the complete text before it may already finish a stop
+        string (``" "`` in a token that also starts an emoji): that text is emitted then, so the
+        row stops at this token. Otherwise nothing is emitted and the window waits."""
+        at = self._stop_in(settled) if settled else None
+        if at is None:
+            return ""
+        self.text += settled
+        self._searched, self.stop_at = len(self.text), at
+        return settled
 
     def flush(self) -> str:
-        """The held-back tail at the end of the row (an incomplete character, shown as U+FFFD)."""
-        if self.stop_at is not None or self._read == len(self.ids):
+        """The held-back tail at the end of the row (an incomplete character, shown as U+FFFD),
+        searched for stop strings as any other text."""
+        if self.stop_at is not None or self._read == len(self._win):
             return ""
-        done = self.tok.decode(self.ids[self._prefix:self._read], skip_special_tokens=self.skip)
-        full = self.tok.decode(self.ids[self._prefix:], skip_special_tokens=self.skip)
-        self._prefix = self._read = len(self.ids)
-        self.text += full[len(done):]
-        return full[len(done):]
+        done, full = self._decode(self._win[:self._read]), self._decode(self._win)
+        self._win, self._read = [], 0
+        return self._append(full[len(done):])
 
-    def _find_stop(self) -> None:
+    def _append(self, new: str) -> str:
+        """Emit ``new``, the first stop string it completes becoming ``stop_at``."""
+        at = self._stop_in(new)
+        self.text += new
+        self._searched, self.stop_at = len(self.text), at
+        return new
+
+    def _stop_in(self, new: str) -> int | None:
+        """Where the first stop string starts in ``text + new``, searching only text not searched
+        before (plus a stop's length minus one before it, for a stop spanning two pieces)."""
         if not self.stops:
-            return
+            return None
         start = max(0, self._searched - self._span)
-        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i != -1]
-        self._searched = len(self.text)
-        if hits:
-            self.stop_at = min(hits)
+        window = self.text[start:] + new
+        hits = [i for i in (window.find(s) for s in self.stops) if i != -1]
+        return start + min(hits) if hits else None
 
     @property
     def visible(self) -> str:

@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from spec_plugins.config import ProposerConfig
 from spec_plugins.proposers.base import check_pairing
 from spec_plugins.policy import Costs, DraftPolicy, build_policy, setup_costs
 from spec_plugins.policy.draft_policy import Length
@@ -44,11 +45,24 @@ def wire(runtime: Any, section: Any, proposer: Any = None, costs: Costs | None =
     its pairing checked and its costs measured (module docstring)."""
     if proposer is None and section is not None:
         proposer = PROPOSERS.get(section.type)(section, target=runtime, **build)
-    if proposer is not None and section is None:
-        section = proposer.config
+    if proposer is not None:
+        section = _checked_section(proposer, section)
     traits = check_pairing(runtime, proposer)
     costs = setup_costs(runtime, proposer, section, rows=rows, costs=costs, length=length, context=context)
     return Wiring(runtime, proposer, section, traits, costs, sizer if sizer is not None else TreeSizer(), length)
+
+
+def _checked_section(proposer: Any, section: Any) -> ProposerConfig | None:
+    """The section a proposer instance's draft policy is built from (``section``, else its own
+    ``config``): a ``ProposerConfig`` (its class's ``Config``) or None (the policy's defaults),
+    refused naming the proposer class where it is anything else, rather than failing on a missing
+    field deep inside the policy."""
+    section = getattr(proposer, "config", None) if section is None else section
+    if section is not None and not isinstance(section, ProposerConfig):
+        name = type(proposer).__name__
+        raise TypeError(f"proposer {name}: its config must be a ProposerConfig (its config section, such as "
+                        f"{name}.Config(num_draft_tokens=4)), got {type(section).__name__}")
+    return section
 
 
 def drafter_layers(section: Any) -> tuple[int, ...]:

@@ -107,21 +107,21 @@ def test_a_bad_draft_is_refused_naming_the_proposer(case):
 
 
 def _good(B: int, n: int) -> Draft:
-    """A chain of 5s whose q gives them half the mass; row 1 drafts one node, its others hold no
-    distribution (an invalid node's q is never read); a third drafted node whose q is NaN
-    throughout (a row whose processors mask every token) is let through."""
-    tokens = point(B, n + 1)
-    valid = torch.ones(B, n + 1, dtype=torch.bool)
+    """A chain of 5s as deep as the budget whose q gives them half the mass; row 1 drafts one
+    node, its others hold no distribution (an invalid node's q is never read); row 0's last node,
+    whose q is NaN throughout (a row whose processors mask every token), is let through."""
+    tokens = point(B, n)
+    valid = torch.ones(B, n, dtype=torch.bool)
     valid[1, 1:] = False
-    q = q_at(B, n + 1, 5)
+    q = q_at(B, n, 5)
     q[1, 1:] = 0.0
-    q[0, n] = float("nan")
-    return Draft(tokens, chain(n + 1), q, valid)
+    q[0, n - 1] = float("nan")
+    return Draft(tokens, chain(n), q, valid)
 
 
 def test_a_well_formed_draft_passes_and_decodes_as_plain_greedy():
     model = tiny_llama(vocab=V, seed=3)
-    dec = SpeculativeDecoder(TorchRuntime(model), Scripted(_good))
+    dec = SpeculativeDecoder(TorchRuntime(model), Scripted(_good, k=3))
     got = dec.generate_batch(PROMPTS, 6)
     assert [g.token_ids for g in got] == [plain_greedy(model, p, 6) for p in PROMPTS]
     assert all(g.error is None for g in got)

@@ -280,9 +280,11 @@ def test_an_entry_point_re_exporting_a_decorated_class_is_the_same_plugin(tmp_pa
 
     (tmp_path / "bigplug").mkdir()
     (tmp_path / "bigplug" / "impl.py").write_text(textwrap.dedent("""
+        from typing import Literal
         from spec_plugins.proposers.ngram import NgramProposer
         class Bigram(NgramProposer):
-            pass
+            class Config(NgramProposer.Config):
+                type: Literal["bigram"] = "bigram"
     """))
     (tmp_path / "bigplug" / "__init__.py").write_text("from bigplug.impl import Bigram\n")
     _fake_dist(tmp_path, monkeypatch, "bigplug_dist", "", "[spec_plugins.proposers]\nbigram = bigplug:Bigram\n"
@@ -293,7 +295,9 @@ def test_an_entry_point_re_exporting_a_decorated_class_is_the_same_plugin(tmp_pa
 
     reg.register("bigram")(bigplug.Bigram)  # the package registers itself on import, as the docs show
     assert reg.names() == ["bigram", "ngram", "other"]
-    assert reg.get("bigram") is bigplug.Bigram and reg.get("other") is bigplug.Bigram
+    assert reg.get("bigram") is bigplug.Bigram
+    with pytest.raises(RegistryError, match="entry point other = bigplug.impl:Bigram.*must default to 'other'"):
+        reg.get("other")  # the same class under another name: its Config names it bigram
     with pytest.raises(RegistryError, match="entry point ngram = bigplug:Bigram"):
         reg.get("ngram")  # another object under a built-in's name
 

@@ -22,7 +22,8 @@ from spec_plugins.policy.cost import DraftCost, ForwardCost
 from spec_plugins.proposers.suffix import SuffixProposer
 from spec_plugins.sampling import LogitsPipeline
 from spec_plugins.stats import DecodeStats
-from spec_plugins.suffix_index import Cursor, GlobalIndex, RequestIndex, Speculation, Trie, speculate, union
+from spec_plugins.suffix_index import Cursor, GlobalIndex, RequestIndex, Trie
+from spec_plugins.suffix_trees import Speculation, speculate, union
 from spec_plugins.tree import paths
 from spec_plugins.types import RowRequest
 from spec_plugins.verifiers import ExactVerifier
@@ -41,8 +42,8 @@ def trie_counts(trie):
     out, stack = {}, [((), trie.root)]
     while stack:
         path, node = stack.pop()
-        for t, c in (node.children or {}).items():
-            out[path + (t,)] = c.count
+        for t, c in trie.children(node).items():
+            out[path + (t,)] = trie.count(c)
             stack.append((path + (t,), c))
     return out
 
@@ -83,7 +84,7 @@ def test_request_index_and_cursor_find_the_longest_earlier_suffix():
         longest = 0
         for n in range(1, min(4, len(ctx)) + 1):
             node = other.walk(ctx[-n:])
-            if node is not None and node.children:
+            if node is not None and other.has_children(node):
                 longest = n
         assert got_other == longest
 
@@ -171,14 +172,14 @@ def test_speculate_grows_best_first_by_frequency():
     for s in ([1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6, 7]):
         t.add(s)
     node = t.walk([1, 2])  # followed by 3 (3x) and 6 (1x)
-    spec = speculate(node, 2, max_nodes=10, max_depth=4, min_prob=0.0)
+    spec = speculate(t, node, 2, max_nodes=10, max_depth=4, min_prob=0.0)
     got = dict(zip(spec.tokens, spec.probs))
     assert got[3] == pytest.approx(0.75) and got[6] == pytest.approx(0.25)
     assert got[4] == pytest.approx(0.75 * 2 / 3) and got[5] == pytest.approx(0.75 / 3)
     assert list(spec.probs) == sorted(spec.probs, reverse=True)  # best-first: every prefix is a tree
     assert all(p < i for i, p in enumerate(spec.parents))
-    assert speculate(node, 2, 10, 4, min_prob=0.3).tokens == (3, 4)
-    assert speculate(node, 2, 10, max_depth=1, min_prob=0.0).tokens == (3, 6)
+    assert speculate(t, node, 2, 10, 4, min_prob=0.3).tokens == (3, 4)
+    assert speculate(t, node, 2, 10, max_depth=1, min_prob=0.0).tokens == (3, 6)
 
 
 

@@ -7,12 +7,24 @@ from __future__ import annotations
 import gc
 import random
 
-from spec_plugins.suffix_index import GlobalIndex, Node, Trie
+from spec_plugins.suffix_index import GlobalIndex, Trie
+
+
+def walked(trie: Trie) -> int:
+    """Nodes reachable from the trie's root through its children (the root not counted)."""
+    stack, total = [trie.root], -1
+    while stack:
+        n = stack.pop()
+        total += 1
+        stack.extend(trie.children(n).values())
+    return total
 
 
 def reachable(root: object) -> tuple[int, int]:
-    """(Node objects, Trie objects) reachable from ``root`` through gc referents: what the index
-    keeps alive, found without trusting its own bookkeeping. Types and modules are not followed."""
+    """(node slots held in use, Trie objects) reachable from ``root`` through gc referents: what
+    the index keeps alive, found without trusting its running counts. A trie's storage holds its
+    root, its live nodes and its free list, and its live nodes must be exactly the ones its root
+    reaches. Types and modules are not followed."""
     seen: set[int] = set()
     stack, nodes, tries = [root], 0, 0
     while stack:
@@ -20,8 +32,11 @@ def reachable(root: object) -> tuple[int, int]:
         if id(o) in seen or isinstance(o, type) or type(o).__name__ == "module":
             continue
         seen.add(id(o))
-        nodes += type(o) is Node
-        tries += type(o) is Trie
+        if type(o) is Trie:
+            tries += 1
+            used = len(o._count) - len(o._free)
+            assert len(o._tok) == len(o._kids) == len(o._count) and used - 1 == walked(o)
+            nodes += used
         stack.extend(gc.get_referents(o))
     return nodes, tries
 

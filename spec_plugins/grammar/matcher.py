@@ -158,9 +158,13 @@ _TOKENIZERS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary(
 
 def ll_tokenizer(tokenizer: Any, vocab: int, eos_ids: Sequence[int]) -> Any:
     """The llguidance tokenizer of a Hugging Face fast tokenizer over ``vocab`` logits, built
-    once per (tokenizer, vocab, eos) (building reads the whole vocabulary: about 0.4 s)."""
+    once per (tokenizer, vocab, eos) (building reads the whole vocabulary: about 0.4 s). No
+    ``eos_ids`` is a ``GrammarError``: a grammar's output ends with end-of-sequence."""
     import llguidance.hf
 
+    if not eos_ids:  # llguidance would take token 0 as the end, which the decoder does not end on
+        raise GrammarError("a grammar needs an end-of-sequence token id to end its output, and this model/"
+                           "tokenizer has none; set the tokenizer's eos_token (or the model's eos_token_id)")
     key = (vocab, tuple(sorted(int(e) for e in eos_ids)))
     per = _TOKENIZERS.setdefault(tokenizer, {})
     if key not in per:
@@ -169,7 +173,7 @@ def ll_tokenizer(tokenizer: Any, vocab: int, eos_ids: Sequence[int]) -> Any:
             raise GrammarError(f"the tokenizer has {tokens} tokens but the model's vocabulary (its logits) has "
                                f"{vocab}; the tokenizer does not belong to this model")
         try:
-            per[key] = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=list(key[1]) or None)
+            per[key] = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=list(key[1]))
         except ValueError as exc:
             raise GrammarError(f"grammars need a fast (Rust) Hugging Face tokenizer: {exc}") from None
     return per[key]

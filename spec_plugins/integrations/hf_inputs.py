@@ -20,6 +20,9 @@ def split_left_padding(input_ids: torch.Tensor, mask: torch.Tensor | None, pad_i
     n_pad = (m.cumsum(1) == 0).sum(1).tolist()  # leading zeros
     rows, pads = [], []
     for b, (row, k) in enumerate(zip(ids, n_pad)):
+        if k == len(row):
+            raise ValueError(f"row {b} of attention_mask is all zeros: the row has no prompt token to continue "
+                             "(an empty prompt); give every row at least one token with mask 1 (e.g. a BOS token)")
         if int(m[b, k:].sum()) != len(row) - k:
             raise ValueError(_inner_zero(b, k, m, input_ids, pad_id))
         rows.append(row[k:])

@@ -21,23 +21,33 @@ transformers 5.x does not pass ``streamer`` or ``assistant_model`` to a callable
 callable takes them under its own names: ``spec_streamer=`` and ``draft_model=``. The directory
 form, ``custom_generate=CUSTOM_GENERATE`` with ``trust_remote_code=True``, receives every
 ``generate()`` argument (transformers' documented way for custom decoding methods) and hands
-``streamer=`` and ``assistant_model=`` to the callable under those names.
+``streamer=`` and ``assistant_model=`` to the callable under those names. ``synced_gpus`` is
+dropped from a callable too (it is ``_sample``'s own): it is read from ``generate()``'s frame
+(``hf_guards``) and refused.
+
+Sampling: with a proposer drafting point masses (every model-free one, the heads), each call
+draws one seed per row from torch's global RNG (``torch.manual_seed`` decides them) and decodes
+the rows as seeded rows, whose samples are keyed on their positions (``keyed_draws``): the
+output does not depend on the draft schedule. A draft model's drafts carry its distribution,
+whose rejection tests draw from a stream anyway: those calls sample from torch's global RNG.
 """
 
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
-from spec_plugins.backends import hf_compat
 from spec_plugins.config import ConfigError, SamplingConfig, SpecConfig, default_config, load_file
+from spec_plugins.integrations.hf_guards import check_context, check_dropped_streamer, check_supported, synced_gpus_of
 from spec_plugins.integrations.hf_inputs import split_left_padding
 from spec_plugins.integrations.hf_processors import adapt_processors
 from spec_plugins.integrations.plugin_state import Setup, model_lock
 from spec_plugins.loop import decode
+from spec_plugins.loop.verdicts import takes_keyed_draws
 from spec_plugins.proposers.base import Proposer
 from spec_plugins.registry import VERIFIERS
 from spec_plugins.sampling import LogitsPipeline
@@ -48,11 +58,6 @@ __all__ = ["CUSTOM_GENERATE", "speculative_generate"]
 # ``model.generate(..., custom_generate=CUSTOM_GENERATE, trust_remote_code=True)``: a directory
 # holding ``custom_generate/generate.py``, which receives every ``generate()`` argument
 CUSTOM_GENERATE = str(Path(__file__).resolve().parent / "hf_generate")
-
-# model_kwargs transformers always prepares for decoder-only models; anything else is a model
-# input we do not forward (images, embeddings, token types...).
-# The cache arrives under the model's own keyword ('cache' or 'past_key_values', by version).
-_KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "logits_to_keep", "use_cache", *hf_compat.CACHE_KEYWORDS}
 
 
 def speculative_generate(
@@ -79,69 +84,77 @@ def speculative_generate(
     ``proposer`` (a Proposer instance), ``spec_stats`` (a DecodeStats to fill), ``stop_strings``
     with ``spec_tokenizer`` (the tokenizer: transformers drops ``tokenizer=`` from a callable; the
     directory form takes ``tokenizer=``). Calls on one model decode one after another
-    (``plugin_state.model_lock``)."""
+    (``plugin_state.model_lock``). A call that raises ends the streamer first."""
     gc = generation_config if generation_config is not None else model.generation_config
     streamer = spec_streamer
-    _check_dropped_streamer(sys._getframe(1))
-    _check_supported(model, gc, synced_gpus, model_kwargs)
-    # generate() stores the resolved ids (pad falls back to EOS) as tensors on the config
-    eos = _ids(getattr(gc, "_eos_token_tensor", gc.eos_token_id))
-    pad_id = next(iter(_ids(getattr(gc, "_pad_token_tensor", gc.pad_token_id))), None)
+    caller = sys._getframe(1)
+    with _ends_on_error(streamer):
+        check_dropped_streamer(caller)
+        check_supported(model, gc, synced_gpus_of(model, synced_gpus, caller), model_kwargs)
+        # generate() stores the resolved ids (pad falls back to EOS) as tensors on the config
+        eos = _ids(getattr(gc, "_eos_token_tensor", gc.eos_token_id))
+        pad_id = next(iter(_ids(getattr(gc, "_pad_token_tensor", gc.pad_token_id))), None)
 
-    # 1. rows: strip left padding, keep the pads for the processors' view
-    rows, pads = split_left_padding(input_ids, model_kwargs.get("attention_mask"), pad_id)
-    max_new = int(gc.max_length) - input_ids.shape[1]
+        # 1. rows: strip left padding, keep the pads for the processors' view
+        rows, pads = split_left_padding(input_ids, model_kwargs.get("attention_mask"), pad_id)
+        max_new = int(gc.max_length) - input_ids.shape[1]
 
-    with model_lock(model):
-        # 2. components: the user's model as target (its runtime wrapper, costs and wired proposers kept,
-        # so later calls measure nothing: ``plugin_state.Setup``), proposer/verifier from the spec config
-        cfg = _spec_config(spec_config)
-        setup = Setup.of(model)
-        target = setup.runtime
-        _check_context(rows, max_new, target.max_context)
-        wiring = setup.wired(cfg, draft_model, spec_config is None, proposer)
-        verifier = VERIFIERS.get(cfg.verifier.type)(cfg.verifier)
-        # transformers' processor list already holds its warpers (temperature, top-k, top-p, ...):
-        # sample from the processed scores as they are (temperature 1), or take their argmax.
-        sampling = SamplingConfig(temperature=1.0 if gc.do_sample else 0.0, seed=None)
-        pipeline = LogitsPipeline(sampling, adapt_processors(logits_processor or [], input_ids))
-        criteria = [*(stopping_criteria or []), *_stop_string_criteria(stop_strings, spec_tokenizer)]
-        out: list[list[int]] = [[] for _ in rows]
-        done = [False] * len(rows)
-        stop = _Stops.build(criteria, gc, eos, pad_id, pads, rows, out, done, input_ids.device)
+        with model_lock(model):
+            # 2. components: the user's model as target (its runtime wrapper, costs and wired proposers kept,
+            # so later calls measure nothing: ``plugin_state.Setup``), proposer/verifier from the spec config
+            cfg = _spec_config(spec_config)
+            setup = Setup.of(model)
+            target = setup.runtime
+            check_context(rows, max_new, target.max_context)
+            wiring = setup.wired(cfg, draft_model, spec_config is None, proposer, tokenizer=spec_tokenizer)
+            verifier = VERIFIERS.get(cfg.verifier.type)(cfg.verifier)
+            # transformers' processor list already holds its warpers (temperature, top-k, top-p, ...):
+            # sample from the processed scores as they are (temperature 1), or take their argmax.
+            sampling = SamplingConfig(temperature=1.0 if gc.do_sample else 0.0, seed=None)
+            pipeline = LogitsPipeline(sampling, adapt_processors(logits_processor or [], input_ids))
+            criteria = [*(stopping_criteria or []), *_stop_string_criteria(stop_strings, spec_tokenizer)]
+            out: list[list[int]] = [[] for _ in rows]
+            done = [False] * len(rows)
+            stop = _Stops.build(criteria, gc, eos, pad_id, pads, rows, out, done, input_ids.device)
+            # seeded rows where their draws are keyed; a drafted distribution's rejection tests draw from
+            # streams either way (seeds would cost one verifier call per row): torch's global RNG there
+            keyed = wiring.traits.point_masses and takes_keyed_draws(verifier)
+            seeds = _row_seeds(len(rows)) if gc.do_sample and keyed else None
 
-        # 3. decode, streaming as we go (global torch RNG, like plain generate)
-        stats = spec_stats if spec_stats is not None else DecodeStats()
-        sent = 0
-        if streamer is not None:
-            streamer.put(input_ids.cpu())  # the prompt first, as generate() puts it
-        errors: dict[int, str] = {}
-        try:
-            for step in decode(target, wiring.proposer, verifier, pipeline, rows, max_new, eos, None, stats,
-                               wiring.policy(), processor_prefix=pads, stop=stop, traits=wiring.traits):
-                for i, toks in step.emitted.items():
-                    out[i].extend(toks)
-                if stop is not None and stop.end is not None:
-                    for o in out:
-                        del o[stop.end:]  # tokens past the batch's end (emitted before it was known)
-                for i in step.finished:
-                    done[i] = True
-                errors |= step.errors
-                if errors:
-                    break  # plain generate() raises where a row's processing fails: so does this
-                if streamer is not None:
-                    sent = _stream(streamer, out, done, sent, pad_id)
-        finally:  # the kept runtime (and proposer) hold no rows or KV between calls, also after a
-            # streamer, stopping criterion or Ctrl-C raised mid-decode
-            target.select_rows([])
-            if wiring.traits.row_aware:
-                wiring.proposer.select_rows([])
-        if errors:
-            i, why = next(iter(sorted(errors.items())))
-            raise RuntimeError(f"speculative_generate: row {i} failed: {why}")
-        if streamer is not None:
-            _stream(streamer, out, [True] * len(out), sent, pad_id)
-            streamer.end()
+            # 3. decode, streaming as we go
+            stats = spec_stats if spec_stats is not None else DecodeStats()
+            sent = cut = 0
+            if streamer is not None:
+                streamer.put(input_ids.cpu())  # the prompt first, as generate() puts it
+            errors: dict[int, str] = {}
+            try:
+                for step in decode(target, wiring.proposer, verifier, pipeline, rows, max_new, eos, None, stats,
+                                   wiring.policy(), processor_prefix=pads, stop=stop, seeds=seeds,
+                                   traits=wiring.traits):
+                    for i, toks in step.emitted.items():
+                        out[i].extend(toks)
+                    if stop is not None and stop.end is not None:
+                        cut += _cut(out, stop.end)
+                    for i in step.finished:
+                        done[i] = True
+                    errors |= step.errors
+                    if errors:
+                        break  # plain generate() raises where a row's processing fails: so does this
+                    if streamer is not None:
+                        sent = _stream(streamer, out, done, sent, pad_id)
+            finally:  # the kept runtime (and proposer) hold no rows or KV between calls, also after a
+                # streamer, stopping criterion or Ctrl-C raised mid-decode
+                target.select_rows([])
+                if wiring.traits.row_aware:
+                    wiring.proposer.select_rows([])
+                _uncount(stats, cut)
+            if errors:
+                i, why = next(iter(sorted(errors.items())))
+                raise RuntimeError(f"speculative_generate: row {i} failed: {why}")
+            if streamer is not None:
+                _stream(streamer, out, [True] * len(out), sent, pad_id)
+    if streamer is not None:
+        streamer.end()
 
     # 4. transformers' layout: padded prompt + new tokens, right-padded with pad_token_id
     sequences = _assemble(input_ids, out, pad_id)
@@ -153,66 +166,17 @@ def speculative_generate(
 
 
 # ---- checks ------------------------------------------------------------------------------------
-def _check_supported(model: Any, gc: Any, synced_gpus: bool, model_kwargs: dict) -> None:
-    """Refuse, by name, every option whose meaning we cannot reproduce exactly."""
-    from transformers.generation import GenerationMode
-
-    if model.config.is_encoder_decoder:
-        raise ValueError("speculative_generate supports decoder-only models; this one is encoder-decoder")
-    mode = gc.get_generation_mode()
-    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
-        hint = {
-            GenerationMode.ASSISTED_GENERATION: " (prompt_lookup_num_tokens / assistant options: choose the draft "
-                                                "source with spec_config's proposer, e.g. type ngram, or draft_model=)",
-        }.get(mode, f" (num_beams={gc.num_beams}; only num_beams=1 is supported)"
-              if mode in (GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE, GenerationMode.GROUP_BEAM_SEARCH,
-                          GenerationMode.CONSTRAINED_BEAM_SEARCH) else "")
-        raise ValueError(f"speculative_generate supports greedy search and sampling, not {mode.value}{hint}")
-    if synced_gpus:
-        raise ValueError("speculative_generate does not support synced_gpus (multi-GPU ZeRO-3/FSDP generation)")
-    if gc.return_dict_in_generate:
-        wanted = [n for n in ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
-                  if getattr(gc, n, False)]
-        if wanted:
-            raise NotImplementedError(
-                f"speculative_generate returns sequences only; {', '.join(wanted)} is not supported "
-                "(scores of drafted positions are not produced one step at a time)")
-    extra = sorted(k for k, v in model_kwargs.items() if k not in _KNOWN_MODEL_KWARGS and v is not None)
-    if extra:
-        raise ValueError(f"speculative_generate takes input_ids (+ attention_mask) only; got {', '.join(extra)}")
-    cache = model_kwargs.get(hf_compat.cache_keyword(model))
-    if cache is not None and cache.get_seq_length() > 0:
-        raise ValueError("speculative_generate cannot continue from a pre-filled cache; pass the full input_ids")
-
-
-def _check_dropped_streamer(caller: Any) -> None:
-    """transformers puts the prompt into ``generate(streamer=...)`` and then calls a callable
-    ``custom_generate`` without it, so nothing more would reach it and its ``end()`` would never
-    come (a thread reading a ``TextIteratorStreamer`` would wait forever): refuse it, ending it
-    first so such a reader stops. ``caller`` is read only when it is transformers' ``generate()``."""
-    import inspect
-
-    from transformers.generation.utils import GenerationMixin
-
-    if caller.f_code is not inspect.unwrap(GenerationMixin.generate).__code__:
-        return
-    streamer = caller.f_locals.get("streamer")
-    if streamer is not None:
-        streamer.end()
-        raise ValueError("speculative_generate: transformers does not hand streamer= to a callable custom_generate "
-                         "(it would receive the prompt only): pass it as spec_streamer=, or use the directory "
-                         "form (custom_generate=CUSTOM_GENERATE, trust_remote_code=True), which takes streamer=")
-
-
-def _check_context(rows: list[list[int]], max_new: int, context: int) -> None:
-    """Refuse a call that would run past the model's context: plain ``generate()`` runs on there
-    (rotary positions extrapolate), where this engine stops each row at it, which would cut the
-    output short without a word."""
-    longest = max((len(r) for r in rows), default=0)
-    if longest + max_new > context:
-        raise ValueError(f"speculative_generate: a prompt of {longest} tokens plus max_new_tokens {max_new} runs past "
-                         f"the model's context of {context} positions (max_position_embeddings), where this engine "
-                         "stops: lower max_new_tokens (or max_length)")
+@contextmanager
+def _ends_on_error(streamer: Any) -> Iterator[None]:
+    """End the streamer where the call raises (a refusal before anything is streamed, or an error
+    mid-decode), then re-raise: a thread reading a ``TextIteratorStreamer`` would otherwise wait
+    forever for an ``end()`` that never comes."""
+    try:
+        yield
+    except BaseException:
+        if streamer is not None:
+            streamer.end()
+        raise
 
 
 def _ids(x: Any) -> list[int]:
@@ -242,6 +206,14 @@ def _spec_config(spec: SpecConfig | dict | str | Path | None) -> SpecConfig:
     if isinstance(spec, SpecConfig):
         return spec
     raise TypeError(f"spec_config must be a path, a dict or a SpecConfig, got {type(spec).__name__}")
+
+
+def _row_seeds(n: int) -> list[int]:
+    """One seed per row, drawn from torch's global RNG, so ``torch.manual_seed`` decides them and
+    every sampled call takes the same n draws from it. A seeded row's samples are keyed on (seed,
+    position) (``keyed_draws``), so its output does not depend on how many tokens each round
+    drafted (timed costs, the tree sizer's state), as draws from one shared stream would."""
+    return [int(s) for s in torch.randint(0, 2**63 - 1, (n,)).tolist()]
 
 
 def _stop_string_criteria(stop_strings: str | Sequence[str] | None, tokenizer: Any) -> list[Any]:
@@ -351,6 +323,22 @@ def _stream(streamer: Any, out: list[list[int]], done: list[bool], sent: int, pa
     for c in range(sent, ready):
         streamer.put(torch.tensor([o[c] if c < len(o) else _pad(pad_id) for o in out], dtype=torch.long))
     return max(sent, ready)
+
+
+def _cut(out: list[list[int]], end: int) -> int:
+    """Cut every row to ``end`` new tokens (tokens past the batch's end, emitted before it was
+    known); how many were cut."""
+    gone = sum(max(0, len(o) - end) for o in out)
+    for o in out:
+        del o[end:]
+    return gone
+
+
+def _uncount(stats: DecodeStats, cut: int) -> None:
+    """``new_tokens`` (and so ``tokens_per_second``) counts the tokens the call returns: take out
+    the ``cut`` tokens the rounds emitted past the batch's end. The per-round counts (emitted,
+    accepted, by depth) stay what the rounds did: they measure the speculation, not the output."""
+    stats.new_tokens -= cut
 
 
 def _pad(pad_id: int | None) -> int:

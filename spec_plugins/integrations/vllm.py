@@ -155,20 +155,20 @@ class SuffixDrafter(_Drafter):
         self._Cursor = Cursor
 
     def draft_row(self, idx: Any) -> list[int]:
-        from spec_plugins.suffix_index import speculate
+        from spec_plugins.suffix_trees import speculate
 
         c = self.config
         best: list[int] = []
         best_score = 0.0
-        matches = [idx.inner.match(c.max_match)]
+        matches = [(idx.inner.trie, *idx.inner.match(c.max_match))]
         if c.scope == "global":
             cur = self._Cursor(self.index.trie("*"))
             cur.resync(idx.tokens)
-            matches.append(cur.match(c.max_match))
-        for n, node in matches:
+            matches.append((cur.trie, *cur.match(c.max_match)))
+        for trie, n, node in matches:
             if node is None:
                 continue
-            spec = speculate(node, n, max(1, int(c.max_spec_factor * n)), min(self.k, c.depth - n), c.min_token_prob)
+            spec = speculate(trie, node, n, max(1, int(c.max_spec_factor * n)), min(self.k, c.depth - n), c.min_token_prob)
             chain = _top_path(spec)
             score = sum(p for _, p in chain)
             if score > best_score:

@@ -45,6 +45,7 @@ class Batch:
         self.runtime, self.proposer, self.verifier = runtime, proposer, verifier
         self.traits = traits if traits is not None else check_pairing(runtime, proposer)
         self._foreign = proposer is not None and foreign([proposer, *self.traits.sources])  # ``place``
+        self._budgets: list[int] | None = None  # this round's, set by ``draft``
         self.device = torch.device(getattr(runtime, "device", "cpu"))
         self.eos = {int(e) for e in eos_ids}
         self.lossy = bool(getattr(verifier, "lossy", False))
@@ -141,7 +142,7 @@ class Batch:
         """Refuse a request the runtime cannot run whole: its prompt + max_new_tokens must fit the context."""
         if not r.prompt:
             raise ValueError(f"request {r.key!r}: prompt is empty")
-        if len(r.prompt) >= self.runtime.max_context:
+        if len(r.prompt) > self.runtime.max_context:
             raise ValueError(f"request {r.key!r}: prompt has {len(r.prompt)} tokens; the context holds "
                              f"{self.runtime.max_context}")
         if r.max_new_tokens < 0:
@@ -227,6 +228,7 @@ class Batch:
         if grammar.constrained(self.rows) and (self.proposer is None or type(self.proposer).continues_ahead):
             self.forced = grammar.forced(self.rows, view.room)  # drafted ahead; the proposer goes on after
             budgets = [max(0, min(k, room - len(f))) for k, room, f in zip(budgets, view.room, self.forced)]
+        self._budgets = budgets  # the deepest draft each row may hold (``_check_draft``)
         if self.proposer is None or max(budgets, default=0) == 0:
             return budgets, None
         hidden = [r.hidden for r in self.rows] if self.traits.needs_hidden else None
@@ -256,7 +258,7 @@ class Batch:
         tensors = (draft.tokens, draft.probs, draft.valid) if isinstance(draft, Draft) else ()
         on_host = all(not isinstance(t, torch.Tensor) or t.device == HOST for t in tensors)
         check_draft(draft, len(self.rows), self.runtime.vocab_size, type(self.proposer).__name__,
-                    values=on_host or self._foreign)
+                    values=on_host or self._foreign, budgets=self._budgets)
 
     def verify_input(self, draft: Draft | None) -> tuple[torch.Tensor, TreeLayout]:
         """The forward's input [B, 1 + n] (pending token + drafted nodes) on the runtime's device,

@@ -35,7 +35,7 @@ def verify_groups(verifier: Callable, rows: Sequence[Any], draft: Draft | None, 
     B, dev = len(rows), z.device
     x = draft.tokens if draft is not None else torch.zeros(B, 0, dtype=torch.long, device=dev)
     parents = draft.parents if draft is not None else ()
-    keyed = point_masses and _takes_keyed_draws(verifier) and (draft is None or draft.probs is None)
+    keyed = point_masses and takes_keyed_draws(verifier) and (draft is None or draft.probs is None)
     groups: dict[Hashable, list[int]] = {}
     for b, r in enumerate(rows):
         key = generator_of(r)
@@ -60,7 +60,7 @@ def verify_groups(verifier: Callable, rows: Sequence[Any], draft: Draft | None, 
     return DeviceVerdict(path, nxt)
 
 
-def _takes_keyed_draws(verifier: Any) -> bool:
+def takes_keyed_draws(verifier: Any) -> bool:
     """Whether the verifier's own class says it takes ``KeyedDraws`` for its generator: a subclass
     (a user's verifier drawing from ``generator`` itself) inherits no such promise."""
     return bool(type(verifier).__dict__.get("keyed_draws", False))

@@ -116,6 +116,10 @@ def setup_costs(runtime: Any, proposer: Any, section: Any, pipeline: Any = None,
         return costs
     positions = max(defaults.max_k, MAX_AUTO_NODES if section.auto_tree else 0) + 1
     positions = min(positions, runtime.max_context // 2)  # a short context: fewer widths (auto drafts less)
+    if positions < 2:
+        raise ValueError(f"an auto draft length or tree measures forwards of 2 and more positions in half the "
+                         f"context, but the runtime's context holds {runtime.max_context} positions: set a fixed "
+                         "num_draft_tokens (and no auto tree) or a larger max_context")
     if costs is None or not costs.covers(rows, positions):
         have = set(costs.forward.base.rows) if costs is not None else set()
         context = min(context or defaults.context, runtime.max_context - positions)

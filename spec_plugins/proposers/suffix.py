@@ -7,9 +7,9 @@ that evicts the oldest request first. Each round, per row:
 1. the longest suffix of the context that was seen before with a continuation is matched in
    both indexes (at most ``max_match`` tokens, so the index depth leaves room to continue);
 2. from each match a tree grows best-first by empirical continuation frequency
-   (``suffix_index.speculate``), at most ``max_spec_factor`` x match length nodes (longer
+   (``suffix_trees.speculate``), at most ``max_spec_factor`` x match length nodes (longer
    matches are trusted with bigger trees), none below ``min_token_prob``;
-3. the two trees are drafted as one (``suffix_index.union``: a path in both keeps its higher
+3. the two trees are drafted as one (``suffix_trees.union``: a path in both keeps its higher
    estimate), trimmed by the cost model (``tree_nodes: auto``) or to ``tree_nodes``.
 Drafts are point masses, so greedy output is plain greedy and sampling stays exact.
 
@@ -29,7 +29,8 @@ from spec_plugins.config import ProposerConfig
 from spec_plugins.policy.tree_size import MAX_AUTO_NODES
 from spec_plugins.proposers.base import Metric, ProposeContext, Proposer, RoundRecord
 from spec_plugins.registry import register_proposer
-from spec_plugins.suffix_index import EMPTY, Cursor, GlobalIndex, RequestIndex, Speculation, speculate, union
+from spec_plugins.suffix_index import Cursor, GlobalIndex, RequestIndex, Trie
+from spec_plugins.suffix_trees import EMPTY, Speculation, speculate, union
 from spec_plugins.tree import ordinal_paths
 from spec_plugins.types import Ranked, RankedRow
 FINISHED = ("eos_token", "length", "stop")  # rows that end so go into the global index
@@ -58,9 +59,9 @@ class SuffixProposer(Proposer):
         depth: int = Field(32, ge=2, le=128, description="Longest substring the indexes hold (work per token).")
         max_match: int = Field(12, ge=1, le=127, description="Longest suffix matched (the rest of depth is for drafts).")
         global_max_tokens: int = Field(200_000, ge=1, description="Token cap of the global index (oldest "
-                                                                  "evicted); about 7 KB a token: 1.3 GiB at 200,000.")
+                                                                  "evicted); about 1.6 KB a token: 308 MiB at 200,000.")
         global_max_nodes: int | None = Field(None, ge=1, description="Trie-node cap of the global index (oldest "
-                                                                     "evicted), about 265 bytes a node; none: the "
+                                                                     "evicted), about 61 bytes a node; none: the "
                                                                      "token cap alone bounds it.")
         max_tenants: int = Field(10_000, ge=1, description="scope: tenant: tenants whose finished requests are "
                                                              "held at once; a new one evicts the least recently "
@@ -183,20 +184,23 @@ class SuffixProposer(Proposer):
                 out.append(EMPTY)
                 continue
             cap = MAX_AUTO_NODES if c.tree_nodes == "auto" else c.tree_nodes
-            specs = [speculate(node, n, min(cap, max(1, int(c.max_spec_factor * n))), min(budget, c.depth - n),
+            own = self.rows[b]
+            specs = [speculate(trie, node, n, min(cap, max(1, int(c.max_spec_factor * n))), min(budget, c.depth - n),
                                c.min_token_prob)
-                     for n, node in (self.rows[b].match(c.max_match), self._global_match(b)) if node is not None]
+                     for trie, n, node in ((own.trie, *own.match(c.max_match)), self._global_match(b))
+                     if node is not None]
             out.append(_prefix(union(specs), cap))
         return out
 
-    def _global_match(self, b: int) -> tuple[int, Any]:
+    def _global_match(self, b: int) -> tuple[Trie | None, int, int | None]:
+        """Row b's match in the global trie of its scope: (that trie, length, node id or None)."""
         cur = self.cursors[b]
         if cur is None:
-            return 0, None
+            return None, 0, None
         n, node = cur.match(self.config.max_match)
         self.index.stats.lookups += 1
         self.index.stats.hits += node is not None
-        return n, node
+        return cur.trie, n, node
 
     def propose(self, ctx: ProposeContext) -> Ranked | None:
         """Each row's tree best-first with its frequency estimates; the draft policy sizes it."""

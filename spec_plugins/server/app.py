@@ -235,9 +235,10 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if state.scheduler.alive:
+        problem = state.scheduler.unhealthy
+        if problem is None:
             return JSONResponse({})
-        return JSONResponse({"error": "decode thread is not running", "error_type": "unhealthy"}, status_code=503)
+        return JSONResponse({"error": problem, "error_type": "unhealthy"}, status_code=503)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:

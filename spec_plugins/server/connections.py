@@ -4,7 +4,7 @@ uvicorn bounds the time between requests of a kept-alive connection (``timeout_k
 nothing else: a socket that never sends, a request line and headers dripped a byte a second, a
 64 MiB header and ten thousand idle sockets are all held as long as the client likes, until the
 process runs out of file descriptors and every socket is refused, ``/health`` included. This
-module is uvicorn's own httptools protocol with four limits added where the bytes arrive:
+module is uvicorn's own httptools protocol with these limits added where the bytes arrive:
 
 - **header timeout**: a request line and headers must complete within ``header_timeout`` seconds
   of the connection opening (or of the next request's first byte); else 408 and close;
@@ -12,6 +12,11 @@ module is uvicorn's own httptools protocol with four limits added where the byte
   ``max_headers_bytes``, is a 431 and a close, counted as the bytes come (nothing is buffered
   past the cap);
 - **idle timeout**: uvicorn's keep-alive timeout, between requests;
+- **unread body**: a request answered before its body came whole (a 415, a 404, a GET with a
+  body) has ``header_timeout`` seconds more to send the rest, read and dropped, or its connection
+  closes: the parser cannot tell where the next request starts until the body ends, and a body
+  dripped a byte at a time would otherwise hold the connection (each byte stops uvicorn's
+  keep-alive timer); once it ends, the connection goes on as after any request;
 - **connection cap**: past ``max_connections`` open connections, a new one closes the oldest
   connection that holds no request in progress (idle, or still sending its headers); when every
   connection is busy, up to ``reserve`` more are let in for ``/health`` and ``/metrics`` only
@@ -165,6 +170,7 @@ class GuardedHttpTools(HttpToolsProtocol):
         self.over_cap = False
         self._timer: Any = None
         self._message_done = False  # the parser has the current request's last byte
+        self._lingering = False  # answered before its body came whole (``_linger``; module docstring)
         self._headers_open(arm=True)
         self.guard.opened(self)
 
@@ -245,6 +251,8 @@ class GuardedHttpTools(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self.in_headers = False
         self._disarm()
+        if self.transport.is_closing():  # pipelined behind an unread body that just ended: never served
+            return
         if self.over_cap and httptools.parse_url(self.url).path.decode("ascii", "replace") not in PROBES:
             self.guard.counts["over_capacity"] += 1
             self.guard.event("over_capacity", self, f"connection cap ({self.guard.limits.max_connections}) busy: "
@@ -255,13 +263,34 @@ class GuardedHttpTools(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self._message_done = True
+        if self._lingering:  # the rest of a body its answer did not read has come, read and dropped
+            self._lingering = False
+            self._disarm()
+            self._headers_open(arm=False)  # the next request's headers; until then, the idle timeout:
+            if self.timeout_keep_alive_task is not None:
+                self.timeout_keep_alive_task.cancel()
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if not self.pipeline and self._message_done and not self.transport.is_closing():
+        if self.pipeline or self.transport.is_closing():
+            return
+        if self._message_done:
             # the next bytes are the next request's headers; until the first of them, uvicorn's
             # keep-alive timer (the idle timeout) runs
             self._headers_open(arm=False)
+        else:
+            self._linger()
+
+    def _linger(self) -> None:
+        """Answered before its body came whole: read and drop the rest for up to ``header_timeout``
+        seconds, then close; when it ends sooner, the connection goes on as after any request
+        (``on_message_complete``). Closing at once would reset a client still sending, which then
+        never sees its answer, and a kept-alive client would send its next request into a closed
+        socket."""
+        self._lingering = True
+        self._disarm()
+        self._timer = self.loop.call_later(self.guard.limits.header_timeout, self.transport.close)
 
     def refuse(self, status: int, message: str) -> None:
         """Answer ``status`` with ``message`` and close, outside any request cycle."""

@@ -115,12 +115,14 @@ def _replica_id() -> str:
 
 
 class SpecReplica:
-    """The deployment class: Ray's health check asks whether this replica's decode thread lives."""
+    """The deployment class: Ray's health check asks what ``/health`` asks (``Scheduler.unhealthy``:
+    the decode thread lives and its rounds do not all fail)."""
 
     def check_health(self) -> None:
         state = _REPLICA.get("state")
-        if state is not None and not state.scheduler.alive:
-            raise RuntimeError("the decode thread of this replica is not running")
+        problem = state.scheduler.unhealthy if state is not None else None
+        if problem is not None:
+            raise RuntimeError(f"this replica is unhealthy: {problem}")
 
 
 def application(options: ReplicaOptions, scaling: Scaling = Scaling(), name: str = "spec-plugins") -> Any:

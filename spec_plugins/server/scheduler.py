@@ -17,11 +17,16 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from spec_plugins.loop import Batch, run_round
 from spec_plugins.policy import DraftPolicy, build_policy
 from spec_plugins.types import Emission, RowRequest
 
 log = logging.getLogger("spec_plugins.server")
+
+UNHEALTHY_AFTER = 3  # consecutive failed rounds or admissions after which the server reports itself unhealthy
+UNHEALTHY_FOR = 30.0  # seconds it stays so without a newer failure (an idle server runs no round to clear it)
 
 
 class TooLarge(ValueError):
@@ -65,6 +70,9 @@ class Scheduler:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        self.failures = 0  # consecutive failed rounds and admissions; a round that runs resets it (``unhealthy``)
+        self.last_failure = ""  # what the latest of them was (exception type, request id of its log line)
+        self.last_failure_at = 0.0  # when (time.monotonic())
 
     # ---- called from HTTP handlers ------------------------------------------------------------
     def new_key(self) -> int:
@@ -96,6 +104,21 @@ class Scheduler:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def unhealthy(self) -> str | None:
+        """Why this server cannot serve, or None. The decode thread survives a failed round
+        (``_fail_all``), so a runtime that fails every round (a sticky device error) would
+        leave it alive while every request fails: ``UNHEALTHY_AFTER`` failures in a row, with
+        no success between them, count as down too (``/health``, Ray's ``check_health``), for
+        ``UNHEALTHY_FOR`` seconds after the latest: an idle server runs no round that would clear
+        it, so a probe lets traffic back then, and a runtime still broken fails 3 more."""
+        if not self.alive:
+            return "decode thread is not running"
+        if self.failures >= UNHEALTHY_AFTER and time.monotonic() - self.last_failure_at < UNHEALTHY_FOR:
+            return (f"the last {self.failures} decode rounds or admissions failed (latest: {self.last_failure}; "
+                    "the server log has the details)")
+        return None
 
     def snapshot(self) -> dict[str, Any]:
         with self._cv:
@@ -155,10 +178,12 @@ class Scheduler:
                     self._admit(admit)
                 record = run_round(self.batch, self.policy)
                 if record is not None:
+                    self.failures = 0  # a round ran: the server serves (a prefill that ran is no proof of it)
                     self._dispatch(record.emissions)
-            except Exception:  # noqa: BLE001 - a failed round must not kill the server
+            except Exception as exc:  # noqa: BLE001 - a failed round must not kill the server
                 rid = uuid.uuid4().hex[:12]
                 log.exception("decode round failed (request id %s)", rid)
+                self._failed("round", exc, rid)
                 self._fail_all(f"generation failed (request id {rid}); the server log has the details")
 
     def _busy(self) -> bool:
@@ -201,6 +226,9 @@ class Scheduler:
                 return
             rid = uuid.uuid4().hex[:12]
             log.exception("admission failed (request id %s)", rid)
+            # a request's own input, refused, or too large for the memory free now: no sign of a broken server
+            if not isinstance(exc, (ValueError, TypeError, torch.OutOfMemoryError)):
+                self._failed("admission", exc, rid)
             with self._cv:
                 for j in jobs:
                     if not j.finished:
@@ -214,6 +242,12 @@ class Scheduler:
                     self._jobs[j.row.key] = j
             self._settled(jobs)
         self._dispatch(ems)
+
+    def _failed(self, what: str, exc: Exception, rid: str) -> None:
+        """Count a failed round or admission (``unhealthy``), named as the request's error names it."""
+        self.failures += 1
+        self.last_failure = f"{what} {type(exc).__name__}, request id {rid}"
+        self.last_failure_at = time.monotonic()
 
     def _settled(self, jobs: list[Job]) -> None:
         """``jobs`` run or failed: no longer in ``_admitting`` (the caller holds the lock)."""

@@ -98,7 +98,7 @@ def features_cmd(
 
     from spec_plugins.backends.torch_runtime import load_hf
     from spec_plugins.heads.eagle import parse_feature_layers
-    from spec_plugins.training.features import extract, resume_state
+    from spec_plugins.training.features import extract, recorded_path, resume_state
     from spec_plugins.training.sharegpt import DataFilter, FilterCounts
 
     torch.set_num_threads(threads)
@@ -124,16 +124,16 @@ def features_cmd(
         max_seq = fit_max_seq(max_seq, getattr(model.config, "max_position_embeddings", None))
         keep = parse_feature_layers(layers, int(model.config.num_hidden_layers))
         max_new_tokens = max_new_tokens or 256
-        meta = {"target": target, "source": source, "responses": responses, "split": split, "max_seq": max_seq,
-                "layers": list(keep), "language": language, "heldout_share": heldout_share,
-                "prompts": str(prompts) if prompts else None,
+        meta = {"target": recorded_path(target), "source": source, "responses": responses, "split": split,
+                "max_seq": max_seq, "layers": list(keep), "language": language, "heldout_share": heldout_share,
+                "prompts": recorded_path(str(prompts)) if prompts else None,
                 "max_new_tokens": max_new_tokens if responses == "self" else None}
         if source == "tokens":  # the shards' content too: a rerun of self-distill may have replaced them
             store.check_model(target, int(model.get_input_embeddings().weight.shape[0]))
-            meta |= {"tokens": str(tokens), "token_meta": store.state.get("meta"),
-                     "token shards (fingerprint)": store.fingerprint()}
-        if texts is not None:
-            meta["prompts (fingerprint)"] = prompts_fingerprint(texts)
+            meta |= {"tokens": recorded_path(str(tokens)), "token_meta": store.state.get("meta"),
+                     "split": store.meta.get("split"), "token shards (fingerprint)": store.fingerprint()}
+        if texts is not None:  # the shipped prompts are the training ones; a file of the user's says no split
+            meta |= {"prompts (fingerprint)": prompts_fingerprint(texts), "split": None if prompts else "train"}
         done = resume_state(out, meta)  # an --out made with other settings is refused before any work
         skipped = done["consumed"] if done and responses == "self" else 0  # answered by an earlier run
         if source == "tokens":
@@ -214,6 +214,7 @@ def self_distill_cmd(
     check_output_dir(out)
     from spec_plugins.config import SpecConfig
     from spec_plugins.decoder import SpeculativeDecoder
+    from spec_plugins.training.features import recorded_path
     from spec_plugins.training.self_distill import regenerate, variants
     from spec_plugins.training.sharegpt import DataFilter
     from spec_plugins.training.sources import fit_max_seq, sharegpt_examples
@@ -231,7 +232,7 @@ def self_distill_cmd(
         fail(exc)
         return
     convs = sharegpt_examples(dec.tokenizer, split, max_seq, DataFilter(language=language), heldout_share)  # type: ignore[arg-type]
-    meta = {"target": target, "source": "sharegpt", "responses": "self", "split": split, "max_seq": max_seq,
+    meta = {"target": recorded_path(target), "source": "sharegpt", "responses": "self", "split": split, "max_seq": max_seq,
             "language": language, "heldout_share": heldout_share, "variants": [vars(w) for w in ways],
             "max_new_tokens": max_new_tokens, "backend": backend, "rows": rows}
     t0 = time.perf_counter()
@@ -288,7 +289,8 @@ def parallel_cmd(
                                    help="Draft positions per drafter forward: depth 0 plus block_size - 1 block queries."),
     anchors: int = typer.Option(32, "--anchors", min=1, help="Blocks trained per window per step."),
     fused: bool = FUSED,
-    draft_vocab: int = DRAFT_VOCAB,
+    draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab", min=16,
+                                              help="Most frequent answer tokens drafted (default 8192; --init: the head's)."),
     intermediate: Optional[int] = INTERMEDIATE,
     step_decay: float = typer.Option(0.8, "--depth-decay", min=0.0, max=1.0, help="Loss weight of depth d: decay ** d."),
     anchor_input: bool = typer.Option(True, "--anchor-input/--no-anchor-input",
@@ -318,9 +320,11 @@ def parallel_cmd(
                finalize=finalize, seed=seed, max_train_tokens=max_train_tokens, loss="soft", step_decay=step_decay)
 
     def go(store, model, tcfg, held):
-        from spec_plugins.training.eagle_train import train_eagle
+        from spec_plugins.training.eagle_train import check_init, train_eagle
 
-        return train_eagle(store, model, tcfg, out, fused, draft_vocab, intermediate, held, not no_progress,
+        if init is not None:  # the head's vocabulary and width win: an explicit other one is refused
+            check_init(init, draft_vocab, intermediate)
+        return train_eagle(store, model, tcfg, out, fused, draft_vocab or 8192, intermediate, held, not no_progress,
                            block_size=block_size, anchors=anchors, init=init, anchor_input=anchor_input,
                            block_layers=block_layers, block_context=block_context)
 

@@ -155,11 +155,14 @@ def train_eagle(store: ShardSource, target_model: Any, cfg: TrainConfig, out: st
     ``hook`` runs after every step (snapshots, a deadline: ``trainer.StepHook``). With
     ``block_size`` the drafter is a parallel one (``parallel_train``: ``anchors`` blocks per window,
     ``block_layers`` layers over each block, seeing the context with ``block_context``).
-    ``init``: a trained EAGLE or parallel head to start from (its layer, draft vocabulary and
-    width; a parallel drafter's block inputs and block layers start fresh where the head has none;
-    a tensor it holds in another shape, e.g. another block size or width, is refused by name)."""
+    ``init``: a trained EAGLE or parallel head to start from (its layer, draft vocabulary in
+    place of ``vocab_size``, and width: an ``intermediate`` other than the head's is refused; a
+    parallel drafter's block inputs and block layers start fresh where the head has none; a
+    tensor it holds in another shape, e.g. another block size or width, is refused by name)."""
     from spec_plugins.training import parallel_train as par
 
+    if block_size:
+        par.check_block_size(block_size, cfg.window)
     out = Path(out)
     torch.manual_seed(cfg.seed)
     layers = tuple(store.meta["layers"]) if fused else ()
@@ -169,7 +172,7 @@ def train_eagle(store: ShardSource, target_model: Any, cfg: TrainConfig, out: st
     if not windows:
         raise ValueError(f"no training windows in {store.directory}")
     V = target_model.get_output_embeddings().weight.shape[0]
-    start = _start_from(init, layers, V) if init is not None else None
+    start = _start_from(init, layers, V, intermediate) if init is not None else None
     if start is not None:
         vocab_ids, intermediate = start[1]["vocab_ids"], int(start[0]["intermediate_size"])
         counts = token_counts(store, V, windows)
@@ -209,12 +212,30 @@ def train_eagle(store: ShardSource, target_model: Any, cfg: TrainConfig, out: st
     return _finish(model, res, cfg, out, store, windows, coverage, heldout, recipe)
 
 
-def _start_from(init: str | Path, layers: tuple[int, ...], vocab: int) -> tuple[dict, dict[str, torch.Tensor]]:
-    """A trained head's (config, weights) to start from, checked against the features and the
-    target's vocabulary of ``vocab`` tokens."""
+def check_init(init: str | Path, vocab_size: int | None = None, intermediate: int | None = None
+               ) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The (config, weights) of the head ``init`` names, refused when it cannot start this
+    training: its kind first (another kind's config has none of the fields the rest reads), then
+    a draft vocabulary or MLP width asked for (None: the head's) that the head's would override."""
     from spec_plugins.heads.common import load_head
 
     cfg, state = load_head(init)
+    kind = cfg.get("kind", "eagle")  # a head saved before configs named their kind is an EAGLE one
+    if kind not in ("eagle", "parallel"):
+        raise ValueError(f"{init} holds a {kind} head; --init starts from an eagle or parallel head")
+    asked = {"--draft-vocab": (vocab_size, "draft_vocab_size"), "--intermediate": (intermediate, "intermediate_size")}
+    for flag, (value, field) in asked.items():
+        if value is not None and value != cfg.get(field):
+            raise ValueError(f"{flag} {value}, but {init} was trained with {field} {cfg.get(field)} and --init "
+                             f"keeps it: leave {flag} out or start fresh (no --init)")
+    return cfg, state
+
+
+def _start_from(init: str | Path, layers: tuple[int, ...], vocab: int, intermediate: int | None = None
+                ) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A trained head's (config, weights) to start from (``check_init``), checked against the
+    features and the target's vocabulary of ``vocab`` tokens."""
+    cfg, state = check_init(init, None, intermediate)
     if tuple(cfg.get("feature_layers", ())) != layers:
         raise ValueError(f"{init} reads feature layers {cfg.get('feature_layers')}, these features hold {list(layers)}")
     top = int(state["vocab_ids"].max()) if "vocab_ids" in state and state["vocab_ids"].numel() else -1

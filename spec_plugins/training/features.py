@@ -139,15 +139,31 @@ def check_plain_head(model: Any, ids: torch.Tensor, probe: int = 64) -> None:
 
 def resume_state(out: Path, meta: dict) -> dict | None:
     """The progress of an earlier extraction into ``out`` (None if there is none), refused when it
-    was made with other settings: a rerun only continues the same extraction."""
+    was made with other settings: a rerun only continues the same extraction. The target is
+    compared as a model: a rerun may name it another way (an older run recorded paths as typed)."""
+    from spec_plugins.models import same_model
     from spec_plugins.training.trainer import differences
 
     path = Path(out) / "progress.json"
     state = json.loads(path.read_text()) if path.is_file() else None
-    if state is not None and state["meta"] != meta:
+    if state is None:
+        return None
+    was = state["meta"].get("target")
+    if "target" in meta and was is not None and same_model(str(was), str(meta["target"])):
+        meta = {**meta, "target": was}
+    if state["meta"] != meta:
         raise ValueError(f"{out} holds features made with other settings ({'; '.join(differences(state['meta'], meta))}); "
                          "use a new --out directory")
     return state
+
+
+def recorded_path(name: str) -> str:
+    """What a directory records for a model or data path: an existing local path made absolute,
+    so what it names loads from any working directory; a built-in model name as it is."""
+    from spec_plugins.models import BUILTIN_MODELS
+
+    p = Path(name).expanduser()
+    return name if name in BUILTIN_MODELS or not p.exists() else str(p.resolve())
 
 
 class ShardWriter:
@@ -332,8 +348,18 @@ class FeatureStore(ShardDirectory):
 
 
 def check_heldout(train: FeatureStore, held: FeatureStore) -> None:
-    """Held-out features score the head trained on ``train``: from another target they measure
-    nothing, with other layers or width the evaluation fails, after the whole training run."""
+    """Held-out features score the head trained on ``train``: from the training split they
+    measure memorisation, from another target nothing, with other layers or width the evaluation
+    fails, after the whole training run. Features that record no split (token shards that do not
+    say, a prompts file of the user's) are taken as the user says."""
+    split = held.meta.get("split")
+    if split == "train":
+        made = {"tokens": f"token shards of the training split ({held.meta.get('tokens')})",
+                "prompts": "the shipped training prompts"}.get(held.meta.get("source"), "the training split")
+        raise ValueError(f"held-out features {held.directory} were made from {made}: held-out numbers would be "
+                         "measured on training data; make them with `train features --split heldout` (or from "
+                         "token shards of `train self-distill --split heldout`)")
+
     def facts(store: FeatureStore) -> dict[str, Any]:
         return {"target": store.meta["target"], "layers": store.meta.get("layers"), "hidden width": store.hidden_size}
 

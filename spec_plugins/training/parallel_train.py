@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from spec_plugins.heads.parallel import ParallelConfig, ParallelDrafter
 from spec_plugins.training.batches import (EagleBatch, ShardCache, eagle_batch, epoch_batches, plan_windows,
@@ -71,6 +70,16 @@ def draw_anchors(b: EagleBatch, count: int) -> tuple[torch.Tensor, torch.Tensor]
     return top.indices, top.values >= 0
 
 
+def check_block_size(block_size: int, window: int) -> None:
+    """Block depth d (1..block_size - 1) is scored at query a + d of a window, anchors a >= 0: past
+    ``window`` queries no depth is ever scored, in training or held out, yet the head would draft
+    it. Refused before anything is written."""
+    if block_size > window:
+        raise ValueError(f"--block-size {block_size} drafts depths up to {block_size - 1}, but a --window of {window} "
+                         f"queries scores depths up to {window - 1} only: set --block-size at most {window} "
+                         "or a larger --window")
+
+
 def block_labels(b: EagleBatch, anchors: torch.Tensor, real: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Query index a + 1 + i of each block query [B, S, n] (its label is that query's) and
     whether it is scored (inside the window, an assistant token, a real anchor)."""
@@ -110,7 +119,8 @@ def evaluate_parallel(model: ParallelDrafter, store: ShardSource, window: int = 
                       chunk: int = 64, max_windows: int | None = None) -> dict[str, Any]:
     """Held-out top-1 per depth (the drafter's token == the target's greedy token), with every
     query of every window as an anchor, and the chain length it would get accepted along the
-    held-out text: 1 + sum over d of P(depths 0..d all right)."""
+    held-out text: 1 + sum over d of P(depths 0..d all right). A depth no held-out position
+    scores (conversations shorter than the block) has top-1 None: not measured, not 0."""
     model.eval()
     fused = bool(model.config.feature_layers)
     windows = plan_windows(store, window)[:max_windows]
@@ -137,10 +147,10 @@ def evaluate_parallel(model: ParallelDrafter, store: ShardSource, window: int = 
                 alive &= r & o
                 chain[d] += int(alive.sum())
             starts += int(real.sum())
-    top1 = [round(h / max(n, 1), 4) for h, n in zip(hit, seen)]
+    top1 = [round(h / n, 4) if n else None for h, n in zip(hit, seen)]
     return {"top1_by_step": top1, "accepted_along_text": round(1 + sum(c / max(starts, 1) for c in chain), 3),
             "positions": starts, "windows": len(windows)}
 
 
-__all__ = ["ParallelConfig", "ParallelDrafter", "block_pass", "draw_anchors", "evaluate_parallel", "parallel_loss",
-           "real_pass"]
+__all__ = ["ParallelConfig", "ParallelDrafter", "block_pass", "check_block_size", "draw_anchors", "evaluate_parallel",
+           "parallel_loss", "real_pass"]

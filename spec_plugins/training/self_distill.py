@@ -68,6 +68,10 @@ def variants(temperatures: Sequence[float], samples: int) -> list[Variant]:
         raise ValueError(f"temperatures must be >= 0 (0 = greedy) and finite, at least one, got {list(temperatures)}")
     if samples < 1:
         raise ValueError(f"samples per temperature must be at least 1, got {samples}")
+    if samples > 1 and not any(t > 0 for t in temperatures):
+        raise ValueError(f"--samples {samples} draws each sampled temperature that many times, but --temperatures "
+                         f"{','.join(f'{t:g}' for t in temperatures)} lists greedy (0) only, answered once: "
+                         "add a temperature above 0 or leave --samples at 1")
     out = [Variant(0.0)] if any(t == 0 for t in temperatures) else []
     return out + [Variant(float(t), s) for t in sorted(set(temperatures)) if t > 0 for s in range(samples)]
 

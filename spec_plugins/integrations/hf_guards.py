@@ -1,0 +1,102 @@
+"""What ``speculative_generate`` refuses before it decodes, and the ``generate()`` arguments that
+transformers drops from a callable ``custom_generate`` but that still decide the call: read from
+``generate()``'s own frame, so they are refused rather than ignored."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from spec_plugins.backends import hf_compat
+
+# model_kwargs transformers always prepares for decoder-only models; anything else is a model
+# input we do not forward (images, embeddings, token types...).
+# The cache arrives under the model's own keyword ('cache' or 'past_key_values', by version).
+_KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "logits_to_keep", "use_cache", *hf_compat.CACHE_KEYWORDS}
+
+
+def check_supported(model: Any, gc: Any, synced_gpus: bool, model_kwargs: dict) -> None:
+    """Refuse, by name, every option whose meaning we cannot reproduce exactly."""
+    from transformers.generation import GenerationMode
+
+    if model.config.is_encoder_decoder:
+        raise ValueError("speculative_generate supports decoder-only models; this one is encoder-decoder")
+    mode = gc.get_generation_mode()
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        hint = {
+            GenerationMode.ASSISTED_GENERATION: " (prompt_lookup_num_tokens / assistant options: choose the draft "
+                                                "source with spec_config's proposer, e.g. type ngram, or draft_model=)",
+        }.get(mode, f" (num_beams={gc.num_beams}; only num_beams=1 is supported)"
+              if mode in (GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE, GenerationMode.GROUP_BEAM_SEARCH,
+                          GenerationMode.CONSTRAINED_BEAM_SEARCH) else "")
+        raise ValueError(f"speculative_generate supports greedy search and sampling, not {mode.value}{hint}")
+    if synced_gpus:
+        raise ValueError("speculative_generate does not support synced_gpus (multi-GPU ZeRO-3/FSDP generation: "
+                         "every rank would have to run the same forwards, and this engine's rounds differ per rank)")
+    if gc.return_dict_in_generate:
+        wanted = [n for n in ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+                  if getattr(gc, n, False)]
+        if wanted:
+            raise NotImplementedError(
+                f"speculative_generate returns sequences only; {', '.join(wanted)} is not supported "
+                "(scores of drafted positions are not produced one step at a time)")
+    extra = sorted(k for k, v in model_kwargs.items() if k not in _KNOWN_MODEL_KWARGS and v is not None)
+    if extra:
+        raise ValueError(f"speculative_generate takes input_ids (+ attention_mask) only; got {', '.join(extra)}")
+    cache = model_kwargs.get(hf_compat.cache_keyword(model))
+    if cache is not None and cache.get_seq_length() > 0:
+        raise ValueError("speculative_generate cannot continue from a pre-filled cache; pass the full input_ids")
+
+
+def generate_frame(caller: Any) -> Any:
+    """``caller`` where it is transformers' ``generate()`` (which called a callable
+    ``custom_generate``), else None: only that frame's locals are read."""
+    import inspect
+
+    from transformers.generation.utils import GenerationMixin
+
+    return caller if caller.f_code is inspect.unwrap(GenerationMixin.generate).__code__ else None
+
+
+def synced_gpus_of(model: Any, given: bool, caller: Any) -> bool:
+    """Whether the call runs with ``synced_gpus``. transformers hands a callable
+    ``custom_generate`` only the keywords ``_sample`` lacks, and ``synced_gpus`` is one of
+    ``_sample``'s, so it never arrives (``given`` is then its default): read it from
+    ``generate()``'s frame, and where it is None there, resolve it as ``generate()`` does (on
+    under DeepSpeed ZeRO-3 or FSDP with more than one process)."""
+    frame = generate_frame(caller)
+    if frame is None:
+        return bool(given)
+    asked = frame.f_locals.get("synced_gpus")
+    if asked is not None:
+        return bool(asked)
+    import torch.distributed as dist
+    from transformers.generation import utils as gen_utils
+
+    # the names generate() itself calls, as its version imports them
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return bool((gen_utils.is_deepspeed_zero3_enabled() or gen_utils.is_fsdp_managed_module(model)) and world > 1)
+
+
+def check_dropped_streamer(caller: Any) -> None:
+    """transformers puts the prompt into ``generate(streamer=...)`` and then calls a callable
+    ``custom_generate`` without it, so nothing more would reach it and its ``end()`` would never
+    come (a thread reading a ``TextIteratorStreamer`` would wait forever): refuse it, ending it
+    first so such a reader stops. ``caller`` is read only when it is transformers' ``generate()``."""
+    frame = generate_frame(caller)
+    streamer = frame.f_locals.get("streamer") if frame is not None else None
+    if streamer is not None:
+        streamer.end()
+        raise ValueError("speculative_generate: transformers does not hand streamer= to a callable custom_generate "
+                         "(it would receive the prompt only): pass it as spec_streamer=, or use the directory "
+                         "form (custom_generate=CUSTOM_GENERATE, trust_remote_code=True), which takes streamer=")
+
+
+def check_context(rows: list[list[int]], max_new: int, context: int) -> None:
+    """Refuse a call that would run past the model's context: plain ``generate()`` runs on there
+    (rotary positions extrapolate), where this engine stops each row at it, which would cut the
+    output short without a word."""
+    longest = max((len(r) for r in rows), default=0)
+    if longest + max_new > context:
+        raise ValueError(f"speculative_generate: a prompt of {longest} tokens plus max_new_tokens {max_new} runs past "
+                         f"the model's context of {context} positions (max_position_embeddings), where this engine "
+                         "stops: lower max_new_tokens (or max_length)")
