@@ -12,10 +12,9 @@ Work per token is O(D) with D fixed (24 by default), independent of the context 
 ``GlobalIndex`` holds finished requests under a token cap (and optionally a node cap), evicting
 the oldest first; removing a request decrements the counts along its suffixes and drops nodes
 that reach zero (their ids are reused), so memory follows the caps. Nodes are ids into flat lists,
-not objects, so the garbage collector never walks them one by one: about 61 bytes a node, and a
-token adds up to ``depth`` nodes (26.6 on real text at depth 32: 1.6 KB a token, 308 MiB for
-200,000 tokens, measured with tracemalloc on this repository's docs and sources, SmolLM2
-tokenizer); the node cap bounds it directly.
+not objects: the garbage collector never walks them one by one, and an index of millions of nodes
+adds nothing to its passes on the decode thread. A token adds up to ``depth`` nodes; the node cap
+bounds memory directly (the bytes per token are in ``docs/proposers.md``).
 """
 
 from __future__ import annotations
