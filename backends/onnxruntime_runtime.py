@@ -24,6 +24,8 @@ from pydantic import Field, model_validator
 
 from spec_plugins.backends.base import RuntimeCapabilities, StepOutput, Want
 from spec_plugins.backends.onnx_cache import exported_from, first_use_export
+from spec_plugins.backends.onnx_providers import (  # callers import these from here too
+    check_session_providers, check_torch_cuda, provider_options, providers_for, session_stream)
 from spec_plugins.backends.slot_runtime import SlotRuntime
 from spec_plugins.slots import KVSlots
 from spec_plugins.config import RuntimeConfig
@@ -46,37 +48,6 @@ def import_ort() -> Any:
     return onnxruntime
 
 
-def providers_for(device: str, available: Sequence[str]) -> list[str]:
-    """Execution providers for a device setting; CUDA requested but absent is an error."""
-    has_cuda = "CUDAExecutionProvider" in available
-    if device == "cuda" and not has_cuda:
-        raise RuntimeError(
-            "device 'cuda' requested but this onnxruntime has no CUDAExecutionProvider (available: "
-            f"{', '.join(available)}); install onnxruntime-gpu (pip install 'spec-plugins[gpu]') or set device: cpu"
-        )
-    if device == "cuda" or (device == "auto" and has_cuda):
-        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    return ["CPUExecutionProvider"]
-
-
-def provider_options(providers: Sequence[str], device_id: int, stream: int | None) -> list[dict[str, str]]:
-    """Each provider's options. CUDA: the device, and ``stream`` (a torch CUDA stream's handle) as
-    the compute stream ONNX Runtime queues its kernels on, so that the runtime can order them after
-    the torch work that writes their inputs (``OnnxRuntime._call``); without it ONNX Runtime runs
-    on a stream of its own that nothing orders. The null stream (torch's default stream, handle 0)
-    cannot serve: ONNX Runtime reads a null ``user_compute_stream`` as none given."""
-    out = []
-    for p in providers:
-        if p != "CUDAExecutionProvider":
-            out.append({})
-            continue
-        if not stream:
-            raise ValueError(f"the CUDA execution provider needs a torch stream other than the default (null) one as "
-                             f"its user_compute_stream, got {stream!r}")
-        out.append({"device_id": str(device_id), "user_compute_stream": str(stream)})
-    return out
-
-
 def create_session(file: str | Path, device: str = "cpu", device_id: int = 0, graph_optimization: str = "all",
                    threads: int | None = None, arena: bool = True, spinning: bool = False) -> Any:
     """An InferenceSession with the configured providers, optimisation level, threads, CPU memory
@@ -87,7 +58,7 @@ def create_session(file: str | Path, device: str = "cpu", device_id: int = 0, gr
     providers = providers_for(device, ort.get_available_providers())
     stream = None
     if "CUDAExecutionProvider" in providers:
-        _check_torch_cuda()
+        check_torch_cuda()
         stream = torch.cuda.Stream(torch.device("cuda", device_id)).cuda_stream
     so = ort.SessionOptions()
     if graph_optimization not in _OPT_LEVELS:
@@ -102,13 +73,15 @@ def create_session(file: str | Path, device: str = "cpu", device_id: int = 0, gr
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     opts = provider_options(providers, device_id, stream)
     try:
-        return ort.InferenceSession(str(file), so, providers=providers, provider_options=opts)
+        session = ort.InferenceSession(str(file), so, providers=providers, provider_options=opts)
     except load_errors(ort) as exc:
         from spec_plugins.graphs.manifest import ManifestError
 
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ManifestError(f"ONNX Runtime cannot load graph {file}: {reason}; if the file is damaged "
                             "(corrupted in place), export again") from exc
+    check_session_providers(session, providers, device, file)  # ONNX Runtime falls back to the CPU silently
+    return session
 
 
 def load_errors(ort: Any) -> tuple[type[Exception], ...]:
@@ -117,24 +90,6 @@ def load_errors(ort: Any) -> tuple[type[Exception], ...]:
     state = ort.capi.onnxruntime_pybind11_state
     names = ("InvalidGraph", "InvalidProtobuf", "NoModel", "NoSuchFile")
     return tuple(getattr(state, n) for n in names if hasattr(state, n))
-
-
-def _check_torch_cuda() -> None:
-    if not torch.cuda.is_available():
-        raise RuntimeError("the CUDA execution provider keeps the KV cache in torch CUDA tensors, "
-                           "but this torch has no CUDA; install a CUDA torch or set device: cpu")
-
-
-def session_stream(session: Any, device: torch.device) -> Any:
-    """The CUDA stream a session queues its kernels on, as a torch stream (its
-    ``user_compute_stream``); a session without one is refused, since nothing could order its
-    kernels after the torch work that writes their inputs."""
-    handle = int(session.get_provider_options().get("CUDAExecutionProvider", {}).get("user_compute_stream", 0))
-    if not handle:
-        raise ValueError("this CUDA session runs on a stream of ONNX Runtime's own, which torch cannot order after "
-                         "the work that writes its inputs; build it with create_session, which gives it a torch "
-                         "stream (user_compute_stream)")
-    return torch.cuda.ExternalStream(handle, device=device)
 
 
 @register_backend("onnxruntime", install_hint=INSTALL_HINT)
@@ -149,7 +104,8 @@ class OnnxRuntime(SlotRuntime):
         graph: GraphName = Field(
             "verify", description="Graph of the export to run: verify (target) or draft (a draft model's; only "
                                   "`export onnx` of a draft_model config writes one). The head graphs' names are "
-                                  "taken too, and refused on load by their kind: the proposers load those.")
+                                  "taken too, and refused on load by their kind: the head proposers "
+                                  "on this target open those where they compute the proposer's head.")
         device: Literal["auto", "cpu", "cuda"] = Field(
             "auto", description="auto = CUDAExecutionProvider when onnxruntime has it, else CPUExecutionProvider.")
         device_id: int = Field(0, ge=0, description="CUDA device index.")
@@ -266,6 +222,7 @@ class OnnxRuntime(SlotRuntime):
             tok = AutoTokenizer.from_pretrained(str(directory / man.tokenizer))
         rt = cls(session, entry, tok, config.max_context, man.eos_token_ids, config.device_id)
         rt.source_model = config.model  # the export's model (``exported_from``), where it is now
+        rt.export_dir = directory  # the head proposers open its head graphs (``heads.runner.export_graph``)
         rt.pad_single = rt.pad_single if config.pad_single == "auto" else bool(config.pad_single)
         rt.capabilities = replace(rt.capabilities, batch_invariant=not rt.single_differs or rt.pad_single)
         return rt
@@ -282,11 +239,12 @@ class OnnxRuntime(SlotRuntime):
         self.session = session
         self.entry = entry
         self.source_model = entry.source_model  # trained heads load the LM head and embeddings from it
+        self.export_dir: Path | None = None  # the export it was loaded from (``from_config``)
         self.tokenizer = tokenizer
         self.eos_token_ids = list(eos_token_ids)
         on_cuda = session.get_providers()[0] == "CUDAExecutionProvider"
         if on_cuda:
-            _check_torch_cuda()
+            check_torch_cuda()
         self.device = torch.device("cuda", device_id) if on_cuda else torch.device("cpu")
         self._stream = session_stream(session, self.device) if on_cuda else None  # None: CPU, in order
         self._ort_device = ("cuda", device_id) if on_cuda else ("cpu", 0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -58,6 +59,7 @@ def export_onnx(
 
     t0 = time.perf_counter()
     try:
+        check_feature_layers(feature_layers)
         flagged = quant_scheme(quantize or "none", block_size, asymmetric, accuracy_level, fp32_lm_head, gguf_grid)
     except ValueError as exc:
         fail(exc)
@@ -76,6 +78,19 @@ def export_onnx(
     for p in man.pending:
         typer.echo(f"pending: {p}")
     typer.echo(f"manifest: {out / 'manifest.json'}  (total {time.perf_counter() - t0:.1f} s including model load)")
+
+
+def check_feature_layers(spec: str) -> None:
+    """``--feature-layers``' syntax, checked before any model loads: ``auto``, ``none`` or layer
+    outputs numbered from 1 (``parse_feature_layers``' forms); the model's layer count, the upper
+    bound, is checked once it has loaded (``export_layers``)."""
+    from spec_plugins.heads.eagle import parse_feature_layers
+
+    try:
+        parse_feature_layers(spec, sys.maxsize)  # the model's layer count, the upper bound, comes later
+    except ValueError:
+        raise ValueError(f"--feature-layers {spec!r}: expected auto, none or comma-separated layer outputs "
+                         "numbered from 1, such as 3,15,28") from None
 
 
 def quant_scheme(quantize: str, block_size: int | None, asymmetric: bool, accuracy_level: int | None,
@@ -155,11 +170,13 @@ def check_can_create(out: Path) -> None:
 def export_check(
     directory: Path = typer.Argument(..., help="An export directory (with manifest.json)."),
     gamma: int = typer.Option(5, "--gamma", min=1, max=64, help="Check N = 1..gamma+1 new nodes."),
-    rtol: Optional[float] = typer.Option(None, "--rtol", help="Allowed max|diff| relative to max|logits| "
-                                                               "(default: by each graph's dtype, see "
-                                                               "docs/runtimes/onnxruntime.md; quantized graphs: "
-                                                               "QUANT_RTOL of exporters/parity.py against fp32 "
-                                                               "on real inputs)."),
+    rtol: Optional[float] = typer.Option(None, "--rtol", help="Allowed max|diff| relative to max|reference| "
+                                                               "for every output compared (logits, hidden, "
+                                                               "features; default: by each graph's dtype and "
+                                                               "case, see docs/runtimes/onnxruntime.md; "
+                                                               "quantized graphs: QUANT_RTOL of "
+                                                               "exporters/parity.py against fp32 on real inputs, "
+                                                               "and a logits scale bound --rtol does not change)."),
     max_new_tokens: int = typer.Option(48, "--max-new-tokens", min=1, help="Greedy speculative tokens compared."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="ONNX Runtime intra-op threads."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),

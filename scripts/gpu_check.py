@@ -16,7 +16,8 @@
 3. The CUDA cases of ``tests/test_devices.py`` (the device audit on the GPU) and of
    ``tests/test_tensorrt.py`` (they skip, saying why, where TensorRT is not installed).
 
-Each stage is skipped once the time budget is spent. Each finished row is appended at once as a JSON
+Rows past the time budget are skipped, each marked so, and counted under the table (the exactness
+matrix runs the newest cases first: ``exactness_cases``). Each finished row is appended at once as a JSON
 line to ``--rows`` (default ``$OUT/gpu_check.jsonl`` where ``$OUT`` is set, as on the lent machine), so
 a call cut off by its limit still returns what it finished; the table is printed last, also when
 SIGINT (``gpu_check.sh``'s time limit) cuts the run short, the unfinished rows marked ``cut off``.
@@ -42,6 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 PROMPTS = [[1, 2, 3, 4, 1, 2, 3, 4, 5], [7, 8, 9, 7, 8, 9, 7], [10, 11, 12, 13, 14, 10, 11]]
+BUDGET_SPENT = "time budget spent"  # the note of a row skipped because the budget ran out
 
 
 @dataclass
@@ -93,6 +95,15 @@ def table(rows: list[Row]) -> str:
     w = [max(len(str(x[i])) for x in [head] + body) for i in range(len(head))]
     line = lambda cells: "| " + " | ".join(str(c).ljust(n) for c, n in zip(cells, w)) + " |"  # noqa: E731
     return "\n".join([line(head), "|" + "|".join("-" * (n + 2) for n in w) + "|"] + [line(b) for b in body])
+
+
+def skipped_line(rows: list[Row], budget: float) -> str:
+    """How many rows the budget left out: a run that skips rows still exits 0, so the count is said
+    in words under the table rather than left to a reader scanning it."""
+    skipped = sum(r.note == BUDGET_SPENT for r in rows)
+    if not skipped:
+        return f"gpu_check: no row skipped for the time budget ({budget:.0f} s)"
+    return f"gpu_check: {skipped} of {len(rows)} rows SKIPPED: the time budget ({budget:.0f} s) was spent (see their notes)"
 
 
 class Syncs:
@@ -155,47 +166,57 @@ def exactness(rows: Rows, dev: str, n: int, deadline: float, compiled: bool) -> 
         _exactness(rows, dev, n, deadline, compiled, heads)
 
 
+def exactness_cases(dev: str, compiled: bool) -> list[tuple[str, str, str]]:
+    """(dtype, proposer, kv) in the order they run, so a budget spent early leaves out what a device
+    has checked before: the captured step (``graphs``, CUDA only, never yet run on a GPU) in both
+    dtypes first; every proposer on the growing and the static cache, fp32 then bf16; the compiled
+    step last (each of its shape buckets compiles for ~27 s on the device)."""
+    from helpers import EVERY_PROPOSER
+
+    dtypes = ("float32", "bfloat16")
+    cases = [(d, kind, "graphs") for d in dtypes for kind in ("ngram", "eagle-tree")] if dev == "cuda" else []
+    cases += [(d, kind, kv) for d in dtypes for kind in EVERY_PROPOSER for kv in ("dynamic", "static")]
+    return cases + ([(d, "ngram", "compiled") for d in dtypes] if compiled else [])
+
+
 def _exactness(rows: Rows, dev: str, n: int, deadline: float, compiled: bool, heads) -> None:
     import torch
     from conftest import tiny_llama
-    from helpers import EVERY_PROPOSER, every_proposer
+    from helpers import every_proposer
 
     from spec_plugins.bench.reference import compare, greedy_reference
 
-    for dtype in (torch.float32, torch.bfloat16):
-        model = tiny_llama(vocab=64, seed=2, sharpness=3.0, layers=4, hidden=128, max_pos=1024).to(dev, dtype)
-        draft = tiny_llama(vocab=64, seed=5, sharpness=3.0, layers=2, hidden=64, max_pos=1024).to(dev, dtype)
-        refs = greedy_reference(model, PROMPTS, n)
-        dname = str(dtype).removeprefix("torch.")
-        # every proposer on the growing cache and on the static one; the compiled step with n-gram
-        # (each new shape bucket compiles, which costs device time)
-        cases = [(kind, kv) for kind in EVERY_PROPOSER for kv in ("dynamic", "static")]
-        cases += [("ngram", "compiled")] if compiled else []
-        cases += [("ngram", "graphs"), ("eagle-tree", "graphs")] if dev == "cuda" else []
-        for kind, kv in cases:
-            for batched in (False, True):
-                row = rows.add(Row(f"{kind} {dname} {kv} {'batch of 3' if batched else '1 row'}"))
-                if time.monotonic() > deadline:
-                    row.note = "time budget spent"
-                    rows.finish(row)
-                    continue
-                try:
-                    rt = runtime(kv, model)
-                    prop = every_proposer(kind, rt, heads, draft=lambda: runtime(kv, draft))
-                    groups = [PROMPTS] if batched else [[p] for p in PROMPTS]
-                    outs, acc, syncs = [], [], []
-                    for g in groups:
-                        o, a, s = decode_rows(rt, prop, g, n, dev == "cuda")
-                        outs, acc, syncs = outs + o, acc + [a], syncs + s
-                    verdict = compare(outs, refs, dtype)
-                    row.result, row.note = verdict.verdict, verdict.note
-                    row.accepted = sum(acc) / len(acc)
-                    if dev == "cuda" and syncs:
-                        row.syncs = f"{sorted(syncs)[len(syncs) // 2]} (max {max(syncs)})"
-                except Exception as exc:  # one failing proposer must not hide the others
-                    row.result, row.note = "FAIL", f"{type(exc).__name__}: {str(exc)[:140]}"
-                    traceback.print_exc()
+    built: dict = {}  # dtype name -> (target, draft model, reference outputs), built when first met
+    for dname, kind, kv in exactness_cases(dev, compiled):
+        dtype = getattr(torch, dname)
+        if dname not in built:
+            model = tiny_llama(vocab=64, seed=2, sharpness=3.0, layers=4, hidden=128, max_pos=1024).to(dev, dtype)
+            draft = tiny_llama(vocab=64, seed=5, sharpness=3.0, layers=2, hidden=64, max_pos=1024).to(dev, dtype)
+            built[dname] = (model, draft, greedy_reference(model, PROMPTS, n))
+        model, draft, refs = built[dname]
+        for batched in (False, True):
+            row = rows.add(Row(f"{kind} {dname} {kv} {'batch of 3' if batched else '1 row'}"))
+            if time.monotonic() > deadline:
+                row.note = BUDGET_SPENT
                 rows.finish(row)
+                continue
+            try:
+                rt = runtime(kv, model)
+                prop = every_proposer(kind, rt, heads, draft=lambda: runtime(kv, draft))
+                groups = [PROMPTS] if batched else [[p] for p in PROMPTS]
+                outs, acc, syncs = [], [], []
+                for g in groups:
+                    o, a, s = decode_rows(rt, prop, g, n, dev == "cuda")
+                    outs, acc, syncs = outs + o, acc + [a], syncs + s
+                verdict = compare(outs, refs, dtype)
+                row.result, row.note = verdict.verdict, verdict.note
+                row.accepted = sum(acc) / len(acc)
+                if dev == "cuda" and syncs:
+                    row.syncs = f"{sorted(syncs)[len(syncs) // 2]} (max {max(syncs)})"
+            except Exception as exc:  # one failing proposer must not hide the others
+                row.result, row.note = "FAIL", f"{type(exc).__name__}: {str(exc)[:140]}"
+                traceback.print_exc()
+            rows.finish(row)
 
 
 def runtime(kv: str, model):
@@ -265,7 +286,7 @@ def speed_row(rows: Rows, shape: str, name: str, prop, kv: str, label: str, mode
 
     row = rows.add(Row(f"speed {shape}-shape {name} {kv} {label}"))
     if model is None or time.monotonic() > deadline:
-        row.note = "time budget spent"
+        row.note = BUDGET_SPENT
         rows.finish(row)
         return
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -308,7 +329,7 @@ def cost_curve(rows: Rows, shape: str, model, dev: str, deadline: float) -> None
     widths, context = (range(1, 4), 32) if on_cpu else (range(1, 18), 512)
     row = rows.add(Row(f"cost curve {shape}-shape {kv} 1 row"))
     if model is None or time.monotonic() > deadline:
-        row.note = "time budget spent"
+        row.note = BUDGET_SPENT
         rows.finish(row)
         return
     try:
@@ -317,17 +338,25 @@ def cost_curve(rows: Rows, shape: str, model, dev: str, deadline: float) -> None
         last = max(ms)
         row.result, row.note = "ok", f"T(1) {ms[1]:.2f} ms, T({last})/T(1) {ms[last] / ms[1]:.2f}, context {context}"
         row.curve = {"shape": shape, "kv": kv, "dtype": str(model.dtype).removeprefix("torch."),
-                     "context": context, "ms": ms}
+                     "context": context, "ms": ms, "device": device_name(dev)}
     except Exception as exc:
         row.result, row.note = "FAIL", f"{type(exc).__name__}: {str(exc)[:140]}"
         traceback.print_exc()
     rows.finish(row)
 
 
+def device_name(dev: str) -> str:
+    """The device a curve was measured on (``gpu_prediction`` prices a GPU's curve only)."""
+    import torch
+
+    return torch.cuda.get_device_name() if dev == "cuda" else "cpu"
+
+
 # the CUDA cases only: "cuda" is the device id of test_devices' parametrized cases, "gpu_trt" names the
 # TensorRT engine tests (a bare "gpu" also selected the CPU-only TensorRT checks); a CPU test in
 # these files must not name "cuda" (this script's own CPU run is in tests/test_gpu_scripts.py)
 DEVICE_TESTS = ("tests/test_devices.py", "tests/test_tensorrt.py", "-k", "cuda or gpu_trt")
+DEVICE_STAGE = "pytest test_devices + test_tensorrt (cuda)"  # its row's name
 LEAST_TEST_S = 30.0  # the pytest stage's timeout when less of the budget is left
 
 
@@ -356,7 +385,7 @@ def kill_group(proc: subprocess.Popen) -> None:
 
 
 def device_tests(rows: Rows, deadline: float) -> None:
-    row = rows.add(Row("pytest test_devices + test_tensorrt (cuda)"))
+    row = rows.add(Row(DEVICE_STAGE))
     left = max(LEAST_TEST_S, deadline - time.monotonic())
     rc, out, err = run_group([sys.executable, "-m", "pytest", "-q", *DEVICE_TESTS], left)
     print(out[-4000:], err[-2000:], flush=True)
@@ -396,10 +425,12 @@ def main() -> int:
     interrupted = False
     try:
         exactness(rows, dev, args.max_new, t0 + 0.55 * args.budget, compiled)  # the rest is left for the speed rows
-        if args.speed_tokens and time.monotonic() < deadline:
+        if args.speed_tokens:  # past the deadline its rows are each marked skipped
             speed(rows, dev, args.speed_tokens, compiled, deadline)
         if not args.cpu and time.monotonic() < deadline:
             device_tests(rows, deadline)
+        elif not args.cpu:
+            rows.finish(rows.add(Row(DEVICE_STAGE, note=BUDGET_SPENT)))
     except KeyboardInterrupt:  # gpu_check.sh's `timeout --signal=INT`: the rows so far, then the table
         interrupted = True
         rows.cut_off("interrupted (SIGINT: the time limit)")
@@ -407,7 +438,8 @@ def main() -> int:
         rows.cut_off("the run stopped on an error (traceback above)")
         print(f"\ngpu_check: {where}, {time.monotonic() - t0:.0f} s; exactness: greedy, {args.max_new} tokens x "
               f"{len(PROMPTS)} prompts, against transformers generate()" + ("; INTERRUPTED" if interrupted else ""))
-        print(table(rows), flush=True)
+        print(table(rows))
+        print(skipped_line(rows, args.budget), flush=True)
     if interrupted:
         return 130
     return 1 if any(r.result == "FAIL" for r in rows) else 0

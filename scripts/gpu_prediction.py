@@ -10,9 +10,11 @@ verifier and commits as a live run) with the forward costs measured on the H200
 - ``graphed``: the same forward replayed as a CUDA graph, measured for N = 1 and 2 only, so wider
   steps are an assumption, printed with every row: ``graphed-rel`` scales N = 1 by the eager
   curve's relative cost, ``graphed-linear`` extends the N = 1 -> 2 step linearly (pessimistic);
-- ``measured-graphs`` (with ``--measured $OUT/gpu_check.jsonl`` from a lent GPU): the captured
-  step's own cost per width 1..17, as ``scripts/gpu_check.py`` measured it at each shape (issue
-  45 item 3: n-gram ``auto`` on graphs at Llama-3.2-1B's shape is this replay under that curve).
+- ``measured-graphs on <device>`` (with ``--measured $OUT/gpu_check.jsonl`` from a lent GPU): the
+  captured bf16 step's own cost per width 1..17, as ``scripts/gpu_check.py`` measured it at each
+  shape on that device (issue 45 item 3: n-gram ``auto`` on graphs at Llama-3.2-1B's shape is this
+  replay under that curve); any other curve row (a CPU run's, one without its device) is refused,
+  and its speedup over the stored eager curve is given only where both are the H200's.
 
 Per round, the host's work outside forwards is ``--overhead-ms`` (default: the report's measured
 per-round overhead on this CPU). Prints tokens/s per policy and category under each curve, and
@@ -32,19 +34,73 @@ import os
 import sys
 from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
+STORED_DEVICE = "H200"  # the device the stored curves (../shared/gpu/h200-*.jsonl) were measured on
+# what ``gpu_check`` writes on a CUDA device, the curve these rounds are priced as: the captured bf16
+# step at the stored curves' context, widths 1..17 (``auto`` drafts at most 16, plus the round's token)
+NEEDED = {"kv": "graphs", "dtype": "bfloat16", "context": 512}
+NEEDED_WIDTHS = 17
 
 
 def measured_curves(path: Path | None) -> dict[str, dict]:
     """shape -> the cost curve ``gpu_check`` measured on the device (its ``cost curve`` rows in
     ``gpu_check.jsonl``); none without ``path``. A path with no such row is refused: the
-    prediction would silently fall back to the assumed curves."""
+    prediction would silently fall back to the assumed curves; so is a row ``check_curve`` refuses."""
     if path is None:
         return {}
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    found = {r["curve"]["shape"]: r["curve"] for r in rows if r.get("curve") and r.get("result") == "ok"}
+    found = {r["curve"]["shape"]: check_curve(r["curve"]) for r in rows if r.get("curve") and r.get("result") == "ok"}
     if not found:
         raise ValueError(f"{path} has no finished `cost curve` row: was it written by scripts/gpu_check.py on the device?")
     return found
+
+
+def check_curve(curve: dict) -> dict:
+    """``curve`` if it is a GPU's captured bf16 step over the widths priced (``NEEDED``); else a
+    clear error naming what it is: a CPU smoke run's curve (``gpu_check --cpu``: static, float32,
+    context 32, widths 1..3) or a row from before devices were recorded must not become a GPU's."""
+    widths = sorted(int(k) for k in curve.get("ms", {}))
+    device = curve.get("device")
+    wrong = [k for k, v in NEEDED.items() if curve.get(k) != v]
+    wrong += ["device"] if not device or device == "cpu" else []
+    wrong += ["widths"] if widths[:NEEDED_WIDTHS] != list(range(1, NEEDED_WIDTHS + 1)) else []
+    if wrong:
+        raise ValueError(
+            f"cost curve {curve.get('shape')!r} (kv={curve.get('kv')}, dtype={curve.get('dtype')}, context="
+            f"{curve.get('context')}, device={device or 'not recorded'}, widths={widths}) cannot be priced: "
+            f"{', '.join(wrong)} wrong; needed a CUDA device, kv={NEEDED['kv']}, dtype={NEEDED['dtype']}, "
+            f"context={NEEDED['context']}, widths 1..{NEEDED_WIDTHS}, as scripts/gpu_check.py writes on the GPU")
+    return curve
+
+
+def measured_name(curve: dict) -> str:
+    """A measured curve's name: its step and the device it was measured on (labels and summary keys)."""
+    return f"measured-{curve['kv']} on {curve['device']}"
+
+
+def headline(measured: dict[str, dict], turns: int, overhead: float) -> str:
+    """The first printed line: what is predicted and under which devices' curves."""
+    devices = sorted({c["device"] for c in measured.values()})
+    return (f"PREDICTION (not measured): {STORED_DEVICE} bf16 curves (random weights at each shape)"
+            + (f" and the curves gpu_check measured on {', '.join(devices)}" if devices else "")
+            + f", acceptance of {turns} recorded greedy SmolLM2 turns, host overhead {overhead * 1e3:.2f} ms/round")
+
+
+def summary(res: dict[str, dict], measured: dict | None) -> tuple[dict[str, float], list[str]]:
+    """The speedups the GPU issue asks for, each a ratio of two rows priced on one device: a curve
+    measured on another device than the stored ones is never divided by their eager plain (the
+    notes say which ratios were left out, and why)."""
+    e = res["eager"]["plain"]["all"]
+    line, notes = {"compiled_plain_over_eager_plain": res["graphed-rel"]["plain"]["all"] / e}, []
+    name = measured_name(measured) if measured else None
+    if name in res and STORED_DEVICE.lower() in measured["device"].lower():
+        line[f"{name}_plain_over_eager_plain"] = res[name]["plain"]["all"] / e
+    elif name in res:
+        notes.append(f"{name}_plain_over_eager_plain left out: measured on {measured['device']}, the eager "
+                     f"curve on the {STORED_DEVICE} (a ratio across devices is no speedup)")
+    for c in (c for c in res if c != "eager"):
+        for p in ("ngram-auto", "suffix-auto"):
+            line[f"{p}_over_compiled_plain[{c}]"] = res[c][p]["all"] / res[c]["plain"]["all"]
+    return line, notes
 
 
 def curves(directory: Path, shape: str = "smollm2", measured: dict | None = None) -> dict[str, list[float]]:
@@ -72,7 +128,7 @@ def curves(directory: Path, shape: str = "smollm2", measured: dict | None = None
         "eager": [t1 * interp(n) for n in range(1, 129)],
         "graphed-rel": [g1 * interp(n) for n in range(1, 129)],
         "graphed-linear": [g1 + (g2 - g1) * (n - 1) for n in range(1, 129)],
-        **({f"measured-{measured[shape]['kv']}": _extended(measured[shape]["ms"])} if measured and shape in measured else {}),
+        **({measured_name(measured[shape]): _extended(measured[shape]["ms"])} if measured and shape in measured else {}),
     }
 
 
@@ -140,8 +196,7 @@ def main() -> int:
     suffix_draft = measure_draft(make_suffix(), LogitsPipeline(SamplingConfig()), dec.target)  # this CPU's
     out: dict = {"overhead_ms": overhead * 1e3, "prediction": True, "shapes": {}}
     cats = list(dict.fromkeys(c for c, _, _ in turns)) + ["all"]
-    print(f"PREDICTION (not measured): H200 bf16 curves (random weights at each shape), acceptance of "
-          f"{len(turns)} recorded greedy SmolLM2 turns, host overhead {overhead * 1e3:.2f} ms/round")
+    print(headline(measured, len(turns), overhead))
     for shape in args.shapes.split(","):
         res = out["shapes"][shape] = {}
         for name, secs in curves(Path(args.curves), shape, measured).items():
@@ -155,14 +210,10 @@ def main() -> int:
             print("policy        " + "".join(f"{c:>16}" for c in cats))
             for p, row in sim.items():
                 print(f"{p:14}" + "".join(f"{row[c]:9.1f} ({row[c] / sim['plain'][c]:.2f}x)" for c in cats))
-        e, g = res["eager"]["plain"]["all"], res["graphed-rel"]["plain"]["all"]
-        line = {"compiled_plain_over_eager_plain": g / e}
-        line.update({f"{c}_plain_over_eager_plain": res[c]["plain"]["all"] / e for c in res if c.startswith("measured")})
-        for name in (c for c in res if c != "eager"):
-            for p in ("ngram-auto", "suffix-auto"):
-                line[f"{p}_over_compiled_plain[{name}]"] = res[name][p]["all"] / res[name]["plain"]["all"]
+        line, notes = summary(res, measured.get(shape))
         res["summary"] = line
         print(f"\n{shape}: " + ";  ".join(f"{k} {v:.2f}x" for k, v in line.items()))
+        print("".join(f"{shape}: {n}\n" for n in notes), end="")
     if args.eagle_report:
         out["eagle"] = eagle_rows(json.loads(Path(args.eagle_report).read_text()), args.eagle_method,
                                   Path(args.curves), args.shapes.split(","), overhead, measured)

@@ -8,6 +8,7 @@ configured exactly like a built-in one. Errors name the field and the allowed va
 from __future__ import annotations
 
 import json
+import re
 import types
 import typing
 from pathlib import Path
@@ -65,6 +66,13 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                                                         f"duplicate key `{key}`", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep)
+
+
+# YAML 1.2's exponent floats that YAML 1.1 (PyYAML) reads as strings: ``1e3``, ``-2E+4``, ``1.5e3`` (1.1
+# wants a dot and a signed exponent), so a config JSON accepts is read alike from YAML. Added after
+# PyYAML's own resolvers, it only sees what they leave as strings; ints (``1_000`` too) stay ints.
+_EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$")
+_UniqueKeyLoader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789."))
 
 
 def load_file(path: str | Path, what: str = "config") -> Any:

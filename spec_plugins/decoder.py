@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence, Union
 
@@ -16,13 +17,14 @@ from spec_plugins.api_inputs import (Stop, in_vocab, not_bytes, ordered_sequence
                                      stop_strings, token_id, token_limits)
 from spec_plugins.backends import build_runtime
 from spec_plugins.config import SamplingConfig, SpecConfig
+from spec_plugins.decoder_lock import GenerationLock
 from spec_plugins.grammar import GrammarSpec, RowGrammar, compile_grammar, ll_tokenizer
 from spec_plugins.grammar.spec import GrammarError, from_response_format, from_tgi
 from spec_plugins.loop import Step, decode
 from spec_plugins.policy import Costs, DraftPolicy
 from spec_plugins.registry import VERIFIERS
 from spec_plugins.sampling import LogitsPipeline, LogitsProcessorFn
-from spec_plugins.stats import DecodeStats
+from spec_plugins.stats import BatchStats, DecodeStats
 from spec_plugins.text import StopFreeText, StopStrings, TextStream
 from spec_plugins.wiring import Wiring, target_for, wire
 
@@ -63,7 +65,9 @@ class SpeculativeDecoder:
         self.verifier = verifier or VERIFIERS.get("exact")()
         self.config = config
         self.tokenizer = tokenizer if tokenizer is not None else getattr(target, "tokenizer", None)
-        self.last_stats: DecodeStats | None = None
+        self.last_stats: DecodeStats | None = None  # the last generation's (a batch's totals: ``BatchStats``)
+        # one generation's thread at a time: the runtime holds one batch's rows (``decoder_lock``)
+        self.generation_lock = GenerationLock()
         if wiring is None:
             section = (config.proposer if config is not None else proposer.config) if proposer is not None else None
             wiring = wire(target, section, proposer=proposer, costs=costs)
@@ -102,8 +106,11 @@ class SpeculativeDecoder:
         return cls(target, verifier=verifier, config=config, wiring=wiring)
 
     def without_speculation(self) -> "SpeculativeDecoder":
-        """The same runtime and sampling, plain autoregressive decoding (for comparisons)."""
-        return SpeculativeDecoder(self.target, None, self.verifier, self.config, self.tokenizer, self.costs)
+        """The same runtime and sampling, plain autoregressive decoding (for comparisons); it shares
+        this decoder's generation lock, as it shares its runtime."""
+        plain = SpeculativeDecoder(self.target, None, self.verifier, self.config, self.tokenizer, self.costs)
+        plain.generation_lock = self.generation_lock
+        return plain
 
     # ---- prompts ---------------------------------------------------------------------------
     def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
@@ -193,17 +200,18 @@ class SpeculativeDecoder:
         streams = self._text_streams(1, stop)
         shown = StopFreeText(stop)  # text sent never holds a stop string, nor a tail that may become one
         pushed = 0
-        for step, _ in self._rounds([ids], [pipeline], max_new_tokens, streams, None, stats, observers,
-                                    pipeline.sampling.seed, grammars):
-            reason = step.finished.get(0)
-            text = ""
-            if streams:
-                s = streams[0]
-                text = shown.push(s.text[pushed:], s.stop_at, bool(reason))
-                pushed = len(s.text)
-            yield StreamEvent(step.emitted.get(0, []), text, _reason(reason), step.errors.get(0))
-            if reason:
-                return
+        with closing(self._rounds([ids], [pipeline], max_new_tokens, streams, None, stats, observers,
+                                  pipeline.sampling.seed, grammars)) as rounds:  # ends it (and its lock) on return
+            for step, _ in rounds:
+                reason = step.finished.get(0)
+                text = ""
+                if streams:
+                    s = streams[0]
+                    text = shown.push(s.text[pushed:], s.stop_at, bool(reason))
+                    pushed = len(s.text)
+                yield StreamEvent(step.emitted.get(0, []), text, _reason(reason), step.errors.get(0))
+                if reason:
+                    return
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 128, stop: Stop = (),
                  processors: Sequence[LogitsProcessorFn] = (), chat: bool | None = None,
@@ -220,11 +228,12 @@ class SpeculativeDecoder:
         text = ""
         reason = "length"
         error = None
-        for ev in self._stream_ids(ids, max_new_tokens, stops, pipeline, stats, observers, rows):
-            toks.extend(ev.token_ids)
-            text += ev.text
-            reason = ev.finish_reason or reason
-            error = ev.error or error
+        with closing(self._stream_ids(ids, max_new_tokens, stops, pipeline, stats, observers, rows)) as events:
+            for ev in events:
+                toks.extend(ev.token_ids)
+                text += ev.text
+                reason = ev.finish_reason or reason
+                error = ev.error or error
         return GenerationResult(text, toks, stats, ids, reason, error)
 
     def generate_batch(self, prompts: Sequence[Prompt], max_new_tokens: int | Sequence[int] = 128,
@@ -244,7 +253,9 @@ class SpeculativeDecoder:
         the row's stream generator, and those do depend on the schedule);
         ``stop``: stop strings for every row; ``grammar``: one for every row, or one per row
         (None: that row is free). A row that fails ends with finish reason ``error`` and its
-        result's ``error`` says why."""
+        result's ``error`` says why. Each result's ``stats`` are its row's own (its tokens, and the
+        prefill and rounds it took part in, with their times); the whole batch's totals are
+        ``decoder.last_stats`` (a ``BatchStats``, whose ``rows`` holds those per-row stats)."""
         if isinstance(prompts, (str, bytes, bytearray, memoryview)):
             raise TypeError(f"generate_batch takes a list of prompts, got one {type(prompts).__name__}; use "
                             "generate() for one prompt")
@@ -268,17 +279,21 @@ class SpeculativeDecoder:
         outs: list[list[int]] = [[] for _ in ids]
         reasons = ["length"] * len(ids)
         errors: list[str | None] = [None] * len(ids)
-        stats = DecodeStats()
+        stats = BatchStats()
         rounds = self._rounds(ids, pipes, max_new_tokens, streams, seeds_by_row, stats, observers, base.seed, rows)
-        for step, _ in rounds:
-            for i, t in step.emitted.items():
-                outs[i].extend(t)
-            for i, r in step.finished.items():
-                reasons[i] = _reason(r)
-            for i, e in step.errors.items():
-                errors[i] = e
+        with closing(rounds):
+            for k, (step, _) in enumerate(rounds):
+                if k == 0:  # decode's first step is the prefill: its rows' share of it
+                    stats.observe_admitted(step.emitted, step.errors)
+                for i, t in step.emitted.items():
+                    outs[i].extend(t)
+                for i, r in step.finished.items():
+                    reasons[i] = _reason(r)
+                for i, e in step.errors.items():
+                    errors[i] = e
         texts = [s.visible for s in streams] if streams else [""] * len(ids)
-        return [GenerationResult(t, o, stats, i, r, e) for t, o, i, r, e in zip(texts, outs, ids, reasons, errors)]
+        return [GenerationResult(t, o, stats.row(k), i, r, e)
+                for k, (t, o, i, r, e) in enumerate(zip(texts, outs, ids, reasons, errors))]
 
     def _text_streams(self, rows: int, stop: Sequence[str]) -> list[TextStream]:
         """One incremental text stream per row (none without a tokenizer: token ids only)."""
@@ -293,19 +308,21 @@ class SpeculativeDecoder:
                 observers: Sequence[Any], seed: int | None = None, grammars: list | None = None
                 ) -> Iterator[tuple[Step, DecodeStats]]:
         """The one decode behind every method: rows' text streams see each token once (their stop
-        strings are row stops), and end flushed."""
+        strings are row stops), and end flushed. It holds the decoder's generation lock from its
+        first step until it ends, raises or is closed (another thread is refused meanwhile)."""
         limits = token_limits(max_new_tokens, len(ids))
         stats = stats if stats is not None else DecodeStats()
-        self.last_stats = stats
         row_stop = [StopStrings(s) for s in streams]
         stop = (lambda i, toks, n: row_stop[i](toks, n)) if streams else None
-        for step in decode(self.target, self.proposer, self.verifier, list(pipes), ids, limits, self.eos_ids(),
-                           None, stats, self.policy(), stop=stop, seeds=seeds, observers=observers,
-                           traits=self.wiring.traits, grammars=grammars, seed=seed):
-            for i in step.finished:
-                if streams:
-                    streams[i].flush()
-            yield step, stats
+        with self.generation_lock.holding():
+            self.last_stats = stats
+            for step in decode(self.target, self.proposer, self.verifier, list(pipes), ids, limits, self.eos_ids(),
+                               None, stats, self.policy(), stop=stop, seeds=seeds, observers=observers,
+                               traits=self.wiring.traits, grammars=grammars, seed=seed):
+                for i in step.finished:
+                    if streams:
+                        streams[i].flush()
+                yield step, stats
 
     def row_grammars(self, grammars: Sequence[Grammar], response_format: dict | None = None,
                      forced_drafts: bool = True) -> list[RowGrammar | None] | None:

@@ -17,6 +17,8 @@ round of every proposer and by ``scripts/gpu_check.py`` on CUDA.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import sys
 import weakref
 from dataclasses import dataclass
@@ -33,8 +35,22 @@ _FACTORIES = {
 }
 _DATA_FACTORIES = {torch.tensor, torch.as_tensor}  # keep their argument's device when it is a tensor
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
-_OURS = tuple(str(Path(__file__).resolve().parents[1] / d) for d in ("spec_plugins", "backends", "exporters"))
 _SELF = str(Path(__file__).resolve())
+
+
+def _our_dirs() -> tuple[str, ...]:
+    """The directories this project's code is imported from, each ending in a separator: the
+    packages' own search paths, since ``backends`` and ``exporters`` are top-level folders of the
+    source tree (an editable install) but sit inside ``spec_plugins`` once a wheel is installed."""
+    dirs: list[str] = []
+    for pkg in ("spec_plugins", "spec_plugins.backends", "spec_plugins.exporters"):
+        spec = importlib.util.find_spec(pkg)  # the subpackage's location, without running its __init__
+        for d in (spec.submodule_search_locations if spec else None) or ():
+            dirs += [str(Path(d)) + os.sep, str(Path(d).resolve()) + os.sep]  # as imported, and through links
+    return tuple(dict.fromkeys(dirs))
+
+
+_OURS = _our_dirs()
 
 
 @dataclass(frozen=True)
@@ -53,8 +69,9 @@ def _caller() -> str | None:
     while f is not None:
         name = f.f_code.co_filename
         if not name.startswith(_TORCH_DIR) and name != _SELF:
-            if name.startswith(_OURS):
-                return f"{Path(name).relative_to(Path(_SELF).parents[1])}:{f.f_lineno}"
+            root = next((d for d in _OURS if name.startswith(d)), None)
+            if root is not None:  # named from the folder above its package: spec_plugins/..., backends/...
+                return f"{Path(name).relative_to(Path(root).parent)}:{f.f_lineno}"
             return None
         f = f.f_back
     return None

@@ -8,7 +8,7 @@ top-k and top-p do not depend on the prefix and are applied to all nodes at once
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -131,27 +131,62 @@ class LogitsPipeline:
         depth) group: a node's depth is the same in every row, its path may be each row's own."""
         if not self.processors:
             return self.warp(logits)
-        B, N, V = logits.shape
-        dev = logits.device
-        seqs = [s if isinstance(s, torch.Tensor) else upload_tensor(list(s), dev)
-                for s in sequences]
         out = logits.clone()
-        by_len: dict[int, list[int]] = {}
-        for b, s in enumerate(seqs):
-            by_len.setdefault(int(s.shape[0]), []).append(b)
-        groups = _depth_groups(parents, dev)
-        for L, rows in by_len.items():
-            ridx = upload_tensor(rows, dev)
-            seq, tok = torch.stack([seqs[b] for b in rows]), tokens[ridx]  # [R, L], [R, N]
-            R = len(rows)
-            for nodes, path in groups:  # path [1 or B, n, d]: forward indices of each node's path
-                n, d = int(nodes.shape[0]), int(path.shape[2])
-                path = path.expand(B, n, d)[ridx] if path.shape[0] > 1 else path.expand(R, n, d)
-                steps = tok.gather(1, path.reshape(R, n * d)).reshape(R, n, d)
-                prefix = torch.cat([seq[:, None, :].expand(R, n, L), steps], -1).reshape(R * n, L + d)
-                z = self.apply_user(prefix, logits[ridx][:, nodes].reshape(R * n, V))
-                out[ridx[:, None], nodes[None, :]] = z.reshape(R, n, V)
+        for rows, ridx, nodes, prefix, scores in _tree_groups(logits, sequences, tokens, parents):
+            out[ridx[:, None], nodes[None, :]] = self.apply_user(prefix, scores).reshape(len(rows), -1, logits.shape[2])
         return self.warp(out)
+
+    def process_tree_apart(self, logits: torch.Tensor, sequences: Sequence[Sequence[int]], tokens: torch.Tensor,
+                           parents: Parents) -> tuple[torch.Tensor, dict[tuple[int, int], Exception]]:
+        """``process_tree``, and where a group's processing raises, each of its nodes alone: the
+        nodes whose own processing raises get NaN logits (no distribution, as the batch's NaN
+        policy reads it: the row fails only where its verdict reads such a node) and are returned
+        as {(row, node): the exception}. A processor raising at a drafted node plain decoding
+        never reaches (after a drafted token that is not accepted) then fails nothing."""
+        if not self.processors:
+            return self.warp(logits), {}
+        out, raised = logits.clone(), {}
+        for rows, ridx, nodes, prefix, scores in _tree_groups(logits, sequences, tokens, parents):
+            try:
+                z = self.apply_user(prefix, scores)
+            except Exception:  # noqa: BLE001 - find the nodes it fails for, one at a time
+                z, at, n = scores.clone(), nodes.tolist(), int(nodes.shape[0])
+                for i in range(z.shape[0]):  # row-major: rows[i // n], node at[i % n]
+                    try:
+                        z[i:i + 1] = self.apply_user(prefix[i:i + 1], scores[i:i + 1])
+                    except Exception as exc:  # noqa: BLE001
+                        raised[(rows[i // n], at[i % n])] = exc
+            out[ridx[:, None], nodes[None, :]] = z.reshape(len(rows), -1, logits.shape[2])
+        out = self.warp(out)
+        if raised:
+            at = upload_tensor(list(raised), logits.device)  # [k, 2]: (row, node)
+            out[at[:, 0], at[:, 1]] = float("nan")
+        return out, raised
+
+
+def _tree_groups(logits: torch.Tensor, sequences: Sequence[Sequence[int]], tokens: torch.Tensor,
+                 parents: Parents) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The nodes of ``process_tree``'s forward by (row length, depth) group: the group's rows (on
+    the host and the device), its n nodes, and the prefixes [R * n, L + d] and logits [R * n, V]
+    of its R x n nodes, row-major. The user processors run once per group."""
+    B, _, V = logits.shape
+    dev = logits.device
+    seqs = [s if isinstance(s, torch.Tensor) else upload_tensor(list(s), dev)
+            for s in sequences]
+    by_len: dict[int, list[int]] = {}
+    for b, s in enumerate(seqs):
+        by_len.setdefault(int(s.shape[0]), []).append(b)
+    groups = _depth_groups(parents, dev)
+    for L, rows in by_len.items():
+        ridx = upload_tensor(rows, dev)
+        seq, tok = torch.stack([seqs[b] for b in rows]), tokens[ridx]  # [R, L], [R, N]
+        R = len(rows)
+        for nodes, path in groups:  # path [1 or B, n, d]: forward indices of each node's path
+            n, d = int(nodes.shape[0]), int(path.shape[2])
+            path = path.expand(B, n, d)[ridx] if path.shape[0] > 1 else path.expand(R, n, d)
+            steps = tok.gather(1, path.reshape(R, n * d)).reshape(R, n, d)
+            prefix = torch.cat([seq[:, None, :].expand(R, n, L), steps], -1).reshape(R * n, L + d)
+            yield rows, ridx, nodes, prefix, logits[ridx][:, nodes].reshape(R * n, V)
 
 
 class RowPipelines:
@@ -203,7 +238,9 @@ def process_rows_apart(pipeline: "LogitsPipeline | RowPipelines", logits: torch.
                        prefixes: Sequence[Sequence[int] | torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
     """``pipeline.process_rows``, and where it raises, each row alone: the rows whose own
     processing raises are returned, their logits left unprocessed (a placeholder nothing may be
-    drafted from), so one row's failing processor does not end the other rows' drafting."""
+    drafted from: the drafter ends that row's draft there), so one row's failing processor does
+    not end the other rows' drafting. Whether the row fails is the batch's to decide, as for any
+    node (``LogitsPipeline.process_tree_apart``)."""
     try:
         return pipeline.process_rows(logits, prefixes), []
     except Exception:  # noqa: BLE001 - find the rows it fails for, one at a time

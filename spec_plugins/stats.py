@@ -11,12 +11,17 @@ nothing and its verdict is ignored, so that round is no row-round for it: it is 
 stays at 1.0 when rows fail); the target forward still counts. Accepted counts are the output's:
 a row's accepted path is cut where its emitted tokens end (``kept_depth``: an end-of-sequence
 token, its token limit, its grammar or a stop string), so accepted never exceeds emitted.
+
+A batch's rows each get their own share (``BatchStats.rows``, what ``generate_batch`` returns per
+result): a row's tokens, and the forwards it took part in (the prefill that admitted it, the
+rounds it was verified in) with their whole times, which the row waited for (and the compaction
+before each of its rounds).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Collection, Hashable, Mapping, Sequence
 
 BY_POSITION = ("accepted_by_position", "drafted_by_position", "rows_by_position")  # per-depth counts, merged per depth
 
@@ -46,17 +51,22 @@ class DecodeStats:
 
     def observe(self, record: Any) -> None:
         """One round (``RoundRecord``): every row's drafted nodes by depth, accepted and emitted."""
+        self.observe_forward(record)
+        for share in row_shares(record):
+            self.observe_share(share)
+
+    def observe_share(self, share: RowShare) -> None:
+        """One row's part of a round."""
+        if share.ok:
+            self.row_rounds += 1
+            self.observe_round(share.drafted, share.kept, share.emitted)
+            self.forced_tokens += share.forced
+        self.new_tokens += share.emitted  # a failing row's tokens before its failure are output too
+
+    def observe_forward(self, record: Any) -> None:
+        """A round's target forward, its positions per row and its times."""
         self.target_forwards += 1
         self.verify_positions += record.positions
-        failed = {e.key for e in record.emissions if e.error is not None}  # rows failing this round
-        ok = [k not in failed for k in record.keys]
-        self.row_rounds += sum(ok)
-        kept = [kept_depth(acc, em) for acc, em in zip(record.accepted, record.emitted)]
-        for drafted, depth, em, good in zip(record.drafted_by_depth(), kept, record.emitted, ok):
-            if good:
-                self.observe_round(drafted, depth, len(em))
-            self.new_tokens += len(em)  # a failing row's tokens before its failure are output too
-        self.forced_tokens += sum(min(f, d) for f, d, good in zip(record.ahead, kept, ok) if good)
         t = record.times
         self.time_draft += t.draft
         self.time_draft_forward += t.draft_forward
@@ -168,6 +178,76 @@ class DecodeStats:
             tokens_per_second=self.tokens_per_second,
         )
         return d
+
+
+class BatchStats(DecodeStats):
+    """A batch's totals (the fields, as ``DecodeStats``) and each row's own stats (``rows``, by
+    row key), split from the same rounds: the rows' token counts sum to the totals; a row's forward
+    counts and times are those of the forwards it took part in (each shared by the batch's rows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: dict[Hashable, DecodeStats] = {}
+        self._admit_seconds = 0.0  # the last prefill's, split by ``observe_admitted``
+        self._compaction = 0.0  # compaction since the last round: the next round's rows waited for it
+
+    def row(self, key: Hashable) -> DecodeStats:
+        """Row ``key``'s stats (empty for a row that never reached the target: no tokens asked)."""
+        if key not in self.rows:
+            self.rows[key] = DecodeStats(lossy=self.lossy)
+        return self.rows[key]
+
+    def observe(self, record: Any) -> None:
+        self.observe_forward(record)
+        for share in row_shares(record):
+            self.observe_share(share)
+            row = self.row(share.key)
+            if self._compaction:
+                row.observe_compaction(self._compaction)
+            row.observe_forward(record)
+            row.observe_share(share)
+        self._compaction = 0.0
+
+    def observe_compaction(self, seconds: float) -> None:
+        super().observe_compaction(seconds)
+        self._compaction += seconds
+
+    def observe_admit(self, rows: int, seconds: float) -> None:
+        super().observe_admit(rows, seconds)
+        self._admit_seconds = seconds
+
+    def observe_admitted(self, emitted: Mapping[Hashable, Sequence[int]], failed: Collection[Hashable]) -> None:
+        """The rows of the last prefill, which ``observe_admit`` counts without naming them:
+        ``emitted`` every admitted request's first tokens by key, ``failed`` the rows whose first
+        token failed (they took part in the forward). A row with neither asked for no tokens and
+        never reached the target."""
+        for key, tokens in emitted.items():
+            if tokens or key in failed:
+                self.row(key).observe_admit(len(tokens), self._admit_seconds)
+
+
+@dataclass(frozen=True)
+class RowShare:
+    """One row's part of a round: ``drafted`` nodes per depth, ``kept`` accepted path length in
+    the output, ``emitted`` tokens, ``forced`` of the kept a grammar forced, ``ok``: it did not fail."""
+
+    key: Hashable
+    drafted: list[int]
+    kept: int
+    emitted: int
+    forced: int
+    ok: bool
+
+
+def row_shares(record: Any) -> list[RowShare]:
+    """Each row's part of a round (``RoundRecord``), in batch order."""
+    failed = {e.key for e in record.emissions if e.error is not None}  # rows failing this round
+    ahead = list(record.ahead) + [0] * (len(record.keys) - len(record.ahead))  # none recorded: nothing forced
+    out = []
+    for key, drafted, acc, em, f in zip(record.keys, record.drafted_by_depth(), record.accepted, record.emitted, ahead):
+        kept = kept_depth(acc, em)
+        out.append(RowShare(key, drafted, kept, len(em), min(f, kept), key not in failed))
+    return out
 
 
 def kept_depth(accepted: list[int], emitted: list[int]) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Optional
@@ -10,9 +11,10 @@ from typing import Optional
 import typer
 
 from spec_plugins.cli import app, check_output_file, fail
+from spec_plugins.training.sources import shipped_prompts
 from spec_plugins.tune import BUDGET_BOUNDS
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "examples" / "prompts" / "dev.jsonl"
+DEFAULT_PROMPTS = shipped_prompts("dev.jsonl")
 
 
 @app.command("tune")
@@ -36,7 +38,8 @@ def tune_cmd(
 
     try:
         seconds = parse_budget(budget)
-        rts = [r.strip() for r in runtimes.split(",") if r.strip()] if runtimes else None  # None: tune's default
+        # None (not given): tune's default; given, even as "", it must name a runtime (tune refuses [])
+        rts = [r.strip() for r in runtimes.split(",") if r.strip()] if runtimes is not None else None
         props = [p.strip() for p in proposers.split(",") if p.strip()]
         plist = load_prompts(prompts)
         if not plist:
@@ -47,9 +50,9 @@ def tune_cmd(
     except (TuneError, ValueError, FileNotFoundError, LookupError, ImportError) as exc:
         fail(exc)
         return
-    command = "spec-plugins tune " + " ".join(sys.argv[2:])
+    command = "spec-plugins tune " + shlex.join(sys.argv[2:])  # quoted: it reruns as recorded
     out.write_text(render_yaml(res, command))
     c = res.chosen
     speed = f"{c.tokens_per_s:.1f} tok/s, {c.tokens_per_s / res.plain.tokens_per_s:.2f}x plain"
     typer.echo(f"wrote {out}: {c.label} ({speed}) in {res.seconds:.0f} s; run it with "
-               f"`spec-plugins generate --config {out} --prompt ...`")
+               f"`spec-plugins generate --config {shlex.quote(str(out))} --prompt ...`")

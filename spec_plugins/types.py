@@ -165,6 +165,8 @@ class ProposeContext:
     # tokens); a proposer that ``continues_ahead`` drafts what follows sequence + ahead
     generators: Sequence[torch.Generator | None] | None = None  # per row: the generator its verdict draws
     # from (a seeded row's own; None: ``generator`` for every row); a drafter that samples draws from it
+    processor_prefix: Sequence[Sequence[int]] = ()  # per row: tokens its user processors see before the
+    # prompt (transformers' left pads); a drafter running the rows' processors gives them the same prefixes
 
 
 @dataclass

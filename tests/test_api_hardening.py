@@ -263,9 +263,11 @@ def test_rows_failing_at_prefill_count_no_new_tokens():
     dec = _text_decoder(proposer=False)
     rows = dec.generate_batch(["abc", "xy"], 5, processors=[_boom])
     assert [r.finish_reason for r in rows] == ["error", "error"]
-    assert rows[0].stats.new_tokens == 0 == sum(len(r.token_ids) for r in rows)
+    assert dec.last_stats.new_tokens == 0 == sum(len(r.token_ids) for r in rows)
+    assert [r.stats.new_tokens for r in rows] == [0, 0]
     ok = dec.generate_batch(["abc", "xy"], 5)
-    assert ok[0].stats.new_tokens == sum(len(r.token_ids) for r in ok) == 10
+    assert dec.last_stats.new_tokens == sum(len(r.token_ids) for r in ok) == 10
+    assert [r.stats.new_tokens for r in ok] == [5, 5]
 
 
 def test_a_tokenizer_wider_than_the_model_is_named():

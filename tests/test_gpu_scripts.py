@@ -276,21 +276,9 @@ def test_gpu_prediction_reads_a_report_of_the_bench_default_config(monkeypatch, 
         gpu_prediction.main()
 
 
-def test_gpu_prediction_prices_the_replay_with_the_curve_gpu_check_measured(tmp_path):
-    """Issue 45 item 3: the cost-curve rows ``gpu_check`` writes on the device become a curve of
-    their own (``measured-<kv>``), their widths as measured and wider ones along the last step;
-    a file with no such row, or a curve with a gap, is refused (no silent fallback to the
-    assumed curves)."""
-    gpu_check, gpu_prediction = _script("gpu_check"), _script("gpu_prediction")
-    rows_file = tmp_path / "gpu_check.jsonl"
-    rows = gpu_check.Rows(rows_file)
-    rows.finish(rows.add(gpu_check.Row("speed llama1b-shape plain graphs 1 row", "ok", tps="400.0")))
-    curve = rows.add(gpu_check.Row("cost curve llama1b-shape graphs 1 row", "ok"))
-    curve.curve = {"shape": "llama1b", "kv": "graphs", "dtype": "bfloat16", "context": 512,
-                   "ms": {n: 2.0 + 0.25 * (n - 1) for n in range(1, 18)}}
-    rows.finish(curve)
-    measured = gpu_prediction.measured_curves(rows_file)
-    shared = tmp_path / "h200"  # the H200 files' format (../shared/gpu), two shapes
+def stored_curves(tmp_path):
+    """The H200 files' format (../shared/gpu), for both shapes."""
+    shared = tmp_path / "h200"
     shared.mkdir()
     rel = {"1": 1.0, "2": 1.1, "128": 1.2}
     (shared / "h200-verify-curve.jsonl").write_text("".join(
@@ -299,12 +287,30 @@ def test_gpu_prediction_prices_the_replay_with_the_curve_gpu_check_measured(tmp_
     (shared / "h200-cuda-graphs.jsonl").write_text("".join(
         json.dumps({"shape": sh, "dtype": "bfloat16", "ctx": 512, "graph_static": {"1": 2.5, "2": 2.8}}) + "\n"
         for sh in ("smollm2", "llama1b")))
+    return shared
+
+
+def test_gpu_prediction_prices_the_replay_with_the_curve_gpu_check_measured(tmp_path):
+    """Issue 45 item 3: the cost-curve rows ``gpu_check`` writes on the device become a curve of
+    their own (``measured-<kv> on <device>``), their widths as measured and wider ones along the last step;
+    a file with no such row, or a curve with a gap, is refused (no silent fallback to the
+    assumed curves)."""
+    gpu_check, gpu_prediction = _script("gpu_check"), _script("gpu_prediction")
+    rows_file = tmp_path / "gpu_check.jsonl"
+    rows = gpu_check.Rows(rows_file)
+    rows.finish(rows.add(gpu_check.Row("speed llama1b-shape plain graphs 1 row", "ok", tps="400.0")))
+    curve = rows.add(gpu_check.Row("cost curve llama1b-shape graphs 1 row", "ok"))
+    curve.curve = {"shape": "llama1b", "kv": "graphs", "dtype": "bfloat16", "context": 512,
+                   "device": "NVIDIA H200", "ms": {n: 2.0 + 0.25 * (n - 1) for n in range(1, 18)}}
+    rows.finish(curve)
+    measured = gpu_prediction.measured_curves(rows_file)
+    shared = stored_curves(tmp_path)
     got = gpu_prediction.curves(shared, "llama1b", measured)
-    secs = got["measured-graphs"]
+    secs = got["measured-graphs on NVIDIA H200"]
     assert len(secs) == 128 and set(got) >= {"eager", "graphed-rel", "graphed-linear"}
     assert secs[0] == pytest.approx(2.0e-3) and secs[16] == pytest.approx(6.0e-3)
     assert secs[20] == pytest.approx(7.0e-3)  # width 21: the 16 -> 17 step, four more times
-    assert "measured-graphs" not in gpu_prediction.curves(shared, "smollm2", measured)
+    assert "measured-graphs on NVIDIA H200" not in gpu_prediction.curves(shared, "smollm2", measured)
     empty = tmp_path / "none.jsonl"
     gpu_check.Rows(empty).finish(gpu_check.Row("speed x", "ok"))
     with pytest.raises(ValueError, match="no finished `cost curve` row"):

@@ -9,7 +9,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -50,11 +50,15 @@ def parse_categories(text: Optional[str]) -> Optional[list[str]]:
     return cats
 
 
-def load_methods(path: Optional[Path]) -> list[tuple[str, dict]]:
+def load_methods(path: Optional[Path], base: Any = None) -> list[tuple[str, dict]]:
     """``--methods`` file: a mapping of method label -> proposer section (read as config files
-    are, ``config.load_file``: a file that cannot be read is a ``ConfigError`` naming it)."""
+    are, ``config.load_file``: a file that cannot be read is a ``ConfigError`` naming it). Each
+    section is validated as the bench will run it (``runner.method_config`` on the run's config
+    ``base``; None: not validated here) before any model loads, the error naming the file and the
+    label."""
     if path is None:
         return []
+    from spec_plugins.bench.runner import method_config
     from spec_plugins.config import load_file
 
     data = load_file(path, "--methods")
@@ -64,7 +68,23 @@ def load_methods(path: Optional[Path]) -> list[tuple[str, dict]]:
     for label, section in data.items():
         if not isinstance(section, dict) or "type" not in section:
             raise ValueError(f"--methods {path}: {label!r} must be a proposer section with a `type`")
+        if base is not None:
+            method_config(base, section, f"--methods {path}, method {str(label)!r}")
         out.append((str(label), section))
+    return out
+
+
+def load_compare_configs(paths: list[Path] | None) -> list[tuple[Path, Any]]:
+    """Every ``--compare-config`` file, read and validated before any model loads (a typo found
+    after the primary model has loaded would cost that load), an error naming the option."""
+    from spec_plugins.config import ConfigError
+
+    out = []
+    for path in paths or []:
+        try:
+            out.append((path, load_config(path)))
+        except ConfigError as exc:
+            raise ConfigError(f"--compare-config: {exc}") from None
     return out
 
 
@@ -136,14 +156,15 @@ def bench(
             raise ValueError("--gammas '' with --no-auto leaves only the config's draft length, which is auto; "
                              "give --gammas or drop --no-auto")
         plist = load_prompts(prompts, limit, parse_categories(categories))
+        # every option checked (baseline names with the options) before the first model loads
         opts = BenchOptions(max_new_tokens=max_new_tokens, runs=runs,
                             baselines=[b.strip() for b in baselines.split(",") if b.strip()],
                             gammas=parse_gammas(gammas), auto=auto, baseline_gamma=baseline_gamma,
-                            chat=not raw, progress=progress, methods=load_methods(methods), memory=memory)
+                            chat=not raw, progress=progress, methods=load_methods(methods, cfg), memory=memory)
+        others = load_compare_configs(compare_config)
         dec = SpeculativeDecoder.from_config(cfg)
         compare: list[tuple[str, SpeculativeDecoder]] = []
-        for path in compare_config or []:
-            other_cfg = load_config(path)
+        for path, other_cfg in others:
             quant = getattr(other_cfg.target, "quantize", "none")
             base = other_cfg.target.backend + (f"-{quant}" if quant != "none" else "")
             label = base

@@ -71,6 +71,10 @@ class BenchOptions:
             raise ValueError(f"cost_positions must be >= 2, got {self.cost_positions}")
         if self.memory not in ("independent", "sequence"):
             raise ValueError(f"memory must be independent or sequence, got {self.memory!r}")
+        known = BASELINES.names()  # names only: a known peer's module is imported when it is built
+        for name in self.baselines:
+            if name not in known:  # refused with the options, before any model loads
+                BASELINES.get(name)  # the registry's error: the unknown name and the registered ones
 
 
 class RejectionCounter:
@@ -137,6 +141,15 @@ def plain_of(group: str) -> str:
 
 def ours_name(gamma: int | str) -> str:
     return f"ours_k{gamma}" if gamma != "auto" else "ours_auto"
+
+
+def method_config(base: Any, section: dict, source: str) -> Any:
+    """The SpecConfig a ``--methods`` entry runs: ``base`` with ``section`` as its proposer,
+    validated (a ``ConfigError`` naming ``source``); the CLI checks each entry this way before
+    any model loads."""
+    from spec_plugins.config import SpecConfig
+
+    return SpecConfig.parse({**base.model_dump(mode="json", exclude={"proposer"}), "proposer": section}, source)
 
 
 def check_labels(labels: Sequence[str], built: Sequence[str]) -> None:
@@ -229,10 +242,8 @@ class Bench:
 
     def _extra_method(self, label: str, section: dict) -> Method:
         """Another proposer on the primary runtime, with its own draft length (``--methods``)."""
-        from spec_plugins.config import SpecConfig
-
         dec = self.decoder
-        cfg = SpecConfig.parse({**dec.config.model_dump(mode="json", exclude={"proposer"}), "proposer": section})
+        cfg = method_config(dec.config, section, f"method {label!r}")
         rec = RejectionCounter()
         traced = self._traced(self._proposer(cfg.proposer), cfg)
         return Method(label, "method", cfg.proposer.num_draft_tokens, _bind(traced, rec), rec, traced)

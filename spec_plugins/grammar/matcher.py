@@ -20,7 +20,10 @@ node the matcher refuses to consume although its mask allowed it; where the targ
 ``advance`` refuses it too and the row ends with ``error``. A state with no way on (no token of
 the vocabulary continues the grammar) has a mask allowing end-of-sequence only, and ``advance``
 ends that row with ``error``, naming the cause, not as a finished output (the tokens before the
-refused one are still emitted: ``loop.rows.Row.emit``).
+refused one are still emitted: ``loop.rows.Row.emit``). llguidance does not always see such a
+state up front: inside a JSON string whose pattern no token can go on with (``"ab`` under
+``^abz$``), its mask allows the closing quote, which its parser then refuses; ``advance`` names
+that cause too, where no token the mask allows can be consumed.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from spec_plugins.grammar.spec import Compiled, GrammarError, error_of
+from spec_plugins.grammar.spec import _CAUSES, Compiled, GrammarError, error_of
 
 ALL = -1  # an int32 word with every bit set: 32 tokens allowed
 
@@ -85,6 +88,8 @@ class RowGrammar:
     def __init__(self, compiled: Compiled, eos_ids: Sequence[int], vocab: int, draft_forced: bool = True) -> None:
         """``draft_forced``: draft the tokens the grammar forces (``grammar.rounds``)."""
         self.matcher = compiled.matcher()
+        self.origin = compiled.matcher
+        self.tokens: list[int] = []  # the committed tokens: a refusal replays them (``_refusal``)
         self.draft_forced = draft_forced
         self.eos = frozenset(int(e) for e in eos_ids)
         self.vocab, self.words = vocab, words_for(vocab)
@@ -110,11 +115,30 @@ class RowGrammar:
         also where the decoder's own end-of-sequence ids are others)."""
         for i, t in enumerate(tokens):
             if t in self.eos:
+                self.tokens.extend(map(int, tokens[:i]))
                 return len(tokens) if self._may_end(int(t)) else i
             if not self.matcher.consume_token(int(t)):
-                self.error = f"token {t}: {error_of(self.matcher)}"
+                self.error = f"token {t}: {self._refusal(tokens[:i])}"
                 return i
+        self.tokens.extend(map(int, tokens))
         return len(tokens)
+
+    def _refusal(self, before: Sequence[int]) -> str:
+        """Why the matcher refused the token after the committed tokens and ``before``: where no
+        token the mask there allows can be consumed, the grammar has no way on (module docstring),
+        else llguidance's error. The state is rebuilt by replaying the tokens from the origin (a
+        matcher in error cannot roll back): only a failing row pays for it."""
+        state = self.origin()
+        if not state.consume_tokens(self.tokens + list(map(int, before))) or state.is_accepting():
+            return error_of(self.matcher)
+        probe = state.deep_copy()
+        bits = np.unpackbits(np.frombuffer(probe.compute_bitmask(), np.uint8), bitorder="little")[: self.vocab]
+        if probe.is_error():  # the mask allows end-of-sequence only: llguidance names why
+            return error_of(probe)
+        if any(state.validate_tokens([int(t)]) == 1 for t in np.flatnonzero(bits) if int(t) not in self.eos):
+            return error_of(self.matcher)
+        return (f"{_CAUSES['NoExtensionBias']} (llguidance's mask allows tokens its parser then refuses: "
+                f"{error_of(self.matcher)})")
 
     def _may_end(self, eos: int) -> bool:
         """Whether the output may end here: only where it is complete in its grammar. The masks

@@ -2,13 +2,15 @@
 
 The proposers call a head through one signature whichever engine runs it, so ``backend:
 onnxruntime`` in the target section is the only change a config needs. The ONNX graph of a head
-is exported on first use (``EXPORTERS['onnx_head']``) into the cache, keyed by the head's
-weights, and reused afterwards.
+is the one the target's export directory holds (``export onnx`` of the proposer's config) where
+that graph computes this head, else exported on first use (``EXPORTERS['onnx_head']``) into the
+cache, keyed by the head's weights, and reused afterwards.
 """
 
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -51,21 +53,72 @@ def session_threads(target: Any) -> tuple[int | None, bool]:
 
 
 def head_session(module: torch.nn.Module, target: Any = None) -> Any:
-    """An ONNX Runtime session of ``module``'s head graph, exported on first use, with the threads
-    and spinning of ``target``'s session (``session_threads``)."""
+    """An ONNX Runtime session of ``module``'s head graph: the target's export's own graph of it
+    (``export_graph``), else the cache's, exported on first use; with the threads and spinning of
+    ``target``'s session (``session_threads``)."""
     from spec_plugins.backends.onnxruntime_runtime import create_session, import_ort
     from spec_plugins.graphs.manifest import EXPORTER_VERSION
     from spec_plugins.models import cache_root
     from spec_plugins.registry import EXPORTERS
 
     import_ort()
-    kind = type(module).__name__.lower()
-    directory = cache_root() / "onnx-heads" / f"{kind}-{weights_key(module)}-v{EXPORTER_VERSION}"
-    path = directory / "head.onnx"
-    if not path.is_file():
-        EXPORTERS.get("onnx_head")(module, path)
+    path = export_graph(module, getattr(target, "export_dir", None))
+    if path is None:
+        kind = type(module).__name__.lower()
+        path = cache_root() / "onnx-heads" / f"{kind}-{weights_key(module)}-v{EXPORTER_VERSION}" / "head.onnx"
+        if not path.is_file():
+            EXPORTERS.get("onnx_head")(module, path)
     threads, spinning = session_threads(target)
     return create_session(path, "cpu", threads=threads, spinning=spinning)
+
+
+def export_graph(module: torch.nn.Module, directory: Path | None) -> Path | None:
+    """The graph of ``module`` in the export ``directory`` (the ONNX Runtime target's): a head entry
+    of its kind whose inputs and outputs are the module's and whose outputs are the module's on
+    random inputs (``export check``'s head check). The graph was traced over the export's target
+    weights, float16 ones in a float16 export, and ``module`` here over the float32 model, so the
+    outputs are held to the real-input tolerance of the target's dtype (float32: 1e-4, float16:
+    2e-2; another head's weights are off by about their scale). None where the export holds no
+    such entry (a head it was not made with: the cache serves). An entry made from the head
+    directory that now holds ``module``'s weights but computing something else (the head was
+    retrained after the export) is an error: running it would draft from other weights."""
+    from spec_plugins.exporters.onnx_heads import _io, _kind, check_head
+    from spec_plugins.exporters.parity import target_dtype, tolerance
+    from spec_plugins.graphs.manifest import Manifest, ManifestError
+
+    if directory is None:
+        return None
+    kind = _kind(module)
+    vd = int(module.vocab_ids.numel()) if hasattr(module, "vocab_ids") else 0
+    ins, outs, _ = _io(kind, module.config, vd)
+    man = Manifest.read(directory)
+    rtol = tolerance(target_dtype(man), real=True)
+    for entry in (g for g in man.graphs if g.kind == kind):
+        same_io = (entry.inputs, entry.outputs) == (ins, outs)
+        if same_io and all(c.ok for c in check_head(directory, entry, None, rtol, module)):
+            return Path(directory) / entry.file
+        if holds_weights(entry.source_heads, kind, module):
+            raise ManifestError(f"{Path(directory) / entry.file} (graph {entry.name!r}) was exported from "
+                                f"{entry.source_heads}, which now holds other weights (this proposer's head) than "
+                                "the graph computes; export again (spec-plugins export onnx) or give the "
+                                "onnxruntime target a path without this head")
+    return None
+
+
+def holds_weights(heads: str | None, kind: str, module: torch.nn.Module) -> bool:
+    """Whether the trained head directory ``heads`` holds ``module``'s trained weights (a block
+    refiner's: its drafter's ``refiner.`` tensors), as loading it would give them."""
+    from spec_plugins.heads.common import HeadFiles, load_head
+
+    if not heads or not HeadFiles(Path(heads)).exists():
+        return False
+    state = load_head(heads)[1]
+    if kind == "block_refiner":
+        state = {k.removeprefix("refiner."): v for k, v in state.items() if k.startswith("refiner.")}
+    mine = module.state_dict()
+    return state.keys() == mine.keys() and all(
+        state[k].shape == mine[k].shape and torch.equal(state[k].to(mine[k].dtype), mine[k].detach().cpu())
+        for k in state)
 
 
 class OrtEagleLayer:

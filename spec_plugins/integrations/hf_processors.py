@@ -50,8 +50,8 @@ class _PromptRepetitionPenalty:
     """transformers' repetition penalty for a padded batch skips row b's first
     ``prompt_ignore_length[b]`` tokens (its left pads) by batch index, which breaks once rows are
     regrouped per drafted node. Same effect, row-free: the row's count comes from the padded prompt
-    its prefix starts with (``_PromptIndex``); a prefix that is no prompt (a draft model's pad-free
-    one) skips nothing, which changes acceptance only."""
+    its prefix starts with (``_PromptIndex``; a draft model's processors get the same padded prefixes,
+    ``ProposeContext.processor_prefix``); a prefix that is no prompt skips nothing."""
 
     def __init__(self, penalty: float, prompts: torch.Tensor, ignore: torch.Tensor) -> None:
         # distinct padded prompts [U, L] and their counts [U], on the prompts' device
@@ -92,8 +92,7 @@ class _PromptScoped:
     drafted node. Same effect, row-free: one processor per distinct padded prompt, built once (the
     n-gram table is costly to build), applied to the rows whose prefix starts with that prompt
     (``_PromptIndex``), as plain ``generate()`` applies it to that prompt's row. A prefix that is no
-    prompt (a draft model's pad-free one) keeps its scores, as the repetition penalty skips nothing
-    there: that changes acceptance only."""
+    prompt keeps its scores, as the repetition penalty skips nothing there."""
 
     def __init__(self, build: Callable[[torch.Tensor], Any], input_ids: torch.Tensor) -> None:
         prompts = torch.unique(input_ids, dim=0)  # distinct padded prompts [U, L]

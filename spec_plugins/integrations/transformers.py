@@ -13,8 +13,8 @@ i.e. ``input_ids[b]`` with its left pads + the tokens before the scored one (the
 suppress-at-begin) therefore count as transformers does. Processors must be functions of
 (row prefix, scores): they are called per drafted node, rows grouped by prefix length, so one
 that reads a batch index or keeps state between calls is refused or mis-applied (see
-``integrations.hf_processors``). Draft models see processors over their pad-free prefix; that only
-changes acceptance, never the output law, because the verifier uses the target's scores.
+``integrations.hf_processors``). A draft model runs the processors over the same padded prefixes
+(its drafts then follow them as the target will); either way the verifier uses the target's scores.
 
 transformers 5.x does not pass ``streamer`` or ``assistant_model`` to a callable
 ``custom_generate`` (it forwards only the keyword arguments that ``_sample`` lacks), so the
@@ -35,7 +35,7 @@ whose rejection tests draw from a stream anyway: those calls sample from torch's
 from __future__ import annotations
 
 import sys
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -84,7 +84,8 @@ def speculative_generate(
     ``proposer`` (a Proposer instance), ``spec_stats`` (a DecodeStats to fill), ``stop_strings``
     with ``spec_tokenizer`` (the tokenizer: transformers drops ``tokenizer=`` from a callable; the
     directory form takes ``tokenizer=``). Calls on one model decode one after another
-    (``plugin_state.model_lock``). A call that raises ends the streamer first."""
+    (``plugin_state.model_lock``), and so do calls sharing one ``proposer`` instance (``_locks``).
+    A call that raises ends the streamer first."""
     gc = generation_config if generation_config is not None else model.generation_config
     streamer = spec_streamer
     caller = sys._getframe(1)
@@ -99,7 +100,7 @@ def speculative_generate(
         rows, pads = split_left_padding(input_ids, model_kwargs.get("attention_mask"), pad_id)
         max_new = int(gc.max_length) - input_ids.shape[1]
 
-        with model_lock(model):
+        with _locks(model, proposer):
             # 2. components: the user's model as target (its runtime wrapper, costs and wired proposers kept,
             # so later calls measure nothing: ``plugin_state.Setup``), proposer/verifier from the spec config
             cfg = _spec_config(spec_config)
@@ -177,6 +178,22 @@ def _ends_on_error(streamer: Any) -> Iterator[None]:
         if streamer is not None:
             streamer.end()
         raise
+
+
+@contextmanager
+def _locks(model: Any, proposer: Proposer | None) -> Iterator[None]:
+    """The model's lock, then the ``proposer`` instance's (where one is passed): a proposer keeps
+    its drafting state (a cache, per-row state) on itself, so two models' calls sharing it decode
+    one after another. Every call takes them in this order, so none waits for a lock while
+    holding one another call waits for first."""
+    if proposer is not None and not isinstance(proposer, Proposer):
+        raise TypeError(f"proposer= must be a Proposer instance (a spec_plugins.proposers.base.Proposer subclass), "
+                        f"got {type(proposer).__name__}")
+    with ExitStack() as held:
+        held.enter_context(model_lock(model))
+        if proposer is not None:
+            held.enter_context(model_lock(proposer))  # the same lock registry, keyed on the instance
+        yield
 
 
 def _ids(x: Any) -> list[int]:

@@ -19,14 +19,15 @@ from spec_plugins.api_inputs import check_draft, foreign
 from spec_plugins.config import SamplingConfig
 from spec_plugins.grammar import rounds as grammar
 from spec_plugins.keyed_draws import lane_seed
+import spec_plugins.loop.processing as processing
 from spec_plugins.loop.capacity import fit as fit_pool, pool_of, shortfall as pool_shortfall
-from spec_plugins.loop.ownership import Lease
+from spec_plugins.loop.ownership import Lease, check_held
 from spec_plugins.loop.rows import Row, seen_sequences
 from spec_plugins.loop.verdicts import broken_nodes, read_round, verify_groups
 from spec_plugins.proposers.base import ProposerTraits, check_pairing
 from spec_plugins.sampling import LogitsPipeline, RowPipelines
 from spec_plugins.stats import DecodeStats
-from spec_plugins.row_trees import Parents, RowTrees, forward_layout, rows_of
+from spec_plugins.row_trees import Parents, RowTrees, forward_layout
 from spec_plugins.tree import TreeLayout, layout
 from spec_plugins.types import BatchView, Draft, Emission, ProposeContext, Ranked, RoundRecord, RowRequest, Verdict
 from spec_plugins.transfer import HOST, upload_tensor
@@ -63,11 +64,11 @@ class Batch:
         self.fetched: dict = {}  # what the round's one fetch read (``loop.verdicts.read_round``)
         self.forced: list[list[int]] = []  # this round's forced tokens per row (``grammar.rounds``)
         self._masks: torch.Tensor | None = None  # this round's grammar masks per node
+        self._raised: processing.Raised | None = None  # this round's nodes whose processing raised
         # what holds this batch's rows besides itself: the runtime's caches, and a row-aware
         # proposer's per-row state (a draft model's own runtime and cache)
-        self._lease = Lease()
-        self._lease.claim([runtime] + ([proposer] if self.traits.row_aware else []))
-        self._select([])  # the runtime and proposer start with no rows (a previous batch may have left some)
+        self._lease = Lease(self)
+        self._claim()
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -83,9 +84,17 @@ class Batch:
         return self._lease.held
 
     def check_owner(self) -> None:
-        """Refuse to go on over a runtime another batch took over: its caches now hold that
-        batch's rows, so a round here would decode on them."""
-        self._lease.check()
+        """Refuse to go on over a runtime another batch took over while this one holds rows: its
+        caches now hold that batch's rows, so a round here would decode on them. A batch holding
+        no rows has nothing there to lose; ``add`` takes the runtime back."""
+        if self.rows:
+            self._lease.check()
+
+    def _claim(self) -> None:
+        """Take the runtime (and a row-aware proposer) over, holding no rows: a batch that had
+        them before (one built earlier, or a generation on the same decoder) refuses to go on."""
+        self._lease.claim([self.runtime] + ([self.proposer] if self.traits.row_aware else []))
+        self._select([])
 
     # ---- rows join --------------------------------------------------------------------------------
     def add(self, requests: Sequence[RowRequest]) -> list[Emission]:
@@ -103,6 +112,9 @@ class Batch:
         live = [r for r in requests if r.max_new_tokens > 0]
         if not live:
             return out
+        if not self.rows and not self.owns_runtime:  # another generation used the runtime while this batch was empty
+            self._lease.check_free()
+            self._claim()
         t0 = self.clock()
         new = [self._row(r) for r in live]
         n0 = len(self.rows)
@@ -190,7 +202,8 @@ class Batch:
         keep = [b for b, r in enumerate(self.rows) if r.key not in gone]
         if len(keep) < len(self.rows):
             t0 = self.clock()
-            self._select(keep)
+            if self.owns_runtime:  # else the runtime holds another batch's rows, left as they are
+                self._select(keep)
             self.rows = [self.rows[b] for b in keep]
             self.stats.observe_compaction(self.clock() - t0)  # cache work between rounds, in no round's times
 
@@ -234,7 +247,8 @@ class Batch:
         hidden = [r.hidden for r in self.rows] if self.traits.needs_hidden else None
         ctx = ProposeContext(view.sequences, budgets, self._row_pipelines(self.rows),
                              self.generator, self.runtime.capabilities.tree_mask, hidden,
-                             [r.tenant for r in self.rows], self.forced, [r.generator for r in self.rows])
+                             [r.tenant for r in self.rows], self.forced, [r.generator for r in self.rows],
+                             [r.prefix for r in self.rows])
         return budgets, policy.draft(self.traits.sources, ctx)
 
     def place(self, draft: Draft | None) -> Draft | None:
@@ -276,22 +290,13 @@ class Batch:
 
     def _process(self, rows: Sequence[Row], logits: torch.Tensor, tokens: torch.Tensor,
                  parents: Parents) -> torch.Tensor:
-        """Processed logits of ``rows``; a row whose processing raises fails alone (``Row.fail``) and
-        gets a harmless placeholder (rows whose result is not a distribution are found by
-        ``_verify``, on the device, without a sync)."""
+        """Processed logits of ``rows``; the nodes whose processing raises (``loop.processing``)
+        are kept for ``_verify``, which fails a row at one only where its verdict reads it (rows
+        whose result is not a distribution are found there, on the device, without a sync)."""
         pipes = self._row_pipelines(rows)
         seen = seen_sequences(rows, self.device) if pipes.needs_prefix else [r.tokens for r in rows]  # else read by none
-        try:
-            return pipes.process_tree(logits, seen, tokens, parents)
-        except Exception:  # noqa: BLE001 - find the rows it fails for, one at a time
-            z = torch.zeros_like(logits)
-            for b, r in enumerate(rows):
-                try:
-                    z[b] = r.pipeline.process_tree(logits[b:b + 1], [seen[b]], tokens[b:b + 1],
-                                                   rows_of(parents, slice(b, b + 1)))[0]
-                except Exception as exc:  # noqa: BLE001
-                    r.fail(f"logits processing failed: {type(exc).__name__}: {exc}")
-            return z
+        z, self._raised = processing.process(pipes, rows, logits, seen, tokens, parents)
+        return z
 
     def verify(self, draft: Draft | None, z: torch.Tensor) -> Verdict:
         """The only accept/reject code (``verify.py``) over the rows, read in the round's one fetch
@@ -308,15 +313,13 @@ class Batch:
 
     def check(self) -> None:
         """The batch's invariants: the runtime holds exactly its rows, each live row's cache is its
-        sequence minus the pending token, and a RowAware proposer follows the same rows."""
-        lengths = self.runtime.lengths()
-        if len(lengths) != len(self.rows):
-            raise AssertionError(f"the runtime holds {len(lengths)} rows, the batch {len(self.rows)}")
-        for n, r in zip(lengths, self.rows):
-            if not r.done and n != len(r.tokens) - 1:
-                raise AssertionError(f"row {r.key!r}: the runtime caches {n} tokens, the row has {len(r.tokens) - 1}")
-        if self.traits.row_aware and self.proposer.num_rows() != len(self.rows):
-            raise AssertionError(f"the proposer follows {self.proposer.num_rows()} rows, the batch {len(self.rows)}")
+        sequence minus the pending token, and a RowAware proposer follows the same rows. A batch
+        another took the runtime from holds nothing there: none if it holds no rows, refused
+        (``check_owner``) if it does."""
+        if not self.owns_runtime:
+            self.check_owner()
+            return
+        check_held(self.runtime, self.rows, self.proposer if self.traits.row_aware else None)
 
     def emit(self, verdict: Verdict, keep: list[list[int]], tokens: torch.Tensor, z: torch.Tensor,
              hidden: torch.Tensor | None) -> list[Emission]:
@@ -386,10 +389,13 @@ class Batch:
         bad = broken[:, 0] | (broken[:, 1:] & dv.path).any(-1)  # [B]: the root, or a node on the path
         lp = logits if any(r.logprobs for r in rows) else None
         extra = {k: v for src in self.traits.sources for k, v in src.to_fetch(z).items()}
+        raised, self._raised = self._raised, None
+        if raised is not None:
+            extra[processing.READ] = raised.read(dv.path)
         verdict, host = read_round(dv, draft, z, bad, lp, self.top_logprobs, extra)
         for b, f in enumerate(host["bad"].tolist()):
             if f and rows[b].error is None:
-                rows[b].fail("sampling failed: the processed logits are not finite (NaN, inf, or every token "
-                             "masked)")
+                rows[b].fail((raised and raised.error(host[processing.READ], b))
+                             or "sampling failed: the processed logits are not finite (NaN, inf, or every token masked)")
         return verdict, host
 

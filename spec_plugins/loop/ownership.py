@@ -8,6 +8,7 @@ on the other's rows.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Sequence
 
 
@@ -15,8 +16,8 @@ class Lease:
     """One batch's claim on what holds its rows besides itself: each holder carries the claim's
     token as ``batch_lease`` while this claim is the latest."""
 
-    def __init__(self) -> None:
-        self._token = object()  # what the holders carry: refers to nothing, so it keeps nothing alive
+    def __init__(self, owner: Any) -> None:
+        self._token = weakref.ref(owner)  # what the holders carry: keeps the owning batch alive no longer
         self._holders: list[Any] = []
 
     def claim(self, holders: Sequence[Any]) -> None:
@@ -30,6 +31,16 @@ class Lease:
         """Whether every holder still carries this claim (no later batch took one over)."""
         return all(getattr(h, "batch_lease", None) is self._token for h in self._holders)
 
+    def check_free(self) -> None:
+        """Refuse to take the holders back while a batch that took one over still has rows to
+        decode (not every row done); one finished, or gone (garbage), has nothing there to lose."""
+        for h in self._holders:
+            token = getattr(h, "batch_lease", None)
+            other = token() if token is not None and token is not self._token else None
+            if other is not None and any(not r.done for r in other.rows):
+                raise RuntimeError("another generation on this decoder is running (a generate() or an unfinished "
+                                   "stream beside this batch); its rows hold the runtime until it ends")
+
     def check(self) -> None:
         """Refuse to go on over a runtime another batch took over: its caches now hold that
         batch's rows, so a round here would decode on them."""
@@ -38,3 +49,17 @@ class Lease:
                                "generators interleaved, or a stream resumed after another generate()); its runtime "
                                "now holds the other generation's rows. Finish or close a stream before starting the "
                                "next generation on the same decoder, or give each its own decoder and runtime")
+
+
+def check_held(runtime: Any, rows: Sequence[Any], proposer: Any | None) -> None:
+    """A batch's invariants over what holds its rows: the runtime holds exactly ``rows``, each live
+    row's cache is its sequence minus the pending token, and a row-aware ``proposer`` (None: none)
+    follows the same rows."""
+    lengths = runtime.lengths()
+    if len(lengths) != len(rows):
+        raise AssertionError(f"the runtime holds {len(lengths)} rows, the batch {len(rows)}")
+    for n, r in zip(lengths, rows):
+        if not r.done and n != len(r.tokens) - 1:
+            raise AssertionError(f"row {r.key!r}: the runtime caches {n} tokens, the row has {len(r.tokens) - 1}")
+    if proposer is not None and proposer.num_rows() != len(rows):
+        raise AssertionError(f"the proposer follows {proposer.num_rows()} rows, the batch {len(rows)}")

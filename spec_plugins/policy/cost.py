@@ -257,8 +257,13 @@ def measure(runtime: Any, rows: Sequence[int] = (1,), widths: Sequence[int] = tu
         samples = time_forwards(runtime, [ctx[:context]] * b, new, widths, repeats, warmup=(1, widths[-1], 1))
         table.update({(b, n): min(samples[n]) for n in widths})
     runtime.select_rows([])
-    name = getattr(getattr(runtime, "capabilities", None), "name", "") or type(runtime).__name__
-    return ForwardCost(table, context=context, runtime=name, repeats=repeats)
+    return ForwardCost(table, context=context, runtime=runtime_name(runtime), repeats=repeats)
+
+
+def runtime_name(runtime: Any) -> str:
+    """The name a runtime's measured costs record (``ForwardCost.runtime``): its capabilities'
+    name, else its class's."""
+    return getattr(getattr(runtime, "capabilities", None), "name", "") or type(runtime).__name__
 
 
 def _fitting_rows(runtime: Any, rows: Sequence[int], positions: int) -> list[int]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Sequence
 
-from spec_plugins.policy.cost import DraftCost, ForwardCost, OnlineCost, measure, measure_draft
+from spec_plugins.policy.cost import DraftCost, ForwardCost, OnlineCost, measure, measure_draft, runtime_name
 from spec_plugins.types import RoundRecord
 
 
@@ -57,6 +57,16 @@ class Costs:
     def set_drafter(self, proposer: Any, cost: DraftCost) -> None:
         """A drafter's cost known otherwise (a replay's recorded one, a test's)."""
         self._drafts[proposer] = cost
+
+    def check_runtime(self, runtime: Any) -> None:
+        """Refuse to price ``runtime`` with forwards timed on another kind of runtime (a llama.cpp
+        curve on a torch runtime): its costs differ by orders of magnitude and in shape, and the
+        online correction would take many rounds to undo them. Costs that record no runtime (a
+        hand-made curve, a replay's) are taken as given; no model is recorded, so none is compared."""
+        recorded, wired = self.forward.base.runtime, runtime_name(runtime)
+        if recorded and recorded != wired:
+            raise ValueError(f"these costs were measured on runtime {recorded!r}, but the runtime being wired is "
+                             f"{wired!r}: give costs measured on this runtime, or none to measure them at setup")
 
     def covers(self, rows: Sequence[int], max_positions: int) -> bool:
         base = self.forward.base

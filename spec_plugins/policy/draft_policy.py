@@ -106,15 +106,28 @@ def wants_costs(section: Any, length: Length = "config") -> bool:
     return length == "load" or section.num_draft_tokens == "auto" or section.auto_tree
 
 
+def measured_positions(section: Any, length: Length = "config", defaults: PolicyDefaults = DEFAULTS) -> int:
+    """Forward widths a priced section's policy needs measured: one past its deepest draft, so
+    ``AutoDraftLength`` never has to clamp it to the cost model. The deepest is ``defaults.max_k``,
+    a load-aware policy's configured upper bound where that is deeper, and an auto tree's
+    ``MAX_AUTO_NODES``."""
+    k = section.num_draft_tokens
+    bound = int(k) if length == "load" and k != "auto" else 0
+    return max(defaults.max_k, bound, MAX_AUTO_NODES if section.auto_tree else 0) + 1
+
+
 def setup_costs(runtime: Any, proposer: Any, section: Any, pipeline: Any = None, rows: Sequence[int] = (1,),
                 costs: Costs | None = None, length: Length = "config", context: int | None = None,
                 defaults: PolicyDefaults = DEFAULTS) -> Costs | None:
     """Measure what a section's policy needs, once, at setup: the runtime's forward costs for
     ``rows`` x positions (reusing ``costs`` when they cover them) and the drafter's own cost.
-    ``costs`` as given when the section prices nothing."""
+    ``costs`` as given when the section prices nothing. Costs measured on another runtime are
+    refused (``Costs.check_runtime``), not reused."""
+    if costs is not None:
+        costs.check_runtime(runtime)
     if proposer is None or not wants_costs(section, length):
         return costs
-    positions = max(defaults.max_k, MAX_AUTO_NODES if section.auto_tree else 0) + 1
+    positions = measured_positions(section, length, defaults)
     positions = min(positions, runtime.max_context // 2)  # a short context: fewer widths (auto drafts less)
     if positions < 2:
         raise ValueError(f"an auto draft length or tree measures forwards of 2 and more positions in half the "

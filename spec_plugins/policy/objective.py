@@ -60,3 +60,15 @@ class Calibration:
         keep = self.decay
         self.accepted = keep * self.accepted + (1.0 - keep) * self.prior
         self.predicted = keep * self.predicted + (1.0 - keep) * self.prior
+
+
+def node_gain(estimate: float, scale: float) -> float:
+    """A node's calibrated expected acceptance: its estimate times its source's scale, at most 1
+    (a node is accepted once however much its source under-predicts), none for no estimate."""
+    return min(1.0, max(0.0, estimate) * scale)
+
+
+def expected_tokens(estimates: Iterable[float], scale: float) -> float:
+    """A row's expected emitted tokens with these nodes verified: the target's own token plus
+    each node's ``node_gain``; every option of every sizing choice is priced by it."""
+    return 1.0 + sum(node_gain(p, scale) for p in estimates)

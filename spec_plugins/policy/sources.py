@@ -9,11 +9,13 @@ are asked cheapest first, and one is skipped when, for every row, the rate alrea
 draft, or a cheaper child's draft) beats what this child has offered on average with its own
 drafting seconds counted:
 
-    (1 + scale_s x expected_s) / (T(1, 1 + nodes_s) + draft seconds_s)
+    (1 + sum_j min(1, scale_s x offer_s[j])) / (T(1, 1 + nodes_s) + draft seconds_s)
 
-``expected_s`` and ``nodes_s`` are what the child offered per row, smoothed (``SourceStats``),
-``scale_s`` its calibration, T the runtime's forward costs, the drafting seconds the costs' online
-estimate (``Costs.draft_seconds``) and the per-round overhead counted on both sides. No margin:
+``offer_s`` (the estimate at each best-first rank) and ``nodes_s`` are what the child offered per
+row, averaged over the round's rows and smoothed over rounds (``SourceStats``), ``scale_s`` its
+calibration (each node counted at most once, as the sizer counts it: ``objective.expected_tokens``),
+T the runtime's forward costs, the drafting seconds the costs' online estimate
+(``Costs.draft_seconds``) and the per-round overhead counted on both sides. No margin:
 the sizer already cuts a draft that does not pay, so a drafter that costs nothing is never
 skipped. Every ``probe_every`` rounds every child drafts, and such a probe weighs more, so a
 child skipped through one kind of text comes back when the text turns its way.
@@ -29,20 +31,44 @@ from spec_plugins.types import Draft, ProposeContext, Ranked, RankedRow
 
 
 class SourceStats:
-    """Smoothed (uncalibrated) expected accepted nodes and nodes a composition's child offers per
-    row when it drafts, before any cut. Text changes (free prose followed by arithmetic), so a
-    probe of a skipped child weighs ``probe_weight``: one that finds it paying brings it back, one
-    that finds it poor keeps it skipped."""
+    """Smoothed (uncalibrated) estimates a composition's child offers per row when it drafts,
+    before any cut: the mean estimate at each best-first rank (``offer``) and the mean node count.
+    Updated once per round with the round's offers averaged, so the smoothing forgets by
+    ``decay`` per round whatever the batch size. Text changes (free prose followed by
+    arithmetic), so a probe of a skipped child weighs ``probe_weight``: one that finds it paying
+    brings it back, one that finds it poor keeps it skipped."""
 
     def __init__(self, decay: float = 0.9, probe_weight: float = 0.5) -> None:
         self.decay, self.probe_weight = decay, probe_weight
-        self.expected, self.nodes = 1.0, 1.0
+        self.offer: list[float] = [1.0]  # prior: one node, surely accepted
+        self.nodes = 1.0
         self.probing = False  # this round's draft is a probe of a skipped child
 
-    def update(self, expected: float, nodes: int) -> None:
+    @property
+    def expected(self) -> float:
+        """Expected accepted nodes per row, uncalibrated: the offer's sum."""
+        return sum(self.offer)
+
+    @expected.setter
+    def expected(self, value: float) -> None:
+        """A known smoothed offer (a replay's, a test's): the offer's sum set, its shape kept."""
+        total = self.expected
+        self.offer = [p * value / total for p in self.offer] if total > 0 else [value]
+
+    def update(self, offers: Sequence[Sequence[float]]) -> None:
+        """One round's offers (each row's, each shaped draft's estimates), averaged rank by rank
+        (an offer without a rank counts 0 there), then smoothed into the history."""
+        if not offers:
+            return
+        ranked = [sorted(o, reverse=True) for o in offers]
+        depth = max(len(self.offer), max(len(o) for o in ranked))
+        mean = [sum(o[j] for o in ranked if j < len(o)) / len(ranked) for j in range(depth)]
+        old = self.offer + [0.0] * (depth - len(self.offer))
         w = self.probe_weight if self.probing else 1 - self.decay
-        self.expected = (1 - w) * self.expected + w * expected
-        self.nodes = (1 - w) * self.nodes + w * nodes
+        self.offer = [(1 - w) * a + w * b for a, b in zip(old, mean)]
+        while self.offer and self.offer[-1] <= 0.0:
+            self.offer.pop()  # ranks no recent offer reached
+        self.nodes = (1 - w) * self.nodes + w * sum(len(o) for o in ranked) / len(ranked)
 
 
 class SourceGate:
@@ -65,26 +91,24 @@ class SourceGate:
     def _draft_seconds(self, i: int, depth: int) -> float:
         return self.costs.draft_seconds(self.sources[i], depth) if self.costs is not None else 0.0
 
-    def _seconds(self, nodes: float, extra: float = 0.0) -> float:
-        overhead = self.costs.overhead if self.costs is not None else 0.0
-        return self.sizer.seconds(1, 1 + nodes) + overhead + extra
+    @property
+    def _overhead(self) -> float:
+        return self.costs.overhead if self.costs is not None else 0.0
 
-    def _rate(self, expected: float, nodes: float, i: int) -> float:
+    def _rate(self, estimates: Sequence[float], nodes: float, i: int) -> float:
         """One row's rate with a draft of source ``i`` in hand (its drafting already paid), the
         per-round overhead counted as in ``plain`` and ``prospect``."""
-        overhead = self.costs.overhead if self.costs is not None else 0.0
-        return self.sizer.rate(expected, nodes, i, extra=overhead)
+        return self.sizer.rate(estimates, nodes, i, extra=self._overhead)
 
     @property
     def plain(self) -> float:
         """One row's tokens per second without a draft."""
-        return 1.0 / self._seconds(0)
+        return 1.0 / (self.sizer.seconds(1, 1) + self._overhead)
 
     def prospect(self, i: int, depth: int) -> float:
         """Source ``i``'s average rate for one row, its drafting seconds included."""
         st = self.stats[i]
-        tokens = 1.0 + self.sizer.calibration(i).scale * st.expected
-        return tokens / self._seconds(round(st.nodes), self._draft_seconds(i, depth))
+        return self.sizer.rate(st.offer, round(st.nodes), i, extra=self._overhead + self._draft_seconds(i, depth))
 
     def draft(self, ctx: ProposeContext) -> Draft | Ranked | None:
         """The round's drafting: one source as it drafts, or every paying source's candidates as
@@ -108,14 +132,16 @@ class SourceGate:
             if not ranked:
                 continue
             tagged = ranked.tagged(i)
+            offers: list[Sequence[float]] = []  # what it offers this round (any row may take it)
             for b, row in enumerate(tagged.rows):
                 alts[b] += row
                 for r in row:
-                    self.stats[i].update(sum(r.estimates), r.size)  # what it offers (any row may take it)
-                    in_hand[b] = max(in_hand[b], self._rate(sum(r.estimates), r.size, i))
+                    offers.append(r.estimates)
+                    in_hand[b] = max(in_hand[b], self._rate(r.estimates, r.size, i))
             for sh in tagged.shaped:  # the same offer for every row
-                self.stats[i].update(sum(sh.estimates), len(sh.estimates))
-                in_hand = [max(h, self._rate(sum(sh.estimates), len(sh.estimates), i)) for h in in_hand]
+                offers.append(sh.estimates)
+                in_hand = [max(h, self._rate(sh.estimates, len(sh.estimates), i)) for h in in_hand]
+            self.stats[i].update(offers)
             shaped += tagged.shaped
         out = Ranked(alts, True, shaped)
         return out if out else None

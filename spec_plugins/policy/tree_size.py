@@ -7,12 +7,13 @@ accepted, in descending order, and every prefix is a valid tree. The rows of a b
 in one forward over the union of their trees (``merge_trees``: identical paths share a
 position), so every row pays for the batch's width. Two choices, both by the one objective
 (``policy.objective``) as the length policy and the sources' gate price it, with each source's
-estimates scaled by its own ``Calibration``:
+estimates scaled by its own ``Calibration`` and each node counted at most once
+(``objective.node_gain``):
 
 1. per row, which alternative to take (a hybrid offers one per child):
-   argmax (1 + scale x sum p) / (T(1, 1 + nodes) + overhead);
+   argmax (1 + sum min(1, scale x p)) / (T(1, 1 + nodes) + overhead);
 2. (``auto``) one cut w for the batch, each row keeping its first min(w, n_row) nodes:
-   argmax (B + scale x sum_rows sum_{i<min(w, n_row)} p_i) / (T(B, width(w) + 1) + overhead + spent),
+   argmax (B + sum_rows sum_{i<min(w, n_row)} min(1, scale x p_i)) / (T(B, width(w) + 1) + overhead + spent),
    a draft beating no draft (w = 0) by ``min_gain``; ``overhead`` is the runtime's measured
    seconds per round outside forwards and drafting (``Costs.overhead``), ``spent`` the drafting
    already paid this round (sunk: it counts the same for every w, including w = 0, which drafts
@@ -28,9 +29,9 @@ measured costs, a forward is priced by its positions).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
-from spec_plugins.policy.objective import Calibration, best_option
+from spec_plugins.policy.objective import Calibration, best_option, expected_tokens, node_gain
 from spec_plugins.transfer import upload
 from spec_plugins.row_trees import combine, keep_slots, upload_index
 from spec_plugins.tree import merge_trees
@@ -70,10 +71,12 @@ class TreeSizer:
         cost model, or none, has none), counted in every option as ``AutoDraftLength`` counts it."""
         return float(getattr(self.costs, "overhead", 0.0))
 
-    def rate(self, expected: float, nodes: float, source: int, extra: float = 0.0) -> float:
-        """One row's tokens per second with this many nodes expected accepted (uncalibrated),
-        ``extra`` seconds besides the forward (the round's overhead, which the caller adds)."""
-        return (1.0 + self.calibration(source).scale * expected) / (self.seconds(1, 1 + nodes) + extra)
+    def rate(self, estimates: Iterable[float], nodes: float, source: int, extra: float = 0.0) -> float:
+        """One row's tokens per second verifying ``nodes`` nodes with these (uncalibrated)
+        estimates (``expected_tokens``), ``extra`` seconds besides the forward (the round's
+        overhead, which the caller adds; a gate's drafting seconds)."""
+        tokens = expected_tokens(estimates, self.calibration(source).scale)
+        return tokens / (self.seconds(1, 1 + nodes) + extra)
 
     # ---- the step ---------------------------------------------------------------------------------
     def size(self, ranked: Ranked, spent: float = 0.0) -> Draft | None:
@@ -84,14 +87,13 @@ class TreeSizer:
                   for sh in shaped}
         picks = [self._pick(alts, offers) for alts in ranked.rows]  # a host row, or the source of a shaped draft
         host = [p if isinstance(p, RankedRow) else RankedRow((), (), ()) for p in picks]
+        idle = _unpicked(ranked.rows, picks, offers)
         if ranked.auto:
             counts = self.cut(host, spent)
-            for source in {r.source for r, n in zip(host, counts) if r.size and not n}:
-                self.calibration(source).idle()  # offered, not taken: re-tried later (Calibration.idle)
+            idle |= {r.source for r, n in zip(host, counts) if r.size and not n}
             host = [r.prefix(n) for r, n in zip(host, counts)]
-        for source, (_, slots) in offers.items():
-            if not slots or source not in picks:
-                self.calibration(source).idle()
+        for source in idle:
+            self.calibration(source).idle()  # offered, not taken: re-tried later (Calibration.idle)
         rows = [host[b] if isinstance(p, RankedRow) else _as_row(*offers[p]) for b, p in enumerate(picks)]
         self._kept = [(r.source, sum(r.estimates)) for r in rows]
         for r in rows:
@@ -110,7 +112,7 @@ class TreeSizer:
         for w, j in enumerate(order, 1):
             if shaped.estimates[j] <= 0.0:
                 break
-            gain += min(1.0, shaped.estimates[j] * scale)
+            gain += node_gain(shaped.estimates[j], scale)
             options.append((rows * (1.0 + gain), self.seconds(rows, 1 + w) + fixed))
         return sorted(order[:best_option(options, self.min_gain)])
 
@@ -119,11 +121,11 @@ class TreeSizer:
         best: RankedRow | int = RankedRow((), (), ())
         best_rate, overhead = float("-inf"), self.overhead
         for r in alternatives:
-            rate = self.rate(sum(r.estimates), r.size, r.source, overhead)
+            rate = self.rate(r.estimates, r.size, r.source, overhead)
             if r.size and rate > best_rate:
                 best, best_rate = r, rate
         for source, (shaped, slots) in offers.items():
-            rate = self.rate(sum(shaped.estimates[j] for j in slots), len(slots), source, overhead)
+            rate = self.rate([shaped.estimates[j] for j in slots], len(slots), source, overhead)
             if slots and rate > best_rate:
                 best, best_rate = source, rate
         return best
@@ -139,7 +141,7 @@ class TreeSizer:
             for p in r.estimates:
                 if p <= 0.0:
                     break
-                g.append(g[-1] + min(1.0, p * scale))
+                g.append(g[-1] + node_gain(p, scale))
             gains.append(g)
         fixed = self.overhead + spent
         options = [(float(B), self.seconds(B, 1) + fixed)]  # w = 0: no draft
@@ -164,6 +166,18 @@ class TreeSizer:
         for source, (acc, pred) in by_source.items():
             self.calibration(source).observe(acc, pred)
         self._kept = []
+
+
+def _unpicked(rows: Sequence[Sequence[RankedRow]], picks: Sequence[Any],
+              offers: dict[int, tuple[Shaped, list[int]]]) -> set[int]:
+    """Sources that offered candidates this round and were picked for no row (a shaped draft cut
+    to nothing included): kept by no row, they bring no evidence, so their
+    calibration fades toward the prior (``Calibration.idle``); otherwise a source that lost every
+    pick after one bad stretch would stay at its scale floor and lose every pick for good."""
+    taken = {p.source for p in picks if isinstance(p, RankedRow) and p.size} | {p for p in picks if isinstance(p, int)}
+    offered = {r.source for alts in rows for r in alts if r.size}
+    shaped = {source for source, (_, slots) in offers.items() if not slots or source not in taken}
+    return (offered - taken) | shaped
 
 
 def _closed(shaped: Shaped) -> Shaped:

@@ -166,27 +166,28 @@ class DraftModelProposer(Proposer):
         B = len(seqs)
         toks = torch.zeros(B, k, dtype=torch.long, device=logits.device)
         probs = None if ctx.pipeline.greedy else torch.zeros(B, k, self.vocab_size, device=logits.device)
-        prefix = [upload_tensor(list(s), logits.device) for s in seqs] if ctx.pipeline.needs_prefix else seqs
+        pads = ctx.processor_prefix or [()] * B  # the processors see what the target's see (left pads first)
+        prefix = ([upload_tensor([*pre, *s], logits.device) for pre, s in zip(pads, seqs)]
+                  if ctx.pipeline.needs_prefix else seqs)
         # 2. draft k tokens autoregressively, each from the processed draft distribution q; a row
-        # whose processors raise drafts nothing (the batch fails it alone when it processes its logits)
-        failed: set[int] = set()
+        # whose processors raise at a step drafts up to it (the batch judges that node as the target's)
         generators = list(ctx.generators or [ctx.generator] * B)
         for i in range(k):
             z, bad = process_rows_apart(ctx.pipeline, logits, prefix)
-            failed.update(bad)
+            for b in bad:
+                budgets[b] = min(budgets[b], i)
             if ctx.pipeline.greedy:
                 x = z.argmax(-1)
             else:
                 q = z.float().softmax(-1)
                 probs[:, i] = q
-                x = _draw(q, generators, [b for b, n in enumerate(budgets) if n > i and b not in failed])
+                x = _draw(q, generators, [b for b, n in enumerate(budgets) if n > i])
             toks[:, i] = x
             if ctx.pipeline.needs_prefix:
                 prefix = [torch.cat([p, x[b:b + 1]]) for b, p in enumerate(prefix)]
             if i + 1 < k:  # the last token's logits are never needed
                 logits = self._forward(x[:, None])[:, -1]
         self._cached = [b + k - 1 for b in self._base]
-        budgets = [0 if b in failed else n for b, n in enumerate(budgets)]
         valid = torch.arange(k, device="cpu")[None, :] < torch.tensor(budgets, device="cpu")[:, None]
         return Draft(toks, tuple(range(-1, k - 1)), probs, None if bool(valid.all()) else valid)  # host valid
 

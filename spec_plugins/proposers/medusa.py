@@ -10,6 +10,7 @@ point-mass rules keep sampling exact, and sibling tokens (distinct ranks of one 
 from __future__ import annotations
 
 import math
+from importlib.resources import files
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -26,11 +27,16 @@ from spec_plugins.registry import register_proposer
 from spec_plugins.tree import best_static_tree
 
 
+SHIPPED_HEADS = "examples/heads/"
+
+
 def resolve_head_dir(path: str) -> Path:
-    """A head directory as given, or relative to the repository root (shipped examples)."""
+    """A head directory as given, or, for ``examples/heads/...`` not found from the working
+    directory, the shipped head of that name (the ``spec_plugins.shipped_heads`` package, which
+    is ``examples/heads`` in the source tree and in a wheel install alike)."""
     p = Path(path).expanduser()
-    if not p.exists():
-        alt = Path(__file__).resolve().parents[2] / path
+    if not p.exists() and p.as_posix().startswith(SHIPPED_HEADS):
+        alt = Path(str(files("spec_plugins.shipped_heads").joinpath(p.as_posix()[len(SHIPPED_HEADS):])))
         if alt.exists():
             return alt
     return p

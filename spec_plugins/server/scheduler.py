@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from spec_plugins.decoder_lock import GenerationLock
 from spec_plugins.loop import Batch, run_round
 from spec_plugins.policy import DraftPolicy, build_policy
 from spec_plugins.types import Emission, RowRequest
@@ -57,11 +58,15 @@ class Job:
 class Scheduler:
     """Owns a Batch and its draft-length policy; ``submit`` / ``cancel`` are safe from any thread."""
 
-    def __init__(self, batch: Batch, max_batch: int, max_queue: int = 1024, policy: DraftPolicy | None = None) -> None:
+    def __init__(self, batch: Batch, max_batch: int, max_queue: int = 1024, policy: DraftPolicy | None = None,
+                 lock: GenerationLock | None = None) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.batch, self.max_batch, self.max_queue = batch, max_batch, max_queue
         self.policy = policy if policy is not None else build_policy(None, None)  # plain decoding
+        # the decoder's (``decoder_lock``): held while this thread works on the batch, so a direct
+        # generation on the same decoder runs between rounds, never inside one
+        self.lock = lock if lock is not None else GenerationLock()
         self._cv = threading.Condition()
         self._waiting: list[list[Job]] = []  # requests waiting for slots, oldest first: each its jobs
         self._jobs: dict[int, Job] = {}  # running, by row key
@@ -171,15 +176,16 @@ class Scheduler:
                     self._cv.wait(timeout=0.5)
                     continue
             try:
-                for k in gone:
-                    self._jobs.pop(k, None)
-                self.batch.remove(gone)
-                if admit:
-                    self._admit(admit)
-                record = run_round(self.batch, self.policy)
-                if record is not None:
-                    self.failures = 0  # a round ran: the server serves (a prefill that ran is no proof of it)
-                    self._dispatch(record.emissions)
+                with self.lock.holding(wait=True):
+                    for k in gone:
+                        self._jobs.pop(k, None)
+                    self.batch.remove(gone)
+                    if admit:
+                        self._admit(admit)
+                    record = run_round(self.batch, self.policy)
+                    if record is not None:
+                        self.failures = 0  # a round ran: the server serves (a prefill that ran is no proof of it)
+                        self._dispatch(record.emissions)
             except Exception as exc:  # noqa: BLE001 - a failed round must not kill the server
                 rid = uuid.uuid4().hex[:12]
                 log.exception("decode round failed (request id %s)", rid)
@@ -285,7 +291,8 @@ class Scheduler:
             j.finished = True
             j.push(("error", message))
         try:
-            self.batch.close()
-            self.batch.check()  # holds by construction; a violation here is a bug worth a loud log
+            with self.lock.holding(wait=True):
+                self.batch.close()
+                self.batch.check()  # holds by construction; a violation here is a bug worth a loud log
         except Exception:  # noqa: BLE001 - the decode thread must survive to serve the next request
             log.exception("could not reset the batch after a failed round")

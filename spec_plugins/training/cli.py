@@ -61,7 +61,8 @@ def features_cmd(
     language: str = typer.Option("en", "--language", help="en (mostly Latin script) or any."),
     heldout_share: float = typer.Option(0.02, "--heldout-share", min=0.0, max=0.5),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="--source prompts: JSONL with a `prompt` field "
-                                                                   "(default: examples/prompts/train.jsonl)."),
+                                                                   "(default: the shipped train.jsonl, examples/prompts "
+                                                                   "in the source tree)."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", min=1,
                                                  help="--responses self: answer length (default 256)."),
     gen_backend: Optional[str] = typer.Option(None, "--gen-backend",

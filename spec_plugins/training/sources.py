@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from importlib.resources import files
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Literal, Sequence, Union
 
@@ -22,7 +23,15 @@ from spec_plugins.training.sharegpt import DataFilter, FilterCounts, conversatio
 
 Example = tuple[list[int], list[bool]]
 Prompt = Union[str, Sequence[dict[str, str]], Sequence[int]]  # text, chat messages or token ids
-DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "examples" / "prompts" / "train.jsonl"
+
+
+def shipped_prompts(name: str) -> Path:
+    """A prompt file of ``examples/prompts``, found through the ``spec_plugins.prompts`` package it
+    is installed as (pyproject's package-dir), so a wheel install has it as the source tree does."""
+    return Path(str(files("spec_plugins.prompts").joinpath(name)))
+
+
+DEFAULT_PROMPTS = shipped_prompts("train.jsonl")
 
 
 def load_prompts(path: str | Path) -> list[str]:

@@ -1,0 +1,67 @@
+"""One decoder's generations in one thread at a time.
+
+A decoder's runtime holds one batch's rows and KV cache; a second thread starting a generation on
+it would decode over the first one's rows and fail somewhere unrelated (a tensor size mismatch, a
+commit without its forward). ``GenerationLock`` refuses that second thread at once. A caller
+does not block on it: the holder may be a stream generator suspended in the caller's own thread,
+or one another thread keeps unfinished, which waiting would never see end. Generations in the
+holder's thread go on (two interleaved streams there are caught by the runtime's lease,
+``loop.ownership``). A server's decode thread, which holds it only while it works on its batch,
+waits instead (``wait=True``), so a direct generation beside the server runs between its rounds.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+BUSY = ("this decoder is generating in another thread; use one decoder per thread or serialize the calls "
+        "(a stream holds the decoder until it finishes or is closed)")
+
+
+class GenerationLock:
+    """Held by the generations running in one thread (a count: streams of that thread may
+    overlap); free again when the last one ends. Released from whichever thread ends a
+    generation, since a stream abandoned without ``close()`` ends where it is garbage collected."""
+
+    def __init__(self) -> None:
+        # reentrant: garbage collection may finalize an abandoned stream, which releases, while
+        # this thread is inside ``acquire``
+        self._guard = threading.RLock()
+        self._free = threading.Condition(self._guard)  # notified when the last holder releases
+        self._owner: int | None = None  # the holding thread's ident
+        self._count = 0  # generations holding it
+
+    def acquire(self, wait: bool = False) -> None:
+        """Hold it for a generation in this thread; where another thread holds it, ``RuntimeError``
+        (``wait``: block until it is free)."""
+        me = threading.get_ident()
+        with self._guard:
+            while self._count and self._owner != me:
+                if not wait:
+                    raise RuntimeError(BUSY)
+                self._free.wait()
+            self._owner = me
+            self._count += 1
+
+    def release(self) -> None:
+        """One generation ended (in any thread)."""
+        with self._guard:
+            self._count -= 1
+            if self._count <= 0:
+                self._count, self._owner = 0, None
+                self._free.notify_all()
+
+    @property
+    def held(self) -> bool:
+        return self._count > 0
+
+    @contextmanager
+    def holding(self, wait: bool = False) -> Iterator[None]:
+        """Held around one generation; released however it ends (finished, raised, closed)."""
+        self.acquire(wait)
+        try:
+            yield
+        finally:
+            self.release()

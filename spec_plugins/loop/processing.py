@@ -1,0 +1,67 @@
+"""A batch's logits processing, where a row's user processors may raise.
+
+The rows' pipelines run over every node at once; where that raises, each row runs alone and,
+within it, each node its processing raises at gets NaN logits (``LogitsPipeline.process_tree_apart``).
+Such a node is judged as the NaN policy judges any node with no distribution (``Batch._verify``):
+the row fails, naming the processor's error, only where its verdict reads that node (the root, or
+an accepted node), as plain decoding would reach it; a drafted node off the accepted path fails
+nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from spec_plugins.loop.rows import Row
+from spec_plugins.row_trees import Parents, rows_of
+from spec_plugins.sampling import RowPipelines
+from spec_plugins.transfer import upload_tensor
+
+READ = "raised_read"  # the round's fetch key (``loop.verdicts.read_round``) of ``Raised.read``
+
+
+@dataclass
+class Raised:
+    """The nodes whose processing raised in a round: {(row, node): the error to fail that row with}."""
+
+    errors: dict[tuple[int, int], str]
+
+    def read(self, path: torch.Tensor) -> torch.Tensor:
+        """Nodes [B, N] that raised and that the verdict reads: the root, or a node on the accepted
+        ``path`` [B, N - 1] (on its device; the round's one fetch reads it)."""
+        B, N = path.shape[0], path.shape[1] + 1
+        nodes = torch.zeros(B, N, dtype=torch.bool, device="cpu")
+        nodes[tuple(torch.tensor(list(self.errors)).T)] = True
+        nodes = upload_tensor(nodes.tolist(), path.device, torch.bool)
+        return torch.cat([nodes[:, :1], nodes[:, 1:] & path], 1)
+
+    def error(self, read: np.ndarray, b: int) -> str | None:
+        """Row ``b``'s error: the one its shallowest read node raised (``read``: ``read()`` on the host)."""
+        nodes = np.flatnonzero(read[b])
+        return self.errors[(b, int(nodes[0]))] if len(nodes) else None
+
+
+def process(pipes: RowPipelines, rows: Sequence[Row], logits: torch.Tensor, seen: Sequence,
+            tokens: torch.Tensor, parents: Parents) -> tuple[torch.Tensor, Raised | None]:
+    """Processed logits of ``rows`` [B, N, V], and the nodes whose processing raised (None where
+    none did): after a failure of the whole batch's processing, each row alone, node by node."""
+    try:
+        return pipes.process_tree(logits, seen, tokens, parents), None
+    except Exception:  # noqa: BLE001 - find the rows and nodes it fails for
+        return _apart(rows, logits, seen, tokens, parents)
+
+
+def _apart(rows: Sequence[Row], logits: torch.Tensor, seen: Sequence, tokens: torch.Tensor,
+           parents: Parents) -> tuple[torch.Tensor, Raised | None]:
+    """``process`` for each row alone, node by node where a row's processing raises."""
+    z, errors = torch.empty_like(logits), {}
+    for b, r in enumerate(rows):
+        z[b:b + 1], raised = r.pipeline.process_tree_apart(logits[b:b + 1], [seen[b]], tokens[b:b + 1],
+                                                           rows_of(parents, slice(b, b + 1)))
+        for (_, j), exc in raised.items():
+            errors[(b, j)] = f"logits processing failed: {type(exc).__name__}: {exc}"
+    return z, Raised(errors) if errors else None
