@@ -6,8 +6,9 @@ commit without its forward). ``GenerationLock`` refuses that second thread at on
 does not block on it: the holder may be a stream generator suspended in the caller's own thread,
 or one another thread keeps unfinished, which waiting would never see end. Generations in the
 holder's thread go on (two interleaved streams there are caught by the runtime's lease,
-``loop.ownership``). A server's decode thread, which holds it only while it works on its batch,
-waits instead (``wait=True``), so a direct generation beside the server runs between its rounds.
+``loop.ownership``). A server's decode thread holds it while its batch has work and waits for it
+(``wait`` with a ``timeout``, so it can stop and say why it is not serving) when a direct
+generation on the same decoder holds it: that generation runs while the server is idle.
 """
 
 from __future__ import annotations
@@ -33,17 +34,19 @@ class GenerationLock:
         self._owner: int | None = None  # the holding thread's ident
         self._count = 0  # generations holding it
 
-    def acquire(self, wait: bool = False) -> None:
+    def acquire(self, wait: bool = False, timeout: float | None = None) -> bool:
         """Hold it for a generation in this thread; where another thread holds it, ``RuntimeError``
-        (``wait``: block until it is free)."""
+        (``wait``: block until it is free, or False after ``timeout`` seconds)."""
         me = threading.get_ident()
         with self._guard:
             while self._count and self._owner != me:
                 if not wait:
                     raise RuntimeError(BUSY)
-                self._free.wait()
+                if not self._free.wait(timeout) and timeout is not None:
+                    return False
             self._owner = me
             self._count += 1
+            return True
 
     def release(self) -> None:
         """One generation ended (in any thread)."""

@@ -8,7 +8,9 @@ nothing; raising where plain decoding reads, it fails the row with the same erro
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import re
 import threading
 
 import pytest
@@ -19,16 +21,17 @@ from conftest import tiny_llama
 from spec_plugins.backends.torch_runtime import TorchRuntime
 from spec_plugins.config import SamplingConfig
 from spec_plugins.decoder import SpeculativeDecoder
+from spec_plugins.decoder_lock import BUSY, GenerationLock
 from spec_plugins.loop import Batch, run_round
 from spec_plugins.policy import DraftPolicy, FixedLength
 from spec_plugins.proposers.draft_model import DraftModelProposer
 from spec_plugins.proposers.ngram import NgramProposer
 from spec_plugins.sampling import LogitsPipeline
+from spec_plugins.server.scheduler import Job, Scheduler
 from spec_plugins.types import RowRequest
 from spec_plugins.verifiers import ExactVerifier
 
 TAKEN = "another generation on this decoder started before this one finished"
-RUNNING = "another generation on this decoder is running"
 P1, P2 = [5, 17, 30, 42, 9, 7], [40, 41, 42, 3, 3, 3, 3, 3, 3, 25, 11]
 P3 = [47, 59, 3, 47, 9, 17, 30, 5, 17, 30, 42, 9, 7]  # the n-gram drafter drafts its output right and wrong
 
@@ -77,21 +80,95 @@ def test_an_empty_batch_takes_its_runtime_back_after_a_generate_on_its_decoder(k
     assert _run(batch, [RowRequest(1, P1, 8), RowRequest(2, P2, 8)]) == {
         1: plain_greedy(model, P1, 8), 2: plain_greedy(model, P2, 8)}
     batch.check()
-    stream = dec.stream(P2, 8)  # an unfinished generation: its rows hold the runtime
-    first = next(stream)
-    with pytest.raises(RuntimeError, match=RUNNING):
-        batch.add([RowRequest(3, P1, 8)])
-    assert [first, *stream] and dec.last_stats.new_tokens == 8  # it finishes undisturbed
-    assert _run(batch, [RowRequest(4, P1, 8)])[4] == plain_greedy(model, P1, 8)
+    stream = dec.stream(P2, 8)  # a generation in this thread the empty batch takes the runtime from
+    next(stream)
+    batch.add([RowRequest(3, P1, 8)])
+    with pytest.raises(RuntimeError, match=TAKEN):
+        next(stream)
 
 
-def test_an_idle_batch_leaves_a_generate_running_in_another_thread_alone():
-    """An idle server's batch taking the runtime back while a direct generate() in another thread
-    was between its forward and its commit cleared that generation's rows under it (it failed with
-    ``commit() without a preceding forward()``, or decoded on the server's rows)."""
+def _scheduler(dec: SpeculativeDecoder) -> Scheduler:
+    """A started scheduler over ``dec`` wired as ``server.setup.build_state`` wires it: its batch,
+    and the decoder's generation lock."""
+    sched = Scheduler(Batch(dec.target, dec.proposer, dec.verifier), max_batch=2,
+                      policy=DraftPolicy.of(FixedLength(3)), lock=dec.generation_lock)
+    sched.start()
+    return sched
+
+
+def _served(sched: Scheduler, prompt: list[int], n: int, processors=()) -> tuple[Job, asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    job = Job(RowRequest(sched.new_key(), prompt, n, pipeline=LogitsPipeline(SamplingConfig(), processors)), loop)
+    sched.submit(job)
+    return job, loop
+
+
+def _tokens(job: Job, loop: asyncio.AbstractEventLoop) -> list[int] | str:
+    """The job's tokens once it ends, or its error message."""
+    out: list[int] = []
+    try:
+        while True:
+            ev = loop.run_until_complete(asyncio.wait_for(job.queue.get(), 60))
+            if ev[0] == "error":
+                return ev[1]
+            out += ev[1]
+            if ev[3] is not None:
+                return out
+    finally:
+        loop.close()
+
+
+def _until(cond) -> None:
+    """Wait for another thread to reach a state (bounded; no timing is asserted)."""
+    for _ in range(3000):
+        if cond():
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError("the other thread never got there")
+
+
+def test_a_direct_generate_while_the_server_works_is_refused_and_its_requests_run_on():
+    """The decode thread let the decoder go between rounds: a direct generate() could then take
+    the runtime, and every running request failed (500). It holds the decoder while requests run."""
     model = tiny_llama(vocab=64, seed=7, sharpness=6.0)
     dec = _decoder("ngram", model)
-    batch = Batch(dec.target, dec.proposer, dec.verifier)
+    let_go: list[int] = []  # the running requests each time the decoder was let go
+
+    class Watched(GenerationLock):
+        def release(self) -> None:
+            let_go.append(len(sched._jobs))
+            super().release()
+
+    dec.generation_lock = Watched()
+    sched = _scheduler(dec)
+    entered, go = threading.Event(), threading.Event()
+
+    def pause(ids, scores):  # holds the server inside a round until the test has tried
+        entered.set()
+        go.wait(30)
+        return scores
+
+    try:
+        job, loop = _served(sched, P1, 8, [pause])
+        assert entered.wait(30)
+        with pytest.raises(RuntimeError, match=re.escape(BUSY)):
+            dec.generate(P2, 8)
+        go.set()
+        assert _tokens(job, loop) == plain_greedy(model, P1, 8)
+        assert len(let_go) <= 1 and not any(let_go)  # not while the request ran
+        with dec.generation_lock.holding(wait=True):  # the server, idle again, lets it go
+            assert dec.generate(P2, 8).token_ids == plain_greedy(model, P2, 8)
+    finally:
+        go.set()
+        sched.stop(timeout=0.0)
+
+
+def test_a_request_waits_for_a_direct_generate_in_another_thread_and_says_so():
+    """A request arriving while a direct generate() runs in another thread waits for it (the
+    server's batch took the runtime from under it before), and ``unhealthy`` names why."""
+    model = tiny_llama(vocab=64, seed=7, sharpness=6.0)
+    dec = _decoder("ngram", model)
+    sched = _scheduler(dec)
     entered, go, calls, out = threading.Event(), threading.Event(), [0], {}
 
     def pause(ids, scores):  # holds the generation inside its third processing call
@@ -108,16 +185,67 @@ def test_an_idle_batch_leaves_a_generate_running_in_another_thread_alone():
             out["error"] = exc
 
     t = threading.Thread(target=user)
-    t.start()
-    assert entered.wait(30)
     try:
-        with pytest.raises(RuntimeError, match=RUNNING):
-            batch.add([RowRequest(0, P1, 8)])
+        t.start()
+        assert entered.wait(30)
+        job, loop = _served(sched, P1, 8)
+        _until(lambda: sched.unhealthy is not None)
+        assert "waiting" in sched.unhealthy and "direct generation" in sched.unhealthy
     finally:
         go.set()
         t.join(30)
-    assert out == {"tokens": plain_greedy(model, P2, 8)}
-    assert _run(batch, [RowRequest(1, P1, 8)])[1] == plain_greedy(model, P1, 8)
+    try:
+        assert out == {"tokens": plain_greedy(model, P2, 8)}
+        assert _tokens(job, loop) == plain_greedy(model, P1, 8)
+        assert sched.unhealthy is None
+    finally:
+        sched.stop(timeout=0.0)
+
+
+def test_a_stream_left_unfinished_in_another_thread_stalls_nothing_it_cannot_report():
+    """A stream another thread left unfinished holds the decoder: the decode thread waited on it
+    for good, ``/health`` said healthy, and ``stop()`` left the thread running."""
+    model = tiny_llama(vocab=64, seed=7, sharpness=6.0)
+    dec = _decoder("ngram", model)
+    sched = _scheduler(dec)
+    kept = []
+    t = threading.Thread(target=lambda: (kept.append(dec.stream(P2, 8)), next(kept[0])))
+    t.start()
+    t.join(30)
+    job, loop = _served(sched, P1, 8)
+    _until(lambda: sched.unhealthy is not None)
+    assert "a stream holds the decoder" in sched.unhealthy
+    sched.stop(timeout=0.0)
+    assert not sched.alive
+    assert _tokens(job, loop) == "the server shut down before this request finished"
+
+
+def test_a_generate_that_raised_leaves_the_server_serving_while_its_error_is_kept():
+    """A direct generate() that raised mid-round, its exception kept (a REPL's ``sys.last_value``),
+    keeps its batch and unfinished rows alive; the server must still take its runtime back."""
+    model = tiny_llama(vocab=64, seed=7, sharpness=6.0)
+    dec = _decoder("ngram", model)
+    forward, calls = dec.target.forward, [0]
+
+    def failing(*a, **kw):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("device lost")
+        return forward(*a, **kw)
+
+    sched = _scheduler(dec)  # idle, its batch empty
+    dec.target.forward = failing
+    try:
+        dec.generate(P2, 8)
+    except RuntimeError as exc:
+        kept = exc
+    dec.target.forward = forward
+    assert str(kept) == "device lost"
+    try:
+        job, loop = _served(sched, P1, 8)
+        assert _tokens(job, loop) == plain_greedy(model, P1, 8)
+    finally:
+        sched.stop(timeout=0.0)
 
 
 def test_a_batch_holding_rows_is_still_refused_after_a_generate_on_its_decoder():
@@ -158,8 +286,7 @@ def test_a_generate_beside_an_idle_server_leaves_it_serving():
         with srv.decoder.generation_lock.holding(wait=True):
             waiting = threading.Thread(target=lambda: out.append(httpx.post(srv.url + "/generate", json=body)))
             waiting.start()
-            while not (sched._admitting or sched._jobs):  # taken by the decode thread, which now waits
-                waiting.join(0.01)
+            _until(lambda: sched.waiting_since is not None)  # the decode thread waits for the decoder
             again = srv.decoder.generate("w9 w9 w3", max_new_tokens=8)
         waiting.join(60)
         assert again.token_ids == alone.token_ids

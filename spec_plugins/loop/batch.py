@@ -67,7 +67,7 @@ class Batch:
         self._raised: processing.Raised | None = None  # this round's nodes whose processing raised
         # what holds this batch's rows besides itself: the runtime's caches, and a row-aware
         # proposer's per-row state (a draft model's own runtime and cache)
-        self._lease = Lease(self)
+        self._lease = Lease()
         self._claim()
 
     def __len__(self) -> int:
@@ -113,7 +113,6 @@ class Batch:
         if not live:
             return out
         if not self.rows and not self.owns_runtime:  # another generation used the runtime while this batch was empty
-            self._lease.check_free()
             self._claim()
         t0 = self.clock()
         new = [self._row(r) for r in live]

@@ -8,7 +8,6 @@ on the other's rows.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Sequence
 
 
@@ -16,8 +15,8 @@ class Lease:
     """One batch's claim on what holds its rows besides itself: each holder carries the claim's
     token as ``batch_lease`` while this claim is the latest."""
 
-    def __init__(self, owner: Any) -> None:
-        self._token = weakref.ref(owner)  # what the holders carry: keeps the owning batch alive no longer
+    def __init__(self) -> None:
+        self._token = object()  # what the holders carry: refers to nothing, so it keeps nothing alive
         self._holders: list[Any] = []
 
     def claim(self, holders: Sequence[Any]) -> None:
@@ -30,16 +29,6 @@ class Lease:
     def held(self) -> bool:
         """Whether every holder still carries this claim (no later batch took one over)."""
         return all(getattr(h, "batch_lease", None) is self._token for h in self._holders)
-
-    def check_free(self) -> None:
-        """Refuse to take the holders back while a batch that took one over still has rows to
-        decode (not every row done); one finished, or gone (garbage), has nothing there to lose."""
-        for h in self._holders:
-            token = getattr(h, "batch_lease", None)
-            other = token() if token is not None and token is not self._token else None
-            if other is not None and any(not r.done for r in other.rows):
-                raise RuntimeError("another generation on this decoder is running (a generate() or an unfinished "
-                                   "stream beside this batch); its rows hold the runtime until it ends")
 
     def check(self) -> None:
         """Refuse to go on over a runtime another batch took over: its caches now hold that

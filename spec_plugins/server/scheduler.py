@@ -64,9 +64,11 @@ class Scheduler:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.batch, self.max_batch, self.max_queue = batch, max_batch, max_queue
         self.policy = policy if policy is not None else build_policy(None, None)  # plain decoding
-        # the decoder's (``decoder_lock``): held while this thread works on the batch, so a direct
-        # generation on the same decoder runs between rounds, never inside one
+        # the decoder's (``decoder_lock``): held by the decode thread while its batch has work, so a
+        # direct generation on the same decoder runs only while the server is idle (``_hold``)
         self.lock = lock if lock is not None else GenerationLock()
+        self._holds = False  # the decode thread holds ``lock``
+        self.waiting_since: float | None = None  # when it began to wait for a direct generation
         self._cv = threading.Condition()
         self._waiting: list[list[Job]] = []  # requests waiting for slots, oldest first: each its jobs
         self._jobs: dict[int, Job] = {}  # running, by row key
@@ -120,6 +122,9 @@ class Scheduler:
         it, so a probe lets traffic back then, and a runtime still broken fails 3 more."""
         if not self.alive:
             return "decode thread is not running"
+        if (since := self.waiting_since) is not None:
+            return (f"waiting {time.monotonic() - since:.0f} s for a direct generation on this server's decoder to "
+                    "end (a stream holds the decoder until it finishes or is closed)")
         if self.failures >= UNHEALTHY_AFTER and time.monotonic() - self.last_failure_at < UNHEALTHY_FOR:
             return (f"the last {self.failures} decode rounds or admissions failed (latest: {self.last_failure}; "
                     "the server log has the details)")
@@ -163,34 +168,70 @@ class Scheduler:
     _halt = False
 
     def _run(self) -> None:
-        while True:
-            with self._cv:
-                if self._halt or (self._stop and not self._busy()):
-                    return
-                # drop cancelled rows, waiting or running, before the round
-                self._waiting = [left for jobs in self._waiting if (left := [j for j in jobs if not j.cancelled])]
-                gone = [k for k, j in self._jobs.items() if j.cancelled or j.finished]
-                admit = self._take(self.max_batch - (len(self._jobs) - len(gone)), gone)
-                self._admitting = [j for jobs in admit for j in jobs]  # in flight: ``stop`` drains or fails them too
-                if not gone and not admit and not self._jobs:
-                    self._cv.wait(timeout=0.5)
-                    continue
-            try:
-                with self.lock.holding(wait=True):
-                    for k in gone:
-                        self._jobs.pop(k, None)
-                    self.batch.remove(gone)
-                    if admit:
-                        self._admit(admit)
-                    record = run_round(self.batch, self.policy)
-                    if record is not None:
-                        self.failures = 0  # a round ran: the server serves (a prefill that ran is no proof of it)
-                        self._dispatch(record.emissions)
-            except Exception as exc:  # noqa: BLE001 - a failed round must not kill the server
-                rid = uuid.uuid4().hex[:12]
-                log.exception("decode round failed (request id %s)", rid)
-                self._failed("round", exc, rid)
-                self._fail_all(f"generation failed (request id {rid}); the server log has the details")
+        try:
+            while self._step():
+                pass
+        finally:
+            self._let_go()
+
+    def _step(self) -> bool:
+        """One pass of the decode thread: admit, run a round, dispatch; False when it ends."""
+        with self._cv:
+            if self._halt or (self._stop and not self._busy()):
+                return False
+            if not self._waiting and not self._jobs:
+                self._let_go()  # idle: a direct generation on the decoder may run now
+                self._cv.wait(timeout=0.5)
+                return True
+            if not self._hold():  # such a generation holds it: its rows own the runtime until it ends
+                return True
+            # drop cancelled rows, waiting or running, before the round
+            self._waiting = [left for jobs in self._waiting if (left := [j for j in jobs if not j.cancelled])]
+            gone = [k for k, j in self._jobs.items() if j.cancelled or j.finished]
+            admit = self._take(self.max_batch - (len(self._jobs) - len(gone)), gone)
+            self._admitting = [j for jobs in admit for j in jobs]  # in flight: ``stop`` drains or fails them too
+            if not gone and not admit and not self._jobs:
+                self._cv.wait(timeout=0.5)
+                return True
+        try:
+            for k in gone:
+                self._jobs.pop(k, None)
+            self.batch.remove(gone)
+            if admit:
+                self._admit(admit)
+            record = run_round(self.batch, self.policy)
+            if record is not None:
+                self.failures = 0  # a round ran: the server serves (a prefill that ran is no proof of it)
+                self._dispatch(record.emissions)
+        except Exception as exc:  # noqa: BLE001 - a failed round must not kill the server
+            rid = uuid.uuid4().hex[:12]
+            log.exception("decode round failed (request id %s)", rid)
+            self._failed("round", exc, rid)
+            self._fail_all(f"generation failed (request id {rid}); the server log has the details")
+        return True
+
+    def _hold(self) -> bool:
+        """Hold the decoder's generation lock for the batch's work (the caller holds ``_cv``): at
+        once, or False after a short wait while a direct generation holds it (``unhealthy`` says
+        so meanwhile; the caller comes back, or stops)."""
+        if self._holds:
+            return True
+        if self.waiting_since is None:
+            self.waiting_since = time.monotonic()
+        self._cv.release()  # requests queue and ``stop`` proceeds meanwhile
+        try:
+            got = self.lock.acquire(wait=True, timeout=0.25)
+        finally:
+            self._cv.acquire()
+        if got:
+            self._holds, self.waiting_since = True, None
+        return got
+
+    def _let_go(self) -> None:
+        """Release the generation lock where the decode thread holds it (idle, or ending)."""
+        if self._holds:
+            self._holds = False
+            self.lock.release()
 
     def _busy(self) -> bool:
         """Work in flight: running, being admitted (its prefill runs outside the lock) or waiting;
@@ -291,8 +332,7 @@ class Scheduler:
             j.finished = True
             j.push(("error", message))
         try:
-            with self.lock.holding(wait=True):
-                self.batch.close()
-                self.batch.check()  # holds by construction; a violation here is a bug worth a loud log
+            self.batch.close()
+            self.batch.check()  # holds by construction; a violation here is a bug worth a loud log
         except Exception:  # noqa: BLE001 - the decode thread must survive to serve the next request
             log.exception("could not reset the batch after a failed round")
