@@ -53,12 +53,12 @@ def parse_categories(text: Optional[str]) -> Optional[list[str]]:
 def load_methods(path: Optional[Path], base: Any = None) -> list[tuple[str, dict]]:
     """``--methods`` file: a mapping of method label -> proposer section (read as config files
     are, ``config.load_file``: a file that cannot be read is a ``ConfigError`` naming it). Each
-    section is validated as the bench will run it (``runner.method_config`` on the run's config
+    section is validated as the bench will run it (``methods.method_config`` on the run's config
     ``base``; None: not validated here) before any model loads, the error naming the file and the
     label."""
     if path is None:
         return []
-    from spec_plugins.bench.runner import method_config
+    from spec_plugins.bench.methods import method_config
     from spec_plugins.config import load_file
 
     data = load_file(path, "--methods")

@@ -17,7 +17,7 @@ def _ours(report: dict) -> list[dict]:
 
 def _is_ours_auto(m: dict) -> bool:
     """Our ``auto`` method (not another proposer or runtime that also drafts ``auto``)."""
-    from spec_plugins.bench.runner import ours_name
+    from spec_plugins.bench.methods import ours_name
 
     return m["kind"] == "ours" and m["name"] == ours_name("auto")
 

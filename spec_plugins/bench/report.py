@@ -19,7 +19,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence
 
-from spec_plugins.bench.runner import ours_name
+from spec_plugins.bench.methods import ours_name
 from spec_plugins.stats import DecodeStats
 
 SHARES = ("prefill", "target_forward", "draft", "verify", "cache", "other")

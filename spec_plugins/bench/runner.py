@@ -8,13 +8,13 @@ runtime. Multi-turn prompts feed each method its own previous answers.
 
 from __future__ import annotations
 
-import re
 import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from spec_plugins.bench.methods import check_labels, method_config, ours_name, plain_of
 from spec_plugins.bench.baselines import (
     BASELINES,
     BaselineContext,
@@ -132,41 +132,6 @@ class PromptRun:
     @property
     def new_tokens(self) -> int:
         return sum(len(t) for t in self.tokens)
-
-
-def plain_of(group: str) -> str:
-    """The plain-decoding method a runtime group's speedups and outputs are measured against."""
-    return f"plain@{group}" if group else "plain"
-
-
-def ours_name(gamma: int | str) -> str:
-    return f"ours_k{gamma}" if gamma != "auto" else "ours_auto"
-
-
-def method_config(base: Any, section: dict, source: str) -> Any:
-    """The SpecConfig a ``--methods`` entry runs: ``base`` with ``section`` as its proposer,
-    validated (a ``ConfigError`` naming ``source``); the CLI checks each entry this way before
-    any model loads."""
-    from spec_plugins.config import SpecConfig
-
-    return SpecConfig.parse({**base.model_dump(mode="json", exclude={"proposer"}), "proposer": section}, source)
-
-
-def check_labels(labels: Sequence[str], built: Sequence[str]) -> None:
-    """``--methods`` labels key the results with the built-in methods' names, so a label equal to
-    one of those (or to a name the bench gives its own methods: a registered baseline,
-    ``ours_k<N>``, ``ours_auto``, ``<name>@<runtime>``) or to another label would merge two
-    methods' runs; it is refused, naming it."""
-    taken = set(built) | set(BASELINES.names())
-    seen: set[str] = set()
-    for label in labels:
-        if label in taken or re.fullmatch(r"ours_(k\d+|auto)", label) or "@" in label:
-            raise ValueError(f"--methods label {label!r} is the name of a method the bench runs itself "
-                             f"(built in this run: {', '.join(built)}; also reserved: registered baselines, "
-                             "ours_k<N>, ours_auto, <name>@<runtime>); rename it")
-        if label in seen:
-            raise ValueError(f"--methods label {label!r} is given twice; labels name one method each")
-        seen.add(label)
 
 
 class Bench:
