@@ -34,9 +34,10 @@ class Raised:
         """Nodes [B, N] that raised and that the verdict reads: the root, or a node on the accepted
         ``path`` [B, N - 1] (on its device; the round's one fetch reads it)."""
         B, N = path.shape[0], path.shape[1] + 1
-        nodes = torch.zeros(B, N, dtype=torch.bool, device="cpu")
-        nodes[tuple(torch.tensor(list(self.errors)).T)] = True
-        nodes = upload_tensor(nodes.tolist(), path.device, torch.bool)
+        rows = [[False] * N for _ in range(B)]
+        for b, n in self.errors:
+            rows[b][n] = True
+        nodes = upload_tensor(rows, path.device, torch.bool)  # one upload; only after a processor raised
         return torch.cat([nodes[:, :1], nodes[:, 1:] & path], 1)
 
     def error(self, read: np.ndarray, b: int) -> str | None:
