@@ -28,109 +28,20 @@ Installs nothing and downloads nothing (``gpu_check.sh`` installs carried wheels
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
-import warnings
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_rows / gpu_device_tests, also when imported
+from gpu_device_tests import DEVICE_STAGE, device_tests  # noqa: E402
+from gpu_rows import BUDGET_SPENT, Row, Rows, Syncs, skipped_line, table  # noqa: E402
+
 PROMPTS = [[1, 2, 3, 4, 1, 2, 3, 4, 5], [7, 8, 9, 7, 8, 9, 7], [10, 11, 12, 13, 14, 10, 11]]
-BUDGET_SPENT = "time budget spent"  # the note of a row skipped because the budget ran out
-
-
-@dataclass
-class Row:
-    check: str
-    result: str = "skip"
-    accepted: float | None = None
-    syncs: str = "-"
-    tps: str = "-"
-    note: str = ""
-    curve: dict | None = None  # a cost-curve row's measured milliseconds per width (gpu_prediction reads it)
-
-
-class Rows(list):
-    """The table's rows; ``finish`` appends a finished row to ``path`` as one JSON line at once (the
-    call's files keep what finished even when the run is killed)."""
-
-    def __init__(self, path: Path | None) -> None:
-        super().__init__()
-        self.path, self._finished = path, set()
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text("")  # this run's rows only
-
-    def add(self, row: Row) -> Row:
-        self.append(row)
-        return row
-
-    def finish(self, row: Row) -> None:
-        if id(row) in self._finished:
-            return
-        self._finished.add(id(row))
-        if self.path is not None:
-            with self.path.open("a") as f:
-                f.write(json.dumps(asdict(row)) + "\n")
-
-    def cut_off(self, why: str) -> None:
-        """Mark every row not finished (the one running when the run stopped) and write it."""
-        for row in self:
-            if id(row) not in self._finished:
-                row.result, row.note = "cut off", why
-                self.finish(row)
-
-
-def table(rows: list[Row]) -> str:
-    head = ("check", "result", "acc/fwd", "syncs/round", "tok/s", "note")
-    body = [(r.check, r.result, "-" if r.accepted is None else f"{r.accepted:.2f}", r.syncs, r.tps, r.note)
-            for r in rows]
-    w = [max(len(str(x[i])) for x in [head] + body) for i in range(len(head))]
-    line = lambda cells: "| " + " | ".join(str(c).ljust(n) for c, n in zip(cells, w)) + " |"  # noqa: E731
-    return "\n".join([line(head), "|" + "|".join("-" * (n + 2) for n in w) + "|"] + [line(b) for b in body])
-
-
-def skipped_line(rows: list[Row], budget: float) -> str:
-    """How many rows the budget left out: a run that skips rows still exits 0, so the count is said
-    in words under the table rather than left to a reader scanning it."""
-    skipped = sum(r.note == BUDGET_SPENT for r in rows)
-    if not skipped:
-        return f"gpu_check: no row skipped for the time budget ({budget:.0f} s)"
-    return f"gpu_check: {skipped} of {len(rows)} rows SKIPPED: the time budget ({budget:.0f} s) was spent (see their notes)"
-
-
-class Syncs:
-    """Host syncs seen by CUDA's sync debug mode (each synchronizing call warns); 0 on the CPU."""
-
-    def __init__(self, on: bool) -> None:
-        self.on, self.log = on, []
-
-    def __enter__(self) -> "Syncs":
-        if self.on:
-            import torch
-
-            self._w = warnings.catch_warnings(record=True)
-            self.log = self._w.__enter__()
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.on:
-            import torch
-
-            torch.cuda.set_sync_debug_mode(0)
-            self._w.__exit__(*exc)
-
-    def count(self) -> int:
-        return sum("synchroniz" in str(w.message) for w in self.log)
 
 
 def decode_rows(rt, proposer, prompts, n: int, count_syncs: bool):
@@ -350,49 +261,6 @@ def device_name(dev: str) -> str:
     import torch
 
     return torch.cuda.get_device_name() if dev == "cuda" else "cpu"
-
-
-# the CUDA cases only: "cuda" is the device id of test_devices' parametrized cases, "gpu_trt" names the
-# TensorRT engine tests (a bare "gpu" also selected the CPU-only TensorRT checks); a CPU test in
-# these files must not name "cuda" (this script's own CPU run is in tests/test_gpu_scripts.py)
-DEVICE_TESTS = ("tests/test_devices.py", "tests/test_tensorrt.py", "-k", "cuda or gpu_trt")
-DEVICE_STAGE = "pytest test_devices + test_tensorrt (cuda)"  # its row's name
-LEAST_TEST_S = 30.0  # the pytest stage's timeout when less of the budget is left
-
-
-def run_group(cmd: list[str], timeout: float) -> tuple[int | None, str, str]:
-    """Run ``cmd`` in its own process group: (exit status, stdout, stderr), status None when it ran
-    past ``timeout``. The whole group is killed then, and when this process is interrupted, so no
-    test process outlives the run."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-        return proc.returncode, out, err
-    except subprocess.TimeoutExpired:
-        kill_group(proc)
-        out, err = proc.communicate()
-        return None, out, err
-    finally:
-        kill_group(proc)  # KeyboardInterrupt: the group too; a no-op once it has ended
-
-
-def kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def device_tests(rows: Rows, deadline: float) -> None:
-    row = rows.add(Row(DEVICE_STAGE))
-    left = max(LEAST_TEST_S, deadline - time.monotonic())
-    rc, out, err = run_group([sys.executable, "-m", "pytest", "-q", *DEVICE_TESTS], left)
-    print(out[-4000:], err[-2000:], flush=True)
-    last = (out.strip().splitlines() or ["(no output)"])[-1]
-    row.result = "ok" if rc == 0 else "FAIL"
-    row.note = last if rc is not None else f"timed out after {left:.0f} s, killed; last line: {last}"
-    rows.finish(row)
 
 
 def main() -> int:

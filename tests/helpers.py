@@ -154,3 +154,20 @@ def every_proposer(kind, target, heads, draft=None):
             target=target),
     }
     return build[kind]()
+
+
+def greedy_run(target, prop, prompts, n, k=6, policy=None):
+    """Greedy outputs of ``decode`` and its stats; ``policy``: a DraftPolicy (default: FixedLength(k))."""
+    from spec_plugins.config import SamplingConfig
+    from spec_plugins.loop import decode
+    from spec_plugins.policy import FixedLength
+    from spec_plugins.stats import DecodeStats
+    from spec_plugins.verifiers import ExactVerifier
+
+    outs = [[] for _ in prompts]
+    stats = DecodeStats()
+    for step in decode(target, prop, ExactVerifier(), LogitsPipeline(SamplingConfig()), prompts, n, (), None,
+                       stats, policy if policy is not None else FixedLength(k)):
+        for i, t in step.emitted.items():
+            outs[i].extend(t)
+    return outs, stats
