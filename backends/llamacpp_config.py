@@ -9,19 +9,26 @@ from pydantic import Field, model_validator
 
 from spec_plugins.config import RuntimeConfig
 
+INT32_MAX = 2**31 - 1  # llama.cpp reads these fields as 32-bit integers: a larger value would wrap silently
+
 
 class LlamaCppConfig(RuntimeConfig):
     """The ``llamacpp`` target section (``LlamaCppRuntime.Config``)."""
 
     backend: Literal["llamacpp"] = "llamacpp"
     threads: int | None = Field(
-        None, ge=1, description="Threads for one-token decodes (None = all cores of this machine)."
+        None, ge=1, le=INT32_MAX, description="Threads for one-token decodes (None = every core this process "
+        "may run on: its CPU affinity, e.g. taskset or a container's cpuset, not the machine's core count)."
     )
     threads_batch: int | None = Field(
-        None, ge=1, description="Threads for multi-token decodes: prefill, verification (None = threads)."
+        None, ge=1, le=INT32_MAX, description="Threads for multi-token decodes: prefill, verification (None = threads)."
     )
-    n_ctx: int = Field(4096, ge=0, description="KV cells shared by all rows and tree nodes (0 = model's length).")
-    n_batch: int = Field(512, ge=1, description="Most tokens per llama_decode call (longer inputs are split).")
+    n_ctx: int = Field(
+        4096, ge=0, le=INT32_MAX, description="KV cells shared by all rows and tree nodes (0 = model's length)."
+    )
+    n_batch: int = Field(
+        512, ge=1, le=INT32_MAX, description="Most tokens per llama_decode call (longer inputs are split)."
+    )
     max_sequences: int = Field(
         16, ge=1, le=256, description="llama.cpp sequence ids: batch rows + tree leaves beyond one per row."
     )

@@ -18,7 +18,6 @@ Models whose cache cannot be partially removed (recurrent / hybrid state) are re
 from __future__ import annotations
 
 import ctypes
-import os
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -27,6 +26,8 @@ import torch
 
 from spec_plugins.backends.base import RuntimeCapabilities, SharedPool, StepOutput, Want
 from spec_plugins.backends.llamacpp_config import LlamaCppConfig
+from spec_plugins.backends.llamacpp_logs import set_log_verbosity
+from spec_plugins.backends.llamacpp_threads import thread_counts
 from spec_plugins.models import load_gguf_tokenizer
 from spec_plugins.row_trees import LeafPaths
 from spec_plugins.tree import TreeLayout
@@ -54,8 +55,9 @@ def _decode_error(rc: int, cells: int) -> str:
         return (f"llama.cpp KV cache is full ({cells} cells shared by all rows and draft nodes); "
                 "raise n_ctx in the llamacpp runtime config")
     if rc == -1:
-        return ("llama_decode failed with code -1: llama.cpp rejected the batch as invalid (a sequence's "
-                "positions not continuous, or a bad token or sequence id): a bug in the runtime's draft layout")
+        return ("llama_decode failed with code -1: llama.cpp rejected the batch as invalid (a token id outside "
+                "the vocabulary, a bad sequence id, or a sequence's positions not continuous: a bug in the "
+                "runtime's draft layout)")
     if rc == 2:
         return "llama_decode failed with code 2: aborted by llama.cpp's abort callback"
     if rc == -2:
@@ -86,12 +88,7 @@ class LlamaCppRuntime:
         cfg = config or self.Config(model=gguf_path)
         self.config = cfg
         self.tokenizer = tokenizer
-        try:
-            from llama_cpp._logger import set_verbose
-
-            set_verbose(cfg.verbose)
-        except ImportError:  # older packages: logs stay on
-            pass
+        set_log_verbosity(L, cfg.verbose)
         L.llama_backend_init()
         if cfg.gpu_layers != 0 and not L.llama_supports_gpu_offload():
             raise ValueError(
@@ -112,8 +109,7 @@ class LlamaCppRuntime:
                 f"{Path(gguf_path).name} is a recurrent/hybrid model: llama.cpp cannot remove part of its "
                 "state, so rejected draft tokens could not be rolled back. Use a transformer model or another runtime."
             )
-        threads = cfg.threads or os.cpu_count() or 1
-        self.threads, self.threads_batch = threads, cfg.threads_batch or threads
+        self.threads, self.threads_batch = thread_counts(cfg.threads, cfg.threads_batch)
         cp = L.llama_context_default_params()
         cp.n_ctx = cfg.n_ctx
         cp.n_batch = cfg.n_batch
@@ -174,8 +170,12 @@ class LlamaCppRuntime:
 
     # ---- llama.cpp calls -----------------------------------------------------------------
     def _decode(self, items: list[tuple[int, int, Sequence[int], bool]]) -> torch.Tensor:
-        """Run (token, pos, seq_ids, want_logits) items in n_batch chunks; logits rows in order."""
+        """Run (token, pos, seq_ids, want_logits) items in n_batch chunks; logits rows in order.
+        Token ids are checked first: llama.cpp would reject the chunk holding a bad one, after earlier ones ran."""
         L, batch, V = self._L, self._batch, self.vocab_size
+        bad = next((t for t, *_ in items if not 0 <= t < V), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the model's vocabulary (ids 0..{V - 1})")
         outs = []
         for start in range(0, len(items), self._n_batch):
             chunk = items[start : start + self._n_batch]
@@ -222,8 +222,8 @@ class LlamaCppRuntime:
         total = sum(len(r) for r in rows)
         if total > self.max_context:
             raise ValueError(f"prompts hold {total} tokens; the llama.cpp context holds {self.max_context} (n_ctx)")
+        self._seq, self._len, self._pending = [], [], None  # a failed decode leaves no rows over a cleared cache
         self._L.llama_memory_clear(self._mem, False)  # metadata only: cells are overwritten
-        self._pending = None
         items = [(int(t), p, (b,), p == len(r) - 1) for b, r in enumerate(rows) for p, t in enumerate(r)]
         logits = self._decode(items)
         self._seq = list(range(len(rows)))

@@ -85,6 +85,18 @@ def load_tokenizer(directory: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(directory))
 
 
+def engine_context(limits: Limits, model: dict, asked: int | None) -> int:
+    """The positions a runtime holds: ``asked`` (a config's max_context), at most what the engine
+    was built for (its --max-context, within the model's positions); more is refused, as the torch
+    and ONNX Runtime runtimes refuse a context above their model's, rather than silently lowered."""
+    limit = min(limits.max_context, int(model["max_context"]))
+    if asked is not None and asked > limit:
+        raise ValueError(f"max_context {asked} exceeds the {limit} positions this engine was built for "
+                         f"(--max-context {limits.max_context}); use max_context <= {limit} or rebuild the "
+                         "engines with a larger --max-context")
+    return asked or limit
+
+
 @register_backend("tensorrt")
 class TensorRTRuntime(SlotRuntime):
     """A TensorRT engine of the verify-graph layout with a batched, hole-masked KV on the GPU."""
@@ -98,7 +110,8 @@ class TensorRTRuntime(SlotRuntime):
         allow_gpu_mismatch: bool = Field(
             False, description="Run engines built on another GPU model of the same compute capability.")
         max_context: int | None = Field(None, ge=2,
-                                        description="Cap on positions (at most the engines' --max-context).")
+                                        description="Cap on positions (at most the engines' --max-context; "
+                                                    "more is refused).")
 
         @field_validator("device")
         @classmethod
@@ -115,6 +128,7 @@ class TensorRTRuntime(SlotRuntime):
         man = EngineManifest.read(directory)
         check_compatible(man.env, BuildEnv.current(device.index or 0), config.allow_gpu_mismatch,
                          man.hardware_compatibility)
+        engine_context(man.limits_object(), man.engine(config.graph).model, config.max_context)  # before the plan
         plan = man.check_plan(directory, config.graph)
         tok = load_tokenizer(directory / man.tokenizer) if man.tokenizer else None
         rt = cls(trt, plan, man.engine(config.graph), man.limits_object(), device, tok, config.max_context)
@@ -152,7 +166,7 @@ class TensorRTRuntime(SlotRuntime):
         """Sizes and names of the verify-graph layout, from the manifest (no engine calls)."""
         self.profiles, self.limits, self._dtypes, self.device = profiles, limits, dtypes, device
         self.vocab_size = int(model["vocab_size"])
-        self.max_context = min(limits.max_context, int(model["max_context"]), max_context or limits.max_context)
+        self.max_context = engine_context(limits, model, max_context)
         self.max_slots = limits.max_context  # the engines' past axis P is bounded
         self.prefill_chunk = max(p.ranges["N"][2] for p in profiles)
         self.mask_dtype = dtypes["attention_mask"]

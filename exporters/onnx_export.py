@@ -12,7 +12,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from spec_plugins.backends import hf_compat
 from spec_plugins.backends.onnx_cache import stored_model_name
@@ -105,6 +105,24 @@ def move_into_place(tmp: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def make_parents(directory: Path) -> list[Path]:
+    """Create ``directory`` with its missing parents; returns those it created, deepest first,
+    for ``remove_made`` to take back when the export or build fails."""
+    missing = [p for p in (directory, *directory.parents) if not p.exists()]
+    directory.mkdir(parents=True, exist_ok=True)
+    return missing
+
+
+def remove_made(made: Sequence[Path]) -> None:
+    """Remove the directories ``make_parents`` created, deepest first, stopping at one that is
+    no longer empty (something else wrote there meanwhile) or already gone."""
+    for p in made:
+        try:
+            p.rmdir()
+        except OSError:
+            return
+
+
 def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
     ids: set[int] = set()
     if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -138,7 +156,7 @@ def export_models(out: str | Path, target: tuple[Any, Any, str], draft: tuple[An
     if draft is not None:
         check_dtype(*draft)
     check_out_dir(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    made = make_parents(out.parent)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
         model, tok, source = target
@@ -176,6 +194,7 @@ def export_models(out: str | Path, target: tuple[Any, Any, str], draft: tuple[An
         return man
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        remove_made(made)
         raise
 
 

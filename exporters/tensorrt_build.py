@@ -5,12 +5,15 @@ TensorRT's ONNX parser, add the ``decode`` and ``prefill`` optimisation profiles
 ``tensorrt_profiles.profiles``, set the precision flags and serialise the plan. The plans are
 written with a manifest recording the TensorRT version, GPU and profiles, so the runtime can
 refuse plans built elsewhere. Everything is written to a temporary directory first, so a
-failed build never leaves a half-written engine directory behind; ``--out`` is replaced only when
-it is new, empty or a previous engine directory (the ONNX export's own rules, ``check_out_dir``).
+failed build never leaves a half-written engine directory behind (nor the parents of ``--out``
+it created); ``--out`` is replaced only when it is new, empty or a previous engine directory
+(the ONNX export's own rules, ``check_out_dir``).
 """
 
 from __future__ import annotations
 
+import math
+import os
 import shutil
 import tempfile
 import time
@@ -113,6 +116,14 @@ def check_engine_out(onnx_dir: Path, out: Path) -> None:
     check_out_dir(out, engines, f"TensorRT engines ({MANIFEST_NAME})")
 
 
+def check_workspace(workspace_gib: float | None) -> None:
+    """``--workspace-gib`` is unset or a finite size of at least one byte: TensorRT takes whole
+    bytes, so 0 would be dropped, a negative size wrap around and nan or inf fail deep in a build."""
+    if workspace_gib is not None and (not math.isfinite(workspace_gib) or int(workspace_gib * 2**30) < 1):
+        raise ValueError(f"--workspace-gib {workspace_gib}: give a finite workspace size above 0 (in GiB, at least "
+                         "one byte), or leave it out for TensorRT's default")
+
+
 def default_context(man: Any, graphs: Sequence[str] | None = None) -> int:
     """``--max-context`` when not given: min(2048, the positions of every decoder graph to build).
     Head graphs hold no positions of their own (their max_context is 0) and are not built."""
@@ -133,7 +144,7 @@ def build_plan(trt: Any, onnx_path: Path, graph: Any, profs: Sequence[Profile], 
     check_network_io([network.get_input(i).name for i in range(network.num_inputs)],
                      [network.get_output(i).name for i in range(network.num_outputs)], graph)
     config = builder.create_builder_config()
-    if workspace_gib:
+    if workspace_gib is not None:
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gib * 2**30))
     set_precision(trt, config, precision)
     set_hardware_compat(trt, config, hardware_compat)
@@ -158,9 +169,10 @@ def build_engines(onnx_dir: str | Path, out: str | Path, precision: str = "fp32"
     from spec_plugins.graphs.manifest import MANIFEST_NAME as ONNX_MANIFEST
     from spec_plugins.graphs.manifest import Manifest
 
-    from spec_plugins.exporters.onnx_export import move_into_place
+    from spec_plugins.exporters.onnx_export import make_parents, move_into_place, remove_made
 
     onnx_dir, out = Path(onnx_dir), Path(out).absolute()
+    check_workspace(workspace_gib)
     check_engine_out(onnx_dir, out)
     if hardware_compat not in HARDWARE_COMPAT:
         raise ProfileError(f"unknown hardware compatibility {hardware_compat!r} (known: {', '.join(HARDWARE_COMPAT)})")
@@ -185,9 +197,10 @@ def build_engines(onnx_dir: str | Path, out: str | Path, precision: str = "fp32"
             raise ProfileError(f"--max-context {limits.max_context} exceeds the {g.max_context} positions of "
                                f"graph {g.name!r} ({g.source_model})")
     profs = profiles(limits)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    made = make_parents(out.parent)
+    tmp: Path | None = None
     try:
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
         log(f"TensorRT {env.tensorrt_version} on {env.gpu_name} (sm {env.compute_capability[0]}"
             f"{env.compute_capability[1]})")
         entries = []
@@ -214,10 +227,13 @@ def build_engines(onnx_dir: str | Path, out: str | Path, precision: str = "fp32"
                             eos_token_ids=list(man.eos_token_ids), skipped=skipped,
                             hardware_compatibility=hardware_compat)
         em.write(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the ONNX export's directory is 0755 too
         move_into_place(tmp, out)
         return em
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        remove_made(made)
         raise
 
 
@@ -249,7 +265,8 @@ def add_command(export_app: Any) -> None:
                                                   help="Positions held (default: min(2048, the model's))."),
         prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="Prompt tokens per prefill call."),
         graph: list[str] = typer.Option([], "--graph", help="Build only these graphs (repeatable)."),
-        workspace_gib: Optional[float] = typer.Option(None, "--workspace-gib", help="Builder workspace limit."),
+        workspace_gib: Optional[float] = typer.Option(None, "--workspace-gib",
+                                                      help="Builder workspace limit in GiB (above 0)."),
         hardware_compat: str = typer.Option("none", "--hardware-compat",
                                             help="none (this GPU), same_cc (same compute capability) or ampere_plus."),
     ) -> None:
@@ -259,6 +276,7 @@ def add_command(export_app: Any) -> None:
         from spec_plugins.registry import RegistryError
 
         try:
+            check_workspace(workspace_gib)  # before the ONNX export is read
             precision = precision_of(fp16, bf16, tf32)
             ctx = max_context
             if ctx is None:

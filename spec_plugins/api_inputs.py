@@ -136,16 +136,19 @@ def row_sampling(s: SamplingConfig | Mapping, i: int) -> SamplingConfig:
 def row_seeds(seeds: Sequence[int | None] | None, sampling: Sequence[SamplingConfig] | None
               ) -> list[int | None] | None:
     """Each row's generator seed: ``seeds[i]`` (checked as ``SamplingConfig.seed`` is) where
-    given, else ``sampling[i].seed`` where that entry sets one; None without either (the row draws
-    from the generator the rows share, seeded from the call's ``seed``)."""
+    given (not None), else ``sampling[i].seed`` where that entry sets one; None without either (the
+    row draws from the generator the rows share, seeded from the call's ``seed``)."""
+    own = [s.seed if "seed" in s.model_fields_set else None for s in sampling] if sampling is not None else None
     if seeds is None:
-        return [s.seed if "seed" in s.model_fields_set else None for s in sampling] if sampling is not None else None
+        return own
     out = []
     for i, seed in enumerate(seeds):
         try:
             out.append(SamplingConfig(seed=seed).seed)
         except ValidationError as exc:
             raise ValueError(f"seeds[{i}] = {seed!r}: {exc.errors()[0]['msg']}") from None
+        if out[i] is None and own is not None:
+            out[i] = own[i]
     return out
 
 

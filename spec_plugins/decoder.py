@@ -246,8 +246,9 @@ class SpeculativeDecoder:
         per round for all rows). ``sampling[i]``: row i's own sampling (a ``SamplingConfig`` or its
         fields as a dict; not with ``temperature``, which it would override), seeded from its
         ``seed`` as ``generate(seed=...)`` seeds one; ``seeds[i]``: row i's seed, over
-        ``sampling[i].seed`` where both are given (None: lane i of the config's sampling seed or
-        ``seed``, so rows sharing a seed sample apart; no seed at all: torch's global generator). A
+        ``sampling[i].seed`` where both are given (a row with neither, ``seeds[i]`` None and no
+        ``sampling[i].seed``: lane i of the config's sampling seed or ``seed``, so rows sharing a
+        seed sample apart; no seed at all: torch's global generator). A
         seeded row's output depends on its seed alone, not on the drafts, the draft schedule or the
         rows beside it (``keyed_draws``; drafts with their own distributions, a draft model's, use
         the row's stream generator, and those do depend on the schedule);

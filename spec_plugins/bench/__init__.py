@@ -19,11 +19,17 @@ __all__ = ["BASELINES", "Bench", "BenchOptions", "BenchPrompt", "BaselineContext
            "TurnRun", "load_prompts", "plain_decoding", "register_baseline", "run_bench"]
 
 
-def run_bench(decoder, prompts, options: BenchOptions, out=None, meta: dict | None = None) -> dict:
-    """Run, summarise and (if ``out`` is a directory path) write report.json, summary.md, PNGs."""
+def run_bench(decoder, prompts, options: BenchOptions, out=None, meta: dict | None = None,
+              started: float | None = None) -> dict:
+    """Run, summarise and (if ``out`` is a directory path) write the PNGs, then report.json (with
+    ``files``: the PNGs written) and summary.md, once. ``started``: a ``time.perf_counter()``
+    reading where the caller's work began (model loading included), recorded as
+    ``meta.wall_s_including_load``. A plot that fails is recorded in the report (``plot_errors``)
+    and raised as ``PlotError`` after the report is written: the run's numbers are kept."""
+    import time
     from pathlib import Path
 
-    from spec_plugins.bench.plots import PLOTS, write_plots
+    from spec_plugins.bench.plots import PLOTS, PlotError, write_plots
     from spec_plugins.bench.report import build_report, markdown, write_json
     from spec_plugins.bench.prompts import check_prompts
 
@@ -43,10 +49,19 @@ def run_bench(decoder, prompts, options: BenchOptions, out=None, meta: dict | No
     base_meta = {"max_new_tokens": options.max_new_tokens, "runs": options.runs, "num_prompts": len(prompts),
                  "num_turns": sum(len(p.turns) for p in prompts), "chat": options.chat}
     report = build_report(raw, {**base_meta, **(meta or {})}, decoder.tokenizer)
-    if out is not None:
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
-        write_json(report, out / "report.json")
-        (out / "summary.md").write_text(markdown(report))
-        report["files"] = [str(p) for p in write_plots(report, out)]
+    if out is None:
+        return report
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    files, failed = write_plots(report, out)
+    report["files"] = [str(p) for p in files]
+    if failed:
+        report["plot_errors"] = failed
+    if started is not None:
+        report["meta"]["wall_s_including_load"] = time.perf_counter() - started
+    write_json(report, out / "report.json")
+    (out / "summary.md").write_text(markdown(report))
+    if failed:
+        raise PlotError(f"{len(failed)} plot(s) failed, " + "; ".join(f"{n}: {why}" for n, why in failed.items())
+                        + f" (report.json, summary.md and the other plots are in {out}/)")
     return report

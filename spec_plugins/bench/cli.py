@@ -136,6 +136,7 @@ def bench(
     """Benchmark ours (fixed gammas + auto) against plain decoding and peer implementations."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from spec_plugins.bench import BenchOptions, load_prompts, run_bench
+    from spec_plugins.bench.plots import PlotError
     from spec_plugins.config import ConfigError
     from spec_plugins.decoder import SpeculativeDecoder
 
@@ -187,13 +188,11 @@ def bench(
                 "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "model_load_s": load_s,
                 "compare_configs": {lab: str(p.resolve()) for (lab, _), p in zip(compare, compare_config or [])},
                 "methods": dict(opts.methods), "memory": memory}
-        report = run_bench(dec, plist, opts, out, meta)
-    except (ConfigError, ValueError, FileNotFoundError, LookupError) as exc:
+        report = run_bench(dec, plist, opts, out, meta, started=t0)  # writes report.json, with the wall time
+    except (ConfigError, ValueError, FileNotFoundError, LookupError, PlotError) as exc:
         fail(exc)
         return
-    total = time.perf_counter() - t0
-    report["meta"]["wall_s_including_load"] = total
-    (out / "report.json").write_text(json.dumps(report, indent=1))
+    total = report["meta"]["wall_s_including_load"]
     if markdown_doc is not None:
         from spec_plugins.bench.docs import section, update
 

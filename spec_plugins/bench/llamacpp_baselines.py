@@ -5,6 +5,8 @@
 its prompt-lookup speculative decoding. Both load the target's GGUF with the target's threads,
 context type and attention settings, so only the decoding loop differs from ours. Each turn
 starts from an empty cache (``reset``), as ours does, so no run reuses another's prefill.
+The plain baseline has the target's context; prompt lookup's is capped (``_MAX_BASELINE_CTX``), and a
+turn that does not fit it stops the bench with an error naming the cap, raised before the turn is timed.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def _llama(ctx: BaselineContext, draft_model: Any = None) -> tuple[Any, dict]:
 
     cfg = dec.config.target
     kv = {} if cfg.dtype is None else {"type_k": _GGML_TYPES[cfg.dtype], "type_v": _GGML_TYPES[cfg.dtype]}
-    n_ctx = min(target.max_context, _MAX_BASELINE_CTX)
+    n_ctx = target.max_context if draft_model is None else min(target.max_context, _MAX_BASELINE_CTX)
     llm = llama_cpp.Llama(
         str(resolve_model(cfg.model).gguf_path), n_ctx=n_ctx, n_batch=cfg.n_batch, n_ubatch=cfg.n_batch,
         n_threads=target.threads, n_threads_batch=target.threads_batch, flash_attn=cfg.flash_attn,
@@ -44,13 +46,14 @@ def _llama(ctx: BaselineContext, draft_model: Any = None) -> tuple[Any, dict]:
     return llm, kw
 
 
-def _runner(llm: Any, kw: dict, eos: tuple[int, ...]) -> TurnFn:
+def _runner(llm: Any, kw: dict, eos: tuple[int, ...], why: str = "") -> TurnFn:
+    """A turn function over ``llm``; ``why`` explains its n_ctx in the error of a turn that does not fit."""
     stop = set(eos) | {int(llm.token_eos())}
 
     def run(ids: list[int], max_new_tokens: int) -> TurnRun:
-        if len(ids) + max_new_tokens > llm.n_ctx():
+        if len(ids) + max_new_tokens > llm.n_ctx():  # before the clock starts: no partial turn is timed
             raise ValueError(f"prompt of {len(ids)} + {max_new_tokens} new tokens exceeds the baseline's "
-                             f"n_ctx={llm.n_ctx()}")
+                             f"n_ctx={llm.n_ctx()}{why}")
         llm.reset()
         out: list[int] = []
         t0 = time.perf_counter()
@@ -79,4 +82,6 @@ def llamacpp_prompt_lookup(ctx: BaselineContext) -> TurnFn:
         raise BaselineUnavailable("llama-cpp-python's prompt lookup is the peer of the ngram proposer only")
     ngram = prop.max_ngram
     llm, kw = _llama(ctx, LlamaPromptLookupDecoding(max_ngram_size=ngram, num_pred_tokens=ctx.num_draft_tokens))
-    return _runner(llm, kw, ctx.eos_ids)
+    why = (f" (capped at {_MAX_BASELINE_CTX}: with a draft model llama-cpp-python keeps n_ctx x vocab logits); "
+           "shorten the prompts, lower --max-new-tokens, or leave llamacpp_prompt_lookup out of --baselines")
+    return _runner(llm, kw, ctx.eos_ids, why)

@@ -10,6 +10,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def plain_text(text: str) -> str:
+    """``text`` (a token, a method name, a category) shown as written: matplotlib reads a text
+    with two unescaped ``$`` as mathtext (a token ``$$`` fails to parse), an escaped one is a
+    literal ``$``."""
+    return text.replace("$", r"\$")
+
+
 def _ours(report: dict) -> list[dict]:
     """Our methods: fixed draft lengths, auto, and other proposers (``--methods``)."""
     return [m for m in report["methods"] if m["kind"] in ("ours", "method")]
@@ -26,7 +33,7 @@ def _label(m: dict) -> str:
     """A method's legend entry: our draft lengths by γ, our auto as "auto", the rest by name."""
     if _is_ours_auto(m):
         return "auto"
-    return f"γ = {m['gamma']}" if m["kind"] == "ours" else m["name"]
+    return f"γ = {m['gamma']}" if m["kind"] == "ours" else plain_text(m["name"])
 
 
 def acceptance_by_position(report: dict, path: Path) -> None:
@@ -75,10 +82,10 @@ def speedup_by_category(report: dict, path: Path) -> None:
     for i in range(len(methods)):
         for j in range(len(cats)):
             ax.text(j, i, f"{data[i, j]:.2f}", ha="center", va="center", fontsize=9)
-    ax.set_xticks(range(len(cats)), cats, rotation=30, ha="right")
+    ax.set_xticks(range(len(cats)), [plain_text(c) for c in cats], rotation=30, ha="right")
     ref = {m["name"]: m.get("speedup_reference", "plain") for m in report["methods"]}
-    ax.set_yticks(range(len(methods)), [m if ref.get(m, "plain") == "plain" and "@" not in m else f"{m} (vs {ref[m]})"
-                                        for m in methods])
+    ax.set_yticks(range(len(methods)), [plain_text(m if ref.get(m, "plain") == "plain" and "@" not in m
+                                                   else f"{m} (vs {ref[m]})") for m in methods])
     ax.set_xlabel("prompt category")
     ax.set_ylabel("method")
     ax.set_title("Speedup over plain decoding (tokens/s ratio)")
@@ -115,7 +122,7 @@ def rejected_tokens(report: dict, path: Path, top: int = 20) -> None:
     rows = report["most_rejected_tokens"][:top]
     fig, ax = plt.subplots(figsize=(8, 0.3 * max(len(rows), 3) + 1.5))
     if rows:
-        labels = [repr(r["text"]) for r in rows][::-1]
+        labels = [plain_text(repr(r["text"])) for r in rows][::-1]
         ax.barh(range(len(rows)), [r["count"] for r in rows][::-1], color="tab:red")
         ax.set_yticks(range(len(rows)), labels, fontsize=9)
     else:
@@ -136,7 +143,7 @@ def cost_model(report: dict, path: Path) -> None:
             label="fastest of the repeats, unsmoothed (what auto prices, corrected online)")
     ax.set_xlabel("new positions N in one target forward (warm cache)")
     ax.set_ylabel(f"cost relative to N = 1  (T(1) = {t1 * 1e3:.1f} ms)")
-    ax.set_title(f"Target forward cost on the {cm['runtime']} runtime")
+    ax.set_title(plain_text(f"Target forward cost on the {cm['runtime']} runtime"))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -153,13 +160,33 @@ PLOTS = {
 }
 
 
-def write_plots(report: dict, out: Path) -> list[Path]:
-    paths = []
+class PlotError(RuntimeError):
+    """Plots that could not be drawn; raised after the report listing them was written."""
+
+
+def _why(exc: BaseException) -> str:
+    """One line for a plot's error (matplotlib's parse errors span several)."""
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:300]
+
+
+def write_plots(report: dict, out: Path) -> tuple[list[Path], dict[str, str]]:
+    """Every plot the report has data for: the files written, and per plot that failed its error
+    (its figure closed, no file of it left), so one broken plot costs neither the others nor the
+    report's numbers."""
     from spec_plugins.bench.report import has_theory
 
+    paths, failed = [], {}
     for name, fn in PLOTS.items():
         if fn is speedup_vs_theory and not has_theory(report):
             continue
-        fn(report, out / name)
+        before = set(plt.get_fignums())
+        try:
+            fn(report, out / name)
+        except Exception as exc:  # noqa: BLE001 - matplotlib raises many kinds; recorded, raised after the report
+            failed[name] = _why(exc)
+            for num in set(plt.get_fignums()) - before:
+                plt.close(num)
+            (out / name).unlink(missing_ok=True)
+            continue
         paths.append(out / name)
-    return paths
+    return paths, failed

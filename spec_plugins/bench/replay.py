@@ -143,15 +143,41 @@ class ReplayRuntime:
         self.held = [self.held[r] for r in rows]
 
 
+SEQUENCE_ONLY = ("ngram", "suffix")  # proposers whose drafts read only the sequence: replayed exactly
+
+
+def check_replayable(kind: str) -> None:
+    """Refuse a proposer type the replay cannot reproduce: point-mass logits stand in for the
+    model, so a drafter reading the target's logits or features (recycling, lookahead, EAGLE, a
+    draft model) would draft other tokens than it did with the model."""
+    if kind not in SEQUENCE_ONLY:
+        raise ValueError(f"proposer {kind!r}: the replay reproduces only proposers whose drafts read the sequence "
+                         f"alone ({', '.join(SEQUENCE_ONLY)})")
+
+
+def recorded_limit(output: Sequence[int], max_new: int | None, eos_ids: Sequence[int]) -> int:
+    """The limit to replay a recorded turn with: the recording's ``max_new`` (it caps the last rounds'
+    drafts, so a turn that ended on EOS before it needs it, not its length), else the output's
+    length. A turn these limits cannot have ended (too long, or short without an EOS) is refused."""
+    if max_new is None:
+        return len(output)
+    if len(output) > max_new:
+        raise ValueError(f"a recorded output of {len(output)} tokens is longer than max_new_tokens {max_new}")
+    if len(output) < max_new and not (output and output[-1] in set(eos_ids)):
+        raise ValueError(f"a recorded output of {len(output)} tokens ends before max_new_tokens {max_new} on "
+                         f"none of the EOS ids {sorted(set(eos_ids))}: the replay would decode past the recording")
+    return max_new
+
+
 def replay_turn(prompt: Sequence[int], output: Sequence[int], proposer: Any, policy: Any, cost: ForwardCost,
                 overhead: float, draft: DraftCost = DraftCost(), max_new: int | None = None,
                 eos_ids: Sequence[int] = (), vocab_size: int | None = None) -> DecodeStats:
     """Decode one recorded greedy turn again through the real round (``max_new``/``eos_ids`` as the
-    recording had them; default: the output's length); stats carry simulated time."""
-    clock = SimClock()
+    recording had them: ``recorded_limit``); stats carry simulated time."""
+    limit, clock = recorded_limit(output, max_new, eos_ids), SimClock()
     rt = ReplayRuntime({tuple(prompt): output}, vocab_size or max(max(prompt), max(output)) + 1, clock=clock,
                        cost=cost, overhead=overhead, draft=draft)
-    return _decode_recorded(rt, clock, proposer, policy, prompt, max_new or len(output), eos_ids)
+    return _decode_recorded(rt, clock, proposer, policy, prompt, limit, eos_ids)
 
 
 def _drafted(draft: Draft | Ranked | None) -> int:
@@ -196,10 +222,11 @@ def _decode_recorded(rt: ReplayRuntime, clock: SimClock, proposer: Any, policy: 
 
 def replay_sequence(turns: Sequence[tuple[str, list[int], list[int]]], make_proposer: Callable[[Any], Any],
                     make_policy: Callable[[], Any], cost: ForwardCost, overhead: float,
-                    draft: DraftCost = DraftCost()) -> dict[str, dict[str, float]]:
+                    draft: DraftCost = DraftCost(), max_new: int | None = None,
+                    eos_ids: Sequence[int] = ()) -> dict[str, dict[str, float]]:
     """Per category (and "all"): tokens/s and accepted tokens per row-round (``rates``), the turns
     decoded in order by ONE proposer on one runtime, so cross-request memory (suffix) carries
-    between them."""
+    between them; ``max_new``/``eos_ids``: the recording's (``recorded_limit``)."""
     clock = SimClock()
     vocab = max(max(max(p), max(o)) for _, p, o in turns) + 1
     rt = ReplayRuntime({tuple(p): o for _, p, o in turns}, vocab, clock=clock, cost=cost, overhead=overhead,
@@ -207,7 +234,8 @@ def replay_sequence(turns: Sequence[tuple[str, list[int], list[int]]], make_prop
     prop = make_proposer(rt)  # given the runtime: proposers that size by its cost curve read it
     acc: dict[str, DecodeStats] = {}
     for cat, prompt, out in turns:
-        stats = _decode_recorded(rt, clock, prop, make_policy(), prompt, len(out))
+        limit = recorded_limit(out, max_new, eos_ids)
+        stats = _decode_recorded(rt, clock, prop, make_policy(), prompt, limit, eos_ids)
         for c in (cat, "all"):
             acc[c] = acc.get(c, DecodeStats()).merge(stats)
     return {c: rates(st) for c, st in acc.items()}
@@ -235,14 +263,15 @@ def auto(cost: ForwardCost, draft: DraftCost = DraftCost(), **kwargs: Any) -> Ca
 
 def replay_report(turns: Sequence[tuple[str, list[int], list[int]]], make_proposer: Callable[[], Any],
                   policies: dict[str, Callable[[], Any]], cost: ForwardCost, overhead: float,
-                  draft: DraftCost = DraftCost()) -> dict[str, dict[str, float]]:
+                  draft: DraftCost = DraftCost(), max_new: int | None = None,
+                  eos_ids: Sequence[int] = ()) -> dict[str, dict[str, float]]:
     """tokens/s (``rates``) per policy and category (plus "all") over ``turns`` = (category, prompt
-    ids, output)."""
+    ids, output); ``max_new``/``eos_ids``: the recording's (``recorded_limit``)."""
     sums: dict[str, dict[str, DecodeStats]] = {}
     for name, factory in {"plain": fixed(0), **policies}.items():
         acc = sums.setdefault(name, {})
         for cat, prompt, out in turns:
-            st = replay_turn(prompt, out, make_proposer(), factory(), cost, overhead, draft)
+            st = replay_turn(prompt, out, make_proposer(), factory(), cost, overhead, draft, max_new, eos_ids)
             for c in (cat, "all"):
                 acc[c] = acc.get(c, DecodeStats()).merge(st)
     return {name: {c: rates(st)["tokens_per_s"] for c, st in cats.items()} for name, cats in sums.items()}
@@ -284,6 +313,15 @@ def round_overhead(report: dict) -> float:
     return spent / rounds if rounds else 0.0
 
 
+def not_replayable(meta: dict) -> str | None:
+    """Why a report's run cannot be replayed (None: it can): the replay re-decodes greedy outputs
+    with the report's ``max_new_tokens`` (a sampling run's tokens differ per method and run)."""
+    if meta.get("greedy") is not True:
+        return f"meta.greedy is {meta.get('greedy')!r} (a sampling run): the replay reproduces greedy runs only"
+    limit = isinstance(meta.get("max_new_tokens"), int)
+    return None if limit else "the report records no meta.max_new_tokens, the limit its turns were decoded with"
+
+
 def report_config(report: dict, path: str | None = None) -> Any:
     """The config to replay with: ``path`` if given, else the report's ``meta.config`` (a file, or
     the built-in default that a bench run without ``--config`` records as ``DEFAULT_CONFIG``)."""
@@ -315,10 +353,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not gammas:
         ap.error(f"--gammas {args.gammas!r} names no draft length; the replay compares auto with the best of them")
     report = json.loads(open(args.report).read())
+    if why := not_replayable(report.get("meta", {})):
+        ap.error(f"--report {args.report}: {why}")
     try:
         cfg = report_config(report, args.config)
+        check_replayable(cfg.proposer.type)
     except ConfigError as exc:
         ap.error(f"{exc}; give --config (the config the bench ran with)")
+    except ValueError as exc:  # the proposer (check_replayable)
+        ap.error(f"{exc}; give --config with one of them")
     dec = SpeculativeDecoder.from_config(cfg)
     cm = report["cost_model"]
     cost = ForwardCost.from_curve(cm.get("raw_target_seconds") or cm["target_seconds"])
@@ -329,7 +372,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     policies: dict[str, Callable[[], Any]] = {f"k{g}": fixed(g) for g in gammas}
     policies["auto"] = auto(cost, draft)
     over = round_overhead(report)
-    sim = replay_report(turns, make, policies, cost, over, draft)
+    try:
+        sim = replay_report(turns, make, policies, cost, over, draft, report["meta"]["max_new_tokens"],
+                            list(dec.eos_ids()))
+    except ValueError as exc:  # a turn that the report's limits cannot have ended (recorded_limit)
+        ap.error(f"--report {args.report}: {exc}; the config's tokenizer must be the bench's")
     measured = {("plain" if m["name"] == "plain" else m["name"].replace("ours_", "")): report["summary"][m["name"]]
                 for m in report["methods"] if m["kind"] in ("ours",) or m["name"] == "plain"}
     cats = list(dict.fromkeys(c for c, _, _ in turns)) + ["all"]

@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-from spec_plugins.graphs.manifest import read_json
-from spec_plugins.graphs.profiles import Limits, Profile
+from spec_plugins.graphs.manifest import ManifestError, check_fields, read_json
+from spec_plugins.graphs.profiles import SYMBOLS, Limits, Profile
 
 MANIFEST_NAME = "tensorrt_manifest.json"
 FORMAT = "spec-plugins-tensorrt"
@@ -117,21 +117,35 @@ class EngineManifest:
 
     @classmethod
     def read(cls, directory: str | Path) -> "EngineManifest":
+        """The manifest of an engine directory, every field (nested objects too) checked for type
+        and sense and its tokenizer for presence, as ``Manifest.read`` checks an ONNX export, so a
+        damaged or hand-edited manifest fails here, naming the field, not inside the runtime."""
         path, data = read_json(Path(directory), MANIFEST_NAME, EngineManifestError, "holds no TensorRT engines",
                                "build them with `spec-plugins export tensorrt --onnx ONNX_DIR --out DIR`")
         if data.get("format") != FORMAT or data.get("manifest_version") != MANIFEST_VERSION:
             raise EngineManifestError(f"{path}: format {data.get('format')!r} v{data.get('manifest_version')} is not "
                                       f"{FORMAT!r} v{MANIFEST_VERSION}; rebuild the engines")
+        raw = data.pop("engines", None)
+        if not isinstance(raw, list) or not all(isinstance(e, dict) for e in raw):
+            raise EngineManifestError(f"{path}: malformed manifest (engines must be a list of objects, "
+                                      f"got {raw!r:.80})")
+        _check(cls, data, f"{path}: ", skip=("engines",))
+        _check(BuiltWith, data["built_with"], f"{path}: built_with ")
+        _check(Limits, data["limits"], f"{path}: limits ")
+        if len(data["built_with"]["compute_capability"]) != 2:
+            raise EngineManifestError(f"{path}: built_with compute_capability must be [major, minor], got "
+                                      f"{data['built_with']['compute_capability']!r:.80}")
+        man = cls(engines=[_read_entry(path, i, e) for i, e in enumerate(raw)], **data)
         try:
-            engines = [EngineEntry(**e) for e in data.pop("engines")]
-            man = cls(engines=engines, **data)
-            man.env, man.limits_object()
-        except (TypeError, KeyError, ValueError) as exc:
+            man.limits_object()
+        except ValueError as exc:  # Limits' own checks (ProfileError)
             raise EngineManifestError(f"{path}: malformed manifest ({exc})") from None
         if man.hardware_compatibility not in HARDWARE_COMPAT:
             raise EngineManifestError(f"{path}: unknown hardware compatibility {man.hardware_compatibility!r}")
         if man.precision not in PRECISIONS:
             raise EngineManifestError(f"{path}: unknown precision {man.precision!r} (known: {', '.join(PRECISIONS)})")
+        if man.tokenizer is not None and not (path.parent / man.tokenizer).is_dir():
+            raise EngineManifestError(f"{path}: tokenizer {man.tokenizer!r} names a directory that does not exist")
         return man
 
     def check_plan(self, directory: str | Path, name: str) -> bytes:
@@ -145,6 +159,88 @@ class EngineManifest:
             raise EngineManifestError(f"engine {name!r}: {path} does not match the manifest's checksum "
                                       "(truncated or replaced); rebuild the engines")
         return data
+
+
+# JSON shapes of the manifest's nested objects, held to ``check_fields`` as the dataclasses are
+@dataclass
+class BuiltWith:
+    """``built_with``: ``BuildEnv.to_dict()`` (JSON has no tuples)."""
+
+    tensorrt_version: str
+    gpu_name: str
+    compute_capability: list[int]
+
+
+@dataclass
+class EngineModel:
+    """An engine's ``model``: the ONNX graph's decoder fields; the runtime reads vocab_size and
+    max_context, so those two are required."""
+
+    vocab_size: int
+    max_context: int
+    num_layers: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    hidden_size: int = 0
+    dtype: str = ""
+    source_model: str = ""
+    feature_layers: list[int] = field(default_factory=list)
+
+
+@dataclass
+class PortSpec:
+    """One engine input or output (``graphs.io.io_spec``): symbolic dims are names."""
+
+    name: str
+    dtype: str
+    shape: list[int | str]
+
+
+@dataclass
+class ProfileSpec:
+    """One optimisation profile (``Profile.to_dict``): symbol -> [min, opt, max]."""
+
+    name: str
+    ranges: dict[str, list[int]]
+
+
+def _check(cls: type, data: dict, where: str, skip: tuple[str, ...] = ()) -> None:
+    """``manifest.check_fields`` (unknown, missing and mistyped fields), raised as this module's
+    error so callers catch one type for a bad engine directory."""
+    try:
+        check_fields(cls, data, where, skip)
+    except ManifestError as exc:
+        raise EngineManifestError(str(exc)) from None
+
+
+def _read_entry(path: Path, i: int, e: dict) -> EngineEntry:
+    """``engines[i]``, its nested objects checked too: the runtime sizes its KV, vocabulary and
+    profile choice from them."""
+    where = f"{path}: engines[{i}] ({e.get('name', '?')!r}) "
+    _check(EngineEntry, e, where)
+    _check(EngineModel, e["model"], f"{where}model ")
+    for name in ("vocab_size", "max_context"):
+        if e["model"][name] < 1:
+            raise EngineManifestError(f"{where}model {name} is {e['model'][name]}; an engine needs at least 1")
+    for key in ("inputs", "outputs"):
+        for j, t in enumerate(e[key]):
+            _check(PortSpec, t, f"{where}{key}[{j}] ")
+    if not e["profiles"]:
+        raise EngineManifestError(f"{where}lists no profiles; an engine has at least one")
+    for j, p in enumerate(e["profiles"]):
+        _check(ProfileSpec, p, f"{where}profiles[{j}] ")
+        _check_ranges(p["ranges"], f"{where}profiles[{j}] ")
+    return EngineEntry(**e)
+
+
+def _check_ranges(ranges: dict[str, list[int]], where: str) -> None:
+    """A profile sizes every axis of the verify layout with 0 <= min <= opt <= max."""
+    if sorted(ranges) != sorted(SYMBOLS):
+        raise EngineManifestError(f"{where}ranges cover {', '.join(ranges) or 'no axis'}; a profile sizes the axes "
+                                  f"{', '.join(SYMBOLS)}")
+    for s, r in ranges.items():
+        if len(r) != 3 or not 0 <= r[0] <= r[1] <= r[2]:
+            raise EngineManifestError(f"{where}range {s} is {r}; expected [min, opt, max] with 0 <= min <= opt <= max")
 
 
 def check_compatible(built: BuildEnv, here: BuildEnv, allow_gpu_mismatch: bool = False,

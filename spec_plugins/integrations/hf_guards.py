@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from spec_plugins.backends import hf_compat
+from spec_plugins.config import ConfigError, SamplingConfig
 
 # model_kwargs transformers always prepares for decoder-only models; anything else is a model
 # input we do not forward (images, embeddings, token types...).
@@ -100,3 +101,17 @@ def check_context(rows: list[list[int]], max_new: int, context: int) -> None:
         raise ValueError(f"speculative_generate: a prompt of {longest} tokens plus max_new_tokens {max_new} runs past "
                          f"the model's context of {context} positions (max_position_embeddings), where this engine "
                          "stops: lower max_new_tokens (or max_length)")
+
+
+def check_sampling_section(sampling: SamplingConfig, source: str) -> None:
+    """Refuse a ``spec_config`` sampling section other than the default: the call samples as
+    ``generate()``'s own arguments say (its processors, ``torch.manual_seed``), so the section
+    would be dropped and e.g. a temperature-0.8 config would decode greedily without a word."""
+    default = SamplingConfig().model_dump()
+    changed = {k: v for k, v in sampling.model_dump().items() if v != default[k]}
+    if changed:
+        fields = ", ".join(f"{k}={v!r}" for k, v in changed.items())
+        raise ConfigError(f"{source}: its sampling section ({fields}) is not used by speculative_generate: the "
+                          "call's sampling comes from generate()'s own arguments (do_sample=True, temperature=..., "
+                          "top_p=..., top_k=..., repetition_penalty=...; torch.manual_seed for the seed): pass them "
+                          "there and drop the section (or keep it at the default, temperature 0 and seed 0)")

@@ -42,7 +42,8 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from spec_plugins.config import ConfigError, SamplingConfig, SpecConfig, default_config, load_file
-from spec_plugins.integrations.hf_guards import check_context, check_dropped_streamer, check_supported, synced_gpus_of
+from spec_plugins.integrations.hf_guards import (check_context, check_dropped_streamer, check_sampling_section,
+                                                 check_supported, synced_gpus_of)
 from spec_plugins.integrations.hf_inputs import split_left_padding
 from spec_plugins.integrations.hf_processors import adapt_processors
 from spec_plugins.integrations.plugin_state import Setup, model_lock
@@ -77,9 +78,9 @@ def speculative_generate(
     **model_kwargs: Any,
 ) -> Any:
     """Speculative ``generate()`` loop. Extra ``generate()`` kwargs: ``spec_config`` (file, dict or
-    SpecConfig; its proposer/verifier are used, its target and sampling sections are not: the
-    model and ``generation_config`` are), ``draft_model`` (a loaded model for the draft_model
-    proposer), ``spec_streamer`` (a streamer: transformers keeps ``streamer=`` from a callable;
+    SpecConfig; its proposer/verifier are used, its target section is not and its sampling section
+    must be the default: the model and ``generation_config`` are), ``draft_model`` (a loaded model
+    for the draft_model proposer), ``spec_streamer`` (a streamer: transformers keeps ``streamer=`` from a callable;
     the ``CUSTOM_GENERATE`` directory form takes ``streamer=`` and ``assistant_model=``),
     ``proposer`` (a Proposer instance), ``spec_stats`` (a DecodeStats to fill), ``stop_strings``
     with ``spec_tokenizer`` (the tokenizer: transformers drops ``tokenizer=`` from a callable; the
@@ -207,7 +208,8 @@ def _ids(x: Any) -> list[int]:
 # ---- components ----------------------------------------------------------------------------------
 def _spec_config(spec: SpecConfig | dict | str | Path | None) -> SpecConfig:
     """File path (YAML/JSON), dict or SpecConfig. A file or dict gets a placeholder target where it
-    names none: the model ``generate()`` was called on is the target (one it names is unused)."""
+    names none: the model ``generate()`` was called on is the target (one it names is unused). A
+    sampling section other than the default is refused (``generate()``'s arguments sample)."""
     if spec is None:
         return default_config()
     source = "spec_config"
@@ -219,8 +221,9 @@ def _spec_config(spec: SpecConfig | dict | str | Path | None) -> SpecConfig:
     if isinstance(spec, dict):
         data = dict(spec)
         data.setdefault("target", {"backend": "torch", "model": "<the model generate() was called on>"})
-        return SpecConfig.parse(data, source=source)
+        spec = SpecConfig.parse(data, source=source)
     if isinstance(spec, SpecConfig):
+        check_sampling_section(spec.sampling, source)
         return spec
     raise TypeError(f"spec_config must be a path, a dict or a SpecConfig, got {type(spec).__name__}")
 

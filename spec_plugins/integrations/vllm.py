@@ -13,8 +13,10 @@ prefill), ``num_tokens_no_spec`` an int array (row i's history length) and ``tok
 [max_num_reqs, max_model_len] int array (row i's history in ``[i, :num_tokens_no_spec[i]]``).
 Drafts are returned by row position; vLLM's own rejection sampler verifies them. The call
 carries no request ids, so a row's index is recognised by its history (``RowIndexes``), and an
-index no row continues any more is a finished request (it enters suffix decoding's global
-index).
+index no row of the batch continues any more is a finished request (it enters suffix decoding's
+global index). A row still in prefill continues its index too (it drafts nothing, but its
+request has not finished); a request missing from a step's batch (preempted) counts as
+finished, as nothing tells it from one that ended.
 
 Proposer settings come from our own YAML proposer section, in the environment variable
 ``SPEC_PLUGINS_VLLM_PROPOSER`` (a path or inline YAML), so vLLM's config carries only the class.
@@ -60,21 +62,31 @@ class RowIndexes:
         self.make = make
         self.held: list[Any] = []
 
-    def step(self, histories: Sequence[Sequence[int] | None]) -> tuple[list[Any], list[Any]]:
+    def step(self, histories: Sequence[Sequence[int]],
+             prefilling: Sequence[bool] = ()) -> tuple[list[Any], list[Any]]:
+        """Each row's index (None for a row in ``prefilling``: it drafts nothing) and the indexes
+        no row continues (finished requests). A prefilling row keeps the index it continues held,
+        unextended: a request re-prefilled in chunks is still running, and indexing it anew or
+        reporting it finished would index its history twice. Decoding rows claim first, so a new
+        prompt in prefill that repeats a running request's history does not take its index."""
+        prefill = [i < len(prefilling) and bool(prefilling[i]) for i in range(len(histories))]
         free = list(self.held)
-        out: list[Any] = []
-        for h in histories:
-            if h is None:  # a row still in prefill drafts nothing yet
-                out.append(None)
-                continue
+        out: list[Any] = [None] * len(histories)
+        held: list[Any] = []
+        for i in sorted(range(len(histories)), key=lambda i: prefill[i]):  # decoding rows first
+            h = histories[i]
             idx = next((x for x in free if _continues(x.tokens, h)), None)
+            if idx is not None:
+                free.remove(idx)
+                held.append(idx)
+            if prefill[i]:
+                continue
             if idx is None:
                 idx = _Sized(self.make())
-            else:
-                free.remove(idx)
+                held.append(idx)
             idx.extend(_ints(h[idx.length:]))
-            out.append(idx)
-        self.held = [x for x in out if x is not None]
+            out[i] = idx
+        self.held = held
         return out, free
 
 
@@ -106,9 +118,9 @@ class _Drafter:
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: Any, token_ids_cpu: Any,
                 slot_mappings: Any = None) -> list[list[int]]:
         # each row's history as a view of vLLM's array (RowIndexes reads only what it needs of it)
-        hist = [None if not sampled_token_ids[i] else  # a row still in prefill: no draft
-                token_ids_cpu[i, : int(num_tokens_no_spec[i])] for i in range(len(sampled_token_ids))]
-        indexes, finished = self.rows.step(hist)
+        rows = range(len(sampled_token_ids))
+        hist = [token_ids_cpu[i, : int(num_tokens_no_spec[i])] for i in rows]
+        indexes, finished = self.rows.step(hist, [not sampled_token_ids[i] for i in rows])  # prefill: no draft
         self.finished(finished)
         return [self.draft_row(idx)[: self.k] if idx is not None else [] for idx in indexes]
 

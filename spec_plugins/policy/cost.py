@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -286,7 +287,33 @@ def measure_draft(proposer: Any, pipeline: Any, runtime: Any, context: int = 128
                   repeats: int = 3) -> DraftCost:
     """Per ``propose`` call and per drafted token, from budgets 1 and k on a repetitive context
     (medians of at least 5 interleaved pairs: a call is cheap, one outlier would read as free).
-    A feature drafter gets the runtime's real hidden states of that context."""
+    A feature drafter gets the runtime's real hidden states of that context. The timing calls
+    are no traffic: see ``measuring``."""
+    with measuring(proposer):
+        return _measure_draft(proposer, pipeline, runtime, context, k, repeats)
+
+
+@contextmanager
+def measuring(proposer: Any) -> Iterator[None]:
+    """While the block runs, ``measuring`` is True on the proposer and each of its sources (a
+    composition's children) that declare that attribute, so calls made only to time them stay
+    out of what they count as traffic (suffix decoding's index lookups and hits in /metrics)."""
+    from spec_plugins.proposers.base import ProposerTraits
+
+    every = {id(p): p for p in (proposer, *ProposerTraits.of(proposer).sources)}.values()
+    flagged = [p for p in every if hasattr(p, "measuring")]
+    before = [p.measuring for p in flagged]
+    for p in flagged:
+        p.measuring = True
+    try:
+        yield
+    finally:
+        for p, was in zip(flagged, before):
+            p.measuring = was
+
+
+def _measure_draft(proposer: Any, pipeline: Any, runtime: Any, context: int, k: int, repeats: int) -> DraftCost:
+    """``measure_draft``'s timing, with the proposer flagged as measuring."""
     from spec_plugins.proposers.base import ProposerTraits, RowAware
     from spec_plugins.types import ProposeContext, Ranked
 

@@ -11,8 +11,9 @@ drafting seconds counted:
 
     (1 + sum_j min(1, scale_s x offer_s[j])) / (T(1, 1 + nodes_s) + draft seconds_s)
 
-``offer_s`` (the estimate at each best-first rank) and ``nodes_s`` are what the child offered per
-row, averaged over the round's rows and smoothed over rounds (``SourceStats``), ``scale_s`` its
+``offer_s`` (the estimate at each best-first rank) and ``nodes_s`` are what the child offered,
+averaged over the drafts it offered that round (a row it drafted nothing for does not count: its
+drafting is paid per round, not per row) and smoothed over rounds (``SourceStats``), ``scale_s`` its
 calibration (each node counted at most once, as the sizer counts it: ``objective.expected_tokens``),
 T the runtime's forward costs, the drafting seconds the costs' online estimate
 (``Costs.draft_seconds``) and the per-round overhead counted on both sides. No margin:

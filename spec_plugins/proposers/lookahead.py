@@ -30,7 +30,7 @@ from collections import OrderedDict, deque
 from typing import Any, Literal, Sequence
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from spec_plugins.config import ProposerConfig
 from spec_plugins.proposers.base import Draft, ProposeContext, Proposer, RoundRecord
@@ -111,6 +111,20 @@ class LookaheadProposer(Proposer):
         candidates: int = Field(3, ge=0, le=32, description="G: pool candidates verified per round.")
         pool_size: int = Field(8, ge=1, le=256, description="n-grams kept per key token (most recent).")
         seed: int = Field(0, description="Seed for the initial guesses drawn from the sequence.")
+
+        @model_validator(mode="after")
+        def _check_window(self) -> LookaheadProposer.Config:
+            """Refuse a ``window`` deeper than an integer ``num_draft_tokens``: the guesses past the
+            depth limit would be drawn every round and thrown away. The default window is a cap (a
+            smaller depth limit cuts it), also when a dumped config carries it back; ``auto`` and 0
+            (no drafting asked) set no fixed limit."""
+            k = self.num_draft_tokens
+            default = type(self).model_fields["window"].default
+            if self.window != default and isinstance(k, int) and 0 < k < self.window:
+                raise ValueError(f"window={self.window} is deeper than num_draft_tokens={k} (the depth limit): "
+                                 f"guesses past depth {k} would never be verified; set window <= {k} or "
+                                 f"num_draft_tokens >= {self.window}")
+            return self
 
     def __init__(self, config: "LookaheadProposer.Config | None" = None, **_: Any) -> None:
         self.config = config or self.Config()

@@ -73,6 +73,7 @@ class RecyclingProposer(Proposer):
                 tree = static_tree(self.paths)  # raises on malformed paths
                 if max(tree.ranks) >= self.candidates:
                     raise ValueError(f"paths use rank {max(tree.ranks)} but candidates={self.candidates}")
+                _check_paths_depth(tree.depth, self.num_draft_tokens)
             elif self.tree_size != "auto" and "tree_size" in self.model_fields_set:
                 _check_reachable(self.tree_size, self.candidates, self.num_draft_tokens)  # the default is a cap
             return self
@@ -229,6 +230,17 @@ def _check_reachable(tree_size: int, candidates: int, num_draft_tokens: int | st
             f"{num_draft_tokens} (depth {depth}) the tree holds at most {most} nodes (up to {PRIOR_RANKS} "
             f"ranks per node: ranks from {PRIOR_RANKS} on have no acceptance prior); set tree_size <= {most}, "
             "or raise num_draft_tokens or candidates")
+
+
+def _check_paths_depth(depth: int, num_draft_tokens: int | str) -> None:
+    """Refuse ``paths`` deeper than an integer ``num_draft_tokens``: every forward would verify
+    nodes below the depth limit, which can never be accepted. ``auto`` (the policy's budget) and
+    0 (no drafting asked) are not a fixed limit to check against."""
+    if isinstance(num_draft_tokens, int) and 0 < num_draft_tokens < depth:
+        raise ValueError(
+            f"paths are {depth} deep but num_draft_tokens={num_draft_tokens} (the depth limit): nodes deeper than "
+            f"{num_draft_tokens} would be verified every round and never accepted; shorten the paths to at most "
+            f"{num_draft_tokens} ranks or set num_draft_tokens >= {depth}")
 
 
 def _layers(tree: StaticTree) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]:

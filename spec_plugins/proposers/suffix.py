@@ -42,6 +42,7 @@ class SuffixProposer(Proposer):
 
     tree = True
     ranks = True
+    measuring = False  # True while ``policy.cost.measuring`` times it: those lookups are no traffic
 
     class Config(ProposerConfig):
         type: Literal["suffix"] = "suffix"
@@ -198,8 +199,9 @@ class SuffixProposer(Proposer):
         if cur is None:
             return None, 0, None
         n, node = cur.match(self.config.max_match)
-        self.index.stats.lookups += 1
-        self.index.stats.hits += node is not None
+        if not self.measuring:  # /metrics counts the lookups of requests only
+            self.index.stats.lookups += 1
+            self.index.stats.hits += node is not None
         return cur.trie, n, node
 
     def propose(self, ctx: ProposeContext) -> Ranked | None:

@@ -168,7 +168,10 @@ def _serve_ray(config: Optional[Path], host: str, port: int, max_batch: int, max
         cfg = load_config(config)
         if no_speculation:
             cfg = cfg.model_copy(update={"proposer": None})
-        opts = ReplicaOptions(cfg.model_dump(mode="json"), max_batch, max_input_tokens, max_total_tokens, draft_policy,
+        # what was given, not every default: each replica parses it again, and some checks look at
+        # which fields a config gives (a default written out reads as given)
+        replica_cfg = cfg.model_dump(mode="json", exclude_unset=True)
+        opts = ReplicaOptions(replica_cfg, max_batch, max_input_tokens, max_total_tokens, draft_policy,
                               shutdown_timeout, max(1, int(num_cpus)) if num_cpus >= 1 else None,
                               escape_special_tokens, body_timeout, cpu_workers)
         scaling = Scaling(1 if replicas is None else replicas, parse_autoscale(autoscale) if autoscale else None,

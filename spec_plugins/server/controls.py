@@ -15,7 +15,7 @@ from typing import Any
 from spec_plugins.grammar import Compiled, GrammarError, GrammarLimits, GrammarSpec, RowGrammar, compile_grammar
 from spec_plugins.grammar import ll_tokenizer
 from spec_plugins.grammar.spec import from_tgi
-from spec_plugins.processors import FrequencyPresencePenalty, LogitBias
+from spec_plugins.processors import FrequencyPresencePenalty, LogitBias, _token_id
 from spec_plugins.server.body import offload
 from spec_plugins.server.schemas import ApiError
 
@@ -73,20 +73,28 @@ async def compiled(state: Any, controls: "Controls") -> Compiled | None:
 
 
 def openai_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
-    """OpenAI's ``logit_bias``: ``{"token id": bias}``, bias in [-100, 100], at most 300 tokens."""
+    """OpenAI's ``logit_bias``: ``{"token id": bias}``, bias in [-100, 100], at most 300 tokens.
+    A key is an ASCII decimal id, read by ``processors._token_id`` (``str.isdigit`` would also take
+    "٣٠" or "²"); two keys naming one token ("5" and "05") are refused: one bias would be lost."""
     if value is None or value == {}:
         return ()
     if not isinstance(value, dict):
         raise ValueError("`logit_bias` must be an object mapping token ids to biases")
     if len(value) > 300:
         raise ValueError(f"`logit_bias` takes at most 300 tokens, got {len(value)}")
+    keys: dict[int, str] = {}  # token id -> the key that named it
     out = []
     for k, v in value.items():
-        if not (isinstance(k, str) and k.lstrip("-").isdigit()):
-            raise ValueError(f"`logit_bias` keys must be token ids, got {k!r}")
+        try:
+            token = _token_id(k)
+        except ValueError:
+            raise ValueError(f"`logit_bias` keys must be decimal token ids (ASCII digits), got {k!r}") from None
+        if token in keys:
+            raise ValueError(f"`logit_bias` keys {keys[token]!r} and {k!r} both name token {token}; give each once")
+        keys[token] = k
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
             raise ValueError(f"`logit_bias` of token {k} must be a number between -100 and 100, got {v!r}")
-        out.append((int(k), float(v)))
+        out.append((token, float(v)))
     return tuple(out)
 
 

@@ -8,7 +8,10 @@ the emitted tokens (``loop.batch._logprobs``), with the most likely alternatives
 special tokens (EOS) are neither text nor logprob entries; the legacy (text completion) layout
 names a token that is not whole UTF-8 text by its bytes, ``bytes:\\xe3\\x81``, as OpenAI does.
 A token's ``text_offset`` is where its own text starts (``TextStream.pieces``; clipped to the
-text's end after a stop string), streamed or not.
+text's end after a stop string), streamed or not. A SentencePiece decoder that strips the text's
+leading space (``strips_start``) drops a token's own space when it is decoded alone, so there a
+token is named by the text it adds where it stands: an emitted one by its piece, an alternative by
+what it adds after the token before it; byte-level and ``<0xNN>`` pieces are their bytes anywhere.
 ``stream_options.include_usage`` adds ``"usage": null`` to every chunk and one last chunk with
 the usage and no choices.
 """
@@ -31,6 +34,7 @@ from spec_plugins.server.jobs import (Finished, JobStream, Tally, TokenOut, foll
 from spec_plugins.server.openai_schemas import ChatRequest, CompletionRequest, OpenAIRequest
 from spec_plugins.server.requests import Names, Prepared, check_token_ids, encode_chat, encode_text, prepare, tenant_of
 from spec_plugins.server.schemas import ApiError
+from spec_plugins.text import TextStream
 
 FINISH = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
 
@@ -46,6 +50,20 @@ def byte_table(tokenizer: Any) -> dict[str, int] | None:
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     return {c: b for b, c in bytes_to_unicode().items()}
+
+
+def strips_start(tokenizer: Any) -> bool:
+    """Whether the decoder removes text a token owns at the start of a decode: ``Strip`` from the
+    start (Llama 2, Mistral) or a ``Metaspace`` that prepends its space; a decoder that only puts
+    spaces between tokens (none, WordPiece) keeps each token's own text whole."""
+    import json
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    spec = json.loads(backend.to_str()).get("decoder") if backend is not None else None
+    parts = (spec.get("decoders") or []) if spec and spec.get("type") == "Sequence" else [spec or {}]
+    return any(d.get("type") == "Strip" and d.get("start", 0) > 0 or d.get("type") == "Metaspace" and
+               d.get("prepend_scheme", "always" if d.get("add_prefix_space") else "never") != "never"
+               for d in parts)
 
 
 BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a byte-fallback piece of a SentencePiece vocabulary
@@ -65,6 +83,7 @@ def piece_starts(pieces: Sequence[str], base: int) -> Iterator[int]:
 def add_openai_routes(app: FastAPI, state: Any) -> None:
     """Register the /v1 routes on ``app`` over ``state`` (a ``ServerState``)."""
     table = byte_table(state.tokenizer)
+    placed = table is None and strips_start(state.tokenizer)  # a token's text depends on where it stands
 
     @lru_cache(maxsize=1 << 16)
     def token_bytes(t: int) -> bytes:
@@ -78,22 +97,47 @@ def add_openai_routes(app: FastAPI, state: Any) -> None:
                 return bytes([int(piece[3:5], 16)])
         return state.token_text(t).encode("utf-8")
 
-    def token_label(t: int) -> str:
-        """The legacy completions' name of a token: its text, or ``bytes:\\xe3\\x81`` (every byte,
-        as OpenAI writes it) for a token that is not whole UTF-8 text, such as part of a character:
-        as U+FFFD such alternatives would share one ``top_logprobs`` key."""
-        b = token_bytes(t)
+    @lru_cache(maxsize=1 << 16)
+    def anywhere(t: int) -> bool:
+        """Whether ``t`` is the same text wherever it stands: always, unless the decoder strips the
+        start (``placed``); there, a special token or a ``<0xNN>`` byte piece."""
+        return not placed or t in state.special_ids or bool(
+            BYTE_PIECE.fullmatch(str(state.tokenizer.convert_ids_to_tokens(t))))
+
+    @lru_cache(maxsize=1 << 16)
+    def after(prev: int | None, t: int) -> bytes:
+        """What ``t`` adds to the text after ``prev`` (None: at the text's start, decoded alone)."""
+        if prev is None:
+            return state.token_text(t).encode("utf-8")
+        both = state.tokenizer.decode([prev, t], skip_special_tokens=False)
+        return both[len(state.token_text(prev)):].encode("utf-8")
+
+    def bytes_at(t: int, k: int, text: TextStream) -> bytes:
+        """``t`` as the ``k``-th token of the row whose text is ``text`` (the token emitted there or an
+        alternative to it): ``token_bytes`` where that is the same anywhere (``anywhere``), else the
+        text it adds there: the emitted token's piece, an alternative's text after the token before."""
+        if anywhere(t):
+            return token_bytes(t)
+        if text.ids[k] == t:
+            return text.pieces[k].encode("utf-8")
+        prev = next((text.ids[j] for j in range(k - 1, -1, -1) if text.ids[j] not in state.special_ids), None)
+        return after(prev, t)
+
+    def token_label(b: bytes) -> str:
+        """The legacy completions' name of a token of bytes ``b``: its text, or ``bytes:\\xe3\\x81``
+        (every byte, as OpenAI writes it) for a token that is not whole UTF-8 text, such as part of a
+        character: as U+FFFD such alternatives would share one ``top_logprobs`` key."""
         try:
             return b.decode("utf-8")
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{c:02x}" for c in b)
 
-    def top_by_label(top: Sequence[tuple[int, float]]) -> dict[str, float]:
-        """``top`` (best first) as {label: logprob}; two tokens of one label (equal text, e.g. two
-        special tokens) keep the likelier one's logprob."""
+    def top_by_label(top: Sequence[tuple[int, float]], k: int, text: TextStream) -> dict[str, float]:
+        """``top`` (best first, the ``k``-th token's alternatives) as {label: logprob}; two tokens of
+        one label (equal text, e.g. two special tokens) keep the likelier one's logprob."""
         out: dict[str, float] = {}
         for t, lp in top:
-            out.setdefault(token_label(t), lp)
+            out.setdefault(token_label(bytes_at(t, k, text)), lp)
         return out
 
     def check_rows(rows: int, what: str) -> None:
@@ -143,13 +187,14 @@ def add_openai_routes(app: FastAPI, state: Any) -> None:
         return JSONResponse(reply(done))
 
     # ---- chat ----------------------------------------------------------------------------------
-    def chat_logprobs(toks: Sequence[TokenOut], top: int) -> dict[str, Any]:
-        def entry(t: int, lp: float) -> dict[str, Any]:
-            b = token_bytes(t)
+    def chat_logprobs(toks: Sequence[tuple[TokenOut, int]], top: int, text: TextStream) -> dict[str, Any]:
+        """``toks``: each token with its index in the row whose text is ``text``."""
+        def entry(t: int, lp: float, k: int) -> dict[str, Any]:
+            b = bytes_at(t, k, text)
             return {"token": b.decode("utf-8", "replace"), "logprob": lp, "bytes": list(b)}
 
-        return {"content": [{**entry(x.id, x.logprob), "top_logprobs": [entry(t, lp) for t, lp in x.top[:top]]}
-                            for x in toks if not x.special], "refusal": None}
+        return {"content": [{**entry(x.id, x.logprob, k), "top_logprobs": [entry(t, lp, k) for t, lp in x.top[:top]]}
+                            for x, k in toks if not x.special], "refusal": None}
 
     @app.post("/v1/chat/completions")
     @timed(state, "chat_completions")
@@ -166,21 +211,24 @@ def add_openai_routes(app: FastAPI, state: Any) -> None:
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), state.model_id
         top = req.top_logprobs or 0
 
-        def chunk(i: int, delta: dict, reason: str | None, toks: Sequence[TokenOut] = ()) -> dict:
+        def chunk(i: int, delta: dict, reason: str | None, toks: Sequence[tuple[TokenOut, int]] = ()) -> dict:
             out = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                    "system_fingerprint": "spec-plugins",
                    "choices": [{"index": i, "delta": delta, "finish_reason": reason,
-                                "logprobs": chat_logprobs(toks, top) if req.logprobs and toks else None}]}
+                                "logprobs": chat_logprobs(toks, top, preps[i].text)
+                                if req.logprobs and toks else None}]}
             return out | ({"usage": None} if req.include_usage else {})
 
         async def stream_body(events: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[bytes]:
             for i in range(req.choices):
                 yield sse(chunk(i, {"role": "assistant", "content": ""}, None))
-            waiting: dict[int, list[TokenOut]] = {i: [] for i in range(req.choices)}  # tokens with no text yet
+            waiting: dict[int, list[tuple[TokenOut, int]]] = {i: [] for i in range(req.choices)}  # no text yet
+            seen = [0] * req.choices  # tokens of each choice so far
             completion = 0
             async for i, ev in events:
                 if isinstance(ev, TokenOut):
-                    waiting[i].append(ev)
+                    waiting[i].append((ev, seen[i]))
+                    seen[i] += 1
                     if ev.text and not ev.special:
                         yield sse(chunk(i, {"content": ev.text}, None, waiting[i]))
                         waiting[i] = []
@@ -198,20 +246,22 @@ def add_openai_routes(app: FastAPI, state: Any) -> None:
             return {"id": cid, "object": "chat.completion", "created": created, "model": model,
                     "system_fingerprint": "spec-plugins",
                     "choices": [{"index": i, "message": {"role": "assistant", "content": f.text, "refusal": None},
-                                 "logprobs": chat_logprobs(f.tokens, top) if req.logprobs else None,
+                                 "logprobs": chat_logprobs([(x, k) for k, x in enumerate(f.tokens)], top,
+                                                           preps[i].text) if req.logprobs else None,
                                  "finish_reason": FINISH[f.reason]} for i, f in enumerate(fins)],
                     "usage": usage(len(ids), sum(len(f.tokens) for f in fins))}
 
         return await run(request, req, preps, tally, "chat_completions", stream_body, reply)
 
     # ---- text completions ----------------------------------------------------------------------
-    def text_logprobs(toks: Sequence[tuple[TokenOut, int]], top: int) -> dict[str, Any]:
+    def text_logprobs(toks: Sequence[tuple[TokenOut, int, int]], top: int, text: TextStream) -> dict[str, Any]:
         """OpenAI's legacy layout: parallel lists, top alternatives as {token: logprob}; ``toks``
-        pairs each token with its ``text_offset``."""
-        shown = [(x, o) for x, o in toks if not x.special]
-        return {"tokens": [token_label(x.id) for x, _ in shown], "token_logprobs": [x.logprob for x, _ in shown],
-                "top_logprobs": [top_by_label(x.top[:top]) for x, _ in shown] if top else None,
-                "text_offset": [o for _, o in shown]}
+        holds each token with its index in the row whose text is ``text`` and its ``text_offset``."""
+        shown = [(x, k, o) for x, k, o in toks if not x.special]
+        return {"tokens": [token_label(bytes_at(x.id, k, text)) for x, k, _ in shown],
+                "token_logprobs": [x.logprob for x, _, _ in shown],
+                "top_logprobs": [top_by_label(x.top[:top], k, text) for x, k, _ in shown] if top else None,
+                "text_offset": [o for _, _, o in shown]}
 
     def encode_prompts(prompts: Sequence[str | list[int]], names: Names) -> list[list[int]]:
         return [check_token_ids(state, p, "prompt") if isinstance(p, list) else encode_text(state, p, None, names)
@@ -236,9 +286,9 @@ def add_openai_routes(app: FastAPI, state: Any) -> None:
         top = req.logprobs or 0
         prompt_tokens = sum(len(p) for p in ids)
 
-        def choice(i: int, text: str, reason: str | None, toks: Sequence[tuple[TokenOut, int]]) -> dict:
+        def choice(i: int, text: str, reason: str | None, toks: Sequence[tuple[TokenOut, int, int]]) -> dict:
             return {"index": i, "text": text, "finish_reason": reason,
-                    "logprobs": text_logprobs(toks, top) if req.logprobs is not None else None}
+                    "logprobs": text_logprobs(toks, top, preps[i].text) if req.logprobs is not None else None}
 
         def body(choices: list[dict], **extra: Any) -> dict:
             return {"id": cid, "object": "text_completion", "created": created, "model": model,
@@ -251,16 +301,18 @@ def add_openai_routes(app: FastAPI, state: Any) -> None:
                 if echo[i // n]:
                     yield sse(body([choice(i, echo[i // n], None, ())], **more))
             starts = [piece_starts(p.text.pieces, s) for p, s in zip(preps, sent)]
-            waiting: dict[int, list[tuple[TokenOut, int]]] = {i: [] for i in range(len(preps))}
+            waiting: dict[int, list[tuple[TokenOut, int, int]]] = {i: [] for i in range(len(preps))}
+            seen = [0] * len(preps)  # tokens of each choice so far
             completion = 0
             async for i, ev in events:
                 if isinstance(ev, TokenOut):
-                    waiting[i].append((ev, next(starts[i])))
+                    waiting[i].append((ev, seen[i], next(starts[i])))
+                    seen[i] += 1
                     if ev.text and not ev.special:
                         sent[i] += len(ev.text)
                         # a token goes with the chunk that sends the start of its text (so its offset
                         # is within the text, whatever a stop string still holds back)
-                        k = sum(o < sent[i] for _, o in waiting[i])
+                        k = sum(o < sent[i] for _, _, o in waiting[i])
                         yield sse(body([choice(i, ev.text, None, waiting[i][:k])], **more))
                         waiting[i] = waiting[i][k:]
                 else:
@@ -269,16 +321,18 @@ def add_openai_routes(app: FastAPI, state: Any) -> None:
                         sent[i] += len(ev.tail)
                         yield sse(body([choice(i, ev.tail, None, ())], **more))
                     # the tokens left start in the tail or past the text's end (after a stop): clipped
-                    ends = [(x, min(o, sent[i])) for x, o in waiting[i]]
+                    ends = [(x, k, min(o, sent[i])) for x, k, o in waiting[i]]
                     yield sse(body([choice(i, "", FINISH[ev.reason], ends)], **more))
             if req.include_usage:
                 yield sse(body([], usage=usage(prompt_tokens, completion)))
 
-        def offsets(i: int, f: Finished) -> list[tuple[TokenOut, int]]:
-            """Each token with where its own text starts, clipped to the text's end (after a stop)."""
+        def offsets(i: int, f: Finished) -> list[tuple[TokenOut, int, int]]:
+            """Each token with its index and where its own text starts, clipped to the text's end
+            (after a stop)."""
             base = len(echo[i // n])
             end = base + len(f.text)
-            return [(x, min(o, end)) for x, o in zip(f.tokens, piece_starts(preps[i].text.pieces, base))]
+            return [(x, k, min(o, end)) for k, (x, o) in enumerate(zip(f.tokens, piece_starts(preps[i].text.pieces,
+                                                                                                base)))]
 
         def reply(fins: list[Finished]) -> dict[str, Any]:
             return body([choice(i, echo[i // n] + f.text, FINISH[f.reason], offsets(i, f))

@@ -1,6 +1,6 @@
 """``spec-plugins train {features,eagle,medusa}``: drafter training on this machine, resumable.
 
-1. ``train features`` runs the target over training conversations once and writes fp16 feature
+1. ``train features`` runs the target over training conversations once and writes 16-bit feature
    shards (``spec_plugins.training.features``): ShareGPT as written (``--responses fixed``) or
    answers the target regenerates (``--responses self``), or the shipped template prompts.
 2. ``train eagle`` / ``train medusa`` stream those shards into a head (``DIR/head.safetensors``,
@@ -174,14 +174,17 @@ def _train_cfg(**kw: Any):
     return TrainConfig(**{k: v for k, v in kw.items() if v is not None})
 
 
-def _load(features: Path, heldout: Optional[Path], target: Optional[str]):
+def _load(features: Path, heldout: Optional[Path], target: Optional[str], layers: bool):
+    """The training features, the held-out ones (checked against them; their layers only where the
+    head reads them: ``layers``) and the target."""
     from spec_plugins.backends.torch_runtime import load_hf
-    from spec_plugins.training.features import FeatureStore, check_heldout
+    from spec_plugins.training.features import FeatureStore
+    from spec_plugins.training.heldout import check_heldout
 
     store = FeatureStore(features)
     held = FeatureStore(heldout) if heldout else None
     if held is not None:
-        check_heldout(store, held)
+        check_heldout(store, held, layers)
     name = target or store.meta["target"]
     if name != store.meta["target"]:
         raise ValueError(f"{features} holds features of {store.meta['target']!r}, not {name!r}")
@@ -278,7 +281,7 @@ def eagle_cmd(
 
         return train_eagle(store, model, tcfg, out, fused, draft_vocab, intermediate, held, not no_progress)
 
-    _run_training(features, heldout, out, threads, cfg, go)
+    _run_training(features, heldout, out, threads, cfg, go, layers=fused)
 
 
 @train_app.command("parallel")
@@ -329,7 +332,7 @@ def parallel_cmd(
                            block_size=block_size, anchors=anchors, init=init, anchor_input=anchor_input,
                            block_layers=block_layers, block_context=block_context)
 
-    _run_training(features, heldout, out, threads, cfg, go)
+    _run_training(features, heldout, out, threads, cfg, go, layers=fused)
 
 
 @train_app.command("medusa")
@@ -361,22 +364,25 @@ def medusa_cmd(
 
         return train_medusa(store, model, tcfg, out, num_heads, draft_vocab, held, not no_progress)
 
-    _run_training(features, heldout, out, threads, cfg, go)
+    _run_training(features, heldout, out, threads, cfg, go, layers=False)  # Medusa reads the last hidden state
 
 
-def _run_training(features: Path, heldout: Optional[Path], out: Path, threads: int, cfg: dict, go: Any) -> None:
-    """The part every head command shares: validate, load the shards and the target, train, report."""
+def _run_training(features: Path, heldout: Optional[Path], out: Path, threads: int, cfg: dict, go: Any,
+                  layers: bool) -> None:
+    """The part every head command shares: validate, load the shards and the target, train, report.
+    ``layers``: the head reads the features' layer outputs (held-out ones must hold the same)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if cfg["loss"] not in ("soft", "top1", "data"):
         fail(f"--loss {cfg['loss']!r}; allowed values: soft, top1, data")
-    check_finite(cfg["lr"], "--lr")
+    for key, flag in (("lr", "--lr"), ("reg_weight", "--reg-weight")):
+        check_finite(cfg.get(key), flag)
     check_output_dir(out)
     import torch
 
     torch.set_num_threads(threads)
     try:
         tcfg = _train_cfg(**cfg)  # checks its values before anything loads
-        store, held, model = _load(features, heldout, None)
+        store, held, model = _load(features, heldout, None, layers)
         report = go(store, model, tcfg, held)
     except (FileNotFoundError, ValueError) as exc:
         fail(exc)

@@ -1,4 +1,4 @@
-"""Target features for drafter training, written in resumable fp16 shards.
+"""Target features for drafter training, written in resumable 16-bit shards.
 
 One target forward over each whole conversation (prefill speed, no generation) gives, for every
 position j:
@@ -10,6 +10,8 @@ position j:
                         without storing 49k floats per position);
 - ``top1``    [N]       the target's greedy next token (for top-1 accuracy).
 ``tokens``, ``trained`` (the assistant wrote the token) and ``offsets`` delimit the conversations.
+``hidden`` and ``layers`` are stored in fp16, or in bf16 where their values pass fp16's range
+(``compact``: Gemma-3's layer outputs do), per shard; readers cast them to float32.
 
 The extraction is resumable: ``progress.json`` records the shards written and the conversations
 consumed, each shard is written atomically, and a rerun continues where the last one stopped.
@@ -27,6 +29,8 @@ from typing import Any, ClassVar, Iterable, Iterator, Protocol, Sequence
 
 import torch
 
+from spec_plugins.training.heldout import check_heldout  # noqa: F401 (imported from here too)
+
 FORMAT = "spec-plugins-features/1"
 
 
@@ -37,8 +41,8 @@ class Shard:
     tokens: torch.Tensor  # [N] long
     trained: torch.Tensor  # [N] bool
     offsets: torch.Tensor  # [S+1] long
-    hidden: torch.Tensor  # [N, H] fp16
-    layers: torch.Tensor  # [N, L, H] fp16 (L may be 0)
+    hidden: torch.Tensor  # [N, H] fp16 or bf16 (``compact``)
+    layers: torch.Tensor  # [N, L, H] fp16 or bf16 (L may be 0)
     lse: torch.Tensor  # [N] fp32
     top1: torch.Tensor  # [N] long
 
@@ -75,9 +79,26 @@ class Shard:
         for p in parts:
             offs.append(p.offsets[1:] + base)
             base += p.num_tokens
-        cat = lambda name: torch.cat([getattr(p, name) for p in parts])  # noqa: E731
+        cat = lambda name: _cat_same_dtype([getattr(p, name) for p in parts])  # noqa: E731
         return Shard(cat("tokens"), cat("trained"), torch.cat(offs), cat("hidden"), cat("layers"), cat("lse"),
                      cat("top1"))
+
+
+def compact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in the 16-bit dtype that holds it: fp16 (finer) where every value fits its range, else
+    bf16 (float32's range), so a target with outputs past fp16's 65504 (Gemma-3's massive
+    activations) is stored finite instead of as inf; a bf16 tensor stays bf16 (fp16 adds nothing)."""
+    if t.dtype == torch.bfloat16 or (t.numel() and float(t.abs().max()) > torch.finfo(torch.float16).max):
+        return t.to(torch.bfloat16)
+    return t.half()
+
+
+def _cat_same_dtype(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Parts joined in their one dtype; parts ``compact`` stored in fp16 and bf16 join in bf16,
+    which holds both (torch.cat would promote them to float32, twice the size)."""
+    dtypes = {p.dtype for p in parts}
+    dt = dtypes.pop() if len(dtypes) == 1 else torch.bfloat16
+    return torch.cat([p.to(dt) for p in parts])
 
 
 @torch.inference_mode()
@@ -102,14 +123,28 @@ def batch_outputs(model: Any, ids: torch.Tensor, lengths: Sequence[int], layers:
     h = out.last_hidden_state[real]  # [N, H]
     sel = (torch.stack([out.hidden_states[i][real] for i in layers], 1) if layers
            else h.new_zeros(h.shape[0], 0, h.shape[1]))
-    head = model.get_output_embeddings()
-    w, bias = head.weight.float(), None if getattr(head, "bias", None) is None else head.bias.float()
+    w = model.get_output_embeddings().weight.float()  # no bias: check_plain_head refuses one
     lse, top1 = [], []
     for a in range(0, h.shape[0], logit_rows):
-        logits = torch.nn.functional.linear(h[a: a + logit_rows].float(), w, bias)
+        logits = torch.nn.functional.linear(h[a: a + logit_rows].float(), w)
         lse.append(torch.logsumexp(logits, -1))
         top1.append(logits.argmax(-1))
-    return {"hidden": h, "layers": sel, "lse": torch.cat(lse), "top1": torch.cat(top1)}
+    outs = {"hidden": h, "layers": sel, "lse": torch.cat(lse), "top1": torch.cat(top1)}
+    check_finite_outputs(model, outs)
+    return outs
+
+
+def check_finite_outputs(model: Any, outs: dict[str, torch.Tensor]) -> None:
+    """Refuse target outputs with inf or NaN (activations that overflow the dtype the target runs
+    in): stored, they make every loss that reads them NaN and the trained head NaN."""
+    names = [n for n in ("logits", "hidden", "layers", "lse") if n in outs]
+    finite = torch.stack([outs[n].isfinite().all() for n in names]).tolist()  # one device sync
+    bad = [n for n, ok in zip(names, finite) if not ok]
+    if bad:
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        raise ValueError(f"{type(model).__name__} produced non-finite values (inf or NaN) in its {', '.join(bad)} "
+                         f"running in {dtype}: its activations overflow that dtype; features of them would train "
+                         "a NaN head (run the target in float32, or check its weights)")
 
 
 _PLAIN_HEAD: "weakref.WeakSet[Any]" = weakref.WeakSet()  # models whose logits were found to be linear(h, head)
@@ -118,14 +153,21 @@ _PLAIN_HEAD: "weakref.WeakSet[Any]" = weakref.WeakSet()  # models whose logits w
 @torch.inference_mode()
 def check_plain_head(model: Any, ids: torch.Tensor, probe: int = 64) -> None:
     """Refuse a model whose logits are not its LM head's product: lse, top-1 and the trainer's soft
-    labels p(v) = exp(w_v . h - lse) rebuild them as linear(h, head), which a transform after the
-    head (Granite's logits_scaling, Gemma-2's soft-capping, Cohere's logit_scale) makes another
-    distribution. Compared numerically on the first ``probe`` tokens of ``ids`` [1, T], once per
-    model, so any such model is caught whatever its config calls the transform."""
+    labels p(v) = exp(w_v . h - lse) rebuild them as h @ head.weight.T, which a transform after the
+    head (Granite's logits_scaling, Gemma-2's soft-capping, Cohere's logit_scale) or a head bias
+    (Phi's) makes another distribution. Compared numerically on the first ``probe`` tokens of
+    ``ids`` [1, T], once per model, so any such model is caught whatever its config calls the
+    transform; a bias is refused by name."""
     if model in _PLAIN_HEAD:
         return
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError(f"{type(model).__name__}'s LM head has a bias (lm_head.bias, as Phi's has): the trainer's "
+                         "soft labels p(v) = exp(w_v . h - lse) and the drafters' logits read the head's weight "
+                         "without it, so they would not be its distribution; this target cannot be trained on")
     ids = ids[:1, :probe]
     own = model(input_ids=ids, use_cache=False).logits
+    check_finite_outputs(model, {"logits": own})  # NaN logits would pass for a transform after the head
     mine = model.get_output_embeddings()(model.get_decoder()(input_ids=ids).last_hidden_state)
     tol = max(1e-4, 4 * torch.finfo(mine.dtype).eps)  # the same ops in the model's dtype: a rounding apart
     err = float((own.float() - mine.float()).abs().max())
@@ -188,8 +230,8 @@ class ShardWriter:
     def add(self, tokens: Sequence[int], trained: Sequence[bool], outs: dict[str, torch.Tensor], consumed: int) -> None:
         n = len(tokens)
         self._parts.append(Shard(torch.tensor(tokens, dtype=torch.long), torch.tensor(trained, dtype=torch.bool),
-                                 torch.tensor([0, n], dtype=torch.long), outs["hidden"].half(),
-                                 outs["layers"].half(), outs["lse"], outs["top1"]))
+                                 torch.tensor([0, n], dtype=torch.long), compact(outs["hidden"]),
+                                 compact(outs["layers"]), outs["lse"], outs["top1"]))
         self._pending_consumed = consumed
         if sum(p.num_tokens for p in self._parts) >= self.shard_tokens:
             self.flush()
@@ -345,30 +387,3 @@ class FeatureStore(ShardDirectory):
             return list(range(len(self.shards)))
         per = max(1, self.tokens // len(self.shards))
         return list(range(min(len(self.shards), max(1, math.ceil(max_tokens / per)))))
-
-
-def check_heldout(train: FeatureStore, held: FeatureStore) -> None:
-    """Held-out features score the head trained on ``train``: from the training split they
-    measure memorisation, from another target nothing, with other layers or width the evaluation
-    fails, after the whole training run. Features that record no split (token shards that do not
-    say, a prompts file of the user's) are taken as the user says."""
-    split = held.meta.get("split")
-    if split == "train":
-        made = {"tokens": f"token shards of the training split ({held.meta.get('tokens')})",
-                "prompts": "the shipped training prompts"}.get(held.meta.get("source"), "the training split")
-        raise ValueError(f"held-out features {held.directory} were made from {made}: held-out numbers would be "
-                         "measured on training data; make them with `train features --split heldout` (or from "
-                         "token shards of `train self-distill --split heldout`)")
-
-    def facts(store: FeatureStore) -> dict[str, Any]:
-        return {"target": store.meta["target"], "layers": store.meta.get("layers"), "hidden width": store.hidden_size}
-
-    from spec_plugins.models import same_model
-
-    mine, theirs = facts(train), facts(held)
-    same = {"target": same_model(mine["target"], theirs["target"])}
-    bad = [f"{k} {theirs[k]!r} (training features: {mine[k]!r})" for k in mine
-           if not same.get(k, theirs[k] == mine[k])]
-    if bad:
-        raise ValueError(f"held-out features {held.directory} do not match the training features {train.directory}: "
-                         + "; ".join(bad))

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
-from spec_plugins.training.features import Shard, batch_outputs
+from spec_plugins.training.features import Shard, batch_outputs, compact
 from spec_plugins.training.tokens import TokenStore
 
 
@@ -68,7 +68,9 @@ class LiveFeatures:
         lengths = (offsets[1:] - offsets[:-1]).tolist()
         n = int(offsets[-1])
         H = int(self.model.config.hidden_size)
-        hdt = torch.float16  # as feature shards on disk store them
+        # stored as feature shards on disk are (features.compact): a bf16 target's outputs as they
+        # are, others in fp16 until a batch passes its range
+        hdt = torch.bfloat16 if next(self.model.parameters()).dtype == torch.bfloat16 else torch.float16
         hidden = torch.empty(n, H, dtype=hdt, device=dev)
         layers = torch.empty(n, len(self.layers), H, dtype=hdt, device=dev)
         lse = torch.empty(n, dtype=torch.float32, device=dev)
@@ -83,8 +85,8 @@ class LiveFeatures:
                 flat.append(torch.arange(a, b))
             idx = torch.cat(flat).to(dev)
             out = batch_outputs(self.model, ids.to(dev), [lengths[c] for c in rows], self.layers)
-            hidden[idx] = out["hidden"].to(hdt)
-            layers[idx] = out["layers"].to(hdt)
+            hidden = _put(hidden, idx, out["hidden"])
+            layers = _put(layers, idx, out["layers"])
             lse[idx] = out["lse"]
             top1[idx] = out["top1"]
         if dev.type == "cuda":
@@ -93,3 +95,13 @@ class LiveFeatures:
         self.extracted += n
         self.loads += 1
         return Shard(tokens.to(dev), arrays["trained"].to(dev), offsets.to(dev), hidden, layers, lse, top1)
+
+
+def _put(buf: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``buf`` with rows ``idx`` set to ``values`` in the dtype that holds them (``compact``): an
+    fp16 buffer is widened to bf16 once values pass fp16's range, instead of storing inf."""
+    values = values if buf.dtype == torch.bfloat16 else compact(values)  # rounded once
+    if values.dtype == torch.bfloat16 and buf.dtype == torch.float16:
+        buf = buf.to(torch.bfloat16)
+    buf[idx] = values.to(buf.dtype)
+    return buf

@@ -162,6 +162,9 @@ class Loop:
             self.sched.step()
             self.step += 1
             res.losses.append(float(loss.detach()))  # waits for the device: the step's time is its own
+            if not math.isfinite(res.losses[-1]):
+                bar.close()
+                raise ValueError(non_finite_loss(self.step, res.losses[-1], self.out))
             took = time.perf_counter() - t0
             self.seconds += took
             n = positions_at(self.step - 1)
@@ -181,6 +184,14 @@ class Loop:
         res.finished = self.step >= self.total or self.cfg.finalize
         res.steps, res.scheduled = self.step, self.total
         return res
+
+
+def non_finite_loss(step: int, loss: float, out: Path) -> str:
+    """Why a run stopped at a loss that is not finite: its step's update is not checkpointed, so no
+    head of NaN weights is written (an earlier checkpoint of finite steps stays)."""
+    return (f"the loss of step {step} is {loss} (not finite); training stopped without writing a head to {out}: "
+            "features with inf or NaN (fp16 shards of a target whose outputs pass fp16's range: extract them "
+            "again) or settings that overflow (--lr, --reg-weight)")
 
 
 def loss_summary(res: TrainResult, out: Path) -> dict[str, list[float]]:
