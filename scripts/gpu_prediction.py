@@ -168,7 +168,8 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="write the prediction as JSON here")
     args = ap.parse_args()
     from spec_plugins.backends import build_runtime
-    from spec_plugins.bench.replay import auto, fixed, replay_report, report_config, round_overhead, turns_from_report
+    from spec_plugins.bench.replay import (auto, fixed, not_replayable, replay_report, report_config, round_overhead,
+                                           turns_from_report)
     from spec_plugins.config import SpecConfig
     from spec_plugins.decoder import SpeculativeDecoder
     from spec_plugins.policy import DraftCost, ForwardCost
@@ -181,7 +182,11 @@ def main() -> int:
     cfg = SpecConfig.parse({**cfg.model_dump(mode="json"), "proposer": {"type": "ngram", "num_draft_tokens": "auto",
                                                                         "max_ngram": 3}})
     dec = SpeculativeDecoder(build_runtime(cfg.target), None, None, cfg)  # its tokenizer re-encodes the turns
+    if why := not_replayable(report.get("meta", {})):
+        raise ValueError(f"--report {args.report}: {why}")
     turns = turns_from_report(report, args.prompts, dec)
+    # the limits the turns were decoded with: a turn that ended on EOS drafted its last rounds up to max_new
+    limits = {"max_new": report["meta"]["max_new_tokens"], "eos_ids": list(dec.eos_ids())}
     overhead = args.overhead_ms / 1e3 if args.overhead_ms is not None else round_overhead(report)
     cm = report["cost_model"]
     draft = DraftCost(cm["draft_round_seconds"], cm["draft_step_seconds"])  # n-gram lookups: this CPU's
@@ -202,9 +207,9 @@ def main() -> int:
         for name, secs in curves(Path(args.curves), shape, measured).items():
             cost = ForwardCost.from_curve(secs)
             pol = {"ngram-auto": auto(cost, draft, max_k=16), **{f"ngram-k{k}": fixed(k) for k in (2, 4, 8)}}
-            sim = replay_report(turns, make_ngram, pol, cost, overhead, draft)
+            sim = replay_report(turns, make_ngram, pol, cost, overhead, draft, **limits)
             sim["suffix-auto"] = replay_report(turns, make_suffix, {"s": auto(cost, suffix_draft, max_k=16)}, cost,
-                                               overhead, suffix_draft)["s"]
+                                               overhead, suffix_draft, **limits)["s"]
             res[name] = sim
             print(f"\n[{shape}, {name}] tokens/s (speedup over plain under the same curve)")
             print("policy        " + "".join(f"{c:>16}" for c in cats))

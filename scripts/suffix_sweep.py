@@ -23,7 +23,8 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from spec_plugins.bench.replay import auto, replay_sequence, round_overhead, turns_from_report
+from spec_plugins.bench.replay import (auto, check_replayable, not_replayable, replay_sequence, round_overhead,
+                                       turns_from_report)
 from spec_plugins.config import SpecConfig
 from spec_plugins.policy import DraftCost, FixedLength, ForwardCost
 from spec_plugins.registry import PROPOSERS
@@ -86,23 +87,31 @@ def main(argv: Sequence[str] | None = None) -> None:
     from spec_plugins.decoder import SpeculativeDecoder
 
     report = json.loads(open(args.report).read())
+    if why := not_replayable(report.get("meta", {})):
+        ap.error(f"--report {args.report}: {why}")
     cfg = SpecConfig.from_file(report["meta"]["config"])
+    try:  # the ngram-auto row replays the report's own proposer
+        check_replayable(cfg.proposer.type if cfg.proposer else "none")
+    except ValueError as exc:
+        ap.error(f"--report {args.report}: {exc}")
     dec = SpeculativeDecoder.from_config(cfg)  # its tokenizer re-encodes the turns as the bench did
     cm = report["cost_model"]
     cost = ForwardCost.from_curve(cm.get("raw_target_seconds") or cm["target_seconds"])
     draft = DraftCost(cm["draft_round_seconds"], cm["draft_step_seconds"])
     turns = turns_from_report(report, args.prompts, dec)
     over = round_overhead(report)
+    # the limits the turns were decoded with: a turn that ended on EOS drafted its last rounds up to max_new
+    limits = {"max_new": report["meta"]["max_new_tokens"], "eos_ids": dec.eos_ids()}
     runs: dict[str, dict[str, dict[str, float]]] = {}
     runs["plain"] = replay_sequence(turns, lambda rt: PROPOSERS.get("ngram")(PROPOSERS.get("ngram").Config()),
-                                    lambda: FixedLength(0), cost, over, draft)
+                                    lambda: FixedLength(0), cost, over, draft, **limits)
     ngram = cfg.proposer
     runs["ngram-auto"] = replay_sequence(turns, lambda rt: PROPOSERS.get(ngram.type)(ngram), auto(cost, draft),
-                                         cost, over, draft)
+                                         cost, over, draft, **limits)
     for name, change in VARIANTS.items():
         pcfg = PROPOSERS.get("suffix").Config(**{**BASE, **change})
         runs[name] = replay_sequence(turns, lambda rt, c=pcfg: PROPOSERS.get("suffix")(c, target=rt),
-                                     lambda c=pcfg: FixedLength(int(c.num_draft_tokens)), cost, over, draft)
+                                     lambda c=pcfg: FixedLength(int(c.num_draft_tokens)), cost, over, draft, **limits)
     for m in (1, 2, 3):
         runs[f"oracle-copy-m{m}"] = copy_oracle(turns, cost, over, m)
     cats = list(dict.fromkeys(c for c, _, _ in turns)) + ["all"]

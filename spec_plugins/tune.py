@@ -3,10 +3,11 @@
 1. Each runtime is built once: its verify-cost curve T(N) is measured (``policy.cost``) and it
    decodes the user's prompts plainly (greedy, short answers), timed: its plain speed, and the
    outputs each proposer will be scored against.
-2. Model-free proposers (n-gram, suffix) are scored without decoding again: the real round
-   replays each runtime's recorded outputs (``bench.replay``), charging the runtime's measured
-   costs, for ``auto`` and every fixed draft length. Feature drafters (EAGLE, Medusa) need the
-   target's hidden states, so they run for real, briefly, on runtimes that return them.
+2. Proposers whose drafts read only the sequence (n-gram, suffix) are scored without decoding
+   again: the real round replays each runtime's recorded outputs (``tune_replay``), charging the
+   runtime's measured costs, for ``auto`` and every fixed draft length. The others read the
+   target's logits (recycling, lookahead) or hidden states (EAGLE, Medusa), which a replay does
+   not have, so they run for real, briefly; feature drafters only on runtimes that return them.
 3. The predicted best few are confirmed by a short interleaved run against plain decoding on the
    fastest runtime; the fastest measured one wins if it beats plain by more than ``noise``,
    otherwise the plain configuration is written. A lossy verifier is never chosen.
@@ -25,6 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from spec_plugins.tune_replay import (  # tune's replay predictions (_replay: callers import it from here)
+    _replay,  # noqa: F401
+    _replay_counted,
+    needs_features,
+    replay_factory,
+    replayable,
+)
+
 RUNTIMES = {  # label -> target section fields (besides the model)
     "torch": {"backend": "torch", "dtype": "float32"},
     "onnxruntime": {"backend": "onnxruntime"},
@@ -39,7 +48,6 @@ PROPOSERS = {  # label -> proposer section
     "eagle": {"type": "eagle", "heads": "examples/heads/smollm2-135m-instruct/eagle", "mode": "tree",
               "num_draft_tokens": 6, "tree_nodes": "auto"},
 }
-REPLAYABLE = {"ngram", "suffix", "recycling", "lookahead"}  # drafts read only the sequence
 INSTALL = {"onnxruntime": ("onnxruntime", "pip install -e '.[onnx]'"),
            "llamacpp": ("llama_cpp", "pip install -e '.[llamacpp]' (see the README for the CPU build flags)")}
 
@@ -133,8 +141,11 @@ def default_runtimes(model: str) -> tuple[list[str], dict[str, str]]:
 
 
 def check_choices(runtimes: Sequence[str], proposers: Sequence[str], model: str | None = None) -> None:
-    """Unknown names, runtimes that are not installed and runtimes that cannot run ``model`` fail
-    before any model loads (``model`` None: it is not checked)."""
+    """Unknown or repeated names, runtimes that are not installed and runtimes that cannot run
+    ``model`` fail before any model loads (``model`` None: it is not checked)."""
+    for kind, names in (("runtime", runtimes), ("proposer", proposers)):
+        if (repeat := next((n for i, n in enumerate(names) if n in names[:i]), None)) is not None:
+            raise TuneError(f"{kind} {repeat!r} is named more than once; name each {kind} once")
     for r in runtimes:
         if r not in RUNTIMES:
             raise TuneError(f"unknown runtime {r!r}; allowed values: {', '.join(RUNTIMES)}")
@@ -207,34 +218,6 @@ def _plain_outputs(dec: Any, prompts: Sequence[list[int]], max_new: int, budget:
     return outs, n / secs
 
 
-def _replay(prompts: Sequence[list[int]], outputs: Sequence[list[int]], make: Callable[[], Any], cost: Any,
-            overhead: float, vocab: int) -> dict[str, float]:
-    """``_replay_counted`` over every prompt, without the count."""
-    return _replay_counted(prompts, outputs, make, cost, overhead, vocab)[0]
-
-
-def _replay_counted(prompts: Sequence[list[int]], outputs: Sequence[list[int]], make: Callable[[], Any],
-                    cost: Any, overhead: float, vocab: int, budget: Budget | None = None
-                    ) -> tuple[dict[str, float], int]:
-    """Simulated tokens/s of plain, fixed draft lengths 1..8 and auto over the recorded outputs, as
-    ``_plain_outputs`` measures plain: every new token over the whole generation, prefill included
-    (``bench.replay.rates``); and how many prompts were replayed (every policy on the same prompts,
-    as many as ``budget`` allows, at least one)."""
-    from spec_plugins.bench.replay import auto, fixed, rates, replay_turn
-    from spec_plugins.stats import DecodeStats
-
-    policies = {"plain": fixed(0), **{str(k): fixed(k) for k in range(1, 9)}, "auto": auto(cost)}
-    totals = {name: DecodeStats() for name in policies}
-    done = 0
-    for p, o in zip(prompts, outputs):
-        if done and _spent(budget):
-            break
-        for name, factory in policies.items():
-            totals[name] = totals[name].merge(replay_turn(p, o, make(), factory(), cost, overhead, vocab_size=vocab))
-        done += 1
-    return {name: rates(t)["tokens_per_s"] for name, t in totals.items()}, done
-
-
 def _interleaved(decoders: dict[str, Any], prompts: Sequence[list[int]], max_new: int, rounds: int = 2,
                  budget: Budget | None = None) -> tuple[dict[str, tuple[float, float | None]], int]:
     """tokens/s and mean accepted tokens of each decoder, runs interleaved (A B C, B C A, ...); and
@@ -279,16 +262,16 @@ def tune(model: str, prompts: Sequence[str], runtimes: Sequence[str] | None, pro
     """Measure, predict, confirm (module docstring); returns what to write. ``runtimes`` None:
     every one that can run ``model`` here; those left out are logged and noted with why."""
     from spec_plugins.policy import Costs
-    from spec_plugins.registry import PROPOSERS as REGISTRY
 
     notes: list[str] = []
     model = model_reference(model)
     by_default = runtimes is None
+    left_out: dict[str, str] = {}  # runtime -> why tune's default left it out
     if runtimes is None:
-        runtimes, left_out = default_runtimes(model)
-        for rt, why in left_out.items():
-            notes.append(f"runtime {rt} left out: it {why}")
-            log(f"[tune] runtime {rt} left out: it {why}")
+        runtimes, why_not = default_runtimes(model)
+        for rt, why in why_not.items():
+            left_out[rt] = f"it {why}"
+            _note(notes, log, f"runtime {rt} left out: it {why}")
     check_choices(runtimes, proposers, model)
     if not prompts:
         raise TuneError("no prompts to tune on")
@@ -306,8 +289,8 @@ def tune(model: str, prompts: Sequence[str], runtimes: Sequence[str] | None, pro
         except (ValueError, FileNotFoundError) as exc:  # e.g. a GGUF the int4 grid cannot carry whole
             if not by_default:
                 raise TuneError(f"runtime {rt} cannot run {model!r}: {exc}") from exc
-            notes.append(f"runtime {rt} left out: {exc}")
-            log(f"[tune] runtime {rt} left out: {exc}")
+            left_out[rt] = str(exc)
+            _note(notes, log, f"runtime {rt} left out: {exc}")
             continue
         ids = [dec.encode([{"role": "user", "content": p}]) if dec.has_chat_template else dec.encode(p)
                for p in prompts]
@@ -320,26 +303,26 @@ def tune(model: str, prompts: Sequence[str], runtimes: Sequence[str] | None, pro
                     "cost_relative": [round(x, 3) for x in cost.relative()[:17]], "prompts": len(outs)}
         # 2. model-free proposers: replay this runtime's outputs at its measured costs
         for p in proposers:
-            if p not in REPLAYABLE:
+            if not replayable(PROPOSERS[p]):
                 continue
-            section = PROPOSERS[p]
-            pcls = REGISTRY.get(section["type"])
-            cfg = pcls.Config.model_validate({k: v for k, v in section.items() if k != "tree_nodes"}
-                                             | ({"tree_nodes": 16} if "tree_nodes" in section else {}))
-            sim, done = _replay_counted(ids, outs, lambda: pcls(cfg), cost, overhead=0.3e-3,
-                                        vocab=dec.target.vocab_size, budget=budget)
+            sim, done = _replay_counted(ids, outs, replay_factory(PROPOSERS[p]), cost, overhead=0.3e-3,
+                                        vocab=dec.target.vocab_size, budget=budget, max_new=max_new,
+                                        eos_ids=dec.eos_ids())
             _cut(notes, log, f"{p} replay on {rt}", done, len(outs), "decoded prompts")
             best = max((k for k in sim if k != "plain"), key=lambda k: sim[k])
             ratio = sim[best] / sim["plain"]
             candidates.append(Measured(f"{rt}+{p}", rt, p, best if best == "auto" else int(best), 0.0,
                                        predicted=plain_tps * ratio))
             log(f"[tune]   {p}: predicted {plain_tps * ratio:.1f} tok/s ({ratio:.2f}x plain, draft {best})")
+    if not info:  # tune's default runtimes, every one left out (a named one that fails raised above)
+        whys = "; ".join(f"{rt} left out: {why}" for rt, why in left_out.items())
+        raise TuneError(f"no runtime can run {model!r} here ({whys})")
     fastest = max(info, key=lambda r: info[r]["plain_tokens_per_s"])
-    for p in proposers:  # feature drafters: a short real run where hidden states exist
-        if p in REPLAYABLE:
+    for p in proposers:  # the others: a short real run (feature drafters where hidden states exist)
+        if replayable(PROPOSERS[p]):
             continue
         for rt, (dec, ids, outs, costs) in built.items():
-            if not dec.target.capabilities.hidden_states:
+            if needs_features(PROPOSERS[p]) and not dec.target.capabilities.hidden_states:
                 _note(notes, log, f"{p} on {rt} not measured: the runtime returns no hidden states")
                 continue
             if budget.left <= 0:
@@ -353,7 +336,7 @@ def tune(model: str, prompts: Sequence[str], runtimes: Sequence[str] | None, pro
             got, done = _interleaved({"x": d}, ids[:2], max_new, rounds=1, budget=budget)
             _cut(notes, log, f"{p} on {rt}", done, len(ids[:2]), "prompts")
             tps, mean = got["x"]
-            candidates.append(Measured(f"{rt}+{p}", rt, p, PROPOSERS[p]["num_draft_tokens"], 0.0, predicted=tps,
+            candidates.append(Measured(f"{rt}+{p}", rt, p, PROPOSERS[p].get("num_draft_tokens"), 0.0, predicted=tps,
                                        mean_accepted=mean))
             log(f"[tune]   {p} on {rt}: {tps:.1f} tok/s measured briefly")
     # 3. confirm the best predictions against plain decoding on the fastest runtime
@@ -367,7 +350,7 @@ def tune(model: str, prompts: Sequence[str], runtimes: Sequence[str] | None, pro
             top = top[:i]
             break
         dec, costs = built[m.runtime][0], built[m.runtime][3]
-        draft = m.draft if m.proposer in REPLAYABLE else None
+        draft = m.draft if replayable(PROPOSERS[m.proposer]) else None
         decs[m.label] = _decoder(model, m.runtime, m.proposer, target=dec.target, draft=draft, costs=costs)
     log(f"[tune] confirming {', '.join(decs)} (interleaved) ...")
     confirm_ids = ids_f[: max(2, min(4, len(ids_f)))]
