@@ -14,6 +14,8 @@ additive attention mask, so every shape is explicit (exportable).
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -56,7 +58,28 @@ class EagleConfig:
     feature_layers: tuple[int, ...] = ()  # target decoder-layer outputs fused as input (EAGLE-3); () = last hidden
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "feature_layers", tuple(int(x) for x in self.feature_layers))
+        """Refuse a shape the layer cannot run (or would run into nonsense) when the config is
+        built, naming the field, rather than at the first draft; numbers are normalised to int /
+        float (a config.json or numpy may give others)."""
+        for name in ("hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "draft_vocab_size"):
+            object.__setattr__(self, name, _positive(name, getattr(self, name), integer=True))
+        for name in ("rope_theta", "rms_norm_eps"):
+            object.__setattr__(self, name, _positive(name, getattr(self, name), integer=False))
+        layers = tuple(self.feature_layers)
+        if any(not isinstance(x, numbers.Integral) or isinstance(x, bool) or x < 1 for x in layers):
+            raise ValueError(f"feature_layers must be decoder-layer outputs numbered from 1, got {list(layers)}")
+        object.__setattr__(self, "feature_layers", tuple(int(x) for x in layers))
+
+    def check_shape(self) -> None:
+        """The fields together must make a layer attention can run; checked by the drafter that
+        builds one (a subclass's own fields are checked after these, on the config alone)."""
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads}): "
+                             "each key/value head serves a whole group of query heads")
+        if self.head_dim < 2 or self.head_dim % 2:
+            raise ValueError(f"hidden_size // num_heads = {self.head_dim} is the head width, which rotary "
+                             f"embeddings split in halves: it must be even and at least 2 (hidden_size "
+                             f"{self.hidden_size}, num_heads {self.num_heads})")
 
     @property
     def feature_size(self) -> int:
@@ -74,6 +97,16 @@ class EagleConfig:
 
     def to_dict(self) -> dict:
         return {"kind": "eagle", **asdict(self)}
+
+
+def _positive(name: str, value: Any, integer: bool) -> Any:
+    """``value`` as a positive int (``integer``) or a positive finite float; else a ValueError
+    naming the field (a string or a bool is not a number here, whatever Python would coerce)."""
+    kind = numbers.Integral if integer else numbers.Real
+    if not isinstance(value, kind) or isinstance(value, bool) or not 0 < value < math.inf:
+        what = "a positive integer" if integer else "a positive finite number"
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return int(value) if integer else float(value)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -140,6 +173,7 @@ class EagleDrafter(nn.Module):
                  vocab_ids: torch.Tensor, dtype: torch.dtype | None = None) -> None:
         """Built where the target's LM head lives, in ``dtype`` (default: the LM head's)."""
         super().__init__()
+        config.check_shape()
         c = self.config = config
         H = c.hidden_size
         dev = lm_weight.device

@@ -19,6 +19,7 @@ are deterministic, hence point masses (``probs=None``) for the exact verifier.
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any, Literal, Sequence
 
 import torch
@@ -39,6 +40,32 @@ from spec_plugins.transfer import HOST, upload, upload_tensor
 from spec_plugins.types import Draft, Ranked, Shaped
 
 _INSTANCES = itertools.count()  # numbers each drafter's fetch name (``to_fetch``)
+CATCH_UP_FORWARD_COST = 64  # one more catch-up forward, in padded queries' worth (launch, weight reads)
+
+
+def backlog_groups(pending: Sequence[int], forward_cost: int = CATCH_UP_FORWARD_COST) -> list[tuple[list[int], int]]:
+    """The rows to catch up in one forward each, as (rows ascending, width = the group's longest
+    backlog, at least 1): of the splits into runs of backlogs by size, the one with the fewest
+    queries (rows x width) plus ``forward_cost`` per forward, fewest forwards on a tie. A long
+    backlog (a joining prompt) thus never pads the short ones, while close backlogs share one
+    forward. A dynamic programme over the distinct backlogs (few: running rows have 1..depth+1)."""
+    width = [max(1, n) for n in pending]
+    sizes = sorted(set(width), reverse=True)
+    count = [width.count(w) for w in sizes]
+    best, cut = [0.0] * (len(sizes) + 1), [len(sizes)] * (len(sizes) + 1)  # from size i on: least cost, next cut
+    for i in reversed(range(len(sizes))):
+        best[i], rows = math.inf, 0
+        for j in range(i, len(sizes)):
+            rows += count[j]
+            cost = rows * sizes[i] + forward_cost + best[j + 1]
+            if cost <= best[i]:
+                best[i], cut[i] = cost, j + 1
+    groups, i = [], 0
+    while i < len(sizes):
+        members = set(sizes[i:cut[i]])
+        groups.append(([b for b, w in enumerate(width) if w in members], sizes[i]))
+        i = cut[i]
+    return groups
 
 
 @register_proposer("eagle")
@@ -105,6 +132,7 @@ class EagleProposer(Proposer):
         # the scores' name in the round's fetch, this drafter's own (a hybrid fetches two side by side)
         self._fetch_name = f"{config.type}.scores.{next(_INSTANCES)}"
         self.max_depth = 1 << 30  # a sequential drafter drafts as deep as the policy asks
+        self.catch_up_forward_cost = CATCH_UP_FORWARD_COST  # how ``backlog_groups`` splits the catch-up
 
     # ---- cache: the shared slot layer, one drafter layer ------------------------------------------
     def admit(self, prompts: Sequence[Sequence[int]]) -> None:
@@ -142,8 +170,11 @@ class EagleProposer(Proposer):
 
     def _catch_up(self, ctx: ProposeContext) -> torch.Tensor:
         """Feed the pairs committed since each row was last fed; returns the predicted feature at
-        each row's pending position [B, H]. Token ids and positions are laid out on the host (slot
-        bookkeeping) and moved once; features stay on the drafter's device."""
+        each row's pending position [B, H]. Rows run in groups of similar backlog
+        (``backlog_groups``), so a joining prompt never pads the running rows to its length; every
+        group's keys and values land right-aligned in the same new slots of the one cache. Token
+        ids and positions are laid out on the host (slot bookkeeping) and moved once; features
+        stay on the drafter's device."""
         B = len(ctx.sequences)
         pending = self.features_pending(ctx.sequences)
         if len(ctx.hidden) != B:
@@ -158,23 +189,19 @@ class EagleProposer(Proposer):
             start = len(seq) - 1 - m
             rows.append((hid[hid.shape[0] - m:], list(seq[start + 1: len(seq)]), start, m))
             self.fed[b] = len(seq) - 1
-        N = max(1, max(r[3] for r in rows))
-        F = self.drafter.config.feature_size  # target features: last hidden, or the fused layers
-        feat = torch.zeros(B, N, F, dtype=self.dtype, device=self.device)
-        tok = torch.zeros(B, N, dtype=torch.long, device=HOST)
-        pos = torch.full((B, N), -1, dtype=torch.long, device=HOST)
-        for b, (hid, nxt, start, m) in enumerate(rows):  # right-aligned: the last pair sits at N-1
-            if m:
-                feat[b, N - m:] = hid.to(self.dtype)
-                tok[b, N - m:] = torch.as_tensor(nxt, device=HOST)
-                pos[b, N - m:] = torch.arange(start, start + m, device=HOST)
-        new_ok = (pos >= 0)[:, None, :] & torch.ones(N, N, dtype=torch.bool, device=HOST).tril()[None]
-        new_ok |= torch.eye(N, dtype=torch.bool, device=HOST)[None]  # padding queries see themselves
-        ok = upload(torch.cat([self.slots.past_ok(N), new_ok[:, None]], -1), self.device)
-        proj = self.drafter.project(feat)
-        self._anchor = proj[:, -1]  # the last committed pair's input: a parallel drafter's blocks read it
-        out, k, v = self.layer(proj, upload(tok, self.device),
-                               upload(pos.clamp_min(0), self.device), self.k, self.v, additive(ok, self.dtype))
+        N = max(1, max(pending))
+        pos = torch.full((B, N), -1, dtype=torch.long, device=HOST)  # the new slots: each row's pairs right-aligned
+        for b, (_, _, start, m) in enumerate(rows):
+            pos[b, N - m:] = torch.arange(start, start + m, device=HOST)
+        groups = backlog_groups(pending, self.catch_up_forward_cost)
+        fed = [self._feed_group(rows, g, pos[g, N - w:]) for g, w in groups]
+        # _anchor: the last committed pair's input, per row (a parallel drafter's blocks read it)
+        if len(groups) == 1:
+            out, self._anchor, k, v = fed[0]
+        else:  # back to row order, each group's keys behind hole slots up to the widest group's N
+            order = upload(torch.argsort(torch.as_tensor([b for g, _ in groups for b in g])), self.device)
+            out, self._anchor = (torch.cat([f[i] for f in fed])[order] for i in (0, 1))
+            k, v = (torch.cat([pad_slots(f[i], N - w) for f, (_, w) in zip(fed, groups)])[order] for i in (2, 3))
         self.k, self.v = torch.cat([self.k, k], 2), torch.cat([self.v, v], 2)
         self.slots.append(pos)
         self._compact()
@@ -184,7 +211,32 @@ class EagleProposer(Proposer):
             pad4 = (0, 0, 0, pad)
             pad_ = torch.nn.functional.pad
             self._padded = (pad_(self.k, pad4), pad_(self.v, pad4), pad_(self._past, (0, pad)))
-        return out[:, -1]
+        return out
+
+    def _feed_group(self, rows: list[tuple[torch.Tensor, list[int], int, int]], group: list[int], pos: torch.Tensor
+                    ) -> tuple[torch.Tensor, ...]:
+        """One drafter forward over the rows ``group`` (ascending) and their pairs right-aligned in
+        ``pos`` [G, n] (-1 = padding), over their cached pairs: (each row's last output [G, H], its
+        last projected input [G, H], the new keys and values [G, h, n, d])."""
+        G, n = pos.shape
+        feat = torch.zeros(G, n, self.drafter.config.feature_size, dtype=self.dtype, device=self.device)
+        tok = torch.zeros(G, n, dtype=torch.long, device=HOST)
+        for i, b in enumerate(group):
+            hid, nxt, _, m = rows[b]
+            if m:
+                feat[i, n - m:] = hid.to(self.dtype)
+                tok[i, n - m:] = torch.as_tensor(nxt, device=HOST)
+        new_ok = (pos >= 0)[:, None, :] & torch.ones(n, n, dtype=torch.bool, device=HOST).tril()[None]
+        new_ok |= torch.eye(n, dtype=torch.bool, device=HOST)[None]  # padding queries see themselves
+        past_ok, k, v = self.slots.past_ok(n), self.k, self.v
+        if G < self.slots.rows:  # only this group's rows of the cache
+            idx = torch.as_tensor(group, dtype=torch.long, device=HOST)
+            past_ok, (k, v) = past_ok[idx], (t[upload(idx, self.device)] for t in (self.k, self.v))
+        ok = upload(torch.cat([past_ok, new_ok[:, None]], -1), self.device)
+        proj = self.drafter.project(feat)
+        out, k, v = self.layer(proj, upload(tok, self.device), upload(pos.clamp_min(0), self.device), k, v,
+                               additive(ok, self.dtype))
+        return out[:, -1], proj[:, -1], k, v
 
     # ---- drafting ----------------------------------------------------------------------------
     @torch.inference_mode()
