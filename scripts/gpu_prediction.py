@@ -168,8 +168,8 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="write the prediction as JSON here")
     args = ap.parse_args()
     from spec_plugins.backends import build_runtime
-    from spec_plugins.bench.replay import (auto, fixed, not_replayable, replay_report, report_config, round_overhead,
-                                           turns_from_report)
+    from spec_plugins.bench.replay import (auto, fixed, not_replayable, replay_report, report_config, report_limits,
+                                           round_overhead, turns_from_report)
     from spec_plugins.config import SpecConfig
     from spec_plugins.decoder import SpeculativeDecoder
     from spec_plugins.policy import DraftCost, ForwardCost
@@ -181,12 +181,11 @@ def main() -> int:
     check_prompts(report, args.prompts)
     cfg = SpecConfig.parse({**cfg.model_dump(mode="json"), "proposer": {"type": "ngram", "num_draft_tokens": "auto",
                                                                         "max_ngram": 3}})
-    dec = SpeculativeDecoder(build_runtime(cfg.target), None, None, cfg)  # its tokenizer re-encodes the turns
-    if why := not_replayable(report.get("meta", {})):
+    if why := not_replayable(report.get("meta", {})):  # before the model loads
         raise ValueError(f"--report {args.report}: {why}")
+    dec = SpeculativeDecoder(build_runtime(cfg.target), None, None, cfg)  # its tokenizer re-encodes the turns
     turns = turns_from_report(report, args.prompts, dec)
-    # the limits the turns were decoded with: a turn that ended on EOS drafted its last rounds up to max_new
-    limits = {"max_new": report["meta"]["max_new_tokens"], "eos_ids": list(dec.eos_ids())}
+    limits = report_limits(report, dec)  # a turn that ended on EOS drafted its last rounds up to max_new
     overhead = args.overhead_ms / 1e3 if args.overhead_ms is not None else round_overhead(report)
     cm = report["cost_model"]
     draft = DraftCost(cm["draft_round_seconds"], cm["draft_step_seconds"])  # n-gram lookups: this CPU's

@@ -23,9 +23,8 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from spec_plugins.bench.replay import (auto, check_replayable, not_replayable, replay_sequence, round_overhead,
-                                       turns_from_report)
-from spec_plugins.config import SpecConfig
+from spec_plugins.bench.replay import (auto, check_replayable, not_replayable, replay_sequence, report_config,
+                                       report_limits, round_overhead, turns_from_report)
 from spec_plugins.policy import DraftCost, FixedLength, ForwardCost
 from spec_plugins.registry import PROPOSERS
 
@@ -89,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     report = json.loads(open(args.report).read())
     if why := not_replayable(report.get("meta", {})):
         ap.error(f"--report {args.report}: {why}")
-    cfg = SpecConfig.from_file(report["meta"]["config"])
+    cfg = report_config(report)  # a file, or the built-in default a run without --config records
     try:  # the ngram-auto row replays the report's own proposer
         check_replayable(cfg.proposer.type if cfg.proposer else "none")
     except ValueError as exc:
@@ -100,8 +99,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     draft = DraftCost(cm["draft_round_seconds"], cm["draft_step_seconds"])
     turns = turns_from_report(report, args.prompts, dec)
     over = round_overhead(report)
-    # the limits the turns were decoded with: a turn that ended on EOS drafted its last rounds up to max_new
-    limits = {"max_new": report["meta"]["max_new_tokens"], "eos_ids": dec.eos_ids()}
+    limits = report_limits(report, dec)  # a turn that ended on EOS drafted its last rounds up to max_new
     runs: dict[str, dict[str, dict[str, float]]] = {}
     runs["plain"] = replay_sequence(turns, lambda rt: PROPOSERS.get("ngram")(PROPOSERS.get("ngram").Config()),
                                     lambda: FixedLength(0), cost, over, draft, **limits)

@@ -5,9 +5,9 @@
    outputs each proposer will be scored against.
 2. Proposers whose drafts read only the sequence (n-gram, suffix) are scored without decoding
    again: the real round replays each runtime's recorded outputs (``tune_replay``), charging the
-   runtime's measured costs, for ``auto`` and every fixed draft length. The others read the
-   target's logits (recycling, lookahead) or hidden states (EAGLE, Medusa), which a replay does
-   not have, so they run for real, briefly; feature drafters only on runtimes that return them.
+   runtime's measured costs, for ``auto`` and every fixed draft length. The others (of tune's
+   ``PROPOSERS``: EAGLE) read the target's hidden states or logits, which a replay does not have,
+   so they run for real, briefly; feature drafters only on runtimes that return them.
 3. The predicted best few are confirmed by a short interleaved run against plain decoding on the
    fastest runtime; the fastest measured one wins if it beats plain by more than ``noise``,
    otherwise the plain configuration is written. A lossy verifier is never chosen.

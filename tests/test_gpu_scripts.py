@@ -262,13 +262,14 @@ def test_gpu_prediction_reads_a_report_of_the_bench_default_config(monkeypatch, 
     monkeypatch.setattr(spec_plugins.backends, "build_runtime", build_runtime)
     report, dev = tmp_path / "report.json", "examples/prompts/dev.jsonl"
     answered = [{"question_id": "chat-1"}]
-    report.write_text(json.dumps({"meta": {"config": "built-in default"}, "prompts": answered}))
+    greedy = {"greedy": True, "max_new_tokens": 8}  # a replayable run's meta
+    report.write_text(json.dumps({"meta": {"config": "built-in default", **greedy}, "prompts": answered}))
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
     monkeypatch.setattr(sys, "argv", ["gpu_prediction.py", "--report", str(report), "--prompts", dev])
     with pytest.raises(Built):
         gpu_prediction.main()
     assert seen == [default_config().target]
-    report.write_text(json.dumps({"meta": {"config": str(tmp_path / "gone.yaml")}, "prompts": answered}))
+    report.write_text(json.dumps({"meta": {"config": str(tmp_path / "gone.yaml"), **greedy}, "prompts": answered}))
     with pytest.raises((ConfigError, FileNotFoundError), match="gone.yaml"):
         gpu_prediction.main()
     report.write_text(json.dumps({"meta": {"config": "built-in default"}, "prompts": [{"question_id": "0"}]}))

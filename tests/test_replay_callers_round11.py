@@ -251,3 +251,29 @@ def test_suffix_sweep_refuses_a_run_it_cannot_replay(change, named, eos_model, c
     err = capsys.readouterr()
     assert exc.value.code == 2 and f"--report {report}" in err.err and "setting" not in err.out
     assert re.search(named, err.err), err.err
+
+
+def test_suffix_sweep_reads_a_report_of_the_bench_default_config(eos_model, monkeypatch, tmp_path):
+    """A bench run without --config records meta.config "built-in default": the sweep replays it
+    with the default config (as replay and gpu_prediction do), not as a file of that name."""
+    from spec_plugins.bench.cli import DEFAULT_CONFIG
+    from spec_plugins.config import default_config
+    from spec_plugins.decoder import SpeculativeDecoder
+
+    suffix_sweep = _script("suffix_sweep")
+    report, prompts, rep = _eos_report(tmp_path, eos_model[0])
+    rep["meta"]["config"] = DEFAULT_CONFIG
+    report.write_text(json.dumps(rep))
+    seen = []
+
+    class Built(Exception):
+        pass
+
+    def from_config(cfg):
+        seen.append(cfg)
+        raise Built
+
+    monkeypatch.setattr(SpeculativeDecoder, "from_config", staticmethod(from_config))
+    with pytest.raises(Built):
+        suffix_sweep.main(["--report", str(report), "--prompts", str(prompts)])
+    assert seen == [default_config()]

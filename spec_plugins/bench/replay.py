@@ -27,6 +27,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from spec_plugins.backends.base import RuntimeCapabilities, StepOutput
+from spec_plugins.bench.recorded import (SEQUENCE_ONLY, check_replayable, not_replayable, report_config,  # noqa: F401
+                                         report_limits, round_overhead, turns_from_report)
 from spec_plugins.config import SamplingConfig
 from spec_plugins.loop import decode
 from spec_plugins.policy import DEFAULTS, AutoDraftLength, Costs, DraftCost, DraftPolicy, FixedLength, ForwardCost
@@ -36,6 +38,7 @@ from spec_plugins.stats import DecodeStats
 from spec_plugins.tree import TreeLayout
 from spec_plugins.types import Draft, Ranked
 from spec_plugins.verifiers import ExactVerifier
+
 
 
 class SimClock:
@@ -141,18 +144,6 @@ class ReplayRuntime:
     def select_rows(self, rows: Sequence[int]) -> None:
         self.seqs = [self.seqs[r] for r in rows]
         self.held = [self.held[r] for r in rows]
-
-
-SEQUENCE_ONLY = ("ngram", "suffix")  # proposers whose drafts read only the sequence: replayed exactly
-
-
-def check_replayable(kind: str) -> None:
-    """Refuse a proposer type the replay cannot reproduce: point-mass logits stand in for the
-    model, so a drafter reading the target's logits or features (recycling, lookahead, EAGLE, a
-    draft model) would draft other tokens than it did with the model."""
-    if kind not in SEQUENCE_ONLY:
-        raise ValueError(f"proposer {kind!r}: the replay reproduces only proposers whose drafts read the sequence "
-                         f"alone ({', '.join(SEQUENCE_ONLY)})")
 
 
 def recorded_limit(output: Sequence[int], max_new: int | None, eos_ids: Sequence[int]) -> int:
@@ -277,63 +268,6 @@ def replay_report(turns: Sequence[tuple[str, list[int], list[int]]], make_propos
     return {name: {c: rates(st)["tokens_per_s"] for c, st in cats.items()} for name, cats in sums.items()}
 
 
-def turns_from_report(report: dict, prompts_file: str, decoder: Any) -> list[tuple[str, list[int], list[int]]]:
-    """(category, prompt ids, plain output) per turn, re-encoding multi-turn histories as the bench
-    did (``runner.encode_history``, with the report's ``meta.chat``: False for a ``--raw`` run). A
-    report from before ``meta.chat`` was recorded is read as the bench's default (the chat template
-    where the tokenizer has one), which is what every run without ``--raw`` did."""
-    from spec_plugins.bench.prompts import load_prompts
-    from spec_plugins.bench.runner import encode_history
-
-    chat = bool(report.get("meta", {}).get("chat", True))
-    by_id = {p.question_id: p for p in load_prompts(prompts_file)}
-    out = []
-    for entry in report["prompts"]:
-        p = by_id[entry["question_id"]]
-        history: list[dict] = []
-        for turn, toks in zip(p.turns, entry["methods"]["plain"]["token_ids"]):
-            history.append({"role": "user", "content": turn})
-            ids = encode_history(decoder, history, chat)
-            out.append((p.category, ids, list(toks)))
-            history.append({"role": "assistant", "content": decoder.tokenizer.decode(toks, skip_special_tokens=True)})
-    return out
-
-
-def round_overhead(report: dict) -> float:
-    """Seconds per round outside target forwards and drafting, pooled over our runs on the primary runtime."""
-    spent = rounds = 0.0
-    for m in report["methods"]:
-        if m["kind"] != "ours":
-            continue
-        s = report["summary"][m["name"]]["all"]
-        st = s["stats"]
-        share = st["time_share"]
-        spent += (share["verify"] + share["cache"] + share["other"]) * sum(s["seconds_runs"])  # stats pool the runs
-        rounds += st["target_forwards"]
-    return spent / rounds if rounds else 0.0
-
-
-def not_replayable(meta: dict) -> str | None:
-    """Why a report's run cannot be replayed (None: it can): the replay re-decodes greedy outputs
-    with the report's ``max_new_tokens`` (a sampling run's tokens differ per method and run)."""
-    if meta.get("greedy") is not True:
-        return f"meta.greedy is {meta.get('greedy')!r} (a sampling run): the replay reproduces greedy runs only"
-    limit = isinstance(meta.get("max_new_tokens"), int)
-    return None if limit else "the report records no meta.max_new_tokens, the limit its turns were decoded with"
-
-
-def report_config(report: dict, path: str | None = None) -> Any:
-    """The config to replay with: ``path`` if given, else the report's ``meta.config`` (a file, or
-    the built-in default that a bench run without ``--config`` records as ``DEFAULT_CONFIG``)."""
-    from spec_plugins.bench.cli import DEFAULT_CONFIG
-    from spec_plugins.config import ConfigError, SpecConfig, default_config
-
-    path = path or report.get("meta", {}).get("config")
-    if not path:
-        raise ConfigError("the report's meta names no config")
-    return default_config() if path == DEFAULT_CONFIG else SpecConfig.from_file(path)
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--report", required=True, help="report.json of a greedy n-gram bench run")
@@ -373,8 +307,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     policies["auto"] = auto(cost, draft)
     over = round_overhead(report)
     try:
-        sim = replay_report(turns, make, policies, cost, over, draft, report["meta"]["max_new_tokens"],
-                            list(dec.eos_ids()))
+        sim = replay_report(turns, make, policies, cost, over, draft, **report_limits(report, dec))
     except ValueError as exc:  # a turn that the report's limits cannot have ended (recorded_limit)
         ap.error(f"--report {args.report}: {exc}; the config's tokenizer must be the bench's")
     measured = {("plain" if m["name"] == "plain" else m["name"].replace("ours_", "")): report["summary"][m["name"]]
