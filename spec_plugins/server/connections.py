@@ -7,10 +7,13 @@ process runs out of file descriptors and every socket is refused, ``/health`` in
 module is uvicorn's own httptools protocol with these limits added where the bytes arrive:
 
 - **header timeout**: a request line and headers must complete within ``header_timeout`` seconds
-  of the connection opening (or of the next request's first byte); else 408 and close;
+  of the connection opening (or of the first byte after the previous request, a blank line
+  too, or of its answer when that byte came before it); else 408 and close;
 - **header size**: one header line over ``max_header_bytes``, or all of a request's headers over
   ``max_headers_bytes``, is a 431 and a close, counted as the bytes come (nothing is buffered
-  past the cap);
+  past the cap), a request pipelined behind another in one read too: the parser is fed up to
+  where a request's headers or body end (``BodyEnd``), then the counting goes on. A refusal due
+  while a response is in progress follows that response;
 - **idle timeout**: uvicorn's keep-alive timeout, between requests;
 - **unread body**: a request answered before its body came whole (a 415, a 404, a GET with a
   body) has ``header_timeout`` seconds more to send the rest, read and dropped, or its connection
@@ -20,7 +23,8 @@ module is uvicorn's own httptools protocol with these limits added where the byt
 - **connection cap**: past ``max_connections`` open connections, a new one closes the oldest
   connection that holds no request in progress (idle, or still sending its headers); when every
   connection is busy, up to ``reserve`` more are let in for ``/health`` and ``/metrics`` only
-  (others get a 503), and beyond that a new connection gets a 503 at once. Idle connections past
+  (others get a 503 while the cap is full; once it has room, the connection counts against it
+  and is served), and beyond that a new connection gets a 503 at once. Idle connections past
   the cap close each other, oldest first, so a flood of silent sockets holds at most one slot
   more than the cap. A socket is never refused, and the open-file limit is never reached by
   connections.
@@ -142,12 +146,63 @@ class ConnectionGuard:
                                               "are busy: 503")
             conn.refuse(503, BUSY)
 
+    def admit(self, conn: GuardedHttpTools) -> bool:
+        """Count a connection let in past the cap against the cap once it has room, so that its
+        requests other than /health and /metrics are served; False while the cap is still full."""
+        if len(self.open) - self.over >= self.limits.max_connections:
+            return False
+        conn.over_cap = False
+        self.over -= 1
+        return True
+
     def closed(self, conn: "GuardedHttpTools") -> None:
         if self.open.pop(id(conn), None) is not None and conn.over_cap:
             self.over -= 1
 
     def event(self, kind: str, conn: "GuardedHttpTools", message: str) -> None:
         self.log.event(kind, conn.client[0] if conn.client else "unknown", message)
+
+
+class BodyEnd:
+    """Where a request's body ends in what comes next (``Content-Length`` or chunked framing), so
+    that the parser is fed up to there in one piece and the next request's header bytes are
+    counted before the parser sees them. A hint: the parser decides where the body ends; a body
+    framed otherwise (an unreadable length) is fed whole."""
+
+    def __init__(self, headers: list[tuple[bytes, bytes]]) -> None:
+        names = dict(headers)
+        self.chunked, self.last, self.line, self.lost = b"transfer-encoding" in names, False, b"", False
+        try:  # bytes left of the body, or of a chunk's data and its CRLF
+            self.left = 0 if self.chunked else int(names.get(b"content-length", b"0"))
+        except ValueError:
+            self.lost = True
+
+    def cut(self, data: bytes) -> int:
+        """How many bytes of ``data`` to feed: up to the end of the body, else all."""
+        i = 0
+        while i < len(data) and not self.lost:
+            if self.left:
+                step = min(self.left, len(data) - i)
+                self.left, i = self.left - step, i + step
+                if not self.left and not self.chunked:
+                    return i
+                continue
+            nl = data.find(b"\n", i) if self.chunked else -1
+            if nl < 0:  # a line that goes on in the next read (its start kept), or a Content-Length body fed
+                self.line = (self.line + data[i:i + 64])[:64]
+                break
+            line, self.line, i = (self.line + data[i:min(nl, i + 64)]).strip(), b"", nl + 1
+            if self.last:  # trailers after the last chunk, until a blank line: the body's end
+                if not line:
+                    return i
+                continue
+            try:
+                size = int(line.split(b";")[0], 16)
+            except ValueError:
+                self.lost = True
+                break
+            self.last, self.left = size == 0, size + 2 if size else 0
+        return len(data)
 
 
 async def _over_capacity(scope: Any, receive: Any, send: Any) -> None:
@@ -169,8 +224,9 @@ class GuardedHttpTools(HttpToolsProtocol):
         super().connection_made(transport)
         self.over_cap = False
         self._timer: Any = None
-        self._message_done = False  # the parser has the current request's last byte
         self._lingering = False  # answered before its body came whole (``_linger``; module docstring)
+        self._body_end: BodyEnd | None = None  # the current request's body framing (``data_received``)
+        self._refused: tuple[int, str] | None = None  # a refusal that waits for the response in progress
         self._headers_open(arm=True)
         self.guard.opened(self)
 
@@ -182,8 +238,7 @@ class GuardedHttpTools(HttpToolsProtocol):
     @property
     def busy(self) -> bool:
         """A request is in progress (its headers came, its response has not ended)."""
-        return bool(self.pipeline) or (self.cycle is not None and not self.cycle.response_complete
-                                      and not self.in_headers)
+        return bool(self.pipeline) or (self.cycle is not None and not self.cycle.response_complete)
 
     # ---- the header phase ----------------------------------------------------------------------
     def _headers_open(self, arm: bool) -> None:
@@ -209,13 +264,26 @@ class GuardedHttpTools(HttpToolsProtocol):
             self.refuse(408, "the request line and headers did not arrive in time")
 
     def data_received(self, data: bytes) -> None:
-        if self.in_headers and not self._count_header_bytes(data):
-            return
-        super().data_received(data)
+        """Feed the parser in slices that end where a request's headers or body end, so that the
+        header bytes of every request, one pipelined behind another in this read too, are counted
+        before the parser sees them."""
+        while data and self._refused is None and not self.transport.is_closing():
+            if self.in_headers:
+                if not self.busy:  # any byte between requests, a blank line too, starts the deadline
+                    self._arm()
+                n = self._count_header_bytes(data)
+                if n < 0:
+                    return
+            else:
+                n = self._body_end.cut(data) if self._body_end is not None else len(data)
+            super().data_received(data[:n])
+            if self.parser is None or self.parser.should_upgrade():
+                return  # upgraded (or an upgrade refused): uvicorn drops the rest of the read
+            data = data[n:]
 
-    def _count_header_bytes(self, data: bytes) -> bool:
-        """Count the header bytes in ``data`` (up to the blank line that ends them); False (after a
-        431) when a cap is passed."""
+    def _count_header_bytes(self, data: bytes) -> int:
+        """Count the header bytes in ``data`` up to the blank line that ends them; returns where the
+        counting stopped (past that line, or ``len(data)``), or -1 after a 431 when a cap is passed."""
         lim = self.guard.limits
         start = 0
         while True:
@@ -229,31 +297,24 @@ class GuardedHttpTools(HttpToolsProtocol):
                         else f"headers over {lim.max_headers_bytes} bytes")
                 self.guard.event("header_too_large", self, f"{what}: 431, closed")
                 self.refuse(431, f"request header fields too large: {what}")
-                return False
+                return -1
             if nl < 0:
-                return True
+                return end
             blank = self._line <= 2  # "\n" or "\r\n": the end of the headers, once a request line came
             self._line = 0
             start = end
             if blank and self._request_line:
-                self.in_headers = False  # the rest is body (or the next pipelined request)
-                return True
+                return end  # the rest is body or the next request: the parser says which
             self._request_line = self._request_line or not blank
-
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        self._message_done = False
-        if not self.in_headers:  # its bytes came in one piece with the end of its headers
-            self._headers_open(arm=True)
-        else:  # the first byte of a request (on a kept-alive connection, the idle timer just stopped)
-            self._arm()
 
     def on_headers_complete(self) -> None:
         self.in_headers = False
         self._disarm()
+        self._body_end = BodyEnd(self.headers)
         if self.transport.is_closing():  # pipelined behind an unread body that just ended: never served
             return
-        if self.over_cap and httptools.parse_url(self.url).path.decode("ascii", "replace") not in PROBES:
+        if (self.over_cap and httptools.parse_url(self.url).path.decode("ascii", "replace") not in PROBES
+                and not self.guard.admit(self)):
             self.guard.counts["over_capacity"] += 1
             self.guard.event("over_capacity", self, f"connection cap ({self.guard.limits.max_connections}) busy: "
                                                     "503 for a request other than /health or /metrics")
@@ -262,25 +323,26 @@ class GuardedHttpTools(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
-        self._message_done = True
+        self._headers_open(arm=False)  # the next bytes are the next request's, counted from here
         if self._lingering:  # the rest of a body its answer did not read has come, read and dropped
             self._lingering = False
-            self._disarm()
-            self._headers_open(arm=False)  # the next request's headers; until then, the idle timeout:
+            self._disarm()  # until the next request's first byte, the idle timeout:
             if self.timeout_keep_alive_task is not None:
                 self.timeout_keep_alive_task.cancel()
             self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        if self._refused is not None:
+            self.refuse(*self._refused)
         if self.pipeline or self.transport.is_closing():
             return
-        if self._message_done:
-            # the next bytes are the next request's headers; until the first of them, uvicorn's
-            # keep-alive timer (the idle timeout) runs
-            self._headers_open(arm=False)
-        else:
+        if self.cycle.more_body:  # the answered request's body has not all come
             self._linger()
+        elif self.header_bytes:  # the next request began while this one was answered: its deadline runs
+            self._unset_keepalive_if_required()
+            self._arm()
+        # else, until the next request's first byte, uvicorn's keep-alive timer (the idle timeout) runs
 
     def _linger(self) -> None:
         """Answered before its body came whole: read and drop the rest for up to ``header_timeout``
@@ -293,9 +355,15 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._timer = self.loop.call_later(self.guard.limits.header_timeout, self.transport.close)
 
     def refuse(self, status: int, message: str) -> None:
-        """Answer ``status`` with ``message`` and close, outside any request cycle."""
+        """Answer ``status`` with ``message`` and close, outside any request cycle; while a response
+        is in progress, after it (HTTP answers in order), reading nothing more meanwhile."""
         if self.transport.is_closing():
             return
+        if self.busy:
+            self._refused = (status, message)
+            self.flow.pause_reading()
+            return
+        self._refused = None
         body = message.encode("ascii", "replace")
         self.transport.write(b"".join([STATUS_LINE[status], b"content-type: text/plain; charset=utf-8\r\n",
                                        b"content-length: ", str(len(body)).encode(), b"\r\n",
