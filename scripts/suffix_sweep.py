@@ -88,10 +88,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     report = json.loads(open(args.report).read())
     if why := not_replayable(report.get("meta", {})):
         ap.error(f"--report {args.report}: {why}")
-    cfg = report_config(report)  # a file, or the built-in default a run without --config records
     try:  # the ngram-auto row replays the report's own proposer
+        cfg = report_config(report)  # a file, or the built-in default a run without --config records
         check_replayable(cfg.proposer.type if cfg.proposer else "none")
-    except ValueError as exc:
+    except ValueError as exc:  # ConfigError is one
         ap.error(f"--report {args.report}: {exc}")
     dec = SpeculativeDecoder.from_config(cfg)  # its tokenizer re-encodes the turns as the bench did
     cm = report["cost_model"]

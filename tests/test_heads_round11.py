@@ -28,7 +28,7 @@ from spec_plugins.verifiers import ExactVerifier
 
 RUNNING = [[3, 7, 1], [5, 5, 2, 9, 4, 4], [8, 1, 6, 2, 7], [2, 2, 2, 2, 2, 2, 2, 9]]
 COMMITTED = [[4], [6, 1], [9, 9, 3], [1, 2, 3, 4]]  # tokens each running row committed since its first draft
-LONG = 150  # a joining prompt far longer than the running rows' backlogs (1..4 pairs)
+LONG = 300  # a joining prompt far longer than the running rows' backlogs (1..4 pairs)
 
 
 def make(kind: str, model) -> EagleProposer:
@@ -102,6 +102,10 @@ def test_backlog_groups_keep_a_long_backlog_apart():
     assert backlog_groups([4000, 3990, 1]) == [([0, 1], 4000), ([2], 1)]
     assert backlog_groups([1, 200, 1], forward_cost=10 ** 9) == [([0, 1, 2], 200)]
     assert backlog_groups([0, 0]) == [([0, 1], 1)]
+    steady = [1 + r % 7 for r in range(128)]  # running rows at a server's batch sizes: backlogs 1..7
+    for rows in (8, 32, 64, 128):
+        assert len(backlog_groups(steady[:rows])) == 1, rows
+    assert len(backlog_groups([7] * 64 + [1] * 64)) == 1
 
 
 @pytest.mark.parametrize("kind", ["eagle", "parallel"])
@@ -118,9 +122,10 @@ def test_long_joiner_never_widens_the_running_rows_forward(kind):
 
 @pytest.mark.parametrize("kind", ["eagle", "parallel"])
 def test_grouped_catch_up_drafts_as_one_forward_and_as_each_row_alone(kind):
-    """(a) Without a long joiner the catch-up is one forward, bit-identical to the reference with
-    grouping off; with one, each row drafts what it drafts alone (tokens equal; scores to float
-    rounding: alone a row's cache has no hole slots, so attention sums over other lengths)."""
+    """(a) Without a long joiner the catch-up is one forward (the same drafts as with grouping
+    off); with one, each row drafts what it drafts alone (tokens equal; scores to float rounding:
+    alone a row's cache has no hole slots, so attention sums over other lengths), and what the
+    one-forward catch-up drafts."""
     model = tiny_llama(seed=3, sharpness=2.0)
     one = make(kind, model)
     one.catch_up_forward_cost = 10 ** 9  # a single forward over every row: the one-forward catch-up
@@ -137,7 +142,7 @@ def test_grouped_catch_up_drafts_as_one_forward_and_as_each_row_alone(kind):
 @pytest.mark.parametrize("kind", ["eagle", "parallel"])
 def test_rows_a_long_prompt_joins_decode_as_plain_greedy(tmp_path, kind):
     """(c) Greedy identity for running rows that a long prompt joins mid-decode (grouped catch-ups)."""
-    model = tiny_llama(seed=3, sharpness=2.0)
+    model = tiny_llama(seed=3, sharpness=2.0, max_pos=512)  # room for the LONG joiner
     heads = save_random_heads(model, tmp_path)
     target = TorchRuntime(model)
     cls = EagleProposer if kind == "eagle" else ParallelProposer
@@ -202,3 +207,25 @@ def test_shipped_heads_still_load():
         built = cls(**{k: v for k, v in cfg.items() if k in names})
         built.check_shape()  # what the drafter checks when it builds the layer
         assert built.hidden_size == cfg["hidden_size"]
+
+
+@pytest.mark.parametrize("field,value", [
+    ("block_size", "6"), ("block_size", 2.5), ("block_layers", "1"), ("block_layers", True), ("mask_token", 1.5),
+    ("anchor_input", "false"), ("block_context", "no")])
+def test_bad_parallel_fields_refused_at_load_naming_directory_and_field(tmp_path, field, value):
+    """The parallel drafter's own fields: a string "false" was truthy (the head drafted with an
+    anchor input it was not trained with), a float block size failed deep in torch."""
+    with pytest.raises(ValueError) as err:
+        build_from(tmp_path, "parallel", field, value)
+    msg = str(err.value)
+    assert str(tmp_path / field) in msg and field in msg.split("(", 1)[1], msg
+
+
+@pytest.mark.parametrize("field,value", [("num_heads", "2"), ("hidden_size", 0), ("num_layers", -1),
+                                         ("draft_vocab_size", 1.5)])
+def test_bad_medusa_config_refused_naming_the_field(field, value):
+    from spec_plugins.heads.medusa import MedusaConfig
+
+    with pytest.raises(ValueError, match=f"{field} must be"):
+        MedusaConfig(**{"hidden_size": 32, field: value})
+    assert MedusaConfig(32, num_layers=0).num_layers == 0  # no residual blocks: the LM head itself

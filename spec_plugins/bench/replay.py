@@ -40,7 +40,6 @@ from spec_plugins.types import Draft, Ranked
 from spec_plugins.verifiers import ExactVerifier
 
 
-
 class SimClock:
     """Simulated seconds: advanced by the replay runtime, read by the round."""
 

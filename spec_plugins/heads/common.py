@@ -10,12 +10,36 @@ unaffected because drafts are only ever proposals.
 from __future__ import annotations
 
 import json
+import math
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+
+def config_number(name: str, value: Any, integer: bool, least: float | None = 0, strict: bool = True) -> Any:
+    """``value`` as an int (``integer``) or a finite float above ``least`` (at least it, without
+    ``strict``; None: any, the caller checks the range); else a ValueError naming the field. A head's config.json is checked when read,
+    not at the first draft; a string or a bool is not a number here, whatever Python would coerce."""
+    kind = numbers.Integral if integer else numbers.Real
+    number = isinstance(value, kind) and not isinstance(value, bool)
+    low = least is None or (value > least if strict else value >= least) if number else False
+    if not number or not (low and -math.inf < value < math.inf):
+        noun = "integer" if integer else "finite number"
+        what = (f"{'an' if integer else 'a'} {noun}" if least is None else f"a positive {noun}" if strict and least == 0
+                else f"{'an' if integer else 'a'} {noun} {'above' if strict else 'of at least'} {least:g}")
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return int(value) if integer else float(value)
+
+
+def config_flag(name: str, value: Any) -> bool:
+    """``value`` as a bool; else a ValueError naming the field (the string "false" is truthy)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+    return value
 
 
 class RMSNorm(nn.Module):

@@ -14,7 +14,6 @@ additive attention mask, so every shape is explicit (exportable).
 
 from __future__ import annotations
 
-import math
 import numbers
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -22,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from spec_plugins.heads.common import RMSNorm
+from spec_plugins.heads.common import RMSNorm, config_number
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
@@ -62,9 +61,9 @@ class EagleConfig:
         built, naming the field, rather than at the first draft; numbers are normalised to int /
         float (a config.json or numpy may give others)."""
         for name in ("hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "draft_vocab_size"):
-            object.__setattr__(self, name, _positive(name, getattr(self, name), integer=True))
+            object.__setattr__(self, name, config_number(name, getattr(self, name), integer=True))
         for name in ("rope_theta", "rms_norm_eps"):
-            object.__setattr__(self, name, _positive(name, getattr(self, name), integer=False))
+            object.__setattr__(self, name, config_number(name, getattr(self, name), integer=False))
         layers = tuple(self.feature_layers)
         if any(not isinstance(x, numbers.Integral) or isinstance(x, bool) or x < 1 for x in layers):
             raise ValueError(f"feature_layers must be decoder-layer outputs numbered from 1, got {list(layers)}")
@@ -97,16 +96,6 @@ class EagleConfig:
 
     def to_dict(self) -> dict:
         return {"kind": "eagle", **asdict(self)}
-
-
-def _positive(name: str, value: Any, integer: bool) -> Any:
-    """``value`` as a positive int (``integer``) or a positive finite float; else a ValueError
-    naming the field (a string or a bool is not a number here, whatever Python would coerce)."""
-    kind = numbers.Integral if integer else numbers.Real
-    if not isinstance(value, kind) or isinstance(value, bool) or not 0 < value < math.inf:
-        what = "a positive integer" if integer else "a positive finite number"
-        raise ValueError(f"{name} must be {what}, got {value!r}")
-    return int(value) if integer else float(value)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:

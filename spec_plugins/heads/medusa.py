@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from spec_plugins.heads.common import config_number
+
 
 @dataclass(frozen=True)
 class MedusaConfig:
@@ -16,6 +18,12 @@ class MedusaConfig:
     num_heads: int = 4
     num_layers: int = 1  # residual blocks per head
     draft_vocab_size: int = 8192
+
+    def __post_init__(self) -> None:
+        """Checked when read (a config.json), naming the field, not at the first draft."""
+        for name in ("hidden_size", "num_heads", "draft_vocab_size"):
+            object.__setattr__(self, name, config_number(name, getattr(self, name), integer=True))
+        object.__setattr__(self, "num_layers", config_number("num_layers", self.num_layers, True, 0, strict=False))
 
     def to_dict(self) -> dict:
         return {"kind": "medusa", **asdict(self)}

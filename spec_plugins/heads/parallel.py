@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from spec_plugins.heads.common import config_flag, config_number
 from spec_plugins.heads.eagle import EagleConfig, EagleDrafter, add_decoder_weights, decoder_block, layer_kv
 from spec_plugins.slots import additive
 
@@ -49,6 +50,10 @@ class ParallelConfig(EagleConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        for name in ("block_size", "block_layers", "mask_token"):  # their ranges: below
+            object.__setattr__(self, name, config_number(name, getattr(self, name), True, least=None))
+        for name in ("anchor_input", "block_context"):
+            config_flag(name, getattr(self, name))
         if self.block_size < 2:
             raise ValueError(f"block_size must be at least 2 (depth 0 and one block query), got {self.block_size}")
         if not 0 <= self.block_layers <= 16:

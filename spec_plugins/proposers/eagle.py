@@ -40,7 +40,10 @@ from spec_plugins.transfer import HOST, upload, upload_tensor
 from spec_plugins.types import Draft, Ranked, Shaped
 
 _INSTANCES = itertools.count()  # numbers each drafter's fetch name (``to_fetch``)
-CATCH_UP_FORWARD_COST = 64  # one more catch-up forward, in padded queries' worth (launch, weight reads)
+# one more catch-up forward, in padded queries' worth: large enough that running rows (backlogs of
+# 1..depth+1) share one forward at any batch size a server runs, so only a long backlog (a joining
+# prompt, a child the gate skipped for many rounds) runs apart; a launch-bound GPU forward costs many queries
+CATCH_UP_FORWARD_COST = 512
 
 
 def backlog_groups(pending: Sequence[int], forward_cost: int = CATCH_UP_FORWARD_COST) -> list[tuple[list[int], int]]:

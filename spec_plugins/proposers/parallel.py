@@ -7,8 +7,8 @@ has them, gives the marginals of depths 1..K-1; (3) the candidates are every pat
 per-depth top-k, scored by the product of the marginals (DDTree's best-first tree,
 ``eagle_tree.marginal_candidates``), laid over the shape the host chose and priced by the policy
 exactly as EAGLE's tree is. So a round costs two drafter forwards whatever the depth (and the block
-layers over K rows), where EAGLE's costs one per depth; nothing is read back to the host while
-drafting.
+layers over K rows; a long joining prompt catches up in a forward of its own: ``eagle.backlog_groups``),
+where EAGLE's costs one per depth; nothing is read back to the host while drafting.
 """
 
 from __future__ import annotations
