@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from spec_plugins.tune_budget import Budget, _spent  # noqa: F401 (tune_cli and tests import Budget here)
 from spec_plugins.tune_replay import (  # tune's replay predictions (_replay: callers import it from here)
     _replay,  # noqa: F401
     _replay_counted,
@@ -60,21 +61,6 @@ BUDGET_BOUNDS = ("It bounds the runtimes after the first, the feature drafters, 
                  "best, and each plain decoding, replay and confirmation pass after its first prompt (what it cuts is "
                  "noted in the YAML); loading the first runtime, measuring its verify cost and one prompt of each pass "
                  "always run.")
-
-
-@dataclass
-class Budget:
-    seconds: float
-    start: float = field(default_factory=time.perf_counter)
-
-    @property
-    def left(self) -> float:
-        return self.seconds - (time.perf_counter() - self.start)
-
-
-def _spent(budget: Budget | None) -> bool:
-    """Whether a pass must stop before its next prompt (None: no budget, as the bench replays)."""
-    return budget is not None and budget.left <= 0
 
 
 @dataclass

@@ -7,10 +7,9 @@ EAGLE and Medusa its hidden states) are measured by a real run in ``tune``."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from spec_plugins.tune import Budget
+from spec_plugins.tune_budget import Budget, _spent
 
 
 def replayable(section: dict[str, Any]) -> bool:
@@ -57,7 +56,6 @@ def _replay_counted(prompts: Sequence[list[int]], outputs: Sequence[list[int]], 
     were decoded with (``bench.replay.recorded_limit``; None: each output's length)."""
     from spec_plugins.bench.replay import auto, fixed, rates, replay_turn
     from spec_plugins.stats import DecodeStats
-    from spec_plugins.tune import _spent
 
     policies = {"plain": fixed(0), **{str(k): fixed(k) for k in range(1, 9)}, "auto": auto(cost)}
     totals = {name: DecodeStats() for name in policies}

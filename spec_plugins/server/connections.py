@@ -7,13 +7,14 @@ process runs out of file descriptors and every socket is refused, ``/health`` in
 module is uvicorn's own httptools protocol with these limits added where the bytes arrive:
 
 - **header timeout**: a request line and headers must complete within ``header_timeout`` seconds
-  of the connection opening (or of the first byte after the previous request, a blank line
-  too, or of its answer when that byte came before it); else 408 and close;
+  of the connection opening (or of the first byte after the previous request, or of its answer
+  when that byte came before it); else 408 and close. Up to two CRLFs after a request are
+  ignored (RFC 9112 2.2), the idle timeout running on; blank lines past those start the deadline;
 - **header size**: one header line over ``max_header_bytes``, or all of a request's headers over
   ``max_headers_bytes``, is a 431 and a close, counted as the bytes come (nothing is buffered
   past the cap), a request pipelined behind another in one read too: the parser is fed up to
-  where a request's headers or body end (``BodyEnd``), then the counting goes on. A refusal due
-  while a response is in progress follows that response;
+  where a request's headers or body end (``BodyEnd``), then the counting goes on; a body framing
+  it cannot read is a 400 and a close. A refusal due while a response is in progress follows it;
 - **idle timeout**: uvicorn's keep-alive timeout, between requests;
 - **unread body**: a request answered before its body came whole (a 415, a 404, a GET with a
   body) has ``header_timeout`` seconds more to send the rest, read and dropped, or its connection
@@ -27,7 +28,8 @@ module is uvicorn's own httptools protocol with these limits added where the byt
   and is served), and beyond that a new connection gets a 503 at once. Idle connections past
   the cap close each other, oldest first, so a flood of silent sockets holds at most one slot
   more than the cap. A socket is never refused, and the open-file limit is never reached by
-  connections.
+  connections. No connection leaves the cap's count but by closing: an upgrade (websocket too)
+  is answered as plain HTTP.
 
 Each kind of event is logged once per client address and interval (``ThrottledLog``), with the
 count of the ones it stood for, not once per connection.
@@ -44,6 +46,8 @@ from typing import Any, Callable
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from spec_plugins.server.body_end import BodyEnd, stray_crlf
 
 log = logging.getLogger("spec_plugins.server")
 
@@ -163,48 +167,6 @@ class ConnectionGuard:
         self.log.event(kind, conn.client[0] if conn.client else "unknown", message)
 
 
-class BodyEnd:
-    """Where a request's body ends in what comes next (``Content-Length`` or chunked framing), so
-    that the parser is fed up to there in one piece and the next request's header bytes are
-    counted before the parser sees them. A hint: the parser decides where the body ends; a body
-    framed otherwise (an unreadable length) is fed whole."""
-
-    def __init__(self, headers: list[tuple[bytes, bytes]]) -> None:
-        names = dict(headers)
-        self.chunked, self.last, self.line, self.lost = b"transfer-encoding" in names, False, b"", False
-        try:  # bytes left of the body, or of a chunk's data and its CRLF
-            self.left = 0 if self.chunked else int(names.get(b"content-length", b"0"))
-        except ValueError:
-            self.lost = True
-
-    def cut(self, data: bytes) -> int:
-        """How many bytes of ``data`` to feed: up to the end of the body, else all."""
-        i = 0
-        while i < len(data) and not self.lost:
-            if self.left:
-                step = min(self.left, len(data) - i)
-                self.left, i = self.left - step, i + step
-                if not self.left and not self.chunked:
-                    return i
-                continue
-            nl = data.find(b"\n", i) if self.chunked else -1
-            if nl < 0:  # a line that goes on in the next read (its start kept), or a Content-Length body fed
-                self.line = (self.line + data[i:i + 64])[:64]
-                break
-            line, self.line, i = (self.line + data[i:min(nl, i + 64)]).strip(), b"", nl + 1
-            if self.last:  # trailers after the last chunk, until a blank line: the body's end
-                if not line:
-                    return i
-                continue
-            try:
-                size = int(line.split(b";")[0], 16)
-            except ValueError:
-                self.lost = True
-                break
-            self.last, self.left = size == 0, size + 2 if size else 0
-        return len(data)
-
-
 async def _over_capacity(scope: Any, receive: Any, send: Any) -> None:
     """What a request on a connection past the cap gets, unless it asks for /health or /metrics."""
     body = b'{"error":"' + BUSY.encode() + b'","error_type":"overloaded"}'
@@ -225,7 +187,7 @@ class GuardedHttpTools(HttpToolsProtocol):
         self.over_cap = False
         self._timer: Any = None
         self._lingering = False  # answered before its body came whole (``_linger``; module docstring)
-        self._body_end: BodyEnd | None = None  # the current request's body framing (``data_received``)
+        self._body_end = BodyEnd([])  # the current request's body framing (``data_received``; set per request)
         self._refused: tuple[int, str] | None = None  # a refusal that waits for the response in progress
         self._headers_open(arm=True)
         self.guard.opened(self)
@@ -235,6 +197,19 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._disarm()
         super().connection_lost(exc)
 
+    def handle_websocket_upgrade(self) -> None:
+        """uvicorn hands the transport to its websocket protocol (only when a ``ws`` protocol is
+        configured: ``uvicorn_config`` sets none), and this one never sees the connection close:
+        it leaves the guard and stops its timer now, or it would hold a slot of the cap for good."""
+        self.guard.closed(self)
+        self._disarm()
+        super().handle_websocket_upgrade()
+
+    def _unsupported_upgrade_warning(self) -> None:
+        """An upgrade (websocket, h2c) is answered as plain HTTP: logged once per client address and
+        interval, not uvicorn's two lines per request (one naming a missing websocket library)."""
+        self.guard.event("upgrade", self, "upgrade request not supported: answered as plain HTTP")
+
     @property
     def busy(self) -> bool:
         """A request is in progress (its headers came, its response has not ended)."""
@@ -243,6 +218,7 @@ class GuardedHttpTools(HttpToolsProtocol):
     # ---- the header phase ----------------------------------------------------------------------
     def _headers_open(self, arm: bool) -> None:
         self.in_headers, self.header_bytes, self._line, self._request_line = True, 0, 0, False
+        self._stray = 0  # blank-line bytes dropped ahead of this request (``_drop_stray_crlf``)
         if arm:
             self._arm()
 
@@ -269,17 +245,42 @@ class GuardedHttpTools(HttpToolsProtocol):
         before the parser sees them."""
         while data and self._refused is None and not self.transport.is_closing():
             if self.in_headers:
-                if not self.busy:  # any byte between requests, a blank line too, starts the deadline
+                data = self._drop_stray_crlf(data)
+                if not data:
+                    return
+                if not self.busy:  # any other byte between requests, a blank line too, starts the deadline
                     self._arm()
                 n = self._count_header_bytes(data)
                 if n < 0:
                     return
             else:
-                n = self._body_end.cut(data) if self._body_end is not None else len(data)
+                n = self._body_end.cut(data)
+                if self._body_end.lost:
+                    self._framing_lost(data[:n])
+                    return
             super().data_received(data[:n])
             if self.parser is None or self.parser.should_upgrade():
                 return  # upgraded (or an upgrade refused): uvicorn drops the rest of the read
             data = data[n:]
+
+    def _drop_stray_crlf(self, data: bytes) -> bytes:
+        """``data`` less the stray CRLFs ahead of a request (``stray_crlf``), neither counted nor fed
+        to uvicorn (which stops its keep-alive timer on any byte): they leave the idle timeout
+        running. Blank lines past those are header bytes, timed like any."""
+        n = 0 if self.header_bytes else stray_crlf(data, self._stray)
+        self._stray += n
+        return data[n:] if n else data
+
+    def _framing_lost(self, fault: bytes) -> None:
+        """The body's framing cannot be read (``BodyEnd.lost``: a chunk size that is no hex number):
+        the parser is fed up to the bytes at fault, which it rejects (uvicorn's 400); should it
+        not, the connection is refused all the same, as where the next request starts is unknown
+        and its header bytes could not be counted."""
+        if fault:
+            super().data_received(fault)
+        if not self.transport.is_closing():
+            self.guard.event("bad_framing", self, "request body framing not understood: 400, closed")
+            self.refuse(400, "the request body's framing (Content-Length or chunk sizes) could not be read")
 
     def _count_header_bytes(self, data: bytes) -> int:
         """Count the header bytes in ``data`` up to the blank line that ends them; returns where the
@@ -326,17 +327,19 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._headers_open(arm=False)  # the next bytes are the next request's, counted from here
         if self._lingering:  # the rest of a body its answer did not read has come, read and dropped
             self._lingering = False
-            self._disarm()  # until the next request's first byte, the idle timeout:
-            if self.timeout_keep_alive_task is not None:
-                self.timeout_keep_alive_task.cancel()
-            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+            self._disarm()
+            if not self.busy:  # until the next request's first byte, the idle timeout:
+                self._unset_keepalive_if_required()
+                self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                    self.timeout_keep_alive_handler)
 
     def on_response_complete(self) -> None:
+        started = bool(self.pipeline) and not self.transport.is_closing()  # super() starts the next request
         super().on_response_complete()
         if self._refused is not None:
             self.refuse(*self._refused)
-        if self.pipeline or self.transport.is_closing():
-            return
+        if started or self.pipeline or self.transport.is_closing():
+            return  # a pipelined request is in progress (its body may still be coming): its answer decides
         if self.cycle.more_body:  # the answered request's body has not all come
             self._linger()
         elif self.header_bytes:  # the next request began while this one was answered: its deadline runs
@@ -385,6 +388,7 @@ def uvicorn_config(app: Any, host: str, port: int, limits: ConnectionLimits = Co
     limits.check()
     ensure_file_limit(limits)
     cls, guard = protocol_class(limits)
+    kwargs.setdefault("ws", "none")  # the app has no websocket route: an upgrade is answered as plain HTTP
     config = uvicorn.Config(app, host=host, port=port, http=cls, timeout_keep_alive=limits.idle_timeout,  # type: ignore[arg-type]
                             **kwargs)
     return config, guard
