@@ -202,7 +202,7 @@ class EagleProposer(Proposer):
         if len(groups) == 1:
             out, self._anchor, k, v = fed[0]
         else:  # back to row order, each group's keys behind hole slots up to the widest group's N
-            order = upload(torch.argsort(torch.as_tensor([b for g, _ in groups for b in g])), self.device)
+            order = upload(torch.argsort(torch.as_tensor([b for g, _ in groups for b in g], device=HOST)), self.device)
             out, self._anchor = (torch.cat([f[i] for f in fed])[order] for i in (0, 1))
             k, v = (torch.cat([pad_slots(f[i], N - w) for f, (_, w) in zip(fed, groups)])[order] for i in (2, 3))
         self.k, self.v = torch.cat([self.k, k], 2), torch.cat([self.v, v], 2)
