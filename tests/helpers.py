@@ -171,3 +171,20 @@ def greedy_run(target, prop, prompts, n, k=6, policy=None):
         for i, t in step.emitted.items():
             outs[i].extend(t)
     return outs, stats
+
+
+class Built(Exception):
+    """Raised by a builder patched with :func:`stop_at_build`: the caller reached the build."""
+
+
+def stop_at_build(monkeypatch, owner, name: str, *, static: bool = False) -> list:
+    """Patch ``owner.name`` to record its one argument and raise :class:`Built`, so a test sees
+    what a script would build without loading a model. Returns the list the arguments land in."""
+    seen: list = []
+
+    def build(arg):
+        seen.append(arg)
+        raise Built
+
+    monkeypatch.setattr(owner, name, staticmethod(build) if static else build)
+    return seen

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import Built, stop_at_build
 
 
 def test_gpu_check_runs_its_whole_matrix_on_the_cpu():
@@ -250,16 +251,7 @@ def test_gpu_prediction_reads_a_report_of_the_bench_default_config(monkeypatch, 
     from spec_plugins.config import ConfigError, default_config
 
     gpu_prediction = _script("gpu_prediction")
-    seen = []
-
-    class Built(Exception):
-        pass
-
-    def build_runtime(target):
-        seen.append(target)
-        raise Built
-
-    monkeypatch.setattr(spec_plugins.backends, "build_runtime", build_runtime)
+    seen = stop_at_build(monkeypatch, spec_plugins.backends, "build_runtime")
     report, dev = tmp_path / "report.json", "examples/prompts/dev.jsonl"
     answered = [{"question_id": "chat-1"}]
     greedy = {"greedy": True, "max_new_tokens": 8}  # a replayable run's meta

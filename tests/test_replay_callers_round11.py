@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import tiny_llama
+from helpers import Built, stop_at_build
 from test_bench import PROMPTS, WORDS, word_tokenizer
 from test_bench_round11 import _engine_widths, _eos_decoder
 from test_gpu_scripts import _script
@@ -264,16 +265,7 @@ def test_suffix_sweep_reads_a_report_of_the_bench_default_config(eos_model, monk
     report, prompts, rep = _eos_report(tmp_path, eos_model[0])
     rep["meta"]["config"] = DEFAULT_CONFIG
     report.write_text(json.dumps(rep))
-    seen = []
-
-    class Built(Exception):
-        pass
-
-    def from_config(cfg):
-        seen.append(cfg)
-        raise Built
-
-    monkeypatch.setattr(SpeculativeDecoder, "from_config", staticmethod(from_config))
+    seen = stop_at_build(monkeypatch, SpeculativeDecoder, "from_config", static=True)
     with pytest.raises(Built):
         suffix_sweep.main(["--report", str(report), "--prompts", str(prompts)])
     assert seen == [default_config()]
