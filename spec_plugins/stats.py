@@ -11,6 +11,10 @@ nothing and its verdict is ignored, so that round is no row-round for it: it is 
 stays at 1.0 when rows fail); the target forward still counts. Accepted counts are the output's:
 a row's accepted path is cut where its emitted tokens end (``kept_depth``: an end-of-sequence
 token, its token limit, its grammar or a stop string), so accepted never exceeds emitted.
+``judged_tokens`` counts the drafted depths the verifier judged in the output (the kept path, plus
+the depth that rejected it when the draft went deeper and the output did not cut the path first), so
+``judged_acceptance`` = accepted / judged is a chain's per-token acceptance rate; ``acceptance_rate``
+(accepted / drafted) also counts the depths past a rejection, which nobody judged.
 
 A batch's rows each get their own share (``BatchStats.rows``, what ``generate_batch`` returns per
 result): a row's tokens, and the forwards it took part in (the prefill that admitted it, the
@@ -34,6 +38,7 @@ class DecodeStats:
     prefill_forwards: int = 0
     draft_tokens: int = 0  # drafted nodes offered to the verifier
     accepted_tokens: int = 0  # drafted nodes accepted
+    judged_tokens: int = 0  # drafted depths the verifier judged in the output: the kept path + its rejecting depth
     emitted_tokens: int = 0  # tokens emitted by rounds (accepted + corrected/bonus, after truncation)
     forced_tokens: int = 0  # of the accepted: a grammar's forced tokens, drafted ahead (free)
     new_tokens: int = 0  # all generated tokens, the prefill's first token included
@@ -59,7 +64,7 @@ class DecodeStats:
         """One row's part of a round."""
         if share.ok:
             self.row_rounds += 1
-            self.observe_round(share.drafted, share.kept, share.emitted)
+            self.observe_round(share.drafted, share.kept, share.emitted, judged=share.judged)
             self.forced_tokens += share.forced
         self.new_tokens += share.emitted  # a failing row's tokens before its failure are output too
 
@@ -88,9 +93,14 @@ class DecodeStats:
         self.time_cache += seconds
         self.time_total += seconds
 
-    def observe_round(self, depth_drafted: list[int], accepted_depth: int, emitted: int) -> None:
+    def observe_round(self, depth_drafted: list[int], accepted_depth: int, emitted: int, *,
+                      judged: int | None = None) -> None:
         """``depth_drafted[d]`` nodes were drafted at depth d; the accepted path has length
-        ``accepted_depth``; ``emitted`` tokens came out of this row's round."""
+        ``accepted_depth``; ``emitted`` tokens came out of this row's round; ``judged`` depths were
+        judged in the output (``judged_depth``; None: the path was not cut, so the depth after it
+        was judged if one was drafted)."""
+        if judged is None:
+            judged = judged_depth(accepted_depth, accepted_depth, drafted_depths(depth_drafted))
         self._grow(len(depth_drafted))
         for d, cnt in enumerate(depth_drafted):
             self.drafted_by_position[d] += cnt
@@ -99,6 +109,7 @@ class DecodeStats:
             self.accepted_by_position[d] += 1
         self.draft_tokens += sum(depth_drafted)
         self.accepted_tokens += accepted_depth
+        self.judged_tokens += judged
         self.emitted_tokens += emitted
 
     def _grow(self, n: int) -> None:
@@ -121,6 +132,13 @@ class DecodeStats:
     def acceptance_rate(self) -> float:
         """Accepted / drafted nodes (for trees: accepted path nodes / all drafted nodes)."""
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def judged_acceptance(self) -> float:
+        """Accepted / judged depths: a chain's per-token acceptance rate, the estimate of the i.i.d.
+        alpha in S(gamma) = (1 - a^(g+1)) / ((1 - a)(1 + g c)); depths drafted past a rejection were
+        never judged, so they are not counted against it as they are in ``acceptance_rate``."""
+        return self.accepted_tokens / self.judged_tokens if self.judged_tokens else 0.0
 
     @property
     def acceptance_by_position(self) -> list[float]:
@@ -171,6 +189,7 @@ class DecodeStats:
             mean_accepted_tokens=self.mean_accepted_tokens,
             tokens_per_forward=self.tokens_per_forward,
             acceptance_rate=self.acceptance_rate,
+            judged_acceptance=self.judged_acceptance,
             acceptance_by_position=self.acceptance_by_position,
             time_other=self.time_other,
             time_outside_forwards=self.time_outside_forwards,
@@ -229,11 +248,13 @@ class BatchStats(DecodeStats):
 @dataclass(frozen=True)
 class RowShare:
     """One row's part of a round: ``drafted`` nodes per depth, ``kept`` accepted path length in
-    the output, ``emitted`` tokens, ``forced`` of the kept a grammar forced, ``ok``: it did not fail."""
+    the output, ``judged`` depths judged in the output (``judged_depth``), ``emitted`` tokens,
+    ``forced`` of the kept a grammar forced, ``ok``: it did not fail."""
 
     key: Hashable
     drafted: list[int]
     kept: int
+    judged: int
     emitted: int
     forced: int
     ok: bool
@@ -246,7 +267,8 @@ def row_shares(record: Any) -> list[RowShare]:
     out = []
     for key, drafted, acc, em, f in zip(record.keys, record.drafted_by_depth(), record.accepted, record.emitted, ahead):
         kept = kept_depth(acc, em)
-        out.append(RowShare(key, drafted, kept, len(em), min(f, kept), key not in failed))
+        judged = judged_depth(len(acc), kept, drafted_depths(drafted))
+        out.append(RowShare(key, drafted, kept, judged, len(em), min(f, kept), key not in failed))
     return out
 
 
@@ -255,3 +277,18 @@ def kept_depth(accepted: list[int], emitted: list[int]) -> int:
     where the row's emitted tokens end (an end-of-sequence token, the row's token limit, its
     grammar or a stop string cut it there; the emitted tokens are the path's, then one more)."""
     return min(len(accepted), len(emitted))
+
+
+def drafted_depths(depth_drafted: Sequence[int]) -> int:
+    """How deep a row drafted: its depths holding a node (a node's parent is one depth up, so they
+    come first; a batch's padded depths count none)."""
+    return sum(1 for cnt in depth_drafted if cnt > 0)
+
+
+def judged_depth(accepted: int, kept: int, depths: int) -> int:
+    """Drafted depths the verifier judged in a row's output, of ``depths`` drafted: the ``kept``
+    part of its ``accepted`` path, plus the depth after it, which rejected the path, when the
+    output holds the whole path and the draft went deeper. An output that cut the path (``kept <
+    accepted``: an end-of-sequence token, the token limit, a grammar, a stop string) holds no
+    rejection, so the depths it cut count as neither accepted nor judged."""
+    return kept if kept < accepted else min(kept + 1, depths)

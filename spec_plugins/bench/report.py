@@ -7,8 +7,10 @@ different tokens (sampling; ``auto``, whose costs and sizer carry across runs). 
 statistics (forwards, acceptance, time shares) pool every run, so they describe the same runs as
 the rate; their counts go with the sums of ``tokens_runs`` and ``seconds_runs``. Speedup is
 tokens/s over plain's. The theoretical S(gamma) = (1 - a^(g+1)) / ((1 - a)(1 + g c)) uses the
-pooled acceptance a of our fixed-gamma runs and the measured draft cost ratio c; a second curve
-divides by the measured verify cost T(g+1)/T(1) instead of 1, which is what a CPU sees.
+per-token acceptance a of our fixed-gamma runs (accepted over judged depths, pooled:
+``DecodeStats.judged_acceptance``; accepted over drafted would count the depths past a rejection,
+never judged, as rejected) and the measured draft cost ratio c; a second curve divides by the
+measured verify cost T(g+1)/T(1) instead of 1, which is what a CPU sees.
 """
 
 from __future__ import annotations
@@ -39,8 +41,10 @@ def _stats_summary(s: DecodeStats | None) -> dict[str, Any] | None:
         "target_forwards": s.target_forwards,
         "draft_tokens": s.draft_tokens,
         "accepted_tokens": s.accepted_tokens,
+        "judged_tokens": s.judged_tokens,
         "mean_accepted_tokens": s.mean_accepted_tokens,
         "acceptance_rate": s.acceptance_rate,
+        "judged_acceptance": s.judged_acceptance,
         "accepted_by_position": list(s.accepted_by_position),
         "drafted_by_position": list(s.drafted_by_position),
         "rows_by_position": list(s.rows_by_position),
@@ -157,9 +161,10 @@ def build_report(raw: dict, meta: dict[str, Any], tokenizer: Any = None) -> dict
                                  "auto_tokens_per_s": a, "auto_over_best": a / b if b else None}
 
     cost = raw["cost_model"]
-    drafted = sum(summary[m.name]["all"]["stats"]["draft_tokens"] for m in ours_fixed)
+    # the per-token acceptance the formula assumes: accepted over judged depths, pooled
+    judged = sum(summary[m.name]["all"]["stats"]["judged_tokens"] for m in ours_fixed)
     accepted = sum(summary[m.name]["all"]["stats"]["accepted_tokens"] for m in ours_fixed)
-    alpha = accepted / drafted if drafted else 0.0
+    alpha = accepted / judged if judged else 0.0
     c = cost["draft_cost_ratio"]
     rel = cost["target_relative"]
     gammas = sorted({int(m.gamma) for m in ours_fixed} | set(range(1, 9)))
@@ -287,7 +292,8 @@ def markdown(report: dict) -> str:
     th = report["theory"]
     if has_theory(report):  # without fixed-γ runs there is no α to put into the formula
         L += ["## Measured speedup against theory", "",
-              f"α = {th['alpha']:.3f} (pooled acceptance of fixed-γ runs), c = {th['c']:.3f}", "",
+              f"α = {th['alpha']:.3f} (per-token acceptance of fixed-γ runs: accepted / judged drafted tokens), "
+              f"c = {th['c']:.3f}", "",
               "| γ | S(γ) ideal | S(γ) with measured verify cost | measured |", "|---|---|---|---|"]
         for g, a, b in zip(th["gammas"], th["ideal"], th["with_verify_cost"]):
             L.append(f"| {g} | {a:.2f} | {b:.2f} | {_f(th['measured'].get(str(g)))} |")
