@@ -54,6 +54,23 @@ def selects_static(config: Any) -> bool:
     return config.compile in ("on", "graphs") or pick_device(config.device).type == "cuda"
 
 
+def static_by_config(config: Any) -> str | None:
+    """The settings that select the static cache on any host, as the refusals name them (None: the
+    growing cache on a CPU; ``kv: auto`` on CUDA picks the static cache, where the measured kernels
+    never run anyway: they are CPU kernels)."""
+    if config.kv != "auto":
+        return "kv: static" if config.kv == "static" else None
+    if config.compile in ("on", "graphs"):
+        return f"kv: auto with compile: {config.compile}"
+    return None
+
+
+def _transposed_refusal(why: str) -> str:
+    return (f"matmul: auto_transposed needs kv: dynamic (the growing cache), but {why} selects the static cache, "
+            "which runs native kernels and would drop it: set kv: dynamic (with compile: off or auto) to keep "
+            "the transposed kernels, or matmul: auto or native")
+
+
 MASKED_ATTENTION = ("sdpa", "eager")  # transformers' attention functions that apply any 4D mask as given
 
 
@@ -157,7 +174,7 @@ class TorchRuntime(SlotRuntime):
             "auto", description="'auto': on CPU, time F.linear against weight@x.T per row count (1-16) at "
             "load and use the faster inside this runtime (see backends/torch_kernels.py); 'auto_transposed': "
             "also try x@W.T on a transposed copy of each weight for one row (2x weight memory); 'native': F.linear. "
-            "A static cache runs native kernels.")
+            "A static cache runs native kernels: a config that selects it refuses auto_transposed.")
         kv: Literal["auto", "dynamic", "static"] = Field(
             "auto", description="'static': KV buffers preallocated on the device, written by slot, fixed shapes "
             "(backends/torch_static.py); 'dynamic': a growing transformers cache; 'auto': static on CUDA.")
@@ -184,8 +201,8 @@ class TorchRuntime(SlotRuntime):
             if self.compile in ("on", "graphs") and self.kv == "dynamic":
                 raise ValueError(f"compile: {self.compile} needs kv: static (a growing cache has no fixed shapes "
                                  "to compile)")
-            if self.matmul == "auto_transposed" and self.kv == "static":
-                raise ValueError("matmul: auto_transposed needs kv: dynamic (a static cache runs native kernels)")
+            if self.matmul == "auto_transposed" and (why := static_by_config(self)) is not None:
+                raise ValueError(_transposed_refusal(why))
             return self
 
     @classmethod

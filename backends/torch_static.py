@@ -36,18 +36,13 @@ import torch
 from spec_plugins.backends import hf_compat
 from spec_plugins.backends.base import StepOutput, Want
 from spec_plugins.backends.torch_runtime import TorchRuntime, load_for, pick_device, selects_static
-from spec_plugins.fixed_steps import FixedSteps, Mode
+from spec_plugins.fixed_steps import ROW_BUCKETS, FixedSteps, Mode, bucket
 from spec_plugins.transfer import upload
 
 MIN_CAPACITY = 64  # slots; capacity doubles as rows grow (one graph per capacity, log2 of them)
-ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# rows run in ``fixed_steps.ROW_BUCKETS``, the drafters' steps over this runtime too
 WIDTH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 HEADROOM = WIDTH_BUCKETS[-1]  # slots the widest fixed-shape forward adds past the live ones
-
-
-def bucket(n: int, buckets: tuple[int, ...]) -> int:
-    """The smallest bucket holding ``n`` (beyond the last: ``n`` itself, an eager call)."""
-    return next((b for b in buckets if b >= n), n)
 
 
 def graph_blocker(model: Any) -> str | None:

@@ -10,9 +10,12 @@ once by whoever owns it (the static runtime, the EAGLE drafter over it):
 - ``graphs`` (CUDA only): the eager function captured with ``torch.cuda.graph`` once per input
   shape, no compiler (``CapturedStep``): milliseconds per shape instead of tens of seconds.
 
-Callers keep the shapes few (rows, positions and cache capacities in buckets). ``clear`` drops
-every compiled or captured step: a graph captured over buffers that were reallocated would write
-into the old ones.
+Callers keep the shapes few (rows, positions and cache capacities in buckets). A step given
+``row_buckets`` keeps its row counts few itself: compiled or captured, its rows are padded up to
+the bucket (``ROW_BUCKETS``, the static runtime's too) and its outputs cut back, so the drafters'
+steps see the verify step's row counts as rows join and leave a batch. ``clear`` drops every
+compiled or captured step: a graph captured over buffers that were reallocated would write into
+the old ones.
 """
 
 from __future__ import annotations
@@ -22,15 +25,26 @@ from typing import Any, Callable, Literal
 import torch
 
 Mode = Literal["eager", "compile", "graphs"]
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the row counts fixed-shape steps run at
+
+
+def bucket(n: int, buckets: tuple[int, ...]) -> int:
+    """The smallest bucket holding ``n`` (beyond the last: ``n`` itself, an eager call)."""
+    return next((b for b in buckets if b >= n), n)
 
 
 class FixedSteps:
     """One function run eagerly, compiled, or as CUDA graphs per input shape (module docstring)."""
 
-    def __init__(self, fn: Callable[..., Any], mode: Mode = "eager", max_shapes: int = 256) -> None:
+    def __init__(self, fn: Callable[..., Any], mode: Mode = "eager", max_shapes: int = 256,
+                 row_buckets: tuple[int, ...] | None = None) -> None:
+        """``row_buckets``: compiled or captured calls run at the smallest of these row counts holding
+        the call's rows (``_padded_call``), so a batch whose size moves reuses a few graphs. Only for
+        an ``fn`` whose tensor arguments and outputs all lead with the rows, whose rows do not mix and
+        which writes no buffer in place (a padded row is a copy of row 0). Eager calls run as given."""
         if mode == "graphs" and not torch.cuda.is_available():
             raise ValueError("graphs: CUDA graphs need a CUDA device; none is available here")
-        self.fn, self.mode, self.max_shapes = fn, mode, max_shapes
+        self.fn, self.mode, self.max_shapes, self.row_buckets = fn, mode, max_shapes, row_buckets
         self._compiled: Callable[..., Any] | None = None
         self._graphs: dict[tuple, CapturedStep] = {}
         self._pool: Any = None  # one CUDA graph memory pool for all of them (replayed one at a time)
@@ -38,6 +52,23 @@ class FixedSteps:
     def __call__(self, *args: Any) -> Any:
         if self.mode == "eager":
             return self.fn(*args)
+        if self.row_buckets is not None:
+            return self._padded_call(args)
+        return self._fixed(*args)
+
+    def _padded_call(self, args: tuple) -> Any:
+        """The fixed step at the row bucket of ``args``' rows: each tensor argument's rows padded
+        with copies of its row 0 (a real row: finite, its own mask), each tensor output cut back."""
+        rows = _leading_rows(args, "argument")
+        padded = bucket(rows, self.row_buckets)
+        if rows == 0 or padded == rows:
+            return self._fixed(*args)
+        out = self._fixed(*(_pad_rows(a, padded) for a in args))
+        _leading_rows(out if isinstance(out, (tuple, list)) else (out,), "output", padded)
+        return _take_rows(out, rows)
+
+    def _fixed(self, *args: Any) -> Any:
+        """``fn`` compiled or captured for the shapes of ``args``."""
         if self.mode == "compile":
             if self._compiled is None:
                 # one graph per shape: room for all of them, no silent fallback to eager
@@ -90,6 +121,36 @@ class CapturedStep:
                 buf.copy_(a)
         self.graph.replay()
         return _clone(self.out)
+
+
+def _leading_rows(values: Any, what: str, expected: int | None = None) -> int:
+    """The row count every tensor in ``values`` leads with; a tensor that leads with another (or is
+    a scalar) is refused: a row-bucketed step pads and cuts every tensor's dim 0."""
+    sizes = [tuple(v.shape) for v in values if isinstance(v, torch.Tensor)]
+    leads = {s[0] if s else None for s in sizes}
+    if expected is not None:
+        leads.add(expected)
+    if len(leads) != 1 or None in leads:
+        want = f" (expected {expected} rows)" if expected is not None else ""
+        raise ValueError(f"a row-bucketed fixed step needs every tensor {what} to lead with the same row count, "
+                         f"got shapes {sizes}{want}")
+    return int(leads.pop())
+
+
+def _pad_rows(a: Any, rows: int) -> Any:
+    """``a`` with copies of its row 0 appended up to ``rows`` (non-tensors as they are)."""
+    if not isinstance(a, torch.Tensor):
+        return a
+    return torch.cat([a, a[:1].expand(rows - a.shape[0], *a.shape[1:])])
+
+
+def _take_rows(out: Any, rows: int) -> Any:
+    """The first ``rows`` rows of every tensor in ``out`` (a tensor, or a tuple or list of them)."""
+    if isinstance(out, torch.Tensor):
+        return out[:rows]
+    if isinstance(out, (tuple, list)):
+        return type(out)(_take_rows(o, rows) for o in out)
+    return out
 
 
 def _clone(out: Any) -> Any:

@@ -26,7 +26,7 @@ import torch
 from pydantic import Field, model_validator
 
 from spec_plugins.backends import torch_kernels
-from spec_plugins.fixed_steps import FixedSteps, Mode
+from spec_plugins.fixed_steps import ROW_BUCKETS, FixedSteps, Mode
 from spec_plugins.slots import KVSlots, additive, pad_slots
 from spec_plugins.config import ProposerConfig
 from spec_plugins.heads.eagle import EagleDrafter
@@ -122,7 +122,8 @@ class EagleProposer(Proposer):
         self.kernels = self.drafter.use_measured_kernels() if self.step_mode == "eager" else None
         if ort:
             self.layer = OrtEagleLayer(head_session(self.drafter, target))
-        self._draft_step = FixedSteps(self._fixed_step, self.step_mode)
+        # rows in the verify step's buckets: the step mixes no rows and writes no cache (``_fixed_step``)
+        self._draft_step = FixedSteps(self._fixed_step, self.step_mode, row_buckets=ROW_BUCKETS)
         self._padded: tuple[torch.Tensor, ...] = ()  # the cache padded to its capacity bucket (fixed steps)
         self.tree = config.mode == "tree"
         self.dtype = drafter.lm_weight.dtype
@@ -303,7 +304,9 @@ class EagleProposer(Proposer):
                     past: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, anc: torch.Tensor, layer: Any = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The draft step as a function of tensors only (what is compiled or captured): the cached
-        pairs ``k``, ``v`` [B, h, S, d] with ``past`` [B, S] saying which are live."""
+        pairs ``k``, ``v`` [B, h, S, d] with ``past`` [B, S] saying which are live. Each row reads its
+        own rows only and nothing is written in place (the new keys are returned), so compiled or
+        captured calls run padded to a row bucket (``FixedSteps`` ``row_buckets``)."""
         B, F_ = tok.shape
         seen = past[:, None, None, :].expand(B, 1, F_, past.shape[1])
         ok = torch.cat([seen, anc[:, None], torch.eye(F_, dtype=torch.bool, device=tok.device).expand(B, 1, F_, F_)], -1)

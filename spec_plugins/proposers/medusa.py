@@ -19,7 +19,7 @@ import torch
 from pydantic import Field
 
 from spec_plugins.config import ProposerConfig
-from spec_plugins.fixed_steps import FixedSteps
+from spec_plugins.fixed_steps import ROW_BUCKETS, FixedSteps
 from spec_plugins.heads.medusa import MedusaHeads
 from spec_plugins.heads.runner import OrtMedusaHeads, head_session, pick_engine
 from spec_plugins.proposers.base import Draft, ProposeContext, Proposer
@@ -71,8 +71,8 @@ class MedusaProposer(Proposer):
         self.run_heads: Any = self.heads  # the heads' forward, in PyTorch or ONNX Runtime
         if pick_engine(config.engine, target) == "onnxruntime":
             self.run_heads = OrtMedusaHeads(head_session(self.heads, target))
-        else:  # compiled or captured where the target's verify step is (``fixed_steps``)
-            self.run_heads = FixedSteps(self.heads, getattr(target, "step_mode", "eager"))
+        else:  # compiled or captured where the target's verify step is, rows in its buckets (``fixed_steps``)
+            self.run_heads = FixedSteps(self.heads, getattr(target, "step_mode", "eager"), row_buckets=ROW_BUCKETS)
         self.tree = config.mode == "tree"  # the decoder checks this against the runtime's tree support
         K = heads.config.num_heads
         acc = rank_accuracy(heads.calibration, K, config.top_k)

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from spec_plugins.fixed_steps import FixedSteps, Mode
+from spec_plugins.fixed_steps import ROW_BUCKETS, FixedSteps, Mode
 from spec_plugins.heads.parallel import ParallelDrafter
 from spec_plugins.heads.runner import OrtBlockRefiner, OrtEagleLayer, head_session
 from spec_plugins.proposers.eagle import EagleProposer
@@ -45,7 +45,8 @@ class ParallelProposer(EagleProposer):
         self.refiner: Any = self.drafter.refiner  # the block layers, in PyTorch or ONNX Runtime (or None)
         if self.refiner is not None and isinstance(self.layer, OrtEagleLayer):
             self.refiner = OrtBlockRefiner(head_session(self.refiner, target))
-        self._block_step = FixedSteps(self._block_fixed, self.step_mode)
+        # rows in the verify step's buckets: the block forward mixes no rows and writes no cache
+        self._block_step = FixedSteps(self._block_fixed, self.step_mode, row_buckets=ROW_BUCKETS)
 
     def _candidates(self, f: torch.Tensor, base: torch.Tensor, depth: int, top_k: int) -> Candidates:
         """Depth 0 from the anchor's output ``f`` [B, H]; depths 1..depth-1 from one block forward
