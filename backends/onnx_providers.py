@@ -15,16 +15,23 @@ CUDA = "CUDAExecutionProvider"
 _log = logging.getLogger(__name__)
 
 
-def providers_for(device: str, available: Sequence[str]) -> list[str]:
-    """Execution providers for a device setting; CUDA requested but absent is an error."""
+def providers_for(device: str, available: Sequence[str], torch_cuda: bool = True) -> list[str]:
+    """Execution providers for a device setting; CUDA requested but absent is an error. ``auto``
+    takes CUDA only where ONNX Runtime has the provider and torch has CUDA (``torch_cuda``:
+    ``create_session`` passes ``torch.cuda.is_available()``): the KV cache lives in torch tensors on
+    the session's device, and onnxruntime-gpu lists its CUDA provider on any machine."""
     has_cuda = CUDA in available
     if device == "cuda" and not has_cuda:
         raise RuntimeError(
             "device 'cuda' requested but this onnxruntime has no CUDAExecutionProvider (available: "
             f"{', '.join(available)}); install onnxruntime-gpu (pip install 'spec-plugins[gpu]') or set device: cpu"
         )
-    if device == "cuda" or (device == "auto" and has_cuda):
+    if device == "cuda" or (device == "auto" and has_cuda and torch_cuda):
         return [CUDA, "CPUExecutionProvider"]
+    if device == "auto" and has_cuda:
+        _log.warning("device 'auto': onnxruntime has the CUDAExecutionProvider but this torch has no CUDA (the "
+                     "runtime keeps the KV cache in torch tensors on the session's device); running on the CPU: "
+                     "install a CUDA torch to run on the GPU, or set device: cpu")
     return ["CPUExecutionProvider"]
 
 

@@ -55,7 +55,7 @@ def create_session(file: str | Path, device: str = "cpu", device_id: int = 0, gr
     runs on a torch stream of its own (``provider_options``); torch's streams come from a pool
     that lives as long as the process, so the session may keep the handle."""
     ort = import_ort()
-    providers = providers_for(device, ort.get_available_providers())
+    providers = providers_for(device, ort.get_available_providers(), torch.cuda.is_available())
     stream = None
     if "CUDAExecutionProvider" in providers:
         check_torch_cuda()
@@ -80,6 +80,12 @@ def create_session(file: str | Path, device: str = "cpu", device_id: int = 0, gr
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ManifestError(f"ONNX Runtime cannot load graph {file}: {reason}; if the file is damaged "
                             "(corrupted in place), export again") from exc
+    except ort.capi.onnxruntime_pybind11_state.Fail as exc:  # also a weights file it cannot read in full
+        from spec_plugins.graphs.manifest import ManifestError, unreadable_weights
+
+        if (why := unreadable_weights(Path(file))) is None:
+            raise
+        raise ManifestError(f"ONNX Runtime cannot load graph {file}: {why}; export again") from exc
     check_session_providers(session, providers, device, file)  # ONNX Runtime falls back to the CPU silently
     return session
 
@@ -107,7 +113,8 @@ class OnnxRuntime(SlotRuntime):
                                   "taken too, and refused on load by their kind: the head proposers "
                                   "on this target open those where they compute the proposer's head.")
         device: Literal["auto", "cpu", "cuda"] = Field(
-            "auto", description="auto = CUDAExecutionProvider when onnxruntime has it, else CPUExecutionProvider.")
+            "auto", description="auto = CUDAExecutionProvider when onnxruntime has it and torch has CUDA, else "
+                              "CPUExecutionProvider (with a warning where only onnxruntime has CUDA).")
         device_id: int = Field(0, ge=0, description="CUDA device index.")
         graph_optimization: Literal["disable", "basic", "extended", "all"] = Field(
             "all", description="ONNX Runtime graph optimisation level.")
@@ -132,7 +139,8 @@ class OnnxRuntime(SlotRuntime):
         quantize: Literal["none", "int4", "int8"] = Field(
             "none", description="Weight-only quantization of the graph exported on first use (MatMulNBits); "
                                 "with `path`, the export must have been made with the same scheme.")
-        quant_block_size: int = Field(32, ge=16, description="Weights sharing one scale (a power of two).")
+        quant_block_size: int = Field(32, ge=16, description="Weights sharing one scale: 16, 32, 64, 128 or 256 "
+                                                             "(the sizes ONNX Runtime's quantizer takes).")
         quant_symmetric: bool = Field(True, description="Symmetric blocks (no zero points).")
         quant_accuracy_level: int = Field(4, ge=0, le=4, description="ORT's compute accuracy (4 = int8 activations).")
         quant_lm_head: bool = Field(True, description="Quantize the LM head too (else it stays fp32).")

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 from spec_plugins.backends import hf_compat
 from spec_plugins.backends.onnx_cache import stored_model_name
 from spec_plugins.graphs.manifest import (FORMAT, MANIFEST_NAME, GraphEntry, Manifest, ManifestError,
-                                          library_versions, read_json)
+                                          graph_files, library_versions, read_json)
 from spec_plugins.exporters.onnx_verify import export_verify_graph, graph_context_cap
 from spec_plugins.graphs.io import GRAPH_DTYPES, MAX_OPSET, MIN_OPSET, OPSET
 
@@ -199,7 +199,8 @@ def export_models(out: str | Path, target: tuple[Any, Any, str], draft: tuple[An
 
 
 def _quantize_entry(directory: Path, g: GraphEntry, scheme: Any, log: Log) -> None:
-    """Replace graph ``g``'s file by its quantized version and record the scheme."""
+    """Replace graph ``g``'s files (the graph and its weights: ``graph_files``) by its quantized
+    version and record the scheme."""
     from spec_plugins.exporters.onnx_quantize import quantize_graph
 
     from spec_plugins.models import ModelNotFound, resolve_model
@@ -211,9 +212,10 @@ def _quantize_entry(directory: Path, g: GraphEntry, scheme: Any, log: Log) -> No
         gguf = resolve_model(g.source_model).gguf_path
     except ModelNotFound:
         gguf = None  # a model given otherwise than by a known name: only the rtn grid applies
+    files = graph_files(src)
     info = quantize_graph(src, dst, scheme, gguf)
-    for f in (src, directory / (src.name + ".data")):
-        f.unlink(missing_ok=True)
+    for f in files:  # the graph's own: each graph of an export keeps its weights in its own file (gather_weights)
+        f.unlink()
     g.file, g.size_bytes, g.quantization = dst.name, info["size_bytes"], info
     log(f"  {dst.name}: {info['size_bytes'] / 2**20:.1f} MiB in {info['seconds']:.1f} s "
         f"({info['quantized_matmuls']} MatMuls quantized)")

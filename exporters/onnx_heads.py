@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from spec_plugins.graphs.manifest import GraphEntry
+from spec_plugins.exporters.onnx_verify import gather_weights
+from spec_plugins.graphs.manifest import GraphEntry, graph_files
 from spec_plugins.graphs.io import OPSET
 
 
@@ -134,9 +135,10 @@ def export_head(module: Any, path: str | Path, name: str, source_model: str, sou
                           output_names=[o["name"] for o in outs], dynamic_axes=axes, opset_version=opset,
                           dynamo=False)
     drop_noop_casts(path)
+    size = gather_weights(path)
     onnx.checker.check_model(str(path))
     return GraphEntry(name=name, kind=kind, file=path.name, source_model=source_model, dtype="float32", inputs=ins,
-                      outputs=outs, size_bytes=path.stat().st_size,
+                      outputs=outs, size_bytes=size,
                       export_seconds=round(time.perf_counter() - t0, 3), hidden_size=module.config.hidden_size,
                       vocab_size=vd, source_heads=source_heads)
 
@@ -151,7 +153,9 @@ def export_head_file(module: Any, path: str | Path) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-"))
     try:
         export_head(module, tmp / path.name, path.stem, "", None)
-        os.replace(tmp / path.name, path)
+        files = graph_files(tmp / path.name)
+        for f in files[1:] + files[:1]:  # the graph last: it appears with its weights in place
+            os.replace(f, path.parent / f.name)
     finally:
         import shutil
 
@@ -165,7 +169,8 @@ def drop_noop_casts(path: Path) -> int:
     a graph input") at any optimisation level above 'disable'. Returns how many were removed."""
     import onnx
 
-    model = onnx.shape_inference.infer_shapes(onnx.load(str(path)))
+    # weights stay where they are: a graph above 2 GiB keeps them in files of its own
+    model = onnx.shape_inference.infer_shapes(onnx.load(str(path), load_external_data=False))
     g = model.graph
     types = {v.name: v.type.tensor_type.elem_type for v in [*g.input, *g.value_info, *g.output]}
     types.update({t.name: t.data_type for t in g.initializer})

@@ -150,8 +150,33 @@ def export_verify_graph(model: Any, path: str | Path, opset: int = OPSET, featur
         warnings.simplefilter("ignore")  # tracer warnings about transformers' shape checks
         torch.onnx.export(wrapper, args, str(path), input_names=ins, output_names=outs, dynamic_axes=axes,
                           opset_version=opset, dynamo=False, do_constant_folding=True)
+    size = gather_weights(path)
     onnx.checker.check_model(str(path))  # by path: works above the 2 GB protobuf limit too
     seconds = time.perf_counter() - t0
-    size = path.stat().st_size + sum(f.stat().st_size for f in path.parent.glob(path.stem + ".onnx.data"))
     spec_in, spec_out = io_spec(shape, dname, tuple(feature_layers))
     return ExportResult(path, seconds, size, spec_in, spec_out, shape, dname, tuple(feature_layers))
+
+
+def gather_weights(path: Path) -> int:
+    """Keep graph ``path``'s external weights in one file, ``<file>.data``, and return the bytes
+    its files hold together (the manifest's ``size_bytes``). Above 2 GiB torch's exporter writes
+    each weight to a file of its own, named after the tensor: graphs exported into one directory
+    would overwrite each other's, and a graph whose weights sit in a file of its own name can be
+    replaced (the quantizer) without touching another's. A graph holding its weights, or already
+    in one ``<file>.data``, is left as it is."""
+    import onnx
+
+    from spec_plugins.graphs.manifest import graph_files
+
+    files = graph_files(path)
+    data = path.with_name(path.name + ".data")
+    if files[1:] not in ([], [data]):
+        model = onnx.load(str(path))  # with its weights
+        data.unlink(missing_ok=True)  # onnx appends to an existing data file
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=data.name)
+        for f in files[1:]:
+            if f != data:
+                f.unlink()
+        files = graph_files(path)
+    return sum(f.stat().st_size for f in files)

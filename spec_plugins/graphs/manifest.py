@@ -204,6 +204,33 @@ def external_data(model: Any) -> list[str]:
     return sorted({ExternalDataInfo(t).location for t in model.graph.initializer if uses_external_data(t)})
 
 
+def graph_files(file: Path) -> list[Path]:
+    """The files graph ``file`` consists of: itself, then the external data files its weights are
+    in (the exporters keep them in one, ``<file>.data``; torch's exporter writes a graph above
+    2 GiB one file a tensor). What an export sizes, and what replacing the graph deletes."""
+    return [file, *(file.parent / name for name in external_data(load_graph(file, str(file.parent))))]
+
+
+def unreadable_weights(file: Path) -> str | None:
+    """Why graph ``file``'s external weights cannot be read in full (a data file missing, or
+    shorter than a tensor it holds), or None: names the file where ONNX Runtime's own error on
+    loading such a graph is a bare ``Fail``."""
+    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+
+    for t in load_graph(file, str(file.parent)).graph.initializer:
+        if not uses_external_data(t):
+            continue
+        info = ExternalDataInfo(t)
+        data = file.parent / info.location
+        if not data.is_file():
+            return f"its weights file {info.location} does not exist in {file.parent}"
+        end = (info.offset or 0) + (info.length or 0)
+        if data.stat().st_size < end:
+            return (f"its weights file {data} holds {data.stat().st_size} bytes, but tensor {t.name} ends at byte "
+                    f"{end}: it was truncated or replaced")
+    return None
+
+
 def check_quantization(g: GraphEntry, model: Any, where: str) -> None:
     """The manifest's ``quantization`` says what the graph holds: a runtime takes it to decide
     whether one-position forwards need padding (``OnnxRuntime.pad_single``)."""

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+# the block sizes ONNX Runtime's blockwise quantizer (MLAS) takes; others fail inside it after export
+BLOCK_SIZES = (16, 32, 64, 128, 256)
+
 
 @dataclass(frozen=True)
 class QuantScheme:
@@ -18,8 +21,9 @@ class QuantScheme:
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
             raise ValueError(f"quantization bits must be 4 or 8, got {self.bits}")
-        if self.block_size < 16 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two >= 16, got {self.block_size}")
+        if self.block_size not in BLOCK_SIZES:
+            raise ValueError(f"block_size must be a power of two from {BLOCK_SIZES[0]} to {BLOCK_SIZES[-1]} (the sizes "
+                             f"ONNX Runtime's MatMulNBits quantizer takes), got {self.block_size}")
         if self.accuracy_level not in (0, 1, 2, 3, 4):
             raise ValueError(f"accuracy_level must be 0..4, got {self.accuracy_level}")
         if self.grid not in ("rtn", "gguf"):
