@@ -75,8 +75,20 @@ _EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0
 _UniqueKeyLoader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789."))
 
 
+def _json_text(text: str) -> bool:
+    """Whether ``text`` is a JSON object (a YAML flow mapping such as ``{a: 1}`` is not)."""
+    if not text.lstrip().startswith("{"):
+        return False
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
 def load_file(path: str | Path, what: str = "config") -> Any:
-    """A YAML or JSON file's data (JSON by its ``.json`` suffix) with no key named twice in a
+    """A YAML or JSON file's data (JSON by a ``.json`` suffix in any case, or by text that parses as
+    JSON: a pipe has no suffix, and YAML refuses JSON's tab indentation) with no key named twice in a
     mapping; a ``ConfigError`` naming ``what``, the file and, where the parser knows them, the
     line and column, for a file that is missing, unreadable, not UTF-8 or not valid."""
     path = Path(path)
@@ -86,7 +98,7 @@ def load_file(path: str | Path, what: str = "config") -> Any:
         raise ConfigError(f"{what} {path} is a directory, not a YAML/JSON file")
     try:
         text = path.read_text(encoding="utf-8")
-        if path.suffix == ".json":
+        if path.suffix.lower() == ".json" or _json_text(text):
             return json.loads(text, object_pairs_hook=unique_keys)
         return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except DuplicateKey as exc:
@@ -164,7 +176,7 @@ class RuntimeConfig(PluginConfig):
 
     backend: str = Field(description="Runtime name: torch, llamacpp, onnxruntime, tensorrt or a plugin.")
     model: str = Field(
-        description="Built-in model name (smollm2-135m-instruct, gemma-3-270m), a .gguf path or a transformers dir."
+        min_length=1, description="Built-in model name (smollm2-135m-instruct, gemma-3-270m), a .gguf path or a transformers dir."
     )
 
 

@@ -67,8 +67,11 @@ def resolve_model(name: str) -> ModelSource:
     """Built-in name, path to a .gguf file, or a local transformers directory."""
     if name in BUILTIN_MODELS:
         return BUILTIN_MODELS[name]()
+    if not name.strip():  # Path("") is the working directory: it would load whatever model sits there
+        raise ModelNotFound(f"the model name is empty: give a built-in ({', '.join(BUILTIN_MODELS)}), "
+                            "a .gguf file or a local transformers directory")
     p = Path(name).expanduser()
-    if p.suffix == ".gguf":
+    if p.suffix.lower() == ".gguf":
         if not p.is_file():
             raise ModelNotFound(f"GGUF file not found: {p}")
         return ModelSource(p.stem, p.parent.resolve(), p.name)

@@ -9,7 +9,7 @@ trees. Each is vectorised over the rows of one call and never leaves the logits'
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
@@ -28,12 +28,24 @@ def _token_id(key: Any) -> int:
     return token
 
 
+def bias_token_ids(keys: Iterable[Any]) -> list[int]:
+    """``logit_bias`` keys as token ids (``_token_id``), two keys naming one token ("5" and "05")
+    refused: their biases would add up past the per-token bound, or one would be lost."""
+    named: dict[int, Any] = {}  # token id -> the key that named it
+    for key in keys:
+        token = _token_id(key)
+        if token in named:
+            raise ValueError(f"logit_bias: keys {named[token]!r} and {key!r} both name token {token}; give each once")
+        named[token] = key
+    return list(named)
+
+
 class LogitBias:
     """OpenAI ``logit_bias``: a fixed amount added to chosen tokens' logits (-100 bans a token
     in practice, +100 all but forces it)."""
 
     def __init__(self, bias: Mapping[int, float], vocab: int) -> None:
-        ids = [_token_id(token) for token in bias]
+        ids = bias_token_ids(bias)
         for token, value in zip(ids, bias.values()):
             if not 0 <= token < vocab:
                 raise ValueError(f"logit_bias: token id {token} is outside the vocabulary (0..{vocab - 1})")

@@ -15,7 +15,7 @@ from typing import Any
 from spec_plugins.grammar import Compiled, GrammarError, GrammarLimits, GrammarSpec, RowGrammar, compile_grammar
 from spec_plugins.grammar import ll_tokenizer
 from spec_plugins.grammar.spec import from_tgi
-from spec_plugins.processors import FrequencyPresencePenalty, LogitBias, _token_id
+from spec_plugins.processors import FrequencyPresencePenalty, LogitBias, _token_id, bias_token_ids
 from spec_plugins.server.body import offload
 from spec_plugins.server.schemas import ApiError
 
@@ -82,20 +82,14 @@ def openai_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
         raise ValueError("`logit_bias` must be an object mapping token ids to biases")
     if len(value) > 300:
         raise ValueError(f"`logit_bias` takes at most 300 tokens, got {len(value)}")
-    keys: dict[int, str] = {}  # token id -> the key that named it
-    out = []
     for k, v in value.items():
         try:
-            token = _token_id(k)
+            _token_id(k)
         except ValueError:
             raise ValueError(f"`logit_bias` keys must be decimal token ids (ASCII digits), got {k!r}") from None
-        if token in keys:
-            raise ValueError(f"`logit_bias` keys {keys[token]!r} and {k!r} both name token {token}; give each once")
-        keys[token] = k
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
             raise ValueError(f"`logit_bias` of token {k} must be a number between -100 and 100, got {v!r}")
-        out.append((token, float(v)))
-    return tuple(out)
+    return tuple(zip(bias_token_ids(value), map(float, value.values())))
 
 
 def check_penalty(name: str, v: float | None) -> float | None:
