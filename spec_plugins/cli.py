@@ -8,9 +8,12 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
+
+if TYPE_CHECKING:
+    from spec_plugins.stats import DecodeStats
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Exact speculative decoding: generate, bench, train, export, serve.")
@@ -144,7 +147,7 @@ def generate(
         sys.stdout.write("\n")
         typer.secho(
             f"[{len(toks)} tokens, {s.tokens_per_second:.1f} tok/s, {s.target_forwards} target forwards, "
-            f"mean accepted {s.mean_accepted_tokens:.2f}, acceptance {s.acceptance_rate:.2%}, finish: {reason}"
+            f"mean accepted {s.mean_accepted_tokens:.2f}, {_acceptance(s)}, finish: {reason}"
             + (f", forced {s.forced_tokens}" if grammar is not None else "") + "]",
             err=True, fg=typer.colors.CYAN)
     if error is not None:  # the output ended early: say why (a grammar with no way on, a failed sampling)
@@ -169,6 +172,14 @@ def _grammar(json_schema: Optional[Path], regex: Optional[str]) -> Any:
     except UnicodeDecodeError as exc:  # JSON files are UTF-8 (RFC 8259)
         fail(f"--json-schema {json_schema}: not UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
              "JSON files must be UTF-8")
+
+
+def _acceptance(s: DecodeStats) -> str:
+    """The acceptance summary line's part: a rate only where something was drafted (the policy may
+    draft nothing: 0% would read as every draft rejected)."""
+    if not s.draft_tokens:
+        return "nothing drafted"
+    return f"acceptance {s.acceptance_rate:.2%} of {s.draft_tokens} drafted"
 
 
 def _tune_hint(config: Optional[Path]) -> None:

@@ -80,3 +80,16 @@ def test_two_keys_naming_one_token_are_refused_not_summed():
     bias = LogitBias({5: 100.0, "6": -100.0}, vocab=10)
     out = bias(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 10))
     assert out[0, 5] == 100.0 and out[0, 6] == -100.0 and out[0, :5].abs().sum() == 0
+
+
+def test_the_generate_summary_says_nothing_was_drafted_rather_than_zero_acceptance():
+    """``spec-plugins generate``'s summary: a policy that drafted nothing is no 0% acceptance."""
+    from spec_plugins.cli import _acceptance
+    from spec_plugins.stats import DecodeStats
+
+    none = DecodeStats()
+    none.observe_round([], 0, 1)
+    assert _acceptance(none) == "nothing drafted"
+    some = DecodeStats()
+    some.observe_round([1, 1, 1, 1], 2, 3)
+    assert _acceptance(some) == "acceptance 50.00% of 4 drafted"
