@@ -23,7 +23,11 @@ ends that row with ``error``, naming the cause, not as a finished output (the to
 refused one are still emitted: ``loop.rows.Row.emit``). llguidance does not always see such a
 state up front: inside a JSON string whose pattern no token can go on with (``"ab`` under
 ``^abz$``), its mask allows the closing quote, which its parser then refuses; ``advance`` names
-that cause too, where no token the mask allows can be consumed.
+that cause too, where no token the mask allows can be consumed. A token refused on one of
+llguidance's complexity limits (its lexer's: then it consumes nothing more) is named as that limit.
+
+Every matcher of a row is a copy of its ``Compiled.origin``, so all of them (and the other rows of
+that compiled grammar) share the lexer llguidance builds lazily: ``compile_grammar`` built it.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from spec_plugins.grammar.spec import _CAUSES, Compiled, GrammarError, error_of
+from spec_plugins.grammar.spec import _CAUSES, Compiled, GrammarError, error_of, too_complex
 
 ALL = -1  # an int32 word with every bit set: 32 tokens allowed
 
@@ -124,10 +128,14 @@ class RowGrammar:
         return len(tokens)
 
     def _refusal(self, before: Sequence[int]) -> str:
-        """Why the matcher refused the token after the committed tokens and ``before``: where no
-        token the mask there allows can be consumed, the grammar has no way on (module docstring),
-        else llguidance's error. The state is rebuilt by replaying the tokens from the origin (a
-        matcher in error cannot roll back): only a failing row pays for it."""
+        """Why the matcher refused the token after the committed tokens and ``before``: one of
+        llguidance's complexity limits, named as such (its lexer then refuses every token, which
+        is no fault of the vocabulary); where no token the mask there allows can be consumed, the
+        grammar has no way on (module docstring); else llguidance's error. The state is rebuilt by
+        replaying the tokens from the origin (a matcher in error cannot roll back): only a failing
+        row pays for it."""
+        if too_complex(self.matcher):
+            return error_of(self.matcher)
         state = self.origin()
         if not state.consume_tokens(self.tokens + list(map(int, before))) or state.is_accepting():
             return error_of(self.matcher)

@@ -1,11 +1,11 @@
 """What a round does for rows with a grammar: forced tokens drafted ahead, every node masked.
 
 1. ``forced``: before drafting, each constrained row's forced tokens (the grammar allows one
-   continuation) within its room. A proposer that drafts from the sequence alone (n-gram, suffix
-   over a request, no proposer at all) then drafts on from the sequence plus them, and ``splice``
-   puts them ahead of its chain: the target under the grammar accepts them with probability 1,
-   so they are free tokens, not guesses. A proposer with per-row state (a draft model's cache,
-   EAGLE's features) or a tree drafter is not spliced into: its rows are still masked exactly.
+   continuation) within its room, where the proposer ``continues_ahead`` (n-gram) or there is
+   none: it drafts on from the sequence plus them, and ``splice`` puts them ahead of its chain;
+   the target under the grammar accepts them with probability 1, so they are free tokens, not
+   guesses. Any other proposer (suffix, a draft model, EAGLE, a tree drafter) gets no forced
+   tokens drafted ahead: its rows are still masked exactly.
 2. ``round_masks``: the bitmask of every node of the round (root and drafted), built on the host
    where the drafted tokens are (a device-drafted tree is read once for it: the grammar runs on
    the CPU), and copied to the logits' device without a sync.

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
-from typing import Any, Literal, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping, Sequence
+
+import numpy as np
 
 Kind = Literal["json_schema", "json_object", "regex", "lark"]
 KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "lark")
@@ -90,27 +92,29 @@ class GrammarSpec:
 
 @dataclass(frozen=True)
 class Compiled:
-    """A checked grammar for one tokenizer: what each row's matcher is built from."""
+    """A checked grammar for one tokenizer: what each row's matcher is built from.
+
+    ``origin``: a matcher at the grammar's start that is never advanced nor masked. Copies of it
+    share its lexer, which llguidance builds lazily (on the first mask): ``compile_grammar`` pays
+    that build once, inside ``GrammarLimits.max_compile_ms``, and every row copies the warm one."""
 
     spec: GrammarSpec
     grammar: str
     tokenizer: Any  # llguidance.LLTokenizer
     limits: Any  # llguidance.LLParserLimits
     compile_ms: float
+    origin: Any = field(repr=False, compare=False)  # llguidance.LLMatcher
 
     def matcher(self) -> Any:
-        import llguidance
-
-        m = llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0, limits=self.limits)
-        if m.is_error():
-            raise GrammarError(f"grammar rejected: {error_of(m)}")
-        return m
+        """A fresh matcher at the grammar's start, for a row (rows on any thread: ``origin`` is only
+        copied, never changed)."""
+        return self.origin.deep_copy()
 
 
 def compile_grammar(spec: GrammarSpec, tokenizer: Any, limits: GrammarLimits = GrammarLimits()) -> Compiled:
     """``spec`` checked for ``tokenizer`` (an ``llguidance.LLTokenizer``, see
-    ``grammar.tokenizer``): valid, within ``limits``, and able to match at least one output.
-    Raises ``GrammarError`` naming the problem."""
+    ``grammar.tokenizer``): valid, within ``limits`` and llguidance's own complexity limits, and
+    able to match at least one output. Raises ``GrammarError`` naming the problem."""
     import llguidance
 
     t0 = time.perf_counter()
@@ -121,24 +125,59 @@ def compile_grammar(spec: GrammarSpec, tokenizer: Any, limits: GrammarLimits = G
     message = llguidance.LLMatcher.validate_grammar(text, tokenizer, limits=ll_limits)
     if message and not message.startswith("WARNING"):
         raise GrammarError(f"invalid {spec.kind.replace('_', ' ')}: {_first_line(message)}")
-    compiled = Compiled(spec, text, tokenizer, ll_limits, 0.0)
-    m = compiled.matcher()
-    mask = m.compute_bitmask()
+    origin = llguidance.LLMatcher(tokenizer, text, log_level=0, limits=ll_limits)
+    if origin.is_error():
+        raise GrammarError(f"grammar rejected: {error_of(origin)}")
+    probe = origin.deep_copy()  # masks are computed on copies (grammar.matcher.mask_of says why)
+    mask = probe.compute_bitmask()  # builds the lexer every copy of origin shares
+    step = None if probe.is_error() else _first_step(origin, mask, tokenizer.eos_tokens)
     ms = (time.perf_counter() - t0) * 1e3
     if ms > limits.max_compile_ms:
         raise GrammarError(f"the grammar took {ms:.0f} ms to compile; the limit is {limits.max_compile_ms:.0f} ms")
-    if m.is_error() or not any(mask):
+    for m in (probe, step):
+        if m is not None and too_complex(m):
+            raise GrammarError(f"{TOO_COMPLEX}, met on its first token ({_first_line(m.get_error())})")
+    if probe.is_error() or not any(mask):
         raise GrammarError("the grammar cannot match any output: no token of this model's vocabulary can start it"
-                           + (f" ({_first_line(m.get_error())})" if m.is_error() else ""))
-    return Compiled(spec, text, tokenizer, ll_limits, ms)
+                           + (f" ({_first_line(probe.get_error())})" if probe.is_error() else ""))
+    return Compiled(spec, text, tokenizer, ll_limits, ms, origin)
+
+
+def _first_step(origin: Any, mask: bytes, eos: Sequence[int]) -> Any:
+    """A copy of ``origin`` that consumed the first token ``mask`` allows other than end of
+    sequence, as a row's first step does after its first mask; None where the grammar allows only
+    end of sequence there (it matches the empty output only). llguidance meets some of its lexer
+    limits only here: the mask allows a token its lexer then cannot consume."""
+    bits = np.unpackbits(np.frombuffer(mask, np.uint8), bitorder="little")
+    ends = {int(e) for e in eos}
+    token = next((int(t) for t in np.flatnonzero(bits) if int(t) not in ends), None)
+    if token is None:
+        return None
+    step = origin.deep_copy()
+    step.consume_token(token)
+    return step
 
 
 _CAUSES = {"NoExtensionBias": "no token of this model's vocabulary can continue the grammar here"}
+TOO_COMPLEX = "the grammar is too complex for llguidance's limits"
+# llguidance's complexity limits as its errors name them (its stop reason does not tell them apart:
+# ``stop_reason()`` reads InternalError, and its error text's ``Stop:`` says ParserTooComplex for a
+# plain parse error too)
+_LIMIT_ERRORS = ("lexer error:", "too many items (limit", "fuel exhausted")
+
+
+def too_complex(matcher: Any) -> bool:
+    """Whether ``matcher`` stopped on one of llguidance's complexity limits (its lexer's or its
+    parser's: a cost of the grammar, not a token the vocabulary lacks)."""
+    line = _first_line(matcher.get_error()).lower() if matcher.is_error() else ""
+    return any(m in line for m in _LIMIT_ERRORS)
 
 
 def error_of(matcher: Any) -> str:
     """Why an llguidance matcher is in error, in one line (a terse stop reason explained)."""
     line = _first_line(matcher.get_error())
+    if too_complex(matcher):
+        return f"{TOO_COMPLEX} (llguidance: {line})"
     return f"{_CAUSES[line]} (llguidance: {line})" if line in _CAUSES else line
 
 
