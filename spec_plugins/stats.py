@@ -290,5 +290,8 @@ def judged_depth(accepted: int, kept: int, depths: int) -> int:
     part of its ``accepted`` path, plus the depth after it, which rejected the path, when the
     output holds the whole path and the draft went deeper. An output that cut the path (``kept <
     accepted``: an end-of-sequence token, the token limit, a grammar, a stop string) holds no
-    rejection, so the depths it cut count as neither accepted nor judged."""
+    rejection, so the depths it cut count as neither accepted nor judged. Exact for chains; a tree
+    is seen by its depth counts only, so its depth after the path counts as judged whenever any
+    branch reached it, even below an accepted leaf (an upper bound: the bench's theory takes chain
+    runs only)."""
     return kept if kept < accepted else min(kept + 1, depths)

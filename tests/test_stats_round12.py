@@ -115,3 +115,36 @@ def test_judged_counts_merge_serialise_and_default_for_existing_callers():
     assert s.to_dict()["judged_tokens"] == 5 and s.to_dict()["judged_acceptance"] == pytest.approx(0.8)
     summary = _report(s)["summary"]["ours_k4"]["all"]["stats"]
     assert summary["judged_tokens"] == 5 and summary["judged_acceptance"] == pytest.approx(0.8)
+
+
+def _tree_stats() -> DecodeStats:
+    """Rounds of a two-wide tree (two nodes at each of two depths), one accepted node each: no
+    chain, so the chain formula has no alpha to take from it."""
+    s = DecodeStats()
+    for _ in range(10):
+        s.row_rounds += 1
+        s.target_forwards += 1
+        s.observe_round([2, 2], 1, 2)
+    s.time_total = 1.0
+    return s
+
+
+def test_theory_alpha_leaves_tree_runs_out_and_the_table_shows_no_rate_where_nothing_was_drafted():
+    """S(gamma) models chains: a tree run's judged depths count a rejection below any deeper
+    branch, so its alpha would read low; with only tree runs there is no theory table. A run that
+    drafted nothing shows no acceptance rate ("–"), not 0%."""
+    from spec_plugins.bench.report import has_theory, markdown
+
+    rep = _report(_tree_stats())
+    assert rep["theory"]["alpha_from"] == [] and not has_theory(rep)
+    assert "Measured speedup against theory" not in markdown(rep)
+    chain, _, _ = _iid_rounds()
+    rep = _report(chain)
+    assert rep["theory"]["alpha_from"] == ["ours_k4"] and has_theory(rep)
+    idle = DecodeStats()
+    idle.observe_round([], 0, 1)
+    idle.row_rounds, idle.target_forwards, idle.time_total = 1, 1, 1.0
+    lines = markdown(_report(idle)).splitlines()
+    row = next(line for line in lines if line.startswith("| `ours_k4`")).split("|")
+    head = next(line for line in lines if "| acceptance |" in line).split("|")
+    assert row[[c.strip() for c in head].index("acceptance")].strip() == "–"

@@ -7,7 +7,7 @@ different tokens (sampling; ``auto``, whose costs and sizer carry across runs). 
 statistics (forwards, acceptance, time shares) pool every run, so they describe the same runs as
 the rate; their counts go with the sums of ``tokens_runs`` and ``seconds_runs``. Speedup is
 tokens/s over plain's. The theoretical S(gamma) = (1 - a^(g+1)) / ((1 - a)(1 + g c)) uses the
-per-token acceptance a of our fixed-gamma runs (accepted over judged depths, pooled:
+per-token acceptance a of our fixed-gamma chain runs (accepted over judged depths, pooled:
 ``DecodeStats.judged_acceptance``; accepted over drafted would count the depths past a rejection,
 never judged, as rejected) and the measured draft cost ratio c; a second curve divides by the
 measured verify cost T(g+1)/T(1) instead of 1, which is what a CPU sees.
@@ -161,9 +161,11 @@ def build_report(raw: dict, meta: dict[str, Any], tokenizer: Any = None) -> dict
                                  "auto_tokens_per_s": a, "auto_over_best": a / b if b else None}
 
     cost = raw["cost_model"]
-    # the per-token acceptance the formula assumes: accepted over judged depths, pooled
-    judged = sum(summary[m.name]["all"]["stats"]["judged_tokens"] for m in ours_fixed)
-    accepted = sum(summary[m.name]["all"]["stats"]["accepted_tokens"] for m in ours_fixed)
+    # the per-token acceptance the formula assumes: accepted over judged depths, pooled over the
+    # runs that drafted chains (the formula's model; a tree's judged depths are an upper bound)
+    chains = [m for m in ours_fixed if drafts_chains(summary[m.name]["all"]["stats"])]
+    judged = sum(summary[m.name]["all"]["stats"]["judged_tokens"] for m in chains)
+    accepted = sum(summary[m.name]["all"]["stats"]["accepted_tokens"] for m in chains)
     alpha = accepted / judged if judged else 0.0
     c = cost["draft_cost_ratio"]
     rel = cost["target_relative"]
@@ -174,7 +176,8 @@ def build_report(raw: dict, meta: dict[str, Any], tokenizer: Any = None) -> dict
         "gammas": gammas,
         "ideal": [theoretical_speedup(alpha, g, c) for g in gammas],
         "with_verify_cost": [theoretical_speedup(alpha, g, c, rel[min(g, len(rel) - 1)]) for g in gammas],
-        "measured": {str(m.gamma): summary[m.name]["all"]["speedup"] for m in ours_fixed},
+        "alpha_from": [m.name for m in chains],
+        "measured": {str(m.gamma): summary[m.name]["all"]["speedup"] for m in chains},
         "measured_auto": summary[auto.name]["all"]["speedup"] if auto is not None else None,
     }
 
@@ -247,7 +250,7 @@ def markdown(report: dict) -> str:
         cells += [_f(r.get(f"vs_{p}")) + "×" for p in peers]
         if s is not None:
             sh = s["time_share"]
-            cells += [_f(s["mean_accepted_tokens"]), _f(s["acceptance_rate"], "{:.0%}"), _f(sh["draft"], "{:.1%}"),
+            cells += [_f(s["mean_accepted_tokens"]), _f(s["acceptance_rate"] if s["draft_tokens"] else None, "{:.0%}"), _f(sh["draft"], "{:.1%}"),
                       _f(sh["verify"], "{:.1%}"), _f(sh["other"] + sh["cache"], "{:.1%}")]
         else:
             cells += ["–"] * 5
@@ -290,9 +293,9 @@ def markdown(report: dict) -> str:
     if report.get("target_kernels"):
         L += [f"Target matmul kernels (measured at load, `matmul: auto`): {report['target_kernels']['choice']}.", ""]
     th = report["theory"]
-    if has_theory(report):  # without fixed-γ runs there is no α to put into the formula
+    if has_theory(report):  # without fixed-γ chain runs there is no α to put into the formula
         L += ["## Measured speedup against theory", "",
-              f"α = {th['alpha']:.3f} (per-token acceptance of fixed-γ runs: accepted / judged drafted tokens), "
+              f"α = {th['alpha']:.3f} (per-token acceptance of the fixed-γ chain runs: accepted / judged drafted tokens), "
               f"c = {th['c']:.3f}", "",
               "| γ | S(γ) ideal | S(γ) with measured verify cost | measured |", "|---|---|---|---|"]
         for g, a, b in zip(th["gammas"], th["ideal"], th["with_verify_cost"]):
@@ -304,6 +307,13 @@ def markdown(report: dict) -> str:
     return "\n".join(L)
 
 
+def drafts_chains(stats: dict | None) -> bool:
+    """Whether a method's pooled stats (``_stats_summary``) drafted chains only: one node per depth
+    per row-round that drafted it, the draft the formula S(γ) describes."""
+    return stats is not None and stats["draft_tokens"] > 0 and stats["drafted_by_position"] == stats["rows_by_position"]
+
+
 def has_theory(report: dict) -> bool:
-    """Whether the run measured any fixed γ (the theory table and plot need its pooled α)."""
+    """Whether the run measured any fixed γ drafting chains (the theory table and plot need their
+    pooled α)."""
     return any(v is not None for v in report["theory"].get("measured", {}).values())
