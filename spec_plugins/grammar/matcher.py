@@ -25,9 +25,6 @@ state up front: inside a JSON string whose pattern no token can go on with (``"a
 ``^abz$``), its mask allows the closing quote, which its parser then refuses; ``advance`` names
 that cause too, where no token the mask allows can be consumed. A token refused on one of
 llguidance's complexity limits (its lexer's: then it consumes nothing more) is named as that limit.
-
-Every matcher of a row is a copy of its ``Compiled.origin``, so all of them (and the other rows of
-that compiled grammar) share the lexer llguidance builds lazily: ``compile_grammar`` built it.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Sequence
 
 import numpy as np
@@ -92,23 +92,24 @@ class GrammarSpec:
 
 @dataclass(frozen=True)
 class Compiled:
-    """A checked grammar for one tokenizer: what each row's matcher is built from.
-
-    ``origin``: a matcher at the grammar's start that is never advanced nor masked. Copies of it
-    share its lexer, which llguidance builds lazily (on the first mask): ``compile_grammar`` pays
-    that build once, inside ``GrammarLimits.max_compile_ms``, and every row copies the warm one."""
+    """A checked grammar for one tokenizer: what each row's matcher is built from. Each row builds
+    its own (copies of one matcher share its lexer, its limits' budget and a limit error once met:
+    one row's heavy path would fail the others)."""
 
     spec: GrammarSpec
     grammar: str
     tokenizer: Any  # llguidance.LLTokenizer
     limits: Any  # llguidance.LLParserLimits
     compile_ms: float
-    origin: Any = field(repr=False, compare=False)  # llguidance.LLMatcher
 
     def matcher(self) -> Any:
-        """A fresh matcher at the grammar's start, for a row (rows on any thread: ``origin`` is only
-        copied, never changed)."""
-        return self.origin.deep_copy()
+        """A fresh matcher at the grammar's start, for a row."""
+        import llguidance
+
+        m = llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0, limits=self.limits)
+        if m.is_error():
+            raise GrammarError(f"grammar rejected: {error_of(m)}")
+        return m
 
 
 def compile_grammar(spec: GrammarSpec, tokenizer: Any, limits: GrammarLimits = GrammarLimits()) -> Compiled:
@@ -129,7 +130,7 @@ def compile_grammar(spec: GrammarSpec, tokenizer: Any, limits: GrammarLimits = G
     if origin.is_error():
         raise GrammarError(f"grammar rejected: {error_of(origin)}")
     probe = origin.deep_copy()  # masks are computed on copies (grammar.matcher.mask_of says why)
-    mask = probe.compute_bitmask()  # builds the lexer every copy of origin shares
+    mask = probe.compute_bitmask()
     step = None if probe.is_error() else _first_step(origin, mask, tokenizer.eos_tokens)
     ms = (time.perf_counter() - t0) * 1e3
     if ms > limits.max_compile_ms:
@@ -140,14 +141,15 @@ def compile_grammar(spec: GrammarSpec, tokenizer: Any, limits: GrammarLimits = G
     if probe.is_error() or not any(mask):
         raise GrammarError("the grammar cannot match any output: no token of this model's vocabulary can start it"
                            + (f" ({_first_line(probe.get_error())})" if probe.is_error() else ""))
-    return Compiled(spec, text, tokenizer, ll_limits, ms, origin)
+    return Compiled(spec, text, tokenizer, ll_limits, ms)
 
 
 def _first_step(origin: Any, mask: bytes, eos: Sequence[int]) -> Any:
-    """A copy of ``origin`` that consumed the first token ``mask`` allows other than end of
-    sequence, as a row's first step does after its first mask; None where the grammar allows only
-    end of sequence there (it matches the empty output only). llguidance meets some of its lexer
-    limits only here: the mask allows a token its lexer then cannot consume."""
+    """A copy of ``origin`` that consumed one first token: the lowest id ``mask`` allows other than
+    end of sequence (a probe, not every way in: another first token may still meet a limit later,
+    which the row then names); None where the grammar allows only end of sequence there (it
+    matches the empty output only). llguidance meets some of its lexer limits only here: the mask
+    allows a token its lexer then cannot consume."""
     bits = np.unpackbits(np.frombuffer(mask, np.uint8), bitorder="little")
     ends = {int(e) for e in eos}
     token = next((int(t) for t in np.flatnonzero(bits) if int(t) not in ends), None)
