@@ -54,7 +54,7 @@ def wire(runtime: Any, section: Any, proposer: Any = None, costs: Costs | None =
 
 def _checked_section(proposer: Any, section: Any) -> ProposerConfig | None:
     """The section a proposer instance's draft policy is built from (``section``, else its own
-    ``config``): a ``ProposerConfig`` (its class's ``Config``) or None (the policy's defaults),
+    ``config``): a ``ProposerConfig`` (its class's ``Config``) or None (``build_policy``'s default length),
     refused naming the proposer class where it is anything else, rather than failing on a missing
     field deep inside the policy."""
     section = getattr(proposer, "config", None) if section is None else section

@@ -156,7 +156,8 @@ def drafting_cost(costs: Costs, proposer: Any) -> DraftCost:
 
 def build_policy(section: Any, proposer: Any, costs: Costs | None = None, sizer: TreeSizer | None = None,
                  length: Length = "config", defaults: PolicyDefaults = DEFAULTS) -> DraftPolicy:
-    """The policy of a proposer section (``None``: plain decoding).
+    """The policy of a proposer section (no proposer: plain decoding; a proposer without a
+    section, an instance built without its config: ``defaults.fixed_k`` a round).
 
     ``length="config"``: ``num_draft_tokens: auto`` -> ``AutoDraftLength`` up to ``defaults.max_k``
     (the depth, its drafting cost included, is chosen each round); a fixed length is drafted as
@@ -168,8 +169,10 @@ def build_policy(section: Any, proposer: Any, costs: Costs | None = None, sizer:
     would be what the cut kept, which a stale calibration keeps small, so a skipped drafter could
     not tell when the text turned its way again. ``costs`` must come from ``setup_costs`` when anything is priced; ``sizer``: a
     long-lived one whose calibrations carry across generations (a decoder's, a loaded model's)."""
-    if proposer is None or section is None:
+    if proposer is None:
         return DraftPolicy(FixedLength(0), sizer, costs)
+    if section is None:  # an instance built without its config section: the default length, not none
+        return DraftPolicy(FixedLength(defaults.fixed_k), sizer, costs)
     k = section.num_draft_tokens
     priced = wants_costs(section, length)
     if priced and costs is None:
