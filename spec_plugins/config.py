@@ -76,14 +76,19 @@ _UniqueKeyLoader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOA
 
 
 def _json_text(text: str) -> bool:
-    """Whether ``text`` is a JSON object (a YAML flow mapping such as ``{a: 1}`` is not)."""
+    """Whether ``text`` is a JSON object (a YAML flow mapping such as ``{a: 1}`` is not; nor is
+    text with ``NaN``/``Infinity``, which JSON lacks and YAML reads as it always did)."""
     if not text.lstrip().startswith("{"):
         return False
     try:
-        json.loads(text)
-    except json.JSONDecodeError:
+        json.loads(text, parse_constant=_not_json)
+    except ValueError:  # json.JSONDecodeError too
         return False
     return True
+
+
+def _not_json(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
 
 
 def load_file(path: str | Path, what: str = "config") -> Any:

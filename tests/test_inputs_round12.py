@@ -47,6 +47,8 @@ def test_json_text_keeps_its_duplicate_key_refusal_and_yaml_flow_mappings_stay_y
     flow = tmp_path / "flow.yaml"
     flow.write_text("{a: 1, b: [x, y]}")
     assert load_file(flow) == {"a": 1, "b": ["x", "y"]}
+    flow.write_text('{"a": NaN}')  # not JSON: YAML's reading, as before
+    assert load_file(flow) == {"a": "NaN"}
 
 
 def test_an_upper_case_gguf_suffix_names_a_gguf_file(tmp_path):
