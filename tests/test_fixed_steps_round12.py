@@ -16,7 +16,7 @@ from spec_plugins.backends.torch_runtime import TorchRuntime, selects_static
 from spec_plugins.backends.torch_static import ROW_BUCKETS, StaticTorchRuntime
 from test_batch import drive
 
-from spec_plugins.fixed_steps import FixedSteps
+from spec_plugins.fixed_steps import FixedSteps, bucket
 from spec_plugins.loop import Batch
 from spec_plugins.policy import FixedLength
 from spec_plugins.types import RowRequest
@@ -41,6 +41,35 @@ def _record_compiles(monkeypatch) -> dict:
 
     monkeypatch.setattr(torch, "compile", fake_compile)
     return seen
+
+
+def _check_padded_calls(monkeypatch) -> list[tuple[int, int]]:
+    """Check every row-bucketed call (``FixedSteps._padded_call``) against the same function run
+    eagerly on the unpadded rows, as it runs: padding must change no real row's outputs, which the
+    greedy output alone cannot show (the exact verifier keeps it whatever the drafts are). Returns
+    each call's (rows, bucket), so a test can see that padding happened."""
+    calls: list[tuple[int, int]] = []
+    padded_call = FixedSteps._padded_call
+
+    def checked(self: FixedSteps, args: tuple) -> object:
+        out = padded_call(self, args)
+        rows = next(a for a in args if isinstance(a, torch.Tensor)).shape[0]
+        calls.append((rows, bucket(rows, self.row_buckets)))
+        got, ref = _as_tuple(out), _as_tuple(self.fn(*args))
+        name = getattr(self.fn, "__qualname__", type(self.fn).__name__)
+        assert len(got) == len(ref), (name, len(got), len(ref))
+        for i, (a, b) in enumerate(zip(got, ref)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4,
+                                       msg=lambda m, i=i: f"{name} output {i}, {calls[-1]} (rows, bucket): {m}")
+        return out
+
+    monkeypatch.setattr(FixedSteps, "_padded_call", checked)
+    return calls
+
+
+def _as_tuple(out: object) -> tuple:
+    """A step's outputs as a tuple (a single tensor is one output)."""
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
 def _serve(kind: str, tmp_path) -> tuple[dict, list[RowRequest], object]:
@@ -69,11 +98,14 @@ def test_drafter_fixed_steps_see_only_the_verify_steps_row_buckets(kind, tmp_pat
 
 
 @pytest.mark.parametrize("kind", ["eagle-tree", "medusa-tree", "parallel-tree"])
-def test_padded_drafter_steps_keep_greedy_output(kind, tmp_path, monkeypatch):
-    """Padded to row buckets, the drafts still give plain greedy decoding's tokens for every row
-    (padded rows are copies of row 0, cut off: they change no real row's draft)."""
+def test_padded_drafter_steps_equal_eager_steps_and_keep_greedy_output(kind, tmp_path, monkeypatch):
+    """Padded to row buckets, every drafter step's outputs equal the same step run eagerly on the
+    real rows (padded rows are copies of row 0, cut off: they change no real row's draft), and every
+    row's output is plain greedy decoding's."""
+    calls = _check_padded_calls(monkeypatch)
     seen = _record_compiles(monkeypatch)
     outs, reqs, model = _serve(kind, tmp_path)
+    assert any(rows < padded for rows, padded in calls), f"no call was padded: {calls}"
     for r in reqs:
         assert outs[r.key] == plain_greedy(model, r.prompt, r.max_new_tokens), (kind, r.key)
     assert len(seen) >= 2  # the drafter's step ran through the (recorded) compiled path
@@ -140,9 +172,11 @@ def test_auto_transposed_with_kv_auto_is_accepted_on_either_host(monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compile: graphs captures CUDA graphs; no CUDA device here")
 @pytest.mark.parametrize("kind", ["eagle-tree", "medusa-tree"])
-def test_captured_drafter_steps_use_row_buckets_and_keep_greedy_output(kind, tmp_path):
+def test_captured_drafter_steps_use_row_buckets_and_keep_greedy_output(kind, tmp_path, monkeypatch):
     """``compile: graphs`` with rows joining and leaving: the drafter's captured graphs are keyed by
-    bucketed row counts only, and every row's output is plain greedy decoding's."""
+    bucketed row counts only, each padded replay's outputs equal the step run eagerly on the real
+    rows, and every row's output is plain greedy decoding's."""
+    calls = _check_padded_calls(monkeypatch)
     model = tiny_llama(seed=3, sharpness=2.0)
     heads = save_random_heads(model, tmp_path)
     model = model.to("cuda")
@@ -151,6 +185,7 @@ def test_captured_drafter_steps_use_row_buckets_and_keep_greedy_output(kind, tmp
     batch = Batch(rt, prop, ExactVerifier())
     reqs = [RowRequest(i, PROMPTS[i % len(PROMPTS)], n) for i, n in enumerate(LIMITS)]
     outs = drive(batch, FixedLength(4), {r: [reqs[i] for i in keys] for r, keys in SCHEDULE.items()})
+    assert any(rows < padded for rows, padded in calls), f"no call was padded: {calls}"
     for r in reqs:
         assert outs[r.key] == plain_greedy(model, r.prompt, r.max_new_tokens), (kind, r.key)
     step = prop._draft_step if kind.startswith("eagle") else prop.run_heads
