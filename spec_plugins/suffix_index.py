@@ -11,8 +11,10 @@ Work per token is O(D) with D fixed (24 by default), independent of the context 
 
 ``GlobalIndex`` holds finished requests under a token cap (and optionally a node cap), evicting
 the oldest first; removing a request decrements the counts along its suffixes and drops nodes
-that reach zero (their ids are reused), so memory follows the caps. Nodes are ids into flat lists,
-not objects: the garbage collector never walks them one by one, and an index of millions of nodes
+that reach zero (their ids are reused, and a trie whose free ids outnumber its live nodes is
+renumbered densely), so each trie's storage follows its live nodes, never its peak, and memory
+follows the caps, however many tenants once filled them. Nodes are ids into flat lists, not
+objects: the garbage collector never walks them one by one, and an index of millions of nodes
 adds nothing to its passes on the decode thread. A token adds up to ``depth`` nodes; the node cap
 bounds memory directly (the bytes per token are in ``docs/proposers.md``).
 """
@@ -25,6 +27,7 @@ from types import MappingProxyType
 from typing import Hashable, Iterable, Mapping, Sequence
 
 ROOT = 0  # every trie's root node id
+COMPACT_FLOOR = 1024  # storage slots below which a trie is never compacted (not worth a pass)
 _NONE: Mapping[int, int] = MappingProxyType({})
 
 
@@ -34,7 +37,9 @@ class Trie:
     Nodes are int ids (the root is ``ROOT``) into flat per-trie lists, so the garbage collector
     sees a handful of lists per trie, never a node: ``_count[n]``, ``_tok[n]`` (the token on the
     edge into n) and ``_kids[n]``: None (a leaf), an int (the only child, stored inline) or a
-    dict token -> child id (a dict of ints is never GC-tracked). Freed ids are reused."""
+    dict token -> child id (a dict of ints is never GC-tracked). Freed ids are reused, and a
+    removal that leaves more free ids than live ones renumbers the live nodes densely
+    (``_compact``): a trie that once held many nodes does not keep that storage."""
 
     def __init__(self, depth: int) -> None:
         self.depth = depth
@@ -133,6 +138,34 @@ class Trie:
                 if count[n] <= 0 and self.child(parent, t) == n:
                     self._unlink(parent, t)
                     self._free_subtree(n)
+        if len(self._count) > COMPACT_FLOOR and 2 * len(self._free) > len(self._count):
+            self._compact()
+
+    def _compact(self) -> None:
+        """Renumber the live nodes densely, breadth-first from the root, into new lists (the old
+        ones, sized by the trie's peak, are released). Counts, tokens and each node's child order
+        are kept, so drafts read from the trie are unchanged. Run once free ids outnumber live
+        ones: the O(live) pass is paid for by the more than as many frees since the last one.
+        Only ``remove`` calls it, which bumps ``version``: cursors drop the old ids."""
+        count, tok, kids = self._count, self._tok, self._kids
+        new_count, new_tok, new_kids = [count[ROOT]], [tok[ROOT]], [kids[ROOT]]
+
+        def adopt(old: int) -> int:
+            """Copy old node ``old`` to the next new id (its children still under old ids)."""
+            new_count.append(count[old])
+            new_tok.append(tok[old])
+            new_kids.append(kids[old])
+            return len(new_count) - 1
+
+        i = 0
+        while i < len(new_kids):  # new ids are handed out in order, so every node is reached once
+            k = new_kids[i]
+            if type(k) is int:
+                new_kids[i] = adopt(k)
+            elif k is not None:
+                new_kids[i] = {t: adopt(c) for t, c in k.items()}  # the children's order is kept
+            i += 1
+        self._count, self._tok, self._kids, self._free = new_count, new_tok, new_kids, []
 
     def _unlink(self, parent: int, token: int) -> None:
         """Drop parent's child on ``token``; one child left goes back inline, none to None."""

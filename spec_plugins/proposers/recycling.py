@@ -3,10 +3,13 @@
 Every verify pass scores the pending token and every drafted node; the top-k of each of those
 distributions are the tokens most likely to follow that node's token. They are "recycled" into
 an adjacency table ``M[token] -> k successor candidates`` (the latest observation wins, as in the
-paper), shared by all rows and kept across generations (hot start). A draft is a static tree
-grown from the pending token by breadth-first lookups: node ``(r1, r2)`` is
-``M[M[pending][r1]][r2]``. No model, no training; drafts are point masses, so the exact verifier
-needs no ``q``. Nodes whose lookup is missing (a token never scored yet) are marked invalid.
+paper). With ``keep_table`` (the default) one table is shared by all rows and kept across
+generations (hot start); without it each row has a table of its own, filled only from its own
+request's verify passes and dropped when the row leaves, so no request drafts from what another
+produced. A draft is a static tree grown from the pending token by breadth-first lookups: node
+``(r1, r2)`` is ``M[M[pending][r1]][r2]``. No model, no training; drafts are point masses, so
+the exact verifier needs no ``q``. Nodes whose lookup is missing (a token never scored yet) are
+marked invalid.
 
 The tree's shape is ``best_static_tree`` over per-(depth, rank) acceptance priors. Its size is
 ``tree_size`` nodes, or with ``tree_size: auto`` a cut the draft policy makes every round: the
@@ -56,7 +59,8 @@ class RecyclingProposer(Proposer):
         candidates: int = Field(8, ge=1, le=64, description="Successor candidates kept per token (k of top-k).")
         paths: list[list[int]] | None = Field(
             None, description="Explicit static tree as Medusa-style rank paths (overrides tree_size).")
-        keep_table: bool = Field(True, description="Keep the adjacency table across generations (hot start).")
+        keep_table: bool = Field(True, description="One adjacency table shared by every request and kept across "
+                                 "generations (hot start); false: a table per request, from its own output alone.")
 
         @property
         def auto_tree(self) -> bool:
@@ -86,9 +90,12 @@ class RecyclingProposer(Proposer):
 
     def __init__(self, config: "RecyclingProposer.Config | None" = None, target: Any = None, **_: object) -> None:
         self.config = config or self.Config()
-        self._rows = 0  # rows in the batch (the table is shared by all)
+        self._rows = 0  # rows in the batch
         self.vocab_size: int | None = getattr(target, "vocab_size", None)
-        self.table: torch.Tensor | None = None  # [V, k] long, -1 = unknown
+        # -1 = unknown; keep_table: [V + 1, k], shared; otherwise [slabs, V + 1, k], a slab per row
+        self.table: torch.Tensor | None = None
+        self._slabs: list[int] = []  # without keep_table: each row's slab of the table
+        self._spare: list[int] = []  # slabs of rows that left, to hand to rows that join
         self.auto = self.config.auto_tree  # the policy cuts the tree every round
         self.ranks = self.ranks_with(self.config)
         self.shape = self._shape()
@@ -102,8 +109,10 @@ class RecyclingProposer(Proposer):
     def forget(self) -> None:
         """Drop the cross-request memory (``Remembers``): the table every row and request shares
         (``keep_table``) and the rank statistics read on it, so the next request starts cold, as
-        on a fresh proposer (the bench's independent requests; a tenant's reset)."""
-        self.table = None
+        on a fresh proposer (the bench's independent requests; a tenant's reset). Per-row tables
+        are the rows' own state and stay."""
+        if self.config.keep_table:
+            self.table = None
         self.rank_stats = {}
 
     def _shape(self) -> StaticTree:
@@ -117,30 +126,72 @@ class RecyclingProposer(Proposer):
     def _ensure_table(self, vocab: int, device: torch.device) -> torch.Tensor:
         """The table lives where the target's logits are: recycling them is then a device scatter.
         Row ``vocab`` is scratch: writes of invalid nodes land there (no data-dependent shapes)."""
-        if self.table is None or self.table.shape[0] < vocab + 1 or self.table.device != device:
-            self.table = torch.full((vocab + 1, self.config.candidates), -1, dtype=torch.long, device=device)
+        t, slabs = self.table, () if self.config.keep_table else (self._capacity(),)
+        if t is None or t.shape[-2] < vocab + 1 or t.device != device or t.shape[:-2] != slabs:
+            self.table = torch.full((*slabs, vocab + 1, self.config.candidates), -1, dtype=torch.long, device=device)
         return self.table
 
+    def _capacity(self) -> int:
+        """Slabs the per-row table holds: one per slab id handed out (at least one)."""
+        return max(1, len(self._slabs) + len(self._spare))
+
+    def _views(self, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The table as [slabs, V + 1, k] and each row's slab [rows, 1]: slab 0 for every row when
+        the table is shared, the row's own otherwise."""
+        assert self.table is not None
+        if self.config.keep_table:
+            return self.table[None], torch.zeros(rows, 1, dtype=torch.long, device=device)
+        if len(self._slabs) != rows:
+            raise RuntimeError(f"recycling with keep_table: false follows its rows: {rows} rows given but "
+                               f"{len(self._slabs)} admitted (admit them first)")
+        return self.table, upload_tensor(self._slabs, device)[:, None]
+
     def update(self, tokens: torch.Tensor, logits: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        """Recycle: ``M[tokens[b, i]] <- top-k of logits[b, i]`` (tokens [B, N], logits [B, N, V])."""
+        """Recycle: ``M[tokens[b, i]] <- top-k of logits[b, i]`` (tokens [B, N], logits [B, N, V]),
+        into row b's slab (the shared table with ``keep_table``)."""
         table = self._ensure_table(logits.shape[-1], logits.device)
+        tables, slab = self._views(tokens.shape[0], table.device)
         k = min(self.config.candidates, logits.shape[-1])
         top = logits.topk(k, dim=-1)
         idx = top.indices.masked_fill(top.values == float("-inf"), -1)  # banned tokens are not candidates
         toks = tokens.to(table.device)
         if valid is not None:
-            toks = torch.where(valid.to(table.device), toks, table.shape[0] - 1)
-        table[toks.reshape(-1), :k] = idx.reshape(-1, k)
+            toks = torch.where(valid.to(table.device), toks, table.shape[-2] - 1)
+        tables[slab.expand_as(toks).reshape(-1), toks.reshape(-1), :k] = idx.reshape(-1, k)
 
     def admit(self, prompts: Sequence[Sequence[int]]) -> None:
-        """Rows need no state of their own (the table is shared); a batch that starts empty is a
-        new generation, which drops the table unless ``keep_table``."""
-        if self._rows == 0 and not self.config.keep_table:
-            self.table = None
+        """With ``keep_table`` rows need no state of their own (the table is shared). Without it
+        each new row gets an empty slab: one a row that left held (cleared), or a new one."""
         self._rows += len(prompts)
+        if self.config.keep_table:
+            return
+        for _ in prompts:
+            s = self._spare.pop() if self._spare else len(self._slabs) + len(self._spare)
+            self._slabs.append(s)
+            if self.table is not None and s < self.table.shape[0]:
+                self.table[s].fill_(-1)
+        if self.table is not None and self.table.shape[0] < self._capacity():
+            self._grow()
+
+    def _grow(self) -> None:
+        """Add empty slabs to the per-row table, doubling it, so rows joining one by one copy it
+        amortised O(1) times each."""
+        t = self.table
+        assert t is not None
+        more = torch.full((max(self._capacity(), 2 * t.shape[0]) - t.shape[0], *t.shape[1:]), -1, dtype=t.dtype,
+                          device=t.device)
+        self.table = torch.cat([t, more])
+        self._spare.extend(range(len(self._slabs) + len(self._spare), self.table.shape[0]))
 
     def select_rows(self, rows: Sequence[int]) -> None:
         self._rows = len(rows)
+        if self.config.keep_table:
+            return
+        kept = [self._slabs[r] for r in rows]
+        self._spare.extend(set(self._slabs) - set(kept))
+        self._slabs = kept
+        if not kept:  # an empty batch frees the per-row tables' memory
+            self.table, self._spare = None, []
 
     def num_rows(self) -> int:
         return self._rows
@@ -153,6 +204,7 @@ class RecyclingProposer(Proposer):
         if self.table is None or max(ctx.budgets, default=0) <= 0 or self.shape.size == 0:
             return None
         B, n, dev = len(ctx.sequences), self.shape.size, self.table.device
+        tables, slab = self._views(B, dev)
         pending = upload_tensor([s[-1] for s in ctx.sequences], dev)
         budget = upload_tensor(list(ctx.budgets), dev)
         toks = torch.zeros(B, n, dtype=torch.long, device=dev)
@@ -163,7 +215,7 @@ class RecyclingProposer(Proposer):
                                                                                   device=dev)
             else:
                 src, src_ok = toks[:, parents], ok[:, parents]
-            cand = self.table[src, ranks.expand(B, -1)]
+            cand = tables[slab, src, ranks.expand(B, -1)]
             ok[:, nodes] = src_ok & (cand >= 0) & (depth < budget)[:, None]
             toks[:, nodes] = cand.clamp_min(0)
         draft = Draft(toks, self.shape.parents, None, ok)
