@@ -6,9 +6,11 @@ shapes) is written down once, in ``spec_plugins.graphs.io``, shared with the run
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
+from io import BufferedReader
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -164,19 +166,67 @@ def gather_weights(path: Path) -> int:
     would overwrite each other's, and a graph whose weights sit in a file of its own name can be
     replaced (the quantizer) without touching another's. A graph holding its weights, or already
     in one ``<file>.data``, is left as it is."""
-    import onnx
-
     from spec_plugins.graphs.manifest import graph_files
 
     files = graph_files(path)
     data = path.with_name(path.name + ".data")
     if files[1:] not in ([], [data]):
-        model = onnx.load(str(path))  # with its weights
-        data.unlink(missing_ok=True)  # onnx appends to an existing data file
-        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=data.name)
-        for f in files[1:]:
-            if f != data:
-                f.unlink()
+        stream_weights(path, data)
         files = graph_files(path)
     return sum(f.stat().st_size for f in files)
+
+
+_CHUNK = 16 << 20  # bytes copied at a time: what the gathering holds in memory
+
+
+def stream_weights(path: Path, data: Path) -> None:
+    """Move graph ``path``'s external weights into ``data``, file by file, each deleted once copied:
+    the graph is read without its weights, so a first-use export (the torch model still in memory)
+    holds one chunk more, not the model again, and the disk holds each weight once, not twice. The
+    weights follow each other unpadded, as onnx's own writer lays them out (``onnx.save_model``)."""
+    import onnx
+    from onnx.external_data_helper import (
+        ExternalDataInfo,
+        set_external_data,
+        uses_external_data,
+    )
+
+    from spec_plugins.graphs.manifest import unreadable_weights
+
+    if (why := unreadable_weights(path)) is not None:
+        raise ValueError(f"cannot gather the weights of graph {path}: {why}")
+    model = onnx.load(str(path), load_external_data=False)
+    tensors = [t for t in model.graph.initializer if uses_external_data(t)]
+    infos = [ExternalDataInfo(t) for t in tensors]
+    sources = {i.location: path.parent / i.location for i in infos}
+    if data.name in sources:  # weights already in ``data`` are copied from it under another name
+        sources[data.name] = data.replace(data.with_name(data.name + ".gathering"))
+    else:
+        data.unlink(missing_ok=True)
+    uses = Counter(i.location for i in infos)
+    with open(data, "xb") as out:  # created at the umask's mode, as the graph file
+        for t, info in zip(tensors, infos):
+            offset = out.tell()
+            with open(sources[info.location], "rb") as f:
+                f.seek(info.offset or 0)
+                _copy(f, out, info.length)
+            t.raw_data = b""  # set_external_data asks for the field, which a tensor read without its weights lacks
+            set_external_data(t, data.name, offset, out.tell() - offset)
+            t.ClearField("raw_data")
+            uses[info.location] -= 1
+            if not uses[info.location]:
+                sources[info.location].unlink()
+    onnx.save_model(model, str(path))  # the graph alone: no tensor holds its data
+
+
+def _copy(src: BufferedReader, dst: BinaryIO, length: int | None) -> None:
+    """Copy ``length`` bytes (None: the rest of the file) from ``src`` to ``dst`` through one buffer
+    of ``_CHUNK`` bytes, reused: a chunk read into a new object would be held twice at a time."""
+    buf = memoryview(bytearray(_CHUNK))
+    left = length
+    while left is None or left > 0:
+        n = src.readinto(buf[:_CHUNK if left is None else min(_CHUNK, left)])
+        if not n:
+            break
+        dst.write(buf[:n])
+        left = None if left is None else left - n

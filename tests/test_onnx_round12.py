@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -76,9 +77,15 @@ def test_a_graph_written_one_file_a_tensor_is_gathered_sized_and_checked_whole(
     Manifest.read, and quantizing left every fp32 weight file behind. The export now keeps the
     weights in one <graph>.data file, counted in size_bytes, and computes what the inline graph does."""
     out = tmp_path / "out"
-    man = export_models(out, (model, None, "tiny"), feature_layers=(), quantize=scheme)
+    old = os.umask(0o022)
+    try:
+        man = export_models(out, (model, None, "tiny"), feature_layers=(), quantize=scheme)
+    finally:
+        os.umask(old)
     g = man.graph("verify")
     assert sorted(p.name for p in out.iterdir()) == sorted(["manifest.json", g.file, g.file + ".data"])
+    modes = {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in out.iterdir()}
+    assert set(modes.values()) == {"0o644"}, modes  # the export files' mode (test_export_check's rule)
     assert g.size_bytes == (out / g.file).stat().st_size + (out / (g.file + ".data")).stat().st_size
     Manifest.read(out)
     if scheme is None:
@@ -188,3 +195,70 @@ def test_device_auto_runs_on_the_cpu_where_only_onnxruntime_has_cuda(inline, mon
     cuda = ["CUDAExecutionProvider", "CPUExecutionProvider"]
     assert providers_for("auto", cuda, torch_cuda=True) == cuda
     assert providers_for("auto", cuda, torch_cuda=False) == ["CPUExecutionProvider"]
+
+
+@pytest.mark.parametrize("layout", ["torch", "mixed"])
+def test_gathering_streams_the_weights_file_by_file(inline, model, tmp_path, monkeypatch, layout):
+    """gather_weights loaded every weight into memory (onnx.load with its external data) while
+    the exporter still held the torch model, and kept the tensor files until the merged one was
+    written: the model once more in memory and on disk. It now copies them file by file into
+    <graph>.data, laid out as onnx's own writer lays them (the reference), the graph computing as
+    before. ``torch``: tensor files named by location alone, as torch writes them; ``mixed``: one
+    weight already in verify.onnx.data."""
+    from onnx.external_data_helper import ExternalDataInfo
+    from spec_plugins.exporters.onnx_verify import gather_weights
+
+    graph = tmp_path / "g" / "verify.onnx"
+    graph.parent.mkdir()
+    shutil.copy(inline / "verify.onnx", graph)
+    one_file_a_tensor(graph)
+    proto = onnx.load(str(graph), load_external_data=False)
+    external = [t for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    for t in external:
+        del t.external_data[1:]  # location only: no offset, no length
+    if layout == "mixed":
+        (graph.parent / ExternalDataInfo(external[0]).location).replace(graph.with_name("verify.onnx.data"))
+        external[0].external_data[0].value = "verify.onnx.data"
+    onnx.save_model(proto, str(graph))
+    want = _logits(graph, model)
+    ref = tmp_path / "ref" / "verify.onnx"
+    ref.parent.mkdir()
+    onnx.save_model(onnx.load(str(graph)), str(ref), save_as_external_data=True, location="verify.onnx.data")
+    loads, real = [], onnx.load_external_data_for_model
+    monkeypatch.setattr(onnx, "load_external_data_for_model", lambda *a, **kw: loads.append(a) or real(*a, **kw))
+    size = gather_weights(graph)
+    assert loads == []
+    assert sorted(p.name for p in graph.parent.iterdir()) == ["verify.onnx", "verify.onnx.data"]
+    assert size == sum(p.stat().st_size for p in graph.parent.iterdir())
+    assert graph.with_name("verify.onnx.data").read_bytes() == ref.with_name("verify.onnx.data").read_bytes()
+    monkeypatch.undo()
+    np.testing.assert_array_equal(_logits(graph, model), want)
+
+
+def test_a_cached_head_graph_without_its_weights_is_exported_again(big_graph_exporter, model, tmp_path,
+                                                                   monkeypatch, caplog):
+    """A head above 2 GiB exported on first use before the cache moved its weights files along
+    (only head.onnx) stayed broken: head_session found the file, never exported it again and
+    failed 'export again', which no command does for the cache. It now exports it again, saying why."""
+    from spec_plugins.exporters.onnx_heads import _head_cases, export_head, float_eval
+    from test_heads import eagle
+
+    from spec_plugins import models
+    from spec_plugins.graphs.manifest import EXPORTER_VERSION
+    from spec_plugins.heads import runner
+
+    module = eagle(model)
+    monkeypatch.setattr(models, "cache_root", lambda: tmp_path)
+    path = tmp_path / "onnx-heads" / f"eagledrafter-{runner.weights_key(module)}-v{EXPORTER_VERSION}" / "head.onnx"
+    path.parent.mkdir(parents=True)
+    (tmp_path / "old").mkdir()
+    entry = export_head(module, tmp_path / "old" / "head.onnx", "head", "", None)
+    one_file_a_tensor(tmp_path / "old" / "head.onnx")
+    (tmp_path / "old" / "head.onnx").replace(path)  # what the cache held: the graph, its weights left behind
+    with caplog.at_level(logging.WARNING, logger="spec_plugins.heads.runner"):
+        session = runner.head_session(module)
+    assert "cannot be read whole" in caplog.text and "exporting it again" in caplog.text
+    assert sorted(p.name for p in path.parent.iterdir()) == ["head.onnx", "head.onnx.data"]
+    with torch.no_grad(), float_eval(module):
+        cases = _head_cases(entry, module, session, 1e-4)
+    assert cases and all(c.ok for c in cases), cases

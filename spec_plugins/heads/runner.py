@@ -10,12 +10,14 @@ cache, keyed by the head's weights, and reused afterwards.
 from __future__ import annotations
 
 import hashlib
+import logging
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
 Engine = Literal["auto", "torch", "onnxruntime"]
+log = logging.getLogger(__name__)
 
 
 def pick_engine(engine: Engine, target: Any) -> str:
@@ -66,10 +68,22 @@ def head_session(module: torch.nn.Module, target: Any = None) -> Any:
     if path is None:
         kind = type(module).__name__.lower()
         path = cache_root() / "onnx-heads" / f"{kind}-{weights_key(module)}-v{EXPORTER_VERSION}" / "head.onnx"
-        if not path.is_file():
+        if not path.is_file() or stale_cache(path):
             EXPORTERS.get("onnx_head")(module, path)
     threads, spinning = session_threads(target)
     return create_session(path, "cpu", threads=threads, spinning=spinning)
+
+
+def stale_cache(path: Path) -> bool:
+    """Whether the cached head graph ``path``'s weights cannot be read in full (``unreadable_weights``:
+    a graph moved into the cache without its weights files), so it is exported again: no command
+    exports a head into the cache, so its error's "export again" would leave a user stuck."""
+    from spec_plugins.graphs.manifest import unreadable_weights
+
+    why = unreadable_weights(path)
+    if why is not None:
+        log.warning("the cached head graph %s cannot be read whole (%s): exporting it again", path, why)
+    return why is not None
 
 
 def export_graph(module: torch.nn.Module, directory: Path | None) -> Path | None:
