@@ -1,8 +1,8 @@
 """What the Python API (``SpeculativeDecoder``) accepts and refuses, in one place.
 
-Prompt token ids, stop strings, per-row sampling and seeds and token limits are checked and
-normalised here before any row starts, so a bad value fails with an error naming it (never deep
-inside a forward, never read as something else). A proposer's drafts, the other input a user
+Prompt token ids, chat messages, stop strings, per-row sampling and seeds and token limits are
+checked and normalised here before any row starts, so a bad value fails with an error naming it
+(never deep inside a forward, never read as something else). A proposer's drafts, the other input a user
 hands the package, are checked here too (``check_draft``), as the batch places them.
 """
 
@@ -65,6 +65,50 @@ def ordered_sequence(prompt: Any) -> Iterable:
         shape = f" of shape {list(prompt.shape)}" if ndim != 1 and hasattr(prompt, "shape") else ""
         raise TypeError(f"a prompt is a str, chat messages or a list of token ids, got {type(prompt).__name__}{shape}")
     return prompt
+
+
+# chat roles (OpenAI's; ``developer`` is its newer name for ``system``, which templates know)
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def template_role(role: str) -> str:
+    """The role a chat template is given: ``developer`` as ``system``, any other as is."""
+    return "system" if role == "developer" else role
+
+
+def content_text(content: Any, where: str) -> str:
+    """A message's content as the template's text: a str, None (OpenAI's assistant turn with no
+    text: ""), or text parts (``{"type": "text", "text": str}``) joined; anything else is refused
+    naming ``where`` (``messages[0].content``), as a template would fail on it or print it raw."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, (list, tuple)):
+        raise ValueError(  # noqa: TRY004 - one error type for every bad message
+            f"{where} must be a string or a list of text parts, got {type(content).__name__}")
+    for j, part in enumerate(content):
+        if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                and set(part) == {"type", "text"}):
+            raise ValueError(f'{where}[{j}] must be a text part {{"type": "text", "text": str}}, got {part!r}')
+    return "".join(part["text"] for part in content)
+
+
+def chat_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    """Chat messages as the template gets them, each a dict with a known ``role`` and a ``content``
+    (``content_text``), mapped as the server maps them (``template_role``); other keys (``name``,
+    ``tool_calls``) are kept for templates that read them. A bad message is refused naming it."""
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise ValueError(  # noqa: TRY004 - one error type for every bad message
+                f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
+        if m.get("role") not in CHAT_ROLES:
+            got = f"{m['role']!r}" if "role" in m else "none"
+            raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {got}")
+        if "content" not in m:
+            raise ValueError(f"messages[{i}].content is missing: give a string or a list of text parts")
+        out.append({**m, "role": template_role(m["role"]),
+                    "content": content_text(m["content"], f"messages[{i}].content")})
+    return out
 
 
 def in_vocab(ids: list[int], vocab_size: int) -> list[int]:

@@ -13,8 +13,8 @@ from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence, Union
 
-from spec_plugins.api_inputs import (Stop, in_vocab, not_bytes, ordered_sequence, per_prompt, row_sampling, row_seeds,
-                                     stop_strings, token_id, token_limits)
+from spec_plugins.api_inputs import (Stop, chat_messages, in_vocab, not_bytes, ordered_sequence, per_prompt,
+                                     row_sampling, row_seeds, stop_strings, token_id, token_limits)
 from spec_plugins.backends import build_runtime
 from spec_plugins.config import SamplingConfig, SpecConfig
 from spec_plugins.decoder_lock import GenerationLock
@@ -115,7 +115,8 @@ class SpeculativeDecoder:
     # ---- prompts ---------------------------------------------------------------------------
     def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
         """str -> tokens (as one user turn of the chat template if ``chat`` is True; a model
-        without one is refused rather than prompted raw), messages -> chat template, ids as is
+        without one is refused rather than prompted raw), messages -> chat template (each checked
+        and mapped as the server's chat route does: ``api_inputs.chat_messages``), ids as is
         (integers within the target's vocabulary). Text needs the runtime's tokenizer; bytes are
         refused (``api_inputs.not_bytes``)."""
         not_bytes(prompt)
@@ -136,9 +137,10 @@ class SpeculativeDecoder:
         if not seq:
             raise ValueError("prompt is empty")
         if isinstance(seq[0], dict):
+            msgs = chat_messages(seq)
             if not self.has_chat_template:
                 raise ValueError("chat messages given but the model's tokenizer has no chat template")
-            ids = self.tokenizer.apply_chat_template(seq, add_generation_prompt=True, tokenize=True)
+            ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
             if hasattr(ids, "keys"):
                 ids = ids["input_ids"]
             return in_vocab(list(ids), self.target.vocab_size)

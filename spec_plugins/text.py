@@ -21,6 +21,12 @@ can start there; the text then ends before it, the row having finished already).
 a row stop (``StopStrings``, a ``types.RowStop``): the row keeps its tokens up to the one that
 completed the stop string and finishes with reason ``"stop"``, inside the round, so no token
 past the stop is ever computed.
+
+The stream's text is the row's text: ``generate``, ``stream``, ``generate_batch`` and the
+server's OpenAI routes (streamed or not) all return it. It is ``decode`` of the row's ids except
+where that would change text already emitted (``_window``): a byte-fallback run that a later byte
+makes invalid, which ``decode`` shows as one U+FFFD per byte, characters before the bad byte
+included; the stream keeps the characters it emitted.
 """
 
 from __future__ import annotations
@@ -74,7 +80,7 @@ class TextStream:
         if self.stop_at is not None or self._left_out(token):
             return ""
         self._win.append(token)
-        done, full = self._decode(self._win[:self._read]), self._decode(self._win)
+        done, full = self._window()
         if len(full) <= len(done):
             return ""
         if full.endswith(_BAD):
@@ -84,6 +90,20 @@ class TextStream:
             return head + self._settled_stop(full[len(done) + len(head):].rstrip(_BAD))
         self._win, self._read = self._win[self._read:], len(self._win) - self._read
         return self._append(full[len(done):])
+
+    def _window(self) -> tuple[str, str]:
+        """The window's emitted text (its first ``_read`` tokens) and its whole text. Where the whole
+        no longer begins with the emitted text, the emitted tokens leave the window and the rest is
+        decoded on its own (``""`` then emitted): text already emitted never changes, so it cannot
+        be cut off by length. That happens where a byte-fallback run holding characters already
+        emitted gets a byte that makes it invalid (``<0xC3><0x9F>`` "ß", then ``<0xFF>``): ``decode``
+        then shows every byte of the run as U+FFFD, the stream shows "ß" and the new byte's own
+        U+FFFD."""
+        done, full = self._decode(self._win[:self._read]), self._decode(self._win)
+        if full.startswith(done):
+            return done, full
+        self._win, self._read = self._win[self._read:], 0
+        return "", self._decode(self._win)
 
     def _left_out(self, token: int) -> bool:
         """Whether ``decode`` drops this token wherever it stands (a special token, skipped):
@@ -139,7 +159,7 @@ class TextStream:
         searched for stop strings as any other text."""
         if self.stop_at is not None or self._read == len(self._win):
             return ""
-        done, full = self._decode(self._win[:self._read]), self._decode(self._win)
+        done, full = self._window()
         self._win, self._read = [], 0
         return self._append(full[len(done):])
 

@@ -211,17 +211,21 @@ def _finished(state: Any, prep: Prepared, toks: list[TokenOut], reason: str,
     character the row's tokens never completed, as U+FFFD), so the streamed text equals the
     non-streamed one even when the last token is special."""
     tail = released + shown.push(prep.text.flush(), prep.text.stop_at, True) if shown is not None else ""
-    return Finished(_reason(reason), _final_text(state, prep, toks, reason), toks, tail)
+    return Finished(_reason(reason), _final_text(state, prep, toks), toks, tail)
 
 
 def _reason(reason: str) -> str:
     return "stop_sequence" if reason == "stop" else reason
 
 
-def _final_text(state: Any, prep: Prepared, toks: Sequence[TokenOut], reason: str) -> str:
-    """The row's generated text without special tokens; ``hide_stop``: ending before its stop
-    string (the row is finished, so its text stream no longer changes)."""
-    if prep.hide_stop and reason == "stop":
+def _final_text(state: Any, prep: Prepared, toks: Sequence[TokenOut]) -> str:
+    """The row's generated text without special tokens. ``hide_stop`` (OpenAI's routes): its text
+    stream's, ending before its stop string (flushed: the row is finished, so it no longer
+    changes), the very text a stream of the row sends, so a streamed and a non-streamed answer
+    agree (a fresh ``decode`` can differ: ``spec_plugins/text.py``). TGI's routes: ``decode``
+    skipping special tokens, which the stream (spelling them) does not; their streams send this
+    text too, as the last event's ``generated_text``."""
+    if prep.hide_stop:
         return prep.text.visible
     return state.tokenizer.decode([x.id for x in toks], skip_special_tokens=True)
 

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from spec_plugins.api_inputs import CHAT_ROLES, template_role
 from spec_plugins.config import MAX_SEED
 from spec_plugins.server.controls import Controls, check_penalty, openai_logit_bias
 from spec_plugins.server.schemas import (GenerateParameters, _neutral, check_repetition_penalty, check_seed,
@@ -177,9 +178,12 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """One message; its roles and their mapping for the template are the Python API's
+    (``api_inputs.CHAT_ROLES``, ``template_role``), so both render a message alike."""
+
     model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... travel with the history
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal[CHAT_ROLES]  # type: ignore[valid-type]
     content: str | list[ContentPart] | None = None
 
     def text(self) -> str:
@@ -189,7 +193,7 @@ class ChatMessage(BaseModel):
 
     def template_role(self) -> str:
         """``developer`` is OpenAI's newer name for ``system``; chat templates know ``system``."""
-        return "system" if self.role == "developer" else self.role
+        return template_role(self.role)
 
 
 class ChatRequest(OpenAIRequest):
