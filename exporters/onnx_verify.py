@@ -199,11 +199,13 @@ def stream_weights(path: Path, data: Path) -> None:
     tensors = [t for t in model.graph.initializer if uses_external_data(t)]
     infos = [ExternalDataInfo(t) for t in tensors]
     sources = {i.location: path.parent / i.location for i in infos}
-    if data.name in sources:  # weights already in ``data`` are copied from it under another name
-        sources[data.name] = data.replace(data.with_name(data.name + ".gathering"))
+    held = [loc for loc, f in sources.items() if f.resolve() == data.resolve()]  # any spelling of ``data``
+    if held:  # weights already in ``data`` are copied from it under another name
+        aside = data.replace(data.with_name(data.name + ".gathering"))
+        sources.update({loc: aside for loc in held})
     else:
         data.unlink(missing_ok=True)
-    uses = Counter(i.location for i in infos)
+    uses = Counter(sources[i.location] for i in infos)  # by file: two spellings of one file share it
     with open(data, "xb") as out:  # created at the umask's mode, as the graph file
         for t, info in zip(tensors, infos):
             offset = out.tell()
@@ -213,9 +215,10 @@ def stream_weights(path: Path, data: Path) -> None:
             t.raw_data = b""  # set_external_data asks for the field, which a tensor read without its weights lacks
             set_external_data(t, data.name, offset, out.tell() - offset)
             t.ClearField("raw_data")
-            uses[info.location] -= 1
-            if not uses[info.location]:
-                sources[info.location].unlink()
+            src = sources[info.location]
+            uses[src] -= 1
+            if not uses[src]:
+                src.unlink()
     onnx.save_model(model, str(path))  # the graph alone: no tensor holds its data
 
 

@@ -197,14 +197,15 @@ def test_device_auto_runs_on_the_cpu_where_only_onnxruntime_has_cuda(inline, mon
     assert providers_for("auto", cuda, torch_cuda=False) == ["CPUExecutionProvider"]
 
 
-@pytest.mark.parametrize("layout", ["torch", "mixed"])
+@pytest.mark.parametrize("layout", ["torch", "mixed", "dotted"])
 def test_gathering_streams_the_weights_file_by_file(inline, model, tmp_path, monkeypatch, layout):
     """gather_weights loaded every weight into memory (onnx.load with its external data) while
     the exporter still held the torch model, and kept the tensor files until the merged one was
     written: the model once more in memory and on disk. It now copies them file by file into
     <graph>.data, laid out as onnx's own writer lays them (the reference), the graph computing as
     before. ``torch``: tensor files named by location alone, as torch writes them; ``mixed``: one
-    weight already in verify.onnx.data."""
+    weight already in verify.onnx.data; ``dotted``: that file named "./verify.onnx.data" (it was
+    deleted as a stale merge before its weight was read)."""
     from onnx.external_data_helper import ExternalDataInfo
     from spec_plugins.exporters.onnx_verify import gather_weights
 
@@ -216,14 +217,15 @@ def test_gathering_streams_the_weights_file_by_file(inline, model, tmp_path, mon
     external = [t for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
     for t in external:
         del t.external_data[1:]  # location only: no offset, no length
-    if layout == "mixed":
+    if layout in ("mixed", "dotted"):
         (graph.parent / ExternalDataInfo(external[0]).location).replace(graph.with_name("verify.onnx.data"))
-        external[0].external_data[0].value = "verify.onnx.data"
+        external[0].external_data[0].value = "./verify.onnx.data" if layout == "dotted" else "verify.onnx.data"
     onnx.save_model(proto, str(graph))
     want = _logits(graph, model)
     ref = tmp_path / "ref" / "verify.onnx"
     ref.parent.mkdir()
-    onnx.save_model(onnx.load(str(graph)), str(ref), save_as_external_data=True, location="verify.onnx.data")
+    onnx.save_model(onnx.load(str(graph)), str(ref), save_as_external_data=True, location="verify.onnx.data",
+                    size_threshold=256)  # the threshold one_file_a_tensor wrote with
     loads, real = [], onnx.load_external_data_for_model
     monkeypatch.setattr(onnx, "load_external_data_for_model", lambda *a, **kw: loads.append(a) or real(*a, **kw))
     size = gather_weights(graph)
@@ -257,7 +259,11 @@ def test_a_cached_head_graph_without_its_weights_is_exported_again(big_graph_exp
     (tmp_path / "old" / "head.onnx").replace(path)  # what the cache held: the graph, its weights left behind
     with caplog.at_level(logging.WARNING, logger="spec_plugins.heads.runner"):
         session = runner.head_session(module)
-    assert "cannot be read whole" in caplog.text and "exporting it again" in caplog.text
+    assert "cannot be loaded" in caplog.text and "exporting it again" in caplog.text
+    assert sorted(p.name for p in path.parent.iterdir()) == ["head.onnx", "head.onnx.data"]
+    path.write_bytes(path.read_bytes()[:200])  # the graph itself truncated in the cache: exported again too
+    with caplog.at_level(logging.WARNING, logger="spec_plugins.heads.runner"):
+        session = runner.head_session(module)
     assert sorted(p.name for p in path.parent.iterdir()) == ["head.onnx", "head.onnx.data"]
     with torch.no_grad(), float_eval(module):
         cases = _head_cases(entry, module, session, 1e-4)

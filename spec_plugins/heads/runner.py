@@ -59,31 +59,25 @@ def head_session(module: torch.nn.Module, target: Any = None) -> Any:
     (``export_graph``), else the cache's, exported on first use; with the threads and spinning of
     ``target``'s session (``session_threads``)."""
     from spec_plugins.backends.onnxruntime_runtime import create_session, import_ort
-    from spec_plugins.graphs.manifest import EXPORTER_VERSION
+    from spec_plugins.graphs.manifest import EXPORTER_VERSION, ManifestError
     from spec_plugins.models import cache_root
     from spec_plugins.registry import EXPORTERS
 
     import_ort()
-    path = export_graph(module, getattr(target, "export_dir", None))
-    if path is None:
-        kind = type(module).__name__.lower()
-        path = cache_root() / "onnx-heads" / f"{kind}-{weights_key(module)}-v{EXPORTER_VERSION}" / "head.onnx"
-        if not path.is_file() or stale_cache(path):
-            EXPORTERS.get("onnx_head")(module, path)
     threads, spinning = session_threads(target)
-    return create_session(path, "cpu", threads=threads, spinning=spinning)
-
-
-def stale_cache(path: Path) -> bool:
-    """Whether the cached head graph ``path``'s weights cannot be read in full (``unreadable_weights``:
-    a graph moved into the cache without its weights files), so it is exported again: no command
-    exports a head into the cache, so its error's "export again" would leave a user stuck."""
-    from spec_plugins.graphs.manifest import unreadable_weights
-
-    why = unreadable_weights(path)
-    if why is not None:
-        log.warning("the cached head graph %s cannot be read whole (%s): exporting it again", path, why)
-    return why is not None
+    path = export_graph(module, getattr(target, "export_dir", None))
+    if path is not None:
+        return create_session(path, "cpu", threads=threads, spinning=spinning)
+    kind = type(module).__name__.lower()
+    path = cache_root() / "onnx-heads" / f"{kind}-{weights_key(module)}-v{EXPORTER_VERSION}" / "head.onnx"
+    if not path.is_file():
+        EXPORTERS.get("onnx_head")(module, path)
+    try:
+        return create_session(path, "cpu", threads=threads, spinning=spinning)
+    except ManifestError as exc:  # damaged in the cache (its weights lost, truncated): no command re-exports it
+        log.warning("the cached head graph %s cannot be loaded (%s): exporting it again", path, exc)
+        EXPORTERS.get("onnx_head")(module, path)
+        return create_session(path, "cpu", threads=threads, spinning=spinning)
 
 
 def export_graph(module: torch.nn.Module, directory: Path | None) -> Path | None:
