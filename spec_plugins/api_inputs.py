@@ -67,8 +67,9 @@ def ordered_sequence(prompt: Any) -> Iterable:
     return prompt
 
 
-# chat roles (OpenAI's; ``developer`` is its newer name for ``system``, which templates know)
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# chat roles: OpenAI's (``developer`` is its newer name for ``system``, which templates know;
+# ``function`` its older ``tool``) and Llama 3's tool-output role ``ipython``
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
 
 
 def template_role(role: str) -> str:
@@ -93,9 +94,11 @@ def content_text(content: Any, where: str) -> str:
 
 
 def chat_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
-    """Chat messages as the template gets them, each a dict with a known ``role`` and a ``content``
-    (``content_text``), mapped as the server maps them (``template_role``); other keys (``name``,
-    ``tool_calls``) are kept for templates that read them. A bad message is refused naming it."""
+    """Chat messages as the template gets them, each a dict with a known ``role`` and its
+    ``content`` (``content_text``; missing, as on an assistant turn holding only ``tool_calls``:
+    ""), mapped as the server maps them (``template_role``). Other keys (``name``, ``tool_calls``)
+    are kept for templates that read them; the server's routes pass role and content only. A bad
+    message is refused naming it."""
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
@@ -104,10 +107,8 @@ def chat_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
         if m.get("role") not in CHAT_ROLES:
             got = f"{m['role']!r}" if "role" in m else "none"
             raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {got}")
-        if "content" not in m:
-            raise ValueError(f"messages[{i}].content is missing: give a string or a list of text parts")
         out.append({**m, "role": template_role(m["role"]),
-                    "content": content_text(m["content"], f"messages[{i}].content")})
+                    "content": content_text(m.get("content"), f"messages[{i}].content")})
     return out
 
 

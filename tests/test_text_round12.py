@@ -152,7 +152,6 @@ def chat_decoder():
 
 
 @pytest.mark.parametrize("msgs, named", [
-    ([{"role": "user"}], r"messages\[0\]\.content is missing"),
     ([{"role": "user", "content": 5}], r"messages\[0\]\.content must be a string or a list of text parts"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], r"messages\[0\]\.content\[0\]"),
     ([{"role": "user", "content": [{"type": "text", "text": 3}]}], r"messages\[0\]\.content\[0\]"),
@@ -165,25 +164,25 @@ def test_a_bad_message_is_refused_naming_it(chat_decoder, msgs, named):
         chat_decoder.encode(msgs)
 
 
-def test_text_parts_and_developer_render_as_the_server_renders_them(chat_decoder):
+@pytest.mark.parametrize("msgs, text", [
+    ([{"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+      {"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}],
+     "<system>Be brief.<user>Hi<assistant><assistant>"),
+    ([{"role": "user", "content": "Weather?"}, {"role": "assistant", "tool_calls": [{"id": "1"}]},
+      {"role": "tool", "content": "sunny"}], "<user>Weather?<assistant><tool>sunny<assistant>"),
+    ([{"role": "function", "content": "42"}, {"role": "ipython", "content": "ok"}], "<function>42<ipython>ok<assistant>"),
+])
+def test_the_python_api_renders_messages_as_the_server_does(chat_decoder, msgs, text):
+    """Text parts joined, ``developer`` as ``system``, an assistant turn with no content (it holds
+    tool calls) as "", OpenAI's older ``function`` and Llama 3's ``ipython`` roles: the Python API's
+    prompt is the server's, and both are the template's text (the reference)."""
     from spec_plugins.server.openai_schemas import ChatMessage
     from spec_plugins.server.requests import render_chat
 
-    msgs = [{"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
-            {"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}]
     tok = chat_decoder.tokenizer
     server = render_chat(SimpleNamespace(tokenizer=tok), [ChatMessage(**m) for m in msgs])
-    assert server == "<system>Be brief.<user>Hi<assistant><assistant>"
-    assert tok.decode(chat_decoder.encode(msgs)) == server
-
-
-def test_the_servers_chat_roles_are_the_python_apis():
-    import typing
-
-    from spec_plugins.api_inputs import CHAT_ROLES
-    from spec_plugins.server.openai_schemas import ChatMessage
-
-    assert typing.get_args(ChatMessage.model_fields["role"].annotation) == CHAT_ROLES
+    assert server == text
+    assert tok.decode(chat_decoder.encode(msgs)) == text
 
 
 def test_bytes_after_a_spoiled_run_cost_the_same_per_token_however_many():
