@@ -35,10 +35,41 @@ SCHEMES = {  # label -> ONNX Runtime config fields
 
 
 def dev_first_turns(n: int) -> list[str]:
+    """The first ``n`` distinct first turns of the dev prompts, in file order. dev-extended.jsonl
+    starts with dev.jsonl's prompts, so without dropping repeats some prompts would count twice in
+    the agreement figures; fewer than ``n`` distinct turns is refused rather than padded."""
     rows = []
     for f in ("dev.jsonl", "dev-extended.jsonl"):
         rows += [json.loads(x) for x in (ROOT / "examples" / "prompts" / f).read_text().splitlines() if x.strip()]
-    return [r["turns"][0] for r in rows][:n]
+    turns = list(dict.fromkeys(r["turns"][0] for r in rows))
+    if not 1 <= n <= len(turns):
+        raise ValueError(f"--prompts {n}: the dev prompts have {len(turns)} distinct first turns; ask for 1 to {len(turns)}")
+    return turns[:n]
+
+
+def scheme_labels(text: str) -> list[str]:
+    """The ``--schemes`` labels, checked against ``SCHEMES`` before anything is loaded. fp32 is the
+    reference every scheme is compared with, so it is measured first even when not asked for."""
+    labels = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [x for x in labels if x not in SCHEMES]
+    if unknown or not labels:
+        raise ValueError(f"--schemes {text!r}: unknown {', '.join(unknown) or 'empty list'}; "
+                         f"known: {', '.join(SCHEMES)}")
+    repeated = sorted({x for x in labels if labels.count(x) > 1})
+    if repeated:
+        raise ValueError(f"--schemes {text!r}: {', '.join(repeated)} given more than once")
+    if "fp32" not in labels:
+        print("fp32 added to --schemes: it is the reference for perplexity and greedy agreement", flush=True)
+    return ["fp32", *(x for x in labels if x != "fp32")]
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``path`` through a temporary file renamed into place: a reader sees the old file or
+    the whole new one, never a partial report."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def main() -> None:
@@ -58,8 +89,19 @@ def main() -> None:
     ap.add_argument("--from-json", default="", help="render --markdown from a saved report, measure nothing")
     args = ap.parse_args()
     if args.from_json:
+        if not args.markdown:
+            ap.error("--from-json renders --markdown: give the page to write")
         write_markdown(json.loads(Path(args.from_json).read_text()), Path(args.markdown), args.title)
         return
+    try:
+        labels = scheme_labels(args.schemes)
+        turns = dev_first_turns(args.prompts)
+        if args.markdown:
+            from spec_plugins.bench.docs import check_title
+
+            check_title(Path(args.markdown), args.title)
+    except ValueError as exc:
+        ap.error(str(exc))
 
     import torch
 
@@ -81,7 +123,7 @@ def main() -> None:
         if len(held) >= args.heldout:
             break
     prompts = [list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                            tokenize=True)["input_ids"]) for p in dev_first_turns(args.prompts)]
+                                            tokenize=True)["input_ids"]) for p in turns]
 
     def greedy(rt) -> list[list[int]]:
         outs = []
@@ -96,7 +138,7 @@ def main() -> None:
     results: dict[str, dict] = {}
     reference = None
     runtimes = [(label, {"backend": "onnxruntime", "model": args.model, "threads": args.threads, **SCHEMES[label]})
-                for label in args.schemes.split(",")]
+                for label in labels]
     if args.llamacpp:
         runtimes.append(("llamacpp-Q4_1", {"backend": "llamacpp", "model": args.model, "threads": args.threads}))
     for label, section in runtimes:
@@ -136,24 +178,52 @@ def main() -> None:
               "new_tokens": args.new_tokens, "results": results, "default_scheme": default,
               "within_2pct": ok}
     print(f"default scheme: {default} (within 2 % of fp32 perplexity: {ok or 'none'})")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    if args.markdown:
-        write_markdown(report, Path(args.markdown), args.title)
+    staged = stage_markdown(report, Path(args.markdown), args.title) if args.markdown else None
+    try:
+        if args.out:
+            write_atomic(Path(args.out), json.dumps(report, indent=1) + "\n")
+    except BaseException:
+        if staged is not None:
+            staged.unlink(missing_ok=True)
+        raise
+    if staged is not None:
+        staged.replace(args.markdown)
 
 
 def write_markdown(report: dict, doc: Path, title: str) -> None:
-    """The quantization tables as a section of ``doc`` (``spec_plugins.bench.docs``)."""
+    """The quantization tables as a section of ``doc``, replaced in one rename."""
+    stage_markdown(report, doc, title).replace(doc)
+
+
+def stage_markdown(report: dict, doc: Path, title: str) -> Path:
+    """A copy of ``doc`` beside it with the quantization section updated (``spec_plugins.bench.docs``),
+    for the caller to rename into place once every output is ready; nothing is left on failure."""
+    import shutil
+
     from spec_plugins.bench.docs import update
 
+    text = markdown_section(report, title)
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    tmp = doc.with_name(f".{doc.name}.tmp")
+    try:
+        if doc.exists():
+            shutil.copyfile(doc, tmp)
+        update(tmp, title, text)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def markdown_section(report: dict, title: str) -> str:
+    """The quantization tables of ``report`` as the text of a section titled ``title``."""
     res = report["results"]
     lines = [f"## {title}", "",
              f"- machine: {report['machine']}, {report['threads']} threads", f"- date: {report['date']}",
              f"- command: `{report['command']}`", "",
              f"Perplexity on {report['heldout_conversations']} held-out ShareGPT conversations (assistant tokens, "
              f"{next(iter(res.values()))['perplexity_tokens']} tokens); greedy agreement with fp32 on "
-             f"{report['dev_prompts']} dev prompts ({report['new_tokens']} new tokens); T(N) = one forward over N "
+             f"{report['dev_prompts']} distinct dev prompts ({report['new_tokens']} new tokens); T(N) = one forward over N "
              "new positions.", "",
              "| runtime / scheme | graph MB | T(1) ms | T(4)/T(1) | T(8)/T(1) | T(16)/T(1) | perplexity | vs fp32 | "
              "identical to fp32 | first divergence |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -167,7 +237,9 @@ def write_markdown(report: dict, doc: Path, title: str) -> None:
                      f"{f'{min(firsts)}-{max(firsts)}' if firsts else 'none'} |")
     lines += ["", f"Default scheme (the fastest one-position forward within 2 % of fp32's perplexity): "
                   f"**{report['default_scheme']}**; within 2 %: {', '.join(report['within_2pct']) or 'none'}.", ""]
-    update(doc, title, "\n".join(lines))
+    if report.get("note"):  # a correction made to the report after its run, shown with its tables
+        lines += [f"Note: {report['note']}", ""]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

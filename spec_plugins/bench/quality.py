@@ -43,14 +43,20 @@ class Perplexity:
 
 def perplexity(runtime: Any, texts: Sequence[Sequence[int]], mask: Sequence[Sequence[bool]] | None = None,
                chunk: int = 64) -> Perplexity:
-    """Mean NLL over the scored tokens of ``texts`` (``mask[i][j]``: score token j of text i)."""
+    """Mean NLL over the scored tokens of ``texts`` (``mask[i][j]``: score token j of text i).
+
+    Scoring no token is refused: its mean is undefined, and reporting ppl 1.0 would read as a
+    perfect model rather than a missing measurement."""
     total, n = 0.0, 0
     for i, ids in enumerate(texts):
         lp = token_logprobs(runtime, ids, chunk)
         keep = torch.tensor(list(mask[i][1:]), dtype=torch.bool) if mask is not None else torch.ones_like(lp, dtype=torch.bool)
         total += float(-lp[keep].sum())
         n += int(keep.sum())
-    return Perplexity(n, total / max(n, 1))
+    if n == 0:
+        raise ValueError(f"perplexity: no token scored in {len(texts)} text(s): no texts, texts of one token, "
+                         "or a mask that selects no token after the first (no assistant tokens)")
+    return Perplexity(n, total / n)
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
