@@ -126,6 +126,21 @@ class DeviceAudit(TorchFunctionMode):
 # ---- host syncs, counted without a GPU --------------------------------------------------------------
 _UPLOADS = {"tensor", "as_tensor"}  # host data -> a device tensor, one blocking copy
 _SYNCS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu", "__array__"}
+# reads by another name: a Python answer (a bool, a string) from device data, or an output whose
+# shape only the device's data decides (the host waits for it to size the result)
+_DATA_READS = {"equal", "allclose", "__contains__", "__repr__", "__format__", "nonzero", "argwhere",
+               "masked_select", "unique", "unique_consecutive", "bincount"}
+_INDEXING = {"__getitem__", "__setitem__", "index_put", "index_put_"}
+# lru_caches that keep device tensors from one call to the next: one made under an earlier counter
+# (or none) is not marked under this one, so reading it would count nothing; the counter empties
+# them when it starts and when it ends (test results then do not depend on what ran before)
+_DEVICE_CACHES = (("spec_plugins.verify", "_shared"), ("spec_plugins.sampling", "_shared_groups"))
+
+
+def _clear_device_caches() -> None:
+    """Empty ``_DEVICE_CACHES`` (imported here: the counter runs with the package loaded)."""
+    for module, name in _DEVICE_CACHES:
+        getattr(importlib.import_module(module), name).cache_clear()
 
 
 class HostSyncs(TorchFunctionMode):
@@ -146,7 +161,12 @@ class HostSyncs(TorchFunctionMode):
     ``torch.tensor(..., device=y.device)``) then runs there and is counted as it would be, not as a
     read back. A read back gives a host copy (the CPU would return the device tensor itself, and
     reading that again would count again). ``mark`` a tensor made outside the counter (a model's
-    weights) as device data."""
+    weights) as device data.
+
+    Reads by another name count too (``_hidden_read``): indexing a device tensor with a host list,
+    a host index tensor (each a blocking upload) or a boolean mask (its nonzero count), an op whose
+    output shape depends on device data (``nonzero``, ``unique``, one-argument ``where`` ...), a
+    Python answer from device data (``equal``, ``in``, ``repr``), a copy into a host tensor."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
@@ -164,12 +184,14 @@ class HostSyncs(TorchFunctionMode):
         return ref is not None and ref() is t
 
     def __enter__(self) -> "HostSyncs":
+        _clear_device_caches()
         real = torch._C.TensorBase.device.__get__
         torch.Tensor.device = property(lambda t: self.device if self._on_dev(t) else real(t))  # type: ignore[assignment]
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> Any:
         del torch.Tensor.device
+        _clear_device_caches()
         return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
@@ -178,16 +200,21 @@ class HostSyncs(TorchFunctionMode):
         src = args[0] if args and isinstance(args[0], torch.Tensor) else None
         on_dev = any(self._on_dev(t) for t in _flat(args, kwargs))
         to_host = name == "to" and any(_is_host(a) for a in (*args[1:], kwargs.get("device")))
+        # host.copy_(device tensor): a read into the host tensor, which stays host data
+        copy_back = name == "copy_" and src is not None and not self._on_dev(src) and on_dev
         read = src is not None and self._on_dev(src) and (name in _SYNCS or to_host)
-        if read:
+        hidden = self._hidden_read(name, args, kwargs) if on_dev and not read else None
+        if read or copy_back or hidden:
             self.count += 1
-            self.where.append(f"{name} at {_caller() or '?'}")
+            self.where.append(f"{hidden or name} at {_caller() or '?'}")
         made_here = kwargs.get("device") == self.device or (name == "to" and any(
             a == self.device for a in (*args[1:], kwargs.get("device")) if isinstance(a, torch.device)))
         # an upload of host data that waits for it (CUDA: a blocking copy synchronizes the stream);
         # ``non_blocking=True`` (``transfer.upload``: the driver stages it and returns) does not
         blocking = not kwargs.get("non_blocking", False)
-        upload = made_here and blocking and (name in _UPLOADS or (name == "to" and src is not None and not on_dev))
+        data = args[0] if args else kwargs.get("data")  # ``torch.tensor(a device tensor)`` copies on the device
+        upload = made_here and blocking and ((name in _UPLOADS and not self._on_dev(data))
+                                             or (name == "to" and src is not None and not on_dev))
         upload = upload or (name == "copy_" and src is not None and self._on_dev(src) and blocking
                             and len(args) > 1 and isinstance(args[1], torch.Tensor) and not self._on_dev(args[1]))
         if upload:
@@ -196,11 +223,38 @@ class HostSyncs(TorchFunctionMode):
         out = func(*args, **kwargs)
         if read and out is src:  # the CPU returned the device tensor itself: the host gets a copy
             return out.clone()
-        if (on_dev and not to_host and name not in _SYNCS) or made_here:
+        if (on_dev and not to_host and not copy_back and name not in _SYNCS) or made_here:
             for t in _flat((out,), {}):
                 if isinstance(t, torch.Tensor):
                     self.mark(t)
         return out
+
+    def _hidden_read(self, name: str, args: tuple, kwargs: dict) -> str | None:
+        """What a call touching device data waits for though it reads nothing by name (``None``: nothing)."""
+        src = args[0] if args else None
+        if name in _DATA_READS:
+            return name
+        if name == "where" and len(args) == 1 and not kwargs:
+            return "where(condition)"
+        if name == "repeat_interleave" and "output_size" not in kwargs:
+            repeats = args[1] if len(args) > 1 else kwargs.get("repeats", src if len(args) == 1 else None)
+            return "repeat_interleave(tensor repeats)" if isinstance(repeats, torch.Tensor) else None
+        if name in _INDEXING and self._on_dev(src) and len(args) > 1:
+            index = args[1]
+            items = index if name.startswith("index") or isinstance(index, tuple) else (index,)
+            if any(self._host_index(i) for i in items):
+                return f"{name} with a host index or a mask"
+        return None
+
+    def _host_index(self, i: Any) -> bool:
+        """Whether indexing a device tensor with ``i`` waits: a list or a host tensor goes up
+        blocking (0-dim host integers are read as ints); a boolean mask's True entries are
+        counted (read) first, to size the result."""
+        if isinstance(i, (list, tuple)):
+            return True
+        if not isinstance(i, torch.Tensor) or i.dim() == 0:
+            return False
+        return i.dtype == torch.bool or not self._on_dev(i)
 
 
 def _flat(args: Any, kwargs: dict) -> list[Any]:

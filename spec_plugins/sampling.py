@@ -132,7 +132,7 @@ class LogitsPipeline:
         if not self.processors:
             return self.warp(logits)
         out = logits.clone()
-        for rows, ridx, nodes, prefix, scores in _tree_groups(logits, sequences, tokens, parents):
+        for rows, ridx, _, nodes, prefix, scores in _tree_groups(logits, sequences, tokens, parents):
             out[ridx[:, None], nodes[None, :]] = self.apply_user(prefix, scores).reshape(len(rows), -1, logits.shape[2])
         return self.warp(out)
 
@@ -146,11 +146,11 @@ class LogitsPipeline:
         if not self.processors:
             return self.warp(logits), {}
         out, raised = logits.clone(), {}
-        for rows, ridx, nodes, prefix, scores in _tree_groups(logits, sequences, tokens, parents):
+        for rows, ridx, at, nodes, prefix, scores in _tree_groups(logits, sequences, tokens, parents):
             try:
                 z = self.apply_user(prefix, scores)
             except Exception:  # noqa: BLE001 - find the nodes it fails for, one at a time
-                z, at, n = scores.clone(), nodes.tolist(), int(nodes.shape[0])
+                z, n = scores.clone(), len(at)
                 for i in range(z.shape[0]):  # row-major: rows[i // n], node at[i % n]
                     try:
                         z[i:i + 1] = self.apply_user(prefix[i:i + 1], scores[i:i + 1])
@@ -164,11 +164,12 @@ class LogitsPipeline:
         return out, raised
 
 
-def _tree_groups(logits: torch.Tensor, sequences: Sequence[Sequence[int]], tokens: torch.Tensor,
-                 parents: Parents) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """The nodes of ``process_tree``'s forward by (row length, depth) group: the group's rows (on
-    the host and the device), its n nodes, and the prefixes [R * n, L + d] and logits [R * n, V]
-    of its R x n nodes, row-major. The user processors run once per group."""
+def _tree_groups(logits: torch.Tensor, sequences: Sequence[Sequence[int]], tokens: torch.Tensor, parents: Parents
+                 ) -> Iterator[tuple[list[int], torch.Tensor, tuple[int, ...], torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The nodes of ``process_tree``'s forward by (row length, depth) group: the group's rows and
+    its n nodes (each on the host and the device: the host's copies name a failing node without a
+    read back), and the prefixes [R * n, L + d] and logits [R * n, V] of its R x n nodes,
+    row-major. The user processors run once per group."""
     B, _, V = logits.shape
     dev = logits.device
     seqs = [s if isinstance(s, torch.Tensor) else upload_tensor(list(s), dev)
@@ -181,12 +182,12 @@ def _tree_groups(logits: torch.Tensor, sequences: Sequence[Sequence[int]], token
         ridx = upload_tensor(rows, dev)
         seq, tok = torch.stack([seqs[b] for b in rows]), tokens[ridx]  # [R, L], [R, N]
         R = len(rows)
-        for nodes, path in groups:  # path [1 or B, n, d]: forward indices of each node's path
+        for at, nodes, path in groups:  # path [1 or B, n, d]: forward indices of each node's path
             n, d = int(nodes.shape[0]), int(path.shape[2])
             path = path.expand(B, n, d)[ridx] if path.shape[0] > 1 else path.expand(R, n, d)
             steps = tok.gather(1, path.reshape(R, n * d)).reshape(R, n, d)
             prefix = torch.cat([seq[:, None, :].expand(R, n, L), steps], -1).reshape(R * n, L + d)
-            yield rows, ridx, nodes, prefix, logits[ridx][:, nodes].reshape(R * n, V)
+            yield rows, ridx, at, nodes, prefix, logits[ridx][:, nodes].reshape(R * n, V)
 
 
 class RowPipelines:
@@ -255,10 +256,13 @@ def process_rows_apart(pipeline: "LogitsPipeline | RowPipelines", logits: torch.
         return out, failed
 
 
-def _depth_groups(parents: Parents, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Nodes of a forward grouped by depth (root = node 0, depth 0), each with the forward indices
-    of the drafted tokens on its path ([1, n, depth], or [B, n, depth] for per-row trees): the
-    tokens its prefix adds to the row's sequence.
+def _depth_groups(parents: Parents, device: torch.device
+                  ) -> list[tuple[tuple[int, ...], torch.Tensor, torch.Tensor]]:
+    """Nodes of a forward grouped by depth (root = node 0, depth 0), on the host and on ``device``,
+    each with the forward indices of the drafted tokens on its path ([1, n, depth], or
+    [B, n, depth] for per-row trees): the tokens its prefix adds to the row's sequence. A group's
+    nodes go up once, without waiting (indexing a device tensor with a host list would copy it
+    blocking: a stream sync per depth).
 
     Per-row trees hold invalid slots whose parent was cut or never chosen (the root here), so
     their walk up reaches the root early and then its parent, -1: such a walk stays at the root.
@@ -270,25 +274,27 @@ def _depth_groups(parents: Parents, device: torch.device) -> list[tuple[torch.Te
     depth = parents.depth
     out = []
     for d in sorted(set(depth)):
-        nodes = [j for j, dj in enumerate(depth) if dj == d]
+        at = tuple(j for j, dj in enumerate(depth) if dj == d)
+        nodes = upload_tensor(list(at), device)
         cur = parents.parents[:, nodes]  # [B, n]: walking up from each node, one step per depth
-        steps = [upload_tensor(nodes, device)[None].expand_as(cur)]
+        steps = [nodes[None].expand_as(cur)]
         for _ in range(d - 1):
             cur = cur.clamp_min(0)  # past the root: stay there (an invalid node, docstring)
             steps.append(cur)
             cur = parents.parents.gather(1, cur)
         path = torch.stack(steps[::-1], -1) if d else cur.new_zeros(cur.shape + (0,))
-        out.append((upload_tensor(nodes, device), path))
+        out.append((at, nodes, path))
     return out
 
 
 @lru_cache(maxsize=256)
-def _shared_groups(parents: tuple[int, ...], device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _shared_groups(parents: tuple[int, ...], device: torch.device
+                   ) -> list[tuple[tuple[int, ...], torch.Tensor, torch.Tensor]]:
     """``_depth_groups`` of one topology for every row, cached per draft shape and device."""
     groups: dict[int, list[tuple[int, ...]]] = {}
     for j, path in enumerate(paths(parents)):
         groups.setdefault(len(path) - 1, []).append((j,) + path[1:])
-    return [(upload_tensor([p[0] for p in g], device),
+    return [(tuple(p[0] for p in g), upload_tensor([p[0] for p in g], device),
              upload_tensor([p[1:] for p in g], device).reshape(1, len(g), d)) for d, g in sorted(groups.items())]
 
 

@@ -31,14 +31,31 @@ HOT = SamplingConfig(temperature=0.9, top_k=8)
 WARM = SamplingConfig(temperature=0.7)
 REP = SamplingConfig(repetition_penalty=1.3)
 
-# cell -> (rows as (prompt, sampling, seed, logprobs), the batch's top_logprobs)
+
+def nudge(ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """A user logits processor reading the prefix (transformers' signature), all on the device."""
+    return scores - 0.1 * (ids[:, -1:] % 3).to(scores.dtype)
+
+
+def fails_late(ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """A user processor that raises once the prefix reaches 10 tokens: its nodes are processed apart."""
+    if ids.shape[1] >= 10:
+        raise RuntimeError("a processor failing mid-decode")
+    return scores
+
+
+# cell -> (rows as (prompt, sampling, seed, logprobs[, processors]), the batch's top_logprobs)
 CELLS = {
     "one-greedy": ([(PROMPTS[0], None, None, False)], 0),
     "holes-greedy": ([(p, None, None, False) for p in PROMPTS], 0),
     "seeded-sampled": ([(p, HOT, 10 + i, False) for i, p in enumerate(PROMPTS)], 0),
     "mixed": ([(PROMPTS[0], None, None, False), (PROMPTS[1], HOT, 11, False), (PROMPTS[2], WARM, 12, False)], 0),
     "rep-penalty": ([(PROMPTS[0], REP, None, False)], 0),
+    # each row its own pipeline: processed per pipeline and per (row length, depth) group
+    "rep-and-processor": ([(PROMPTS[0], REP, None, False, (nudge,)), (PROMPTS[2], REP, None, False, (nudge,))], 0),
     "logprobs": ([(PROMPTS[0], None, None, True)], 5),
+    "processor-raises": ([(PROMPTS[0], None, None, False, (fails_late,)), (PROMPTS[1], None, None, False),
+                          (PROMPTS[2], HOT, 12, False)], 0),
 }
 
 
@@ -70,8 +87,8 @@ def syncs_per_round(model, heads, kind: str, cell: str, grammar=None, cache: str
         batch = Batch(rt, every_proposer(kind, rt, heads, draft=lambda: _runtime(model, cache)), ExactVerifier())
         batch.top_logprobs = top
         emitted = batch.add([RowRequest(i, list(p), N, sampling=s, seed=seed, logprobs=lp,
-                                        grammar=grammar() if grammar else None)
-                             for i, (p, s, seed, lp) in enumerate(rows)])
+                                        processors=procs[0] if procs else (), grammar=grammar() if grammar else None)
+                             for i, (p, s, seed, lp, *procs) in enumerate(rows)])
         start, per_round = len(syncs.where), []
         while len(batch):
             before = syncs.count
@@ -95,7 +112,7 @@ def test_at_most_one_host_sync_per_round(target, kind, cell, cache):
     assert len(per_round) > 1 and max(per_round) <= 1, \
         f"{kind}/{cell}/{cache}: syncs per round {per_round}, where: {where}"
     rows, _ = CELLS[cell]
-    if all(s is None for _, s, _, _ in rows):
+    if all(s is None for _, s, *_ in rows):
         assert outs == {i: plain_greedy(target[0], p, N) for i, (p, *_) in enumerate(rows)}
 
 
