@@ -198,14 +198,14 @@ def stream_weights(path: Path, data: Path) -> None:
     model = onnx.load(str(path), load_external_data=False)
     tensors = [t for t in model.graph.initializer if uses_external_data(t)]
     infos = [ExternalDataInfo(t) for t in tensors]
-    sources = {i.location: path.parent / i.location for i in infos}
-    held = [loc for loc, f in sources.items() if f.resolve() == data.resolve()]  # any spelling of ``data``
+    sources = {i.location: (path.parent / i.location).resolve() for i in infos}  # by file: any spelling
+    held = [loc for loc, f in sources.items() if f == data.resolve()]
     if held:  # weights already in ``data`` are copied from it under another name
         aside = data.replace(data.with_name(data.name + ".gathering"))
         sources.update({loc: aside for loc in held})
     else:
         data.unlink(missing_ok=True)
-    uses = Counter(sources[i.location] for i in infos)  # by file: two spellings of one file share it
+    uses = Counter(sources[i.location] for i in infos)
     with open(data, "xb") as out:  # created at the umask's mode, as the graph file
         for t, info in zip(tensors, infos):
             offset = out.tell()

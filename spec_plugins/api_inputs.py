@@ -95,9 +95,10 @@ def content_text(content: Any, where: str) -> str:
 
 def chat_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
     """Chat messages as the template gets them, each a dict with a known ``role`` and its
-    ``content`` (``content_text``; missing, as on an assistant turn holding only ``tool_calls``:
+    ``content`` (``content_text``; an assistant turn holding only ``tool_calls`` may leave it out:
     ""), mapped as the server maps them (``template_role``). Other keys (``name``, ``tool_calls``)
-    are kept for templates that read them; the server's routes pass role and content only. A bad
+    are kept for templates that read them; the server's routes pass role and content only (its
+    special-token escaping covers message text, not what a template prints of other keys). A bad
     message is refused naming it."""
     out = []
     for i, m in enumerate(messages):
@@ -107,6 +108,8 @@ def chat_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
         if m.get("role") not in CHAT_ROLES:
             got = f"{m['role']!r}" if "role" in m else "none"
             raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {got}")
+        if "content" not in m and not (m["role"] == "assistant" and "tool_calls" in m):
+            raise ValueError(f"messages[{i}].content is missing: give a string or a list of text parts")
         out.append({**m, "role": template_role(m["role"]),
                     "content": content_text(m.get("content"), f"messages[{i}].content")})
     return out

@@ -152,6 +152,8 @@ def chat_decoder():
 
 
 @pytest.mark.parametrize("msgs, named", [
+    ([{"role": "user"}], r"messages\[0\]\.content is missing"),
+    ([{"role": "user", "text": "hi"}], r"messages\[0\]\.content is missing"),
     ([{"role": "user", "content": 5}], r"messages\[0\]\.content must be a string or a list of text parts"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], r"messages\[0\]\.content\[0\]"),
     ([{"role": "user", "content": [{"type": "text", "text": 3}]}], r"messages\[0\]\.content\[0\]"),
