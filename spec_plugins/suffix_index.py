@@ -11,23 +11,25 @@ Work per token is O(D) with D fixed (24 by default), independent of the context 
 
 ``GlobalIndex`` holds finished requests under a token cap (and optionally a node cap), evicting
 the oldest first; removing a request decrements the counts along its suffixes and drops nodes
-that reach zero (their ids are reused, and a trie whose free ids outnumber its live nodes is
-renumbered densely), so each trie's storage follows its live nodes, never its peak, and memory
-follows the caps, however many tenants once filled them. Nodes are ids into flat lists, not
-objects: the garbage collector never walks them one by one, and an index of millions of nodes
-adds nothing to its passes on the decode thread. A token adds up to ``depth`` nodes; the node cap
-bounds memory directly (the bytes per token are in ``docs/proposers.md``).
+that reach zero (their ids are reused, and while a trie's free ids outnumber its live nodes each
+removal gives back at most twice the slots it freed, moving nodes down from the top), so each
+trie's storage follows its live nodes, never its peak, without a pass over them on the decode
+thread. Nodes are ids into flat lists, not objects: the garbage collector never walks them one
+by one, and an index of millions of nodes adds nothing to its passes on the decode thread. A
+token adds up to ``depth`` nodes; the node cap bounds memory directly (the bytes per token are
+in ``docs/proposers.md``).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from sys import getsizeof
 from types import MappingProxyType
 from typing import Hashable, Iterable, Mapping, Sequence
 
 ROOT = 0  # every trie's root node id
-COMPACT_FLOOR = 1024  # storage slots below which a trie is never compacted (not worth a pass)
+COMPACT_FLOOR = 64  # storage slots below which a trie never gives slots back: about 6 KB per tenant
 _NONE: Mapping[int, int] = MappingProxyType({})
 
 
@@ -36,10 +38,11 @@ class Trie:
 
     Nodes are int ids (the root is ``ROOT``) into flat per-trie lists, so the garbage collector
     sees a handful of lists per trie, never a node: ``_count[n]``, ``_tok[n]`` (the token on the
-    edge into n) and ``_kids[n]``: None (a leaf), an int (the only child, stored inline) or a
-    dict token -> child id (a dict of ints is never GC-tracked). Freed ids are reused, and a
-    removal that leaves more free ids than live ones renumbers the live nodes densely
-    (``_compact``): a trie that once held many nodes does not keep that storage."""
+    edge into n), ``_par[n]`` (n's parent) and ``_kids[n]``: None (a leaf), an int (the only
+    child, stored inline) or a dict token -> child id (a dict of ints is never GC-tracked). Freed
+    ids are reused (``_free``, a stack; a free slot has count 0 and its place in that stack as
+    ``_par``), and a removal that leaves more free ids than live ones gives back slots from the
+    top (``_shrink``): a trie that once held many nodes does not keep that storage."""
 
     def __init__(self, depth: int) -> None:
         self.depth = depth
@@ -82,29 +85,31 @@ class Trie:
         """Count one more occurrence of n's string followed by ``token``; the child's id."""
         k = self._kids[n]
         if k is None:
-            c = self._kids[n] = self._new(token)
+            c = self._kids[n] = self._new(token, n)
         elif type(k) is int:
             if self._tok[k] == token:
                 c = k
             else:
-                c = self._new(token)
+                c = self._new(token, n)
                 self._kids[n] = {self._tok[k]: k, token: c}
         else:
             c = k.get(token)
             if c is None:
-                c = k[token] = self._new(token)
+                c = k[token] = self._new(token, n)
         self._count[c] += 1
         return c
 
-    def _new(self, token: int) -> int:
+    def _new(self, token: int, parent: int) -> int:
+        """A fresh node under ``parent`` (count 0): a free slot, else a new one."""
         self.nodes += 1
         if self._free:
             n = self._free.pop()
-            self._tok[n] = token
+            self._tok[n], self._par[n] = token, parent
             return n
         self._count.append(0)
         self._tok.append(token)
         self._kids.append(None)
+        self._par.append(parent)
         return len(self._count) - 1
 
     def extend(self, open_: list[int], token: int) -> list[int]:
@@ -123,7 +128,7 @@ class Trie:
     def remove(self, tokens: Sequence[int]) -> None:
         """Undo ``add(tokens)``: decrement every suffix path, free nodes that reach zero."""
         self.version += 1
-        toks, count = list(tokens), self._count
+        toks, count, before = list(tokens), self._count, self.nodes
         for i in range(len(toks)):
             node, path = ROOT, []
             for t in toks[i: i + self.depth]:
@@ -138,41 +143,55 @@ class Trie:
                 if count[n] <= 0 and self.child(parent, t) == n:
                     self._unlink(parent, t)
                     self._free_subtree(n)
-        if len(self._count) > COMPACT_FLOOR and 2 * len(self._free) > len(self._count):
-            self._compact()
+        self._shrink(2 * (before - self.nodes))
 
-    def _compact(self) -> None:
-        """Renumber the live nodes densely, breadth-first from the root, into new lists (the old
-        ones, sized by the trie's peak, are released). Counts, tokens and each node's child order
-        are kept, so drafts read from the trie are unchanged. Run once free ids outnumber live
-        ones: the O(live) pass is paid for by the more than as many frees since the last one.
-        Only ``remove`` calls it, which bumps ``version``: cursors drop the old ids."""
-        count, tok, kids = self._count, self._tok, self._kids
-        new_count, new_tok, new_kids = [count[ROOT]], [tok[ROOT]], [kids[ROOT]]
+    def _shrink(self, budget: int) -> None:
+        """Give back storage slots while free ones outnumber live ones (above ``COMPACT_FLOOR``):
+        each step drops the top slot, first moving its node, if live, into a free slot.
+        A step frees one slot, so ``budget`` steps (twice the nodes the removal freed) restore
+        the bound the removal broke (it held before: a trie only passes the floor by appending,
+        with no free slot), and no removal pays for more than its own frees: never a pass over
+        the live nodes, which stalled the decode thread for seconds on a large trie."""
+        free, count, tok, kids, par = self._free, self._count, self._tok, self._kids, self._par
+        while budget > 0 and len(count) > COMPACT_FLOOR and 2 * len(free) > len(count):
+            budget -= 1
+            top = len(count) - 1
+            if count[top] == 0:  # free (the root is never on top here): out of the stack
+                last = free.pop()
+                if last != top:
+                    free[par[top]], par[last] = last, par[top]
+            else:  # live: it moves down into a free slot
+                self._move(top, free.pop())
+            count.pop(), tok.pop(), kids.pop(), par.pop()
 
-        def adopt(old: int) -> int:
-            """Copy old node ``old`` to the next new id (its children still under old ids)."""
-            new_count.append(count[old])
-            new_tok.append(tok[old])
-            new_kids.append(kids[old])
-            return len(new_count) - 1
-
-        i = 0
-        while i < len(new_kids):  # new ids are handed out in order, so every node is reached once
-            k = new_kids[i]
-            if type(k) is int:
-                new_kids[i] = adopt(k)
-            elif k is not None:
-                new_kids[i] = {t: adopt(c) for t, c in k.items()}  # the children's order is kept
-            i += 1
-        self._count, self._tok, self._kids, self._free = new_count, new_tok, new_kids, []
+    def _move(self, src: int, dst: int) -> None:
+        """Move live node ``src`` to free slot ``dst``: its parent's link and its children's parent
+        links follow. Counts, tokens and the order of each node's children are kept (a dict keeps
+        a key's place when its value changes), so drafts read from the trie are unchanged. Only
+        ``remove`` moves nodes, and it bumps ``version``: cursors drop the old ids."""
+        count, tok, kids, par = self._count, self._tok, self._kids, self._par
+        count[dst], tok[dst], kids[dst], par[dst] = count[src], tok[src], kids[src], par[src]
+        k = kids[par[src]]
+        if type(k) is int:
+            kids[par[src]] = dst
+        else:
+            k[tok[src]] = dst
+        k = kids[src]
+        if k is not None:
+            for c in (k,) if type(k) is int else k.values():
+                par[c] = dst
 
     def _unlink(self, parent: int, token: int) -> None:
-        """Drop parent's child on ``token``; one child left goes back inline, none to None."""
+        """Drop parent's child on ``token``; one child left goes back inline, none to None. A dict
+        never shrinks its table on deletions: one left over 5 times larger than a fresh copy
+        (about 50 bytes an entry) is copied, so a node that once had many children does not keep
+        their storage; the copy costs less than the deletions since the last one."""
         k = self._kids[parent]
         if type(k) is dict:
             del k[token]
             if len(k) > 1:
+                if getsizeof(k) > 256 * (len(k) + 1):
+                    self._kids[parent] = dict(k)  # sized for its entries, in the same order
                 return
             k = next(iter(k.values())) if k else None
             self._kids[parent] = k
@@ -180,15 +199,23 @@ class Trie:
             self._kids[parent] = None
 
     def _free_subtree(self, n: int) -> None:
+        """Free n and its descendants: count 0 marks a free slot, ``_par`` its place in ``_free``."""
+        free = self._free
+        if self._kids[n] is None:  # a leaf, the usual case: deeper nodes went first
+            self._count[n], self._tok[n], self._par[n] = 0, 0, len(free)
+            free.append(n)
+            self.nodes -= 1
+            return
+        count, tok, kids, par = self._count, self._tok, self._kids, self._par
         stack = [n]
         while stack:
             x = stack.pop()
-            k = self._kids[x]
+            k = kids[x]
             if k is not None:
                 stack.extend((k,) if type(k) is int else k.values())
-            self._count[x], self._tok[x], self._kids[x] = 0, 0, None
-            self._free.append(x)
-            self.nodes -= 1
+            count[x], tok[x], kids[x], par[x] = 0, 0, None, len(free)
+            free.append(x)
+        self.nodes -= len(free) - par[n]
 
     def clear(self) -> None:
         """Forget every node: a dropped key's trie stays named by stale fifo entries and must not
@@ -201,6 +228,7 @@ class Trie:
         self._count: list[int] = [0]
         self._tok: list[int] = [0]
         self._kids: list[int | dict[int, int] | None] = [None]
+        self._par: list[int] = [ROOT]
         self._free: list[int] = []
         self.nodes = 0
 

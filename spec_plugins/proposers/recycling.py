@@ -92,7 +92,8 @@ class RecyclingProposer(Proposer):
         self.config = config or self.Config()
         self._rows = 0  # rows in the batch
         self.vocab_size: int | None = getattr(target, "vocab_size", None)
-        # -1 = unknown; keep_table: [V + 1, k], shared; otherwise [slabs, V + 1, k], a slab per row
+        # int32 token ids, -1 = unknown; keep_table: [V + 1, k], shared; otherwise [slabs, V + 1, k],
+        # a slab per row
         self.table: torch.Tensor | None = None
         self._slabs: list[int] = []  # without keep_table: each row's slab of the table
         self._spare: list[int] = []  # slabs of rows that left, to hand to rows that join
@@ -125,10 +126,11 @@ class RecyclingProposer(Proposer):
     # ---- table --------------------------------------------------------------------------------
     def _ensure_table(self, vocab: int, device: torch.device) -> torch.Tensor:
         """The table lives where the target's logits are: recycling them is then a device scatter.
-        Row ``vocab`` is scratch: writes of invalid nodes land there (no data-dependent shapes)."""
+        Row ``vocab`` is scratch: writes of invalid nodes land there (no data-dependent shapes).
+        Token ids are int32 (half of int64's memory; any vocabulary fits), read back as int64."""
         t, slabs = self.table, () if self.config.keep_table else (self._capacity(),)
         if t is None or t.shape[-2] < vocab + 1 or t.device != device or t.shape[:-2] != slabs:
-            self.table = torch.full((*slabs, vocab + 1, self.config.candidates), -1, dtype=torch.long, device=device)
+            self.table = torch.full((*slabs, vocab + 1, self.config.candidates), -1, dtype=torch.int32, device=device)
         return self.table
 
     def _capacity(self) -> int:
@@ -157,7 +159,7 @@ class RecyclingProposer(Proposer):
         toks = tokens.to(table.device)
         if valid is not None:
             toks = torch.where(valid.to(table.device), toks, table.shape[-2] - 1)
-        tables[slab.expand_as(toks).reshape(-1), toks.reshape(-1), :k] = idx.reshape(-1, k)
+        tables[slab.expand_as(toks).reshape(-1), toks.reshape(-1), :k] = idx.reshape(-1, k).to(table.dtype)
 
     def admit(self, prompts: Sequence[Sequence[int]]) -> None:
         """With ``keep_table`` rows need no state of their own (the table is shared). Without it
@@ -175,13 +177,25 @@ class RecyclingProposer(Proposer):
 
     def _grow(self) -> None:
         """Add empty slabs to the per-row table, doubling it, so rows joining one by one copy it
-        amortised O(1) times each."""
+        amortised O(1) times each (the copy briefly holds the old table beside the new one)."""
         t = self.table
         assert t is not None
-        more = torch.full((max(self._capacity(), 2 * t.shape[0]) - t.shape[0], *t.shape[1:]), -1, dtype=t.dtype,
-                          device=t.device)
-        self.table = torch.cat([t, more])
+        self.table = t.new_full((max(self._capacity(), 2 * t.shape[0]), *t.shape[1:]), -1)
+        self.table[:t.shape[0]] = t
         self._spare.extend(range(len(self._slabs) + len(self._spare), self.table.shape[0]))
+
+    def _shrink(self) -> None:
+        """Halve the per-row table (at least) once its rows hold under a quarter of its slabs, so
+        it follows the rows running now, not their peak: the rows' slabs are renumbered 0..n-1,
+        each row's table copied along, and room is kept for as many rows again (no regrow at once)."""
+        n, size = len(self._slabs), self._capacity()
+        if 4 * n >= size:
+            return
+        t = self.table
+        if t is not None:
+            self.table = t.new_full((2 * n, *t.shape[1:]), -1)
+            torch.index_select(t, 0, upload_tensor(self._slabs, t.device), out=self.table[:n])
+        self._slabs, self._spare = list(range(n)), list(range(n, 2 * n))
 
     def select_rows(self, rows: Sequence[int]) -> None:
         self._rows = len(rows)
@@ -192,6 +206,8 @@ class RecyclingProposer(Proposer):
         self._slabs = kept
         if not kept:  # an empty batch frees the per-row tables' memory
             self.table, self._spare = None, []
+        else:
+            self._shrink()
 
     def num_rows(self) -> int:
         return self._rows
@@ -215,7 +231,7 @@ class RecyclingProposer(Proposer):
                                                                                   device=dev)
             else:
                 src, src_ok = toks[:, parents], ok[:, parents]
-            cand = tables[slab, src, ranks.expand(B, -1)]
+            cand = tables[slab, src, ranks.expand(B, -1)].long()
             ok[:, nodes] = src_ok & (cand >= 0) & (depth < budget)[:, None]
             toks[:, nodes] = cand.clamp_min(0)
         draft = Draft(toks, self.shape.parents, None, ok)

@@ -60,9 +60,9 @@ class SuffixProposer(Proposer):
         depth: int = Field(32, ge=2, le=128, description="Longest substring the indexes hold (work per token).")
         max_match: int = Field(12, ge=1, le=127, description="Longest suffix matched (the rest of depth is for drafts).")
         global_max_tokens: int = Field(200_000, ge=1, description="Token cap of the global index (oldest "
-                                                                  "evicted); about 1.6 KB a token: 308 MiB at 200,000.")
+                                                                  "evicted); about 1.8 KB a token: about 350 MiB at 200,000.")
         global_max_nodes: int | None = Field(None, ge=1, description="Trie-node cap of the global index (oldest "
-                                                                     "evicted), about 61 bytes a node; none: the "
+                                                                     "evicted), about 69 bytes a node; none: the "
                                                                      "token cap alone bounds it.")
         max_tenants: int = Field(10_000, ge=1, description="scope: tenant: tenants whose finished requests are "
                                                              "held at once; a new one evicts the least recently "
