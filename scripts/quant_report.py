@@ -16,6 +16,7 @@ import json
 import os
 import shlex
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,6 +33,9 @@ SCHEMES = {  # label -> ONNX Runtime config fields
     "int4-asym": {"quantize": "int4", "quant_symmetric": False},
     "int4-gguf": {"quantize": "int4", "quant_grid": "gguf"},
 }
+# the least each count may be (a scored token needs one before it: --max-seq 2), checked before
+# anything loads rather than after the fp32 export, when perplexity() would refuse an empty set
+MINIMA = {"heldout": 1, "max_seq": 2, "new_tokens": 1, "threads": 1}
 
 
 def dev_first_turns(n: int) -> list[str]:
@@ -63,13 +67,44 @@ def scheme_labels(text: str) -> list[str]:
     return ["fp32", *(x for x in labels if x != "fp32")]
 
 
+def check_counts(args: argparse.Namespace) -> None:
+    """Each count in ``MINIMA`` at least its least, named by its flag (ValueError otherwise)."""
+    for name, least in MINIMA.items():
+        value = getattr(args, name)
+        if value < least:
+            raise ValueError(f"--{name.replace('_', '-')} {value}: give at least {least}")
+
+
+def read_report(path: Path) -> dict:
+    """A saved report for ``--from-json``; a missing or malformed file is refused by name."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--from-json {path}: {exc}") from exc
+
+
+def temp_beside(path: Path) -> Path:
+    """A new empty file of a name no other run holds, in ``path``'s directory (so a rename onto
+    ``path`` stays on one file system), with the mode a plain write would give (not mkstemp's 0600)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(delete=False, dir=path.parent, prefix=f".{path.name}.", suffix=".tmp") as f:
+        tmp = Path(f.name)
+    mask = os.umask(0)
+    os.umask(mask)
+    tmp.chmod(0o666 & ~mask)
+    return tmp
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Write ``path`` through a temporary file renamed into place: a reader sees the old file or
-    the whole new one, never a partial report."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    the whole new one, never a partial report; the temporary file is removed if writing fails."""
+    tmp = temp_beside(path)
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def main() -> None:
@@ -88,18 +123,19 @@ def main() -> None:
                     help="the section's title (a section per machine: sections are replaced by title)")
     ap.add_argument("--from-json", default="", help="render --markdown from a saved report, measure nothing")
     args = ap.parse_args()
-    if args.from_json:
-        if not args.markdown:
-            ap.error("--from-json renders --markdown: give the page to write")
-        write_markdown(json.loads(Path(args.from_json).read_text()), Path(args.markdown), args.title)
-        return
+    if args.from_json and not args.markdown:
+        ap.error("--from-json renders --markdown: give the page to write")
     try:
-        labels = scheme_labels(args.schemes)
-        turns = dev_first_turns(args.prompts)
         if args.markdown:
             from spec_plugins.bench.docs import check_title
 
             check_title(Path(args.markdown), args.title)
+        if args.from_json:
+            write_markdown(read_report(Path(args.from_json)), Path(args.markdown), args.title)
+            return
+        check_counts(args)
+        labels = scheme_labels(args.schemes)
+        turns = dev_first_turns(args.prompts)
     except ValueError as exc:
         ap.error(str(exc))
 
@@ -122,6 +158,8 @@ def main() -> None:
         held.append((ids, trained))
         if len(held) >= args.heldout:
             break
+    if not held:  # each conversation's answer starts past --max-seq: perplexity() would refuse
+        ap.error(f"--max-seq {args.max_seq}: no held-out ShareGPT conversation has an answer token within it")
     prompts = [list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                             tokenize=True)["input_ids"]) for p in turns]
 
@@ -203,11 +241,12 @@ def stage_markdown(report: dict, doc: Path, title: str) -> Path:
     from spec_plugins.bench.docs import update
 
     text = markdown_section(report, title)
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    tmp = doc.with_name(f".{doc.name}.tmp")
+    tmp = temp_beside(doc)
     try:
         if doc.exists():
             shutil.copyfile(doc, tmp)
+        else:  # update() starts a missing page with its header, an empty one without
+            tmp.unlink()
         update(tmp, title, text)
     except BaseException:
         tmp.unlink(missing_ok=True)

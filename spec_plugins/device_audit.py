@@ -38,12 +38,16 @@ _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 _SELF = str(Path(__file__).resolve())
 
 
+# this project's packages: ``backends`` and ``exporters`` are top-level folders of the source tree
+# (an editable install maps them) but sit inside ``spec_plugins`` once a wheel is installed
+PACKAGES = ("spec_plugins", "spec_plugins.backends", "spec_plugins.exporters")
+
+
 def _our_dirs() -> tuple[str, ...]:
     """The directories this project's code is imported from, each ending in a separator: the
-    packages' own search paths, since ``backends`` and ``exporters`` are top-level folders of the
-    source tree (an editable install) but sit inside ``spec_plugins`` once a wheel is installed."""
+    ``PACKAGES``' own search paths, wherever the install put them."""
     dirs: list[str] = []
-    for pkg in ("spec_plugins", "spec_plugins.backends", "spec_plugins.exporters"):
+    for pkg in PACKAGES:
         spec = importlib.util.find_spec(pkg)  # the subpackage's location, without running its __init__
         for d in (spec.submodule_search_locations if spec else None) or ():
             dirs += [str(Path(d)) + os.sep, str(Path(d).resolve()) + os.sep]  # as imported, and through links
@@ -131,9 +135,12 @@ _SYNCS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "nu
 _DATA_READS = {"equal", "allclose", "__contains__", "__repr__", "__format__", "nonzero", "argwhere",
                "masked_select", "unique", "unique_consecutive", "bincount"}
 _INDEXING = {"__getitem__", "__setitem__", "index_put", "index_put_"}
+_MASKS = (torch.bool, torch.uint8)  # index dtypes ATen reads as masks
 # lru_caches that keep device tensors from one call to the next: one made under an earlier counter
 # (or none) is not marked under this one, so reading it would count nothing; the counter empties
-# them when it starts and when it ends (test results then do not depend on what ran before)
+# them when it starts and when it ends (test results then do not depend on what ran before).
+# Kept by hand: tests/test_syncs_round12.py checks it against every module-level lru_cache in
+# ``PACKAGES`` whose function takes a ``device``
 _DEVICE_CACHES = (("spec_plugins.verify", "_shared"), ("spec_plugins.sampling", "_shared_groups"))
 
 
@@ -164,9 +171,10 @@ class HostSyncs(TorchFunctionMode):
     weights) as device data.
 
     Reads by another name count too (``_hidden_read``): indexing a device tensor with a host list,
-    a host index tensor (each a blocking upload) or a boolean mask (its nonzero count), an op whose
-    output shape depends on device data (``nonzero``, ``unique``, one-argument ``where`` ...), a
-    Python answer from device data (``equal``, ``in``, ``repr``), a copy into a host tensor."""
+    a host index tensor (each a blocking upload), a boolean mask (its nonzero count) or a 0-dim
+    device index (read as a number), an op whose output shape depends on device data
+    (``nonzero``, ``unique``, one-argument ``where`` ...), a Python answer from device data
+    (``equal``, ``in``, ``repr``), a copy into a host tensor."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
@@ -240,21 +248,53 @@ class HostSyncs(TorchFunctionMode):
             repeats = args[1] if len(args) > 1 else kwargs.get("repeats", src if len(args) == 1 else None)
             return "repeat_interleave(tensor repeats)" if isinstance(repeats, torch.Tensor) else None
         if name in _INDEXING and self._on_dev(src) and len(args) > 1:
-            index = args[1]
-            items = index if name.startswith("index") or isinstance(index, tuple) else (index,)
-            if any(self._host_index(i) for i in items):
-                return f"{name} with a host index or a mask"
+            return self._index_wait(name, args, kwargs)
         return None
 
-    def _host_index(self, i: Any) -> bool:
-        """Whether indexing a device tensor with ``i`` waits: a list or a host tensor goes up
-        blocking (0-dim host integers are read as ints); a boolean mask's True entries are
-        counted (read) first, to size the result."""
-        if isinstance(i, (list, tuple)):
-            return True
-        if not isinstance(i, torch.Tensor) or i.dim() == 0:
+    def _index_wait(self, name: str, args: tuple, kwargs: dict) -> str | None:
+        """What indexing a device tensor waits for, as ATen indexes (``ATen/TensorIndexing.h``):
+        a list or a host index tensor goes up blocking (0-dim host integers are read as ints);
+        ``t[i]`` with a 0-dim device index reads it (``item``) to pick one entry; a mask's True
+        entries are counted (nonzero) to size the result, unless the assignment runs as
+        ``masked_fill_`` (``_fills_masked``). ``index_put(_)`` takes a tuple of tensors as they
+        are: a 0-dim device index broadcasts there, and a 0-dim mask is still a mask."""
+        put = name.startswith("index")
+        index = args[1]
+        items = tuple(index) if put or isinstance(index, tuple) else (index,)
+        if any(isinstance(i, (list, tuple)) for i in items):
+            return f"{name} with a host list"
+        tensors = [i for i in items if isinstance(i, torch.Tensor)]
+        if not put and any(i.dim() == 0 and self._on_dev(i) for i in tensors):
+            return f"{name} with a 0-dim device index"
+        if any((put or i.dim() > 0) and not self._on_dev(i) for i in tensors):
+            return f"{name} with a host index tensor"
+        masked = any((put or i.dim() > 0) and i.dtype in _MASKS for i in tensors)
+        if masked and not self._fills_masked(name, args, kwargs, items):
+            return f"{name} with a mask"
+        return None
+
+    def _fills_masked(self, name: str, args: tuple, kwargs: dict, items: tuple) -> bool:
+        """Whether an assignment through a mask runs as ``masked_fill_``, which reads nothing
+        (``_index_put_impl_`` asks ``canDispatchToMaskedFill``, ``ATen/native/
+        TensorAdvancedIndexingUtils.h``): no accumulate, a one-element value on the host (``t[m] = 1``
+        makes a Python number there for a CUDA tensor) and one device mask as the only index tensor
+        (ints, slices, None, ``...`` and 0-dim integer tensors select or slice instead)."""
+        if name == "__getitem__":
             return False
-        return i.dtype == torch.bool or not self._on_dev(i)
+        put = name != "__setitem__"
+        value = args[2] if len(args) > 2 else kwargs.get("values")
+        accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+        if isinstance(value, torch.Tensor):
+            one_host = value.numel() == 1 and not self._on_dev(value)
+        else:  # a Python number or a nested list of them, made into a host tensor
+            one_host = len(_flat((value,), {})) == 1
+        # Python bools and 0-dim masks in ``t[...]`` become index tensors too (of longs)
+        index_tensors = [i for i in items if isinstance(i, bool) or (
+            isinstance(i, torch.Tensor) and (put or i.dim() > 0 or i.dtype in _MASKS))]
+        lone = index_tensors[0] if len(index_tensors) == 1 else None
+        mask = (isinstance(lone, torch.Tensor) and lone.dtype in _MASKS and self._on_dev(lone)
+                and (put or lone.dim() > 0))
+        return not accumulate and one_host and mask
 
 
 def _flat(args: Any, kwargs: dict) -> list[Any]:

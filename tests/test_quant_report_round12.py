@@ -120,3 +120,102 @@ def test_perplexity_of_nothing_is_refused():
         with pytest.raises(ValueError, match="no token scored"):
             perplexity(rt, texts, mask)
     assert perplexity(rt, [ids], None).tokens == len(ids) - 1
+
+
+@pytest.mark.parametrize("flag, value", [("--heldout", "0"), ("--heldout", "-3"), ("--new-tokens", "0"),
+                                         ("--max-seq", "1"), ("--threads", "0")])
+def test_counts_below_their_least_are_refused_before_anything_loads(monkeypatch, capsys, tmp_path, flag, value):
+    """``--heldout 0`` used to pass the checks, load the tokenizer and export fp32 before
+    perplexity() refused the empty set; ``--threads 0`` ended in torch's traceback."""
+    _no_load(monkeypatch)
+    out = tmp_path / "report.json"
+    with pytest.raises(SystemExit) as exc:
+        _run_main(monkeypatch, "--schemes", "int8", "--no-llamacpp", "--out", str(out), flag, value)
+    assert exc.value.code == 2
+    assert f"{flag} {value}: give at least" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_no_held_out_answer_within_max_seq_is_refused_before_any_export(monkeypatch, capsys):
+    """Every conversation's answer past ``--max-seq``: refused once the tokenizer is loaded,
+    before the first runtime is built."""
+    import spec_plugins.models
+    import spec_plugins.training.sources
+
+    class Tokenizer:
+        def apply_chat_template(self, *_a, **_k):
+            raise AssertionError("went on past an empty held-out set")
+
+    monkeypatch.setattr(spec_plugins.models, "load_gguf_tokenizer", lambda *_a, **_k: Tokenizer())
+    monkeypatch.setattr(spec_plugins.training.sources, "sharegpt_examples", lambda *_a, **_k: iter(()))
+    with pytest.raises(SystemExit) as exc:
+        _run_main(monkeypatch, "--schemes", "int8", "--no-llamacpp", "--max-seq", "8")
+    assert exc.value.code == 2
+    assert "--max-seq 8: no held-out ShareGPT conversation" in capsys.readouterr().err
+
+
+def test_from_json_refuses_a_clashing_title_or_a_bad_report_by_name(monkeypatch, capsys, tmp_path):
+    """Both ended in a traceback; the page is left as it was, with nothing beside it."""
+    doc, report = tmp_path / "b.md", tmp_path / "report.json"
+    page = "<!-- bench:quant-a -->\n## Quant (A)\n<!-- /bench:quant-a -->\n"
+    doc.write_text(page)
+    report.write_text((ROOT / "docs/reports/quantization-xeon.json").read_text())
+    for argv, says in (((str(report), "--title", "Quant, A"), "same key"),
+                       ((str(tmp_path / "missing.json"),), "--from-json"),
+                       ((str(doc),), f"--from-json {doc}")):  # not JSON
+        with pytest.raises(SystemExit) as exc:
+            _run_main(monkeypatch, "--from-json", argv[0], "--markdown", str(doc), *argv[1:])
+        assert exc.value.code == 2 and says in capsys.readouterr().err
+        assert doc.read_text() == page
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["b.md", "report.json"]
+
+
+def test_a_failed_write_leaves_the_old_report_and_no_temporary_file(tmp_path):
+    out = tmp_path / "report.json"
+    out.write_text("old\n")
+    with pytest.raises(UnicodeEncodeError):
+        _script("quant_report").write_atomic(out, "half \ud800")  # fails once its file is open
+    assert out.read_text() == "old\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]
+
+
+def _write_report(path: Path, text: str) -> None:
+    _script("quant_report").write_atomic(path, text)
+
+
+def _write_page(path: Path, text: str) -> None:
+    report = json.loads((ROOT / "docs/reports/quantization-xeon.json").read_text())
+    _script("quant_report").write_markdown({**report, "note": text}, path, XEON_TITLE)
+
+
+@pytest.mark.parametrize("write", [_write_report, _write_page], ids=["write_atomic", "write_markdown"])
+def test_overlapping_runs_each_rename_their_own_file(monkeypatch, tmp_path, write):
+    """Run B writes the same output while run A's file waits for its rename: each renames its
+    own temporary file (one fixed name made A's rename fail), the last rename wins, nothing is
+    left beside it, and the file has the mode a plain write gives."""
+    out = tmp_path / "out.md"
+    real = Path.replace
+    calls = []
+
+    def replace(self: Path, target: Path | str) -> Path:
+        calls.append(self)
+        if len(calls) == 1:  # run A's rename: run B first, start to end
+            write(out, "run B")
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "replace", replace)
+    write(out, "run A")
+    assert "run A" in out.read_text() and "run B" not in out.read_text()
+    assert calls[0] != calls[1]
+    reference = tmp_path / "plain"
+    reference.write_text("")
+    assert out.stat().st_mode == reference.stat().st_mode
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.md", "plain"]
+
+
+def test_a_page_written_from_nothing_starts_with_its_header(tmp_path):
+    """A new page gets ``update``'s header, as before the temporary file had a unique name."""
+    doc = tmp_path / "new.md"
+    _write_page(doc, "first")
+    assert doc.read_text().startswith("# Benchmarks\n") and "Note: first" in doc.read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new.md"]
