@@ -309,8 +309,9 @@ def markdown(report: dict) -> str:
 
 def drafts_chains(stats: dict | None) -> bool:
     """Whether a method's pooled stats (``_stats_summary``) drafted chains only: one node per depth
-    per row-round that drafted it, the draft the formula S(γ) describes."""
-    return stats is not None and stats["draft_tokens"] > 0 and stats["drafted_by_position"] == stats["rows_by_position"]
+    per row-round that drafted it, the draft the formula S(γ) describes (a run that drafted
+    nothing adds nothing to α and keeps its measured point)."""
+    return stats is not None and stats["drafted_by_position"] == stats["rows_by_position"]
 
 
 def has_theory(report: dict) -> bool:
