@@ -18,7 +18,8 @@ from spec_plugins.config import SamplingConfig
 from spec_plugins.proposers.base import ProposeContext
 from spec_plugins.proposers.recycling import RecyclingProposer
 from spec_plugins.sampling import LogitsPipeline
-from spec_plugins.suffix_index import COMPACT_FLOOR, Cursor, GlobalIndex, Trie
+from spec_plugins.suffix_global import GlobalIndex
+from spec_plugins.suffix_index import COMPACT_FLOOR, Cursor, Trie
 from spec_plugins.suffix_trees import speculate
 
 GREEDY = LogitsPipeline(SamplingConfig(temperature=0.0))

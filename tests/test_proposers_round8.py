@@ -17,7 +17,8 @@ from spec_plugins.decoder import SpeculativeDecoder
 from spec_plugins.proposers.base import ProposerTraits
 from spec_plugins.proposers.recycling import RecyclingProposer
 from spec_plugins.proposers.suffix import SuffixProposer
-from spec_plugins.suffix_index import GlobalIndex, Trie
+from spec_plugins.suffix_global import GlobalIndex
+from spec_plugins.suffix_index import Trie
 from spec_plugins.types import RowRequest
 from spec_plugins.verifiers import ExactVerifier
 

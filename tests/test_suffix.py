@@ -19,7 +19,8 @@ from spec_plugins.policy import DraftPolicy, FixedLength
 from spec_plugins.proposers.suffix import SuffixProposer
 from spec_plugins.sampling import LogitsPipeline
 from spec_plugins.stats import DecodeStats
-from spec_plugins.suffix_index import Cursor, GlobalIndex, RequestIndex, Trie
+from spec_plugins.suffix_global import GlobalIndex
+from spec_plugins.suffix_index import Cursor, RequestIndex, Trie
 from spec_plugins.suffix_trees import Speculation, speculate, union
 from spec_plugins.tree import paths
 from spec_plugins.types import RowRequest

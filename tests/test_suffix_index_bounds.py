@@ -7,7 +7,8 @@ from __future__ import annotations
 import gc
 import random
 
-from spec_plugins.suffix_index import GlobalIndex, Trie
+from spec_plugins.suffix_global import GlobalIndex
+from spec_plugins.suffix_index import Trie
 
 
 def walked(trie: Trie) -> int:

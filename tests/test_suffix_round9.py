@@ -11,7 +11,8 @@ import random
 
 from test_suffix import substring_counts, trie_counts
 
-from spec_plugins.suffix_index import Cursor, GlobalIndex, RequestIndex, Trie
+from spec_plugins.suffix_global import GlobalIndex
+from spec_plugins.suffix_index import Cursor, RequestIndex, Trie
 from spec_plugins.suffix_trees import Speculation, speculate
 
 

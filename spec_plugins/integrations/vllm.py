@@ -159,7 +159,8 @@ class SuffixDrafter(_Drafter):
 
     def __init__(self, vllm_config: Any = None, section: dict[str, Any] | None = None) -> None:
         super().__init__(vllm_config, section)
-        from spec_plugins.suffix_index import Cursor, GlobalIndex, RequestIndex
+        from spec_plugins.suffix_global import GlobalIndex
+        from spec_plugins.suffix_index import Cursor, RequestIndex
 
         c = self.config
         self.index = GlobalIndex(c.depth, c.global_max_tokens, max_nodes=c.global_max_nodes)

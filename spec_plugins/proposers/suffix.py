@@ -29,7 +29,8 @@ from spec_plugins.config import ProposerConfig
 from spec_plugins.policy.tree_size import MAX_AUTO_NODES
 from spec_plugins.proposers.base import Metric, ProposeContext, Proposer, RoundRecord
 from spec_plugins.registry import register_proposer
-from spec_plugins.suffix_index import Cursor, GlobalIndex, RequestIndex, Trie
+from spec_plugins.suffix_global import GlobalIndex
+from spec_plugins.suffix_index import Cursor, RequestIndex, Trie
 from spec_plugins.suffix_trees import EMPTY, Speculation, speculate, union
 from spec_plugins.tree import ordinal_paths
 from spec_plugins.types import Ranked, RankedRow
