@@ -42,9 +42,12 @@ class Trie:
     ``_par``), and a removal that leaves more free ids than live ones gives back slots from the
     top (``_shrink``): a trie that once held many nodes does not keep that storage."""
 
-    def __init__(self, depth: int) -> None:
+    def __init__(self, depth: int, removable: bool = True) -> None:
+        """``removable=False``: a trie that only grows (a request's own): it keeps no parent links,
+        which only removal uses (about an eighth of a node's memory)."""
         self.depth = depth
         self.root = ROOT
+        self.removable = removable
         self.version = 0  # bumped on every removal: cursors re-sync (ids they hold may be reused)
         self._reset()
 
@@ -107,7 +110,8 @@ class Trie:
         self._count.append(0)
         self._tok.append(token)
         self._kids.append(None)
-        self._par.append(parent)
+        if self._par is not None:
+            self._par.append(parent)
         return len(self._count) - 1
 
     def extend(self, open_: list[int], token: int) -> list[int]:
@@ -125,6 +129,8 @@ class Trie:
 
     def remove(self, tokens: Sequence[int]) -> None:
         """Undo ``add(tokens)``: decrement every suffix path, free nodes that reach zero."""
+        if not self.removable:
+            raise TypeError("this trie only grows (removable=False): it keeps no parent links to remove by")
         self.version += 1
         toks, count, before = list(tokens), self._count, self.nodes
         for i in range(len(toks)):
@@ -226,7 +232,7 @@ class Trie:
         self._count: list[int] = [0]
         self._tok: list[int] = [0]
         self._kids: list[int | dict[int, int] | None] = [None]
-        self._par: list[int] = [ROOT]
+        self._par: list[int] | None = [ROOT] if self.removable else None
         self._free: list[int] = []
         self.nodes = 0
 
@@ -283,7 +289,7 @@ class RequestIndex:
     """One row's own trie over its prompt and output, and where its context ends in it."""
 
     def __init__(self, depth: int) -> None:
-        self.trie = Trie(depth)
+        self.trie = Trie(depth, removable=False)
         self.open: list[int] = []
         self.length = 0
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import sys
 
+import pytest
 import torch
 from helpers import greedy_run, plain_greedy
 from test_suffix_index_bounds import walked
@@ -246,3 +247,20 @@ def test_the_per_row_table_shrinks_as_rows_leave_and_rows_keep_their_drafts():
     assert drafted(seqs[:2]) == [before[7], before[3]] == [[7, 0], [3, 6]]
     prop.admit([[2, 4]])
     assert drafted(seqs[:2] + [[2, 4]]) == [[7, 0], [3, 6], [-1, -1]]
+
+
+def test_a_request_trie_keeps_no_parent_links_and_holds_what_a_removable_one_holds():
+    """A row's own trie only grows, so the parent links removal uses would cost it memory for
+    nothing; it holds the same nodes, counts and child order as a trie that keeps them."""
+    from spec_plugins.suffix_index import RequestIndex
+
+    rng = random.Random(3)
+    tokens = [rng.randrange(12) for _ in range(400)]
+    row, ref = RequestIndex(8), Trie(8)
+    row.extend(tokens)
+    ref.add(tokens)
+    assert row.trie._par is None and ref._par is not None and len(ref._par) == len(ref._count)
+    assert (row.trie._count, row.trie._tok) == (ref._count, ref._tok)
+    assert all(dict(row.trie.children(n)) == dict(ref.children(n)) for n in range(len(ref._count)))
+    with pytest.raises(TypeError, match="only grows"):
+        row.trie.remove(tokens[:8])
