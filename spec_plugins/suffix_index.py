@@ -27,7 +27,7 @@ from types import MappingProxyType
 from typing import Iterable, Mapping, Sequence
 
 ROOT = 0  # every trie's root node id
-COMPACT_FLOOR = 64  # storage slots below which a trie never gives slots back: about 6 KB per tenant
+COMPACT_FLOOR = 64  # storage slots below which a trie never gives slots back (its cost per tenant: docs/serving.md)
 _NONE: Mapping[int, int] = MappingProxyType({})
 
 

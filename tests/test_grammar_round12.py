@@ -18,7 +18,7 @@ from spec_plugins.grammar import GrammarError, GrammarLimits, GrammarSpec, RowGr
 TOO_COMPLEX = "the grammar is too complex for llguidance's limits"
 LEXER_LIMIT = "too many expressions constructed"
 NO_WAY_ON = "no token of this model's vocabulary can continue the grammar here"
-HEAVY = ["((ab){1000}){1000}", "((ab){800}){800}", "(((ab){100}){100}){100}"]  # ~2 s to compile here
+HEAVY = ["((ab){1000}){1000}", "((ab){800}){800}", "(((ab){100}){100}){100}"]  # near the compile-time limit
 ROOMY = GrammarLimits(max_compile_ms=120_000)  # the lexer limit under test, not the clock on a busy machine
 LBRACE = 1  # "{": not in REGEX
 # a schema whose heavy pattern llguidance's lazy lexer meets only inside the string, after `{"a":"`
