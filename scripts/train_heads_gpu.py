@@ -28,6 +28,7 @@ import sys
 import tarfile
 import time
 from pathlib import Path
+from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
@@ -43,7 +44,7 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def fail(msg: str) -> None:
+def fail(msg: str) -> NoReturn:
     sys.exit(f"train_heads_gpu: {msg}")
 
 
@@ -82,7 +83,10 @@ def stage_tokens(args: argparse.Namespace, build: Path) -> dict:
         counts = FilterCounts()
         t0 = time.time()
         examples = sharegpt_examples(tok, split, max_seq, DataFilter(language=args.language), args.heldout_share, counts)
-        st = write_token_shards(examples, out, meta, len(tok), budget, args.shard_tokens)
+        try:
+            st = write_token_shards(examples, out, meta, len(tok), budget, args.shard_tokens)
+        except ValueError as exc:  # no conversation kept, or an id past the vocabulary
+            fail(f"stage: {split}: {exc}")
         st["filter_counts"], st["seconds"] = counts.as_dict(), round(time.time() - t0, 1)
         (out / "meta.json").write_text(json.dumps(st, indent=1) + "\n")
         summary[split] = st
@@ -248,16 +252,24 @@ def unpack(args: argparse.Namespace) -> None:
 def device(args: argparse.Namespace) -> None:
     from spec_plugins.training.device_run import RunOptions, run
 
-    opts = RunOptions(heads=tuple(h for h in args.heads.split(",") if h), block_size=args.block_size,
-                      anchors=args.anchors, block_layers=args.block_layers,
-                      block_context=args.block_context, distill_s=args.distill_s,
-                      temperatures=tuple(float(t) for t in args.temperatures.split(",")), samples=args.samples,
-                      gen_rows=args.gen_rows, gen_max_new=args.gen_max_new, gen_max_seq=args.gen_max_seq,
-                      device=args.device, dtype=args.dtype, batch_size=args.batch_size, window=args.window,
-                      epochs=args.epochs, lr=args.lr, unroll=args.unroll, draft_vocab=args.draft_vocab,
-                      max_steps=args.max_steps, prefill_tokens=args.prefill_tokens, medusa=args.medusa,
-                      medusa_batch=args.medusa_batch, medusa_min_s=args.medusa_min_s, until=args.until or math.inf, reserve_s=args.reserve_s,
-                      snapshot_s=args.snapshot_s, snapshot_steps=args.snapshot_steps, save_every=args.save_every)
+    try:
+        temperatures = tuple(float(t) for t in args.temperatures.split(","))
+    except ValueError:
+        fail(f"--temperatures {args.temperatures!r}: give comma-separated numbers (0 = greedy)")
+    try:  # RunOptions refuses bad options by name before anything loads or is written
+        opts = RunOptions(heads=tuple(h for h in args.heads.split(",") if h), block_size=args.block_size,
+                          anchors=args.anchors, block_layers=args.block_layers,
+                          block_context=args.block_context, distill_s=args.distill_s,
+                          temperatures=temperatures, samples=args.samples,
+                          gen_rows=args.gen_rows, gen_max_new=args.gen_max_new, gen_max_seq=args.gen_max_seq,
+                          device=args.device, dtype=args.dtype, batch_size=args.batch_size, window=args.window,
+                          epochs=args.epochs, lr=args.lr, unroll=args.unroll, draft_vocab=args.draft_vocab,
+                          max_steps=args.max_steps, prefill_tokens=args.prefill_tokens, medusa=args.medusa,
+                          medusa_batch=args.medusa_batch, medusa_min_s=args.medusa_min_s,
+                          until=args.until or math.inf, reserve_s=args.reserve_s, snapshot_s=args.snapshot_s,
+                          snapshot_steps=args.snapshot_steps, save_every=args.save_every)
+    except ValueError as exc:
+        fail(f"device: {exc}")
     rep = run(args.bundle, args.out, args.work, opts)
     print(json.dumps({k: rep[k] for k in ("phases", "heads", "device")}, indent=1))
 

@@ -222,7 +222,7 @@ def self_distill_cmd(
     from spec_plugins.training.self_distill import regenerate, variants
     from spec_plugins.training.sharegpt import DataFilter
     from spec_plugins.training.sources import fit_max_seq, sharegpt_examples
-    from spec_plugins.training.tokens import write_meta, write_token_shards
+    from spec_plugins.training.tokens import seconds_per_million, write_meta, write_token_shards
 
     try:
         ways = variants([float(t) for t in temperatures.split(",")], samples)
@@ -240,10 +240,14 @@ def self_distill_cmd(
             "language": language, "heldout_share": heldout_share, "variants": [vars(w) for w in ways],
             "max_new_tokens": max_new_tokens, "backend": backend, "rows": rows}
     t0 = time.perf_counter()
-    state = write_token_shards(regenerate(dec, convs, ways, max_new_tokens, max_seq, rows), out, meta,
-                               len(dec.tokenizer), max_tokens, shard_tokens)
+    try:
+        state = write_token_shards(regenerate(dec, convs, ways, max_new_tokens, max_seq, rows), out, meta,
+                                   len(dec.tokenizer), max_tokens, shard_tokens)
+    except ValueError as exc:  # no conversation kept (an empty split, a --max-seq that cuts every answer)
+        fail(exc)
+        return
     took = time.perf_counter() - t0
-    state |= {"wall_seconds": round(took, 1), "seconds_per_million_tokens": round(took / max(state["tokens"], 1) * 1e6, 1)}
+    state |= {"wall_seconds": round(took, 1), "seconds_per_million_tokens": seconds_per_million(took, state["tokens"])}
     write_meta(out, state)
     typer.echo(json.dumps({k: v for k, v in state.items() if k != "shards"} | {"shards": len(state["shards"])}, indent=1))
 

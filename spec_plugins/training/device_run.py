@@ -28,6 +28,7 @@ from torch import nn
 from spec_plugins.backends.torch_runtime import pick_device
 
 HEAD_FILES = ("head.safetensors", "config.json", "train_report.json")
+HEADS = ("eagle", "parallel")  # what ``heads`` may list (medusa: the ``medusa`` switch)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,23 @@ class RunOptions:
     gen_rows: int = 128  # batch rows per target forward while answering
     gen_max_new: int = 512  # longest answer per turn
     gen_max_seq: int = 2048  # regenerated conversations cut here
+
+    def __post_init__(self) -> None:
+        """Refuse options no head could be trained with, by name, before ``run`` loads the target
+        or self-distils (minutes on a lent GPU): the checks the trainers and the regeneration
+        would make only then."""
+        from spec_plugins.heads.common import config_number
+        from spec_plugins.training.eagle_train import check_parallel
+        from spec_plugins.training.self_distill import variants
+
+        unknown = [h for h in self.heads if h not in HEADS]
+        if unknown or not self.heads:
+            raise ValueError(f"heads {list(self.heads)}: expected one or more of {list(HEADS)}")
+        for name in ("anchors", "gen_rows", "gen_max_new", "gen_max_seq"):
+            config_number(name, getattr(self, name), integer=True)
+        variants(self.temperatures, self.samples)
+        if "parallel" in self.heads:
+            check_parallel(self.block_size, self.window, self.block_layers, self.block_context)
 
 
 class Watch:
@@ -138,7 +156,7 @@ def run(bundle: str | Path, out: str | Path, work: str | Path, opts: RunOptions)
     from spec_plugins.training.eagle_train import train_eagle
     from spec_plugins.training.live import LiveFeatures
     from spec_plugins.training.medusa_train import train_medusa
-    from spec_plugins.training.tokens import TokenStore
+    from spec_plugins.training.tokens import TokenStore, seconds_per_million
     from spec_plugins.training.trainer import TrainConfig
 
     bundle, out, work = Path(bundle), Path(out), Path(work)
@@ -169,8 +187,9 @@ def run(bundle: str | Path, out: str | Path, work: str | Path, opts: RunOptions)
         t0 = time.time()
         made = distill(model, tokens, work / "self-tokens", opts, min(opts.until, t0 + opts.distill_s), dev)
         report["self_distill"] = {k: made[k] for k in ("tokens", "trained_tokens", "conversations", "exhausted")}
-        report["self_distill"] |= {"seconds": round(time.time() - t0, 1), "seconds_per_million_tokens":
-                                   round((time.time() - t0) / max(1, made["tokens"]) * 1e6, 1)}
+        took = time.time() - t0
+        report["self_distill"] |= {"seconds": round(took, 1),
+                                   "seconds_per_million_tokens": seconds_per_million(took, made["tokens"])}
         if made["conversations"]:
             tokens = TokenStore(work / "self-tokens")
         else:  # no answer came back: the written ones, recorded and said on stderr
@@ -194,10 +213,7 @@ def run(bundle: str | Path, out: str | Path, work: str | Path, opts: RunOptions)
     def medusa(cfg: TrainConfig, hook: Any) -> dict:
         return train_medusa(train, model, cfg, work / "medusa", 4, opts.draft_vocab, held, False, hook)
 
-    known = {"eagle": eagle, "parallel": parallel}
-    unknown = [h for h in opts.heads if h not in known]
-    if unknown or not opts.heads:
-        raise ValueError(f"heads {list(opts.heads)}: expected one or more of {sorted(known)}")
+    known = {"eagle": eagle, "parallel": parallel}  # HEADS, checked by RunOptions
     plans: list[tuple[str, TrainConfig, Callable[[TrainConfig, Any], dict]]] = [(h, base, known[h]) for h in opts.heads]
     if opts.medusa:
         plans.append(("medusa", replace(base, batch_size=opts.medusa_batch), medusa))
@@ -256,7 +272,7 @@ def distill(model: Any, prompts: Any, out: Path, opts: RunOptions, deadline: flo
     meta = {**prompts.state.get("meta", {}), "responses": "self", "variants": [asdict(w) for w in ways],
             "max_new_tokens": opts.gen_max_new, "rows": opts.gen_rows}
     rows = regenerate(SpeculativeDecoder(runtime), convs, ways, opts.gen_max_new, opts.gen_max_seq, opts.gen_rows, due)
-    state = write_token_shards(rows, out, meta, prompts.state["vocab"], 1 << 40, 1_000_000)
+    state = write_token_shards(rows, out, meta, prompts.state["vocab"], 1 << 40, 1_000_000, allow_empty=True)
     if stopped:
         state["exhausted"] = False
         write_meta(out, state)

@@ -146,6 +146,16 @@ def draft_vocab(store: ShardSource, windows: list[Window], size: int, vocab: int
     return ids, float(counts[ids].sum()) / max(1, int(counts.sum()))
 
 
+def check_parallel(block_size: int, window: int, block_layers: int = 0, block_context: bool = False) -> None:
+    """Refuse a parallel drafter's options before a target loads or a step runs: the drafter
+    config's own checks (on a stand-in width) and the window's (``check_block_size``)."""
+    from spec_plugins.heads.parallel import ParallelConfig
+    from spec_plugins.training import parallel_train as par
+
+    ParallelConfig(1, block_size=block_size, block_layers=block_layers, block_context=block_context)
+    par.check_block_size(block_size, window)
+
+
 def train_eagle(store: ShardSource, target_model: Any, cfg: TrainConfig, out: str | Path, fused: bool = True,
                 vocab_size: int = 8192, intermediate: int | None = None, heldout: ShardSource | None = None,
                 progress: bool = True, hook: StepHook | None = None, block_size: int | None = None,
@@ -161,8 +171,9 @@ def train_eagle(store: ShardSource, target_model: Any, cfg: TrainConfig, out: st
     tensor it holds in another shape, e.g. another block size or width, is refused by name)."""
     from spec_plugins.training import parallel_train as par
 
-    if block_size:
-        par.check_block_size(block_size, cfg.window)
+    parallel = block_size is not None  # 0 and 1 included: refused by name, not trained as an EAGLE head
+    if block_size is not None:
+        check_parallel(block_size, cfg.window, block_layers, block_context)
     out = Path(out)
     torch.manual_seed(cfg.seed)
     layers = tuple(store.meta["layers"]) if fused else ()
@@ -179,7 +190,7 @@ def train_eagle(store: ShardSource, target_model: Any, cfg: TrainConfig, out: st
         coverage = float(counts[vocab_ids].sum()) / max(1, int(counts.sum()))
     else:
         vocab_ids, coverage = draft_vocab(store, windows, vocab_size, V)
-    if block_size:
+    if parallel:
         model = build_drafter(target_model, vocab_ids, layers, intermediate, par.ParallelDrafter, block_size=block_size,
                               anchor_input=anchor_input, block_layers=block_layers, block_context=block_context)
     else:
@@ -191,10 +202,10 @@ def train_eagle(store: ShardSource, target_model: Any, cfg: TrainConfig, out: st
             raise ValueError(f"{init} does not hold weights this drafter can start from "
                              f"(missing {sorted(missing)}, unexpected {sorted(unexpected)})")
     vmap = map_vocab(model.vocab_ids, V)
-    recipe = {"init": str(init) if init is not None else None, "anchors": anchors if block_size else None,
-              "anchor_input": anchor_input if block_size else None,
-              "block_layers": block_layers if block_size else None,
-              "block_context": block_context if block_size else None}
+    recipe = {"init": str(init) if init is not None else None, "anchors": anchors if parallel else None,
+              "anchor_input": anchor_input if parallel else None,
+              "block_layers": block_layers if parallel else None,
+              "block_context": block_context if parallel else None}
     loop = Loop(model, cfg, out, epoch_steps(windows, cfg.batch_size), model.kind, model.config.to_dict(), progress,
                 hook, data_identity(store, windows, model.vocab_ids) | recipe)
     plan = dict(batches_for_steps(windows, cfg.batch_size, cfg.seed, loop.total))
@@ -204,7 +215,7 @@ def train_eagle(store: ShardSource, target_model: Any, cfg: TrainConfig, out: st
         bw = plan[step]
         torch.manual_seed(cfg.seed * 7919 + step)  # noise and anchors reproducible across resume
         b = eagle_batch(cache.get(bw[0].shard), bw, fused)
-        if block_size:
+        if parallel:
             return par.parallel_loss(model, b, cfg, anchors)  # type: ignore[arg-type]
         return eagle_loss(model, b, cfg, vmap)
 

@@ -64,15 +64,18 @@ class TokenShard:
 
 
 def write_token_shards(examples: Iterable[Example], out: str | Path, meta: dict, vocab: int, max_tokens: int,
-                       shard_tokens: int = 1_000_000) -> dict:
+                       shard_tokens: int = 1_000_000, allow_empty: bool = False) -> dict:
     """Write ``examples`` ((ids, assistant mask) per conversation, in order) as token shards until
     ``max_tokens`` tokens; returns the summary also written to ``out/meta.json``. The shards are
     written into ``out/.partial`` and replace those of ``out`` only once complete, so an
-    interrupted run leaves an earlier run's shards as they were."""
+    interrupted run leaves an earlier run's shards as they were. A run that keeps no
+    conversation is refused (a ValueError; ``out`` as it was), since no reader takes an empty
+    store; ``allow_empty`` publishes it anyway, for a caller that reports the empty run itself."""
     if max_tokens < 1 or shard_tokens < 1:
         raise ValueError(f"max_tokens and shard_tokens must be positive, got {max_tokens} and {shard_tokens}")
     out = Path(out)
     work = out / PARTIAL
+    made = next((p for p in reversed([out, *out.parents]) if not p.exists()), work)  # removed again on a refusal
     if work.exists():  # what an interrupted run left
         shutil.rmtree(work)
     work.mkdir(parents=True)
@@ -96,7 +99,9 @@ def write_token_shards(examples: Iterable[Example], out: str | Path, meta: dict,
         state["conversations"] += len(parts)
         parts, pending = [], 0
 
+    seen = 0
     for ids, trained in examples:
+        seen += 1
         if state["tokens"] >= max_tokens:
             state["exhausted"] = False
             break
@@ -120,8 +125,17 @@ def write_token_shards(examples: Iterable[Example], out: str | Path, meta: dict,
             state["exhausted"] = False
             break
     flush()
+    if not state["conversations"] and not allow_empty:
+        shutil.rmtree(made)
+        raise ValueError(f"no conversation to write: {seen} read, none holding an answer (an assistant token, 2 "
+                         f"tokens or more) within the budget of {max_tokens} tokens; {out} left as it was")
     _publish(work, out, state)
     return state
+
+
+def seconds_per_million(seconds: float, tokens: int) -> float | None:
+    """A rate for the reports; None without tokens (there is nothing to divide by)."""
+    return round(seconds / tokens * 1e6, 1) if tokens else None
 
 
 def _publish(work: Path, out: Path, state: dict) -> None:
