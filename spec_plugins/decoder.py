@@ -211,7 +211,12 @@ class SpeculativeDecoder:
                     s = streams[0]
                     text = shown.push(s.text[pushed:], s.stop_at, bool(reason))
                     pushed = len(s.text)
-                yield StreamEvent(step.emitted.get(0, []), text, _reason(reason), step.errors.get(0))
+                event = StreamEvent(step.emitted.get(0, []), text, _reason(reason), step.errors.get(0))
+                if reason:
+                    # the row's end is the decode's end: the decoder is free before its last event,
+                    # as a caller may stop reading there without closing the stream
+                    rounds.close()
+                yield event
                 if reason:
                     return
 

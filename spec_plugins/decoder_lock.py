@@ -4,11 +4,13 @@ A decoder's runtime holds one batch's rows and KV cache; a second thread startin
 it would decode over the first one's rows and fail somewhere unrelated (a tensor size mismatch, a
 commit without its forward). ``GenerationLock`` refuses that second thread at once. A caller
 does not block on it: the holder may be a stream generator suspended in the caller's own thread,
-or one another thread keeps unfinished, which waiting would never see end. Generations in the
-holder's thread go on (two interleaved streams there are caught by the runtime's lease,
-``loop.ownership``). A server's decode thread holds it while its batch has work and waits for it
-(``wait`` with a ``timeout``, so it can stop and say why it is not serving) when a direct
-generation on the same decoder holds it: that generation runs while the server is idle.
+or one another thread keeps unfinished, which waiting would never see end (a stream frees it just
+before yielding its last event, the one with a ``finish_reason``: a reader may stop there without
+closing it). Generations in the holder's thread go on (two interleaved streams there are caught by
+the runtime's lease, ``loop.ownership``). A server's decode thread holds it while its batch has
+work and waits for it (``wait`` with a ``timeout``, so it can stop and say why it is not serving)
+when a direct generation on the same decoder holds it: that generation runs while the server is
+idle.
 """
 
 from __future__ import annotations
