@@ -140,7 +140,34 @@ def load_head(directory: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types for a corrupt file
         raise ValueError(f"{files.weights} cannot be read as safetensors ({type(exc).__name__}: {exc}); "
                          "retrain or copy the head again") from None
+    for name, tensor in state.items():
+        problem = tensor_problem(name, tensor)
+        if problem:
+            raise ValueError(f"{files.weights}: tensor {name!r} {problem}; retrain or copy the head again")
     return cfg, state
+
+
+ID_TENSORS = ("vocab_ids",)  # the heads' only saved index tensor: rows of the target's LM head
+INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def tensor_problem(name: str, tensor: torch.Tensor) -> str | None:
+    """Why a saved head tensor cannot be loaded as it is, or None. load_state_dict casts whatever
+    it gets: float ids would truncate to other tokens, integer weights would turn into floats, and
+    repeated ids draft the same token as several siblings. The ids' range is the target's
+    vocabulary (``check_target_fit``)."""
+    if name in ID_TENSORS:
+        if tensor.dtype not in INT_DTYPES:
+            return f"holds token ids as {tensor.dtype}; they must be stored as integers"
+        if tensor.dim() != 1:
+            return f"must be one-dimensional, got shape {tuple(tensor.shape)}"
+        if tensor.unique().numel() != tensor.numel():
+            return f"repeats token ids ({tensor.numel() - tensor.unique().numel()} duplicates); each draft token must be distinct"
+        return None
+    if tensor.dtype not in FLOAT_DTYPES:
+        return f"is stored as {tensor.dtype}; weights must be float16, bfloat16, float32 or float64"
+    return None
 
 
 def check_target_fit(hidden_size: int, vocab_ids: torch.Tensor, lm_weight: torch.Tensor) -> None:

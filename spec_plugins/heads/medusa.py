@@ -29,6 +29,26 @@ class MedusaConfig:
         return {"kind": "medusa", **asdict(self)}
 
 
+def calibration_field(value: Any) -> dict[str, list[float]]:
+    """config.json's ``holdout_topk_accuracy`` (absent: {}) as the proposer reads it: per head
+    ``"head{d}"``, its rank accuracies, each a finite number in [0, 1]; else a ValueError naming the
+    field, so a hand-edited shape is refused at load rather than when the proposer builds its tree."""
+    name = "holdout_topk_accuracy"
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be an object of per-head rank accuracy lists, got {value!r}")
+    out = {}
+    for head, accs in value.items():
+        if not isinstance(accs, list):
+            raise ValueError(f"{name}[{head!r}] must be a list of rank accuracies, got {accs!r}")
+        row = [config_number(f"{name}[{head!r}][{r}]", a, integer=False, least=0, strict=False) for r, a in enumerate(accs)]
+        if any(a > 1 for a in row):
+            raise ValueError(f"{name}[{head!r}] holds {accs!r}; rank accuracies must be in [0, 1]")
+        out[head] = row
+    return out
+
+
 class ResBlock(nn.Module):
     """x + SiLU(W x): zero-initialised W starts each head as the plain LM head (Medusa)."""
 
@@ -74,7 +94,7 @@ class MedusaHeads(nn.Module):
             check_target_fit(fields["hidden_size"], state["vocab_ids"], lm)
             heads = cls(MedusaConfig(**fields), lm, state["vocab_ids"])
             heads.load_state_dict(state, strict=True)  # copies (and casts) into the target's device and dtype
-            heads.calibration = cfg.get("holdout_topk_accuracy") or {}
+            heads.calibration = calibration_field(cfg.get("holdout_topk_accuracy"))
             return heads.eval()
 
         return build_head("medusa", directory, build)
