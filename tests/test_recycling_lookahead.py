@@ -366,7 +366,7 @@ def test_auto_tree_size_on_a_real_runtime_measures_and_stays_exact():
     policy = build_policy(prop.config, prop, setup_costs(target, prop, prop.config))
     widths = []
     size = policy.size
-    policy.size = lambda r, spent=0.0: (d := size(r, spent), widths.append(0 if d is None else d.size))[0]
+    policy.size = lambda r, spent=0.0, budgets=None: (d := size(r, spent, budgets), widths.append(0 if d is None else d.size))[0]
     outs, _ = run(target, prop, [[1, 2, 3, 1, 2, 3]], 20, policy=policy)
     assert outs[0] == plain_greedy(model, [1, 2, 3, 1, 2, 3], 20)
     assert widths and max(widths) <= 32 and any(0 < w < 32 for w in widths), widths

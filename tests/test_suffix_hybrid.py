@@ -105,8 +105,8 @@ def test_hybrid_cuts_the_chosen_trees_for_the_batch():
     widths: list[tuple[int, int]] = []  # (rows, drafted positions) per round, as sized by the policy
     size = policy.size
 
-    def spy(ranked, spent=0.0):
-        d = size(ranked, spent)
+    def spy(ranked, spent=0.0, budgets=None):
+        d = size(ranked, spent, budgets)
         if ranked is not None:
             widths.append((len(ranked.rows), 0 if d is None else d.tokens.shape[1]))
         return d

@@ -53,9 +53,9 @@ class DraftPolicy:
         ``min_gain``: what a tree the sizer keeps must beat no draft by, as a length must."""
         self.length = length
         self.costs = costs if costs is not None else length.costs if isinstance(length, AutoDraftLength) else None
-        self.sizer = sizer if sizer is not None else TreeSizer()
-        self.sizer.costs = self.costs  # a long-lived sizer prices with the costs of the policy using it
-        self.sizer.min_gain = min_gain  # ... and holds trees to its margin
+        # a long-lived sizer's calibrations, priced with this policy's costs and margin (a server's
+        # policy and its decoder's share one sizer's calibrations, each pricing with its own costs)
+        self.sizer = (sizer if sizer is not None else TreeSizer()).sharing(self.costs, min_gain)
         self.gated, self.probe_every = gated, probe_every
         self.gate: SourceGate | None = None  # built for the proposer's sources when they first draft
 
@@ -77,10 +77,13 @@ class DraftPolicy:
             self.gate = SourceGate(sources, self.sizer, self.costs, self.gated, self.probe_every)
         return self.gate.draft(ctx)
 
-    def size(self, draft: Draft | Ranked | None, spent: float = 0.0) -> Draft | None:
+    def size(self, draft: Draft | Ranked | None, spent: float = 0.0,
+             budgets: Sequence[int] | None = None) -> Draft | None:
+        """The round's drafted candidates sized within each row's draft depth ``budgets`` (the
+        round's, as its sources drafted them; None: unbounded)."""
         if not isinstance(draft, Ranked):
             return draft
-        return self.sizer.size(draft, spent)
+        return self.sizer.size(draft, spent, budgets)
 
     def observe(self, record: RoundRecord) -> None:
         if self.costs is not None:

@@ -5,20 +5,22 @@ source drafts every round it is asked to: the sizer cuts its tree to what pays (
 node does), and its length policy prices a chain's depth. Drafting is not free (a model drafter's
 call can cost as much as a target forward on a CPU), so for every child of a composition the
 policy decides each round whether it pays, by the one objective (``policy.objective``): children
-are asked cheapest first, and one is skipped when, for every row, the rate already in hand (no
-draft, or a cheaper child's draft) beats what this child has offered on average with its own
-drafting seconds counted:
+are asked cheapest first, and one is skipped when, for every row with room (a budget above 0),
+the rate already in hand (no draft, or a cheaper child's draft, a shaped one by its slots within
+the row's budget) beats what this child has offered on average with its own drafting seconds
+counted:
 
     (1 + sum_j min(1, scale_s x offer_s[j])) / (T(1, 1 + nodes_s) + draft seconds_s)
 
 ``offer_s`` (the estimate at each best-first rank) and ``nodes_s`` are what the child offered,
 averaged over the drafts it offered that round (a row it drafted nothing for does not count: its
-drafting is paid per round, not per row) and smoothed over rounds (``SourceStats``), ``scale_s`` its
-calibration (each node counted at most once, as the sizer counts it: ``objective.expected_tokens``),
-T the runtime's forward costs, the drafting seconds the costs' online estimate
-(``Costs.draft_seconds``) and the per-round overhead counted on both sides. No margin:
-the sizer already cuts a draft that does not pay, so a drafter that costs nothing is never
-skipped. Every ``probe_every`` rounds every child drafts, and such a probe weighs more, so a
+drafting is paid per round, not per row; a round it drafted nothing at all counts as one empty
+offer, so a child that stops offering fades until it is skipped) and smoothed over rounds
+(``SourceStats``), ``scale_s`` its calibration (each node counted at most once, as the sizer
+counts it: ``objective.expected_tokens``), T the runtime's forward costs, the drafting seconds
+the costs' online estimate (``Costs.draft_seconds``) and the per-round overhead counted on both
+sides. No margin: the sizer already cuts a draft that does not pay, so a drafter that costs
+nothing is never skipped. Every ``probe_every`` rounds every child drafts, and such a probe weighs more, so a
 child skipped through one kind of text comes back when the text turns its way.
 """
 
@@ -28,6 +30,7 @@ import time
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
+from spec_plugins.policy.tree_size import within
 from spec_plugins.types import Draft, ProposeContext, Ranked, RankedRow
 
 
@@ -123,26 +126,28 @@ class SourceGate:
         alts: list[list[RankedRow]] = [[] for _ in range(B)]
         shaped = []
         in_hand = [self.plain] * B  # per row: the best rate in hand (nothing: plain's)
+        room = [b for b in range(B) if ctx.budgets[b] > 0]  # the rows a draft can serve
         for i in self.order():
-            skip = min(in_hand) >= self.prospect(i, depth)
+            skip = min((in_hand[b] for b in room), default=float("inf")) >= self.prospect(i, depth)
             if skip and not probe:
                 self.skipped[i] += 1
                 continue
             self.stats[i].probing = skip and self.gated
             ranked = self._propose(i, ctx)
-            if not ranked:
-                continue
-            tagged = ranked.tagged(i)
             offers: list[Sequence[float]] = []  # what it offers this round (any row may take it)
+            tagged = ranked.tagged(i) if ranked else Ranked([[] for _ in range(B)])
             for b, row in enumerate(tagged.rows):
                 alts[b] += row
                 for r in row:
                     offers.append(r.estimates)
                     in_hand[b] = max(in_hand[b], self._rate(r.estimates, r.size, i))
-            for sh in tagged.shaped:  # the same offer for every row
-                offers.append(sh.estimates)
-                in_hand = [max(h, self._rate(sh.estimates, len(sh.estimates), i)) for h in in_hand]
-            self.stats[i].update(offers)
+            for sh in tagged.shaped:  # one shape for every row, masked below each row's budget
+                for b in room:
+                    ests = [sh.estimates[j] for j in within(sh, ctx.budgets[b])]
+                    if ests:
+                        offers.append(ests)
+                        in_hand[b] = max(in_hand[b], self._rate(ests, len(ests), i))
+            self.stats[i].update(offers or [[]])  # called, offering nothing: its offer fades toward none
             shaped += tagged.shaped
         out = Ranked(alts, True, shaped)
         return out if out else None

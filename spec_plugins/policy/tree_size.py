@@ -28,12 +28,13 @@ measured costs, a forward is priced by its positions).
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any, Iterable, Sequence
 
 from spec_plugins.policy.objective import Calibration, best_option, expected_tokens, node_gain
 from spec_plugins.transfer import upload
-from spec_plugins.row_trees import combine, keep_slots, upload_index
+from spec_plugins.row_trees import combine, keep_slots, node_depths, upload_index
 from spec_plugins.tree import merge_trees
 from spec_plugins.types import Draft, Ranked, RankedRow, RoundRecord, Shaped
 
@@ -54,6 +55,15 @@ class TreeSizer:
         self.calib: dict[int, Calibration] = {}
         self.picked: dict[int, int] = {}  # rows that kept a non-empty draft from each source, in all
         self._kept: list[tuple[int, float]] = []  # per row of the round being verified: (source, predicted)
+
+    def sharing(self, costs: Any, min_gain: float) -> "TreeSizer":
+        """A sizer pricing with ``costs`` and holding trees to ``min_gain`` over this one's
+        calibrations (``calib``, ``picked``: shared, so what one policy learns every policy over
+        this sizer uses). Each policy prices with its own costs (a server's, measured for its batch
+        sizes; a decoder's, for one row) and keeps its own round's bookkeeping."""
+        view = TreeSizer(costs, self.decay, self.prior, min_gain)
+        view.calib, view.picked = self.calib, self.picked
+        return view
 
     def calibration(self, source: int) -> Calibration:
         c = self.calib.get(source)
@@ -79,13 +89,20 @@ class TreeSizer:
         return tokens / (self.seconds(1, 1 + nodes) + extra)
 
     # ---- the step ---------------------------------------------------------------------------------
-    def size(self, ranked: Ranked, spent: float = 0.0) -> Draft | None:
-        """Each row's best alternative, cut for the batch (``auto``), merged into one draft."""
+    def size(self, ranked: Ranked, spent: float = 0.0, budgets: Sequence[int] | None = None) -> Draft | None:
+        """Each row's best alternative, cut for the batch (``auto``), merged into one draft.
+        ``budgets``: the round's draft depth per row (None: unbounded); a shaped draft's slots as
+        deep as a row's budget or deeper are masked in that row, so the row is priced, credited
+        and calibrated by its shallower slots alone (none at budget 0: it takes nothing)."""
         B = len(ranked.rows)
+        if budgets is None:
+            budgets = [math.inf] * B
+        elif len(budgets) != B:
+            raise ValueError(f"budgets: one draft depth per row, got {len(budgets)} for {B} rows")
         shaped = [_closed(sh) for sh in ranked.shaped]
-        offers = {sh.source: (sh, self._cut_shaped(sh, B, spent) if ranked.auto else list(range(len(sh.estimates))))
-                  for sh in shaped}
-        picks = [self._pick(alts, offers) for alts in ranked.rows]  # a host row, or the source of a shaped draft
+        offers = {sh.source: (sh, self._cut_shaped(sh, budgets, spent) if ranked.auto
+                              else list(range(len(sh.estimates)))) for sh in shaped}
+        picks = [self._pick(alts, offers, k) for alts, k in zip(ranked.rows, budgets)]  # a host row, or a shaped source
         host = [p if isinstance(p, RankedRow) else RankedRow((), (), ()) for p in picks]
         idle = _unpicked(ranked.rows, picks, offers)
         if ranked.auto:
@@ -94,7 +111,7 @@ class TreeSizer:
             host = [r.prefix(n) for r, n in zip(host, counts)]
         for source in idle:
             self.calibration(source).idle()  # offered, not taken: re-tried later (Calibration.idle)
-        rows = [host[b] if isinstance(p, RankedRow) else _as_row(*offers[p]) for b, p in enumerate(picks)]
+        rows = [host[b] if isinstance(p, RankedRow) else _as_row(*offers[p], budgets[b]) for b, p in enumerate(picks)]
         self._kept = [(r.source, sum(r.estimates)) for r in rows]
         for r in rows:
             if r.size:
@@ -103,28 +120,33 @@ class TreeSizer:
             return None
         return _assemble(host, picks, offers)
 
-    def _cut_shaped(self, shaped: Shaped, rows: int, spent: float) -> list[int]:
-        """The slots of a shaped draft worth verifying for ``rows`` rows (the same for every row:
-        its estimates are): the best-first prefix with the most expected tokens per second."""
+    def _cut_shaped(self, shaped: Shaped, budgets: Sequence[float], spent: float) -> list[int]:
+        """The slots of a shaped draft worth verifying for rows with these ``budgets`` (one cut
+        for every row): the best-first prefix with the most expected tokens per second, each slot
+        gaining only in the rows whose budget is deeper than the slot."""
         order, scale = shaped.order(), self.calibration(shaped.source).scale
+        depth, rows = node_depths(shaped.draft.parents), len(budgets)
         fixed = self.overhead + spent
-        options, gain = [(float(rows), self.seconds(rows, 1) + fixed)], 0.0
+        options, tokens = [(float(rows), self.seconds(rows, 1) + fixed)], float(rows)
         for w, j in enumerate(order, 1):
             if shaped.estimates[j] <= 0.0:
                 break
-            gain += node_gain(shaped.estimates[j], scale)
-            options.append((rows * (1.0 + gain), self.seconds(rows, 1 + w) + fixed))
+            tokens += sum(depth[j] < k for k in budgets) * node_gain(shaped.estimates[j], scale)
+            options.append((tokens, self.seconds(rows, 1 + w) + fixed))
         return sorted(order[:best_option(options, self.min_gain)])
 
-    def _pick(self, alternatives: Sequence[RankedRow], offers: dict[int, tuple[Shaped, list[int]]]
-              ) -> RankedRow | int:
+    def _pick(self, alternatives: Sequence[RankedRow], offers: dict[int, tuple[Shaped, list[int]]],
+              budget: float = math.inf) -> RankedRow | int:
+        """A row's best alternative: a host row, or the source of a shaped draft priced by the
+        kept slots within the row's ``budget`` (``within``)."""
         best: RankedRow | int = RankedRow((), (), ())
         best_rate, overhead = float("-inf"), self.overhead
         for r in alternatives:
             rate = self.rate(r.estimates, r.size, r.source, overhead)
             if r.size and rate > best_rate:
                 best, best_rate = r, rate
-        for source, (shaped, slots) in offers.items():
+        for source, (shaped, kept) in offers.items():
+            slots = within(shaped, budget, kept)
             rate = self.rate([shaped.estimates[j] for j in slots], len(slots), source, overhead)
             if slots and rate > best_rate:
                 best, best_rate = source, rate
@@ -197,8 +219,18 @@ def _closed(shaped: Shaped) -> Shaped:
     return replace(shaped, estimates=tuple(est))
 
 
-def _as_row(shaped: Shaped, slots: list[int]) -> RankedRow:
-    """What a row takes from a shaped draft, as the sizer's bookkeeping sees a candidate row."""
+def within(shaped: Shaped, budget: float, slots: Iterable[int] | None = None) -> list[int]:
+    """The slots (of ``slots``, else all) a row holds with draft depth ``budget``: those shallower
+    than it; the drafter masks the others in the row (its valid mask, on the device: depths are
+    host data, so this reads nothing back)."""
+    depth = node_depths(shaped.draft.parents)
+    return [j for j in (range(len(shaped.estimates)) if slots is None else slots) if depth[j] < budget]
+
+
+def _as_row(shaped: Shaped, slots: list[int], budget: float) -> RankedRow:
+    """What a row with draft depth ``budget`` takes from a shaped draft cut to ``slots``, as the
+    sizer's bookkeeping sees a candidate row (its prediction and pick counted from it)."""
+    slots = within(shaped, budget, slots)
     return RankedRow([0] * len(slots), [(j,) for j in slots], [shaped.estimates[j] for j in slots], shaped.source)
 
 
