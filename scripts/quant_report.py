@@ -16,7 +16,6 @@ import json
 import os
 import shlex
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -83,28 +82,11 @@ def read_report(path: Path) -> dict:
         raise ValueError(f"--from-json {path}: {exc}") from exc
 
 
-def temp_beside(path: Path) -> Path:
-    """A new empty file of a name no other run holds, in ``path``'s directory (so a rename onto
-    ``path`` stays on one file system), with the mode a plain write would give (not mkstemp's 0600)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(delete=False, dir=path.parent, prefix=f".{path.name}.", suffix=".tmp") as f:
-        tmp = Path(f.name)
-    mask = os.umask(0)
-    os.umask(mask)
-    tmp.chmod(0o666 & ~mask)
-    return tmp
-
-
 def write_atomic(path: Path, text: str) -> None:
-    """Write ``path`` through a temporary file renamed into place: a reader sees the old file or
-    the whole new one, never a partial report; the temporary file is removed if writing fails."""
-    tmp = temp_beside(path)
-    try:
-        tmp.write_text(text)
-        tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    """A report written whole or not at all (``spec_plugins.files``)."""
+    from spec_plugins.files import write_text_atomic
+
+    write_text_atomic(path, text)
 
 
 def main() -> None:
@@ -239,6 +221,7 @@ def stage_markdown(report: dict, doc: Path, title: str) -> Path:
     import shutil
 
     from spec_plugins.bench.docs import update
+    from spec_plugins.files import temp_beside
 
     text = markdown_section(report, title)
     tmp = temp_beside(doc)

@@ -31,6 +31,7 @@ def run_bench(decoder, prompts, options: BenchOptions, out=None, meta: dict | No
 
     from spec_plugins.bench.plots import PLOTS, PlotError, write_plots
     from spec_plugins.bench.report import build_report, markdown, write_json
+    from spec_plugins.files import write_text_atomic
     from spec_plugins.bench.prompts import check_prompts
 
     check_prompts(prompts)  # bad prompts and options fail here, before an earlier run's files go
@@ -60,7 +61,7 @@ def run_bench(decoder, prompts, options: BenchOptions, out=None, meta: dict | No
     if started is not None:
         report["meta"]["wall_s_including_load"] = time.perf_counter() - started
     write_json(report, out / "report.json")
-    (out / "summary.md").write_text(markdown(report))
+    write_text_atomic(out / "summary.md", markdown(report))
     if failed:
         raise PlotError(f"{len(failed)} plot(s) failed, " + "; ".join(f"{n}: {why}" for n, why in failed.items())
                         + f" (report.json, summary.md and the other plots are in {out}/)")

@@ -74,17 +74,21 @@ def load_methods(path: Optional[Path], base: Any = None) -> list[tuple[str, dict
     return out
 
 
-def load_compare_configs(paths: list[Path] | None) -> list[tuple[Path, Any]]:
+def load_compare_configs(paths: list[Path] | None, primary: Any) -> list[tuple[Path, Any]]:
     """Every ``--compare-config`` file, read and validated before any model loads (a typo found
-    after the primary model has loaded would cost that load), an error naming the option."""
+    after the primary model has loaded would cost that load), an error naming the option; its
+    sampling must be the ``primary`` config's (``methods.check_compare_sampling``)."""
+    from spec_plugins.bench.methods import check_compare_sampling
     from spec_plugins.config import ConfigError
 
     out = []
     for path in paths or []:
         try:
-            out.append((path, load_config(path)))
+            other = load_config(path)
         except ConfigError as exc:
             raise ConfigError(f"--compare-config: {exc}") from None
+        check_compare_sampling(primary, other, f"--compare-config {path}")
+        out.append((path, other))
     return out
 
 
@@ -136,6 +140,7 @@ def bench(
     """Benchmark ours (fixed gammas + auto) against plain decoding and peer implementations."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from spec_plugins.bench import BenchOptions, load_prompts, run_bench
+    from spec_plugins.bench.methods import check_labels
     from spec_plugins.bench.plots import PlotError
     from spec_plugins.config import ConfigError
     from spec_plugins.decoder import SpeculativeDecoder
@@ -157,12 +162,14 @@ def bench(
             raise ValueError("--gammas '' with --no-auto leaves only the config's draft length, which is auto; "
                              "give --gammas or drop --no-auto")
         plist = load_prompts(prompts, limit, parse_categories(categories))
-        # every option checked (baseline names with the options) before the first model loads
+        # every option checked (baseline names with the options, then the --methods labels against
+        # the methods they build) before the first model or compare config loads
         opts = BenchOptions(max_new_tokens=max_new_tokens, runs=runs,
                             baselines=[b.strip() for b in baselines.split(",") if b.strip()],
                             gammas=parse_gammas(gammas), auto=auto, baseline_gamma=baseline_gamma,
                             chat=not raw, progress=progress, methods=load_methods(methods, cfg), memory=memory)
-        others = load_compare_configs(compare_config)
+        check_labels([lab for lab, _ in opts.methods], opts.builtin_names())
+        others = load_compare_configs(compare_config, cfg)
         dec = SpeculativeDecoder.from_config(cfg)
         compare: list[tuple[str, SpeculativeDecoder]] = []
         for path, other_cfg in others:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from spec_plugins.bench.plots import PLOTS
 from spec_plugins.bench.report import markdown
+from spec_plugins.files import write_text_atomic
 
 START, END = "<!-- bench:{} -->", "<!-- /bench:{} -->"
 
@@ -97,7 +98,8 @@ def check_title(doc: Path, title: str) -> None:
 
 def update(doc: Path, title: str, text: str) -> None:
     """Replace the section of ``title`` in ``doc`` (or append it); another title with the same
-    slug is refused (``check_title``)."""
+    slug is refused (``check_title``). The page holds every other run's section, so it is
+    replaced whole (``write_text_atomic``): a failed write leaves the old page."""
     check_title(doc, title)
     s, e = START.format(slug(title)), END.format(slug(title))
     block = f"{s}\n{text}{e}\n"
@@ -107,4 +109,4 @@ def update(doc: Path, title: str, text: str) -> None:
     else:
         new = old.rstrip() + "\n\n" + block
     doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(new)
+    write_text_atomic(doc, new)

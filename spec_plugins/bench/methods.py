@@ -1,5 +1,6 @@
 """Names and configs of the bench's methods: the plain reference of a runtime group, ``ours_k<N>``,
-and the ``--methods`` entries (their configs and labels, checked before any model loads)."""
+the ``--methods`` entries (their configs and labels, checked before any model loads) and the
+``--compare-config`` runtimes (their sampling, which must be the primary's)."""
 
 from __future__ import annotations
 
@@ -42,3 +43,18 @@ def check_labels(labels: Sequence[str], built: Sequence[str]) -> None:
         if label in seen:
             raise ValueError(f"--methods label {label!r} is given twice; labels name one method each")
         seen.add(label)
+
+
+def check_compare_sampling(primary: Any, other: Any, name: str) -> None:
+    """A compare config (``SpecConfig``) decodes as the primary one does, or ``plain@<runtime>``'s
+    speedup would be over other decoding settings and its outputs would be checked for greedy
+    identity (or not) by the primary's; refused, naming both settings. Under greedy decoding the
+    seed draws nothing and may differ."""
+    def decoding(cfg: Any) -> dict:
+        s = cfg.sampling.model_dump(mode="json")
+        return {**s, "seed": None} if cfg.sampling.greedy else s
+
+    if decoding(primary) != decoding(other):
+        raise ValueError(f"{name}: its sampling {other.sampling.model_dump(mode='json')} differs from the primary "
+                         f"config's {primary.sampling.model_dump(mode='json')}; the bench compares runtimes under "
+                         "the same decoding settings: give it the primary's sampling section")

@@ -40,9 +40,7 @@ def parse_prompt(obj: object, where: str = "prompt", index: int = 0) -> BenchPro
     category = obj.get("category", "default")
     if not isinstance(category, str) or not category:
         raise ValueError(f"{where}: 'category' must be a non-empty string, got {category!r}")
-    if category == "all":
-        raise ValueError(f"{where}: category 'all' is the report's name for every prompt together; "
-                         "give this prompt another category")
+    _check_category(category, where)
     qid = obj.get("question_id", index)
     return BenchPrompt(str(qid), category, tuple(turns))
 
@@ -53,11 +51,9 @@ def load_prompts(path: str | Path, limit: int | None = None, categories: list[st
     if categories is not None and not categories:
         raise ValueError("categories=[] names no category; give None to keep every category")
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompt file not found: {path}")
     out: list[BenchPrompt] = []
     seen: dict[str, tuple[str, bool]] = {}  # question_id -> (where, whether the line gave it)
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(_read(path).splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
@@ -86,18 +82,50 @@ def load_prompts(path: str | Path, limit: int | None = None, categories: list[st
     return out
 
 
-def _duplicate(qid: str, this: tuple[str, bool], first: tuple[str, bool]) -> str:
+def _read(path: Path) -> str:
+    """The prompt file's text; a missing file, a directory, one that cannot be read or is not
+    UTF-8 is refused, naming the path (a bare codec error would not say which file)."""
+    if path.is_dir():
+        raise ValueError(f"prompt file {path} is a directory; give a JSONL file")
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file not found: {path}")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"prompt file {path} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    except OSError as exc:
+        raise ValueError(f"prompt file {path}: cannot read it ({exc.strerror or exc})") from None
+
+
+def _check_category(category: str, where: str) -> None:
+    """``all`` names every prompt together in the report: a prompt of that category would be
+    counted twice in that row."""
+    if category == "all":
+        raise ValueError(f"{where}: category 'all' is the report's name for every prompt together; "
+                         "give this prompt another category")
+
+
+def _duplicate(qid: str, this: tuple[str, bool], first: tuple[str, bool], here: str = "this line") -> str:
     """A duplicate question_id, saying which side's id is a default (a prompt without one gets its
     0-based position among the prompts, which another line may give explicitly)."""
     def how(where: str, given: bool) -> str:
         return f"{where} gives it" if given else f"{where} has no question_id and gets its position as its id"
 
-    return (f"{this[0]}: duplicate question_id {qid!r}: {how('this line', this[1])}, and {how(*first)}; "
+    return (f"{this[0]}: duplicate question_id {qid!r}: {how(here, this[1])}, and {how(*first)}; "
             "give each prompt its own id")
 
 
 def check_prompts(prompts: Sequence[BenchPrompt]) -> None:
-    """A bench over no prompt measures nothing (warmup, categories and the report need one):
-    refused before anything runs or is written."""
+    """Prompts as the bench takes them (``run_bench`` and ``Bench.run`` get lists that need not come
+    from ``load_prompts``), refused before anything runs or is written: none (nothing to measure),
+    category ``all`` (the report's row of every prompt) or a question_id given twice (the report
+    keys greedy mismatches by it), with ``load_prompts``' messages."""
     if not prompts:
         raise ValueError("no prompts to benchmark: give at least one prompt")
+    seen: dict[str, tuple[str, bool]] = {}
+    for i, p in enumerate(prompts):
+        where = f"prompts[{i}]"
+        _check_category(p.category, where)
+        if p.question_id in seen:
+            raise ValueError(_duplicate(p.question_id, (where, True), seen[p.question_id], "this prompt"))
+        seen[p.question_id] = (where, True)

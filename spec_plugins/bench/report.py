@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from spec_plugins.bench.methods import ours_name
+from spec_plugins.files import write_text_atomic
 from spec_plugins.stats import DecodeStats
 
 SHARES = ("prefill", "target_forward", "draft", "verify", "cache", "other")
@@ -170,12 +171,14 @@ def build_report(raw: dict, meta: dict[str, Any], tokenizer: Any = None) -> dict
     c = cost["draft_cost_ratio"]
     rel = cost["target_relative"]
     gammas = sorted({int(m.gamma) for m in ours_fixed} | set(range(1, 9)))
+    # T(g+1)/T(1) is rel[g]; a γ past the measured curve has no verify cost (None, "–")
+    verify = [rel[g] if g < len(rel) else None for g in gammas]
     theory = {
         "alpha": alpha,
         "c": c,
         "gammas": gammas,
         "ideal": [theoretical_speedup(alpha, g, c) for g in gammas],
-        "with_verify_cost": [theoretical_speedup(alpha, g, c, rel[min(g, len(rel) - 1)]) for g in gammas],
+        "with_verify_cost": [None if v is None else theoretical_speedup(alpha, g, c, v) for g, v in zip(gammas, verify)],
         "alpha_from": [m.name for m in chains],
         "measured": {str(m.gamma): summary[m.name]["all"]["speedup"] for m in chains},
         "measured_auto": summary[auto.name]["all"]["speedup"] if auto is not None else None,
@@ -207,7 +210,7 @@ def build_report(raw: dict, meta: dict[str, Any], tokenizer: Any = None) -> dict
 
 
 def write_json(report: dict, path: Path) -> None:
-    path.write_text(json.dumps(report, indent=1))
+    write_text_atomic(path, json.dumps(report, indent=1))
 
 
 def _f(x: float | None, fmt: str = "{:.2f}") -> str:
@@ -299,7 +302,7 @@ def markdown(report: dict) -> str:
               f"c = {th['c']:.3f}", "",
               "| γ | S(γ) ideal | S(γ) with measured verify cost | measured |", "|---|---|---|---|"]
         for g, a, b in zip(th["gammas"], th["ideal"], th["with_verify_cost"]):
-            L.append(f"| {g} | {a:.2f} | {b:.2f} | {_f(th['measured'].get(str(g)))} |")
+            L.append(f"| {g} | {a:.2f} | {_f(b)} | {_f(th['measured'].get(str(g)))} |")
         L.append("")
     if report["most_rejected_tokens"]:
         L += ["## Most rejected draft tokens", "",

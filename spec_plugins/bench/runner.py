@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from spec_plugins.bench.methods import check_labels, method_config, ours_name, plain_of
+from spec_plugins.bench.methods import check_compare_sampling, check_labels, method_config, ours_name, plain_of
 from spec_plugins.bench.baselines import (
     BASELINES,
     BaselineContext,
@@ -75,6 +75,18 @@ class BenchOptions:
         for name in self.baselines:
             if name not in known:  # refused with the options, before any model loads
                 BASELINES.get(name)  # the registry's error: the unknown name and the registered ones
+
+    def builtin_names(self) -> list[str]:
+        """The names of the methods these options build on the primary runtime, for the CLI's check
+        of ``--methods`` labels before any model loads (a peer that turns out unavailable is left out
+        of the run, its name still reserved by ``check_labels``; ``Bench`` checks the names it built)."""
+        names = list(dict.fromkeys(["plain", *self.baselines]))
+        return names + [ours_name(int(g)) for g in dict.fromkeys(self.gammas)] + (["ours_auto"] if self.auto else [])
+
+    def cost_width(self) -> int:
+        """Positions the cost model measures: ``cost_positions``, or more where a fixed γ verifies
+        γ+1 positions past them (its theoretical speedup divides by T(γ+1)/T(1))."""
+        return max([self.cost_positions, *(int(g) + 1 for g in self.gammas)])
 
 
 class RejectionCounter:
@@ -228,6 +240,7 @@ class Bench:
         if theirs is None or mine.get_vocab() != theirs.get_vocab():
             raise ValueError(f"compare config {label!r}: its tokenizer differs from the primary config's; "
                              "the bench feeds every method the same token ids")
+        check_compare_sampling(self.decoder.config, other.config, f"compare config {label!r}")
         g = other.config.proposer.num_draft_tokens
         plain_dec = other.without_speculation()
         rec = RejectionCounter()
@@ -292,9 +305,10 @@ class Bench:
         t_start = time.perf_counter()
         pipeline = LogitsPipeline(self.decoder._sampling(None, None))
         costs = self.costs
-        if costs is None or not costs.covers((1,), opts.cost_positions):
-            self.log(f"measuring the cost model (target forward over 1..{opts.cost_positions} positions) ...")
-            costs = Costs.measure(self.decoder.target, max_positions=opts.cost_positions)
+        width = opts.cost_width()
+        if costs is None or not costs.covers((1,), width):
+            self.log(f"measuring the cost model (target forward over 1..{width} positions) ...")
+            costs = Costs.measure(self.decoder.target, max_positions=width)
         model = costs.forward.base
         draft = costs.measure_drafter(self.decoder.proposer, self.decoder.target, pipeline)
         t1 = model(1, 1)
