@@ -105,19 +105,14 @@ def load_hf(model: str, dtype: str = "float32", device: str = "auto") -> tuple[A
     import os
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoTokenizer
-
-    from spec_plugins.models import converted_dir, resolve_model
+    from spec_plugins.models import converted_dir, load_tokenizer, resolve_model
 
     src = resolve_model(model)
     path, kwargs = str(src.directory), src.hf_kwargs()
     cached = converted_dir(src) if src.gguf_file else None
     if cached is not None and (cached / "config.json").exists():
         path, kwargs = str(cached), {}
-    try:
-        tok = AutoTokenizer.from_pretrained(path, **kwargs)
-    except OSError as exc:  # transformers' "can't load": a missing or unreadable file, not a crash
-        raise ValueError(f"cannot load the tokenizer of {path}: {exc}") from exc
+    tok = load_tokenizer(path, **kwargs)  # a ValueError naming the path where it cannot
     dev = pick_device(device)
     m = load_weights(path, pick_dtype(dtype, dev), torch.device("cpu"), kwargs.get("gguf_file"))
     if cached is not None and kwargs:

@@ -258,15 +258,23 @@ def plugin_class(registry: Registry[Any], key: str, name: Any) -> Any:
 
 
 def _dispatch(registry: Registry[Any], key: str, default: str | None = None):
-    """Validator that routes a dict section to the Config of the plugin it names."""
+    """Validator that routes a dict section to the Config of the plugin it names. A config instance
+    (the Python API) passes as it is only where it is the named plugin's own Config; any other (a
+    base ``ProposerConfig(type="ngram")``, another plugin's Config) is validated again from its
+    fields like a dict, so an unknown name or a field the plugin lacks is refused here, not at build."""
 
     def validate(value: Any) -> Any:
-        if isinstance(value, PluginConfig) or value is None:
+        if value is None:
             return value
+        given = value if isinstance(value, PluginConfig) else None
+        if given is not None:
+            value = given.model_dump()
         if not isinstance(value, dict):
             raise ValueError(f"expected a mapping with a {key!r} field, got {type(value).__name__}")
         name = value.get(key, default)
         cls = plugin_class(registry, key, name)
+        if given is not None and isinstance(given, cls.Config):
+            return given
         try:
             return cls.Config.model_validate({key: name, **value})
         except ValidationError as exc:

@@ -74,6 +74,8 @@ def resolve_model(name: str) -> ModelSource:
     if p.suffix.lower() == ".gguf":
         if not p.is_file():
             raise ModelNotFound(f"GGUF file not found: {p}")
+        if p.stat().st_size == 0:  # transformers and llama.cpp would fail naming no file
+            raise ValueError(f"GGUF file {p} is empty (0 bytes): not a model")
         return ModelSource(p.stem, p.parent.resolve(), p.name)
     if p.is_dir():
         if not (p / "config.json").exists():
@@ -114,21 +116,41 @@ def write_cache_dir(target: Path, write: Callable[[Path], None]) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+# the files a transformers tokenizer is read from (fast, sentencepiece, BPE, WordPiece, tiktoken)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "tokenizer.tiktoken")
+
+
+def load_tokenizer(path: str, **kwargs: Any) -> Any:
+    """``AutoTokenizer.from_pretrained(path, **kwargs)``, its failures a ValueError naming ``path``:
+    transformers' own for a directory without tokenizer files (a model saved alone) blames a
+    missing sentencepiece or tiktoken and names no path."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as exc:  # a missing or unreadable file, or none to build a tokenizer from
+        d = Path(path)
+        if (isinstance(exc, ValueError) and not kwargs.get("gguf_file") and d.is_dir()
+                and not any((d / f).exists() for f in TOKENIZER_FILES)):
+            raise ValueError(f"cannot load the tokenizer of {path}: the directory holds no tokenizer files (such as "
+                             f"tokenizer.json); save the tokenizer beside the model (tokenizer.save_pretrained)") from exc
+        raise ValueError(f"cannot load the tokenizer of {path}: {exc}") from exc
+
+
 def load_gguf_tokenizer(model: str) -> Any:
     """An HF tokenizer for a GGUF (or transformers dir), cached: converting one from a GGUF takes
     ~25 s, so the converted model dir of the torch runtime is reused when present, else the
     tokenizer alone is saved under ``<cache>/tokenizers``."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoTokenizer
-
     src = resolve_model(model)
     if src.gguf_file is None:
-        return AutoTokenizer.from_pretrained(str(src.directory))
+        return load_tokenizer(str(src.directory))
     conv = converted_dir(src)
     for d in (conv, cache_root() / "tokenizers" / conv.name):
         if (d / "tokenizer_config.json").exists():
-            return AutoTokenizer.from_pretrained(str(d))
-    tok = AutoTokenizer.from_pretrained(str(src.directory), gguf_file=src.gguf_file)
+            return load_tokenizer(str(d))
+    tok = load_tokenizer(str(src.directory), gguf_file=src.gguf_file)
     write_cache_dir(cache_root() / "tokenizers" / conv.name, lambda d: tok.save_pretrained(str(d)))
     return tok
 

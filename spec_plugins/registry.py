@@ -10,6 +10,7 @@ class carries a pydantic ``Config`` model whose ``type`` (or ``backend``) field 
 from __future__ import annotations
 
 import importlib
+import sys
 from importlib import metadata
 from types import MappingProxyType
 from typing import Any, Callable, Generic, Mapping, TypeVar
@@ -46,6 +47,8 @@ class Registry(Generic[T]):
         def deco(obj: T) -> T:
             if name in self._entries and self._entries[name] is not obj:
                 raise RegistryError(f"{self.kind} {name!r} is already registered ({self._entries[name]!r})")
+            if name in self._lazy and name not in self._entries:
+                self._refuse_other(name, obj)
             if self._check is not None:
                 self._check(name, obj)  # a class written against the wrong contract: the plugin author's TypeError
             self._entries[name] = obj
@@ -55,6 +58,26 @@ class Registry(Generic[T]):
             return obj
 
         return deco
+
+    def _refuse_other(self, name: str, obj: Any) -> None:
+        """Refuse registering ``obj`` under a name a lazy entry (a built-in or an entry point not
+        imported yet) holds, unless that entry is ``obj`` itself: taking the name would replace the
+        entry unseen, and the entry's own module would fail to register it when imported later. The
+        entry's module, where it is being imported right now (the decorator runs inside it, or a
+        package re-exporting it), cannot be compared yet and is let through."""
+        target = self._lazy[name]
+        if target == f"{getattr(obj, '__module__', '')}:{getattr(obj, '__qualname__', '')}":
+            return  # the entry's own class, registered by its module's decorator
+        loading = sys.modules.get(target.partition(":")[0])
+        if loading is not None and getattr(getattr(loading, "__spec__", None), "_initializing", False):
+            return
+        try:
+            other = self._import(name, target)
+        except RegistryError:
+            other = None  # it does not load here (a missing optional package): the name is taken all the same
+        if other is not obj:
+            raise RegistryError(f"{self.kind} {name!r} is already registered ({self._origin(name)}); register "
+                                "yours under another name")
 
     def add_lazy(self, name: str, target: str, install_hint: str | None = None) -> None:
         """Register ``"module:attr"`` without importing it (optional dependencies)."""
@@ -97,16 +120,18 @@ class Registry(Generic[T]):
         if self._entry_points_loaded:
             return
         for ep in metadata.entry_points(group=self.group):
+            value = f"{ep.module}:{ep.attr}" if ep.attr else ep.module  # its object; extras name no object
             if self._target(ep.name) is None:
-                self._lazy[ep.name] = ep.value
+                self._lazy[ep.name] = value
                 self._from_entry_points.add(ep.name)
-            elif self._target(ep.name) != ep.value:
-                self._clashes.setdefault(ep.name, []).append(ep.value)
+            elif self._target(ep.name) != value:
+                self._clashes.setdefault(ep.name, []).append(value)
         self._entry_points_loaded = True
 
     def _import(self, name: str, target: str, origin: str | None = None) -> Any:
-        """The object ``"module:attr"`` names; any failure to import it (a missing package with its
-        install hint, a module raising at import, a missing attribute) a ``RegistryError`` naming it."""
+        """The object ``"module:attr"`` names (``attr`` may be dotted: ``Outer.Inner``); any failure to
+        import it (a missing package with its install hint, a module raising at import, a missing
+        attribute) a ``RegistryError`` naming it."""
         module, _, attr = target.partition(":")
         try:
             mod = importlib.import_module(module)
@@ -117,10 +142,16 @@ class Registry(Generic[T]):
         except Exception as exc:  # noqa: BLE001 - a plugin module may raise anything at import
             raise RegistryError(f"{self.kind} {name!r} ({origin or self._origin(name)}) cannot be loaded: importing "
                                 f"{module} raised {type(exc).__name__}: {exc}") from exc
-        if attr and not hasattr(mod, attr):
-            raise RegistryError(f"{self.kind} {name!r} ({origin or self._origin(name)}) cannot be loaded: "
-                                f"module {module} has no attribute {attr!r}")
-        return getattr(mod, attr) if attr else mod
+        obj: Any = mod
+        done: list[str] = []
+        for part in attr.split(".") if attr else ():
+            if not hasattr(obj, part):
+                where = f"{module}:{'.'.join(done)}" if done else f"module {module}"
+                raise RegistryError(f"{self.kind} {name!r} ({origin or self._origin(name)}) cannot be loaded: "
+                                    f"{where} has no attribute {part!r}")
+            obj = getattr(obj, part)
+            done.append(part)
+        return obj
 
     def _check_clashes(self, name: str, obj: Any) -> None:
         """Entry points naming ``name`` beside ``obj``: each must load to ``obj`` itself."""

@@ -1,5 +1,10 @@
 """A smaller model with the same tokenizer drafts autoregressively on any runtime.
 
+The same tokenizer: every token both tokenizers hold has one id (``vocab.check_vocab_compatible``);
+tokens only one of them holds (an added pad token) are accepted. A draft's tokens past the
+target's logits width are never drafted (``fit_vocab`` cuts its logits); the target's past the
+draft's vocabulary are handled as below.
+
 Its KV cache follows the target's: after each round it is rolled back to the longest prefix it
 shares with the committed sequence (known from the verdict: the accepted drafted tokens), so it
 never re-reads the prompt. A row whose sequence and draft would pass the draft model's context

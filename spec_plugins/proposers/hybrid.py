@@ -19,9 +19,9 @@ from collections import Counter
 from typing import Any, Literal, Sequence
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
-from spec_plugins.config import ProposerConfig, plugin_class
+from spec_plugins.config import ProposerConfig, _format_errors, plugin_class
 from spec_plugins.proposers.base import Metric, ProposeContext, Proposer, ProposerTraits, RoundRecord, RowAware
 from spec_plugins.registry import PROPOSERS, register_proposer
 from spec_plugins.types import Ranked, RankedRow
@@ -31,14 +31,21 @@ DEFAULT_NODES = 16  # a child's tree size inside a hybrid, where its own default
 RANKING = "suffix, eagle, parallel, or recycling with tree_size: auto"  # the children that rank as configured
 
 
-def child_config(section: dict[str, Any], num_draft_tokens: int | str) -> tuple[type[Proposer], ProposerConfig]:
+def child_config(section: dict[str, Any], num_draft_tokens: int | str,
+                 index: int | None = None) -> tuple[type[Proposer], ProposerConfig]:
     """A child's class and config as the hybrid builds it: the hybrid's depth unless the section
-    sets its own, and a fixed tree size where the child's default is 'auto' (the hybrid sizes)."""
+    sets its own, and a fixed tree size where the child's default is 'auto' (the hybrid sizes).
+    A section that does not validate is a ValueError naming it (``proposers[1] (suffix): ...``):
+    the child's own field errors would otherwise read as the hybrid's."""
     try:
         cls = plugin_class(PROPOSERS, "type", section.get("type"))
     except ValueError as exc:
         raise ValueError(f"hybrid: {exc}") from exc
-    sub = cls.Config.model_validate({"num_draft_tokens": num_draft_tokens, **section})
+    try:
+        sub = cls.Config.model_validate({"num_draft_tokens": num_draft_tokens, **section})
+    except ValidationError as exc:
+        where = "proposers" + (f"[{index}]" if index is not None else "")
+        raise ValueError(f"{where} ({section.get('type')}): {_format_errors(exc)}") from None
     if getattr(sub, "tree_nodes", None) == "auto":  # a default 'auto' (an explicit one is refused)
         sub = sub.model_copy(update={"tree_nodes": DEFAULT_NODES})
     return cls, sub
@@ -98,13 +105,13 @@ class HybridProposer(Proposer):
         def _two(self) -> "HybridProposer.Config":
             if len(self.proposers) != 2:
                 raise ValueError(f"hybrid takes exactly two proposers, got {len(self.proposers)}")
-            for p in self.proposers:
+            for i, p in enumerate(self.proposers):
                 if p.get("type") == "hybrid":
                     raise ValueError("a hybrid cannot contain a hybrid")
                 if p.get("tree_nodes") == "auto":
                     raise ValueError(f"{p.get('type')}: tree_nodes must be a number inside a hybrid "
                                      "(the hybrid sizes by choosing between the drafts)")
-                cls, sub = child_config(p, self.num_draft_tokens)
+                cls, sub = child_config(p, self.num_draft_tokens, i)
                 if not cls.ranks_with(sub):
                     raise ValueError(_unranked(p.get("type")))
             return self
@@ -114,8 +121,8 @@ class HybridProposer(Proposer):
         self.config = config
         if children is None:
             children = []
-            for section in config.proposers:
-                cls, sub = child_config(section, config.num_draft_tokens)
+            for i, section in enumerate(config.proposers):
+                cls, sub = child_config(section, config.num_draft_tokens, i)
                 children.append(cls(sub, target=target, **kw))
         self.children = list(children)
         for c in self.children:
