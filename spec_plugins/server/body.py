@@ -78,6 +78,14 @@ def check_content_encoding(value: str | None) -> None:
                             "Content-Encoding, or `identity`)")
 
 
+def check_transfer_encoding(value: str | None) -> None:
+    """A body comes with a Content-Length or chunked: any other transfer coding (``gzip, chunked``)
+    is refused by name (501, RFC 9112 6.1), not read as if it were absent."""
+    if value is not None and [c.strip().lower() for c in value.split(",")] != ["chunked"]:
+        raise ApiError(501, f"Transfer-Encoding `{value}` is not supported: send the body with a Content-Length, "
+                            "or with `Transfer-Encoding: chunked` alone")
+
+
 async def read_body(request: Request, limit: int = MAX_BODY_BYTES, timeout: float = 30.0) -> bytes:
     """The body, at most ``limit`` bytes, all of it within ``timeout`` seconds (413 / 408 else).
 
@@ -86,6 +94,8 @@ async def read_body(request: Request, limit: int = MAX_BODY_BYTES, timeout: floa
     and the client never sees the 413 (nginx's lingering close does the same)."""
     check_media_type(request.headers.get("content-type"))
     check_content_encoding(request.headers.get("content-encoding"))
+    codings = request.headers.getlist("transfer-encoding")
+    check_transfer_encoding(", ".join(codings) if codings else None)
     declared = request.headers.get("content-length")
     declared_n = int(declared) if declared is not None and declared.isdigit() else None
     if declared_n is not None and declared_n > limit + DRAIN_BYTES:

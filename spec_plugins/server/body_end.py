@@ -7,18 +7,31 @@ parser sees them. ``BodyEnd`` finds that end from the request's framing as llhtt
 (RFC 9112 7.1): a ``Content-Length``, or chunks whose size is hex digits ended by ``;`` or CR,
 then trailer lines up to a blank one. A framing it cannot read sets ``lost``: the cut then stops
 just past the bytes at fault (which the parser rejects too), never further, since where the next
-request starts is then unknown and its header bytes could not be counted. Up to two CRLFs ahead
-of a request are no part of it (``stray_crlf``).
+request starts is then unknown and its header bytes could not be counted. Each chunk costs
+Python work on the event loop (here and in the parser's callback), so a body of more than
+``MAX_CHUNKS`` chunks whose data averages under ``MIN_CHUNK_MEAN`` bytes a chunk sets ``refused``
+(``BodyReading`` answers 400 and closes). Up to two CRLFs ahead of a request are no part of it
+(``stray_crlf``).
+
+``BodyReading`` is ``GuardedHttpTools``'s body phase: the body cut where it ends, or refused; the
+parser's body handed to uvicorn once per read (uvicorn copies the body so far for every chunk);
+an upgrade offer's (h2c, websocket: none is supported) read as its body, where httptools ends
+such a request at its headers and would parse its body as the next request.
 """
 
 from __future__ import annotations
 
 import re
+from typing import Any
+
+import httptools
 
 HEX_DIGITS = re.compile(rb"[0-9A-Fa-f]*")
 MAX_SIZE_DIGITS = 16  # significant hex digits of a chunk size: more is past 64 bits, llhttp's "Chunk size overflow"
 STRAY_CRLF = re.compile(rb"[\r\n]*")
 STRAY_BYTES = 4  # two CRLFs (RFC 9112 2.2: a server ignores at least one empty line ahead of a request)
+MAX_CHUNKS = 4096  # chunks of any size a body may hold; past it, they must average MIN_CHUNK_MEAN bytes
+MIN_CHUNK_MEAN = 256  # bytes of data a chunk, on average, past MAX_CHUNKS (each chunk is Python work on the loop)
 SIZE, EXTENSION, TRAILER, DONE = "size", "extension", "trailer", "done"  # where in the framing the next byte is
 
 
@@ -29,6 +42,8 @@ class BodyEnd:
     def __init__(self, headers: list[tuple[bytes, bytes]]) -> None:
         names = dict(headers)
         self.chunked, self.lost = b"transfer-encoding" in names, False
+        self.refused: str | None = None  # why the body is refused (too many chunks for their size)
+        self.chunks = self.chunk_bytes = 0  # chunks of data so far, and their data's bytes
         self.left = 0  # bytes left of a Content-Length body, or of a chunk's data and its CRLF
         self.digits = b""  # the significant digits (leading zeros dropped) of the chunk size being read
         self.sized = False  # the chunk size being read has a digit (a zero too)
@@ -43,9 +58,10 @@ class BodyEnd:
     def cut(self, data: bytes) -> int:
         """How many bytes of ``data`` to feed: up to the end of the body, else all of it; once
         ``lost`` is set, up to the bytes at fault (none when they were in an earlier read, or when
-        the parser went on past the end found here)."""
+        the parser went on past the end found here); once ``refused`` is, up to the size line that
+        set it."""
         i = 0
-        while i < len(data) and not self.lost:
+        while i < len(data) and not self.lost and self.refused is None:
             if self.left:
                 step = min(self.left, len(data) - i)
                 self.left, i = self.left - step, i + step
@@ -96,6 +112,10 @@ class BodyEnd:
         self.digits, self.sized = b"", False
         if size:
             self.left, self.phase = size + 2, SIZE
+            self.chunks, self.chunk_bytes = self.chunks + 1, self.chunk_bytes + size
+            if self.chunks > MAX_CHUNKS and self.chunk_bytes < MIN_CHUNK_MEAN * self.chunks:
+                self.refused = (f"a chunked body of more than {MAX_CHUNKS} chunks averaging under {MIN_CHUNK_MEAN} "
+                                "bytes: send it in fewer, larger chunks")
         else:
             self.phase, self.blank = TRAILER, True
 
@@ -106,3 +126,89 @@ def stray_crlf(data: bytes, dropped: int) -> int:
     ahead of the same request: at most ``STRAY_BYTES`` in all, so that a client dripping blank
     lines is not ignored for good."""
     return STRAY_CRLF.match(data, 0, max(0, STRAY_BYTES - dropped)).end()  # type: ignore[union-attr]
+
+
+def without_upgrade(method: bytes, url: bytes, version: str, headers: list[tuple[bytes, bytes]]) -> bytes:
+    """A request's head as uvicorn read it (names lowercased), less its upgrade offer: the
+    ``upgrade`` header and the ``upgrade`` token of ``connection``. httptools ends an upgrade
+    offer's message at its headers, so that its body would be parsed as the next request; a
+    fresh parser fed this head reads the body as a body."""
+    lines = [b"%s %s HTTP/%s\r\n" % (method, url, version.encode("ascii"))]
+    for name, value in headers:
+        if name == b"connection":
+            value = b",".join(t for t in value.split(b",") if t.strip().lower() != b"upgrade")
+            if not value.strip():
+                continue
+        if name != b"upgrade":
+            lines.append(b"%s: %s\r\n" % (name, value))
+    return b"".join(lines) + b"\r\n"
+
+
+class BodyReading:
+    """A mixin ahead of uvicorn's ``HttpToolsProtocol`` (module docstring). ``data_received``
+    cuts a body with ``_cut_body`` and feeds the parser through ``_feed``; ``on_headers_complete``
+    returns at once when ``_take_offer`` does, ``on_message_complete`` while ``_offer`` is set,
+    and ``_offer`` is passed to ``_ignore_upgrade`` after the feed that set it."""
+
+    parser: Any
+    refuse: Any
+    guard: Any
+    transport: Any
+    _body_end: BodyEnd
+    _offer: bytes | None  # an upgrade offer's head less the offer, until ``_ignore_upgrade``
+    _parts: list[bytes]  # body bytes the parser gave since the last ``_flush_body``
+
+    def _cut_body(self, data: bytes) -> int:
+        """How many bytes of ``data`` are the body's (``BodyEnd.cut``), or -1 once it is refused."""
+        n = self._body_end.cut(data)
+        if self._body_end.lost:
+            self._framing_lost(data[:n])
+        elif self._body_end.refused:
+            self.guard.event("chunks", self, f"{self._body_end.refused}: 400, closed")
+            self.refuse(400, self._body_end.refused, mid_body=True)
+        return -1 if self._body_end.lost or self._body_end.refused else n
+
+    def _framing_lost(self, fault: bytes) -> None:
+        """The body's framing cannot be read (``BodyEnd.lost``: a chunk size that is no hex number):
+        the parser is fed up to the bytes at fault, which it rejects (uvicorn's 400); should it
+        not, the connection is refused all the same, as where the next request starts is unknown
+        and its header bytes could not be counted."""
+        if fault:
+            self._feed(fault)
+        if not self.transport.is_closing():
+            self.guard.event("bad_framing", self, "request body framing not understood: 400, closed")
+            self.refuse(400, "the request body's framing (Content-Length or chunk sizes) could not be read")
+
+    def on_body(self, body: bytes) -> None:
+        """Kept for ``_flush_body``: uvicorn's ``+=`` per call copies the body so far each time."""
+        self._parts.append(body)
+
+    def _flush_body(self) -> None:
+        if self._parts:
+            body, self._parts = b"".join(self._parts), []
+            super().on_body(body)  # type: ignore[misc]
+
+    def _feed(self, data: bytes) -> None:
+        super().data_received(data)  # type: ignore[misc]
+        self._flush_body()
+
+    def _take_offer(self) -> bool:
+        """At the headers: an upgrade no protocol takes (no websocket one is configured) is kept
+        less its offer for ``_ignore_upgrade``."""
+        if not self.parser.should_upgrade() or self._should_upgrade():  # type: ignore[attr-defined]
+            return False
+        self._offer = without_upgrade(self.parser.get_method(), self.url,  # type: ignore[attr-defined]
+                                      self.parser.get_http_version(), self.headers)  # type: ignore[attr-defined]
+        return True
+
+    def _ignore_upgrade(self) -> None:
+        """A fresh parser reads the offer's head less the offer, then its body as a body. What is
+        still an upgrade then, a CONNECT (a tunnel: the bytes after its head are no requests), is
+        a 501 and a close."""
+        head, self._offer = self._offer or b"", None
+        self.parser = httptools.HttpRequestParser(self)
+        self.parser.set_dangerous_leniencies(lenient_data_after_close=True)  # as uvicorn sets its own
+        self._feed(head)
+        if self._offer is not None:
+            self._offer = None
+            self.refuse(501, "CONNECT (a tunnel) is not supported")

@@ -14,7 +14,9 @@ module is uvicorn's own httptools protocol with these limits added where the byt
   ``max_headers_bytes``, is a 431 and a close, counted as the bytes come (nothing is buffered
   past the cap), a request pipelined behind another in one read too: the parser is fed up to
   where a request's headers or body end (``BodyEnd``), then the counting goes on; a body framing
-  it cannot read is a 400 and a close. A refusal due while a response is in progress follows it;
+  it cannot read is a 400 and a close, and so is a body of too many tiny chunks (``BodyEnd``:
+  each chunk is Python work on the event loop), at once unless a response has begun. A refusal
+  due while a response is in progress follows it;
 - **idle timeout**: uvicorn's keep-alive timeout, between requests;
 - **unread body**: a request answered before its body came whole (a 415, a 404, a GET with a
   body) has ``header_timeout`` seconds more to send the rest, read and dropped, or its connection
@@ -28,8 +30,9 @@ module is uvicorn's own httptools protocol with these limits added where the byt
   and is served), and beyond that a new connection gets a 503 at once. Idle connections past
   the cap close each other, oldest first, so a flood of silent sockets holds at most one slot
   more than the cap. A socket is never refused, and the open-file limit is never reached by
-  connections. No connection leaves the cap's count but by closing: an upgrade (websocket too)
-  is answered as plain HTTP.
+  connections. No connection leaves the cap's count but by closing: an upgrade offer (h2c,
+  websocket) is ignored, its request served as plain HTTP on its body; a CONNECT, whose bytes
+  after its head are no requests, is a 501 and a close (``BodyReading``).
 
 Each kind of event is logged once per client address and interval (``ThrottledLog``), with the
 count of the ones it stood for, not once per connection.
@@ -47,7 +50,7 @@ from typing import Any, Callable
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from spec_plugins.server.body_end import BodyEnd, stray_crlf
+from spec_plugins.server.body_end import BodyEnd, BodyReading, stray_crlf
 
 log = logging.getLogger("spec_plugins.server")
 
@@ -176,9 +179,10 @@ async def _over_capacity(scope: Any, receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-class GuardedHttpTools(HttpToolsProtocol):
+class GuardedHttpTools(BodyReading, HttpToolsProtocol):
     """uvicorn's httptools protocol with the header timeout, header caps and the connection cap
-    (module docstring). ``guard`` is set per server by ``protocol_class``."""
+    (module docstring), its bodies read by ``BodyReading``. ``guard`` is set per server by
+    ``protocol_class``."""
 
     guard: ConnectionGuard
 
@@ -189,6 +193,7 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._lingering = False  # answered before its body came whole (``_linger``; module docstring)
         self._body_end = BodyEnd([])  # the current request's body framing (``data_received``; set per request)
         self._refused: tuple[int, str] | None = None  # a refusal that waits for the response in progress
+        self._offer, self._parts = None, []  # (``BodyReading``)
         self._headers_open(arm=True)
         self.guard.opened(self)
 
@@ -254,13 +259,14 @@ class GuardedHttpTools(HttpToolsProtocol):
                 if n < 0:
                     return
             else:
-                n = self._body_end.cut(data)
-                if self._body_end.lost:
-                    self._framing_lost(data[:n])
+                n = self._cut_body(data)
+                if n < 0:
                     return
-            super().data_received(data[:n])
-            if self.parser is None or self.parser.should_upgrade():
-                return  # upgraded (or an upgrade refused): uvicorn drops the rest of the read
+            self._feed(data[:n])
+            if self._offer is not None:
+                self._ignore_upgrade()
+            elif self.parser is None or self.parser.should_upgrade():
+                return  # handed to uvicorn's websocket protocol
             data = data[n:]
 
     def _drop_stray_crlf(self, data: bytes) -> bytes:
@@ -270,17 +276,6 @@ class GuardedHttpTools(HttpToolsProtocol):
         n = 0 if self.header_bytes else stray_crlf(data, self._stray)
         self._stray += n
         return data[n:] if n else data
-
-    def _framing_lost(self, fault: bytes) -> None:
-        """The body's framing cannot be read (``BodyEnd.lost``: a chunk size that is no hex number):
-        the parser is fed up to the bytes at fault, which it rejects (uvicorn's 400); should it
-        not, the connection is refused all the same, as where the next request starts is unknown
-        and its header bytes could not be counted."""
-        if fault:
-            super().data_received(fault)
-        if not self.transport.is_closing():
-            self.guard.event("bad_framing", self, "request body framing not understood: 400, closed")
-            self.refuse(400, "the request body's framing (Content-Length or chunk sizes) could not be read")
 
     def _count_header_bytes(self, data: bytes) -> int:
         """Count the header bytes in ``data`` up to the blank line that ends them; returns where the
@@ -309,6 +304,8 @@ class GuardedHttpTools(HttpToolsProtocol):
             self._request_line = self._request_line or not blank
 
     def on_headers_complete(self) -> None:
+        if self._take_offer():
+            return  # read again by a fresh parser (``_ignore_upgrade``)
         self.in_headers = False
         self._disarm()
         self._body_end = BodyEnd(self.headers)
@@ -323,6 +320,9 @@ class GuardedHttpTools(HttpToolsProtocol):
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
+        if self._offer is not None:
+            return  # an upgrade offer's, ended at its headers: a fresh parser reads it (``_ignore_upgrade``)
+        self._flush_body()
         super().on_message_complete()
         self._headers_open(arm=False)  # the next bytes are the next request's, counted from here
         if self._lingering:  # the rest of a body its answer did not read has come, read and dropped
@@ -357,12 +357,14 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._disarm()
         self._timer = self.loop.call_later(self.guard.limits.header_timeout, self.transport.close)
 
-    def refuse(self, status: int, message: str) -> None:
+    def refuse(self, status: int, message: str, mid_body: bool = False) -> None:
         """Answer ``status`` with ``message`` and close, outside any request cycle; while a response
-        is in progress, after it (HTTP answers in order), reading nothing more meanwhile."""
+        is in progress, after it (HTTP answers in order), reading nothing more meanwhile. A refusal
+        of the body being read (``mid_body``) is its request's answer, at once unless a response has
+        begun (the handler then sees a disconnect)."""
         if self.transport.is_closing():
             return
-        if self.busy:
+        if self.busy and not (mid_body and not self.pipeline and not self.cycle.response_started):
             self._refused = (status, message)
             self.flow.pause_reading()
             return

@@ -4,7 +4,9 @@ Starts ``spec-plugins serve`` with the config on a free loopback port, measures 
 process of its own (so client-side work never delays the probe), and in each round lets
 ``--clients`` clients send a body of about ``--mib`` MiB at once (prompt text, brackets, a chat
 message, by turns). Prints one JSON report: /health samples and percentiles, the status of every
-big request, the server's RSS before, right after, and after a settle time.
+big request, the server's RSS before, right after, and after a settle time. A /health that fails
+(a status but 200, or a transport error) is counted in ``failed``, not in the percentiles, which
+are those of the answered samples (``loadtest.percentile``).
 
     python -m spec_plugins.server.hostile --config examples/configs/smollm2-server.yaml
 """
@@ -21,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from spec_plugins.server.body import MAX_BODY_BYTES
-from spec_plugins.server.loadtest import _start, _wait_healthy, rss_mib
+from spec_plugins.server.loadtest import _start, _wait_healthy, percentile, rss_mib
 
 
 def _bodies(size: int) -> list[tuple[str, str, bytes]]:
@@ -38,19 +40,35 @@ def _bodies(size: int) -> list[tuple[str, str, bytes]]:
 
 
 def _poll(url: str, go: Any, stop: Any, out: Any) -> None:
-    """In its own process: from ``go`` to ``stop``, GET /health every 10 ms; latencies (s) to ``out``."""
+    """In its own process: from ``go`` to ``stop``, GET /health every 10 ms; latencies (s) to ``out``,
+    ``inf`` for a failure (a transport error too: the poller lives on, or the report would be lost)."""
     import httpx
+
+    def health(c: httpx.Client) -> bool:
+        try:
+            return c.get(url + "/health").status_code == 200
+        except httpx.HTTPError:
+            return False
 
     lat = []
     with httpx.Client(timeout=30) as c:
-        c.get(url + "/health")  # connect before the window opens
+        health(c)  # connect before the window opens
         go.wait()
         while not stop.is_set():
             t = time.perf_counter()
-            ok = c.get(url + "/health").status_code == 200
+            ok = health(c)
             lat.append(time.perf_counter() - t if ok else float("inf"))
             time.sleep(0.01)
     out.put(lat)
+
+
+def health_summary(lat: list[float]) -> dict[str, Any]:
+    """Samples, failures (``inf``) and the answered samples' p50 / p95 / max in ms (None when
+    none was answered): JSON numbers only, no ``Infinity``."""
+    ok = [x for x in lat if x != float("inf")]
+    ms = {"p50_ms": percentile(ok, 0.5), "p95_ms": percentile(ok, 0.95), "max_ms": max(ok)} if ok else {}
+    return {"samples": len(lat), "failed": len(lat) - len(ok),
+            **{k: round(ms[k] * 1e3, 1) if ok else None for k in ("p50_ms", "p95_ms", "max_ms")}}
 
 
 async def _round(url: str, bodies: list[tuple[str, str, bytes]]) -> list[tuple[str, int, float]]:
@@ -78,9 +96,7 @@ def _cpu() -> str:
     return f"{name} ({', '.join(ext)}), {sum(ln.startswith('processor') for ln in lines)} logical CPUs"
 
 
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
+_pct = percentile  # (attacks.py's name for it)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,8 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"config": args.config, "cpu": _cpu(), "clients": args.clients, "body_bytes": size, "rounds": args.rounds,
               "wall_s": round(wall, 2), "statuses": statuses,
               "request_s_max": round(max(s for *_, s in results), 3),
-              "health": {"samples": len(lat), "p50_ms": round(_pct(lat, 0.5) * 1e3, 1),
-                         "p95_ms": round(_pct(lat, 0.95) * 1e3, 1), "max_ms": round(max(lat) * 1e3, 1)},
+              "health": health_summary(lat),
               "rss_mib": {"before": rss_before, "after": rss_after, f"after_{args.settle:g}s": rss_settled}}
     write_report(report, args.out)
     return 0

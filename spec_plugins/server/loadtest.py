@@ -4,7 +4,10 @@ Starts two servers (``serve`` with the config, and with ``--no-speculation``) on
 ports, computes each prompt's solo greedy output in-process (plain decoding, batch 1), then for
 every concurrency level runs a bounded number of requests against each server in turn and checks
 that every request completed and returned exactly its prompt's solo output (no cross-talk).
-Reports throughput (generated tokens / wall time of the level) and p50/p95 latency.
+Reports throughput (generated tokens / wall time of the level) and p50/p95 latency of the
+successful requests (``percentile``: a measured sample, numpy's ``method="nearest"``); failed
+requests (any status but 200) are counted apart, by status, with their own latencies in
+``results``, so a fast 422 or 429 never pulls the percentiles below every served request.
 ``--draft-policies load,fixed`` starts one speculating server per draft policy, so the two are
 compared side by side in one run.
 
@@ -71,6 +74,13 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> Non
     raise TimeoutError(f"server {url} not healthy after {timeout}s")
 
 
+def percentile(xs: list[float], q: float) -> float:
+    """The sample at rank ``round(q * (n - 1))`` of the sorted ``xs`` (numpy's ``method="nearest"``):
+    always a measured value, never an interpolation."""
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
 async def _level(url: str, inputs: list[str], n_requests: int, clients: int, max_new: int) -> dict[str, Any]:
     import httpx
 
@@ -93,11 +103,16 @@ async def _level(url: str, inputs: list[str], n_requests: int, clients: int, max
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients)) as client:
         await asyncio.gather(*(worker(client) for _ in range(clients)))
     wall = time.perf_counter() - t0
-    lat = sorted(r["latency"] for r in results)
-    q = lambda f: lat[min(len(lat) - 1, int(round(f * (len(lat) - 1))))]  # noqa: E731
+    ok = [r["latency"] for r in results if r["ok"]]
+    failed: dict[int, int] = {}
+    for r in results:
+        if not r["ok"]:
+            failed[r["status"]] = failed.get(r["status"], 0) + 1
     tokens = sum(len(r["ids"]) for r in results)
-    return {"requests": n_requests, "clients": clients, "completed": sum(r["ok"] for r in results), "wall_s": wall,
-            "tokens": tokens, "tokens_per_s": tokens / wall, "p50_s": q(0.5), "p95_s": q(0.95), "results": results}
+    return {"requests": n_requests, "clients": clients, "completed": len(ok), "failed": len(results) - len(ok),
+            "failed_statuses": failed, "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
+            "p50_s": percentile(ok, 0.5) if ok else None, "p95_s": percentile(ok, 0.95) if ok else None,
+            "results": results}
 
 
 def rss_mib(pid: int) -> float | None:
@@ -197,9 +212,10 @@ def main(argv: list[str] | None = None) -> int:
                 res["mismatched_prompts"] = sorted(set(mism))
                 res.pop("results")
                 row[mode] = res
+                pcts = " ".join(f"{k[:3]}={res[k]:.2f}s" if res[k] is not None else f"{k[:3]}=-" for k in ("p50_s", "p95_s"))
                 print(f"clients={clients:3d} spec={mode:9s} requests={n} completed={res['completed']} "
-                      f"mismatches={len(mism)} tokens/s={res['tokens_per_s']:.1f} p50={res['p50_s']:.2f}s "
-                      f"p95={res['p95_s']:.2f}s", flush=True)
+                      f"failed={res['failed_statuses']} mismatches={len(mism)} tokens/s={res['tokens_per_s']:.1f} "
+                      f"{pcts} (latency of the completed)", flush=True)
             report["levels"].append(row)
         report["metrics"] = {mode: _metrics(url) for mode, (_, url) in servers.items()}
         report["info"] = {mode: __import__("httpx").get(url + "/info").json() for mode, (_, url) in servers.items()}
