@@ -5,7 +5,9 @@
    outputs each proposer will be scored against.
 2. Proposers whose drafts read only the sequence (n-gram, suffix) are scored without decoding
    again: the real round replays each runtime's recorded outputs (``tune_replay``), charging the
-   runtime's measured costs, for ``auto`` and every fixed draft length. The others (of tune's
+   runtime's measured costs, for ``auto`` and every fixed draft length. Their sections fix the
+   tree's node count: the replay cannot reproduce an ``auto`` tree's cut, so the section replayed
+   is the one confirmed and written (``tune_replay.replay_factory``). The others (of tune's
    ``PROPOSERS``: EAGLE) read the target's hidden states or logits, which a replay does not have,
    so they run for real, briefly; feature drafters only on runtimes that return them.
 3. The predicted best few are confirmed by a short interleaved run against plain decoding on the
@@ -45,7 +47,8 @@ RUNTIMES = {  # label -> target section fields (besides the model)
 }
 PROPOSERS = {  # label -> proposer section
     "ngram": {"type": "ngram", "num_draft_tokens": "auto", "max_ngram": 3},
-    "suffix": {"type": "suffix", "num_draft_tokens": 16, "tree_nodes": "auto", "scope": "request"},
+    # a fixed tree_nodes: replayed, confirmed and written alike (module docstring, step 2)
+    "suffix": {"type": "suffix", "num_draft_tokens": 16, "tree_nodes": 16, "scope": "request"},
     "eagle": {"type": "eagle", "heads": "examples/heads/smollm2-135m-instruct/eagle", "mode": "tree",
               "num_draft_tokens": 6, "tree_nodes": "auto"},
 }
@@ -185,6 +188,21 @@ def _decoder(model: str, runtime: str, proposer: str | None, target: Any = None,
     return SpeculativeDecoder.from_config(cfg, target=target, costs=costs)
 
 
+def _measure_costs(target: Any) -> Any:
+    """The runtime's verify costs of 1..17 positions (``policy.Costs``) after ``DEFAULTS.context``
+    tokens, or after as many as fit beside them in a shorter context; a context with no room for
+    even one token before them is a TuneError naming the minimum."""
+    from spec_plugins.policy import DEFAULTS, Costs
+
+    positions = DEFAULTS.max_k + 1
+    context = min(DEFAULTS.context, target.max_context - positions)
+    if context < 1:
+        raise TuneError(f"tune measures forwards of up to {positions} positions after at least one token of "
+                        f"context, so it needs a context of at least {positions + 1} positions; this runtime's "
+                        f"holds {target.max_context}")
+    return Costs.measure(target, max_positions=positions, context=context)
+
+
 def _plain_outputs(dec: Any, prompts: Sequence[list[int]], max_new: int, budget: Budget | None = None
                    ) -> tuple[list[list[int]], float]:
     """Greedy outputs of the first prompts (all, or as many as ``budget`` allows, at least one) and
@@ -247,8 +265,6 @@ def tune(model: str, prompts: Sequence[str], runtimes: Sequence[str] | None, pro
          log: Callable[[str], None] = print) -> TuneResult:
     """Measure, predict, confirm (module docstring); returns what to write. ``runtimes`` None:
     every one that can run ``model`` here; those left out are logged and noted with why."""
-    from spec_plugins.policy import Costs
-
     notes: list[str] = []
     model = model_reference(model)
     by_default = runtimes is None
@@ -280,7 +296,7 @@ def tune(model: str, prompts: Sequence[str], runtimes: Sequence[str] | None, pro
             continue
         ids = [dec.encode([{"role": "user", "content": p}]) if dec.has_chat_template else dec.encode(p)
                for p in prompts]
-        costs = Costs.measure(dec.target, max_positions=17)
+        costs = _measure_costs(dec.target)
         cost = costs.forward.base
         outs, plain_tps = _plain_outputs(dec, ids, max_new, budget)
         _cut(notes, log, f"plain decoding on {rt}", len(outs), len(ids), "prompts")

@@ -30,13 +30,18 @@ def needs_features(section: dict[str, Any]) -> bool:
 
 
 def replay_factory(section: dict[str, Any]) -> Callable[[], Any]:
-    """Fresh proposers of ``section`` for the replay (a tree's ``auto`` node count read as 16:
-    the replay runtime has no measured tree widths to size it by)."""
+    """Fresh proposers of ``section`` for the replay, built from the section as it is, so what is
+    replayed is what tune confirms and writes. A tree cut by cost each round (``tree_nodes:
+    auto``) is refused: the decode prices that cut with costs it corrects from its rounds' real
+    times, which the replay's simulated clock does not reproduce, so its prediction would describe
+    a config that never ran (tune's replayed sections fix their node count)."""
     from spec_plugins.registry import PROPOSERS as REGISTRY
 
+    if section.get("tree_nodes") == "auto":
+        raise ValueError(f"proposer {section['type']}: the replay cannot predict tree_nodes: auto (the decode "
+                         "cuts the tree by costs it learns from real round times); give a fixed tree_nodes")
     pcls = REGISTRY.get(section["type"])
-    cfg = pcls.Config.model_validate({k: v for k, v in section.items() if k != "tree_nodes"}
-                                     | ({"tree_nodes": 16} if "tree_nodes" in section else {}))
+    cfg = pcls.Config.model_validate(section)
     return lambda: pcls(cfg)
 
 

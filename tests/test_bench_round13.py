@@ -115,6 +115,20 @@ def test_check_prompts_refuses_category_all_and_duplicate_ids(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("bad", [BenchPrompt("a", "copy", ()), BenchPrompt("a", "", ("x",)),
+                                 BenchPrompt("a", "copy", ("x", "  ")), BenchPrompt("a", "copy", (5,))],
+                         ids=["no-turns", "empty-category", "blank-turn", "non-string-turn"])
+def test_check_prompts_refuses_what_a_prompt_file_refuses(bad):
+    """A prompt list given to the API is checked as a prompt file's lines are (no turns ran the
+    whole bench and failed in a plot), with the same message."""
+    obj = {"question_id": bad.question_id, "category": bad.category, "turns": list(bad.turns)}
+    with pytest.raises(ValueError) as file_err:
+        parse_prompt(obj, "prompts[0]")
+    with pytest.raises(ValueError) as api_err:
+        check_prompts([bad])
+    assert str(api_err.value) == str(file_err.value)
+
+
 # ---- 4. --methods labels refused before any model loads ----------------------------------------------
 def test_methods_label_clash_refused_before_any_model_loads(tmp_path, monkeypatch):
     from typer.testing import CliRunner

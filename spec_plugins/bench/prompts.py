@@ -28,18 +28,14 @@ def parse_prompt(obj: object, where: str = "prompt", index: int = 0) -> BenchPro
         raise ValueError(f"{where}: give either 'turns' or 'prompt', not both")
     if "turns" in obj:
         turns = obj["turns"]
-        if not isinstance(turns, list) or not turns:
+        if not isinstance(turns, list):
             raise ValueError(f"{where}: 'turns' must be a non-empty list of strings")
     elif "prompt" in obj:
         turns = [obj["prompt"]]
     else:
         raise ValueError(f"{where}: missing 'turns' (list of strings) or 'prompt' (string)")
-    for t in turns:
-        if not isinstance(t, str) or not t.strip():
-            raise ValueError(f"{where}: every turn must be a non-empty string, got {t!r}")
+    _check_turns(turns, where)
     category = obj.get("category", "default")
-    if not isinstance(category, str) or not category:
-        raise ValueError(f"{where}: 'category' must be a non-empty string, got {category!r}")
     _check_category(category, where)
     qid = obj.get("question_id", index)
     return BenchPrompt(str(qid), category, tuple(turns))
@@ -97,9 +93,20 @@ def _read(path: Path) -> str:
         raise ValueError(f"prompt file {path}: cannot read it ({exc.strerror or exc})") from None
 
 
-def _check_category(category: str, where: str) -> None:
-    """``all`` names every prompt together in the report: a prompt of that category would be
-    counted twice in that row."""
+def _check_turns(turns: Sequence[object], where: str) -> None:
+    """At least one turn, each a string with some text (a model is asked each in turn)."""
+    if not turns:
+        raise ValueError(f"{where}: 'turns' must be a non-empty list of strings")
+    for t in turns:
+        if not isinstance(t, str) or not t.strip():
+            raise ValueError(f"{where}: every turn must be a non-empty string, got {t!r}")
+
+
+def _check_category(category: object, where: str) -> None:
+    """A non-empty string other than ``all``: ``all`` names every prompt together in the report, so
+    a prompt of that category would be counted twice in that row."""
+    if not isinstance(category, str) or not category:
+        raise ValueError(f"{where}: 'category' must be a non-empty string, got {category!r}")
     if category == "all":
         raise ValueError(f"{where}: category 'all' is the report's name for every prompt together; "
                          "give this prompt another category")
@@ -118,13 +125,15 @@ def _duplicate(qid: str, this: tuple[str, bool], first: tuple[str, bool], here: 
 def check_prompts(prompts: Sequence[BenchPrompt]) -> None:
     """Prompts as the bench takes them (``run_bench`` and ``Bench.run`` get lists that need not come
     from ``load_prompts``), refused before anything runs or is written: none (nothing to measure),
-    category ``all`` (the report's row of every prompt) or a question_id given twice (the report
-    keys greedy mismatches by it), with ``load_prompts``' messages."""
+    a prompt without turns or with an empty or non-string one, an empty category or ``all`` (the
+    report's row of every prompt), or a question_id given twice (the report keys greedy mismatches
+    by it), with ``load_prompts``' messages."""
     if not prompts:
         raise ValueError("no prompts to benchmark: give at least one prompt")
     seen: dict[str, tuple[str, bool]] = {}
     for i, p in enumerate(prompts):
         where = f"prompts[{i}]"
+        _check_turns(p.turns, where)
         _check_category(p.category, where)
         if p.question_id in seen:
             raise ValueError(_duplicate(p.question_id, (where, True), seen[p.question_id], "this prompt"))
