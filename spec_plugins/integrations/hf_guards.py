@@ -43,9 +43,38 @@ def check_supported(model: Any, gc: Any, synced_gpus: bool, model_kwargs: dict) 
     extra = sorted(k for k, v in model_kwargs.items() if k not in _KNOWN_MODEL_KWARGS and v is not None)
     if extra:
         raise ValueError(f"speculative_generate takes input_ids (+ attention_mask) only; got {', '.join(extra)}")
+    _check_positions(gc, model_kwargs)
     cache = model_kwargs.get(hf_compat.cache_keyword(model))
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError("speculative_generate cannot continue from a pre-filled cache; pass the full input_ids")
+
+
+def _check_positions(gc: Any, model_kwargs: dict) -> None:
+    """Refuse ``position_ids`` other than the ones ``generate()`` derives itself: it fills them in
+    when not given (``attention_mask.cumsum(-1) - 1``, or ``arange`` where it dropped an all-ones
+    mask), and this engine derives positions from the mask, so any others would be dropped where
+    plain ``generate()`` uses them. Pad slots are not compared: no real token attends to them."""
+    import torch
+
+    given = model_kwargs.get("position_ids")
+    if given is None:
+        return
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None:
+        real = mask.to(given.device) != 0
+        expected = real.long().cumsum(-1) - 1
+    else:  # generate() dropped an all-ones mask, noting its length (a direct call: the positions' own)
+        length = getattr(gc, "_mask_length", None) or given.shape[-1]
+        expected = torch.arange(length, device=given.device)[None]
+        real = torch.ones_like(expected, dtype=torch.bool)
+    # [B, L], [1, L] or leading axes (multimodal rope) over them, each equal to the default
+    fits = (given.dim() >= 2 and given.shape[-1] == expected.shape[-1]
+            and (given.shape[-2] == expected.shape[0] or 1 in (given.shape[-2], expected.shape[0])))
+    if not fits or bool(((given != expected) & real).any()):
+        raise ValueError(f"speculative_generate does not take custom position_ids (given, shape {tuple(given.shape)}): "
+                         "the plugin derives positions from the attention mask (attention_mask.cumsum(-1) - 1 at each "
+                         "prompt token, what generate() uses without position_ids), so these would be ignored; "
+                         "drop position_ids")
 
 
 def generate_frame(caller: Any) -> Any:
