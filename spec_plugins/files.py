@@ -5,34 +5,36 @@ a killed run) leaves the old file whole and no temporary file behind."""
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 from pathlib import Path
 
 
 def temp_beside(path: Path) -> Path:
     """A new empty file of a name no other run holds, in ``path``'s directory (so a rename onto
-    ``path`` stays on one file system), with the mode a plain write would give (not mkstemp's 0600)."""
+    ``path`` stays on one file system), with the mode a plain write would give (the umask applied
+    to 0666, not mkstemp's 0600)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(delete=False, dir=path.parent, prefix=f".{path.name}.", suffix=".tmp") as f:
-        tmp = Path(f.name)
-    mask = os.umask(0)
-    os.umask(mask)
-    tmp.chmod(0o666 & ~mask)
-    return tmp
+    while True:
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return tmp
+        except FileExistsError:
+            continue
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file renamed into place. An existing file
-    keeps its permissions; a symlink is written through (its target replaced), as
-    ``Path.write_text`` does."""
+    keeps its permissions (set once the text is written, so a read-only one is replaced, not
+    refused); a symlink is written through (its target replaced), as ``Path.write_text`` does."""
     path = Path(path)
     if path.is_symlink():
         path = path.resolve()
     tmp = temp_beside(path)
     try:
+        tmp.write_text(text, encoding="utf-8")
         if path.exists():
             tmp.chmod(path.stat().st_mode & 0o7777)
-        tmp.write_text(text, encoding="utf-8")
         tmp.replace(path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -187,3 +187,20 @@ def test_bench_measures_the_cost_curve_past_its_gammas(tmp_path):
     th = rep["theory"]
     i = th["gammas"].index(5)
     assert th["with_verify_cost"][i] == pytest.approx(theoretical_speedup(th["alpha"], 5, th["c"], rel[5]))
+
+
+def test_an_atomic_write_replaces_a_read_only_file_keeping_its_mode(tmp_path):
+    """The old file's mode is given to the new one once its text is written: a read-only report
+    is replaced whole (the temporary file was made read-only before its text, and the write
+    failed naming the temporary file), and nothing is left beside it."""
+    import os
+    import stat
+
+    from spec_plugins.files import write_text_atomic
+
+    path = tmp_path / "report.md"
+    path.write_text("old\n")
+    path.chmod(0o444)
+    write_text_atomic(path, "new\n")
+    assert path.read_text() == "new\n" and stat.S_IMODE(os.stat(path).st_mode) == 0o444
+    assert [p.name for p in tmp_path.iterdir()] == ["report.md"]

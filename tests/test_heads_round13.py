@@ -90,11 +90,11 @@ def test_head_tensors_of_the_wrong_dtype_refused_naming_directory_and_tensor(sav
 
 @pytest.mark.parametrize("kind", sorted(PROPOSERS))
 def test_head_tensors_in_other_accepted_dtypes_still_load(saved, tmp_path, kind):
-    """int32 ids and bfloat16 / float64 weights are the same head: they load, with the same draft vocabulary."""
+    """int32 / uint16 ids and bfloat16 / float64 weights are the same head: they load, with the same draft vocabulary."""
     want = load(kind, saved[kind])
-    for weights in (torch.bfloat16, torch.float64):
+    for weights, ids in ((torch.bfloat16, torch.int32), (torch.float64, torch.uint16)):
         good = copy(saved, kind, tmp_path / f"{kind}-{weights}")
-        edit_tensors(good, lambda s: s.update({k: v.int() if k == "vocab_ids" else v.to(weights) for k, v in s.items()}))
+        edit_tensors(good, lambda s: s.update({k: v.to(ids) if k == "vocab_ids" else v.to(weights) for k, v in s.items()}))
         got = load(kind, good)
         module = got.heads if kind == "medusa" else got.drafter
         assert torch.equal(module.vocab_ids, (want.heads if kind == "medusa" else want.drafter).vocab_ids)

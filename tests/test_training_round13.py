@@ -95,6 +95,9 @@ def test_write_token_shards_refuses_an_empty_run_and_leaves_out_as_it_was(tmp_pa
     with pytest.raises(ValueError, match="no conversation to write"):
         write_token_shards([], tmp_path / "new" / "deeper", {"target": "tiny"}, 32, 10_000)
     assert not (tmp_path / "new").exists()
+    with pytest.raises(ValueError, match="outside the vocabulary"):  # another model's tokens: nothing left either
+        write_token_shards(examples(n=2), tmp_path / "other" / "tok", {"target": "tiny"}, 3, 10_000)
+    assert not (tmp_path / "other").exists()
     state = write_token_shards([], tmp_path / "empty", {}, 32, 10_000, allow_empty=True)  # the device run's distill
     assert state["conversations"] == 0 and json.loads((tmp_path / "empty" / "meta.json").read_text())["shards"] == []
 

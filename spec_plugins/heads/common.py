@@ -144,11 +144,13 @@ def load_head(directory: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
         problem = tensor_problem(name, tensor)
         if problem:
             raise ValueError(f"{files.weights}: tensor {name!r} {problem}; retrain or copy the head again")
+    for name in ID_TENSORS:  # ids of any integer width, as every kind indexes with them
+        if name in state:
+            state[name] = state[name].to(torch.int64)
     return cfg, state
 
 
 ID_TENSORS = ("vocab_ids",)  # the heads' only saved index tensor: rows of the target's LM head
-INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -158,12 +160,13 @@ def tensor_problem(name: str, tensor: torch.Tensor) -> str | None:
     repeated ids draft the same token as several siblings. The ids' range is the target's
     vocabulary (``check_target_fit``)."""
     if name in ID_TENSORS:
-        if tensor.dtype not in INT_DTYPES:
+        if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
             return f"holds token ids as {tensor.dtype}; they must be stored as integers"
         if tensor.dim() != 1:
             return f"must be one-dimensional, got shape {tuple(tensor.shape)}"
-        if tensor.unique().numel() != tensor.numel():
-            return f"repeats token ids ({tensor.numel() - tensor.unique().numel()} duplicates); each draft token must be distinct"
+        distinct = tensor.to(torch.int64).unique().numel()  # unsigned widths have no unique() of their own
+        if distinct != tensor.numel():
+            return f"repeats token ids ({tensor.numel() - distinct} duplicates); each draft token must be distinct"
         return None
     if tensor.dtype not in FLOAT_DTYPES:
         return f"is stored as {tensor.dtype}; weights must be float16, bfloat16, float32 or float64"

@@ -113,7 +113,8 @@ def write_token_shards(examples: Iterable[Example], out: str | Path, meta: dict,
                 break
             continue
         arr = np.asarray(ids, dtype=np.int64)
-        if arr.min() < 0 or arr.max() >= vocab:
+        if arr.min() < 0 or arr.max() >= vocab:  # tokens of another model: refused, ``out`` as it was
+            shutil.rmtree(made, ignore_errors=True)
             raise ValueError(f"token id {int(arr.max()) if arr.max() >= vocab else int(arr.min())} is outside "
                              f"the vocabulary of {vocab}")
         parts.append((arr.astype(dtype), np.asarray(trained, dtype=bool)))
