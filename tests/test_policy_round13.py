@@ -151,6 +151,21 @@ def test_a_child_drafting_nothing_is_skipped_and_probed_back():
     assert calls[-10:] == [1] * 10  # back, every round
 
 
+def test_a_near_free_child_drafting_nothing_is_never_skipped():
+    """A child drafting for a thousandth of a forward (suffix on fresh text) keeps its offer through
+    rounds it finds nothing in: skipping it would save next to nothing, and it must draft the
+    round the text turns its way, not at the next probe."""
+    costs = Costs(FLAT, frozen=True)
+    cheap = HostChild(lambda ctx: None)
+    other = HostChild(lambda ctx: None)
+    costs.set_drafter(cheap, DraftCost(1e-3))  # FLAT: a forward of one position costs 1 s
+    costs.set_drafter(other, DraftCost(1e-6))
+    gate = SourceGate([cheap, other], TreeSizer(costs), costs, gated=True, probe_every=16)
+    for _ in range(200):
+        gate.draft(ctx_of([4] * 2))
+    assert gate.skipped == [0, 0] and (cheap.calls, other.calls) == (200, 200)
+
+
 # ---- 4. end to end: the shaped (device) EAGLE path in a hybrid, greedy identical --------------------
 def test_shaped_eagle_hybrid_stays_greedy_and_credits_no_budget_zero_row(monkeypatch):
     """EAGLE's device path (a shaped draft) forced on the CPU inside a suffix hybrid, one row near

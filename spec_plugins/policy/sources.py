@@ -14,8 +14,8 @@ counted:
 
 ``offer_s`` (the estimate at each best-first rank) and ``nodes_s`` are what the child offered,
 averaged over the drafts it offered that round (a row it drafted nothing for does not count: its
-drafting is paid per round, not per row; a round it drafted nothing at all counts as one empty
-offer, so a child that stops offering fades until it is skipped) and smoothed over rounds
+drafting is paid per round, not per row; a round a dear child drafted nothing at all counts as
+one empty offer, so it fades until it is skipped: ``SourceGate._dear``) and smoothed over rounds
 (``SourceStats``), ``scale_s`` its calibration (each node counted at most once, as the sizer
 counts it: ``objective.expected_tokens``), T the runtime's forward costs, the drafting seconds
 the costs' online estimate (``Costs.draft_seconds``) and the per-round overhead counted on both
@@ -32,6 +32,8 @@ from typing import Any, Callable, Sequence
 
 from spec_plugins.policy.tree_size import within
 from spec_plugins.types import Draft, ProposeContext, Ranked, RankedRow
+
+DEAR_SHARE = 0.05  # of a one-position forward: a child drafting dearer than this fades when it offers nothing
 
 
 class SourceStats:
@@ -92,6 +94,13 @@ class SourceGate:
         """Source indices, cheapest drafting first."""
         return sorted(range(len(self.sources)), key=lambda i: self._draft_seconds(i, 1))
 
+    def _dear(self, i: int, depth: int) -> bool:
+        """Whether source ``i``'s drafting costs at least ``DEAR_SHARE`` of a one-position forward:
+        only such a child's empty rounds count against it. A near-free one (suffix, n-gram) keeps
+        its last offer through text it finds nothing in, so it drafts the round the text turns its
+        way instead of waiting for a probe; skipping it would save next to nothing."""
+        return self._draft_seconds(i, depth) >= DEAR_SHARE * self.sizer.seconds(1, 1)
+
     def _draft_seconds(self, i: int, depth: int) -> float:
         return self.costs.draft_seconds(self.sources[i], depth) if self.costs is not None else 0.0
 
@@ -147,7 +156,8 @@ class SourceGate:
                     if ests:
                         offers.append(ests)
                         in_hand[b] = max(in_hand[b], self._rate(ests, len(ests), i))
-            self.stats[i].update(offers or [[]])  # called, offering nothing: its offer fades toward none
+            if offers or self._dear(i, depth):  # a dear child offering nothing fades toward none
+                self.stats[i].update(offers or [[]])
             shaped += tagged.shaped
         out = Ranked(alts, True, shaped)
         return out if out else None
