@@ -215,3 +215,194 @@ def test_the_hostile_summary_keeps_failures_out_of_its_percentiles(srv):
     assert summary["failed"] == 2 and summary["samples"] == len(lat)
     assert summary["max_ms"] == round(max(ok) * 1e3, 1) and summary["p50_ms"] <= summary["max_ms"]
     json.dumps(summary, allow_nan=False)
+
+
+# ---- round 13, second pass: refusals behind a response, trailers, answered bodies, transport errors ----
+
+
+class _Toy:
+    """uvicorn with the guarded protocol around a small app that records each handler it starts:
+    ``/slow`` answers after a pause, ``/noread`` at once without reading its body, any other path
+    after its whole body (its length and its scope's header count)."""
+
+    def __init__(self, limits=None) -> None:
+        import uvicorn
+
+        from spec_plugins.server.connections import ConnectionLimits, uvicorn_config
+
+        self.started: list[str] = []
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        config, self.guard = uvicorn_config(self.app, "127.0.0.1", self.port, limits or ConnectionLimits(),
+                                            log_level="warning", lifespan="off", interface="asgi3")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.02)
+
+    async def app(self, scope, receive, send) -> None:
+        self.started.append(scope["path"])
+        if scope["path"] == "/slow":
+            await asyncio.sleep(0.5)
+        n = 0
+        while scope["path"] != "/noread":
+            m = await receive()
+            if m["type"] == "http.disconnect":
+                return
+            n += len(m.get("body", b""))
+            if not m.get("more_body"):
+                break
+        out = json.dumps({"len": n, "headers": len(scope["headers"])}).encode()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(out)).encode())]})
+        await send({"type": "http.response.body", "body": out})
+
+    def connect(self) -> socket.socket:
+        return socket.create_connection(("127.0.0.1", self.port), timeout=10)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture
+def toy():
+    t = _Toy()
+    yield t
+    t.stop()
+
+
+TINY_FLOOD = b"POST /flood HTTP/1.1\r\nhost: x\r\n" + CHUNKED + b"\r\n" + b"1\r\nx\r\n" * (MAX_CHUNKS + 100)
+
+
+def _one_answer(s: socket.socket) -> bytes:
+    """One response (``content-length`` framed) off ``s``, read to its end."""
+    got = b""
+    while b"\r\n\r\n" not in got:
+        got += s.recv(65536)
+    head, _, rest = got.partition(b"\r\n\r\n")
+    size = int(re.search(rb"content-length: (\d+)", head).group(1))
+    while len(rest) < size:
+        rest += s.recv(65536)
+    return head + b"\r\n\r\n" + rest
+
+
+def test_a_tiny_chunk_flood_pipelined_behind_a_response_is_refused_after_it(toy):
+    """A flood queued behind a response in progress, in the same read: before, uvicorn started its
+    handler when that response ended, with its body cut short and the rest dropped (a 200, then
+    nothing: the connection held). Now the refused request leaves the pipeline: the first answer,
+    then the 400, then the close, and no handler for the refused request."""
+    s = toy.connect()
+    s.sendall(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n" + TINY_FLOOD)
+    reply = _read_all(s, timeout=10)
+    assert _statuses(reply) == [200, 400], reply[-300:]
+    first, _, second = reply.partition(b"HTTP/1.1 400 ")
+    assert json.loads(first.partition(b"\r\n\r\n")[2]) == {"len": 0, "headers": 1}
+    assert b"chunks" in second and b"connection: close" in second
+    assert toy.started == ["/slow"]
+
+
+@pytest.mark.parametrize("rest", [b"1\r\nx\r\n" * (MAX_CHUNKS + 100), b"zz\r\n"], ids=["tiny chunks", "bad size"])
+def test_a_body_refused_after_its_request_was_answered_closes_without_a_second_answer(toy, rest):
+    """The body of a request answered before reading it (a 415: ``/noread`` here) is read and
+    dropped; a flood of tiny chunks or a chunk size that cannot be read in it now closes the
+    connection, where before an unsolicited 400 followed the answer to the same request."""
+    s = toy.connect()
+    s.sendall(b"POST /noread HTTP/1.1\r\nhost: x\r\n" + CHUNKED + b"\r\n")
+    assert _statuses(_one_answer(s)) == [200]
+    s.sendall(rest)
+    assert _read_all(s, timeout=10) == b""
+    assert toy.started == ["/noread"]
+
+
+def _trailed(trailers: bytes) -> bytes:
+    return b"POST /t HTTP/1.1\r\nhost: x\r\nconnection: close\r\n" + CHUNKED + b"\r\n5\r\nhello\r\n0\r\n" + trailers
+
+
+def test_a_trailer_flood_is_refused_before_it_ends():
+    """Each trailer line was a header of the scope, uncounted: megabytes of ``a:b`` trailers made
+    millions of headers. Now trailers are capped as headers are: a 431 naming them and a close,
+    without the blank line that would end them (never sent here)."""
+    from spec_plugins.server.connections import ConnectionLimits
+
+    t = _Toy(ConnectionLimits(max_header_bytes=512, max_headers_bytes=1024))
+    try:
+        s = t.connect()
+        s.sendall(_trailed(b"a:b\r\n" * 400))
+        reply = _read_all(s, timeout=10)
+        assert _statuses(reply) == [431] and b"trailers over 1024 bytes" in reply, reply
+        assert t.guard.counts["header_too_large"] == 1
+    finally:
+        t.stop()
+
+
+def test_a_small_trailer_is_still_served(toy):
+    s = toy.connect()
+    s.sendall(_trailed(b"x-checksum: abc\r\n\r\n"))
+    reply = _read_all(s)
+    assert _statuses(reply) == [200], reply
+    assert json.loads(reply.partition(b"\r\n\r\n")[2]) == {"len": 5, "headers": 4}  # 3 headers, 1 trailer
+
+
+def test_body_end_counts_trailer_bytes_up_to_the_cap():
+    head = b"a:b\r\n" * 10 + b"\r\n"  # 52 bytes of trailers, the blank line too
+    at = BodyEnd([(b"transfer-encoding", b"chunked")], 52)
+    assert at.cut(b"0\r\n" + head + b"GET") == 3 + 52 and at.refused is None and at.phase == "done"
+    over = BodyEnd([(b"transfer-encoding", b"chunked")], 51)
+    over.cut(b"0\r\n" + head)
+    assert over.refused is not None and over.refused[0] == 431 and "trailers" in over.refused[1]
+
+
+class _Resetter:
+    """A listener that resets every connection once it has read the request's first bytes."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        import struct
+
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            conn.recv(65536)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
+
+
+@pytest.mark.parametrize("server", ["dead port", "reset"])
+def test_load_test_counts_transport_errors_as_failures_and_keeps_its_report(server):
+    """A read timeout or a reset used to raise out of ``_level`` and lose the whole report."""
+    if server == "reset":
+        resetter = _Resetter()
+        url = resetter.url
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            url = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens there
+    res = asyncio.run(loadtest._level(url, ["w2 w3"], 4, 2, 3))
+    assert res["completed"] == 0 and res["failed"] == 4 and res["p50_s"] is None and res["p95_s"] is None
+    assert sum(res["failed_statuses"].values()) == 4
+    assert all(str(k).startswith("transport: ") for k in res["failed_statuses"]), res["failed_statuses"]
+    assert all(not r["ok"] and r["status"].startswith("transport: ") for r in res["results"])
+    json.dumps({k: v for k, v in res.items() if k != "results"})
+    if server == "reset":
+        resetter.sock.close()
+
+
+def test_attacks_summarise_health_with_hostiles_summary():
+    """One summary of /health samples (``hostile.health_summary``), not a copy in ``attacks``."""
+    from spec_plugins.server import attacks
+
+    assert attacks.health_summary is hostile.health_summary and not hasattr(hostile, "_pct")
+    assert attacks._summary([(1.0, "408"), (3.0, "408"), (2.0, "closed")])["held_s"] == {"p50": 2.0, "max": 3.0}

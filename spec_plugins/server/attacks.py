@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spec_plugins.server.hostile import _cpu, _pct, write_report
-from spec_plugins.server.loadtest import _start, _wait_healthy, rss_mib
+from spec_plugins.server.hostile import _cpu, health_summary, write_report
+from spec_plugins.server.loadtest import _start, _wait_healthy, percentile, rss_mib
 
 
 def _probe(url: str, go: Any, stop: Any, out: Any) -> None:
@@ -111,7 +111,7 @@ def _summary(held: list[tuple[float, str]]) -> dict[str, Any]:
         ends[how] = ends.get(how, 0) + 1
     secs = [s for s, how in held if not how.startswith("connect failed")]
     return {"connections": len(held), "ended": ends,
-            "held_s": {"p50": round(_pct(secs, 0.5), 2), "max": round(max(secs), 2)} if secs else None}
+            "held_s": {"p50": round(percentile(secs, 0.5), 2), "max": round(max(secs), 2)} if secs else None}
 
 
 def run_attack(url: str, pid: int, kind: str, per_process: list[int], duration: float) -> dict[str, Any]:
@@ -134,13 +134,8 @@ def run_attack(url: str, pid: int, kind: str, per_process: list[int], duration: 
     lat = lat_q.get(timeout=60)
     for p in attackers + [probe]:
         p.join(timeout=30)
-    ok = [x for x in lat if x != float("inf")]
     return {"attack": kind, "attackers": per_process, "duration_s": duration, **_summary(held),
-            "health": {"samples": len(lat), "failed": len(lat) - len(ok),
-                       "p50_ms": round(_pct(ok, 0.5) * 1e3, 1) if ok else None,
-                       "p95_ms": round(_pct(ok, 0.95) * 1e3, 1) if ok else None,
-                       "max_ms": round(max(ok) * 1e3, 1) if ok else None},
-            "rss_mib": {"before": rss_before, "peak": rss_peak, "after": rss_mib(pid)}}
+            "health": health_summary(lat), "rss_mib": {"before": rss_before, "peak": rss_peak, "after": rss_mib(pid)}}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,13 +10,18 @@ just past the bytes at fault (which the parser rejects too), never further, sinc
 request starts is then unknown and its header bytes could not be counted. Each chunk costs
 Python work on the event loop (here and in the parser's callback), so a body of more than
 ``MAX_CHUNKS`` chunks whose data averages under ``MIN_CHUNK_MEAN`` bytes a chunk sets ``refused``
-(``BodyReading`` answers 400 and closes). Up to two CRLFs ahead of a request are no part of it
-(``stray_crlf``).
+(``BodyReading`` answers 400 and closes). Each trailer line becomes a header of the request's
+scope, so trailers past ``max_trailer_bytes`` (the header cap) set ``refused`` too (a 431). Up to
+two CRLFs ahead of a request are no part of it (``stray_crlf``).
 
 ``BodyReading`` is ``GuardedHttpTools``'s body phase: the body cut where it ends, or refused; the
 parser's body handed to uvicorn once per read (uvicorn copies the body so far for every chunk);
 an upgrade offer's (h2c, websocket: none is supported) read as its body, where httptools ends
-such a request at its headers and would parse its body as the next request.
+such a request at its headers and would parse its body as the next request. A refused body of a
+request queued behind a response in progress takes that request off uvicorn's pipeline (its
+handler never starts): the refusal follows the response. A body read and dropped after its
+request was answered (``_linger``) that is refused, or whose framing is lost, closes the
+connection without a second answer to that request.
 """
 
 from __future__ import annotations
@@ -39,11 +44,13 @@ class BodyEnd:
     """Where one request's body ends in what comes next, read as it comes (``cut``), keeping only
     a chunk size's significant digits between reads: no line is buffered."""
 
-    def __init__(self, headers: list[tuple[bytes, bytes]]) -> None:
+    def __init__(self, headers: list[tuple[bytes, bytes]], max_trailer_bytes: int | None = None) -> None:
         names = dict(headers)
         self.chunked, self.lost = b"transfer-encoding" in names, False
-        self.refused: str | None = None  # why the body is refused (too many chunks for their size)
+        self.refused: tuple[int, str] | None = None  # the status and why (too many chunks, too many trailers)
         self.chunks = self.chunk_bytes = 0  # chunks of data so far, and their data's bytes
+        self.max_trailer_bytes = max_trailer_bytes  # None: trailers uncapped (the server passes its header cap)
+        self.trailer_bytes = 0  # bytes of trailer lines (the blank one that ends them too) so far
         self.left = 0  # bytes left of a Content-Length body, or of a chunk's data and its CRLF
         self.digits = b""  # the significant digits (leading zeros dropped) of the chunk size being read
         self.sized = False  # the chunk size being read has a digit (a zero too)
@@ -58,8 +65,8 @@ class BodyEnd:
     def cut(self, data: bytes) -> int:
         """How many bytes of ``data`` to feed: up to the end of the body, else all of it; once
         ``lost`` is set, up to the bytes at fault (none when they were in an earlier read, or when
-        the parser went on past the end found here); once ``refused`` is, up to the size line that
-        set it."""
+        the parser went on past the end found here); once ``refused`` is, up to the size line or
+        the trailer bytes that set it."""
         i = 0
         while i < len(data) and not self.lost and self.refused is None:
             if self.left:
@@ -74,6 +81,8 @@ class BodyEnd:
                 nl = data.find(b"\n", i)
                 if self.phase == TRAILER:
                     self.blank = self.blank and not data[i:len(data) if nl < 0 else nl].strip(b"\r")
+                    if self._trailers_too_large((len(data) if nl < 0 else nl + 1) - i):
+                        return i
                 if nl < 0:
                     return len(data)
                 i = nl + 1
@@ -114,10 +123,19 @@ class BodyEnd:
             self.left, self.phase = size + 2, SIZE
             self.chunks, self.chunk_bytes = self.chunks + 1, self.chunk_bytes + size
             if self.chunks > MAX_CHUNKS and self.chunk_bytes < MIN_CHUNK_MEAN * self.chunks:
-                self.refused = (f"a chunked body of more than {MAX_CHUNKS} chunks averaging under {MIN_CHUNK_MEAN} "
-                                "bytes: send it in fewer, larger chunks")
+                self.refused = (400, f"a chunked body of more than {MAX_CHUNKS} chunks averaging under "
+                                     f"{MIN_CHUNK_MEAN} bytes: send it in fewer, larger chunks")
         else:
             self.phase, self.blank = TRAILER, True
+
+    def _trailers_too_large(self, n: int) -> bool:
+        """Count ``n`` more trailer bytes; past ``max_trailer_bytes``, set ``refused`` (each trailer
+        line is a header of the request's scope, so they are capped as headers are)."""
+        self.trailer_bytes += n
+        if self.max_trailer_bytes is None or self.trailer_bytes <= self.max_trailer_bytes:
+            return False
+        self.refused = (431, f"request header fields too large: trailers over {self.max_trailer_bytes} bytes")
+        return True
 
 
 def stray_crlf(data: bytes, dropped: int) -> int:
@@ -154,19 +172,44 @@ class BodyReading:
     refuse: Any
     guard: Any
     transport: Any
+    cycle: Any  # uvicorn's cycle of the request whose headers came last
+    pipeline: Any  # uvicorn's requests queued behind the response in progress, newest first
     _body_end: BodyEnd
+    _ahead: Any = None  # ``cycle`` as it was before the latest request's headers (``_unqueue``)
     _offer: bytes | None  # an upgrade offer's head less the offer, until ``_ignore_upgrade``
     _parts: list[bytes]  # body bytes the parser gave since the last ``_flush_body``
+
+    def on_headers_complete(self) -> None:
+        self._ahead = self.cycle
+        super().on_headers_complete()  # type: ignore[misc]
 
     def _cut_body(self, data: bytes) -> int:
         """How many bytes of ``data`` are the body's (``BodyEnd.cut``), or -1 once it is refused."""
         n = self._body_end.cut(data)
-        if self._body_end.lost:
+        end = self._body_end
+        if (end.lost or end.refused) and self.cycle is not None and self.cycle.response_complete:
+            what = end.refused[1] if end.refused else "request body framing not understood"
+            self.guard.event("answered", self, f"{what} in a body read after its answer: closed")
+            self.transport.close()  # its request has its answer: no second one
+        elif end.lost:
             self._framing_lost(data[:n])
-        elif self._body_end.refused:
-            self.guard.event("chunks", self, f"{self._body_end.refused}: 400, closed")
-            self.refuse(400, self._body_end.refused, mid_body=True)
-        return -1 if self._body_end.lost or self._body_end.refused else n
+        elif end.refused:
+            status, why = end.refused
+            if status == 431:
+                self.guard.counts["header_too_large"] += 1
+            self.guard.event("header_too_large" if status == 431 else "chunks", self, f"{why}: {status}, closed")
+            self.refuse(status, why, mid_body=not self._unqueue())
+        return -1 if end.lost or end.refused else n
+
+    def _unqueue(self) -> bool:
+        """Take the request whose body is refused off uvicorn's pipeline, where it waits for the
+        response in progress: its handler never starts, and the refusal follows that response.
+        Returns whether it was queued."""
+        if not self.pipeline or self.pipeline[0][0] is not self.cycle:
+            return False
+        self.pipeline.popleft()
+        self.cycle = self._ahead
+        return True
 
     def _framing_lost(self, fault: bytes) -> None:
         """The body's framing cannot be read (``BodyEnd.lost``: a chunk size that is no hex number):

@@ -15,8 +15,8 @@ module is uvicorn's own httptools protocol with these limits added where the byt
   past the cap), a request pipelined behind another in one read too: the parser is fed up to
   where a request's headers or body end (``BodyEnd``), then the counting goes on; a body framing
   it cannot read is a 400 and a close, and so is a body of too many tiny chunks (``BodyEnd``:
-  each chunk is Python work on the event loop), at once unless a response has begun. A refusal
-  due while a response is in progress follows it;
+  each chunk is Python work on the event loop), at once unless a response has begun; trailers
+  are capped as headers. A refusal due while a response is in progress follows it;
 - **idle timeout**: uvicorn's keep-alive timeout, between requests;
 - **unread body**: a request answered before its body came whole (a 415, a 404, a GET with a
   body) has ``header_timeout`` seconds more to send the rest, read and dropped, or its connection
@@ -308,7 +308,7 @@ class GuardedHttpTools(BodyReading, HttpToolsProtocol):
             return  # read again by a fresh parser (``_ignore_upgrade``)
         self.in_headers = False
         self._disarm()
-        self._body_end = BodyEnd(self.headers)
+        self._body_end = BodyEnd(self.headers, self.guard.limits.max_headers_bytes)  # trailers capped as headers
         if self.transport.is_closing():  # pipelined behind an unread body that just ended: never served
             return
         if (self.over_cap and httptools.parse_url(self.url).path.decode("ascii", "replace") not in PROBES

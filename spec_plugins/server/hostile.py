@@ -96,9 +96,6 @@ def _cpu() -> str:
     return f"{name} ({', '.join(ext)}), {sum(ln.startswith('processor') for ln in lines)} logical CPUs"
 
 
-_pct = percentile  # (attacks.py's name for it)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="examples/configs/smollm2-server.yaml")

@@ -6,8 +6,9 @@ every concurrency level runs a bounded number of requests against each server in
 that every request completed and returned exactly its prompt's solo output (no cross-talk).
 Reports throughput (generated tokens / wall time of the level) and p50/p95 latency of the
 successful requests (``percentile``: a measured sample, numpy's ``method="nearest"``); failed
-requests (any status but 200) are counted apart, by status, with their own latencies in
-``results``, so a fast 422 or 429 never pulls the percentiles below every served request.
+requests (any status but 200, or a transport error: ``transport: ReadTimeout``) are counted
+apart, by status, with their own latencies in ``results``, so a fast 422 or 429 never pulls the
+percentiles below every served request, and a timeout or a reset never loses the report.
 ``--draft-policies load,fixed`` starts one speculating server per draft policy, so the two are
 compared side by side in one run.
 
@@ -92,19 +93,23 @@ async def _level(url: str, inputs: list[str], n_requests: int, clients: int, max
             i = todo.pop(0)
             p = i % len(inputs)
             t0 = time.perf_counter()
-            r = await client.post(url + "/generate", json={"inputs": inputs[p], "parameters": {
-                "max_new_tokens": max_new, "details": True}})
+            try:
+                r: httpx.Response | None = await client.post(url + "/generate", json={
+                    "inputs": inputs[p], "parameters": {"max_new_tokens": max_new, "details": True}})
+            except httpx.TransportError as exc:  # a failure like a status: the report goes on
+                r, error = None, f"transport: {type(exc).__name__}"
             dt = time.perf_counter() - t0
-            ok = r.status_code == 200
-            ids = [t["id"] for t in r.json()["details"]["tokens"]] if ok else []
-            results.append({"prompt": p, "ok": ok, "status": r.status_code, "latency": dt, "ids": ids})
+            status = r.status_code if r is not None else error
+            ok = status == 200
+            ids = [t["id"] for t in r.json()["details"]["tokens"]] if r is not None and ok else []
+            results.append({"prompt": p, "ok": ok, "status": status, "latency": dt, "ids": ids})
 
     t0 = time.perf_counter()
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients)) as client:
         await asyncio.gather(*(worker(client) for _ in range(clients)))
     wall = time.perf_counter() - t0
     ok = [r["latency"] for r in results if r["ok"]]
-    failed: dict[int, int] = {}
+    failed: dict[int | str, int] = {}
     for r in results:
         if not r["ok"]:
             failed[r["status"]] = failed.get(r["status"], 0) + 1
