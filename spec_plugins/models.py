@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import struct
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -130,13 +131,14 @@ def load_tokenizer(path: str, **kwargs: Any) -> Any:
 
     try:
         return AutoTokenizer.from_pretrained(path, **kwargs)
-    except (OSError, ValueError) as exc:  # a missing or unreadable file, or none to build a tokenizer from
+    except (OSError, ValueError, struct.error) as exc:  # a missing, unreadable or truncated file, or none to read
         d = Path(path)
         if (isinstance(exc, ValueError) and not kwargs.get("gguf_file") and d.is_dir()
                 and not any((d / f).exists() for f in TOKENIZER_FILES)):
             raise ValueError(f"cannot load the tokenizer of {path}: the directory holds no tokenizer files (such as "
                              f"tokenizer.json); save the tokenizer beside the model (tokenizer.save_pretrained)") from exc
-        raise ValueError(f"cannot load the tokenizer of {path}: {exc}") from exc
+        source = Path(path, kwargs["gguf_file"]) if kwargs.get("gguf_file") else path
+        raise ValueError(f"cannot load the tokenizer of {source}: {exc}") from exc
 
 
 def load_gguf_tokenizer(model: str) -> Any:

@@ -64,7 +64,9 @@ class Registry(Generic[T]):
         imported yet) holds, unless that entry is ``obj`` itself: taking the name would replace the
         entry unseen, and the entry's own module would fail to register it when imported later. The
         entry's module, where it is being imported right now (the decorator runs inside it, or a
-        package re-exporting it), cannot be compared yet and is let through."""
+        package re-exporting it), cannot be compared yet and is let through; an entry that cannot be
+        imported because it re-exports ``obj`` from the module being imported is compared on first
+        use (``_check_clashes``)."""
         target = self._lazy[name]
         if target == f"{getattr(obj, '__module__', '')}:{getattr(obj, '__qualname__', '')}":
             return  # the entry's own class, registered by its module's decorator
@@ -73,7 +75,10 @@ class Registry(Generic[T]):
             return
         try:
             other = self._import(name, target)
-        except RegistryError:
+        except RegistryError as exc:
+            if _needs_itself(exc, obj):  # the target re-exports ``obj`` from the module running this decorator
+                self._clashes.setdefault(name, []).append(target)  # compared on first use (``_check_clashes``)
+                return
             other = None  # it does not load here (a missing optional package): the name is taken all the same
         if other is not obj:
             raise RegistryError(f"{self.kind} {name!r} is already registered ({self._origin(name)}); register "
@@ -192,6 +197,21 @@ class Registry(Generic[T]):
     def view(self) -> Mapping[str, T]:
         """Read-only view of the loaded entries."""
         return MappingProxyType(self._entries)
+
+
+def _needs_itself(exc: BaseException, obj: Any) -> bool:
+    """Whether importing a lazy entry failed on ``obj``'s own module, half imported because the
+    decorator registering ``obj`` runs inside it (an entry point naming a re-export of ``obj``):
+    the entry can be compared with ``obj`` only once that import has finished."""
+    module = sys.modules.get(getattr(obj, "__module__", ""))
+    cause: BaseException | None = exc.__cause__
+    while cause is not None:
+        if isinstance(cause, ImportError) and cause.name == getattr(obj, "__module__", None):
+            return True
+        if isinstance(cause, AttributeError) and module is not None and getattr(cause, "obj", None) is module:
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 def check_config_class(kind: str, cls: Any, name: str, key: str, base: str) -> None:

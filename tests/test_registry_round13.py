@@ -113,6 +113,48 @@ def test_a_decorator_taking_an_entry_points_name_is_refused(tmp_path, monkeypatc
     assert reg.get("real").__module__ == "r13ep"
 
 
+def test_an_entry_point_naming_a_re_export_accepts_its_defining_modules_decorator(tmp_path, monkeypatch):
+    """An entry point ``r13re.api:Plugin`` re-exporting the class its package defines (and
+    registers) in ``r13re._impl``: importing ``_impl`` directly runs the decorator while ``_impl``
+    is half imported, so the entry cannot be imported to compare yet; it is compared on first use
+    (it was refused as "already registered" by its own class). Another class under the name is
+    still refused at once."""
+    pkg = tmp_path / "r13re"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "_impl.py").write_text(textwrap.dedent("""
+        import tests_registry_round13_reg as holder
+
+        @holder.REG.register("plugin")
+        class Plugin:
+            pass
+    """))
+    (pkg / "api.py").write_text("from r13re._impl import Plugin\n")
+    (pkg / "other.py").write_text(textwrap.dedent("""
+        import tests_registry_round13_reg as holder
+
+        @holder.REG2.register("plugin")
+        class Plugin:
+            pass
+    """))
+    dist = tmp_path / "r13re-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: r13re\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[spec_plugins.round13.re]\nplugin = r13re.api:Plugin\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    holder = types.ModuleType("tests_registry_round13_reg")
+    holder.REG = Registry("widget", "spec_plugins.round13.re")  # type: ignore[attr-defined]
+    holder.REG2 = Registry("widget", "spec_plugins.round13.re")  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "tests_registry_round13_reg", holder)
+    for reg in (holder.REG, holder.REG2):  # type: ignore[attr-defined]
+        assert reg.names() == ["plugin"]  # the entry point is lazy
+    import r13re._impl  # noqa: E402
+
+    assert holder.REG.get("plugin") is r13re._impl.Plugin  # type: ignore[attr-defined]
+    with pytest.raises(RegistryError, match=r"'plugin' is already registered \(entry point plugin = r13re.api:Plugin"):
+        import r13re.other  # noqa: E402,F401  (another class under the entry point's name: it imports whole)
+
+
 # ---- 2. entry-point values as the packaging spec defines them ------------------------------------
 
 def test_entry_points_with_dotted_objects_and_extras_load(tmp_path, monkeypatch):
@@ -273,3 +315,26 @@ def test_a_hybrid_childs_field_error_names_its_index_and_type():
                                           r"are not permitted"):
         SpecConfig.parse({"target": TARGET, "proposer": {"type": "hybrid", "proposers": [
             {"type": "suffix"}, {"type": "suffix", "bogus": 1}]}})
+
+
+def test_a_truncated_gguf_is_refused_naming_it(tmp_path):
+    """A GGUF cut short (a download stopped part way) failed with a bare struct.error."""
+    from spec_plugins.models import load_tokenizer
+
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x01" * 40)
+    with pytest.raises(ValueError, match=r"cannot load the tokenizer of .*cut\.gguf"):
+        load_tokenizer(str(tmp_path), gguf_file=path.name)
+
+
+def test_a_config_instance_keeps_its_unset_fields_unset():
+    """A base config instance passed through the API is read as the dict of what it was given:
+    its defaults stay unset (a server's ``exclude_unset`` dump writes only what the user set)."""
+    spec = SpecConfig(target=TARGET, proposer=ProposerConfig(type="ngram"))
+    assert spec.proposer.model_fields_set == SpecConfig(target=TARGET, proposer={"type": "ngram"}).proposer.model_fields_set
+    assert spec.proposer.model_fields_set == {"type"}
+
+
+def test_an_unknown_hybrid_child_type_names_its_index():
+    with pytest.raises(ConfigError, match=r"proposers\[1\]: type='bogus' is not a known proposer"):
+        SpecConfig.parse({"target": TARGET, "proposer": {"type": "hybrid", "proposers": [{"type": "suffix"}, {"type": "bogus"}]}})

@@ -37,14 +37,14 @@ def child_config(section: dict[str, Any], num_draft_tokens: int | str,
     sets its own, and a fixed tree size where the child's default is 'auto' (the hybrid sizes).
     A section that does not validate is a ValueError naming it (``proposers[1] (suffix): ...``):
     the child's own field errors would otherwise read as the hybrid's."""
+    where = "proposers" + (f"[{index}]" if index is not None else "")
     try:
         cls = plugin_class(PROPOSERS, "type", section.get("type"))
     except ValueError as exc:
-        raise ValueError(f"hybrid: {exc}") from exc
+        raise ValueError(f"hybrid: {where}: {exc}") from exc
     try:
         sub = cls.Config.model_validate({"num_draft_tokens": num_draft_tokens, **section})
     except ValidationError as exc:
-        where = "proposers" + (f"[{index}]" if index is not None else "")
         raise ValueError(f"{where} ({section.get('type')}): {_format_errors(exc)}") from None
     if getattr(sub, "tree_nodes", None) == "auto":  # a default 'auto' (an explicit one is refused)
         sub = sub.model_copy(update={"tree_nodes": DEFAULT_NODES})
