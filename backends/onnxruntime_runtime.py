@@ -225,9 +225,9 @@ class OnnxRuntime(SlotRuntime):
                                  config.graph_optimization, config.threads, config.arena, config.spinning)
         tok = None
         if man.tokenizer:  # Manifest.read checked that the directory exists
-            from transformers import AutoTokenizer
+            from spec_plugins.models import load_tokenizer
 
-            tok = AutoTokenizer.from_pretrained(str(directory / man.tokenizer))
+            tok = load_tokenizer(str(directory / man.tokenizer))
         rt = cls(session, entry, tok, config.max_context, man.eos_token_ids, config.device_id)
         rt.source_model = config.model  # the export's model (``exported_from``), where it is now
         rt.export_dir = directory  # the head proposers open its head graphs (``heads.runner.export_graph``)

@@ -76,13 +76,12 @@ def cuda_device(name: str) -> torch.device:
     return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
 
 
-def load_tokenizer(directory: Path) -> Any:
-    """The tokenizer the ONNX export saved next to the graphs (copied into the engine dir)."""
-    if not directory.is_dir():
-        return None
-    from transformers import AutoTokenizer
+def engine_tokenizer(directory: Path) -> Any:
+    """The tokenizer the ONNX export saved next to the graphs (copied into the engine dir), or None
+    where the engine dir holds none (``spec_plugins.models.load_tokenizer``: failures name it)."""
+    from spec_plugins.models import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(str(directory))
+    return load_tokenizer(str(directory)) if directory.is_dir() else None
 
 
 def engine_context(limits: Limits, model: dict, asked: int | None) -> int:
@@ -130,7 +129,7 @@ class TensorRTRuntime(SlotRuntime):
                          man.hardware_compatibility)
         engine_context(man.limits_object(), man.engine(config.graph).model, config.max_context)  # before the plan
         plan = man.check_plan(directory, config.graph)
-        tok = load_tokenizer(directory / man.tokenizer) if man.tokenizer else None
+        tok = engine_tokenizer(directory / man.tokenizer) if man.tokenizer else None
         rt = cls(trt, plan, man.engine(config.graph), man.limits_object(), device, tok, config.max_context)
         rt.eos_token_ids = list(man.eos_token_ids)
         return rt

@@ -311,9 +311,9 @@ def check_export(directory: str | Path, gamma: int = 5, rtol: float | None = Non
 
     tok = None
     if man.tokenizer:
-        from transformers import AutoTokenizer
+        from spec_plugins.models import load_tokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(directory / man.tokenizer))
+        tok = load_tokenizer(str(directory / man.tokenizer))
     for g in man.graphs:
         if g.kind != "decoder_with_past" or (only and g.name not in only):
             continue

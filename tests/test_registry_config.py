@@ -174,7 +174,7 @@ def test_a_yaml_boolean_for_a_number_is_refused_naming_the_field(tmp_path, secti
     ({"target": {"backend": ["torch"], "model": "x"}}, "target: backend must be a backend name (a string), got list"),
     ({"verifier": {"type": ["exact"]}}, "verifier: type must be a verifier name (a string), got list"),
     ({"proposer": {"type": "hybrid", "proposers": [{"type": "suffix", "tree_nodes": 8}, {"type": ["x"]}]}},
-     "proposer: hybrid: type must be a proposer name (a string), got list ['x']"),
+     "proposer: hybrid: proposers[1]: type must be a proposer name (a string), got list ['x']"),
 ], ids=["type-list", "type-dict", "backend-list", "verifier-list", "hybrid-child-list"])
 def test_a_plugin_name_that_is_not_a_string_is_refused_naming_the_field(data, needle):
     """A YAML list or mapping where a plugin's name belongs (``type: [ngram]``) was a raw
