@@ -30,6 +30,7 @@ from spec_plugins.sampling import LogitsPipeline
 from spec_plugins.server.scheduler import Job, Scheduler
 from spec_plugins.types import RowRequest
 from spec_plugins.verifiers import ExactVerifier
+from support import RaisesAt
 
 TAKEN = "another generation on this decoder started before this one finished"
 P1, P2 = [5, 17, 30, 42, 9, 7], [40, 41, 42, 3, 3, 3, 3, 3, 3, 25, 11]
@@ -310,18 +311,6 @@ class Diverged:
         gen = ids[:, self.n:]
         if (gen != self.reference[: gen.shape[1]]).any():
             raise ValueError("the prefix left plain decoding's output")
-        return scores
-
-
-class RaisesAt:
-    """Raises once the sequence is ``length`` tokens long, naming the length: plain decoding reads it."""
-
-    def __init__(self, length: int) -> None:
-        self.length = length
-
-    def __call__(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if ids.shape[1] >= self.length:
-            raise ValueError(f"at length {ids.shape[1]}")
         return scores
 
 

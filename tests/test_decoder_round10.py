@@ -7,7 +7,7 @@ from __future__ import annotations
 import gc
 import threading
 from collections import Counter
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +19,7 @@ from spec_plugins.integrations import transformers as plugin
 from spec_plugins.proposers.ngram import NgramProposer
 from spec_plugins.stats import DecodeStats
 from spec_plugins.verifiers import ExactVerifier
+from support import in_thread
 
 PROMPTS = [[2, 3, 4, 2, 3, 4, 2], [9, 8, 7, 6, 5, 9, 8, 7, 6, 5, 9]]
 COUNTS = ("target_forwards", "row_rounds", "verify_positions", "prefill_forwards", "draft_tokens", "accepted_tokens",
@@ -30,23 +31,6 @@ def _decoder(seed: int = 3) -> SpeculativeDecoder:
     return SpeculativeDecoder(TorchRuntime(tiny_llama(seed=seed, sharpness=2.0)), proposer, ExactVerifier())
 
 
-def _in_thread(fn: Callable[[], Any]) -> dict:
-    """``fn`` run to the end in another thread: its value or its exception."""
-    out: dict = {}
-
-    def run() -> None:
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            out["error"] = e
-
-    t = threading.Thread(target=run)
-    t.start()
-    t.join(timeout=300)
-    assert not t.is_alive()
-    return out
-
-
 # ---- 1. one decoder, two threads ------------------------------------------------------------------
 def test_another_thread_is_refused_while_a_stream_holds_the_decoder_and_served_once_it_is_closed():
     dec = _decoder()
@@ -55,11 +39,11 @@ def test_another_thread_is_refused_while_a_stream_holds_the_decoder_and_served_o
     next(stream)
     for call in (lambda: dec.generate(PROMPTS[1], 20), lambda: dec.generate_batch([PROMPTS[1]], 20),
                  lambda: list(dec.stream(PROMPTS[1], 20)), lambda: dec.without_speculation().generate(PROMPTS[1], 5)):
-        err = _in_thread(call).get("error")
+        err = in_thread(call).get("error")
         assert isinstance(err, RuntimeError) and "generating in another thread" in str(err)
     next(stream)  # the refused calls touched nothing: the stream goes on
     stream.close()
-    assert _in_thread(lambda: dec.generate(PROMPTS[1], 20).token_ids) == {"value": want}
+    assert in_thread(lambda: dec.generate(PROMPTS[1], 20).token_ids) == {"value": want}
 
 
 def test_a_stream_collected_without_close_and_a_generation_that_raised_release_the_decoder():
@@ -69,7 +53,7 @@ def test_a_stream_collected_without_close_and_a_generation_that_raised_release_t
     next(stream)
     del stream
     gc.collect()
-    assert _in_thread(lambda: dec.generate(PROMPTS[1], 20).token_ids) == {"value": want}
+    assert in_thread(lambda: dec.generate(PROMPTS[1], 20).token_ids) == {"value": want}
 
     class Raises:
         def observe(self, record: Any) -> None:
@@ -77,14 +61,14 @@ def test_a_stream_collected_without_close_and_a_generation_that_raised_release_t
 
     with pytest.raises(ValueError, match="observer failed"):
         dec.generate(PROMPTS[0], 20, observers=[Raises()])
-    assert _in_thread(lambda: dec.generate(PROMPTS[1], 20).token_ids) == {"value": want}
+    assert in_thread(lambda: dec.generate(PROMPTS[1], 20).token_ids) == {"value": want}
     # a stream started in another thread and left open there is released where it is closed
     def started() -> Any:
         stream = dec.stream(PROMPTS[0], 20)
         next(stream)
         return stream
 
-    held = _in_thread(started)["value"]
+    held = in_thread(started)["value"]
     with pytest.raises(RuntimeError, match="generating in another thread"):
         dec.generate(PROMPTS[1], 20)
     held.close()
@@ -99,7 +83,7 @@ def test_interleaved_streams_in_one_thread_keep_their_own_error():
     with pytest.raises(RuntimeError, match="two stream\\(\\) generators interleaved"):
         next(first)
     list(second)
-    assert _in_thread(lambda: len(dec.generate(PROMPTS[0], 5).token_ids)) == {"value": 5}
+    assert in_thread(lambda: len(dec.generate(PROMPTS[0], 5).token_ids)) == {"value": 5}
 
 
 # ---- 2. the transformers plugin: one proposer instance, two models ----------------------------------

@@ -4,10 +4,8 @@ another thread; whatever ended the row (its token limit, a stop string, an error
 
 from __future__ import annotations
 
-import threading
-from typing import Any, Callable
+from typing import Any
 
-import torch
 
 from conftest import tiny_llama
 from helpers import plain_greedy
@@ -15,26 +13,10 @@ from spec_plugins.backends.torch_runtime import TorchRuntime
 from spec_plugins.decoder import SpeculativeDecoder, StreamEvent
 from spec_plugins.proposers.ngram import NgramProposer
 from spec_plugins.verifiers import ExactVerifier
+from support import RaisesAt, in_thread
 
 P1 = [2, 3, 4, 2, 3, 4, 2]
 P2 = [9, 8, 7, 6, 5, 9, 8, 7, 6, 5, 9]
-
-
-def _in_thread(fn: Callable[[], Any]) -> dict:
-    """``fn`` run to the end in another thread (the lock lets its own thread's generations on)."""
-    out: dict = {}
-
-    def run() -> None:
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            out["error"] = e
-
-    t = threading.Thread(target=run)
-    t.start()
-    t.join(timeout=300)
-    assert not t.is_alive()
-    return out
 
 
 def _read_to_finish(stream: Any) -> list[StreamEvent]:
@@ -51,18 +33,6 @@ def _ids(events: list[StreamEvent]) -> list[int]:
     return [t for e in events for t in e.token_ids]
 
 
-class RaisesAt:
-    """Raises once the sequence is ``length`` tokens long: the row ends with finish reason error."""
-
-    def __init__(self, length: int) -> None:
-        self.length = length
-
-    def __call__(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if ids.shape[1] >= self.length:
-            raise ValueError(f"at length {ids.shape[1]}")
-        return scores
-
-
 def test_a_stream_read_to_its_finish_reason_frees_the_decoder_without_close():
     model = tiny_llama(seed=3, sharpness=2.0)
     dec = SpeculativeDecoder(TorchRuntime(model), NgramProposer(NgramProposer.Config(num_draft_tokens=5)),
@@ -73,7 +43,7 @@ def test_a_stream_read_to_its_finish_reason_frees_the_decoder_without_close():
     events = _read_to_finish(stream)
     assert events[-1].finish_reason == "length" and _ids(events) == want
     assert not dec.generation_lock.held
-    assert _in_thread(lambda: dec.generate(P2, 12).token_ids) == {"value": other}
+    assert in_thread(lambda: dec.generate(P2, 12).token_ids) == {"value": other}
     assert next(stream, None) is None  # nothing came after the final event
     assert dec.generate(P1, 20).token_ids == want
 
@@ -90,7 +60,7 @@ def test_a_stream_ended_by_a_stop_string_or_an_error_frees_the_decoder_at_its_la
     events = _read_to_finish(stream)
     assert events[-1].finish_reason == "stop_sequence"
     assert "".join(e.text for e in events) == TEXT[: TEXT.find(STOP)] and _ids(events) == ids[: at + 1]
-    assert _in_thread(lambda: dec.generate(prompt, 6).token_ids) == {"value": other}
+    assert in_thread(lambda: dec.generate(prompt, 6).token_ids) == {"value": other}
     assert next(stream, None) is None
 
     whole = dec.generate(prompt, 16, processors=[RaisesAt(len(prompt) + 3)])
@@ -99,7 +69,7 @@ def test_a_stream_ended_by_a_stop_string_or_an_error_frees_the_decoder_at_its_la
     events = _read_to_finish(stream)
     assert (events[-1].finish_reason, events[-1].error) == ("error", whole.error)
     assert _ids(events) == whole.token_ids and "".join(e.text for e in events) == whole.text
-    assert _in_thread(lambda: dec.generate(prompt, 6).token_ids) == {"value": other}
+    assert in_thread(lambda: dec.generate(prompt, 6).token_ids) == {"value": other}
     assert next(stream, None) is None
 
 
@@ -110,6 +80,6 @@ def test_a_stream_closed_early_still_frees_the_decoder_and_holds_it_until_then()
     stream = dec.stream(P1, 20)
     first = next(stream)
     assert first.finish_reason is None and dec.generation_lock.held  # unfinished: still held
-    assert "generating in another thread" in str(_in_thread(lambda: dec.generate(P2, 4)).get("error"))
+    assert "generating in another thread" in str(in_thread(lambda: dec.generate(P2, 4)).get("error"))
     stream.close()
-    assert _in_thread(lambda: dec.generate(P2, 12).token_ids) == {"value": plain_greedy(model, P2, 12)}
+    assert in_thread(lambda: dec.generate(P2, 12).token_ids) == {"value": plain_greedy(model, P2, 12)}

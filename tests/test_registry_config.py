@@ -14,21 +14,11 @@ from spec_plugins import SpecConfig, SpeculativeDecoder
 from spec_plugins.backends.torch_runtime import TorchRuntime
 from spec_plugins.config import ConfigError, default_config
 from spec_plugins.registry import PROPOSERS, Registry, RegistryError
-
-
-def _fake_dist(root: Path, monkeypatch, name: str, module: str, entry_points: str) -> None:
-    """A third-party package ``name`` on sys.path with a real dist-info entry point (no pip needed)."""
-    root.mkdir(parents=True, exist_ok=True)
-    (root / f"{name}.py").write_text(textwrap.dedent(module))
-    dist = root / f"{name}-1.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text(textwrap.dedent(entry_points))
-    monkeypatch.syspath_prepend(str(root))
+from support import fake_dist
 
 
 def _install_fake_dist(tmp_path: Path, monkeypatch) -> None:
-    _fake_dist(tmp_path, monkeypatch, "thirdparty_drafter", '''
+    fake_dist(tmp_path, monkeypatch, "thirdparty_drafter", '''
         from typing import Literal
         from spec_plugins.config import ProposerConfig
         from spec_plugins.proposers.base import Draft, Proposer
@@ -204,7 +194,7 @@ def test_a_broken_entry_point_is_a_config_error_naming_it(tmp_path, monkeypatch,
 
     from spec_plugins.cli import app
 
-    _fake_dist(tmp_path, monkeypatch, "brokenplug", """
+    fake_dist(tmp_path, monkeypatch, "brokenplug", """
         class NotAProposer:
             pass
         class Half:
@@ -254,11 +244,11 @@ def test_an_entry_point_taking_a_built_in_name_is_refused(tmp_path, monkeypatch)
     from spec_plugins.proposers.ngram import NgramProposer
 
     assert _proposer_registry().names() == ["ngram"]  # this environment: no third-party proposers
-    _fake_dist(tmp_path / "same", monkeypatch, "sameplug", "",
+    fake_dist(tmp_path / "same", monkeypatch, "sameplug", "",
                "[spec_plugins.proposers]\nngram = spec_plugins.proposers.ngram:NgramProposer\n")
     reg = _proposer_registry()
     assert reg.names() == ["ngram"] and reg.get("ngram") is NgramProposer
-    _fake_dist(tmp_path / "dup", monkeypatch, "dupplug", """
+    fake_dist(tmp_path / "dup", monkeypatch, "dupplug", """
         from spec_plugins.proposers.ngram import NgramProposer
         class MyNgram(NgramProposer):
             pass
@@ -287,7 +277,7 @@ def test_an_entry_point_re_exporting_a_decorated_class_is_the_same_plugin(tmp_pa
                 type: Literal["bigram"] = "bigram"
     """))
     (tmp_path / "bigplug" / "__init__.py").write_text("from bigplug.impl import Bigram\n")
-    _fake_dist(tmp_path, monkeypatch, "bigplug_dist", "", "[spec_plugins.proposers]\nbigram = bigplug:Bigram\n"
+    fake_dist(tmp_path, monkeypatch, "bigplug_dist", "", "[spec_plugins.proposers]\nbigram = bigplug:Bigram\n"
                "other = bigplug.impl:Bigram\nngram = bigplug:Bigram\n")
     monkeypatch.delitem(sys.modules, "bigplug", raising=False)
     reg = _proposer_registry()
@@ -305,7 +295,7 @@ def test_an_entry_point_re_exporting_a_decorated_class_is_the_same_plugin(tmp_pa
 def test_an_entry_point_module_raising_at_import_is_a_registry_error(tmp_path, monkeypatch):
     """Only ImportError was caught: a plugin module raising anything else at import (a missing
     shared library) escaped the config's validation as a raw traceback."""
-    _fake_dist(tmp_path, monkeypatch, "crashplug", "raise RuntimeError('cannot find libfoo.so')\n",
+    fake_dist(tmp_path, monkeypatch, "crashplug", "raise RuntimeError('cannot find libfoo.so')\n",
                "[spec_plugins.proposers]\ncrash = crashplug:Crash\n")
     reg = _proposer_registry()
     with pytest.raises(RegistryError, match=r"'crash' \(entry point crash = crashplug:Crash in group "

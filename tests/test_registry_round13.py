@@ -23,20 +23,10 @@ from spec_plugins.backends.torch_runtime import TorchRuntime, load_hf
 from spec_plugins.config import ConfigError, ProposerConfig, RuntimeConfig, SpecConfig, VerifierConfig
 from spec_plugins.registry import Registry, RegistryError
 from spec_plugins.vocab import VocabMismatch, check_vocab_compatible
+from support import fake_dist
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = {"backend": "torch", "model": "x"}
-
-
-def _fake_dist(root: Path, monkeypatch, name: str, module: str, entry_points: str) -> None:
-    """A package ``name`` on sys.path with a real dist-info entry point (no pip needed)."""
-    root.mkdir(parents=True, exist_ok=True)
-    (root / f"{name}.py").write_text(textwrap.dedent(module))
-    dist = root / f"{name}-1.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text(textwrap.dedent(entry_points))
-    monkeypatch.syspath_prepend(str(root))
 
 
 # ---- 1. a decorator under a lazy entry's name --------------------------------------------------
@@ -104,7 +94,7 @@ def test_a_decorator_on_the_lazy_entrys_own_object_is_accepted(tmp_path, monkeyp
 
 def test_a_decorator_taking_an_entry_points_name_is_refused(tmp_path, monkeypatch):
     """An entry point loaded but not imported yet held its name as weakly as a built-in did."""
-    _fake_dist(tmp_path, monkeypatch, "r13ep", "class Real:\n    pass\n", "[spec_plugins.round13.eps]\n"
+    fake_dist(tmp_path, monkeypatch, "r13ep", "class Real:\n    pass\n", "[spec_plugins.round13.eps]\n"
                "real = r13ep:Real\n")
     reg: Registry[object] = Registry("widget", "spec_plugins.round13.eps")
     assert reg.names() == ["real"]
@@ -160,7 +150,7 @@ def test_an_entry_point_naming_a_re_export_accepts_its_defining_modules_decorato
 def test_entry_points_with_dotted_objects_and_extras_load(tmp_path, monkeypatch):
     """``mod:Outer.Inner`` and ``mod:Class [extra]`` are valid entry points; both were refused as a
     missing attribute, and extras turned a re-export of a built-in into a clash."""
-    _fake_dist(tmp_path, monkeypatch, "r13nest", """
+    fake_dist(tmp_path, monkeypatch, "r13nest", """
         class Plugins:
             class Echo:
                 pass
