@@ -15,6 +15,7 @@ against the limits and raises ``GrammarError`` (a clear 4xx on the routes) befor
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Sequence
@@ -79,6 +80,7 @@ class GrammarSpec:
                     raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from None
             if not isinstance(schema, dict):
                 raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}")
+            _check_numbers(schema)
             try:
                 return llguidance.LLMatcher.grammar_from_json_schema(schema)
             except (ValueError, TypeError) as exc:
@@ -88,6 +90,28 @@ class GrammarSpec:
         if self.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(self.value)
         return llguidance.LLMatcher.grammar_from_lark(self.value)
+
+
+I64 = 1 << 63  # llguidance reads a schema's numbers as 64-bit integers or finite doubles
+
+
+def _check_numbers(value: Any, path: str = "$") -> None:
+    """Refuse a schema number llguidance cannot hold, naming where it is: a bound such as
+    ``1e400`` (JSON's infinity) reached it as null ("expected f64, got null"), and an integer past
+    64 bits as "not JSON serializable", neither naming the number."""
+    if isinstance(value, bool):
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise GrammarError(f"invalid JSON schema: {path} is {value}: numbers in a schema must be finite")
+    if isinstance(value, int) and not -I64 <= value < I64:
+        raise GrammarError(f"invalid JSON schema: {path} is {value}, past 64 bits: numbers in a schema must fit "
+                           "a 64-bit integer")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_numbers(v, f"{path}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_numbers(v, f"{path}[{i}]")
 
 
 @dataclass(frozen=True)
