@@ -123,13 +123,17 @@ def load_hf(model: str, dtype: str = "float32", device: str = "auto") -> tuple[A
 def load_weights(path: str, dtype: torch.dtype, device: torch.device, gguf_file: str | None = None) -> Any:
     """A transformers model from a directory (or a GGUF file in it, dequantised by transformers),
     on ``device``, in eval mode; files transformers cannot load are a ValueError naming ``path``."""
+    import pickle
+
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
-    except OSError as exc:  # e.g. a directory with config.json but no weights: bad input, named
-        raise ValueError(f"cannot load the model weights from {path}: {exc}") from exc
+    except (OSError, SafetensorError, pickle.UnpicklingError, EOFError) as exc:
+        # a directory with config.json but no weights, or a weights file cut short: bad input, named
+        raise ValueError(f"cannot load the model weights from {path}: {type(exc).__name__}: {exc}") from exc
     return model.to(device).eval()
 
 

@@ -166,12 +166,15 @@ def _grammar(json_schema: Optional[Path], regex: Optional[str]) -> Any:
     if json_schema is None:
         return None
     try:
-        return GrammarSpec.json_schema(json.loads(json_schema.read_text(encoding="utf-8")))
+        schema = json.loads(json_schema.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
         fail(f"--json-schema {json_schema}: {exc}")
     except UnicodeDecodeError as exc:  # JSON files are UTF-8 (RFC 8259)
         fail(f"--json-schema {json_schema}: not UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
              "JSON files must be UTF-8")
+    if not isinstance(schema, dict):  # a JSON string would be read as schema text a second time
+        fail(f"--json-schema {json_schema}: a JSON schema must be an object, got {type(schema).__name__}")
+    return GrammarSpec.json_schema(schema)
 
 
 def _acceptance(s: DecodeStats) -> str:
