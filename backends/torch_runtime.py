@@ -131,8 +131,9 @@ def load_weights(path: str, dtype: torch.dtype, device: torch.device, gguf_file:
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
-    except (OSError, SafetensorError, pickle.UnpicklingError, EOFError) as exc:
-        # a directory with config.json but no weights, or a weights file cut short: bad input, named
+    except (OSError, SafetensorError, pickle.UnpicklingError, EOFError, RuntimeError) as exc:
+        # a directory with config.json but no weights, or a weights file cut short (torch's zip
+        # reader raises RuntimeError): bad input, named
         raise ValueError(f"cannot load the model weights from {path}: {type(exc).__name__}: {exc}") from exc
     return model.to(device).eval()
 

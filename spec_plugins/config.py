@@ -267,8 +267,9 @@ def _dispatch(registry: Registry[Any], key: str, default: str | None = None):
         if value is None:
             return value
         given = value if isinstance(value, PluginConfig) else None
-        if given is not None:  # the fields it was given (defaults stay unset, as from a dict) and its name
-            value = given.model_dump(exclude_unset=True) | {key: getattr(given, key)}
+        if given is not None:  # the fields it was given (defaults stay unset, as from a dict; nested
+            # configs as they are) and its name
+            value = {k: getattr(given, k) for k in given.model_fields_set} | {key: getattr(given, key)}
         if not isinstance(value, dict):
             raise ValueError(f"expected a mapping with a {key!r} field, got {type(value).__name__}")
         name = value.get(key, default)

@@ -205,7 +205,9 @@ def _needs_itself(exc: BaseException, obj: Any) -> bool:
     the entry can be compared with ``obj`` only once that import has finished."""
     module = sys.modules.get(getattr(obj, "__module__", ""))
     cause: BaseException | None = exc.__cause__
-    while cause is not None:
+    seen: set[int] = set()  # a chain may loop (``raise e from e``)
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
         if isinstance(cause, ImportError) and cause.name == getattr(obj, "__module__", None):
             return True
         if isinstance(cause, AttributeError) and module is not None and getattr(cause, "obj", None) is module:

@@ -10,12 +10,20 @@ from test_training_hardening import save_model
 from spec_plugins.backends.torch_runtime import load_hf
 
 
-def test_a_weights_file_cut_short_is_an_error_naming_the_model(tmp_path):
-    """An interrupted copy: safetensors' own error passed both handlers (a raw traceback, exit 1)."""
+@pytest.mark.parametrize("kind", ["safetensors", "bin"])
+def test_a_weights_file_cut_short_is_an_error_naming_the_model(tmp_path, kind):
+    """An interrupted copy: safetensors' own error and torch's zip reader's RuntimeError passed
+    both handlers (a raw traceback, exit 1)."""
+    import torch
+    from safetensors.torch import load_file
+
     d = save_model(tmp_path / "m")
-    weights = tmp_path / "m" / "model.safetensors"
+    if kind == "bin":  # the same weights in torch's zip format
+        torch.save(load_file(tmp_path / "m" / "model.safetensors"), tmp_path / "m" / "pytorch_model.bin")
+        (tmp_path / "m" / "model.safetensors").unlink()
+    weights = tmp_path / "m" / ("model.safetensors" if kind == "safetensors" else "pytorch_model.bin")
     weights.write_bytes(weights.read_bytes()[:2000])
-    with pytest.raises(ValueError, match=r"cannot load the model weights from .*m: SafetensorError"):
+    with pytest.raises(ValueError, match=r"cannot load the model weights from .*m: (SafetensorError|RuntimeError)"):
         load_hf(d)
 
 

@@ -23,6 +23,10 @@ def test_schema_numbers_out_of_range_are_named(schema, where):
 
 
 def test_schema_numbers_within_range_still_compile():
+    """Unsigned 64-bit bounds (a uint64 field) and infinity in annotations llguidance does not read
+    (``default``, ``examples``) compiled before the check and still do."""
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": -(2 ** 63), "maximum": 2 ** 63 - 1},
-                                               "x": {"type": "number", "maximum": 1.5e300}, "b": {"const": True}}}
+                                               "u": {"type": "integer", "minimum": 0, "maximum": 2 ** 64 - 1},
+                                               "x": {"type": "number", "maximum": 1.5e300, "default": float("inf"),
+                                                     "examples": [float("inf")]}, "b": {"const": True}}}
     assert GrammarSpec.json_schema(schema).text()

@@ -9,7 +9,7 @@ from typing import Literal
 import pydantic
 import pytest
 from conftest import tiny_llama
-from test_registry_config import _fake_dist
+from support import fake_dist
 
 from spec_plugins.api_inputs import check_draft
 from spec_plugins.backends.torch_runtime import TorchRuntime
@@ -68,7 +68,7 @@ def test_registration_refuses_a_runtime_whose_config_names_another_backend():
 
 def test_an_entry_point_proposer_without_a_config_is_a_config_error(tmp_path, monkeypatch):
     """The config check (and the CLI) printed an AttributeError traceback."""
-    _fake_dist(tmp_path, monkeypatch, "noconf_plug", """
+    fake_dist(tmp_path, monkeypatch, "noconf_plug", """
         from spec_plugins.proposers import Proposer
         class NoConfig(Proposer):
             def propose(self, ctx):

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import types
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -328,3 +329,36 @@ def test_a_config_instance_keeps_its_unset_fields_unset():
 def test_an_unknown_hybrid_child_type_names_its_index():
     with pytest.raises(ConfigError, match=r"proposers\[1\]: type='bogus' is not a known proposer"):
         SpecConfig.parse({"target": TARGET, "proposer": {"type": "hybrid", "proposers": [{"type": "suffix"}, {"type": "bogus"}]}})
+
+
+def test_an_import_error_chain_that_loops_is_walked_once():
+    """``raise e from e`` in a plugin's module made the chain of causes a loop: registering under
+    that entry's name never returned. It is refused as any entry that does not import."""
+    from spec_plugins.registry import _needs_itself
+
+    e = ValueError("boom")
+    e.__cause__ = e
+    outer = RegistryError("widget 'w' cannot be loaded")
+    outer.__cause__ = e
+    assert _needs_itself(outer, type("W", (), {})) is False
+    a, b = ImportError("a"), ImportError("b")
+    a.__cause__, b.__cause__ = b, a
+    outer.__cause__ = a
+    assert _needs_itself(outer, type("W", (), {})) is False
+
+
+def test_a_config_instance_keeps_nested_configs_as_they_are():
+    """A third-party config class naming ``draft_model`` and holding a runtime config instance whose
+    ``backend`` was left at its default: its dump without unset fields dropped the nested
+    ``backend`` ("missing field"); the nested config is now passed as it is."""
+    from spec_plugins.backends.torch_runtime import TorchRuntime
+    from spec_plugins.proposers.draft_model import DraftModelProposer
+
+    class Loose(ProposerConfig):
+        type: str = "draft_model"
+        model: Any = None
+
+    nested = TorchRuntime.Config(model="y")
+    assert "backend" not in nested.model_fields_set
+    cfg = SpecConfig(target=TARGET, proposer=Loose(type="draft_model", model=nested))
+    assert isinstance(cfg.proposer, DraftModelProposer.Config) and cfg.proposer.model.model == "y"

@@ -92,26 +92,27 @@ class GrammarSpec:
         return llguidance.LLMatcher.grammar_from_lark(self.value)
 
 
-I64 = 1 << 63  # llguidance reads a schema's numbers as 64-bit integers or finite doubles
+INT_RANGE = (-(1 << 63), 1 << 64)  # llguidance reads a schema's integers as signed or unsigned 64-bit
+ANNOTATIONS = ("default", "examples")  # keys llguidance does not read (as ``x-`` ones): infinity passes there
 
 
-def _check_numbers(value: Any, path: str = "$") -> None:
+def _check_numbers(value: Any, path: str = "$", annotation: bool = False) -> None:
     """Refuse a schema number llguidance cannot hold, naming where it is: a bound such as
     ``1e400`` (JSON's infinity) reached it as null ("expected f64, got null"), and an integer past
-    64 bits as "not JSON serializable", neither naming the number."""
+    64 bits, anywhere, as "not JSON serializable", neither naming the number."""
     if isinstance(value, bool):
         return
-    if isinstance(value, float) and not math.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value) and not annotation:
         raise GrammarError(f"invalid JSON schema: {path} is {value}: numbers in a schema must be finite")
-    if isinstance(value, int) and not -I64 <= value < I64:
-        raise GrammarError(f"invalid JSON schema: {path} is {value}, past 64 bits: numbers in a schema must fit "
-                           "a 64-bit integer")
+    if isinstance(value, int) and not INT_RANGE[0] <= value < INT_RANGE[1]:
+        raise GrammarError(f"invalid JSON schema: {path} is {value}, past 64 bits: integers in a schema must fit "
+                           "a signed or unsigned 64-bit integer")
     if isinstance(value, dict):
         for k, v in value.items():
-            _check_numbers(v, f"{path}.{k}")
+            _check_numbers(v, f"{path}.{k}", annotation or k in ANNOTATIONS or str(k).startswith("x-"))
     elif isinstance(value, list):
         for i, v in enumerate(value):
-            _check_numbers(v, f"{path}[{i}]")
+            _check_numbers(v, f"{path}[{i}]", annotation)
 
 
 @dataclass(frozen=True)
