@@ -88,7 +88,7 @@ def generate(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML/JSON SpecConfig (default: built-in)."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", min=1,
                                        help="Tokens to generate (at least 1, as the server's max_new_tokens)."),
-    temperature: Optional[float] = typer.Option(None, "--temperature", "-t", min=0.0,
+    temperature: Optional[float] = typer.Option(None, "--temperature", "-t",
                                                 help="0 = greedy; below 1e-5 also greedy (the limit of sampling)."),
     seed: Optional[int] = typer.Option(None, "--seed", min=0, max=2**63 - 1,
                                        help="Sampling seed: the same output with any proposer or draft length "
@@ -111,7 +111,9 @@ def generate(
 
     if not prompt:
         fail("--prompt cannot be empty")
-    check_finite(temperature, "--temperature")
+    check_finite(temperature, "--temperature")  # nan too: typer's own range check would call it below 0
+    if temperature is not None and temperature < 0:
+        fail(f"--temperature {temperature}: give 0 (greedy) or more")
     if any(s == "" for s in stop):
         fail("--stop: stop strings must not be empty")
     grammar = _grammar(json_schema, regex)

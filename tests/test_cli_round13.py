@@ -36,3 +36,11 @@ def test_a_json_schema_file_holding_no_object_is_refused_naming_it(nothing_runs,
     f.write_text(text)
     code, out = run(["generate", "--prompt", "hi", "--json-schema", str(f)])
     assert code == 2 and "schema.json: a JSON schema must be an object, got " + got in out, out
+
+
+@pytest.mark.parametrize("value, msg", [("nan", "--temperature nan: give a finite number"),
+                                        ("-1", "--temperature -1.0: give 0 (greedy) or more")])
+def test_a_temperature_that_is_no_number_or_below_0_is_named(nothing_runs, value, msg):  # noqa: F811
+    """typer's range check answered nan with "should be greater than or equal to 0"."""
+    code, out = run(["generate", "--prompt", "hi", "-t", value])
+    assert code == 2 and msg in out, out

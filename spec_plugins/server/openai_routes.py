@@ -216,7 +216,7 @@ def add_openai_routes(app: FastAPI, state: Any) -> None:
                    "system_fingerprint": "spec-plugins",
                    "choices": [{"index": i, "delta": delta, "finish_reason": reason,
                                 "logprobs": chat_logprobs(toks, top, preps[i].text)
-                                if req.logprobs and toks else None}]}
+                                if req.logprobs and any(not x.special for x, _ in toks) else None}]}
             return out | ({"usage": None} if req.include_usage else {})
 
         async def stream_body(events: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[bytes]:
