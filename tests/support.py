@@ -1,10 +1,13 @@
 """Small pieces several test files share: a call run in another thread, a logits processor that
-raises at a length, a third-party package with an entry point on sys.path."""
+raises at a length, a third-party package with an entry point on sys.path, a free port and a
+server started in a thread."""
 
 from __future__ import annotations
 
+import socket
 import textwrap
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -50,3 +53,22 @@ def fake_dist(root: Path, monkeypatch: Any, name: str, module: str, entry_points
     (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
     (dist / "entry_points.txt").write_text(textwrap.dedent(entry_points))
     monkeypatch.syspath_prepend(str(root))
+
+
+def free_port() -> int:
+    """A localhost port nothing listens on now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_in_thread(server: Any, run: Callable[[], Any] | None = None) -> threading.Thread:
+    """A uvicorn ``server`` running in a daemon thread (``run``: its run method, by default
+    ``server.run``), returned once it has started; a server that dies first fails the test."""
+    thread = threading.Thread(target=run or server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        assert time.time() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.02)
+    return thread

@@ -4,9 +4,7 @@ fails for room (``loop.capacity``). The cut is checked on drafts here; the real 
 
 from __future__ import annotations
 
-import socket
 import threading
-import time
 
 import pytest
 import torch
@@ -16,6 +14,7 @@ from spec_plugins.loop.capacity import fit, shortfall
 from spec_plugins.row_trees import LeafPaths, RowTrees, forward_layout
 from spec_plugins.types import Draft
 from test_llamacpp import _model_test
+from support import free_port, serve_in_thread
 
 def _leaves(draft: Draft) -> int:
     """Sequence ids a forward over ``draft`` needs on llama.cpp: the leaves of every row's tree."""
@@ -138,16 +137,9 @@ def test_the_server_queues_a_request_until_the_cells_it_reserves_are_free():
 
     dec = _decoder({"type": "ngram", "num_draft_tokens": 4}, n_ctx=256)
     state = build_state(dec, max_batch=4, max_input_tokens=32, max_total_tokens=200, draft_policy="fixed")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server, _ = http_server(state, "127.0.0.1", port, ConnectionLimits(), log_level="warning")
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started:
-        assert time.time() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.02)
+    thread = serve_in_thread(server)
     url, texts = f"http://127.0.0.1:{port}", ["1, 2, 3, 4, 5,", "10, 20, 30, 40,"]
     answers: dict[int, httpx.Response] = {}
     try:

@@ -25,6 +25,7 @@ from test_server import LiveServer, model, tiny_tokenizer  # noqa: E402,F401 (fi
 
 from spec_plugins.server import body_end, hostile, loadtest  # noqa: E402
 from spec_plugins.server.body_end import BodyEnd  # noqa: E402
+from support import free_port, serve_in_thread  # noqa: E402
 
 MAX_CHUNKS = getattr(body_end, "MAX_CHUNKS", 4096)  # (a run against the code before them: the values documented)
 MIN_CHUNK_MEAN = getattr(body_end, "MIN_CHUNK_MEAN", 256)
@@ -231,18 +232,11 @@ class _Toy:
         from spec_plugins.server.connections import ConnectionLimits, uvicorn_config
 
         self.started: list[str] = []
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         config, self.guard = uvicorn_config(self.app, "127.0.0.1", self.port, limits or ConnectionLimits(),
                                             log_level="warning", lifespan="off", interface="asgi3")
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert time.time() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.02)
+        self.thread = serve_in_thread(self.server)
 
     async def app(self, scope, receive, send) -> None:
         self.started.append(scope["path"])

@@ -7,7 +7,6 @@ to 2 healthy replicas."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 
@@ -22,6 +21,7 @@ httpx = pytest.importorskip("httpx")
 text_generation = pytest.importorskip("text_generation")
 
 from spec_plugins.server.ray_serve import ReplicaOptions, Scaling, application  # noqa: E402
+from support import free_port  # noqa: E402
 
 WORDS = [f"w{i}" for i in range(2, 32)]
 PROMPTS = ["w2 w3 w4 w2 w3 w4 w2", "w9 w8 w7 w6 w5 w9 w8 w7 w6 w5 w9", "w17", "w5 w5 w5 w5 w5 w5 w6",
@@ -49,9 +49,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def deployed(model_dir):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     t0 = time.perf_counter()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -249,9 +247,7 @@ def test_ctrl_c_drains_in_flight_streams_before_the_proxy_stops(model_dir, tmp_p
 
     cfg = tmp_path / "spec.yaml"
     cfg.write_text(yaml.safe_dump({"target": {"backend": "torch", "model": str(model_dir)}}))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen([sys.executable, "-c", "from spec_plugins.cli import app; app()", "serve", "--ray",
                              "-c", str(cfg), "--port", str(port), "--no-speculation", "--max-total-tokens", "1024",

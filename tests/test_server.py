@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 
@@ -24,6 +23,7 @@ from spec_plugins.proposers.ngram import NgramProposer  # noqa: E402
 from spec_plugins.server.app import http_server  # noqa: E402
 from spec_plugins.server.setup import build_state  # noqa: E402
 from spec_plugins.verifiers import ExactVerifier  # noqa: E402
+from support import free_port, serve_in_thread  # noqa: E402
 
 WORDS = [f"w{i}" for i in range(2, 32)]
 CHAT = "{% for m in messages %}{{ m['content'] }} {% endfor %}w2"
@@ -53,17 +53,10 @@ class LiveServer:
         self.decoder = SpeculativeDecoder(rt, proposer, ExactVerifier(), tokenizer=tokenizer)
         self.state = build_state(self.decoder, max_batch, max_input, max_total, policy, model_id="tiny")
         self.state.shutdown_timeout = shutdown_timeout
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.server, self.guard = http_server(self.state, "127.0.0.1", self.port, limits or ConnectionLimits(),
                                               log_level="warning")  # as `spec-plugins serve` builds it
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert time.time() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.02)
+        self.thread = serve_in_thread(self.server)
         self.url = f"http://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
@@ -432,20 +425,14 @@ def test_serve_shutdown_ends_what_cannot_finish_with_an_error_event(monkeypatch,
     dec = SpeculativeDecoder(TorchRuntime(tiny_llama(seed=3, max_pos=4096), tok),
                              NgramProposer(NgramProposer.Config(num_draft_tokens=5)), ExactVerifier(), tokenizer=tok)
     monkeypatch.setattr(SpeculativeDecoder, "from_config", classmethod(lambda cls, cfg: dec))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     events: list = []
     exited: list = []
     real_run = uvicorn.Server.run
 
     def run(server, sockets=None):  # serve in a thread, stream, then ask the server to exit
-        thread = threading.Thread(target=real_run, args=(server,), daemon=True)
-        thread.start()
+        thread = serve_in_thread(server, lambda: real_run(server))
         deadline = time.time() + 30
-        while not server.started:
-            assert time.time() < deadline and thread.is_alive(), "server did not start"
-            time.sleep(0.02)
         body = {"inputs": "w2 w3", "parameters": {"max_new_tokens": 3900}}
         consumer = threading.Thread(target=_events, args=(f"http://127.0.0.1:{port}", body, events), daemon=True)
         consumer.start()
