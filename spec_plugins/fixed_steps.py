@@ -20,6 +20,7 @@ the old ones.
 
 from __future__ import annotations
 
+import types
 from typing import Any, Callable, Literal
 
 import torch
@@ -71,12 +72,12 @@ class FixedSteps:
         """``fn`` compiled or captured for the shapes of ``args``."""
         if self.mode == "compile":
             if self._compiled is None:
-                # one graph per shape: room for all of them, no silent fallback to eager
+                # one graph per shape of this step (its own code, `_own_code`): room for all of them, no silent fallback
                 cfg = torch._dynamo.config
                 cfg.recompile_limit = max(cfg.recompile_limit, self.max_shapes)
                 cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * self.max_shapes)
                 cuda = any(isinstance(a, torch.Tensor) and a.device.type == "cuda" for a in args)
-                self._compiled = torch.compile(self.fn, fullgraph=True, dynamic=False,
+                self._compiled = torch.compile(_own_code(self.fn), fullgraph=True, dynamic=False,
                                                mode="reduce-overhead" if cuda else None)
             return self._compiled(*args)
         key = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
@@ -92,8 +93,20 @@ class FixedSteps:
         return self._compiled is not None or bool(self._graphs)
 
     def clear(self) -> None:
+        """Drop every compiled or captured step; the next compile starts a count of its own."""
         self._compiled = None
         self._graphs.clear()
+
+
+def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A function calling ``fn`` whose code object no other function has. Dynamo keeps its graphs
+    and counts recompiles against ``fullgraph``'s hard limit per code object, so steps sharing one
+    (every runtime's step is the same lambda, a step compiled again after ``clear``, two decoders
+    in one process) would add their shapes up until a verify fails mid-round."""
+    def call(*args: Any) -> Any:
+        return fn(*args)
+    code = call.__code__.replace()  # a new code object: a fresh cache and count
+    return types.FunctionType(code, call.__globals__, call.__name__, call.__defaults__, call.__closure__)
 
 
 class CapturedStep:
