@@ -180,3 +180,26 @@ def test_suffix_drafter_keeps_the_node_cap_of_its_config():
     call(d, [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]], [[7]])
     call(d, [], [])
     assert d.index.stats.requests == 0 and d.index.stats.tokens == 0
+
+
+@pytest.mark.parametrize("drafter, section, named", [
+    (SuffixDrafter, {"type": "suffix", "scope": "tenant", "max_tenants": 3}, "scope: 'tenant' (vLLM's call carries no tenant"),
+    (SuffixDrafter, {"type": "suffix", "num_draft_tokens": 8}, "num_draft_tokens: 8 (vLLM drafts num_speculative_tokens (4)"),
+    (SuffixDrafter, {"type": "suffix", "tree_nodes": 64}, "tree_nodes: 64 (vLLM verifies one chain per row"),
+    (NgramDrafter, {"type": "ngram", "num_draft_tokens": 2}, "num_draft_tokens: 2 (vLLM drafts num_speculative_tokens (4)"),
+])
+def test_section_fields_vllm_decides_itself_are_refused_by_name(drafter, section, named):
+    """``scope: tenant`` kept no cross-request memory under vLLM (its call carries no tenant) and
+    ``num_draft_tokens`` / ``tree_nodes`` were silently unused (vLLM drafts its own
+    ``num_speculative_tokens`` as one chain): each is refused, naming the field and what vLLM does."""
+    with pytest.raises(ValueError) as err:
+        drafter(vllm_config(), section)
+    assert named in str(err.value)
+
+
+def test_section_fields_that_agree_with_vllm_are_kept():
+    """Defaults (a dumped config carries every field) and a draft length equal to vLLM's pass."""
+    assert NgramDrafter(vllm_config(), {"type": "ngram", "num_draft_tokens": K}).k == K
+    d = SuffixDrafter(vllm_config(), {"type": "suffix", "num_draft_tokens": K, "tree_nodes": "auto", "scope": "global"})
+    assert d.k == K and d.config.scope == "global"
+    assert SuffixDrafter(vllm_config(), {"type": "suffix", "num_draft_tokens": 16}).k == K  # its default

@@ -20,6 +20,9 @@ finished, as nothing tells it from one that ended.
 
 Proposer settings come from our own YAML proposer section, in the environment variable
 ``SPEC_PLUGINS_VLLM_PROPOSER`` (a path or inline YAML), so vLLM's config carries only the class.
+Fields vLLM decides itself are refused unless they agree with it: ``num_draft_tokens`` (vLLM's
+``num_speculative_tokens``), ``tree_nodes`` (vLLM verifies chains) and ``scope: tenant`` (vLLM's
+call carries no tenant).
 ``register()`` is the ``vllm.general_plugins`` entry point: it checks the installed vLLM has
 this interface and is idempotent, as vLLM loads plugins in every process.
 """
@@ -114,6 +117,12 @@ class _Drafter:
         section = section if section is not None else proposer_section(self.TYPE)
         cls = PROPOSERS.get(section["type"])
         self.config = cls.Config.model_validate(section)
+        _refuse_unused(self.config, self.vllm_limits())
+
+    def vllm_limits(self) -> dict[str, tuple[tuple[Any, ...], str]]:
+        """Section fields vLLM decides itself: per field, the values that agree with vLLM (its
+        default always does) and what vLLM does instead."""
+        return {"num_draft_tokens": ((self.k,), f"vLLM drafts num_speculative_tokens ({self.k}) tokens per row")}
 
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: Any, token_ids_cpu: Any,
                 slot_mappings: Any = None) -> list[list[int]]:
@@ -167,6 +176,12 @@ class SuffixDrafter(_Drafter):
         self.rows = RowIndexes(lambda: RequestIndex(c.depth))
         self._Cursor = Cursor
 
+    def vllm_limits(self) -> dict[str, tuple[tuple[Any, ...], str]]:
+        return {**super().vllm_limits(),
+                "tree_nodes": ((), f"vLLM verifies one chain per row, num_speculative_tokens ({self.k}) long"),
+                "scope": (("request", "global"), "vLLM's call carries no tenant, so no finished request would be "
+                          "remembered: use scope: global (shared by all requests) or scope: request (none)")}
+
     def draft_row(self, idx: Any) -> list[int]:
         from spec_plugins.suffix_trees import speculate
 
@@ -207,6 +222,17 @@ class _Sized:
     def extend(self, new: list[int]) -> None:
         self.tokens += new
         self.inner.extend(new)
+
+
+def _refuse_unused(config: Any, limits: dict[str, tuple[tuple[Any, ...], str]]) -> None:
+    """A section field vLLM decides itself would be silently unused (a setting that looks on but
+    is not): refused by name unless at its default (a dumped config carries every field at its
+    default) or at a value that agrees with vLLM."""
+    fields = type(config).model_fields
+    bad = [f"{name}: {getattr(config, name)!r} ({instead})" for name, (agree, instead) in limits.items()
+           if getattr(config, name) not in (fields[name].default, *agree)]
+    if bad:
+        raise ValueError(f"{config.type} proposer section under vLLM: " + "; ".join(bad))
 
 
 def _top_path(spec: Any) -> list[tuple[int, float]]:
