@@ -58,6 +58,10 @@ class ServerState:
     escape_special_tokens: bool = False  # chat message text spelling a special token stays text (requests.py)
 
     def __post_init__(self) -> None:
+        """Refuse what would build a server that cannot answer: no body worker thread
+        (``CapacityLimiter(0)``) leaves every request waiting forever behind a healthy /health."""
+        if isinstance(self.cpu_workers, bool) or not isinstance(self.cpu_workers, int) or self.cpu_workers < 1:
+            raise ValueError(f"cpu_workers must be an integer >= 1, got {self.cpu_workers!r}")
         if self.max_input_tokens >= self.max_total_tokens:
             raise ValueError(f"max_input_tokens ({self.max_input_tokens}) must be < max_total_tokens "
                              f"({self.max_total_tokens})")

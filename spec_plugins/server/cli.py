@@ -11,7 +11,7 @@ import typer
 
 from spec_plugins.cli import app, check_finite, check_output_file, fail, load_config
 
-from spec_plugins.server.setup import build_state
+from spec_plugins.server.setup import DRAFT_POLICIES, build_state
 
 log = logging.getLogger("spec_plugins.server")
 APP_NAME = "spec-plugins"  # the Ray Serve application ``serve --ray`` runs
@@ -82,7 +82,7 @@ def serve(
 ) -> None:
     """Serve the text-generation-inference HTTP API with continuous batching and speculation."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if draft_policy not in ("load", "fixed"):
+    if draft_policy not in DRAFT_POLICIES:
         fail(f"--draft-policy must be 'load' or 'fixed', got {draft_policy!r}")
     for flag, value in (("--shutdown-timeout", shutdown_timeout), ("--body-timeout", body_timeout),
                         ("--num-cpus", num_cpus), ("--num-gpus", num_gpus), ("--header-timeout", header_timeout),

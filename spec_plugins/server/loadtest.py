@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from spec_plugins.server.setup import DRAFT_POLICIES
+
 PROMPTS = [
     "What is the capital of France?",
     "List the planets of the solar system.",
@@ -162,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                          "measured in turn at every level")
     a = ap.parse_args(argv)
     policies = [p for p in a.draft_policies.split(",") if p]
-    if not policies or any(p not in ("load", "fixed") for p in policies):
+    if not policies or any(p not in DRAFT_POLICIES for p in policies):
         ap.error(f"--draft-policies takes load and/or fixed, got {a.draft_policies!r}")
     if a.ray_replicas and policies != ["load"]:
         ap.error("--draft-policies compares single servers; with --ray-replicas each replica uses load")

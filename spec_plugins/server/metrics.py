@@ -8,6 +8,8 @@ from the scheduler.
 
 from __future__ import annotations
 
+import math
+import numbers
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -38,6 +40,19 @@ def _labels(d: dict[str, Any]) -> str:
         return ""
     esc = lambda v: str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")  # noqa: E731
     return "{" + ",".join(f'{k}="{esc(v)}"' for k, v in d.items()) + "}"
+
+
+def _value(v: Any) -> str:
+    """A sample value, exactly: integers in full (a counter past 1e9 keeps every digit), floats as
+    their shortest round-trip repr, and the exposition format's spellings of infinity and NaN."""
+    if isinstance(v, numbers.Integral):
+        return str(int(v))
+    f = float(v)
+    if math.isnan(f):
+        return "NaN"
+    if math.isinf(f):
+        return "+Inf" if f > 0 else "-Inf"
+    return repr(f)
 
 
 class Metrics:
@@ -75,7 +90,7 @@ class Metrics:
             out.append(f"# HELP {name} {help_}")
             out.append(f"# TYPE {name} {kind}")
             for labels, v in samples:
-                out.append(f"{name}{_labels({**self.labels, **labels})} {float(v):.9g}")
+                out.append(f"{name}{_labels({**self.labels, **labels})} {_value(v)}")
 
         with self._lock:
             metric("spec_requests_total", "counter", "HTTP requests by route and status code.",
@@ -93,7 +108,7 @@ class Metrics:
                     for b, c in zip(h.buckets, h.counts):
                         out.append(f"{name}_bucket{_labels({**self.labels, 'route': route, 'le': b})} {c}")
                     out.append(f"{name}_bucket{_labels({**self.labels, 'route': route, 'le': '+Inf'})} {h.n}")
-                    out.append(f"{name}_sum{_labels({**self.labels, 'route': route})} {h.total:.9g}")
+                    out.append(f"{name}_sum{_labels({**self.labels, 'route': route})} {_value(h.total)}")
                     out.append(f"{name}_count{_labels({**self.labels, 'route': route})} {h.n}")
         if stats is not None:
             metric("spec_target_forwards_total", "counter", "Target verify forwards (rounds), prefill excluded.",
@@ -109,7 +124,13 @@ class Metrics:
                    [({"position": d}, n) for d, n in enumerate(stats.drafted_by_position)])
             metric("spec_accepted_by_position_total", "counter", "Draft tokens accepted at each depth.",
                    [({"position": d}, n) for d, n in enumerate(stats.accepted_by_position)])
-            metric("spec_acceptance_rate", "gauge", "Accepted / drafted tokens at each depth (per sequence).",
+            metric("spec_rows_by_position_total", "counter",
+                   "Sequence-rounds that drafted each depth (a tree's nodes at one depth count once).",
+                   [({"position": d}, n) for d, n in enumerate(stats.rows_by_position)])
+            metric("spec_acceptance_rate", "gauge",
+                   "Per sequence: accepted / sequence-rounds that drafted each depth "
+                   "(spec_accepted_by_position_total / spec_rows_by_position_total; for a tree draft "
+                   "not accepted / drafted tokens).",
                    [({"position": d}, r) for d, r in enumerate(stats.acceptance_by_position)])
             metric("spec_row_rounds_total", "counter", "Sequences verified, summed over target forwards.",
                    [({}, stats.row_rounds)])

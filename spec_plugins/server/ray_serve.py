@@ -12,12 +12,26 @@ replicas, restarts dead ones and scales on ongoing requests (``autoscale``).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from spec_plugins.server.setup import DRAFT_POLICIES
+
 INSTALL_HINT = "Ray Serve needs the [ray] extra: pip install -e '.[ray]' (or pip install 'ray[serve]')"
 _REPLICA: dict[str, Any] = {}  # this process's replica state (one replica per Ray actor process)
+# The least value of each numeric ReplicaOptions field, as `spec-plugins serve`'s options bound them
+# (cli.py's typer ``min=``): field -> (int or float, least value, None allowed).
+OPTION_BOUNDS: dict[str, tuple[type, float, bool]] = {
+    "max_batch": (int, 1, False),
+    "max_input_tokens": (int, 1, True),
+    "max_total_tokens": (int, 2, True),
+    "shutdown_timeout": (float, 0.0, False),
+    "body_timeout": (float, 0.001, False),
+    "cpu_workers": (int, 1, False),
+    "threads": (int, 1, True),
+}
 
 
 @dataclass(frozen=True)
@@ -34,6 +48,32 @@ class ReplicaOptions:
     escape_special_tokens: bool = False  # chat message text spelling a special token stays text
     body_timeout: float = 30.0  # seconds a client has to send its whole request body (then 408)
     cpu_workers: int = 2  # threads parsing and tokenizing request bodies at once, per replica
+
+    def __post_init__(self) -> None:
+        """A Serve config file's ``args`` reach here without the CLI's checks; a bad value would
+        build replicas that hang (``cpu_workers: 0``) or refuse every request (``body_timeout: 0``)
+        behind a healthy ``/health``, so it is refused at deploy, naming the field."""
+        if not isinstance(self.config, dict):
+            raise ValueError(f"options.config must be a mapping (a SpecConfig), got {type(self.config).__name__}")
+        for name, (kind, least, optional) in OPTION_BOUNDS.items():
+            _check_bound(name, getattr(self, name), kind, least, optional)
+        if self.draft_policy not in DRAFT_POLICIES:
+            raise ValueError(f"options.draft_policy must be one of {list(DRAFT_POLICIES)}, got {self.draft_policy!r}")
+        if not isinstance(self.escape_special_tokens, bool):
+            raise ValueError(f"options.escape_special_tokens must be true or false, got {self.escape_special_tokens!r}")
+        lo, hi = self.max_input_tokens, self.max_total_tokens
+        if lo is not None and hi is not None and lo >= hi:
+            raise ValueError(f"options.max_input_tokens ({lo}) must be < options.max_total_tokens ({hi})")
+
+
+def _check_bound(name: str, value: Any, kind: type, least: float, optional: bool) -> None:
+    """One ``OPTION_BOUNDS`` entry: the type (a bool is no number), finite, and at least ``least``."""
+    if value is None and optional:
+        return
+    numeric = isinstance(value, int) or (kind is float and isinstance(value, float))
+    if isinstance(value, bool) or not numeric or not math.isfinite(value) or value < least:
+        what = "an integer" if kind is int else "a finite number"
+        raise ValueError(f"options.{name} must be {what} >= {least}, got {value!r}")
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+DRAFT_POLICIES = ("load", "fixed")  # how a server sizes drafts (build_state's docstring)
+
 
 def build_state(decoder: Any, max_batch: int = 8, max_input_tokens: int | None = None,
                 max_total_tokens: int | None = None, draft_policy: str = "load", model_id: str = "",
@@ -28,7 +30,7 @@ def build_state(decoder: Any, max_batch: int = 8, max_input_tokens: int | None =
     if total > target.max_context:
         raise ValueError(f"--max-total-tokens {total} exceeds the model's context of {target.max_context}")
     inputs = max_input_tokens or max(1, total // 2)
-    if draft_policy not in ("load", "fixed"):
+    if draft_policy not in DRAFT_POLICIES:
         raise ValueError(f"draft policy must be 'load' or 'fixed', got {draft_policy!r}")
     # the forward costs of every batch size the server runs (measured once, here)
     sizes = sorted({b for b in (1, 4, 16, 64) if b < max_batch} | {max_batch})
