@@ -174,7 +174,10 @@ class HostSyncs(TorchFunctionMode):
     a host index tensor (each a blocking upload), a boolean mask (its nonzero count) or a 0-dim
     device index (read as a number), an op whose output shape depends on device data
     (``nonzero``, ``unique``, one-argument ``where`` ...), a Python answer from device data
-    (``equal``, ``in``, ``repr``), a copy into a host tensor."""
+    (``equal``, ``in``, ``repr``), a copy into a host tensor (``copy_``, ``host[...] = device``),
+    a slice bounded by a device tensor (``t[:n]`` reads ``n``). So do uploads by another name:
+    ``device[...] = host tensor`` (a 0-dim host value is a fill, read on the host) and
+    ``t.new_tensor(host data)`` where ``t`` is on the device."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
@@ -211,11 +214,13 @@ class HostSyncs(TorchFunctionMode):
         # host.copy_(device tensor): a read into the host tensor, which stays host data
         copy_back = name == "copy_" and src is not None and not self._on_dev(src) and on_dev
         read = src is not None and self._on_dev(src) and (name in _SYNCS or to_host)
-        hidden = self._hidden_read(name, args, kwargs) if on_dev and not read else None
+        hidden = self._hidden_read(name, args, kwargs) if (on_dev or name in _INDEXING) and not read else None
         if read or copy_back or hidden:
             self.count += 1
             self.where.append(f"{hidden or name} at {_caller() or '?'}")
-        made_here = kwargs.get("device") == self.device or (name == "to" and any(
+        # ``t.new_tensor(data)`` makes its tensor where ``t`` is unless told where
+        new_dest = (kwargs.get("device") or src.device) if name == "new_tensor" and src is not None else None
+        made_here = kwargs.get("device") == self.device or new_dest == self.device or (name == "to" and any(
             a == self.device for a in (*args[1:], kwargs.get("device")) if isinstance(a, torch.device)))
         # an upload of host data that waits for it (CUDA: a blocking copy synchronizes the stream);
         # ``non_blocking=True`` (``transfer.upload``: the driver stages it and returns) does not
@@ -223,6 +228,13 @@ class HostSyncs(TorchFunctionMode):
         data = args[0] if args else kwargs.get("data")  # ``torch.tensor(a device tensor)`` copies on the device
         upload = made_here and blocking and ((name in _UPLOADS and not self._on_dev(data))
                                              or (name == "to" and src is not None and not on_dev))
+        new_data = args[1] if name == "new_tensor" and len(args) > 1 else kwargs.get("data")
+        upload = upload or (new_dest == self.device and not self._on_dev(new_data))
+        # ``device[...] = host tensor`` copies it up blocking (``copy_to``, ``ATen/TensorIndexing.h``)
+        # unless it is 0-dim: ``fill_`` then takes its value on the host
+        value = args[2] if name == "__setitem__" and len(args) > 2 else None
+        upload = upload or (self._on_dev(src) and isinstance(value, torch.Tensor) and value.dim() > 0
+                            and not self._on_dev(value))
         upload = upload or (name == "copy_" and src is not None and self._on_dev(src) and blocking
                             and len(args) > 1 and isinstance(args[1], torch.Tensor) and not self._on_dev(args[1]))
         if upload:
@@ -231,7 +243,8 @@ class HostSyncs(TorchFunctionMode):
         out = func(*args, **kwargs)
         if read and out is src:  # the CPU returned the device tensor itself: the host gets a copy
             return out.clone()
-        if (on_dev and not to_host and not copy_back and name not in _SYNCS) or made_here:
+        made_host = name.startswith("new_") and _is_host(kwargs.get("device"))
+        if (on_dev and not to_host and not copy_back and not made_host and name not in _SYNCS) or made_here:
             for t in _flat((out,), {}):
                 if isinstance(t, torch.Tensor):
                     self.mark(t)
@@ -247,8 +260,14 @@ class HostSyncs(TorchFunctionMode):
         if name == "repeat_interleave" and "output_size" not in kwargs:
             repeats = args[1] if len(args) > 1 else kwargs.get("repeats", src if len(args) == 1 else None)
             return "repeat_interleave(tensor repeats)" if isinstance(repeats, torch.Tensor) else None
-        if name in _INDEXING and self._on_dev(src) and len(args) > 1:
-            return self._index_wait(name, args, kwargs)
+        if name in _INDEXING and len(args) > 1:
+            items = args[1] if isinstance(args[1], tuple) else (args[1],)
+            if any(isinstance(i, slice) and any(self._on_dev(b) for b in (i.start, i.stop, i.step)) for i in items):
+                return f"{name} with a device slice bound"  # read as a number to slice
+            if name == "__setitem__" and not self._on_dev(src) and self._on_dev(args[2] if len(args) > 2 else None):
+                return "__setitem__ into a host tensor"
+            if self._on_dev(src):
+                return self._index_wait(name, args, kwargs)
         return None
 
     def _index_wait(self, name: str, args: tuple, kwargs: dict) -> str | None:

@@ -32,10 +32,12 @@ def upload_tensor(data: Any, device: torch.device, dtype: torch.dtype = torch.lo
 def fetch(parts: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     """Every tensor of ``parts`` on the host, in ONE device-to-host copy: packed flat as int64
     (booleans and integers as they are, floating point as the bits of float64, so nothing is
-    rounded), read once, unpacked to arrays of the tensors' shapes (bool, int64 or float64)."""
+    rounded), read once, unpacked to arrays of the tensors' shapes (bool, int64 or float64).
+    Packed on a device part's device, host parts uploaded there: moving a device part to the host
+    with ``non_blocking`` would let ``cat`` read it before the copy lands."""
     if not parts:
         return {}
-    device = next(iter(parts.values())).device
+    device = next((t.device for t in parts.values() if t.device != HOST), HOST)
     flat, meta = [], []
     for name, t in parts.items():
         t = upload(t.detach(), device)
