@@ -5,9 +5,13 @@ export is found and matched however the model was spelled or where its project m
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Sequence
+
+log = logging.getLogger(__name__)
 
 
 def source_files(src: Any) -> list[Path]:
@@ -63,19 +67,20 @@ def first_use_export(model: str, scheme: Any, dtype: str, layers: Sequence[int] 
     """The cached export of ``model`` returning decoder ``layers`` (None: the default ones), made
     on first use. Named layers equal to the defaults share the default export: that one is used
     when present, and an export made for named layers that turn out to be the defaults (the
-    manifest knows the layer count) becomes the default one, so each graph is exported once."""
-    from spec_plugins.graphs.manifest import Manifest
+    manifest knows the layer count) becomes the default one, so each graph is exported once. A
+    cached export that fails its manifest's checks is exported again (``cached_manifest``)."""
     from spec_plugins.graphs.quant import scheme_name
     from spec_plugins.heads.eagle import default_feature_layers
     from spec_plugins.registry import EXPORTERS
 
     default = export_cache_dir(model, scheme_name(scheme), dtype)
-    if layers is None or (default / "manifest.json").is_file() and \
-            list(Manifest.read(default).graph("verify").feature_layers) == list(layers):
+    man = cached_manifest(default)
+    if layers is None or man is not None and list(man.graph("verify").feature_layers) == list(layers):
         directory = default
     else:
         directory = export_cache_dir(model, scheme_name(scheme), dtype, layers)
-    if not (directory / "manifest.json").is_file():
+        man = cached_manifest(directory)
+    if man is None:
         # the exporters package, looked up by name
         man = EXPORTERS.get("onnx")(model, directory, quantize=scheme, dtype=dtype,
                                     feature_layers=None if layers is None else tuple(layers))
@@ -85,3 +90,20 @@ def first_use_export(model: str, scheme: Any, dtype: str, layers: Sequence[int] 
                 os.replace(directory, default)
             directory = default  # (a racing process made it first: the same graph)
     return directory
+
+
+def cached_manifest(directory: Path) -> Any:
+    """The manifest of the cache's export ``directory``, or None where there is none to use: none
+    made yet, or one that fails its checks (a graph or weights file truncated or replaced), which
+    is removed with a warning. No command writes into the cache, so exporting again is the only
+    repair; a user's ``path:`` export is never touched here."""
+    from spec_plugins.graphs.manifest import Manifest, ManifestError
+
+    if not (directory / "manifest.json").is_file():
+        return None
+    try:
+        return Manifest.read(directory)
+    except ManifestError as exc:
+        log.warning("the cached export %s cannot be loaded (%s): exporting it again", directory, exc)
+        shutil.rmtree(directory, ignore_errors=True)  # an unreadable manifest.json: the exporter would refuse it
+        return None

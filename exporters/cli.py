@@ -69,6 +69,7 @@ def export_onnx(
     try:
         cfg = load_config(config)
         schemes = section_schemes(flagged, quantize is not None, cfg)
+        check_gguf_sources(schemes, cfg)
         man = export_config(cfg, out, opset, log=_log, feature_layers=feature_layers, quantize=schemes)
     except (ConfigError, ValueError, OSError, LookupError, ImportError) as exc:  # OSError: reading or writing
         fail(exc)
@@ -134,6 +135,23 @@ def section_schemes(flagged: QuantScheme | None, given: bool, cfg: Any) -> dict[
     return schemes
 
 
+def check_gguf_sources(schemes: dict[str, QuantScheme | None], cfg: Any) -> None:
+    """Refuse the GGUF grid for a graph whose model is not a GGUF file, before any model loads: the
+    grid carries the source GGUF's blocks, and the quantizer finds that file the same way
+    (``resolve_model(...).gguf_path``) only after the whole graph is traced."""
+    from spec_plugins.models import resolve_model
+
+    sections = {"verify": (cfg.target, "target")}
+    if "draft" in schemes:
+        sections["draft"] = (cfg.proposer.model, "proposer.model")
+    for graph, scheme in schemes.items():
+        section, name = sections[graph]
+        if scheme is not None and scheme.grid == "gguf" and resolve_model(section.model).gguf_path is None:
+            raise ValueError(f"the GGUF grid (--gguf-grid, quant_grid: gguf) carries the source GGUF's own blocks, "
+                             f"but the {name} model {section.model!r} is not a GGUF file; export it with "
+                             "--quantize int4 (re-quantized) or int8 instead")
+
+
 def export_scheme(flagged: QuantScheme | None, given: bool, target: Any, section: str = "target"
                   ) -> QuantScheme | None:
     """The scheme to export for one config section (``target``, named ``section``): ``--quantize``'s
@@ -174,8 +192,9 @@ def export_check(
                                                                "for every output compared (logits, hidden, "
                                                                "features; default: by each graph's dtype and "
                                                                "case, see docs/runtimes/onnxruntime.md; "
-                                                               "quantized graphs: QUANT_RTOL of "
-                                                               "exporters/parity.py against fp32 on real inputs, "
+                                                               "quantized graphs: QUANT_RTOL_BITS of "
+                                                               "exporters/parity.py, by the scheme's bits, against "
+                                                               "fp32 on real inputs, "
                                                                "and a logits scale bound --rtol does not change)."),
     max_new_tokens: int = typer.Option(48, "--max-new-tokens", min=1, help="Greedy speculative tokens compared."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="ONNX Runtime intra-op threads."),

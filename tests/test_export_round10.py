@@ -113,7 +113,7 @@ def test_logit_scale_is_the_factor_between_distributions():
 
 def test_quantized_check_fails_halved_logits(tmp_path):
     """QUANT_RTOL 0.75 let logits x0.5 pass (greedy is held only to the graph itself); the logit
-    scale on real prompts catches it, and honest int8 passes it."""
+    scale on real prompts catches it (int8's own bound now does too), and honest int8 passes it."""
     model = tiny_llama(vocab=32, seed=2, sharpness=4.0)
     export_models(tmp_path / "q", (model, None, "tiny"), quantize=QuantScheme(bits=8, block_size=16))
     shutil.copytree(tmp_path / "q", tmp_path / "scaled")
@@ -121,8 +121,8 @@ def test_quantized_check_fails_halved_logits(tmp_path):
     rep = check_export(tmp_path / "scaled", gamma=2, max_new_tokens=8, models={"tiny": model})
     assert not rep.ok, rep.format()
     bad = [c for c in rep.cases if not c.ok]
-    assert bad and {c.output for c in bad} == {"scale"}
-    assert all(abs(c.rel - 0.5) < 0.05 for c in bad)
+    bad = [c for c in bad if c.output == "scale"]
+    assert bad and all(abs(c.rel - 0.5) < 0.05 for c in bad)
     honest = check_export(tmp_path / "q", gamma=2, max_new_tokens=8, models={"tiny": model})
     scale = [c for c in honest.cases if c.output == "scale"]
     assert honest.ok and scale and max(c.rel for c in scale) < 0.05, honest.format()
