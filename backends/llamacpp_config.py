@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 from spec_plugins.config import RuntimeConfig
 
 INT32_MAX = 2**31 - 1  # llama.cpp reads these fields as 32-bit integers: a larger value would wrap silently
+MAX_THREADS = 1024  # past any CPU's useful count; llama.cpp aborts the process (std::bad_alloc) on huge ones
 
 
 class LlamaCppConfig(RuntimeConfig):
@@ -17,11 +18,11 @@ class LlamaCppConfig(RuntimeConfig):
 
     backend: Literal["llamacpp"] = "llamacpp"
     threads: int | None = Field(
-        None, ge=1, le=INT32_MAX, description="Threads for one-token decodes (None = every core this process "
+        None, ge=1, le=MAX_THREADS, description="Threads for one-token decodes (None = every core this process "
         "may run on: its CPU affinity, e.g. taskset or a container's cpuset, not the machine's core count)."
     )
     threads_batch: int | None = Field(
-        None, ge=1, le=INT32_MAX, description="Threads for multi-token decodes: prefill, verification (None = threads)."
+        None, ge=1, le=MAX_THREADS, description="Threads for multi-token decodes: prefill, verification (None = threads)."
     )
     n_ctx: int = Field(
         4096, ge=0, le=INT32_MAX, description="KV cells shared by all rows and tree nodes (0 = model's length)."

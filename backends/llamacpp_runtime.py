@@ -240,6 +240,8 @@ class LlamaCppRuntime:
         B, N = tokens.shape
         if B != len(self._seq):
             raise ValueError(f"forward got {B} rows; the runtime holds {len(self._seq)}")
+        if B == 0 or N == 0:
+            raise ValueError(f"forward needs at least one row and one node per row; got tokens of shape {(B, N)}")
         toks = tokens.tolist()
         if tree is None or tree.is_chain:
             if max(self._len) + N > self.max_context:
@@ -257,7 +259,7 @@ class LlamaCppRuntime:
             for s, n in zip(self._seq, pend["before"]):
                 self._seq_rm(s, n)
             raise
-        self._pending = pend
+        self._pending = {**pend, "n": N}
         self._len = [n + grow for n in self._len]
         return StepOutput(logits.view(B, N, self.vocab_size))
 
@@ -304,35 +306,36 @@ class LlamaCppRuntime:
         pend = self._pending
         if pend is None:
             raise RuntimeError("commit() without a preceding forward()")
-        if len(keep) != len(self._seq):
-            raise ValueError(f"commit got {len(keep)} rows; the runtime holds {len(self._seq)}")
+        if not len(keep) == len(self._seq) == len(pend["before"]):
+            raise ValueError(f"commit got {len(keep)} rows; the runtime holds {len(self._seq)}, its last forward "
+                             f"scored {len(pend['before'])}")
+        keep = [self._checked_keep(b, k, pend) for b, k in enumerate(keep)]  # all rows, before any is changed
         self._pending = None
-        before, tree = pend["before"], pend["tree"]
-        for b, k in enumerate(keep):
-            k = list(k)
-            a, home, base = len(k), self._seq[b], before[b]
-            if tree is None:
-                if k != list(range(a)):
-                    raise ValueError(f"row {b}: a chain keeps a prefix of its nodes, got {k}")
-                self._seq_rm(home, base + a)
+        for b, (k, base) in enumerate(zip(keep, pend["before"])):
+            if pend["tree"] is None or not k:
+                self._seq_rm(self._seq[b], base + len(k))
             else:
-                self._commit_path(b, k, tree, pend)
-            self._len[b] = base + a
+                self._commit_path(b, k, pend)
+            self._len[b] = base + len(k)
         self._drop_temporaries(pend)
 
-    def _commit_path(self, b: int, keep: list[int], tree: TreeLayout, pend: dict) -> None:
-        """Leave exactly prefix + the kept root-to-node path on the row's home sequence."""
-        home, base = self._seq[b], pend["before"][b]
-        if not keep:
-            self._seq_rm(home, base)
-            return
-        rt = pend["rows"][b]
-        for d, j in enumerate(keep):
-            want_parent = keep[d - 1] if d else -1
-            if rt.parents[j] != want_parent:
-                raise ValueError(f"row {b}: kept nodes {keep} are not a root-to-node path of the tree")
-        last, ids = keep[-1], pend["ids"][b]
-        leaf_k = next(k for k, nodes in enumerate(rt.paths) if last in nodes)
+    @staticmethod
+    def _checked_keep(b: int, keep: Sequence[int], pend: dict) -> list[int]:
+        """Row ``b``'s keep as a list, refused unless it is a prefix of a chain's nodes or a root-to-node
+        path of the row's tree: commit checks every row first, so a bad keep changes nothing."""
+        k, n = [int(j) for j in keep], pend["n"]
+        if any(not 0 <= j < n for j in k):
+            raise ValueError(f"row {b}: kept nodes {k} are not all among the forward's {n} nodes (0..{n - 1})")
+        if pend["tree"] is None and k != list(range(len(k))):
+            raise ValueError(f"row {b}: a chain keeps a prefix of its nodes, got {k}")
+        if pend["tree"] is not None and any(pend["rows"][b].parents[j] != (k[d - 1] if d else -1) for d, j in enumerate(k)):
+            raise ValueError(f"row {b}: kept nodes {k} are not a root-to-node path of the tree")
+        return k
+
+    def _commit_path(self, b: int, keep: list[int], pend: dict) -> None:
+        """Leave exactly prefix + the kept (non-empty, checked) root-to-node path on the row's home sequence."""
+        home, base, rt, ids = self._seq[b], pend["before"][b], pend["rows"][b], pend["ids"][b]
+        leaf_k = next(k for k, nodes in enumerate(rt.paths) if keep[-1] in nodes)
         if leaf_k == 0:  # the path lies on the home sequence already
             self._seq_rm(home, base + len(keep))
             return
@@ -360,8 +363,8 @@ class LlamaCppRuntime:
             return self.prefill(rows, want_hidden)
         if want_hidden:
             raise ValueError("the llamacpp runtime does not return hidden states (capabilities.hidden_states=False)")
-        if self._pending is not None and self._pending.get("ids"):
-            raise RuntimeError("add_rows() between a tree forward() and commit()")
+        if self._pending is not None:  # commit would then see more rows than the forward scored
+            raise RuntimeError("add_rows() between forward() and commit(): commit or roll back the forward first")
         if not rows or any(len(r) == 0 for r in rows):
             raise ValueError("add_rows needs at least one token per row")
         free = sorted(set(range(self.config.max_sequences)) - set(self._seq))

@@ -414,6 +414,7 @@ def test_failed_admission_leaves_the_running_rows_as_they_were(rt):
     rt.rollback(lengths)
     fresh = rt.forward(torch.tensor([[prompt[-1]]])).logits[0, -1]
     assert torch.equal(nxt, fresh)
+    rt.rollback(lengths)  # add_rows is never between forward and commit
     added = rt.add_rows([_ids(rt, "Hello there")])  # and rows can join again
     assert added.logits.shape[0] == 1 and len(rt.lengths()) == 2
 
