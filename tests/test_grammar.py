@@ -244,10 +244,27 @@ def test_power_a_grammar_applied_at_the_root_only_fails_the_same_test(grammars, 
     (GrammarSpec.regex("a(b"), "unclosed group"),
     (GrammarSpec.regex("zzz"), "cannot match any output"),
     (GrammarSpec("lark", "start: foo"), "invalid lark"),
+    # llguidance drops a trailing lone backslash: the row would run under another language
+    (GrammarSpec.regex("(ab|c)+\\"), "the regex .* ends in a lone backslash"),
+    (GrammarSpec.regex("\\"), "lone backslash"),
+    (GrammarSpec.json_schema({"type": "string", "pattern": "^(ab|c)+\\"}), r"\$\.pattern .* lone backslash"),
+    (GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "string", "pattern": "x\\\\\\"}}}),
+     r"\$\.properties\.a\.pattern"),
+    (GrammarSpec.json_schema({"type": "object", "patternProperties": {"^k\\": {"type": "integer"}}}),
+     "patternProperties key"),
 ])
 def test_bad_grammars_are_refused_by_name(lltok, spec, message):
     with pytest.raises(GrammarError, match=message):
         compile_grammar(spec, lltok)
+
+
+@pytest.mark.parametrize("spec", [
+    GrammarSpec.regex("a\\\\"),  # an escaped backslash: a literal one
+    GrammarSpec.json_schema({"type": "string", "pattern": "^a\\\\$", "default": "\\"}),
+    GrammarSpec.json_schema({"type": "object", "properties": {"pattern": {"type": "string"}}}),
+])
+def test_escaped_backslashes_and_properties_named_pattern_compile(lltok, spec):
+    compile_grammar(spec, lltok)
 
 
 def test_grammar_limits(lltok):

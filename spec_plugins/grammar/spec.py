@@ -80,7 +80,7 @@ class GrammarSpec:
                     raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from None
             if not isinstance(schema, dict):
                 raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}")
-            _check_numbers(schema)
+            _check_schema(schema)
             try:
                 return llguidance.LLMatcher.grammar_from_json_schema(schema)
             except (ValueError, TypeError) as exc:
@@ -88,6 +88,7 @@ class GrammarSpec:
         if not isinstance(self.value, str):
             raise GrammarError(f"a {self.kind} grammar must be a string, got {type(self.value).__name__}")
         if self.kind == "regex":
+            _check_pattern(self.value, "the regex")
             return llguidance.LLMatcher.grammar_from_regex(self.value)
         return llguidance.LLMatcher.grammar_from_lark(self.value)
 
@@ -96,10 +97,11 @@ INT_RANGE = (-(1 << 63), 1 << 64)  # llguidance reads a schema's integers as sig
 ANNOTATIONS = ("default", "examples")  # keys llguidance does not read (as ``x-`` ones): infinity passes there
 
 
-def _check_numbers(value: Any, path: str = "$", annotation: bool = False) -> None:
+def _check_schema(value: Any, path: str = "$", annotation: bool = False) -> None:
     """Refuse a schema number llguidance cannot hold, naming where it is: a bound such as
     ``1e400`` (JSON's infinity) reached it as null ("expected f64, got null"), and an integer past
-    64 bits, anywhere, as "not JSON serializable", neither naming the number."""
+    64 bits, anywhere, as "not JSON serializable", neither naming the number. Its patterns are
+    checked as a regex grammar's are (``_check_pattern``)."""
     if isinstance(value, bool):
         return
     if isinstance(value, float) and not math.isfinite(value) and not annotation:
@@ -109,10 +111,24 @@ def _check_numbers(value: Any, path: str = "$", annotation: bool = False) -> Non
                            "a signed or unsigned 64-bit integer")
     if isinstance(value, dict):
         for k, v in value.items():
-            _check_numbers(v, f"{path}.{k}", annotation or k in ANNOTATIONS or str(k).startswith("x-"))
+            key_annotation = annotation or k in ANNOTATIONS or str(k).startswith("x-")
+            if not key_annotation and k == "pattern" and isinstance(v, str):
+                _check_pattern(v, f"invalid JSON schema: {path}.pattern")
+            if not key_annotation and k == "patternProperties" and isinstance(v, dict):
+                for pattern in v:
+                    _check_pattern(pattern, f"invalid JSON schema: {path}.patternProperties key")
+            _check_schema(v, f"{path}.{k}", key_annotation)
     elif isinstance(value, list):
         for i, v in enumerate(value):
-            _check_numbers(v, f"{path}[{i}]", annotation)
+            _check_schema(v, f"{path}[{i}]", annotation)
+
+
+def _check_pattern(pattern: str, where: str) -> None:
+    """Refuse a regex ending in an unpaired backslash (an escape of nothing): llguidance drops it
+    and compiles the rest, so the row would run under another language than the one written."""
+    if (len(pattern) - len(pattern.rstrip("\\"))) % 2:
+        raise GrammarError(f"{where} {pattern!r} ends in a lone backslash (an escape of nothing); "
+                           "write \\\\ for a literal backslash")
 
 
 @dataclass(frozen=True)
