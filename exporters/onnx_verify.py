@@ -16,9 +16,13 @@ import torch
 
 from spec_plugins.backends import hf_compat
 from spec_plugins.graphs.io import OPSET, DecoderShape, input_names, io_spec, output_names, present_names
+from spec_plugins.graphs.manifest import graph_files
 # The dummy input used for tracing. N must be > 1: transformers' SDPA wrapper picks a
 # single-query GQA packing path for N == 1, which the tracer would freeze into the graph.
 _TRACE_B, _TRACE_N, _TRACE_P = 2, 3, 4
+# (B, N, P) the exported graph is run at against the model (``check_traced``): token counts (B*N) and
+# batch sizes unlike the trace's, one of them a single new token.
+_CHECK_SHAPES = ((1, 5, 3), (3, 1, 6))
 
 
 class UnsupportedModel(ValueError):
@@ -150,13 +154,71 @@ def export_verify_graph(model: Any, path: str | Path, opset: int = OPSET, featur
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # tracer warnings about transformers' shape checks
-        torch.onnx.export(wrapper, args, str(path), input_names=ins, output_names=outs, dynamic_axes=axes,
-                          opset_version=opset, dynamo=False, do_constant_folding=True)
+        try:
+            torch.onnx.export(wrapper, args, str(path), input_names=ins, output_names=outs, dynamic_axes=axes,
+                              opset_version=opset, dynamo=False, do_constant_folding=True)
+        except (OSError, MemoryError, ImportError):  # the machine's or the install's, not the model's
+            raise
+        except Exception as exc:  # an op or a shape rule the TorchScript exporter lacks
+            raise UnsupportedModel(f"{family(model)} cannot be traced into the ONNX verify graph "
+                                   f"({type(exc).__name__}: {_first_line(exc)}); run it on the torch backend"
+                                   ) from exc
     size = gather_weights(path)
     onnx.checker.check_model(str(path))  # by path: works above the 2 GB protobuf limit too
+    try:
+        check_traced(path, wrapper, p0.device)
+    except UnsupportedModel:
+        for f in graph_files(path):  # a graph that computes something else is not left behind
+            f.unlink()
+        raise
     seconds = time.perf_counter() - t0
     spec_in, spec_out = io_spec(shape, dname, tuple(feature_layers))
     return ExportResult(path, seconds, size, spec_in, spec_out, shape, dname, tuple(feature_layers))
+
+
+def family(model: Any) -> str:
+    """The model's class and ``model_type``, as error messages name a family."""
+    return f"{type(model).__name__} (model_type {getattr(hf_compat.text_config(model), 'model_type', '?')})"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else type(exc).__name__
+
+
+@torch.no_grad()
+def check_traced(path: Path, wrapper: VerifyGraph, device: torch.device) -> None:
+    """Run graph ``path`` at the shapes ``_CHECK_SHAPES`` against ``wrapper``'s model, every output
+    held to the parity rule on random inputs (``parity_rule.RTOL``). The tracer records one path
+    through the model's Python: a step whose shapes depend on the data (an MoE that splits the
+    tokens among its experts by counts) is frozen at the trace's, and the graph, though valid,
+    computes something else (or fails) at other token counts. Refused by name rather than written."""
+    from spec_plugins.backends.onnxruntime_runtime import create_session
+    from spec_plugins.exporters.parity_rule import RTOL, compare
+
+    session = create_session(path, "cpu")
+    names = [i.name for i in session.get_inputs()]
+    dtype = next(wrapper.model.parameters()).dtype
+    rtol = RTOL[str(dtype).removeprefix("torch.")]  # the graph dtypes (check_dtype ran)
+    gen = torch.Generator().manual_seed(0)
+    for B, N, P in _CHECK_SHAPES:
+        args = dummy_inputs(wrapper.shape, B, N, P, dtype, generator=gen)
+        want = wrapper(*(a.to(device) for a in args))
+        where = f"B={B} N={N} P={P} (traced at B={_TRACE_B} N={_TRACE_N} P={_TRACE_P})"
+        try:
+            got = session.run(None, {k: v.numpy() for k, v in zip(names, args)})
+        except Exception as exc:  # ONNX Runtime's errors are its own classes
+            raise UnsupportedModel(f"the ONNX verify graph of {family(wrapper.model)} fails at {where}: "
+                                   f"{_first_line(exc)}; its trace froze a data-dependent step (such as an "
+                                   "MoE's expert routing): run it on the torch backend") from exc
+        for out, g, w in zip(session.get_outputs(), got, want):
+            case = compare("verify", where, g, w.cpu(), rtol, output=out.name)
+            if not case.ok:
+                raise UnsupportedModel(
+                    f"the ONNX verify graph of {family(wrapper.model)} computes another {out.name} than the "
+                    f"model at {where}: max|diff| {case.max_abs:.3g} > {rtol:g} x max|model| {case.ref_scale:.3g}; "
+                    "its trace froze a data-dependent step (such as an MoE's expert routing): run it on the "
+                    "torch backend")
 
 
 def gather_weights(path: Path) -> int:
@@ -166,8 +228,6 @@ def gather_weights(path: Path) -> int:
     would overwrite each other's, and a graph whose weights sit in a file of its own name can be
     replaced (the quantizer) without touching another's. A graph holding its weights, or already
     in one ``<file>.data``, is left as it is."""
-    from spec_plugins.graphs.manifest import graph_files
-
     files = graph_files(path)
     data = path.with_name(path.name + ".data")
     if files[1:] not in ([], [data]):

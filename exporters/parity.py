@@ -28,14 +28,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from spec_plugins.exporters.parity_rule import ParityCase, compare, compare_scale
+from spec_plugins.exporters.parity_rule import RTOL, ParityCase, compare, compare_scale
 from spec_plugins.graphs.manifest import Manifest
 
-# max |diff| <= rtol * max |reference|, by graph dtype. float16 keeps 11 bits, and on the random-past
-# cases its rounding alone moves the logits by a sizeable share of their scale, while a wrong graph is
-# off by about their whole scale: the float16 bound sits between (the measurements that place it are
-# in docs/runtimes/onnxruntime.md).
-RTOL = {"float32": 1e-4, "float16": 0.2}
 # A quantized graph against its fp32 source on real inputs: max |diff| <= rtol * max |fp32 logits|, by
 # the scheme's bits (:func:`quant_rtol`). QUANT_RTOL, for 4 bits (and a scheme that names none), is
 # loose enough for re-quantizing onto a new 4-bit grid and below another model's weights; 8-bit
