@@ -56,8 +56,9 @@ def graph_blocker(model: Any) -> str | None:
 
 class SlotCache:
     """The per-layer KV buffers the model's attention writes and reads (duck-typed as a
-    transformers cache: ``update`` is all a decoder layer calls when it is given a 4D mask). Every
-    layer keeps every slot, sliding-window layers too: their mask cuts them to the window."""
+    transformers cache: ``update`` is all a decoder layer calls when it is given a 4D mask, and some
+    decoders read ``get_seq_length``). Every layer keeps every slot, sliding-window layers too: their
+    mask cuts them to the window."""
 
     def __init__(self, layers: int, rows: int, capacity: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, static_addresses: bool = False) -> None:
@@ -65,6 +66,7 @@ class SlotCache:
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.write_at = torch.zeros((), dtype=torch.long, device=device)  # first slot the next forward writes
+        self.written = 0  # write_at's value, kept on the host (``get_seq_length`` outside a compiled step)
         self.updates = 0  # layer writes seen (eager calls): the cache-was-used guard
         if static_addresses:  # CUDA graphs replay on these very buffers
             for t in (*self.keys, *self.values, self.write_at):
@@ -77,6 +79,19 @@ class SlotCache:
     @property
     def capacity(self) -> int:
         return int(self.keys[0].shape[2])
+
+    def seek(self, slot: int) -> None:
+        """Point the next forward's writes at ``slot`` (the device scalar and its host copy)."""
+        self.write_at.fill_(slot)
+        self.written = slot
+
+    def get_seq_length(self, layer_idx: int = 0) -> int | torch.Tensor:
+        """Slots before this forward's: the slot axis every row shares, holes included (a row's
+        positions come from ``position_ids``), as the growing cache's length is. OPT, Falcon, XGLM
+        and BioGPT read it on every forward. Inside a compiled step it is the device scalar, as in
+        transformers' StaticCache: a Python int there is guarded on (a graph per length); elsewhere
+        the host copy, since reading the scalar would sync (and cannot inside a CUDA graph capture)."""
+        return self.write_at if torch.compiler.is_compiling() else self.written
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,6 +143,7 @@ class StaticTorchRuntime(TorchRuntime):
         self._layers = int(cfg.num_hidden_layers)
         self._kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
         self._head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        self._check_kv_shape()
         if graphs and (compile or self.device.type != "cuda"):
             raise ValueError(f"graphs: CUDA graphs of the eager step, on a CUDA device and instead of compiling "
                              f"(device {self.device}, compile={compile})")
@@ -140,6 +156,28 @@ class StaticTorchRuntime(TorchRuntime):
         self._live = (0, 0)  # rows and slots the buffers hold (what ``kv`` views)
         # SDPA takes a boolean mask; the eager implementation adds it to the scores
         self._additive = self.attention == "eager"
+
+    def _check_kv_shape(self) -> None:
+        """Refuse, at build, a model whose layers cache other tensors than the buffers' ``[rows,
+        kv_heads, slots, head_dim]`` read from its config (multi-head latent attention, DeepSeek-V2/V3,
+        caches a compressed latent and a shared rope key): the first forward would fail inside
+        ``index_copy_``. Read from what a one-token forward of the decoder (no LM head: no logits are
+        needed) puts in a growing cache, whatever the family."""
+        probe, decoder = hf_compat.full_cache(), self.model.base_model
+        one = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            decoder(input_ids=one, position_ids=one, use_cache=True, **{hf_compat.cache_keyword(decoder): probe})
+        want = (1, self._kv_heads, 1, self._head_dim)
+        for i, lay in enumerate(probe.layers):
+            got = (tuple(lay.keys.shape), tuple(lay.values.shape))
+            if got != (want, want):
+                cfg = hf_compat.text_config(self.model)
+                raise ValueError(
+                    f"{getattr(cfg, 'model_type', '?')} ({type(self.model).__name__}) caches keys {got[0]} and "
+                    f"values {got[1]} for one token in layer {i}, not the {want} ({self._kv_heads} KV heads of "
+                    f"{self._head_dim}) its config gives the static cache's buffers (multi-head latent attention "
+                    "caches a compressed latent): use kv: dynamic (the growing cache, which holds whatever the "
+                    "model caches)")
 
     def _compiles(self, compile: bool | Literal["auto"], graphs: bool) -> bool:
         """Whether the verify step compiles; a fixed-shape step asked for over a model whose forward is
@@ -269,7 +307,7 @@ class StaticTorchRuntime(TorchRuntime):
         compiled = self.fixed_shapes and not prefill and n <= WIDTH_BUCKETS[-1]
         Bb, Nb = (bucket(B, ROW_BUCKETS), bucket(n, WIDTH_BUCKETS)) if compiled else (B, n)
         self._ensure(Bb, S + Nb)
-        self.cache.write_at.fill_(S)
+        self.cache.seek(S)
         m = self._build(mask, B, n, S, Bb, Nb)
         # always new tensors made here (inference tensors: a graph guards on that too), padded to the bucket
         ids = torch.nn.functional.pad(upload(ids, self.device), (0, Nb - n, 0, Bb - B))
