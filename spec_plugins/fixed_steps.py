@@ -47,6 +47,7 @@ class FixedSteps:
             raise ValueError("graphs: CUDA graphs need a CUDA device; none is available here")
         self.fn, self.mode, self.max_shapes, self.row_buckets = fn, mode, max_shapes, row_buckets
         self._compiled: Callable[..., Any] | None = None
+        self._own: Callable[..., Any] | None = None  # what ``_compiled`` compiles: code of its own
         self._graphs: dict[tuple, CapturedStep] = {}
         self._pool: Any = None  # one CUDA graph memory pool for all of them (replayed one at a time)
 
@@ -77,7 +78,8 @@ class FixedSteps:
                 cfg.recompile_limit = max(cfg.recompile_limit, self.max_shapes)
                 cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * self.max_shapes)
                 cuda = any(isinstance(a, torch.Tensor) and a.device.type == "cuda" for a in args)
-                self._compiled = torch.compile(_own_code(self.fn), fullgraph=True, dynamic=False,
+                self._own = _own_code(self.fn)
+                self._compiled = torch.compile(self._own, fullgraph=True, dynamic=False,
                                                mode="reduce-overhead" if cuda else None)
             return self._compiled(*args)
         key = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
@@ -93,8 +95,13 @@ class FixedSteps:
         return self._compiled is not None or bool(self._graphs)
 
     def clear(self) -> None:
-        """Drop every compiled or captured step; the next compile starts a count of its own."""
-        self._compiled = None
+        """Drop every compiled or captured step; the next compile starts a count of its own. Dynamo
+        keeps a code object it compiled alive (and its graphs in the code's cache), so the cache of
+        this step's own code is emptied here: a step rebuilt at every reallocation holds no memory
+        for the graphs it no longer runs."""
+        if self._own is not None:
+            torch._dynamo.eval_frame.remove_from_cache(self._own)
+        self._compiled = self._own = None
         self._graphs.clear()
 
 

@@ -70,3 +70,38 @@ def test_a_step_past_its_own_limit_still_fails_loudly(eager_dynamo):
     with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
         for n in range(1, LIMIT + 3):
             step(torch.zeros(n))
+
+
+def test_clear_frees_the_graphs_a_step_no_longer_runs(monkeypatch):
+    """Dynamo keeps every code object it compiled alive, with its graphs in the code's cache: a
+    step rebuilt at each reallocation would keep every graph it had. ``clear`` empties its cache."""
+    import gc
+    import weakref
+
+    compiled: list[weakref.ref] = []
+
+    class Graph:
+        def __init__(self, gm):
+            self.gm = gm
+
+        def __call__(self, *args):
+            return self.gm.forward(*args)
+
+    def backend(gm, example_inputs):
+        g = Graph(gm)
+        compiled.append(weakref.ref(g))
+        return g
+
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": backend}))
+    torch._dynamo.reset()
+    try:
+        for _ in range(3):
+            step = FixedSteps(lambda a: a * 2, "compile", max_shapes=LIMIT)
+            for n in range(1, 4):
+                assert torch.equal(step(torch.ones(n)), torch.full((n,), 2.0))
+            step.clear()
+        gc.collect()
+        assert len(compiled) == 9 and sum(r() is not None for r in compiled) == 0
+    finally:
+        torch._dynamo.reset()

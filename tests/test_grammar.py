@@ -262,6 +262,9 @@ def test_bad_grammars_are_refused_by_name(lltok, spec, message):
     GrammarSpec.regex("a\\\\"),  # an escaped backslash: a literal one
     GrammarSpec.json_schema({"type": "string", "pattern": "^a\\\\$", "default": "\\"}),
     GrammarSpec.json_schema({"type": "object", "properties": {"pattern": {"type": "string"}}}),
+    # const and enum hold data: a key "pattern" there is no regex
+    GrammarSpec.json_schema({"type": "object", "const": {"pattern": "C:\\"}}),
+    GrammarSpec.json_schema({"enum": [{"pattern": "C:\\", "patternProperties": {"x\\": 1}}]}),
 ])
 def test_escaped_backslashes_and_properties_named_pattern_compile(lltok, spec):
     compile_grammar(spec, lltok)

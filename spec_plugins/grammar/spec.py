@@ -97,11 +97,14 @@ INT_RANGE = (-(1 << 63), 1 << 64)  # llguidance reads a schema's integers as sig
 ANNOTATIONS = ("default", "examples")  # keys llguidance does not read (as ``x-`` ones): infinity passes there
 
 
-def _check_schema(value: Any, path: str = "$", annotation: bool = False) -> None:
+LITERALS = ("const", "enum")  # keys holding data, not schemas: a key named "pattern" there is no regex
+
+
+def _check_schema(value: Any, path: str = "$", annotation: bool = False, literal: bool = False) -> None:
     """Refuse a schema number llguidance cannot hold, naming where it is: a bound such as
     ``1e400`` (JSON's infinity) reached it as null ("expected f64, got null"), and an integer past
     64 bits, anywhere, as "not JSON serializable", neither naming the number. Its patterns are
-    checked as a regex grammar's are (``_check_pattern``)."""
+    checked as a regex grammar's are (``_check_pattern``), outside annotations and literal data."""
     if isinstance(value, bool):
         return
     if isinstance(value, float) and not math.isfinite(value) and not annotation:
@@ -112,15 +115,17 @@ def _check_schema(value: Any, path: str = "$", annotation: bool = False) -> None
     if isinstance(value, dict):
         for k, v in value.items():
             key_annotation = annotation or k in ANNOTATIONS or str(k).startswith("x-")
-            if not key_annotation and k == "pattern" and isinstance(v, str):
-                _check_pattern(v, f"invalid JSON schema: {path}.pattern")
-            if not key_annotation and k == "patternProperties" and isinstance(v, dict):
-                for pattern in v:
-                    _check_pattern(pattern, f"invalid JSON schema: {path}.patternProperties key")
-            _check_schema(v, f"{path}.{k}", key_annotation)
+            key_literal = literal or k in LITERALS
+            if not (key_annotation or key_literal):
+                if k == "pattern" and isinstance(v, str):
+                    _check_pattern(v, f"invalid JSON schema: {path}.pattern")
+                if k == "patternProperties" and isinstance(v, dict):
+                    for pattern in v:
+                        _check_pattern(pattern, f"invalid JSON schema: {path}.patternProperties key")
+            _check_schema(v, f"{path}.{k}", key_annotation, key_literal)
     elif isinstance(value, list):
         for i, v in enumerate(value):
-            _check_schema(v, f"{path}[{i}]", annotation)
+            _check_schema(v, f"{path}[{i}]", annotation, literal)
 
 
 def _check_pattern(pattern: str, where: str) -> None:
