@@ -69,7 +69,7 @@ def first_use_export(model: str, scheme: Any, dtype: str, layers: Sequence[int] 
     when present, and an export made for named layers that turn out to be the defaults (the
     manifest knows the layer count) becomes the default one, so each graph is exported once. A
     cached export that fails its manifest's checks is exported again (``cached_manifest``)."""
-    from spec_plugins.graphs.quant import scheme_name
+    from spec_plugins.graphs.quant import QuantScheme, check_gguf_source, scheme_name
     from spec_plugins.heads.eagle import default_feature_layers
     from spec_plugins.registry import EXPORTERS
 
@@ -81,6 +81,7 @@ def first_use_export(model: str, scheme: Any, dtype: str, layers: Sequence[int] 
         directory = export_cache_dir(model, scheme_name(scheme), dtype, layers)
         man = cached_manifest(directory)
     if man is None:
+        check_gguf_source(QuantScheme(**scheme) if scheme else None, model)  # before tracing a graph the quantizer would then refuse
         # the exporters package, looked up by name
         man = EXPORTERS.get("onnx")(model, directory, quantize=scheme, dtype=dtype,
                                     feature_layers=None if layers is None else tuple(layers))

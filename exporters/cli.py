@@ -136,20 +136,12 @@ def section_schemes(flagged: QuantScheme | None, given: bool, cfg: Any) -> dict[
 
 
 def check_gguf_sources(schemes: dict[str, QuantScheme | None], cfg: Any) -> None:
-    """Refuse the GGUF grid for a graph whose model is not a GGUF file, before any model loads: the
-    grid carries the source GGUF's blocks, and the quantizer finds that file the same way
-    (``resolve_model(...).gguf_path``) only after the whole graph is traced."""
-    from spec_plugins.models import resolve_model
+    """``check_gguf_source`` for each graph to export: the target's, and a draft model's."""
+    from spec_plugins.graphs.quant import check_gguf_source
 
-    sections = {"verify": (cfg.target, "target")}
+    check_gguf_source(schemes.get("verify"), cfg.target.model, "target")
     if "draft" in schemes:
-        sections["draft"] = (cfg.proposer.model, "proposer.model")
-    for graph, scheme in schemes.items():
-        section, name = sections[graph]
-        if scheme is not None and scheme.grid == "gguf" and resolve_model(section.model).gguf_path is None:
-            raise ValueError(f"the GGUF grid (--gguf-grid, quant_grid: gguf) carries the source GGUF's own blocks, "
-                             f"but the {name} model {section.model!r} is not a GGUF file; export it with "
-                             "--quantize int4 (re-quantized) or int8 instead")
+        check_gguf_source(schemes["draft"], cfg.proposer.model.model, "proposer.model")
 
 
 def export_scheme(flagged: QuantScheme | None, given: bool, target: Any, section: str = "target"

@@ -124,3 +124,15 @@ def test_cli_refuses_by_name_on_export_and_first_use(tmp_path, monkeypatch, fami
         assert f"model_type {family}" in res.output and "Traceback" not in res.output, res.output
     assert not (tmp_path / "out").exists()
     assert not list((tmp_path / "cache").rglob("manifest.json"))
+
+
+def test_the_machine_running_out_of_memory_is_not_blamed_on_the_model(tmp_path, monkeypatch):
+    """An allocation failing while tracing is the machine's, raised as it is: no "cannot be
+    traced ... run it on the torch backend" for a family that exports."""
+    def oom(*a, **k):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(torch.onnx, "export", oom)
+    with pytest.raises(RuntimeError, match="can't allocate memory") as err:
+        export_models(tmp_path / "out", (tiny_llama(vocab=32, seed=1), None, "tiny"), feature_layers=())
+    assert not isinstance(err.value, UnsupportedModel)

@@ -178,3 +178,32 @@ def test_gguf_grid_on_a_transformers_model_is_refused_before_export(tiny_model_d
     assert res.exit_code == 2 and not isinstance(res.exception, AssertionError), res.output
     assert f"the target model {str(tiny_model_dir)!r} is not a GGUF file" in res.output, res.output
     assert not (tmp_path / "out").exists()
+
+
+def test_gguf_grid_on_first_use_is_refused_before_tracing(tiny_model_dir, tmp_path, monkeypatch):  # noqa: F811
+    """The same refusal on a ``backend: onnxruntime`` section that exports on first use (no
+    ``path:``): before the exporter is called, naming the model; nothing cached."""
+    from spec_plugins.backends.onnxruntime_runtime import OnnxRuntime
+    from spec_plugins.registry import EXPORTERS
+
+    monkeypatch.setenv("SPEC_PLUGINS_CACHE", str(tmp_path / "cache"))
+    exporter = EXPORTERS.get("onnx")
+    called = []
+    monkeypatch.setattr(EXPORTERS, "get", lambda name: (called.append(name), exporter)[1])
+    cfg = OnnxRuntime.Config(model=str(tiny_model_dir), quantize="int4", quant_grid="gguf")
+    with pytest.raises(ValueError, match=f"the target model {str(tiny_model_dir)!r} is not a GGUF file"):
+        OnnxRuntime.from_config(cfg)
+    assert called == [] and not list((tmp_path / "cache").glob("**/manifest.json"))
+
+
+def test_the_int8_bound_grows_with_the_block():
+    """Activations are quantized per block too, so an honest int8 export's error grows with the
+    block (SmolLM2: 0.065 at 32, 0.117 at 128, 0.224 at 256, which 0.2 failed): the bound grows
+    as the root of the block's share past 32, and never past the loosest."""
+    from spec_plugins.exporters.parity import quant_rtol
+
+    assert quant_rtol({"bits": 8, "block_size": 16}) == quant_rtol({"bits": 8, "block_size": 32}) == 0.2
+    assert quant_rtol({"bits": 8, "block_size": 128}) == pytest.approx(0.4)
+    assert 0.224 * 2 < quant_rtol({"bits": 8, "block_size": 256}) < QUANT_RTOL
+    assert quant_rtol({"bits": 4, "block_size": 256}) == quant_rtol({"bits": 4, "block_size": 32}) == QUANT_RTOL
+    assert quant_rtol({}) == QUANT_RTOL

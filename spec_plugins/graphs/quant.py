@@ -55,3 +55,15 @@ def gguf_conflicts(scheme: QuantScheme) -> list[str]:
 def scheme_name(fields: dict | None) -> str:
     """The name of a scheme given as ``QuantScheme`` fields, ``none`` for no quantization."""
     return QuantScheme(**fields).name if fields else "none"
+
+
+def check_gguf_source(scheme: QuantScheme | None, model: str, name: str = "target") -> None:
+    """Refuse the GGUF grid for a ``model`` that is no GGUF file, before it loads: the grid carries
+    the source GGUF's blocks, which the quantizer (``exporters.onnx_quantize``) looks for only after
+    the whole graph is traced. ``name``: the config section the model is in, for the message."""
+    from spec_plugins.models import resolve_model
+
+    if scheme is not None and scheme.grid == "gguf" and resolve_model(model).gguf_path is None:
+        raise ValueError(f"the GGUF grid (--gguf-grid, quant_grid: gguf) carries the source GGUF's own blocks, "
+                         f"but the {name} model {model!r} is not a GGUF file; export it with --quantize int4 "
+                         "(re-quantized) or int8 instead")
