@@ -136,6 +136,15 @@ _DATA_READS = {"equal", "allclose", "__contains__", "__repr__", "__format__", "n
                "masked_select", "unique", "unique_consecutive", "bincount"}
 _INDEXING = {"__getitem__", "__setitem__", "index_put", "index_put_"}
 _MASKS = (torch.bool, torch.uint8)  # index dtypes ATen reads as masks
+# calls taking integer sizes (or arange's bounds): a device tensor among them is read as a number
+# (Python's argument parser calls ``__index__``/``item`` in C++, where this mode does not see it).
+# name -> the positional arguments that are sizes; ``_SIZE_KWARGS`` name them as keywords
+_SIZE_ARGS = {**dict.fromkeys(("arange", "zeros", "ones", "empty", "eye", "randperm"), slice(0, None)),
+              "full": slice(0, 1), "new_full": slice(1, 2),
+              **dict.fromkeys(("new_zeros", "new_ones", "new_empty", "narrow", "reshape", "view", "split",
+                               "expand", "repeat", "tile"), slice(1, None))}
+_SIZE_KWARGS = ("size", "shape", "start", "end", "step", "length", "split_size", "split_size_or_sections",
+                "sizes", "repeats", "dims", "n", "m")
 # lru_caches that keep device tensors from one call to the next: one made under an earlier counter
 # (or none) is not marked under this one, so reading it would count nothing; the counter empties
 # them when it starts and when it ends (test results then do not depend on what ran before).
@@ -175,8 +184,9 @@ class HostSyncs(TorchFunctionMode):
     device index (read as a number), an op whose output shape depends on device data
     (``nonzero``, ``unique``, one-argument ``where`` ...), a Python answer from device data
     (``equal``, ``in``, ``repr``), a copy into a host tensor (``copy_``, ``host[...] = device``),
-    a slice bounded by a device tensor (``t[:n]`` reads ``n``). So do uploads by another name:
-    ``device[...] = host tensor`` (a 0-dim host value is a fill, read on the host) and
+    a slice bounded by a device tensor (``t[:n]`` reads ``n``), a device tensor as a size
+    (``torch.arange(n)``, ``t.reshape(n, 1)``, ``t.narrow(0, 0, n)``: ``_SIZE_ARGS``). So do uploads
+    by another name: ``device[...] = host tensor`` (a 0-dim host value is a fill, read on the host) and
     ``t.new_tensor(host data)`` where ``t`` is on the device."""
 
     def __init__(self, device: torch.device) -> None:
@@ -260,6 +270,9 @@ class HostSyncs(TorchFunctionMode):
         if name == "repeat_interleave" and "output_size" not in kwargs:
             repeats = args[1] if len(args) > 1 else kwargs.get("repeats", src if len(args) == 1 else None)
             return "repeat_interleave(tensor repeats)" if isinstance(repeats, torch.Tensor) else None
+        if name in _SIZE_ARGS:
+            sizes = (*args[_SIZE_ARGS[name]], *(kwargs.get(k) for k in _SIZE_KWARGS))
+            return f"{name} with a device size" if any(self._on_dev(n) for n in _flat(sizes, {})) else None
         if name in _INDEXING and len(args) > 1:
             items = args[1] if isinstance(args[1], tuple) else (args[1],)
             if any(isinstance(i, slice) and any(self._on_dev(b) for b in (i.start, i.stop, i.step)) for i in items):

@@ -81,6 +81,37 @@ def test_a_slice_bounded_by_host_numbers_reads_nothing():
     assert n == 0, where
 
 
+# each call takes ``n``, a 0-dim device integer (2), as a size: Python's argument parser reads it
+_SIZED = {
+    "arange": lambda d, h, n: torch.arange(n), "arange(end=)": lambda d, h, n: torch.arange(0, end=n),
+    "zeros": lambda d, h, n: torch.zeros(n), "zeros(tuple)": lambda d, h, n: torch.zeros((n, 2)),
+    "empty": lambda d, h, n: torch.empty(n, 1), "ones": lambda d, h, n: torch.ones(n),
+    "full": lambda d, h, n: torch.full((n,), 1.0), "eye": lambda d, h, n: torch.eye(n),
+    "new_zeros": lambda d, h, n: d.new_zeros(n), "new_full": lambda d, h, n: d.new_full((n,), 0.0),
+    "narrow": lambda d, h, n: h.narrow(0, 0, n), "narrow(device)": lambda d, h, n: d.narrow(0, 0, n),
+    "torch.narrow": lambda d, h, n: torch.narrow(h, 0, 0, length=n),
+    "reshape": lambda d, h, n: h[:2].reshape(n, 1), "view": lambda d, h, n: d[:2].view((n, 1)),
+    "split": lambda d, h, n: h.split(n), "expand": lambda d, h, n: h[:1].expand(n, 3),
+    "repeat": lambda d, h, n: d.repeat(n), "tile": lambda d, h, n: h.tile((n,)),
+}
+
+
+@pytest.mark.parametrize("use", list(_SIZED.values()), ids=list(_SIZED))
+def test_a_device_tensor_used_as_a_size_is_read(use):
+    n, where = _counted(lambda d, h: use(d, h, d[1].long()))
+    assert n == 1 and "device size" in where[-1], where
+
+
+def test_sizes_from_the_host_read_nothing():
+    def sized(d, h):
+        k = torch.tensor(2)  # a 0-dim host integer: read on the host
+        torch.arange(k), torch.zeros(k, 2), d.narrow(0, 0, k), d[:2].reshape(k, 1), d.split(k), d.repeat(2)
+        d.new_zeros(3), d[:1].expand(3), torch.full((3,), 1.0)
+
+    n, where = _counted(sized)
+    assert n == 0, where
+
+
 class _Moves(HostSyncs):
     """``HostSyncs`` that also keeps each ``.to`` call's target and ``non_blocking``."""
 

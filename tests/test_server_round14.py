@@ -14,7 +14,7 @@ from conftest import tiny_llama
 pytest.importorskip("fastapi")
 
 from spec_plugins.server.metrics import Metrics  # noqa: E402
-from spec_plugins.server.ray_serve import ReplicaOptions, app_from_args  # noqa: E402
+from spec_plugins.server.ray_serve import ReplicaOptions, Scaling, app_from_args  # noqa: E402
 from spec_plugins.stats import DecodeStats  # noqa: E402
 
 CFG = {"target": {"backend": "torch", "model": "x"}}
@@ -53,6 +53,50 @@ def test_option_bounds_are_the_cli_options_bounds():
     assert set(shared) == set(OPTION_BOUNDS) - {"threads"}  # threads: derived from --num-cpus
     for name in shared:
         assert params[name].default.min == OPTION_BOUNDS[name][1], name
+
+
+# ---- Scaling: a config file's `scaling` args -----------------------------------------------------
+@pytest.mark.parametrize("field,value", [("replicas", 0), ("replicas", -1), ("replicas", 1.5), ("num_cpus", -1),
+                                         ("num_gpus", -0.5), ("num_gpus", float("nan")),
+                                         ("target_ongoing_requests", 0), ("max_ongoing_requests", 0),
+                                         ("max_ongoing_requests", True)])
+def test_a_config_files_bad_scaling_is_refused_at_deploy_naming_it(field, value):
+    with pytest.raises(ValueError) as err:
+        app_from_args({"options": {"config": CFG}, "scaling": {field: value}})  # before Ray is asked
+    assert f"scaling.{field}" in str(err.value) and repr(value) in str(err.value), err.value
+
+
+@pytest.mark.parametrize("pair", [[3, 1], [0, 0], [-1, 2], [1], [1.0, 2], [True, 2], "1:4"])
+def test_a_config_files_bad_autoscale_range_is_refused_naming_it(pair):
+    with pytest.raises(ValueError, match=r"scaling\.autoscale"):
+        app_from_args({"options": {"config": CFG}, "scaling": {"autoscale": pair}})
+
+
+def test_the_autoscale_rule_is_the_clis():
+    from spec_plugins.server.ray_serve import parse_autoscale
+
+    with pytest.raises(ValueError, match=r"--autoscale '3:1': need 0 <= MIN <= MAX"):
+        parse_autoscale("3:1")
+    with pytest.raises(ValueError, match=r"scaling.autoscale \[3, 1\]: need 0 <= MIN <= MAX"):
+        Scaling(autoscale=(3, 1))
+
+
+def test_the_least_scaling_values_the_cli_allows_are_accepted():
+    sc = Scaling(replicas=1, num_cpus=0, num_gpus=0.0, target_ongoing_requests=0.5, max_ongoing_requests=1)
+    assert sc.deployment_options()["num_replicas"] == 1
+    assert Scaling(autoscale=(0, 1)).deployment_options()["autoscaling_config"]["max_replicas"] == 1
+    assert Scaling().replicas == 1  # the defaults pass too
+
+
+def test_scaling_bounds_are_the_cli_options_bounds():
+    from spec_plugins.server.cli import serve
+    from spec_plugins.server.ray_serve import SCALING_BOUNDS
+
+    params = inspect.signature(serve).parameters
+    shared = [name for name in SCALING_BOUNDS if name in params]
+    assert set(shared) == {"replicas", "num_cpus", "num_gpus"}  # the rest are not serve options
+    for name in shared:
+        assert params[name].default.min == SCALING_BOUNDS[name][1], name
 
 
 def test_server_state_refuses_no_body_workers():

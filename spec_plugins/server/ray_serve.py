@@ -32,6 +32,15 @@ OPTION_BOUNDS: dict[str, tuple[type, float, bool]] = {
     "cpu_workers": (int, 1, False),
     "threads": (int, 1, True),
 }
+# The same for Scaling (cli.py's ``--replicas``/``--num-cpus``/``--num-gpus`` ``min=``, and what Ray's
+# deployment config needs of the rest): field -> (int or float, bound, bound excluded).
+SCALING_BOUNDS: dict[str, tuple[type, float, bool]] = {
+    "replicas": (int, 1, False),
+    "num_cpus": (float, 0.0, False),
+    "num_gpus": (float, 0.0, False),
+    "target_ongoing_requests": (float, 0.0, True),
+    "max_ongoing_requests": (int, 1, False),
+}
 
 
 @dataclass(frozen=True)
@@ -66,14 +75,17 @@ class ReplicaOptions:
             raise ValueError(f"options.max_input_tokens ({lo}) must be < options.max_total_tokens ({hi})")
 
 
-def _check_bound(name: str, value: Any, kind: type, least: float, optional: bool) -> None:
-    """One ``OPTION_BOUNDS`` entry: the type (a bool is no number), finite, and at least ``least``."""
+def _check_bound(name: str, value: Any, kind: type, least: float, optional: bool, *,
+                 where: str = "options", above: bool = False) -> None:
+    """One ``OPTION_BOUNDS``/``SCALING_BOUNDS`` entry: the type (a bool is no number), finite, and at
+    least ``least`` (more than it where ``above``)."""
     if value is None and optional:
         return
     numeric = isinstance(value, int) or (kind is float and isinstance(value, float))
-    if isinstance(value, bool) or not numeric or not math.isfinite(value) or value < least:
+    if (isinstance(value, bool) or not numeric or not math.isfinite(value) or value < least
+            or (above and value == least)):
         what = "an integer" if kind is int else "a finite number"
-        raise ValueError(f"options.{name} must be {what} >= {least}, got {value!r}")
+        raise ValueError(f"{where}.{name} must be {what} {'>' if above else '>='} {least}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -88,8 +100,18 @@ class Scaling:
     max_ongoing_requests: int = 32  # per replica: the proxy queues beyond this
 
     def __post_init__(self) -> None:
-        """A fixed count and a range both set the replica count; Ray would keep only the range
-        (``deployment_options``), so a config file giving both is refused, not half applied."""
+        """A Serve config file's ``scaling`` reaches here without the CLI's checks: each value is held
+        to the CLI's rule, or Ray's where the CLI sets it (Ray's own errors do not name the config
+        field, and it takes ``target_ongoing_requests: 0``). A fixed count and a range both set the replica count; Ray
+        would keep only the range (``deployment_options``), so giving both is refused, not half applied."""
+        for name, (kind, bound, above) in SCALING_BOUNDS.items():
+            _check_bound(name, getattr(self, name), kind, bound, False, where="scaling", above=above)
+        if self.autoscale is not None:
+            pair = self.autoscale
+            if (not isinstance(pair, (tuple, list)) or len(pair) != 2
+                    or not all(isinstance(x, int) and not isinstance(x, bool) for x in pair)):
+                raise ValueError(f"scaling.autoscale must be [MIN, MAX] (two integers), got {pair!r}")
+            _check_autoscale(pair[0], pair[1], f"scaling.autoscale {list(pair)}")
         if self.autoscale is not None and self.replicas != 1:
             raise ValueError(f"replicas {self.replicas} and autoscale {list(self.autoscale)} both set the replica "
                              "count: give one (autoscale starts at MIN replicas)")
@@ -112,9 +134,14 @@ def parse_autoscale(text: str) -> tuple[int, int]:
         lo, hi = (int(x) for x in text.split(":"))
     except ValueError:
         raise ValueError(f"--autoscale {text!r}: expected MIN:MAX, e.g. 1:4") from None
-    if lo < 0 or hi < 1 or lo > hi:
-        raise ValueError(f"--autoscale {text!r}: need 0 <= MIN <= MAX and MAX >= 1")
+    _check_autoscale(lo, hi, f"--autoscale {text!r}")
     return lo, hi
+
+
+def _check_autoscale(lo: int, hi: int, shown: str) -> None:
+    """The one autoscale range rule, for ``--autoscale`` and a config file's ``scaling.autoscale``."""
+    if lo < 0 or hi < 1 or lo > hi:
+        raise ValueError(f"{shown}: need 0 <= MIN <= MAX and MAX >= 1")
 
 
 def build_replica_app(options: ReplicaOptions) -> Any:
