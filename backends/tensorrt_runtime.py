@@ -165,9 +165,12 @@ class TensorRTRuntime(SlotRuntime):
         """Sizes and names of the verify-graph layout, from the manifest (no engine calls)."""
         self.profiles, self.limits, self._dtypes, self.device = profiles, limits, dtypes, device
         self.vocab_size = int(model["vocab_size"])
+        # trained heads load the LM head and embeddings from the model the engine was built from
+        self.source_model = model.get("source_model") or None
         self.max_context = engine_context(limits, model, max_context)
         self.max_slots = limits.max_context  # the engines' past axis P is bounded
         self.prefill_chunk = max(p.ranges["N"][2] for p in profiles)
+        self.max_draft_nodes = limits.max_draft  # the decode profile's N is 1 + at most this (loop.capacity)
         self.mask_dtype = dtypes["attention_mask"]
         has_hidden = any(t["name"] == "hidden" for t in self.outputs)
         layers = tuple(model.get("feature_layers") or ()) if any(t["name"] == "features" for t in self.outputs) else ()

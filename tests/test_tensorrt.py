@@ -215,7 +215,9 @@ class OrtExecutedEngine:
         eng.calls = []
         eng.inputs, eng.outputs = g.inputs, g.outputs
         dtypes = {t["name"]: getattr(torch, t["dtype"]) for t in g.inputs + g.outputs}
-        model = {"num_layers": g.num_layers, "vocab_size": g.vocab_size, "max_context": g.max_context}
+        # the fields the engine manifest copies from the graph's (exporters/tensorrt_build.py)
+        model = {"num_layers": g.num_layers, "vocab_size": g.vocab_size, "max_context": g.max_context,
+                 "source_model": g.source_model, "feature_layers": g.feature_layers}
         eng._init_layout(profiles(limits), limits, model, dtypes, torch.device("cpu"), None)
         return eng
 
@@ -551,3 +553,34 @@ def test_gpu_trt_runtime_on_a_second_device_runs_while_another_is_current(engine
     want = [ref.prefill(rows).logits.cpu(), ref.forward(nxt).logits.cpu()]
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa", "parallel"])
+def test_trained_heads_draft_on_an_engine_built_from_a_model(tmp_path, kind):
+    """A trained head shares the target's LM head and embeddings: on an engine they come from the
+    model it was built from (the manifest's ``source_model``). The runtime kept no source model,
+    so every trained-head proposer failed to build on TensorRT."""
+    pytest.importorskip("onnxruntime")
+    from helpers import save_random_heads
+
+    from spec_plugins import SpecConfig, SpeculativeDecoder
+    from spec_plugins.exporters.onnx_export import export_models
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model = tiny_llama(vocab=32, seed=2, sharpness=3.0)
+    src = tmp_path / "src"  # loadable by name, as a source model must be: weights and a tokenizer
+    tk = Tokenizer(models.WordLevel({f"w{i}": i for i in range(32)}, unk_token="w0"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="w0", eos_token="w31").save_pretrained(str(src))
+    model.save_pretrained(str(src))
+    export_models(tmp_path / "onnx", (model, None, str(src)), feature_layers=(1, 2))
+    heads = save_random_heads(model, tmp_path / "heads")
+    section = {"type": kind, "heads": str(heads[kind]), "num_draft_tokens": 3}
+    cfg = SpecConfig.parse({"target": {"backend": "torch", "model": "unused"}, "proposer": section})
+    eng = OrtExecutedEngine.build(tmp_path / "onnx", Limits(max_batch=2, max_draft=8, max_context=120, prefill_chunk=8))
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [7, 7, 8, 9, 7]]
+    got = SpeculativeDecoder.from_config(cfg, target=eng).generate_batch(prompts, max_new_tokens=16)
+    want = SpeculativeDecoder.from_config(cfg, target=TorchRuntime(model)).generate_batch(prompts, max_new_tokens=16)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]

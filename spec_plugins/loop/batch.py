@@ -20,7 +20,7 @@ from spec_plugins.config import SamplingConfig
 from spec_plugins.grammar import rounds as grammar
 from spec_plugins.keyed_draws import lane_seed
 import spec_plugins.loop.processing as processing
-from spec_plugins.loop.capacity import fit as fit_pool, pool_of, shortfall as pool_shortfall
+from spec_plugins.loop.capacity import fit as fit_pool, max_nodes, pool_of, shortfall as pool_shortfall
 from spec_plugins.loop.ownership import Lease, check_held
 from spec_plugins.loop.rows import Row, seen_sequences
 from spec_plugins.loop.verdicts import broken_nodes, read_round, verify_groups
@@ -251,13 +251,13 @@ class Batch:
         return budgets, policy.draft(self.traits.sources, ctx)
 
     def place(self, draft: Draft | None) -> Draft | None:
-        """The sized draft (forced tokens ahead), cut to what the runtime's shared pool holds
-        (``loop.capacity``), on the runtime's device (moved once), and its rows' grammar masks
+        """The sized draft (forced tokens ahead), cut to what the runtime's shared pool holds and to
+        the widest forward it runs (``loop.capacity``), on the runtime's device (moved once), and its rows' grammar masks
         built where its tokens are. The proposer's draft is checked first (``api_inputs.check_draft``):
         its values only where reading them costs no device sync or the drafter is not the package's own."""
         self._check_draft(draft)
         draft = grammar.splice(draft, self.forced)
-        draft = fit_pool(draft, pool_of(self.runtime), [len(r.tokens) - 1 for r in self.rows])
+        draft = fit_pool(draft, pool_of(self.runtime), [len(r.tokens) - 1 for r in self.rows], max_nodes(self.runtime))
         if self.forced:
             self.forced = [f[: draft.size if draft is not None else 0] for f in self.forced]
         self._masks = grammar.round_masks(self.rows, draft, self.device)

@@ -11,6 +11,9 @@ per row). Two rules keep every round inside it, so no round fails for room:
    nodes fit the cells left after the rows' caches. Every prefix of a draft is a tree (a parent
    precedes its children) and drafters order nodes best-first, so the cut keeps the best part.
 
+A runtime with fixed-shape steps (a TensorRT engine, ``max_draft_nodes``) scores at most so many
+nodes a forward: each round's draft is cut to them the same way (``max_nodes``).
+
 Cutting a draft changes which tokens are verified, never the output.
 """
 
@@ -45,8 +48,17 @@ def shortfall(pool: Any, held: Sequence[int], new: Sequence[int], whose: str = "
     return None
 
 
-def fit(draft: Draft | None, pool: Any, lengths: Sequence[int]) -> Draft | None:
-    """``draft`` cut to what the pool holds this round (rule 2): None when not one node fits."""
+def max_nodes(runtime: Any) -> int | None:
+    """The most drafted nodes one forward of ``runtime`` scores (a TensorRT engine's ``max_draft``:
+    its profiles run at most that many positions past the pending token); None: no bound."""
+    return getattr(runtime, "max_draft_nodes", None)
+
+
+def fit(draft: Draft | None, pool: Any, lengths: Sequence[int], most: int | None = None) -> Draft | None:
+    """``draft`` cut to what the pool holds this round (rule 2) and to ``most`` nodes (``max_nodes``,
+    the widest forward the runtime runs): None when not one node fits."""
+    if draft is not None and most is not None and draft.size > most:
+        draft = cut(draft, most) if most > 0 else None
     if draft is None or pool is None:
         return draft
     B = len(lengths)
