@@ -39,7 +39,7 @@ MAX_STEPS = typer.Option(None, "--max-steps", min=1)
 STOP_AFTER = typer.Option(None, "--stop-after", min=1, help="Leave after N steps; rerun to resume.")
 FINALIZE = typer.Option(False, "--finalize", help="Write the head from the last checkpoint now.")
 THREADS = typer.Option(2, "--threads", min=1)
-SEED = typer.Option(0, "--seed")
+SEED = typer.Option(0, "--seed", min=0, max=2**32 - 1)  # trainer.MAX_SEED: derived seeds stay in int64
 NO_PROGRESS = typer.Option(False, "--no-progress")
 
 
@@ -152,11 +152,16 @@ def features_cmd(
         t0 = time.perf_counter()
         state = extract(model, examples, out, meta, keep, max_tokens, shard_tokens, progress=not no_progress,
                         skipped=skipped)  # refuses a target whose logits are not its LM head's (first batch)
-    except (FileNotFoundError, ValueError, LookupError) as exc:
-        fail(exc)
+    except (FileNotFoundError, ValueError, LookupError, OSError) as exc:
+        _fail(exc, out)
         return
     state = {**state, "filter_counts_this_run": counts.as_dict(), "wall_seconds_this_run": round(time.perf_counter() - t0, 1)}
     typer.echo(json.dumps({k: v for k, v in state.items() if k != "shards"} | {"shards": len(state["shards"])}, indent=1))
+
+
+def _fail(exc: BaseException, out: Path) -> None:
+    """``fail``; any other OSError (a full disk, a read-only --out) or safetensors error says ``out`` was not written."""
+    fail(exc if isinstance(exc, (FileNotFoundError, ValueError, LookupError)) else f"cannot write {out}: {exc}")
 
 
 def _decoder(backend: str, target: str) -> Any:
@@ -166,12 +171,6 @@ def _decoder(backend: str, target: str) -> Any:
 
     return SpeculativeDecoder.from_config(SpecConfig.parse({"target": {"backend": backend, "model": target},
                                                             "proposer": None}))
-
-
-def _train_cfg(**kw: Any):
-    from spec_plugins.training.trainer import TrainConfig
-
-    return TrainConfig(**{k: v for k, v in kw.items() if v is not None})
 
 
 def _load(features: Path, heldout: Optional[Path], target: Optional[str], layers: bool):
@@ -243,8 +242,8 @@ def self_distill_cmd(
     try:
         state = write_token_shards(regenerate(dec, convs, ways, max_new_tokens, max_seq, rows), out, meta,
                                    len(dec.tokenizer), max_tokens, shard_tokens)
-    except ValueError as exc:  # no conversation kept (an empty split, a --max-seq that cuts every answer)
-        fail(exc)
+    except (ValueError, OSError) as exc:  # no conversation kept (an empty split, a --max-seq that cuts every answer)
+        _fail(exc, out)
         return
     took = time.perf_counter() - t0
     state |= {"wall_seconds": round(took, 1), "seconds_per_million_tokens": seconds_per_million(took, state["tokens"])}
@@ -382,13 +381,16 @@ def _run_training(features: Path, heldout: Optional[Path], out: Path, threads: i
         check_finite(cfg.get(key), flag)
     check_output_dir(out)
     import torch
+    from safetensors import SafetensorError
+
+    from spec_plugins.training.trainer import TrainConfig
 
     torch.set_num_threads(threads)
     try:
-        tcfg = _train_cfg(**cfg)  # checks its values before anything loads
+        tcfg = TrainConfig(**{k: v for k, v in cfg.items() if v is not None})  # checks its values before anything loads
         store, held, model = _load(features, heldout, None, layers)
         report = go(store, model, tcfg, held)
-    except (FileNotFoundError, ValueError) as exc:
-        fail(exc)
+    except (FileNotFoundError, ValueError, OSError, SafetensorError) as exc:  # save_head's safetensors error
+        _fail(exc, out)
         return
     typer.echo(json.dumps(report, indent=2))

@@ -21,15 +21,20 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Iterable, Iterator, Protocol, Sequence
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from spec_plugins.training.heldout import check_heldout  # noqa: F401 (imported from here too)
+from spec_plugins.training.trainer import write_atomic
 
 FORMAT = "spec-plugins-features/1"
 
@@ -57,21 +62,16 @@ class Shard:
         return slice(int(self.offsets[i]), int(self.offsets[i + 1]))
 
     def save(self, path: Path) -> None:
-        from safetensors.torch import save_file
-
-        tmp = path.with_suffix(".tmp")
-        save_file({"tokens": self.tokens, "trained": self.trained.to(torch.uint8), "offsets": self.offsets,
-                   "hidden": self.hidden.contiguous(), "layers": self.layers.contiguous(), "lse": self.lse,
-                   "top1": self.top1}, str(tmp), metadata={"format": FORMAT})
-        tmp.replace(path)
+        t = {"tokens": self.tokens, "trained": self.trained.to(torch.uint8), "offsets": self.offsets,
+             "hidden": self.hidden.contiguous(), "layers": self.layers.contiguous(), "lse": self.lse, "top1": self.top1}
+        write_atomic(path, lambda tmp: save_file(t, str(tmp), metadata={"format": FORMAT}))
 
     @classmethod
     def load(cls, path: Path) -> "Shard":
-        from safetensors.torch import load_file
-
-        t = load_file(str(path))
-        return cls(t["tokens"].long(), t["trained"].bool(), t["offsets"].long(), t["hidden"], t["layers"],
-                   t["lse"].float(), t["top1"].long())
+        with shard_errors(path):
+            t = load_file(str(path))
+            return cls(t["tokens"].long(), t["trained"].bool(), t["offsets"].long(), t["hidden"], t["layers"],
+                       t["lse"].float(), t["top1"].long())
 
     @staticmethod
     def concat(parts: Sequence["Shard"]) -> "Shard":
@@ -82,6 +82,16 @@ class Shard:
         cat = lambda name: _cat_same_dtype([getattr(p, name) for p in parts])  # noqa: E731
         return Shard(cat("tokens"), cat("trained"), torch.cat(offs), cat("hidden"), cat("layers"), cat("lse"),
                      cat("top1"))
+
+
+@contextmanager
+def shard_errors(path: Path) -> Iterator[None]:
+    """Feature shard ``path`` read: missing or corrupt (an interrupted copy), a ValueError naming it (as load_head)."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - safetensors' own error, a missing file or tensor name
+        raise ValueError(f"feature shard {path} cannot be read ({type(exc).__name__}: {exc}); extract the features "
+                         "again into a new --out (`spec-plugins train features`) or copy them again") from None
 
 
 def compact(t: torch.Tensor) -> torch.Tensor:
@@ -256,9 +266,7 @@ class ShardWriter:
         st["seconds"] = round(st["seconds"] + now - self._t_last, 3)
         self._t_last = now
         st["exhausted"] = exhausted  # every example was read: a bigger budget adds nothing
-        tmp = self.progress_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(st, indent=1) + "\n")
-        tmp.replace(self.progress_path)
+        write_atomic(self.progress_path, lambda tmp: tmp.write_text(json.dumps(st, indent=1) + "\n"))
 
 
 def extract(model: Any, examples: Iterable[tuple[list[int], list[bool]]], out: Path, meta: dict,
@@ -271,8 +279,9 @@ def extract(model: Any, examples: Iterable[tuple[list[int], list[bool]]], out: P
     that skips them before making them: regenerating answers is slow)."""
     from tqdm.auto import tqdm
 
+    made = next((p for p in reversed([Path(out), *Path(out).parents]) if not p.exists()), None)
     writer = ShardWriter(Path(out), meta, shard_tokens)
-    if writer.state.get("exhausted") or writer.tokens >= max_tokens:
+    if writer.tokens and (writer.state.get("exhausted") or writer.tokens >= max_tokens):
         return writer.state
     start_consumed = writer.state["consumed"]
     if skipped not in (0, start_consumed):
@@ -302,9 +311,14 @@ def extract(model: Any, examples: Iterable[tuple[list[int], list[bool]]], out: P
         outs = target_outputs(model, torch.tensor([ids], device=dev), layers)
         writer.add(ids, trained, {k: v.cpu() for k, v in outs.items()}, consumed)
         bar.update(len(ids))
+    bar.close()
+    if not writer.tokens:  # no reader takes a store without shards: refused, as write_token_shards does
+        if made is not None:
+            shutil.rmtree(made)
+        raise ValueError("no conversation to write: none holding an answer (an assistant token, 2 tokens or more) "
+                         f"within the budget of {max_tokens} tokens; {out} left as it was")
     writer.skip(consumed)
     writer.flush(exhausted=exhausted)
-    bar.close()
     return writer.state
 
 
@@ -363,17 +377,13 @@ class FeatureStore(ShardDirectory):
 
     def read(self, i: int, names: Sequence[str]) -> dict[str, torch.Tensor]:
         """Some tensors of shard i (e.g. ``offsets``, ``trained``) without loading its features."""
-        from safetensors import safe_open
-
-        with safe_open(str(self.shards[i]), framework="pt") as f:
+        with shard_errors(self.shards[i]), safe_open(str(self.shards[i]), framework="pt") as f:
             return {n: f.get_tensor(n) for n in names}
 
     @property
     def hidden_size(self) -> int:
         """The target's hidden width, read from the first shard's header."""
-        from safetensors import safe_open
-
-        with safe_open(str(self.shards[0]), framework="pt") as f:
+        with shard_errors(self.shards[0]), safe_open(str(self.shards[0]), framework="pt") as f:
             return int(f.get_slice("hidden").get_shape()[1])
 
     def iter_shards(self, order: Sequence[int] | None = None) -> Iterator[Shard]:

@@ -19,13 +19,34 @@ def heldout_share(meta: dict) -> float | None:
     return None if meta.get("source") == "prompts" else meta.get("heldout_share")
 
 
+def same_data(train: FeatureStore, held: FeatureStore) -> str | None:
+    """What makes ``held`` the training features' own conversations, or None: the same directory,
+    the same prompts file or token shards (by fingerprint, recorded whatever their split), or both
+    of ShareGPT's held-out split (a hash threshold: the smaller share's conversations are in both)."""
+    if train.directory.resolve() == held.directory.resolve():
+        return "the training features themselves (the same directory)"
+    for key in ("prompts (fingerprint)", "token shards (fingerprint)"):
+        if train.meta.get(key) is not None and train.meta.get(key) == held.meta.get(key):
+            return f"the same {key.removesuffix(' (fingerprint)')} (fingerprint {held.meta[key]})"
+    both = [m.get("split") == "heldout" and m.get("source") != "prompts" for m in (train.meta, held.meta)]
+    if all(both):
+        return ("ShareGPT's held-out split, which the training features were made from too (--split heldout; "
+                f"heldout_share {heldout_share(train.meta)} and {heldout_share(held.meta)})")
+    return None
+
+
 def check_heldout(train: FeatureStore, held: FeatureStore, layers: bool = True) -> None:
     """Held-out features score the head trained on ``train``: refused when made from the training
     split, with a larger ``--heldout-share`` than the training split's (the split is a hash
     threshold, so the conversations between the two shares are in both), of another target, of
-    another width, or, where the head reads them (``layers``), of other layers. Features that
-    record no split (token shards that do not say, a prompts file of the user's) are taken as the
-    user says."""
+    another width, or, where the head reads them (``layers``), of other layers; also when they hold
+    the training features' own conversations (``same_data``). Features that record no split (token
+    shards that do not say, a prompts file of the user's) are otherwise taken as the user says."""
+    shared = same_data(train, held)
+    if shared:
+        raise ValueError(f"held-out features {held.directory} hold {shared} (training features: {train.directory}): "
+                         "held-out numbers would be measured on training data; score on features of other "
+                         "conversations (train on `train features --split train`, score on `--split heldout`)")
     split = held.meta.get("split")
     if split == "train":
         made = {"tokens": f"token shards of the training split ({held.meta.get('tokens')})",

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 IGNORE = -100
+MAX_SEED = 2**32 - 1  # seeds derived from it (seed * 1000 + epoch, seed * 7919 + step) stay in int64
 
 
 @dataclass
@@ -42,6 +43,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.epochs) and self.epochs > 0):
             raise ValueError(f"epochs must be a positive number, got {self.epochs}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be in 0..{MAX_SEED}, got {self.seed}")
 
 
 # what a resumed run may change: how long it runs and how often it saves, not what it learns (the
@@ -135,11 +138,10 @@ class Loop:
 
     def save(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
-        tmp = self.ckpt.with_suffix(".tmp")
-        torch.save({"module": self.module.state_dict(), "opt": self.opt.state_dict(),
-                    "sched": self.sched.state_dict(), "step": self.step, "seconds": self.seconds,
-                    "head_config": self.head_config, "total": self.total, "settings": self.settings}, tmp)
-        tmp.replace(self.ckpt)
+        state = {"module": self.module.state_dict(), "opt": self.opt.state_dict(), "sched": self.sched.state_dict(),
+                 "step": self.step, "seconds": self.seconds, "head_config": self.head_config, "total": self.total,
+                 "settings": self.settings}
+        write_atomic(self.ckpt, lambda tmp: torch.save(state, tmp))
 
     def run(self, loss_at: Callable[[int], torch.Tensor], positions_at: Callable[[int], int] = lambda step: 0
             ) -> TrainResult:
@@ -184,6 +186,21 @@ class Loop:
         res.finished = self.step >= self.total or self.cfg.finalize
         res.steps, res.scheduled = self.step, self.total
         return res
+
+
+def write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
+    """``write(tmp)``, then ``tmp`` moved onto ``path``: a reader never sees half a file. A write that
+    fails (a full disk: an OSError, torch.save's RuntimeError, safetensors' own error) deletes the
+    truncated ``tmp`` and raises an OSError naming ``path``, which the CLI reports as such."""
+    from safetensors import SafetensorError
+
+    tmp = path.with_suffix(".tmp")
+    try:
+        write(tmp)
+        tmp.replace(path)
+    except (OSError, RuntimeError, SafetensorError) as exc:
+        tmp.unlink(missing_ok=True)
+        raise OSError(f"{path}: {type(exc).__name__}: {exc}") from exc
 
 
 def non_finite_loss(step: int, loss: float, out: Path) -> str:
