@@ -131,3 +131,18 @@ def test_thread_counts_past_any_cpu_are_refused_at_parse_time(field):
     with pytest.raises(ConfigError, match=rf"{field}.*less than or equal to 1024"):
         SpecConfig.parse(_cfg(**{field: 100_000}))
     assert getattr(SpecConfig.parse(_cfg(**{field: 1024})).target, field) == 1024
+
+
+@_model_test
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_a_trained_head_on_llamacpp_is_refused_naming_the_hidden_states(rt, kind):
+    """llama.cpp returns no hidden states: a trained head is refused saying so (it was refused
+    for having no source model, a fix that would not help)."""
+    from pathlib import Path
+
+    from spec_plugins import SpeculativeDecoder
+
+    heads = Path(__file__).resolve().parents[1] / "examples" / "heads" / "smollm2-135m-instruct" / kind
+    cfg = SpecConfig.parse({**_cfg(), "proposer": {"type": kind, "heads": str(heads)}})
+    with pytest.raises(ValueError, match="hidden states, which the llamacpp runtime does not return"):
+        SpeculativeDecoder.from_config(cfg, target=rt)

@@ -233,8 +233,12 @@ def test_head_reading_layers_the_target_lacks_is_refused_before_a_forward(kind, 
     batch pairs them, not an IndexError inside the first forward's hidden states."""
     from spec_plugins.proposers.parallel import ParallelProposer
 
-    heads = save_random_heads(tiny_llama(seed=3), tmp_path)
-    target = TorchRuntime(tiny_llama(seed=3, layers=1))
+    two, one = tiny_llama(seed=3), tiny_llama(seed=3, layers=1)
+    heads = save_random_heads(two, tmp_path)
+    with torch.no_grad():  # the same LM head and embeddings: the heads' own target but for its depth
+        one.lm_head.weight.copy_(two.lm_head.weight)
+        one.model.embed_tokens.weight.copy_(two.model.embed_tokens.weight)
+    target = TorchRuntime(one)
     cls = {"eagle": EagleProposer, "parallel": ParallelProposer}[kind]
     prop = cls(cls.Config(heads=str(heads[kind])), target=target)
     calls = []

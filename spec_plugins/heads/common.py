@@ -61,6 +61,11 @@ def target_lm_parts(target: Any) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(target, tuple):
         return target
     model = target if hasattr(target, "get_output_embeddings") else getattr(target, "model", None)
+    caps = getattr(target, "capabilities", None)
+    if model is None and caps is not None and not caps.hidden_states:
+        raise ValueError(f"a trained head drafts from the target's hidden states, which the {caps.name or 'target'} "
+                         "runtime does not return; use a proposer that needs none (ngram, suffix, recycling, "
+                         "lookahead, a draft model) on this runtime")
     if model is None:
         source = getattr(target, "source_model", None)
         if source is None:
@@ -107,7 +112,9 @@ class HeadFiles:
 
 def save_head(module: nn.Module, config: dict, directory: str | Path, dtype: torch.dtype = torch.float16) -> HeadFiles:
     """Write trainable weights (+ the draft vocabulary) as safetensors and the config as JSON.
-    The frozen target tensors (LM head, embeddings) are not written: they come from the target."""
+    The frozen target tensors (LM head, embeddings) are not written: they come from the target,
+    so the config records a sample of them (``target_fingerprint``) that loading checks.
+    A ``target`` name in ``config`` is what the refusal names as the head's target."""
     from safetensors.torch import save_file
 
     files = HeadFiles(Path(directory))
@@ -117,6 +124,8 @@ def save_head(module: nn.Module, config: dict, directory: str | Path, dtype: tor
     tmp = files.weights.with_suffix(".tmp")
     save_file(state, str(tmp), metadata={"kind": str(config.get("kind", ""))})
     tmp.replace(files.weights)
+    sample = target_fingerprint(module)
+    config = config if sample is None else {**config, FINGERPRINT: sample}
     files.config.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return files
 
@@ -173,9 +182,13 @@ def tensor_problem(name: str, tensor: torch.Tensor) -> str | None:
     return None
 
 
-def check_target_fit(hidden_size: int, vocab_ids: torch.Tensor, lm_weight: torch.Tensor) -> None:
+def check_target_fit(hidden_size: int, vocab_ids: torch.Tensor, lm_weight: torch.Tensor,
+                     embed_weight: torch.Tensor | None = None, config: dict | None = None, target: Any = None) -> None:
     """Refuse a head trained for another target before it drafts: its hidden size must be the
-    width of the target's LM head ``lm_weight`` [V, H], and its draft vocabulary rows of it."""
+    width of the target's LM head ``lm_weight`` [V, H], its draft vocabulary rows of it, and
+    the sample of the target's tensors its ``config`` records (``target_fingerprint``; a head
+    saved without one is checked on shapes only) must match ``lm_weight`` and ``embed_weight``.
+    Another model of the same shapes loads otherwise and drafts tokens its target rejects."""
     if hidden_size != lm_weight.shape[1]:
         raise ValueError(f"it was trained for a target of hidden size {hidden_size}, this target's is "
                          f"{lm_weight.shape[1]}")
@@ -184,6 +197,98 @@ def check_target_fit(hidden_size: int, vocab_ids: torch.Tensor, lm_weight: torch
         if low < 0 or high >= lm_weight.shape[0]:
             raise ValueError(f"its draft vocabulary holds token {low if low < 0 else high}, outside this target's "
                              f"vocabulary of {lm_weight.shape[0]}")
+    sample = (config or {}).get(FINGERPRINT)
+    if sample is None:
+        return
+    rows, cols, recorded = fingerprint_field(sample, lm_weight.shape)
+    worst, where = 0.0, ""
+    for name, tensor in (("lm_head", lm_weight), ("embed", embed_weight)):
+        if name in recorded and tensor is not None:
+            err = relative_gap(torch.tensor(_entries(tensor, rows, cols)), recorded[name])
+            if err > worst:
+                worst, where = err, {"lm_head": "LM head", "embed": "embedding"}[name]
+    if worst > FINGERPRINT_TOLERANCE:
+        trained = (config or {}).get("target")
+        raise ValueError(f"it was trained for {f'target {trained!r}' if trained else 'another target'}, not for "
+                         f"{target_name(target)}: the {where} values its config.json records ({FINGERPRINT}) differ "
+                         f"from this target's by {worst:.0%} of their size, more than the {FINGERPRINT_TOLERANCE:.0%} "
+                         "allowed for a bf16 or quantized copy of the same weights; train a head for this target")
+
+
+FINGERPRINT = "target_fingerprint"  # the config.json field
+FINGERPRINT_SIZE = 48  # sampled entries of each tensor
+# largest relative L2 gap accepted: quantization to 4 bits moves the sample far less than this,
+# another model's weights (even of the same shapes) move it by about their own size
+FINGERPRINT_TOLERANCE = 0.3
+
+
+def target_fingerprint(module: nn.Module) -> dict | None:
+    """A fixed sample of the target tensors a head was built with: ``FINGERPRINT_SIZE`` entries
+    (draft-vocabulary rows, seeded columns) of its LM head rows ``lm_weight`` (row i is token
+    ``vocab_ids[i]``) and, where it holds them, its embeddings, as floats (JSON), so a load on a
+    target of another dtype or device can compare them; None for a module without them."""
+    ids, lm = getattr(module, "vocab_ids", None), getattr(module, "lm_weight", None)
+    if not isinstance(ids, torch.Tensor) or not isinstance(lm, torch.Tensor) or not ids.numel():
+        return None
+    gen = torch.Generator().manual_seed(0)
+    pos = torch.randint(ids.numel(), (FINGERPRINT_SIZE,), generator=gen)
+    cols = torch.randint(lm.shape[1], (FINGERPRINT_SIZE,), generator=gen)
+    rows = ids.detach().cpu()[pos]
+    sample = {"rows": rows.tolist(), "cols": cols.tolist(), "lm_head": _entries(lm, pos, cols)}
+    emb = getattr(module, "embed_weight", None)
+    if isinstance(emb, torch.Tensor):
+        sample["embed"] = _entries(emb, rows, cols)
+    return sample
+
+
+def _entries(weight: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> list[float]:
+    """``weight[rows, cols]`` as floats, gathered where ``weight`` lives (not copied whole)."""
+    values = weight.detach()[rows.to(weight.device), cols.to(weight.device)]
+    return [float(f"{v:.7g}") for v in values.float().cpu().tolist()]
+
+
+def fingerprint_field(sample: Any, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """(rows, cols, {tensor name: recorded values}) of a config's ``target_fingerprint``, checked
+    as read (a hand-edited one is refused naming the field); entries outside a target of
+    ``shape`` [V, H] mean another target."""
+    if not isinstance(sample, dict) or not isinstance(sample.get("rows"), list) or not sample["rows"]:
+        raise ValueError(f"{FINGERPRINT} must be an object with non-empty rows, cols and lm_head lists")
+    n = len(sample["rows"])
+    index = {}
+    for axis, name in enumerate(("rows", "cols")):
+        got = sample.get(name)
+        if not isinstance(got, list) or len(got) != n:
+            raise ValueError(f"{FINGERPRINT}.{name} must be a list of {n} indices, got {got!r}")
+        index[name] = [config_number(f"{FINGERPRINT}.{name}[{i}]", x, True, 0, strict=False) for i, x in enumerate(got)]
+        if max(index[name]) >= shape[axis]:
+            raise ValueError(f"it was trained for another target: its {FINGERPRINT} samples "
+                             f"{name} {max(index[name])}, outside this target's LM head of shape {list(shape)}")
+    values = {}
+    for name in ("lm_head", "embed"):
+        got = sample.get(name)
+        if got is None and name == "embed":
+            continue
+        if not isinstance(got, list) or len(got) != n:
+            raise ValueError(f"{FINGERPRINT}.{name} must be a list of {n} numbers, got {got!r}")
+        values[name] = torch.tensor([config_number(f"{FINGERPRINT}.{name}[{i}]", x, False, None)
+                                     for i, x in enumerate(got)])
+    return torch.tensor(index["rows"]), torch.tensor(index["cols"]), values
+
+
+def relative_gap(have: torch.Tensor, recorded: torch.Tensor) -> float:
+    """||have - recorded|| / ||recorded||: dtype rounding and quantization keep it small whatever
+    the values' scale; where ``recorded`` is all zeros: 0 if ``have`` is too, else inf (as for NaN)."""
+    size, gap = float(recorded.norm()), float((have - recorded).norm())
+    if math.isnan(gap):
+        return math.inf
+    return gap / size if size > 0 else (0.0 if gap == 0 else math.inf)
+
+
+def target_name(target: Any) -> str:
+    """How a refusal names the target given: its model's name or path where it has one."""
+    model = target if hasattr(target, "get_output_embeddings") else getattr(target, "model", None)
+    name = getattr(target, "source_model", None) or getattr(getattr(model, "config", None), "name_or_path", None)
+    return f"target {name!r}" if name else "this target"
 
 
 def build_head(kind: str, directory: str | Path, build: Any) -> Any:

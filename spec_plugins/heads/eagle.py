@@ -193,7 +193,7 @@ class EagleDrafter(nn.Module):
                 raise KeyError(f"its config.json says kind {cfg.get('kind')!r}")
             names = {f.name for f in fields(cls.config_class)}
             config = cls.config_class(**{k: v for k, v in cfg.items() if k in names})
-            check_target_fit(config.hidden_size, state["vocab_ids"], lm)
+            check_target_fit(config.hidden_size, state["vocab_ids"], lm, emb, cfg, model)
             drafter = cls(config, lm, emb, state["vocab_ids"])
             drafter.load_state_dict(state, strict=True)  # copies (and casts) into the target's device and dtype
             return drafter.eval()

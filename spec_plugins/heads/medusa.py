@@ -87,11 +87,11 @@ class MedusaHeads(nn.Module):
         from spec_plugins.heads.common import build_head, check_target_fit, load_head, target_lm_parts
 
         cfg, state = load_head(directory)
-        lm, _ = target_lm_parts(model)
+        lm, emb = target_lm_parts(model)
 
         def build() -> "MedusaHeads":
             fields = {k: cfg[k] for k in ("hidden_size", "num_heads", "num_layers", "draft_vocab_size")}
-            check_target_fit(fields["hidden_size"], state["vocab_ids"], lm)
+            check_target_fit(fields["hidden_size"], state["vocab_ids"], lm, emb, cfg, model)
             heads = cls(MedusaConfig(**fields), lm, state["vocab_ids"])
             heads.load_state_dict(state, strict=True)  # copies (and casts) into the target's device and dtype
             heads.calibration = calibration_field(cfg.get("holdout_topk_accuracy"))

@@ -285,8 +285,9 @@ def _finish(model: EagleDrafter, res: TrainResult, cfg: TrainConfig, out: Path, 
 
         score = evaluate_parallel if isinstance(model, ParallelDrafter) else evaluate
         report["heldout"] = score(model, heldout, cfg.window)
-    save_head(model, {**model.config.to_dict(), "train": asdict(cfg), "train_seconds": report["train_seconds"],
-                      "steps": res.steps, "train_tokens": tokens, "heldout": report.get("heldout")}, out)
+    save_head(model, {**model.config.to_dict(), "target": store.meta["target"], "train": asdict(cfg),  # named if refused
+                      "train_seconds": report["train_seconds"], "steps": res.steps, "train_tokens": tokens,
+                      "heldout": report.get("heldout")}, out)
     report["head_bytes"] = (out / "head.safetensors").stat().st_size
     (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report

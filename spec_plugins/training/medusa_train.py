@@ -109,7 +109,8 @@ def train_medusa(store: ShardSource, target_model: Any, cfg: TrainConfig, out: s
     # training features, optimistic where the heads overfit; which one is recorded beside them
     calib = _rank_accuracy(heads, heldout or store, cfg.window)
     source = "heldout" if heldout is not None else "train"
-    save_head(heads, {**heads.config.to_dict(), "train": asdict(cfg), "train_seconds": report["train_seconds"],
+    save_head(heads, {**heads.config.to_dict(), "target": store.meta["target"], "train": asdict(cfg),
+                      "train_seconds": report["train_seconds"],
                       "steps": res.steps, "train_tokens": tokens, "holdout_topk_accuracy": calib,
                       "calibration_source": source}, out)
     report["holdout_topk_accuracy"], report["calibration_source"] = calib, source
