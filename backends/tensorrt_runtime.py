@@ -103,7 +103,9 @@ class TensorRTRuntime(SlotRuntime):
     class Config(RuntimeConfig):
         backend: Literal["tensorrt"] = "tensorrt"
         engine_dir: str = Field(description="Directory written by `spec-plugins export tensorrt`.")
-        model: str = Field("", description="Source model name (informational; the engine dir holds the tokenizer).")
+        model: str = Field("", description="The model the engines were built from, where it is now: trained heads "
+                                            "load its LM head and embeddings (default: the manifest's source_model; "
+                                            "the engine dir holds the tokenizer).")
         graph: str = Field("verify", description="Engine to run: 'verify' (a target) or 'draft' (a draft model).")
         device: str = Field("cuda", description="CUDA device: 'cuda', 'cuda:1', ...")
         allow_gpu_mismatch: bool = Field(
@@ -132,6 +134,7 @@ class TensorRTRuntime(SlotRuntime):
         tok = engine_tokenizer(directory / man.tokenizer) if man.tokenizer else None
         rt = cls(trt, plan, man.engine(config.graph), man.limits_object(), device, tok, config.max_context)
         rt.eos_token_ids = list(man.eos_token_ids)
+        rt.source_model = config.model or rt.source_model  # the built-from model where it is now, if named
         return rt
 
     def __init__(self, trt: Any, plan: bytes, entry: EngineEntry, limits: Limits, device: torch.device,
@@ -170,7 +173,7 @@ class TensorRTRuntime(SlotRuntime):
         self.max_context = engine_context(limits, model, max_context)
         self.max_slots = limits.max_context  # the engines' past axis P is bounded
         self.prefill_chunk = max(p.ranges["N"][2] for p in profiles)
-        self.max_draft_nodes = limits.max_draft  # the decode profile's N is 1 + at most this (loop.capacity)
+        self.max_draft_nodes = self.prefill_chunk - 1  # the widest step any profile binds: 1 + this (loop.capacity)
         self.mask_dtype = dtypes["attention_mask"]
         has_hidden = any(t["name"] == "hidden" for t in self.outputs)
         layers = tuple(model.get("feature_layers") or ()) if any(t["name"] == "features" for t in self.outputs) else ()

@@ -7,6 +7,12 @@ from __future__ import annotations
 import os
 import secrets
 from pathlib import Path
+from typing import Any, Callable
+
+
+class WriteError(OSError):
+    """A file could not be written (``write_atomic``): what a command reports as "cannot write",
+    where another OSError (an input that cannot be read) keeps its own message."""
 
 
 def temp_beside(path: Path) -> Path:
@@ -36,6 +42,24 @@ def write_text_atomic(path: str | Path, text: str) -> None:
         if path.exists():
             tmp.chmod(path.stat().st_mode & 0o7777)
         tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
+    """``write(tmp)`` into a temporary file beside ``path``, then renamed onto it: a reader never
+    sees half a file. A write that fails (a full disk: an OSError, ``torch.save``'s RuntimeError,
+    safetensors' own error) deletes the temporary file and raises ``WriteError`` naming ``path``."""
+    from safetensors import SafetensorError
+
+    tmp = temp_beside(path)
+    try:
+        write(tmp)
+        tmp.replace(path)
+    except (OSError, RuntimeError, SafetensorError) as exc:
+        tmp.unlink(missing_ok=True)
+        raise WriteError(f"{path}: {type(exc).__name__}: {exc}") from exc
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

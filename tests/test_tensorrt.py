@@ -584,3 +584,37 @@ def test_trained_heads_draft_on_an_engine_built_from_a_model(tmp_path, kind):
     got = SpeculativeDecoder.from_config(cfg, target=eng).generate_batch(prompts, max_new_tokens=16)
     want = SpeculativeDecoder.from_config(cfg, target=TorchRuntime(model)).generate_batch(prompts, max_new_tokens=16)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
+
+
+def test_a_draft_is_cut_only_past_the_widest_step_an_engine_binds(exported):
+    """A step wider than ``max_draft`` binds the prefill profile: a chain of 10 nodes runs whole on
+    an engine of max_draft 4 (cutting it to 4 would change nothing but speed), and greedy output
+    equals the torch runtime's."""
+    from spec_plugins import SpecConfig, SpeculativeDecoder
+
+    model, onnx_dir = exported
+    cfg = SpecConfig.parse({"target": {"backend": "torch", "model": "unused"},
+                            "proposer": {"type": "ngram", "num_draft_tokens": 10}})
+    eng = OrtExecutedEngine.build(onnx_dir, Limits(max_batch=2, max_draft=4, max_context=120))
+    assert eng.max_draft_nodes == eng.prefill_chunk - 1 > 10
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3]]
+    got = SpeculativeDecoder.from_config(cfg, target=eng).generate_batch(prompts, max_new_tokens=24)
+    want = SpeculativeDecoder.from_config(cfg, target=TorchRuntime(model)).generate_batch(prompts, max_new_tokens=24)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert any(5 < n <= 11 for _, (_, n) in eng.calls[1:])  # decode steps past max_draft + 1 (after the prefill)
+
+
+def test_an_auto_tree_on_a_narrow_engine_measures_and_drafts_within_it(exported):
+    """An engine whose widest step is 8 positions: the policy's costs are measured up to it (not
+    the default 17, a ProfileError at setup) and every draft fits."""
+    from spec_plugins import SpecConfig, SpeculativeDecoder
+
+    model, onnx_dir = exported
+    cfg = SpecConfig.parse({"target": {"backend": "torch", "model": "unused"},
+                            "proposer": {"type": "suffix", "num_draft_tokens": "auto", "tree_nodes": "auto"}})
+    eng = OrtExecutedEngine.build(onnx_dir, Limits(max_batch=2, max_draft=4, max_context=120, prefill_chunk=8))
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2], [7, 7, 8, 9, 7, 7, 8]]
+    got = SpeculativeDecoder.from_config(cfg, target=eng).generate_batch(prompts, max_new_tokens=20)
+    want = SpeculativeDecoder.from_config(cfg, target=TorchRuntime(model)).generate_batch(prompts, max_new_tokens=20)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert max(n for _, (_, n) in eng.calls) <= 8

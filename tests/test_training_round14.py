@@ -185,3 +185,22 @@ def test_train_features_that_keeps_nothing_fails_and_writes_nothing(root, tmp_pa
         extract(tiny_llama(), [([1, 2, 3], [False] * 3)], tmp_path / "kept", {"target": "t"}, (1,), 10_000,
                 progress=False)
     assert list((tmp_path / "kept").iterdir()) == []  # the directory it was given stays, empty
+
+
+@pytest.mark.parametrize("exc, says", [
+    (IsADirectoryError(21, "Is a directory", "prompts-dir"), "error: [Errno 21] Is a directory: 'prompts-dir'"),
+    (PermissionError(13, "Permission denied", "tokens"), "error: [Errno 13] Permission denied: 'tokens'"),
+])
+def test_an_input_that_cannot_be_read_is_not_called_a_failed_write(exc, says, capsys):
+    """Only a failed write (``files.WriteError``) is reported as "cannot write --out"."""
+    import typer
+
+    from spec_plugins.files import WriteError
+    from spec_plugins.training.cli import _fail
+
+    with pytest.raises(typer.Exit):
+        _fail(exc, Path("out"))
+    assert says in capsys.readouterr().err
+    with pytest.raises(typer.Exit):
+        _fail(WriteError("out/checkpoint.pt: OSError: No space left on device"), Path("out"))
+    assert "error: cannot write out: out/checkpoint.pt" in capsys.readouterr().err

@@ -132,6 +132,11 @@ def setup_costs(runtime: Any, proposer: Any, section: Any, pipeline: Any = None,
         return costs
     positions = measured_positions(section, length, defaults)
     positions = min(positions, runtime.max_context // 2)  # a short context: fewer widths (auto drafts less)
+    from spec_plugins.loop.capacity import max_nodes
+
+    widest = max_nodes(runtime)
+    if widest is not None:  # an engine's widest step: drafts are cut to it (loop.capacity)
+        positions = min(positions, widest + 1)
     if positions < 2:
         raise ValueError(f"an auto draft length or tree measures forwards of 2 and more positions in half the "
                          f"context, but the runtime's context holds {runtime.max_context} positions: set a fixed "

@@ -160,8 +160,10 @@ def features_cmd(
 
 
 def _fail(exc: BaseException, out: Path) -> None:
-    """``fail``; any other OSError (a full disk, a read-only --out) or safetensors error says ``out`` was not written."""
-    fail(exc if isinstance(exc, (FileNotFoundError, ValueError, LookupError)) else f"cannot write {out}: {exc}")
+    """``fail``; a write that failed (``files.WriteError``: a full disk, a read-only --out) says ``out`` was not written."""
+    from spec_plugins.files import WriteError
+
+    fail(f"cannot write {out}: {exc}" if isinstance(exc, WriteError) else exc)
 
 
 def _decoder(backend: str, target: str) -> Any:

@@ -34,7 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from spec_plugins.training.heldout import check_heldout  # noqa: F401 (imported from here too)
-from spec_plugins.training.trainer import write_atomic
+from spec_plugins.files import write_atomic
 
 FORMAT = "spec-plugins-features/1"
 

@@ -16,6 +16,8 @@ from typing import Any, Callable, Literal, Optional
 import torch
 from torch import nn
 
+from spec_plugins.files import write_atomic
+
 IGNORE = -100
 MAX_SEED = 2**32 - 1  # seeds derived from it (seed * 1000 + epoch, seed * 7919 + step) stay in int64
 
@@ -186,21 +188,6 @@ class Loop:
         res.finished = self.step >= self.total or self.cfg.finalize
         res.steps, res.scheduled = self.step, self.total
         return res
-
-
-def write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
-    """``write(tmp)``, then ``tmp`` moved onto ``path``: a reader never sees half a file. A write that
-    fails (a full disk: an OSError, torch.save's RuntimeError, safetensors' own error) deletes the
-    truncated ``tmp`` and raises an OSError naming ``path``, which the CLI reports as such."""
-    from safetensors import SafetensorError
-
-    tmp = path.with_suffix(".tmp")
-    try:
-        write(tmp)
-        tmp.replace(path)
-    except (OSError, RuntimeError, SafetensorError) as exc:
-        tmp.unlink(missing_ok=True)
-        raise OSError(f"{path}: {type(exc).__name__}: {exc}") from exc
 
 
 def non_finite_loss(step: int, loss: float, out: Path) -> str:
