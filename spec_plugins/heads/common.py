@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from spec_plugins.transfer import HOST
+
 
 def config_number(name: str, value: Any, integer: bool, least: float | None = 0, strict: bool = True) -> Any:
     """``value`` as an int (``integer``) or a finite float above ``least`` (at least it, without
@@ -204,7 +206,7 @@ def check_target_fit(hidden_size: int, vocab_ids: torch.Tensor, lm_weight: torch
     worst, where = 0.0, ""
     for name, tensor in (("lm_head", lm_weight), ("embed", embed_weight)):
         if name in recorded and tensor is not None:
-            err = relative_gap(torch.tensor(_entries(tensor, rows, cols)), recorded[name])
+            err = relative_gap(torch.tensor(_entries(tensor, rows, cols), device=HOST), recorded[name])
             if err > worst:
                 worst, where = err, {"lm_head": "LM head", "embed": "embedding"}[name]
     if worst > FINGERPRINT_TOLERANCE:
@@ -231,8 +233,8 @@ def target_fingerprint(module: nn.Module) -> dict | None:
     if not isinstance(ids, torch.Tensor) or not isinstance(lm, torch.Tensor) or not ids.numel():
         return None
     gen = torch.Generator().manual_seed(0)
-    pos = torch.randint(ids.numel(), (FINGERPRINT_SIZE,), generator=gen)
-    cols = torch.randint(lm.shape[1], (FINGERPRINT_SIZE,), generator=gen)
+    pos = torch.randint(ids.numel(), (FINGERPRINT_SIZE,), generator=gen, device=HOST)
+    cols = torch.randint(lm.shape[1], (FINGERPRINT_SIZE,), generator=gen, device=HOST)
     rows = ids.detach().cpu()[pos]
     sample = {"rows": rows.tolist(), "cols": cols.tolist(), "lm_head": _entries(lm, pos, cols)}
     emb = getattr(module, "embed_weight", None)
@@ -271,8 +273,8 @@ def fingerprint_field(sample: Any, shape: torch.Size) -> tuple[torch.Tensor, tor
         if not isinstance(got, list) or len(got) != n:
             raise ValueError(f"{FINGERPRINT}.{name} must be a list of {n} numbers, got {got!r}")
         values[name] = torch.tensor([config_number(f"{FINGERPRINT}.{name}[{i}]", x, False, None)
-                                     for i, x in enumerate(got)])
-    return torch.tensor(index["rows"]), torch.tensor(index["cols"]), values
+                                     for i, x in enumerate(got)], device=HOST)
+    return torch.tensor(index["rows"], device=HOST), torch.tensor(index["cols"], device=HOST), values
 
 
 def relative_gap(have: torch.Tensor, recorded: torch.Tensor) -> float:
