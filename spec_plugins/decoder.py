@@ -17,7 +17,7 @@ from spec_plugins.api_inputs import (Stop, chat_messages, in_vocab, not_bytes, o
                                      row_sampling, row_seeds, stop_strings, token_id, token_limits)
 from spec_plugins.backends import build_runtime
 from spec_plugins.config import SamplingConfig, SpecConfig
-from spec_plugins.decoder_lock import GenerationLock
+from spec_plugins.decoder_lock import runtime_lock
 from spec_plugins.grammar import GrammarSpec, RowGrammar, compile_grammar, ll_tokenizer
 from spec_plugins.grammar.spec import GrammarError, from_response_format, from_tgi
 from spec_plugins.loop import Step, decode
@@ -66,12 +66,13 @@ class SpeculativeDecoder:
         self.config = config
         self.tokenizer = tokenizer if tokenizer is not None else getattr(target, "tokenizer", None)
         self.last_stats: DecodeStats | None = None  # the last generation's (a batch's totals: ``BatchStats``)
-        # one generation's thread at a time: the runtime holds one batch's rows (``decoder_lock``)
-        self.generation_lock = GenerationLock()
         if wiring is None:
             section = (config.proposer if config is not None else proposer.config) if proposer is not None else None
             wiring = wire(target, section, proposer=proposer, costs=costs)
         self.wiring = wiring  # proposer, costs and the tree sizer, whose calibrations carry across generations
+        # one generation's thread at a time per runtime, the target's and a draft model's (they hold
+        # one batch's rows): shared by every decoder over them (``decoder_lock``)
+        self.generation_lock = runtime_lock(target, getattr(wiring.proposer, "runtime", None))
 
     @property
     def proposer(self) -> Any:
@@ -107,10 +108,8 @@ class SpeculativeDecoder:
 
     def without_speculation(self) -> "SpeculativeDecoder":
         """The same runtime and sampling, plain autoregressive decoding (for comparisons); it shares
-        this decoder's generation lock, as it shares its runtime."""
-        plain = SpeculativeDecoder(self.target, None, self.verifier, self.config, self.tokenizer, self.costs)
-        plain.generation_lock = self.generation_lock
-        return plain
+        the runtime's generation lock with this decoder (and any other over it)."""
+        return SpeculativeDecoder(self.target, None, self.verifier, self.config, self.tokenizer, self.costs)
 
     # ---- prompts ---------------------------------------------------------------------------
     def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
@@ -316,7 +315,7 @@ class SpeculativeDecoder:
                 observers: Sequence[Any], seed: int | None = None, grammars: list | None = None
                 ) -> Iterator[tuple[Step, DecodeStats]]:
         """The one decode behind every method: rows' text streams see each token once (their stop
-        strings are row stops), and end flushed. It holds the decoder's generation lock from its
+        strings are row stops), and end flushed. It holds the runtime's generation lock from its
         first step until it ends, raises or is closed (another thread is refused meanwhile)."""
         limits = token_limits(max_new_tokens, len(ids))
         stats = stats if stats is not None else DecodeStats()

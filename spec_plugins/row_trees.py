@@ -98,20 +98,13 @@ def combine(parts: Sequence[tuple[torch.Tensor, Parents, torch.Tensor | None]], 
     tokens [B, U], each row's own parents and its valid mask, built on ``device`` from host-known
     slot maps (no read)."""
     B = len(owner)
-    shapes = [node_depths(par) for _, par, _ in parts]
-    levels = max((max(d, default=-1) for d in shapes), default=-1) + 1
-    width = [max(sum(1 for x in d if x == lev) for d in shapes) for lev in range(levels)]
-    start = [sum(width[:lev]) for lev in range(levels)]
+    slots, width = union_layout([par for _, par, _ in parts])
+    levels = len(width)
     U = sum(width)
     tokens = torch.zeros(B, U, dtype=torch.long, device=device)
     parents = torch.full((B, U), -1, dtype=torch.long, device=device)
     valid = torch.zeros(B, U, dtype=torch.bool, device=device)
-    for p, ((tok, par, val), depth) in enumerate(zip(parts, shapes)):
-        seen = [0] * levels
-        slot = []  # the union slot of each of this part's nodes
-        for d in depth:
-            slot.append(start[d] + seen[d])
-            seen[d] += 1
+    for p, ((tok, par, val), slot) in enumerate(zip(parts, slots)):
         rows = upload_index([b for b, o in enumerate(owner) if o == p], device)
         idx = upload_index(slot, device)
         if isinstance(par, tuple):
@@ -119,12 +112,36 @@ def combine(parts: Sequence[tuple[torch.Tensor, Parents, torch.Tensor | None]], 
         else:
             lut = upload_index(slot + [-1], device)  # a parent of -1 reads the last entry: the root
             mapped = lut[par.parents[rows]]
-        pv = val[rows] if val is not None else torch.ones(rows.shape[0], len(depth), dtype=torch.bool, device=device)
+        pv = val[rows] if val is not None else torch.ones(rows.shape[0], len(slot), dtype=torch.bool, device=device)
         tokens[rows[:, None], idx[None]] = tok[rows]
         parents[rows[:, None], idx[None]] = mapped
         valid[rows[:, None], idx[None]] = pv
     depth_u = tuple(lev for lev in range(levels) for _ in range(width[lev]))
     return tokens, RowTrees(parents, depth_u), valid
+
+
+def union_layout(parents: Sequence[Parents]) -> tuple[list[list[int]], list[int]]:
+    """The union of several layered shapes, each depth as wide as its widest part: per part the
+    slot of each of its nodes (a part's nodes in their order within a depth), and each depth's
+    width. ``combine`` lays drafts out by it; the tree sizer maps its estimates through it."""
+    shapes = [node_depths(par) for par in parents]
+    levels = max((max(d, default=-1) for d in shapes), default=-1) + 1
+    width = [max(sum(1 for x in d if x == lev) for d in shapes) for lev in range(levels)]
+    start = [sum(width[:lev]) for lev in range(levels)]
+    slots = []
+    for depth in shapes:
+        seen = [0] * levels
+        slot = []
+        for d in depth:
+            slot.append(start[d] + seen[d])
+            seen[d] += 1
+        slots.append(slot)
+    return slots, width
+
+
+def union_slots(parents: Sequence[Parents]) -> list[list[int]]:
+    """Per part, the slot of each of its nodes in the draft ``combine`` builds of these parts."""
+    return union_layout(parents)[0]
 
 
 def upload_index(values: Sequence[int], device: torch.device) -> torch.Tensor:

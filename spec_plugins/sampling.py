@@ -147,13 +147,15 @@ class LogitsPipeline:
             return self.warp(logits), {}
         out, raised = logits.clone(), {}
         for rows, ridx, at, nodes, prefix, scores in _tree_groups(logits, sequences, tokens, parents):
+            # the processors get copies: one that changes its scores in place before a later one
+            # raises must leave ``scores`` as they were for the retry of each node
             try:
-                z = self.apply_user(prefix, scores)
+                z = self.apply_user(prefix, scores.clone())
             except Exception:  # noqa: BLE001 - find the nodes it fails for, one at a time
                 z, n = scores.clone(), len(at)
                 for i in range(z.shape[0]):  # row-major: rows[i // n], node at[i % n]
                     try:
-                        z[i:i + 1] = self.apply_user(prefix[i:i + 1], scores[i:i + 1])
+                        z[i:i + 1] = self.apply_user(prefix[i:i + 1], scores[i:i + 1].clone())
                     except Exception as exc:  # noqa: BLE001
                         raised[(rows[i // n], at[i % n])] = exc
             out[ridx[:, None], nodes[None, :]] = z.reshape(len(rows), -1, logits.shape[2])

@@ -6,7 +6,8 @@ does not grow with the batch; ``tokens_per_forward`` is the batch-level figure =
 by rounds / target forwards (B rows emit up to B x that per forward). Acceptance by position is
 per row-round too: of the rows that drafted depth d, the share that accepted it. A row that fails
 in a round (its processing raises, its grammar has no way on: finish reason ``error``) emits
-nothing and its verdict is ignored, so that round is no row-round for it: it is left out of
+only the tokens before its failure, as plain decoding would (counted in ``new_tokens``), and that
+round is no row-round for it: it is left out of
 ``row_rounds``, the drafted / accepted / emitted counts and the per-depth counts (plain decoding
 stays at 1.0 when rows fail); the target forward still counts. Accepted counts are the output's:
 a row's accepted path is cut where its emitted tokens end (``kept_depth``: an end-of-sequence

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import sys
@@ -11,6 +12,7 @@ from typing import Optional
 import typer
 
 from spec_plugins.cli import app, check_output_file, fail
+from spec_plugins.files import write_text_atomic
 from spec_plugins.training.sources import shipped_prompts
 from spec_plugins.tune import BUDGET_BOUNDS
 
@@ -27,7 +29,9 @@ def tune_cmd(
     budget: str = typer.Option("10m", "--budget", help="Time budget, e.g. 5m, 90s. " + BUDGET_BOUNDS),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=8, help="Answer length while measuring."),
     limit: int = typer.Option(8, "--limit", min=1, help="Use at most this many prompts (first turns)."),
-    out: Path = typer.Option(Path("tuned.yaml"), "--out", "-o", help="Where to write the chosen config."),
+    out: Path = typer.Option(Path("tuned.yaml"), "--out", "-o",
+                             help="Where to write the chosen config: YAML with the measurements as comments "
+                                  "(a .json name: JSON, the config alone)."),
 ) -> None:
     """Measure runtimes and proposers on your prompts; write the fastest exact config."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -51,7 +55,15 @@ def tune_cmd(
         fail(exc)
         return
     command = "spec-plugins tune " + shlex.join(sys.argv[2:])  # quoted: it reruns as recorded
-    out.write_text(render_yaml(res, command))
+    # config files are read as JSON by a .json suffix (``config.load_file``): JSON has no comments,
+    # so such a file holds the config alone, without the measurements
+    text = (json.dumps(res.config, indent=1) + "\n" if out.suffix.lower() == ".json"
+            else render_yaml(res, command))
+    try:
+        write_text_atomic(out, text)  # a failed write (a full disk) leaves a previous file whole
+    except OSError as exc:
+        fail(f"--out {out}: cannot write it ({exc.strerror or exc})")
+        return
     c = res.chosen
     speed = f"{c.tokens_per_s:.1f} tok/s, {c.tokens_per_s / res.plain.tokens_per_s:.2f}x plain"
     typer.echo(f"wrote {out}: {c.label} ({speed}) in {res.seconds:.0f} s; run it with "

@@ -184,6 +184,11 @@ class Bench:
         for name in names:
             factory = BASELINES.get(name)  # unknown names fail here with the registered list
             try:
+                if drafts(factory) and ctx.num_draft_tokens < 1:
+                    # a peer given draft length 0 fails only in its first decode (transformers)
+                    raise BaselineUnavailable(
+                        f"the config's num_draft_tokens is {ctx.num_draft_tokens} (no drafting), which leaves this "
+                        "peer no draft length; give --baseline-gamma N to run it")
                 methods.append(Method(name, "baseline", ctx.num_draft_tokens if drafts(factory) else None,
                                       factory(ctx)))
             except BaselineUnavailable as exc:

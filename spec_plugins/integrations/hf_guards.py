@@ -144,3 +144,37 @@ def check_sampling_section(sampling: SamplingConfig, source: str) -> None:
                           "call's sampling comes from generate()'s own arguments (do_sample=True, temperature=..., "
                           "top_p=..., top_k=..., repetition_penalty=...; torch.manual_seed for the seed): pass them "
                           "there and drop the section (or keep it at the default, temperature 0 and seed 0)")
+
+
+def heal_prompts(model: Any, tokenizer: Any, kwargs: dict) -> dict:
+    """The directory form's ``generate()`` arguments with ``token_healing`` done here: plain
+    ``generate()`` heals the prompts with ``tokenizer=`` before it decodes, but its heal step for a
+    callable ``custom_generate`` never has the tokenizer (transformers drops it) and raises asking
+    for it. Healed here with ``generate()``'s own ``heal_tokens``, the prompts go on with healing
+    off and a mask over every healed slot: plain ``generate()`` decodes them with none (it drops an
+    all-ones mask). Padded prompts are refused: there it pairs the healed (re-tokenized) prompts
+    with the mask of the unhealed ones, which this engine would not reproduce."""
+    import torch
+
+    gc = kwargs["generation_config"] if kwargs.get("generation_config") is not None else model.generation_config
+
+    def setting(name: str) -> Any:
+        return kwargs[name] if kwargs.get(name) is not None else getattr(gc, name, None)
+
+    if not setting("token_healing"):
+        return kwargs
+    key = "inputs" if kwargs.get("inputs") is not None else "input_ids"
+    ids, mask = kwargs.get(key), kwargs.get("attention_mask")
+    if ids is None:
+        raise ValueError("speculative_generate: token_healing=True heals input_ids; none were given")
+    pad, eos = setting("pad_token_id"), setting("eos_token_id")
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    # generate() reads a pad id (one that is not an EOS id) in the prompts as padding when no mask is given
+    padded = bool((mask == 0).any()) if mask is not None else (
+        pad is not None and pad not in eos and bool((ids == pad).any()))
+    if padded:
+        raise ValueError("speculative_generate: token_healing=True with padded prompts is not supported (plain "
+                         "generate() decodes the healed, re-tokenized prompts under the unhealed prompts' "
+                         "attention_mask): heal one prompt per call, or drop token_healing")
+    healed = model.heal_tokens(ids, tokenizer)
+    return {**kwargs, key: healed, "attention_mask": torch.ones_like(healed), "token_healing": False}

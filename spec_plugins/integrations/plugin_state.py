@@ -134,10 +134,14 @@ class Setup:
         """The draft model's proposer for this target and section, kept on the draft model, keyed
         weakly by the target's runtime: reused while both live, freed with the draft model (the
         target keeps no reference to it) or with this setup (the proposer keeps none to it).
-        Checked against the target's tokenizer when built (``_checked_draft``)."""
+        Checked against the target's tokenizer when built (``_checked_draft``); rebuilt, as the
+        target's setup is, when the draft model changed what its runtime read (``_stale``)."""
         per_target = draft_model.__dict__.setdefault("_spec_plugins_drafts", WeakCache())
         kept = per_target.setdefault(self.runtime, {})
-        return _recent(kept, section.model_dump_json(), lambda: DraftModelProposer(
+        key = section.model_dump_json()
+        if key in kept and _stale(kept[key].runtime, draft_model):
+            del kept[key]  # e.g. resized or moved since: a kept proposer would clamp to the old vocabulary
+        return _recent(kept, key, lambda: DraftModelProposer(
             section, target=self.runtime, runtime=self._checked_draft(draft_model, tokenizer)))
 
     def _checked_draft(self, draft_model: Any, tokenizer: Any) -> TorchRuntime:

@@ -23,7 +23,7 @@ import spec_plugins.loop.processing as processing
 from spec_plugins.loop.capacity import fit as fit_pool, max_nodes, pool_of, shortfall as pool_shortfall
 from spec_plugins.loop.ownership import Lease, check_held
 from spec_plugins.loop.rows import Row, seen_sequences
-from spec_plugins.loop.verdicts import broken_nodes, read_round, verify_groups
+from spec_plugins.loop.verdicts import broken_nodes, failures, read_round, verify_groups
 from spec_plugins.proposers.base import ProposerTraits, check_pairing
 from spec_plugins.sampling import LogitsPipeline, RowPipelines
 from spec_plugins.stats import DecodeStats
@@ -65,6 +65,7 @@ class Batch:
         self.forced: list[list[int]] = []  # this round's forced tokens per row (``grammar.rounds``)
         self._masks: torch.Tensor | None = None  # this round's grammar masks per node
         self._raised: processing.Raised | None = None  # this round's nodes whose processing raised
+        self._failing: dict[int, tuple[int, str]] = {}  # this round's failing rows (``verdicts.failures``)
         # what holds this batch's rows besides itself: the runtime's caches, and a row-aware
         # proposer's per-row state (a draft model's own runtime and cache)
         self._lease = Lease()
@@ -131,8 +132,7 @@ class Batch:
         for b, r in enumerate(new):
             r.hidden = step.hidden[b] if step.hidden is not None else None
         self.rows += new
-        first = [Emission(r.key, [], [], "error", r.error) if r.error
-                 else r.emit([verdict.next_tokens[b]], self.eos, host, b) for b, r in enumerate(new)]
+        first = [r.emit([verdict.next_tokens[b]], self.eos, host, b, self._failing.get(b)) for b, r in enumerate(new)]
         self._observe_prefill(n0, first)
         self.stats.observe_admit(sum(1 for e in first if e.tokens), self.clock() - t0)  # rows that emitted a token
         return out + first
@@ -330,7 +330,8 @@ class Batch:
             if r.error is not None:
                 out.append(Emission(r.key, [], [], "error", r.error))
                 continue
-            out.append(r.emit(verdict.tokens[b] + [verdict.next_tokens[b]], self.eos, self.fetched, b))
+            out.append(r.emit(verdict.tokens[b] + [verdict.next_tokens[b]], self.eos, self.fetched, b,
+                              self._failing.get(b)))
         if kept is not None and self.proposer is not None:  # on the host: no device sync
             need = self.proposer.features_pending([r.tokens for r in self.rows])
             for b, r in enumerate(self.rows):
@@ -373,11 +374,11 @@ class Batch:
     def _verify(self, rows: Sequence[Row], draft: Draft | None, z: torch.Tensor, logits: torch.Tensor | None
                 ) -> tuple[Verdict, dict]:
         """The registered verifier on row groups (greedy rows together, sampled rows by
-        generator), read in the round's one fetch with the rows whose processed logits are
-        unusable (``broken_nodes``) at a node the row's path reads (the root or an accepted node, as
-        plain decoding would read them): those fail alone, their verdict ignored. Such a node off
-        the path (after a drafted token its parent never allows) is a placeholder the verdict
-        does not read."""
+        generator), read in the round's one fetch with the nodes whose processed logits are
+        unusable (``broken_nodes``) that a row's path reads (the root or an accepted node, as plain
+        decoding would read them): such a row keeps its accepted tokens before the first and then
+        fails alone (``verdicts.failures``, ``Row.emit``). Such a node off the path (after a drafted
+        token its parent never allows) is a placeholder the verdict does not read."""
         broken = broken_nodes(rows, z)  # [B, 1 + n] nodes, on the device
         known = [b for b, r in enumerate(rows) if r.error is not None]
         if known:
@@ -385,16 +386,11 @@ class Batch:
         z = torch.where(broken[..., None], torch.zeros((), dtype=z.dtype, device=z.device), z)
         dv = verify_groups(self.verifier, rows, draft, z, lambda r: "greedy" if r.pipeline.greedy else id(r.generator),
                            self.traits.point_masses)
-        bad = broken[:, 0] | (broken[:, 1:] & dv.path).any(-1)  # [B]: the root, or a node on the path
+        bad = torch.cat([broken[:, :1], broken[:, 1:] & dv.path], 1)  # [B, 1 + n]: the root, or a node on the path
         lp = logits if any(r.logprobs for r in rows) else None
         extra = {k: v for src in self.traits.sources for k, v in src.to_fetch(z).items()}
         raised, self._raised = self._raised, None
-        if raised is not None:
-            extra[processing.READ] = raised.read(dv.path)
         verdict, host = read_round(dv, draft, z, bad, lp, self.top_logprobs, extra)
-        for b, f in enumerate(host["bad"].tolist()):
-            if f and rows[b].error is None:
-                rows[b].fail((raised and raised.error(host[processing.READ], b))
-                             or "sampling failed: the processed logits are not finite (NaN, inf, or every token masked)")
+        self._failing = failures(verdict, host["bad"], raised.errors if raised is not None else {})
         return verdict, host
 

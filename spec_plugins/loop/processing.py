@@ -3,9 +3,9 @@
 The rows' pipelines run over every node at once; where that raises, each row runs alone and,
 within it, each node its processing raises at gets NaN logits (``LogitsPipeline.process_tree_apart``).
 Such a node is judged as the NaN policy judges any node with no distribution (``Batch._verify``):
-the row fails, naming the processor's error, only where its verdict reads that node (the root, or
-an accepted node), as plain decoding would reach it; a drafted node off the accepted path fails
-nothing.
+where the row's verdict reads it (the root, or an accepted node), the row keeps the accepted
+tokens before it and then fails, naming the processor's error, as plain decoding would reach it
+(``loop.verdicts.failures``, ``Row.emit``); a drafted node off the accepted path fails nothing.
 """
 
 from __future__ import annotations
@@ -13,15 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from spec_plugins.loop.rows import Row
 from spec_plugins.row_trees import Parents, rows_of
 from spec_plugins.sampling import RowPipelines
-from spec_plugins.transfer import upload_tensor
-
-READ = "raised_read"  # the round's fetch key (``loop.verdicts.read_round``) of ``Raised.read``
 
 
 @dataclass
@@ -29,21 +25,6 @@ class Raised:
     """The nodes whose processing raised in a round: {(row, node): the error to fail that row with}."""
 
     errors: dict[tuple[int, int], str]
-
-    def read(self, path: torch.Tensor) -> torch.Tensor:
-        """Nodes [B, N] that raised and that the verdict reads: the root, or a node on the accepted
-        ``path`` [B, N - 1] (on its device; the round's one fetch reads it)."""
-        B, N = path.shape[0], path.shape[1] + 1
-        rows = [[False] * N for _ in range(B)]
-        for b, n in self.errors:
-            rows[b][n] = True
-        nodes = upload_tensor(rows, path.device, torch.bool)  # one upload; only after a processor raised
-        return torch.cat([nodes[:, :1], nodes[:, 1:] & path], 1)
-
-    def error(self, read: np.ndarray, b: int) -> str | None:
-        """Row ``b``'s error: the one its shallowest read node raised (``read``: ``read()`` on the host)."""
-        nodes = np.flatnonzero(read[b])
-        return self.errors[(b, int(nodes[0]))] if len(nodes) else None
 
 
 def process(pipes: RowPipelines, rows: Sequence[Row], logits: torch.Tensor, seen: Sequence,

@@ -69,12 +69,16 @@ class Row:
         """End this row alone with finish reason ``error`` (it leaves at the next round)."""
         self.error, self.done, self.finish_reason = message, True, "error"
 
-    def emit(self, toks: list[int], eos: set[int], host: dict, b: int) -> Emission:
+    def emit(self, toks: list[int], eos: set[int], host: dict, b: int,
+             failed: tuple[int, str] | None = None) -> Emission:
         """Append tokens, stopping at EOS, the row's limit, its grammar or its stop rule (``host``:
         the round's fetch, this row's logprobs in it at batch index ``b``). The rules apply as in
         one-token rounds, so a round's several tokens end the row as plain decoding would: the
-        tokens before one the grammar refuses are kept and go through the stop rule, and only a
-        row they do not stop fails."""
+        tokens before one the grammar refuses, or the first k where ``failed`` = (k, error) (the
+        node after them had no distribution: ``verdicts.failures``), are kept and go through the
+        stop rule, and only a row they do not end fails."""
+        if failed is not None:
+            toks = toks[: failed[0]]
         out: list[int] = []
         ends = eos if self.grammar is None else eos | set(self.grammar.eos)  # a grammar's end of sequence ends it
         for t in toks[: self.max_new - self.n_new]:
@@ -96,6 +100,8 @@ class Row:
             self.fail(f"the output left its grammar: {self.grammar.error}")
         if self.finish_reason is None and self.n_new >= self.max_new:
             self.finish_reason = "length"
+        if failed is not None and self.finish_reason is None:  # ended first: plain decoding never reads that node
+            self.fail(failed[1])
         self.done = self.finish_reason is not None
         lps = row_logprobs(host, b, len(out)) if self.logprobs else []
         return Emission(self.key, out, lps, self.finish_reason, self.error)

@@ -3,14 +3,15 @@
 Rows are verified in groups (greedy rows together, sampled rows by generator: each group's
 verifier draws from its own generator). The groups' decisions are laid out over the whole batch
 on the logits' device, and everything the host needs of the round is read in ONE copy
-(``transfer.fetch``): the accepted paths, their tokens and the next tokens, the rows whose
-processed logits are no distribution, the logprobs of the emitted tokens for rows that ask, the
-draft's valid mask where only the device has it, and what the proposer reads (``to_fetch``).
+(``transfer.fetch``): the accepted paths, their tokens and the next tokens, the nodes each
+row's path reads whose processed logits are no distribution (``failures``), the logprobs of the
+emitted tokens for rows that ask, the draft's valid mask where only the device has it, and what
+the proposer reads (``to_fetch``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -23,6 +24,7 @@ from spec_plugins.types import DeviceVerdict, Draft, Verdict
 
 
 _KEYED = "keyed"  # the group of seeded rows drawing keyed samples (``keyed_draws``)
+NO_DISTRIBUTION = "sampling failed: the processed logits are not finite (NaN, inf, or every token masked)"
 
 
 def verify_groups(verifier: Callable, rows: Sequence[Any], draft: Draft | None, z: torch.Tensor,
@@ -77,7 +79,8 @@ def _on_device(v: Verdict, shape: torch.Size, device: torch.device) -> DeviceVer
 def read_round(verdict: DeviceVerdict, draft: Draft | None, z: torch.Tensor, bad: torch.Tensor,
                logits: torch.Tensor | None = None, top: int = 0, extra: dict[str, torch.Tensor] | None = None
                ) -> tuple[Verdict, dict[str, np.ndarray]]:
-    """Everything the host needs of the round, in one read (module docstring). ``logits``: the
+    """Everything the host needs of the round, in one read (module docstring). ``bad`` [B, 1 + n]:
+    the nodes with no distribution that each row's verdict reads (``failures``); ``logits``: the
     raw logits, when some row reports logprobs (``top`` alternatives each); ``extra``: what the
     proposer's ``observe`` reads (``Proposer.to_fetch``)."""
     B, dev = bad.shape[0], z.device
@@ -106,3 +109,15 @@ def broken_nodes(rows: Sequence[Any], z: torch.Tensor) -> torch.Tensor:
             inf &= upload_tensor(sampled, z.device, torch.bool)[:, None]
         broken |= inf
     return broken
+
+
+def failures(verdict: Verdict, bad: np.ndarray, errors: Mapping[tuple[int, int], str]) -> dict[int, tuple[int, str]]:
+    """The rows whose verdict reads a node with no distribution (``bad`` [B, 1 + n] on the host:
+    the root, or a node on the accepted path), each as (k, error): plain decoding emits the k
+    accepted tokens up to the first such node, then reaches it and fails there, with the error its
+    processing raised (``errors``, by (row, node)) or as no distribution (``Row.emit`` keeps them)."""
+    out = {}
+    for b in np.flatnonzero(bad.any(-1)).tolist():
+        n = int(np.flatnonzero(bad[b])[0])  # 0: the root; j + 1: drafted node j (a path's nodes in order)
+        out[b] = (sum(1 for j in verdict.accepted[b] if j < n), errors.get((b, n), NO_DISTRIBUTION))
+    return out

@@ -9,7 +9,8 @@ of how much to draft:
 2. ``draft(sources, ctx)``: the proposer's sources (itself, or a composition's children) draft,
    each where its drafting pays (``SourceGate``, ``policy/sources.py``);
 3. ``size(draft, spent)``: ranked candidates (``types.Ranked``) picked per row and cut against
-   the cost model (``TreeSizer``), merged into the ``Draft`` the target verifies;
+   the cost model (``TreeSizer``), merged into the ``Draft`` the target verifies; ``placed(draft)``:
+   that draft as the runtime's room cut it (``loop.capacity``), what the sizer learns from;
 4. ``observe(record)``: the costs correct themselves (``Costs.observe``), the length policy and the
    sizer's calibrations learn.
 
@@ -84,6 +85,11 @@ class DraftPolicy:
         if not isinstance(draft, Ranked):
             return draft
         return self.sizer.size(draft, spent, budgets)
+
+    def placed(self, draft: Draft | None) -> None:
+        """The sized draft as the runtime placed it (``Batch.place``: cut to its pool and widest
+        forward): the sizer counts only the nodes placed (``TreeSizer.placed``)."""
+        self.sizer.placed(draft)
 
     def observe(self, record: RoundRecord) -> None:
         if self.costs is not None:

@@ -34,7 +34,7 @@ from typing import Any, Iterable, Sequence
 
 from spec_plugins.policy.objective import Calibration, best_option, expected_tokens, node_gain
 from spec_plugins.transfer import upload
-from spec_plugins.row_trees import combine, keep_slots, node_depths, upload_index
+from spec_plugins.row_trees import combine, keep_slots, node_depths, union_slots, upload_index
 from spec_plugins.tree import merge_trees
 from spec_plugins.types import Draft, Ranked, RankedRow, RoundRecord, Shaped
 
@@ -55,6 +55,7 @@ class TreeSizer:
         self.calib: dict[int, Calibration] = {}
         self.picked: dict[int, int] = {}  # rows that kept a non-empty draft from each source, in all
         self._kept: list[tuple[int, float]] = []  # per row of the round being verified: (source, predicted)
+        self._nodes: list[list[tuple[int, float]]] = []  # per row: (draft position, estimate) of each kept node
 
     def sharing(self, costs: Any, min_gain: float) -> "TreeSizer":
         """A sizer pricing with ``costs`` and holding trees to ``min_gain`` over this one's
@@ -113,12 +114,26 @@ class TreeSizer:
             self.calibration(source).idle()  # offered, not taken: re-tried later (Calibration.idle)
         rows = [host[b] if isinstance(p, RankedRow) else _as_row(*offers[p], budgets[b]) for b, p in enumerate(picks)]
         self._kept = [(r.source, sum(r.estimates)) for r in rows]
+        self._nodes = []
         for r in rows:
             if r.size:
                 self.picked[r.source] = self.picked.get(r.source, 0) + 1
         if not any(r.size for r in rows):
             return None
-        return _assemble(host, picks, offers)
+        draft, at = _assemble(host, picks, offers, rows)
+        self._nodes = [list(zip(pos, r.estimates)) for pos, r in zip(at, rows)]
+        return draft
+
+    def placed(self, draft: Draft | None) -> None:
+        """The round's draft as the runtime placed it: ``loop.capacity.fit`` keeps the first nodes
+        that fit its pool and its widest forward, so each row is credited and calibrated by its
+        nodes placed alone (a node cut for room is never verified: neither predicted nor missed),
+        as ``budgets`` do for the depth a row holds."""
+        width = draft.size if draft is not None else 0
+        if len(self._nodes) != len(self._kept) or all(at < width for nodes in self._nodes for at, _ in nodes):
+            return
+        self._kept = [(source, sum(p for at, p in nodes if at < width))
+                      for (source, _), nodes in zip(self._kept, self._nodes)]
 
     def _cut_shaped(self, shaped: Shaped, budgets: Sequence[float], spent: float) -> list[int]:
         """The slots of a shaped draft worth verifying for rows with these ``budgets`` (one cut
@@ -178,7 +193,7 @@ class TreeSizer:
     def observe(self, record: RoundRecord) -> None:
         """Each source's calibration from the rows that took its candidates last round."""
         if record.draft is None or len(self._kept) != record.rows:
-            self._kept = []
+            self._kept, self._nodes = [], []
             return
         by_source: dict[int, list[float]] = {}
         for (source, predicted), acc in zip(self._kept, record.accepted):
@@ -187,7 +202,7 @@ class TreeSizer:
             s[1] += predicted
         for source, (acc, pred) in by_source.items():
             self.calibration(source).observe(acc, pred)
-        self._kept = []
+        self._kept, self._nodes = [], []
 
 
 def _unpicked(rows: Sequence[Sequence[RankedRow]], picks: Sequence[Any],
@@ -234,28 +249,36 @@ def _as_row(shaped: Shaped, slots: list[int], budget: float) -> RankedRow:
     return RankedRow([0] * len(slots), [(j,) for j in slots], [shaped.estimates[j] for j in slots], shaped.source)
 
 
-def _assemble(host: Sequence[RankedRow], picks: Sequence[Any], offers: dict[int, tuple[Shaped, list[int]]]
-              ) -> Draft:
+def _assemble(host: Sequence[RankedRow], picks: Sequence[Any], offers: dict[int, tuple[Shaped, list[int]]],
+              rows: Sequence[RankedRow]) -> tuple[Draft, list[list[int]]]:
     """The draft the target verifies: the host rows merged over one topology, the shaped drafts
-    cut to their kept slots, one of them per row (combined on the device when rows differ)."""
+    cut to their kept slots, one of them per row (combined on the device when rows differ); and
+    per row, the draft position of each of its nodes (``rows``: what each row took, as ``size``
+    counts it), host data for ``TreeSizer.placed``."""
     parts, owner = [], [-1] * len(picks)
+    local: list[list[int]] = [[] for _ in picks]  # per row: its nodes' positions in its part
     if any(r.size for r in host):
         merged = merge_trees([(r.tokens, r.paths) for r in host])
         parts.append((merged.tokens, merged.parents, merged.valid))
         owner = [0 if r.size else -1 for r in host]
+        local = [list(idx) for idx in merged.index]
     for source, (shaped, slots) in offers.items():
         if source in picks:
             d = shaped.draft
             parents, valid = keep_slots(d.parents, slots, d.valid, d.tokens.device)
             parts.append((d.tokens[:, upload_index(slots, d.tokens.device)], parents, valid))
             owner = [len(parts) - 1 if p == source else o for p, o in zip(picks, owner)]
+            at = {j: k for k, j in enumerate(slots)}
+            local = [[at[path[0]] for path in r.paths] if p == source else loc for p, r, loc in zip(picks, rows, local)]
     if len(parts) == 1:
         tokens, parents, valid = parts[0]
         if any(o < 0 for o in owner):
             mask = upload_index([o >= 0 for o in owner], tokens.device).bool()[:, None]
             valid = mask if valid is None else valid & mask.to(valid.device)
-        return Draft(tokens, parents, None, valid)
+        return Draft(tokens, parents, None, valid), local
     device = parts[-1][0].device  # the shaped drafts' (host parts are moved there)
     moved = [(upload(t, device), p, upload(v, device) if v is not None else None) for t, p, v in parts]
     tokens, parents, valid = combine(moved, owner, device)
-    return Draft(tokens, parents, None, valid)
+    slot = union_slots([p for _, p, _ in parts])
+    return Draft(tokens, parents, None, valid), [[slot[o][k] for k in loc] if o >= 0 else []
+                                                 for o, loc in zip(owner, local)]

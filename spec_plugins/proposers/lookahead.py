@@ -19,12 +19,14 @@ then i+1 of iterate s+1, ... each was predicted right after its predecessor, whi
 lookahead harvests plausible n-grams. The pool is also filled with the n-grams of the prompt and
 the output (as the reference implementation does), most recent first, ``pool_size`` per key.
 Positions past the previous iterate are filled with tokens drawn from the sequence (the paper
-initialises guesses from the prompt), with a seeded generator, so runs are reproducible.
+initialises guesses from the prompt), with a generator seeded from ``seed`` and the row's prompt
+(``row_seed``), so runs are reproducible and a row's guesses do not depend on its batch neighbours.
 Drafts are point masses depending only on the past, so the exact verifier applies unchanged.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections import OrderedDict, deque
 from typing import Any, Literal, Sequence
@@ -110,7 +112,7 @@ class LookaheadProposer(Proposer):
         ngram: int = Field(4, ge=2, le=16, description="N: n-gram size; candidates draft N-1 tokens.")
         candidates: int = Field(3, ge=0, le=32, description="G: pool candidates verified per round.")
         pool_size: int = Field(8, ge=1, le=256, description="n-grams kept per key token (most recent).")
-        seed: int = Field(0, description="Seed for the initial guesses drawn from the sequence.")
+        seed: int = Field(0, description="Seed for the initial guesses drawn from the sequence (mixed with each row's prompt).")
 
         @model_validator(mode="after")
         def _check_window(self) -> LookaheadProposer.Config:
@@ -131,15 +133,14 @@ class LookaheadProposer(Proposer):
         self.rows: list[_RowState] = []
         self._node_maps: list[list[int]] = []  # per row: own trie node -> node of the shared draft
 
-    def _new_row(self, prompt: Sequence[int], i: int) -> _RowState:
+    def _new_row(self, prompt: Sequence[int]) -> _RowState:
         c = self.config
-        st = _RowState(c.ngram, c.pool_size, c.seed + i)
+        st = _RowState(c.ngram, c.pool_size, row_seed(c.seed, prompt))
         st.scan(prompt)
         return st
 
     def admit(self, prompts: Sequence[Sequence[int]]) -> None:
-        base = len(self.rows)
-        self.rows.extend(self._new_row(p, base + i) for i, p in enumerate(prompts))
+        self.rows.extend(self._new_row(p) for p in prompts)
 
     def select_rows(self, rows: Sequence[int]) -> None:
         self.rows = [self.rows[r] for r in rows]
@@ -187,6 +188,14 @@ class LookaheadProposer(Proposer):
             # guess for P+1 comes from the root; for P+2+j from window node j
             new = [int(top[b][0])] + [int(top[b][n + 1]) for n in drafted]
             st.harvest(P + 1, new)
+
+
+def row_seed(seed: int, prompt: Sequence[int]) -> int:
+    """A row's guess generator seed, from the configured seed and the row's own prompt: the same
+    request draws the same guesses (and accepts as much) alone or in any batch, whatever rows were
+    admitted before it. A stable digest of the ints (not ``hash()``, which varies per process)."""
+    text = ",".join(str(int(t)) for t in (seed, *prompt))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
 def _verified(node_map: Sequence[int], window_nodes: Sequence[int], size: int) -> list[int]:

@@ -78,8 +78,9 @@ class RecyclingProposer(Proposer):
                 if max(tree.ranks) >= self.candidates:
                     raise ValueError(f"paths use rank {max(tree.ranks)} but candidates={self.candidates}")
                 _check_paths_depth(tree.depth, self.num_draft_tokens)
-            elif self.tree_size != "auto" and "tree_size" in self.model_fields_set:
-                _check_reachable(self.tree_size, self.candidates, self.num_draft_tokens)  # the default is a cap
+            elif self.tree_size not in ("auto", type(self).model_fields["tree_size"].default):
+                # the default is a cap, also when a dumped config carries it back
+                _check_reachable(self.tree_size, self.candidates, self.num_draft_tokens)
             return self
 
     @classmethod

@@ -182,7 +182,14 @@ def _serve_ray(config: Optional[Path], host: str, port: int, max_batch: int, max
     if write_config is not None:
         import yaml
 
-        write_config.write_text(yaml.safe_dump(RayServeConfig(opts, scaling, host, port).to_dict(), sort_keys=False))
+        from spec_plugins.files import write_text_atomic
+
+        text = yaml.safe_dump(RayServeConfig(opts, scaling, host, port).to_dict(), sort_keys=False)
+        try:
+            write_text_atomic(write_config, text)  # a failed write (a full disk) leaves a previous file whole
+        except OSError as exc:
+            fail(f"--write-config {write_config}: cannot write it ({exc.strerror or exc})")
+            return
         typer.echo(f"wrote {write_config}: deploy it with `serve deploy {write_config}` on the cluster")
         return
     try:

@@ -42,6 +42,7 @@ def build_state(decoder: Any, max_batch: int = 8, max_input_tokens: int | None =
     cost_table = costs.forward.base.to_dict()["table"] if costs is not None else {}
     seed = decoder.config.sampling.seed if decoder.config else 0
     batch = Batch(target, proposer, decoder.verifier, decoder.eos_ids(), seed=seed, traits=wiring.traits)
+    # the runtime's generation lock, shared with every decoder over it (``decoder_lock``)
     sched = Scheduler(batch, max_batch, max_queue, policy, lock=decoder.generation_lock)
     info = {"speculation": {"proposer": section.type if section is not None else None, "max_draft_length": k,
                             "draft_policy": draft_policy if k else "off", "lossy": batch.lossy,

@@ -197,6 +197,7 @@ def train_eagle(store: ShardSource, target_model: Any, cfg: TrainConfig, out: st
         model = build_drafter(target_model, vocab_ids, layers, intermediate)
     if start is not None:
         _check_shapes(init, start[1], model)  # type: ignore[arg-type]
+        _check_target(init, *start, target_model)  # type: ignore[arg-type]
         missing, unexpected = model.load_state_dict(start[1], strict=False)
         if unexpected or [k for k in missing if k != "block_inputs" and not k.startswith("refiner.")]:
             raise ValueError(f"{init} does not hold weights this drafter can start from "
@@ -264,6 +265,20 @@ def _check_shapes(init: str | Path, state: dict[str, torch.Tensor], model: nn.Mo
     if bad:
         raise ValueError(f"{init} does not fit this drafter: {'; '.join(bad)}; start it fresh (no --init) or "
                          "give the settings the head was trained with")
+
+
+def _check_target(init: str | Path, cfg: dict, state: dict[str, torch.Tensor], target_model: Any) -> None:
+    """The head must have been trained for ``target_model``, as loading it to draft requires
+    (``check_target_fit``): one trained for another target of the same shapes would start this
+    training from that target's draft vocabulary and weights, and be saved as trained for this one.
+    A head that records no fingerprint is checked on shapes only, as at load time."""
+    from spec_plugins.heads.common import check_target_fit, target_lm_parts
+
+    lm, emb = target_lm_parts(target_model)
+    try:
+        check_target_fit(int(cfg["hidden_size"]), state["vocab_ids"], lm, emb, cfg, target_model)
+    except ValueError as exc:
+        raise ValueError(f"{init} cannot start training on this target: {exc}") from None
 
 
 def _finish(model: EagleDrafter, res: TrainResult, cfg: TrainConfig, out: Path, store: ShardSource,

@@ -1,0 +1,87 @@
+"""The generation lock belongs to the runtime: decoders built over one runtime (``from_config(...,
+target=rt)``, ``without_speculation()``) used from two threads interleaved their prefills and
+commits on its one KV cache (tensor size mismatches, a commit without its forward, wrong tokens).
+A second thread is now refused at once; used in turn, every decoder stays exact."""
+
+from __future__ import annotations
+
+import re
+
+from conftest import tiny_llama
+from helpers import hf_generate
+from spec_plugins.backends.torch_runtime import TorchRuntime
+from spec_plugins.decoder import SpeculativeDecoder
+from spec_plugins.decoder_lock import BUSY
+from spec_plugins.proposers.draft_model import DraftModelProposer
+from support import in_thread
+
+P1 = [2, 3, 4, 2, 3, 4, 2]
+P2 = [9, 8, 7, 6, 5, 9, 8, 7, 6, 5, 9]
+TARGET = {"backend": "torch", "model": "unused: the runtime is given"}
+
+
+def _refused(fn) -> None:
+    """``fn`` run in another thread is refused with the lock's own message."""
+    err = in_thread(fn).get("error")
+    assert isinstance(err, RuntimeError) and re.fullmatch(re.escape(BUSY), str(err)), err
+
+
+def test_decoders_over_one_runtime_refuse_a_second_thread_and_stay_exact_in_turn():
+    model = tiny_llama(vocab=32, seed=5, sharpness=6.0)
+    rt = TorchRuntime(model)
+    spec = SpeculativeDecoder.from_config({"target": TARGET, "proposer": {"type": "ngram", "num_draft_tokens": 4}},
+                                          target=rt)
+    plain = SpeculativeDecoder.from_config({"target": TARGET, "proposer": None}, target=rt)
+    want1, want2 = hf_generate(model, [P1], 16, pad=0)[0], hf_generate(model, [P2], 12, pad=0)[0]
+
+    stream = spec.stream(P1, 16)  # held open in this thread: the runtime holds its row
+    first = next(stream)
+    assert first.finish_reason is None
+    _refused(lambda: plain.generate(P2, 12))
+    _refused(lambda: plain.without_speculation().generate(P2, 12))
+    _refused(lambda: spec.without_speculation().generate(P2, 12))
+    rest = [t for ev in stream for t in ev.token_ids]
+    assert first.token_ids + rest == want1  # the refused calls left the open stream's rows alone
+
+    stream = plain.stream(P2, 12)  # and the other way round
+    first = next(stream)
+    _refused(lambda: spec.generate(P1, 16))
+    stream.close()
+    assert in_thread(lambda: spec.generate(P1, 16).token_ids) == {"value": want1}  # closed: free again
+    for dec in (spec, plain, spec.without_speculation(), plain):  # in turn, over the one cache
+        assert dec.generate(P2, 12).token_ids == want2
+        assert dec.generate(P1, 16).token_ids == want1
+
+
+def test_a_draft_runtime_shared_by_two_targets_decoders_refuses_a_second_thread():
+    """Two targets, one draft model's runtime: its cache holds one batch's rows too."""
+    model_a, model_b = tiny_llama(vocab=32, seed=5, sharpness=6.0), tiny_llama(vocab=32, seed=6, sharpness=6.0)
+    draft = TorchRuntime(tiny_llama(vocab=32, seed=7, sharpness=6.0))
+    rt_a, rt_b = TorchRuntime(model_a), TorchRuntime(model_b)
+    dec_a = SpeculativeDecoder(rt_a, DraftModelProposer(None, target=rt_a, runtime=draft))
+    dec_b = SpeculativeDecoder(rt_b, DraftModelProposer(None, target=rt_b, runtime=draft))
+    want_a, want_b = hf_generate(model_a, [P1], 12, pad=0)[0], hf_generate(model_b, [P2], 12, pad=0)[0]
+
+    stream = dec_a.stream(P1, 12)
+    first = next(stream)
+    _refused(lambda: dec_b.generate(P2, 12))
+    # dec_b's own target is free: the refusal took nothing with it
+    assert in_thread(lambda: dec_b.without_speculation().generate(P2, 12).token_ids) == {"value": want_b}
+    assert first.token_ids + [t for ev in stream for t in ev.token_ids] == want_a
+    assert not dec_a.generation_lock.held and not dec_b.generation_lock.held
+    assert in_thread(lambda: dec_b.generate(P2, 12).token_ids) == {"value": want_b}
+    assert dec_a.generate(P1, 12).token_ids == want_a
+
+
+def test_a_runtime_without_weak_references_still_has_one_lock():
+    """A runtime class with ``__slots__`` (no weak references) is keyed by identity."""
+    from spec_plugins.decoder_lock import runtime_lock
+
+    class Slotted:
+        __slots__ = ("x",)
+
+    a, b = Slotted(), Slotted()
+    assert runtime_lock(a) is runtime_lock(a) and runtime_lock(a) is not runtime_lock(b)
+    with runtime_lock(a).holding():
+        _refused(lambda: runtime_lock(a).acquire())
+        assert in_thread(lambda: runtime_lock(b).acquire()) == {"value": True}
