@@ -72,6 +72,17 @@ def check_output_file(path: Path, flag: str = "--out") -> None:
         fail(f"{flag} {path}: cannot write there")
 
 
+def write_output(path: Path, text: str, flag: str = "--out") -> None:
+    """Write an output file checked by ``check_output_file``: atomically, so a failed write (a full
+    disk) leaves a previous file whole, and a failure is the CLI's ``error:`` line."""
+    from spec_plugins.files import write_text_atomic
+
+    try:
+        write_text_atomic(path, text)
+    except OSError as exc:
+        fail(f"{flag} {path}: cannot write it ({exc.strerror or exc})")
+
+
 def check_output_dir(path: Path, flag: str = "--out") -> None:
     """An output directory from the command line, checked before any model loads: not an
     existing file, under a writable directory."""

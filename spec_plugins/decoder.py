@@ -70,9 +70,11 @@ class SpeculativeDecoder:
             section = (config.proposer if config is not None else proposer.config) if proposer is not None else None
             wiring = wire(target, section, proposer=proposer, costs=costs)
         self.wiring = wiring  # proposer, costs and the tree sizer, whose calibrations carry across generations
-        # one generation's thread at a time per runtime, the target's and a draft model's (they hold
-        # one batch's rows): shared by every decoder over them (``decoder_lock``)
-        self.generation_lock = runtime_lock(target, getattr(wiring.proposer, "runtime", None))
+        # one generation's thread at a time per runtime, the target's and its drafters' (a draft
+        # model's, a hybrid child's: they hold one batch's rows): shared by every decoder over them
+        p = wiring.proposer
+        drafters = [p, *p.sources()] if p is not None else []
+        self.generation_lock = runtime_lock(target, *(getattr(d, "runtime", None) for d in drafters))
 
     @property
     def proposer(self) -> Any:

@@ -10,18 +10,19 @@ does not block on it: the holder may be a stream generator suspended in the call
 or one another thread keeps unfinished, which waiting would never see end (a stream frees it just
 before yielding its last event, the one with a ``finish_reason``: a reader may stop there without
 closing it). Generations in the holder's thread go on (two interleaved streams there are caught by
-the runtime's lease, ``loop.ownership``). A server's decode thread holds it while its batch has
-work and waits for it (``wait`` with a ``timeout``, so it can stop and say why it is not serving)
-when a direct generation on the same runtime holds it: that generation runs while the server is
-idle.
+the lease on the target's and the draft model's runtimes, ``loop.ownership``). A server's decode
+thread holds it while its batch has work and waits for it (``wait`` with a ``timeout``, so it can
+stop and say why it is not serving) when a direct generation on the same runtime holds it: that
+generation runs while the server is idle. A waiter over several runtimes (``JointLock``) holds
+none of them while it waits, so generations on the ones that are idle go on meanwhile.
 """
 from __future__ import annotations
 
 import threading
+import time
+import weakref
 from contextlib import contextmanager
 from typing import Any, Iterator
-
-from spec_plugins.weak_cache import WeakCache
 
 BUSY = ("this decoder's runtime is generating in another thread; use one runtime (and one decoder) per thread or "
         "serialize the calls (a stream holds the runtime until it finishes or is closed)")
@@ -43,16 +44,24 @@ class GenerationLock:
     def acquire(self, wait: bool = False, timeout: float | None = None) -> bool:
         """Hold it for a generation in this thread; where another thread holds it, ``RuntimeError``
         (``wait``: block until it is free, or False after ``timeout`` seconds)."""
-        me = threading.get_ident()
         with self._guard:
-            while self._count and self._owner != me:
+            if not self._open():
                 if not wait:
                     raise RuntimeError(BUSY)
-                if not self._free.wait(timeout) and timeout is not None:
+                if not self._free.wait_for(self._open, timeout):
                     return False
-            self._owner = me
+            self._owner = threading.get_ident()
             self._count += 1
             return True
+
+    def _open(self) -> bool:
+        """Whether this thread may take it: free, or held by this thread."""
+        return not self._count or self._owner == threading.get_ident()
+
+    def _wait_open(self, timeout: float | None) -> bool:
+        """Wait until this thread may take it, without taking it; False after ``timeout`` seconds."""
+        with self._guard:
+            return self._free.wait_for(self._open, timeout)
 
     def release(self) -> None:
         """One generation ended (in any thread)."""
@@ -78,23 +87,39 @@ class GenerationLock:
 
 class JointLock(GenerationLock):
     """Several runtimes' locks held together (a target's and the draft model's it drafts with),
-    taken in one order so two joint holders never wait on each other for good."""
+    all or none: a waiter holding one while it waits for another would refuse generations on the
+    runtime it holds but does not use yet (a server waiting for a shared draft model's runtime
+    would lock its idle target away from ``without_speculation()``)."""
 
     def __init__(self, locks: list[GenerationLock]) -> None:
+        # taken in one order: of two joint waiters, the one refused first holds nothing
         self.locks = sorted(locks, key=id)
 
     def acquire(self, wait: bool = False, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            busy = self._take_all()
+            if busy is None:
+                return True
+            if not wait:
+                raise RuntimeError(BUSY)
+            left = None if deadline is None else deadline - time.monotonic()
+            if (left is not None and left <= 0) or not busy._wait_open(left):
+                return False
+
+    def _take_all(self) -> GenerationLock | None:
+        """Take every lock without waiting; where one is held in another thread, let the ones
+        taken go and return it (None: all taken)."""
         got: list[GenerationLock] = []
-        try:
-            for lock in self.locks:
-                if not lock.acquire(wait, timeout):
-                    break
-                got.append(lock)
-        finally:
-            if len(got) < len(self.locks):  # refused (raised) or timed out: let the others go
-                for lock in reversed(got):
-                    lock.release()
-        return len(got) == len(self.locks)
+        for lock in self.locks:
+            try:
+                lock.acquire()
+            except RuntimeError:
+                for taken in reversed(got):
+                    taken.release()
+                return lock
+            got.append(lock)
+        return None
 
     def release(self) -> None:
         for lock in reversed(self.locks):
@@ -105,21 +130,24 @@ class JointLock(GenerationLock):
         return any(lock.held for lock in self.locks)
 
 
-_LOCKS: WeakCache = WeakCache()  # runtime -> its GenerationLock, dropped with the runtime
-_BY_ID: dict[int, GenerationLock] = {}  # runtimes that cannot be weakly keyed (``__slots__``, unhashable)
+# id(runtime) -> its lock: keyed by identity (a runtime's ``__eq__`` neither merges two runtimes'
+# locks nor refuses an unhashable one), the entry dropped as the runtime dies, before a later
+# runtime can reuse its id and find a lock the dead one left held
+_LOCKS: dict[int, GenerationLock] = {}
 _MAKING = threading.Lock()
 
 
 def _lock_of(runtime: Any) -> GenerationLock:
     with _MAKING:
-        try:
-            lock = _LOCKS.get(runtime)
-            if lock is None:
-                lock = _LOCKS[runtime] = GenerationLock()
-        except TypeError:
-            # keyed by identity: a lock outliving its runtime is free (nothing generates on a dead
-            # runtime), so a later runtime reusing the id may take it over
-            lock = _BY_ID.setdefault(id(runtime), GenerationLock())
+        lock = _LOCKS.get(id(runtime))
+        if lock is None:
+            try:
+                ends = weakref.finalize(runtime, _LOCKS.pop, id(runtime), None)
+            except TypeError:
+                raise TypeError(f"runtime {type(runtime).__qualname__} cannot be weakly referenced, so its generation "
+                                "lock could not end with it: add '__weakref__' to its __slots__") from None
+            ends.atexit = False
+            lock = _LOCKS[id(runtime)] = GenerationLock()
         return lock
 
 

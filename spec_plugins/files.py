@@ -32,10 +32,14 @@ def temp_beside(path: Path) -> Path:
 def write_text_atomic(path: str | Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file renamed into place. An existing file
     keeps its permissions (set once the text is written, so a read-only one is replaced, not
-    refused); a symlink is written through (its target replaced), as ``Path.write_text`` does."""
+    refused); a symlink is written through (its target replaced), as ``Path.write_text`` does.
+    A path that is not a regular file (``/dev/stdout``, a pipe) is written as it stands."""
     path = Path(path)
     if path.is_symlink():
         path = path.resolve()
+    if path.exists() and not path.is_file():
+        path.write_text(text, encoding="utf-8")
+        return
     tmp = temp_beside(path)
     try:
         tmp.write_text(text, encoding="utf-8")

@@ -139,11 +139,6 @@ def union_layout(parents: Sequence[Parents]) -> tuple[list[list[int]], list[int]
     return slots, width
 
 
-def union_slots(parents: Sequence[Parents]) -> list[list[int]]:
-    """Per part, the slot of each of its nodes in the draft ``combine`` builds of these parts."""
-    return union_layout(parents)[0]
-
-
 def upload_index(values: Sequence[int], device: torch.device) -> torch.Tensor:
     from spec_plugins.transfer import upload_tensor
 

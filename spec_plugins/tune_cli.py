@@ -11,8 +11,7 @@ from typing import Optional
 
 import typer
 
-from spec_plugins.cli import app, check_output_file, fail
-from spec_plugins.files import write_text_atomic
+from spec_plugins.cli import app, check_output_file, fail, write_output
 from spec_plugins.training.sources import shipped_prompts
 from spec_plugins.tune import BUDGET_BOUNDS
 
@@ -59,11 +58,7 @@ def tune_cmd(
     # so such a file holds the config alone, without the measurements
     text = (json.dumps(res.config, indent=1) + "\n" if out.suffix.lower() == ".json"
             else render_yaml(res, command))
-    try:
-        write_text_atomic(out, text)  # a failed write (a full disk) leaves a previous file whole
-    except OSError as exc:
-        fail(f"--out {out}: cannot write it ({exc.strerror or exc})")
-        return
+    write_output(out, text)
     c = res.chosen
     speed = f"{c.tokens_per_s:.1f} tok/s, {c.tokens_per_s / res.plain.tokens_per_s:.2f}x plain"
     typer.echo(f"wrote {out}: {c.label} ({speed}) in {res.seconds:.0f} s; run it with "

@@ -131,3 +131,22 @@ def test_bench_num_draft_tokens_0_skips_drafting_peers_naming_baseline_gamma():
     # with --baseline-gamma the peer runs, with that draft length
     ran = {m["name"]: m["gamma"] for m in _bench_k0(baseline_gamma=2)["methods"]}
     assert ran["transformers"] == 2
+
+
+def test_an_output_that_is_not_a_regular_file_is_written_as_it_stands(tmp_path):
+    """``--out /dev/stdout`` or a pipe: written through, not replaced by a renamed temporary file."""
+    import os
+    import stat
+
+    from spec_plugins.files import write_text_atomic
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # a reader, so the write does not block
+    try:
+        write_text_atomic(fifo, "model: m\n")
+        assert os.read(reader, 100) == b"model: m\n"
+    finally:
+        os.close(reader)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]

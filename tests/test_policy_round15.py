@@ -133,14 +133,30 @@ def test_each_row_is_credited_with_its_own_nodes_the_widest_forward_keeps():
 
 
 def test_the_sizer_s_positions_are_those_combine_lays_out():
-    """``union_slots`` (the sizer's map of each part's nodes) against ``row_trees.combine`` itself."""
-    from spec_plugins.row_trees import union_slots
+    """``union_layout`` (the sizer's map of each part's nodes) against ``row_trees.combine`` itself."""
+    from spec_plugins.row_trees import union_layout
 
     parts_parents = [(-1, -1, 0, 2), (-1, 0, 1, 0, -1, 4)]
     parts = [(torch.tensor([[1000 * (p + 1) + j for j in range(len(par))]] * 2), par, None)
              for p, par in enumerate(parts_parents)]
     tokens, _, valid = combine(parts, [0, 1], torch.device("cpu"))
-    slots = union_slots(parts_parents)
+    slots = union_layout(parts_parents)[0]
     for b in range(2):
         for j, u in enumerate(slots[b]):
             assert bool(valid[b, u]) and int(tokens[b, u]) == 1000 * (b + 1) + j
+
+
+def test_grammar_forced_tokens_ahead_of_the_draft_count_against_the_cut():
+    """``Batch.place`` puts a row's forced tokens ahead of its sized chain before the runtime's cut:
+    a node pushed past the cut by them is not credited (only the first of three placed here)."""
+    from spec_plugins.grammar.rounds import splice
+
+    policy = DraftPolicy(FixedLength(3))
+    ranked = Ranked([[RankedRow([10, 11, 12], [(0,), (0, 0), (0, 0, 0)], [0.9, 0.8, 0.7])]], False)
+    sized = policy.size(ranked)
+    forced = [[5, 6]]
+    placed = fit(splice(sized, forced), None, [10], 3)  # Batch.place: forced tokens ahead, then the cut
+    assert placed.tokens.tolist() == [[5, 6, 10]]
+    policy.placed(placed, [len(f) for f in forced])
+    (source, predicted), = policy.sizer._kept
+    assert predicted == pytest.approx(0.9)

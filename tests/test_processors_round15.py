@@ -118,3 +118,110 @@ def test_token_healing_of_padded_prompts_is_refused_by_name():
     with pytest.raises(ValueError, match="token_healing=True with padded prompts"):
         model.generate(**enc, max_new_tokens=4, do_sample=False, token_healing=True, pad_token_id=0,
                        tokenizer=tok, custom_generate=CUSTOM_GENERATE, trust_remote_code=True)
+
+
+CYCLE = [5, 6, 9, 3]
+
+
+class FollowThenRaise(LogitsProcessor):
+    """Forces each row's next token from its own prefix (a row opening with 5 walks ``CYCLE``, which
+    the n-gram drafter guesses from the prompt; a padded row walks x -> 5x + 1 mod 32, which it does
+    not), and raises once more than ``after`` new tokens are there."""
+
+    def __init__(self, prompt_len: int, after: int) -> None:
+        self.prompt_len, self.after = prompt_len, after
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[1] - self.prompt_len > self.after:
+            raise ValueError("boom")
+        out = torch.full_like(scores, -1e9)
+        for i, row in enumerate(input_ids.tolist()):
+            nxt = CYCLE[(CYCLE.index(row[-1]) + 1) % 4] if row[0] == 5 else (row[-1] * 5 + 1) % 32
+            out[i, nxt] = 0.0
+        return out
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.puts: list[list[int]] = []
+        self.ended = False
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts.append(value.flatten().tolist())
+
+    def end(self) -> None:
+        self.ended = True
+
+
+def _streamed(rec: Recorder, batch: int) -> list[list[int]]:
+    """The new tokens a streamer received, per row (the first put is the prompt)."""
+    flat = [t for put in rec.puts[1:] for t in put]
+    return [flat[i::batch] for i in range(batch)] if batch > 1 else [flat]
+
+
+@pytest.mark.parametrize("drafter", ["chain", "tree"])
+@pytest.mark.parametrize("after", [3, 7])
+def test_a_raising_processor_streams_the_tokens_before_it_as_plain_generate(drafter, after):
+    """Plain ``generate()`` streams every token before the step whose processor raises; the plugin
+    streams the kept tokens of its failing round (and, with a batch, the other rows' columns up to
+    that step) before it raises."""
+    model = tiny_llama(seed=3)
+    extra = (dict(spec_config={"proposer": {"type": "ngram", "num_draft_tokens": 4}}) if drafter == "chain"
+             else dict(proposer=Siblings(32)))
+    for ids, mask in ((torch.tensor([CYCLE * 3]), None),
+                      (torch.tensor([CYCLE * 3, [0] * 10 + [1, 2]]), torch.tensor([[1] * 12, [0] * 10 + [1, 1]]))):
+        inputs = {"input_ids": ids} | ({"attention_mask": mask} if mask is not None else {})
+        plain, spec = Recorder(), Recorder()
+        procs = LogitsProcessorList([FollowThenRaise(ids.shape[1], after)])
+        kw = dict(max_new_tokens=12, do_sample=False, logits_processor=procs, pad_token_id=0)
+        with pytest.raises(ValueError, match="boom"):
+            model.generate(**inputs, **kw, streamer=plain)
+        with pytest.raises(RuntimeError, match="boom"):
+            model.generate(**inputs, **kw, spec_streamer=spec, custom_generate=speculative_generate, **extra)
+        assert spec.ended and spec.puts[0] == plain.puts[0]
+        assert _streamed(spec, len(ids)) == _streamed(plain, len(ids))
+        assert len(_streamed(plain, len(ids))[0]) == after + 1
+        if len(ids) > 1:  # batched: one [B] column per put, as plain puts them
+            assert spec.puts == plain.puts
+
+
+def test_token_healing_with_num_return_sequences_heals_each_copy_as_plain_generate():
+    """transformers heals the prompts after expanding them for ``num_return_sequences``: with a
+    sampling model config (which ``heal_tokens``' own ``generate()`` uses), each copy heals with
+    its own draws."""
+    model, tok = _healing_setup()
+    model.generation_config.do_sample, model.generation_config.temperature = True, 1.0
+    enc = tok(["ab b"], return_tensors="pt")
+    kw = dict(max_new_tokens=2, do_sample=True, num_return_sequences=4, token_healing=True, pad_token_id=0,
+              tokenizer=tok)
+    copies_differ = False
+    for seed in range(4):
+        torch.manual_seed(seed)
+        plain = model.generate(input_ids=enc.input_ids, **kw)
+        torch.manual_seed(seed)
+        spec = model.generate(input_ids=enc.input_ids, **kw, custom_generate=CUSTOM_GENERATE, trust_remote_code=True,
+                              spec_config={"proposer": {"type": "ngram", "num_draft_tokens": 3}})
+        n = enc.input_ids.shape[1]
+        assert spec.shape == plain.shape and torch.equal(spec[:, :n], plain[:, :n]), seed
+        copies_differ |= len({tuple(r) for r in plain[:, :n].tolist()}) > 1
+    assert copies_differ  # the copies healed apart at some seed: the comparison can tell
+
+
+def test_token_healing_in_a_generation_config_adds_no_deprecation_warning(monkeypatch):
+    """Healing switched off on a copy of the caller's ``generation_config``, not by a keyword next
+    to it, which transformers warns about (plain ``generate()`` does not warn)."""
+    from transformers import GenerationConfig
+    from transformers.generation import utils as gen_utils
+
+    model, tok = _healing_setup()
+    said: list[str] = []
+    monkeypatch.setattr(gen_utils.logger, "warning_once", lambda msg, *a, **k: said.append(str(msg)))
+    enc = tok(["ab b"], return_tensors="pt")
+    gc = GenerationConfig(max_new_tokens=6, do_sample=False, token_healing=True, pad_token_id=0)
+    plain = model.generate(input_ids=enc.input_ids, generation_config=gc, tokenizer=tok)
+    spec = model.generate(input_ids=enc.input_ids, generation_config=gc, tokenizer=tok,
+                          custom_generate=CUSTOM_GENERATE, trust_remote_code=True,
+                          spec_config={"proposer": {"type": "ngram", "num_draft_tokens": 3}})
+    assert torch.equal(spec, plain)
+    assert gc.token_healing is True  # the caller's config is left as it was
+    assert not [m for m in said if "generation_config" in m and "deprecated" in m]

@@ -75,7 +75,7 @@ def test_bench_independent_memory_clears_the_recycling_table():
 
 
 # ---- 5. a recycling tree_size it cannot reach is refused -------------------------------------------------
-@pytest.mark.parametrize("fields, most", [({"tree_size": 12, "candidates": 1}, 6),
+@pytest.mark.parametrize("fields, most", [({"tree_size": 13, "candidates": 1}, 6),
                                           ({"tree_size": 40, "num_draft_tokens": 1}, 8),
                                           ({"tree_size": 9, "num_draft_tokens": 1, "candidates": 64}, 8),
                                           ({"tree_size": 128, "num_draft_tokens": 2}, 72),

@@ -152,22 +152,21 @@ def heal_prompts(model: Any, tokenizer: Any, kwargs: dict) -> dict:
     callable ``custom_generate`` never has the tokenizer (transformers drops it) and raises asking
     for it. Healed here with ``generate()``'s own ``heal_tokens``, the prompts go on with healing
     off and a mask over every healed slot: plain ``generate()`` decodes them with none (it drops an
-    all-ones mask). Padded prompts are refused: there it pairs the healed (re-tokenized) prompts
-    with the mask of the unhealed ones, which this engine would not reproduce."""
+    all-ones mask). It heals after expanding the prompts for ``num_return_sequences``, as plain
+    ``generate()`` does (a sampling model config heals each copy with its own draws), and the copies
+    go on as one sequence each. Padded prompts are refused: there it pairs the healed
+    (re-tokenized) prompts with the mask of the unhealed ones, which this engine would not reproduce."""
     import torch
 
-    gc = kwargs["generation_config"] if kwargs.get("generation_config") is not None else model.generation_config
-
-    def setting(name: str) -> Any:
-        return kwargs[name] if kwargs.get(name) is not None else getattr(gc, name, None)
-
-    if not setting("token_healing"):
+    names = ("token_healing", "pad_token_id", "eos_token_id", "do_sample", "num_return_sequences", "num_beams")
+    setting = _settings(model, kwargs, names)
+    if not setting["token_healing"]:
         return kwargs
     key = "inputs" if kwargs.get("inputs") is not None else "input_ids"
     ids, mask = kwargs.get(key), kwargs.get("attention_mask")
     if ids is None:
         raise ValueError("speculative_generate: token_healing=True heals input_ids; none were given")
-    pad, eos = setting("pad_token_id"), setting("eos_token_id")
+    pad, eos = setting["pad_token_id"], setting["eos_token_id"]
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     # generate() reads a pad id (one that is not an EOS id) in the prompts as padding when no mask is given
     padded = bool((mask == 0).any()) if mask is not None else (
@@ -176,5 +175,33 @@ def heal_prompts(model: Any, tokenizer: Any, kwargs: dict) -> dict:
         raise ValueError("speculative_generate: token_healing=True with padded prompts is not supported (plain "
                          "generate() decodes the healed, re-tokenized prompts under the unhealed prompts' "
                          "attention_mask): heal one prompt per call, or drop token_healing")
-    healed = model.heal_tokens(ids, tokenizer)
-    return {**kwargs, key: healed, "attention_mask": torch.ones_like(healed), "token_healing": False}
+    copies = setting["num_return_sequences"] or 1
+    # greedy (or beam search) with several sequences: left as it is for the call below to refuse
+    expand = copies > 1 and bool(setting["do_sample"]) and (setting["num_beams"] or 1) == 1
+    healed = model.heal_tokens(ids.repeat_interleave(copies, dim=0) if expand else ids, tokenizer)
+    off = {"token_healing": False, **({"num_return_sequences": 1} if expand else {})}
+    return {**kwargs, key: healed, "attention_mask": torch.ones_like(healed), **_switched(kwargs, off)}
+
+
+def _settings(model: Any, kwargs: dict, names: tuple[str, ...]) -> dict[str, Any]:
+    """The generation settings ``names`` as ``generate()`` resolves them: its keyword, else the given
+    ``generation_config`` with the model's and transformers' defaults filling its unset fields
+    (``_prepare_generation_config``, called without the keywords so it warns about nothing)."""
+    base, _ = model._prepare_generation_config(kwargs.get("generation_config"))
+    return {n: kwargs[n] if kwargs.get(n) is not None else getattr(base, n, None) for n in names}
+
+
+def _switched(kwargs: dict, values: dict[str, Any]) -> dict[str, Any]:
+    """``generate()`` arguments setting ``values``: as keywords where the caller passed that keyword
+    or no ``generation_config``, else on a copy of the ``generation_config`` (a keyword next to one
+    makes transformers warn that the two together are deprecated)."""
+    import copy
+
+    gc = kwargs.get("generation_config")
+    keywords = {k: v for k, v in values.items() if gc is None or k in kwargs}
+    rest = {k: v for k, v in values.items() if k not in keywords}
+    if not rest:
+        return keywords
+    gc = copy.deepcopy(gc)
+    gc.update(**rest)
+    return {**keywords, "generation_config": gc}

@@ -128,7 +128,7 @@ def speculative_generate(
             sent = cut = 0
             if streamer is not None:
                 streamer.put(input_ids.cpu())  # the prompt first, as generate() puts it
-            errors: dict[int, str] = {}
+            errors: dict[int, tuple[int, str]] = {}  # failed row -> (its kept tokens, why)
             try:
                 for step in decode(target, wiring.proposer, verifier, pipeline, rows, max_new, eos, None, stats,
                                    wiring.policy(), processor_prefix=pads, stop=stop, seeds=seeds,
@@ -139,9 +139,11 @@ def speculative_generate(
                         cut += _cut(out, stop.end)
                     for i in step.finished:
                         done[i] = True
-                    errors |= step.errors
-                    if errors:
-                        break  # plain generate() raises where a row's processing fails: so does this
+                    errors |= {i: (len(out[i]), why) for i, why in step.errors.items()}
+                    if errors:  # plain generate() raises at the first column where a row's processing fails
+                        if _reached(out, done, errors):
+                            break
+                        continue
                     if streamer is not None:
                         sent = _stream(streamer, out, done, sent, pad_id)
             finally:  # the kept runtime (and proposer) hold no rows or KV between calls, also after a
@@ -151,7 +153,10 @@ def speculative_generate(
                     wiring.proposer.select_rows([])
                 _uncount(stats, cut)
             if errors:
-                i, why = next(iter(sorted(errors.items())))
+                i, (end, why) = min(errors.items(), key=lambda e: (e[1][0], e[0]))
+                if streamer is not None:  # the columns plain generate() streamed before it raised
+                    _stream(streamer, [o[:end] for o in out], [d and j not in errors for j, d in enumerate(done)],
+                            sent, pad_id)
                 raise RuntimeError(f"speculative_generate: row {i} failed: {why}")
             if streamer is not None:
                 _stream(streamer, out, [True] * len(out), sent, pad_id)
@@ -343,6 +348,14 @@ def _stream(streamer: Any, out: list[list[int]], done: list[bool], sent: int, pa
     for c in range(sent, ready):
         streamer.put(torch.tensor([o[c] if c < len(o) else _pad(pad_id) for o in out], dtype=torch.long))
     return max(sent, ready)
+
+
+def _reached(out: list[list[int]], done: list[bool], errors: dict[int, tuple[int, str]]) -> bool:
+    """Whether every running row holds the first column a row failed at (``errors``: row -> its
+    kept tokens): plain ``generate()`` streams the batch's columns up to that one, so the other
+    rows decode on to it before the call raises."""
+    end = min(n for n, _ in errors.values())
+    return all(done[i] or len(o) >= end for i, o in enumerate(out) if i not in errors)
 
 
 def _cut(out: list[list[int]], end: int) -> int:

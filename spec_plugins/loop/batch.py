@@ -21,7 +21,7 @@ from spec_plugins.grammar import rounds as grammar
 from spec_plugins.keyed_draws import lane_seed
 import spec_plugins.loop.processing as processing
 from spec_plugins.loop.capacity import fit as fit_pool, max_nodes, pool_of, shortfall as pool_shortfall
-from spec_plugins.loop.ownership import Lease, check_held
+from spec_plugins.loop.ownership import Lease, check_held, holders
 from spec_plugins.loop.rows import Row, seen_sequences
 from spec_plugins.loop.verdicts import broken_nodes, failures, read_round, verify_groups
 from spec_plugins.proposers.base import ProposerTraits, check_pairing
@@ -92,9 +92,9 @@ class Batch:
             self._lease.check()
 
     def _claim(self) -> None:
-        """Take the runtime (and a row-aware proposer) over, holding no rows: a batch that had
-        them before (one built earlier, or a generation on the same decoder) refuses to go on."""
-        self._lease.claim([self.runtime] + ([self.proposer] if self.traits.row_aware else []))
+        """Take the runtime (a row-aware proposer, a draft model's runtime: ``holders``) over, holding no
+        rows: a batch that had them before (one built earlier, another generation) refuses to go on."""
+        self._lease.claim(holders(self.runtime, self.proposer, self.traits))
         self._select([])
 
     # ---- rows join --------------------------------------------------------------------------------

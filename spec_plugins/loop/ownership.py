@@ -1,14 +1,23 @@
 """Which batch a runtime's rows belong to.
 
-A runtime's caches (and a row-aware proposer's per-row state) hold the rows of one batch at a
-time. A batch claims them when it is built; a batch built later over them (another generation on
-the same decoder) takes them over, and the earlier one then refuses to go on instead of decoding
-on the other's rows.
+A runtime's caches (and a row-aware proposer's per-row state, and a draft model's runtime) hold
+the rows of one batch at a time. A batch claims them when it is built; a batch built later over
+them (another generation on the same decoder, or on a decoder sharing its draft model's runtime)
+takes them over, and the earlier one then refuses to go on instead of decoding on the other's rows.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
+
+
+def holders(runtime: Any, proposer: Any | None, traits: Any) -> list[Any]:
+    """What holds a batch's rows besides itself: the runtime, a row-aware proposer, and the
+    runtime each of its drafters (``traits.sources``) decodes on: a draft model's, which decoders
+    over several targets may share, so one thread interleaving their streams is caught here."""
+    drafters = [proposer, *traits.sources] if proposer is not None else []
+    own = [r for r in (getattr(d, "runtime", None) for d in drafters) if r is not None]
+    return list({id(h): h for h in [runtime, *([proposer] if traits.row_aware else []), *own]}.values())
 
 
 class Lease:
@@ -37,7 +46,8 @@ class Lease:
             raise RuntimeError("another generation on this decoder started before this one finished (two stream() "
                                "generators interleaved, or a stream resumed after another generate()); its runtime "
                                "now holds the other generation's rows. Finish or close a stream before starting the "
-                               "next generation on the same decoder, or give each its own decoder and runtime")
+                               "next generation on the same decoder (or on one sharing its draft model's runtime), or "
+                               "give each its own decoder and runtimes")
 
 
 def check_held(runtime: Any, rows: Sequence[Any], proposer: Any | None) -> None:

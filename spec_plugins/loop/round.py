@@ -36,8 +36,9 @@ def run_round(batch: Batch, policy: DraftPolicy) -> RoundRecord | None:
     view = batch.view()
     ks = policy.choose(view)                                     # 1. per-row draft depths (0 = none)
     budgets, proposed = batch.draft(view, ks, policy)            # 2. each paying source drafts
+    ahead = [len(f) for f in batch.forced]                      #    grammar-forced tokens go ahead of each row's draft
     draft = batch.place(policy.size(proposed, clock() - t0, budgets))  # 3. cut + merged by cost, fit to the runtime, on the device
-    policy.placed(draft)                                         #    the policy learns from the nodes placed alone
+    policy.placed(draft, ahead)                                  #    the policy learns from the nodes placed alone
     t1 = clock()
     tokens, tree = batch.verify_input(draft)                     # 4. pending token + drafted nodes
     out = batch.runtime.forward(tokens, None if tree.is_chain else tree, want_hidden=batch.traits.want_hidden)

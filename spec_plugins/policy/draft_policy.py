@@ -86,10 +86,11 @@ class DraftPolicy:
             return draft
         return self.sizer.size(draft, spent, budgets)
 
-    def placed(self, draft: Draft | None) -> None:
-        """The sized draft as the runtime placed it (``Batch.place``: cut to its pool and widest
-        forward): the sizer counts only the nodes placed (``TreeSizer.placed``)."""
-        self.sizer.placed(draft)
+    def placed(self, draft: Draft | None, ahead: Sequence[int] = ()) -> None:
+        """The sized draft as the runtime placed it (``Batch.place``: ``ahead[b]`` forced tokens
+        ahead of row b's nodes, cut to its pool and widest forward): the sizer counts only the
+        nodes placed (``TreeSizer.placed``)."""
+        self.sizer.placed(draft, ahead)
 
     def observe(self, record: RoundRecord) -> None:
         if self.costs is not None:

@@ -34,7 +34,7 @@ from typing import Any, Iterable, Sequence
 
 from spec_plugins.policy.objective import Calibration, best_option, expected_tokens, node_gain
 from spec_plugins.transfer import upload
-from spec_plugins.row_trees import combine, keep_slots, node_depths, union_slots, upload_index
+from spec_plugins.row_trees import combine, keep_slots, node_depths, union_layout, upload_index
 from spec_plugins.tree import merge_trees
 from spec_plugins.types import Draft, Ranked, RankedRow, RoundRecord, Shaped
 
@@ -124,16 +124,20 @@ class TreeSizer:
         self._nodes = [list(zip(pos, r.estimates)) for pos, r in zip(at, rows)]
         return draft
 
-    def placed(self, draft: Draft | None) -> None:
+    def placed(self, draft: Draft | None, ahead: Sequence[int] = ()) -> None:
         """The round's draft as the runtime placed it: ``loop.capacity.fit`` keeps the first nodes
-        that fit its pool and its widest forward, so each row is credited and calibrated by its
-        nodes placed alone (a node cut for room is never verified: neither predicted nor missed),
-        as ``budgets`` do for the depth a row holds."""
+        that fit its pool and its widest forward, after ``ahead[b]`` grammar-forced tokens in row
+        b, so each row is credited and calibrated by its nodes placed alone (a node cut for room
+        is never verified: neither predicted nor missed), as ``budgets`` do for the depth a row
+        holds. The forward stays priced at the width sized: the cut is the runtime's, known only
+        once placed."""
         width = draft.size if draft is not None else 0
-        if len(self._nodes) != len(self._kept) or all(at < width for nodes in self._nodes for at, _ in nodes):
+        shift = list(ahead) + [0] * (len(self._nodes) - len(ahead))
+        if len(self._nodes) != len(self._kept) or all(
+                at + s < width for nodes, s in zip(self._nodes, shift) for at, _ in nodes):
             return
-        self._kept = [(source, sum(p for at, p in nodes if at < width))
-                      for (source, _), nodes in zip(self._kept, self._nodes)]
+        self._kept = [(source, sum(p for at, p in nodes if at + s < width))
+                      for (source, _), nodes, s in zip(self._kept, self._nodes, shift)]
 
     def _cut_shaped(self, shaped: Shaped, budgets: Sequence[float], spent: float) -> list[int]:
         """The slots of a shaped draft worth verifying for rows with these ``budgets`` (one cut
@@ -279,6 +283,6 @@ def _assemble(host: Sequence[RankedRow], picks: Sequence[Any], offers: dict[int,
     device = parts[-1][0].device  # the shaped drafts' (host parts are moved there)
     moved = [(upload(t, device), p, upload(v, device) if v is not None else None) for t, p, v in parts]
     tokens, parents, valid = combine(moved, owner, device)
-    slot = union_slots([p for _, p, _ in parts])
+    slot = union_layout([p for _, p, _ in parts])[0]
     return Draft(tokens, parents, None, valid), [[slot[o][k] for k in loc] if o >= 0 else []
                                                  for o, loc in zip(owner, local)]

@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import typer
 
-from spec_plugins.cli import app, check_finite, check_output_file, fail, load_config
+from spec_plugins.cli import app, check_finite, check_output_file, fail, load_config, write_output
 
 from spec_plugins.server.setup import DRAFT_POLICIES, build_state
 
@@ -182,14 +182,8 @@ def _serve_ray(config: Optional[Path], host: str, port: int, max_batch: int, max
     if write_config is not None:
         import yaml
 
-        from spec_plugins.files import write_text_atomic
-
         text = yaml.safe_dump(RayServeConfig(opts, scaling, host, port).to_dict(), sort_keys=False)
-        try:
-            write_text_atomic(write_config, text)  # a failed write (a full disk) leaves a previous file whole
-        except OSError as exc:
-            fail(f"--write-config {write_config}: cannot write it ({exc.strerror or exc})")
-            return
+        write_output(write_config, text, "--write-config")
         typer.echo(f"wrote {write_config}: deploy it with `serve deploy {write_config}` on the cluster")
         return
     try:

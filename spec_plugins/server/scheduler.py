@@ -64,8 +64,9 @@ class Scheduler:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.batch, self.max_batch, self.max_queue = batch, max_batch, max_queue
         self.policy = policy if policy is not None else build_policy(None, None)  # plain decoding
-        # the decoder's (``decoder_lock``): held by the decode thread while its batch has work, so a
-        # direct generation on the same decoder runs only while the server is idle (``_hold``)
+        # the runtimes' (the target's and a draft model's, ``decoder_lock``): held by the decode thread
+        # while its batch has work, so a direct generation on them runs only while the server is idle
+        # (``_hold``)
         self.lock = lock if lock is not None else GenerationLock()
         self._holds = False  # the decode thread holds ``lock``
         self.waiting_since: float | None = None  # when it began to wait for a direct generation
@@ -211,9 +212,9 @@ class Scheduler:
         return True
 
     def _hold(self) -> bool:
-        """Hold the decoder's generation lock for the batch's work (the caller holds ``_cv``): at
-        once, or False after a short wait while a direct generation holds it (``unhealthy`` says
-        so meanwhile; the caller comes back, or stops)."""
+        """Hold the runtimes' generation lock for the batch's work (the caller holds ``_cv``): at
+        once, or False after a short wait, holding none of them, while a direct generation holds
+        one (``unhealthy`` says so meanwhile; the caller comes back, or stops)."""
         if self._holds:
             return True
         if self.waiting_since is None:
