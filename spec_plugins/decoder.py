@@ -18,6 +18,7 @@ from spec_plugins.api_inputs import (Stop, chat_messages, in_vocab, not_bytes, o
 from spec_plugins.backends import build_runtime
 from spec_plugins.config import SamplingConfig, SpecConfig
 from spec_plugins.decoder_lock import runtime_lock
+from spec_plugins.loop.ownership import drafter_runtimes
 from spec_plugins.grammar import GrammarSpec, RowGrammar, compile_grammar, ll_tokenizer
 from spec_plugins.grammar.spec import GrammarError, from_response_format, from_tgi
 from spec_plugins.loop import Step, decode
@@ -73,8 +74,7 @@ class SpeculativeDecoder:
         # one generation's thread at a time per runtime, the target's and its drafters' (a draft
         # model's, a hybrid child's: they hold one batch's rows): shared by every decoder over them
         p = wiring.proposer
-        drafters = [p, *p.sources()] if p is not None else []
-        self.generation_lock = runtime_lock(target, *(getattr(d, "runtime", None) for d in drafters))
+        self.generation_lock = runtime_lock(target, *drafter_runtimes(p, p.sources() if p is not None else ()))
 
     @property
     def proposer(self) -> Any:

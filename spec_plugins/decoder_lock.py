@@ -109,7 +109,11 @@ class JointLock(GenerationLock):
 
     def _take_all(self) -> GenerationLock | None:
         """Take every lock without waiting; where one is held in another thread, let the ones
-        taken go and return it (None: all taken)."""
+        taken go and return it (None: all taken). Looked at first, so a lock seen held takes none
+        (only a lock taken in between makes it let some go)."""
+        busy = next((lock for lock in self.locks if not lock._open()), None)
+        if busy is not None:
+            return busy
         got: list[GenerationLock] = []
         for lock in self.locks:
             try:

@@ -33,13 +33,16 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file renamed into place. An existing file
     keeps its permissions (set once the text is written, so a read-only one is replaced, not
     refused); a symlink is written through (its target replaced), as ``Path.write_text`` does.
-    A path that is not a regular file (``/dev/stdout``, a pipe) is written as it stands."""
+    A path that is not a regular file (a pipe), or a stream's name (``/dev/stdout``, ``/dev/fd/N``,
+    ``/proc/self/fd/N``, which may name a pipe or a redirected file), is written as it stands:
+    replacing what it resolves to would lose what the stream carried before."""
     path = Path(path)
+    if path.exists() and (not path.is_file() or path.absolute().parts[1:2] in (("dev",), ("proc",))):
+        with path.open("a", encoding="utf-8") as f:  # "w" would truncate a redirected file
+            f.write(text)
+        return
     if path.is_symlink():
         path = path.resolve()
-    if path.exists() and not path.is_file():
-        path.write_text(text, encoding="utf-8")
-        return
     tmp = temp_beside(path)
     try:
         tmp.write_text(text, encoding="utf-8")

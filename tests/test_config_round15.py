@@ -150,3 +150,21 @@ def test_an_output_that_is_not_a_regular_file_is_written_as_it_stands(tmp_path):
         os.close(reader)
     assert stat.S_ISFIFO(os.stat(fifo).st_mode)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]
+
+
+@pytest.mark.skipif(not Path("/dev/stdout").exists(), reason="no /dev/stdout on this system")
+def test_dev_stdout_is_written_as_a_stream_piped_or_redirected(tmp_path):
+    """``--out /dev/stdout`` resolves to a pipe or to the file stdout was redirected to: written
+    through, after what the stream already carried (not renamed over a redirected file)."""
+    import subprocess
+    import sys
+
+    code = ("from spec_plugins.files import write_text_atomic\n"
+            "print('before', flush=True)\n"
+            "write_text_atomic('/dev/stdout', 'model: m\\n')\n")
+    piped = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert piped.stdout == "before\nmodel: m\n"
+    out = tmp_path / "o.txt"
+    with out.open("w") as f:
+        subprocess.run([sys.executable, "-c", code], stdout=f, check=True)
+    assert out.read_text() == "before\nmodel: m\n"

@@ -11,12 +11,18 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 
+def drafter_runtimes(proposer: Any | None, sources: Sequence[Any] = ()) -> list[Any]:
+    """The runtimes the proposer and its drafters (``sources``: a hybrid's children) decode on:
+    a draft model's, which decoders over several targets may share."""
+    drafters = [proposer, *sources] if proposer is not None else []
+    return [r for r in (getattr(d, "runtime", None) for d in drafters) if r is not None]
+
+
 def holders(runtime: Any, proposer: Any | None, traits: Any) -> list[Any]:
     """What holds a batch's rows besides itself: the runtime, a row-aware proposer, and the
-    runtime each of its drafters (``traits.sources``) decodes on: a draft model's, which decoders
-    over several targets may share, so one thread interleaving their streams is caught here."""
-    drafters = [proposer, *traits.sources] if proposer is not None else []
-    own = [r for r in (getattr(d, "runtime", None) for d in drafters) if r is not None]
+    runtimes its drafters decode on (``drafter_runtimes``), so one thread interleaving the streams
+    of decoders sharing a draft model's runtime is caught here."""
+    own = drafter_runtimes(proposer, traits.sources)
     return list({id(h): h for h in [runtime, *([proposer] if traits.row_aware else []), *own]}.values())
 
 
