@@ -105,13 +105,16 @@ class SpeculativeDecoder:
             raise TypeError(f"config must be a SpecConfig, a dict or a file path, got {type(config).__name__}")
         target = target if target is not None else build_runtime(target_for(config.target, config.proposer))
         wiring = wire(target, config.proposer, costs=costs, tokenizer=getattr(target, "tokenizer", None))
-        verifier = VERIFIERS.get(config.verifier.type)(config.verifier)
+        # with no proposer nothing is drafted: plain decoding samples the target's law (the exact
+        # verifier, the default), as ``without_speculation`` does, whatever verifier the config names
+        verifier = VERIFIERS.get(config.verifier.type)(config.verifier) if config.proposer is not None else None
         return cls(target, verifier=verifier, config=config, wiring=wiring)
 
     def without_speculation(self) -> "SpeculativeDecoder":
-        """The same runtime and sampling, plain autoregressive decoding (for comparisons); it shares
-        the runtime's generation lock with this decoder (and any other over it)."""
-        return SpeculativeDecoder(self.target, None, self.verifier, self.config, self.tokenizer, self.costs)
+        """The same runtime and sampling, plain autoregressive decoding (for comparisons): the exact
+        verifier (the default), so its law is the target's even under a lossy config's verifier. It
+        shares the runtime's generation lock with this decoder (and any other over it)."""
+        return SpeculativeDecoder(self.target, None, None, self.config, self.tokenizer, self.costs)
 
     # ---- prompts ---------------------------------------------------------------------------
     def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:

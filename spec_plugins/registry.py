@@ -4,7 +4,8 @@ Built-ins register with a decorator; third-party packages add entries through th
 groups ``spec_plugins.proposers``, ``spec_plugins.verifiers``, ``spec_plugins.backends`` and
 ``spec_plugins.exporters``
 (value ``"pkg.module:Class"``), loaded lazily the first time a name is looked up. Every plugin
-class carries a pydantic ``Config`` model whose ``type`` (or ``backend``) field names it.
+class carries a pydantic ``Config`` model whose ``type`` (or ``backend``) field names it; a
+verifier also declares ``lossy`` (a bool), what stats report.
 """
 
 from __future__ import annotations
@@ -252,7 +253,15 @@ def _check_runtime(name: str, cls: Any) -> None:
 
 
 def _check_verifier(name: str, cls: Any) -> None:
+    """A verifier must also say whether it changes the output law: ``lossy`` (a bool class
+    attribute) is what stats, configs and ``/metrics`` report, and a verifier that never declares
+    it would otherwise be counted exact."""
     check_config_class("verifier", cls, name, "type", "spec_plugins.config.VerifierConfig")
+    label = getattr(cls, "__name__", repr(cls))
+    if not isinstance(getattr(cls, "lossy", None), bool):
+        got = "nothing" if not hasattr(cls, "lossy") else repr(getattr(cls, "lossy"))
+        raise TypeError(f"verifier {label} must declare lossy: ClassVar[bool] = False if its output follows the "
+                        f"target distribution exactly, True if it changes it; it declares {got}")
 
 
 PROPOSERS: Registry[Any] = Registry(

@@ -132,8 +132,12 @@ def rejection_verify(
 
 def _chain(x, p, q, generator, valid) -> DeviceVerdict:
     """Drafts drawn from q (a draft model): accept x_i with probability min(1, p/q), at the first
-    rejection sample norm(max(0, p - q)); all on the device, no branch on tensor values."""
+    rejection sample norm(max(0, p - q)); all on the device, no branch on tensor values. Each q row
+    is normalised first: a drafter samples from q / sum(q) (``torch.multinomial``), and a row whose
+    sum misses 1 (within ``api_inputs.Q_SUM_TOLERANCE``) would otherwise bias the output law."""
     B, n = x.shape
+    q = q.float()
+    q = q / q.sum(-1, keepdim=True).clamp_min(torch.finfo(q.dtype).tiny)  # an all-zero row stays zero
     p_x = p[:, :n].gather(-1, x[..., None]).squeeze(-1)  # p(x_i | prefix, x_<i)
     q_x = q.gather(-1, x[..., None]).squeeze(-1)
     u = torch.rand(B, n, generator=generator, device=p.device)

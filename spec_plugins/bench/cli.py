@@ -77,7 +77,7 @@ def load_methods(path: Optional[Path], base: Any = None) -> list[tuple[str, dict
 def load_compare_configs(paths: list[Path] | None, primary: Any) -> list[tuple[Path, Any]]:
     """Every ``--compare-config`` file, read and validated before any model loads (a typo found
     after the primary model has loaded would cost that load), an error naming the option; its
-    sampling must be the ``primary`` config's (``methods.check_compare_sampling``)."""
+    sampling and verifier must be the ``primary`` config's (``methods.check_compare_sampling``)."""
     from spec_plugins.bench.methods import check_compare_sampling
     from spec_plugins.config import ConfigError
 
@@ -190,6 +190,7 @@ def bench(
         meta = {"config": str(config.resolve()) if config else DEFAULT_CONFIG, "model": cfg.target.model,
                 "backend": cfg.target.backend, "proposer": cfg.proposer.model_dump(mode="json"),
                 "sampling": cfg.sampling.model_dump(mode="json"), "prompts_file": str(prompts),
+                "verifier": cfg.verifier.model_dump(mode="json"),
                 "torch": torch.__version__, "transformers": transformers.__version__,
                 "torch_threads": torch.get_num_threads(), "machine": platform.machine(),
                 "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "model_load_s": load_s,

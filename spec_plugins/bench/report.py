@@ -52,6 +52,7 @@ def _stats_summary(s: DecodeStats | None) -> dict[str, Any] | None:
         "acceptance_by_position": s.acceptance_by_position,
         "time_share": _shares(s),
         "share_outside_forwards": s.time_outside_forwards / s.time_total if s.time_total else 0.0,
+        "lossy": s.lossy,  # a lossy verifier ran: the method's outputs do not follow the target's law
     }
 
 
@@ -227,6 +228,11 @@ def markdown(report: dict) -> str:
              f"max_new_tokens {meta.get('max_new_tokens')} · runs {meta.get('runs')} · "
              f"bench took {meta['duration_s']:.0f} s")
     L.append("")
+    lossy = lossy_methods(report)
+    if lossy:
+        L += [f"**WARNING: LOSSY verifier `{meta.get('verifier', {}).get('type', '?')}`: the outputs of "
+              + ", ".join(f"`{n}`" for n in lossy) + " do not follow the target model's distribution; their "
+              "speedups are not for the same output as plain decoding's.**", ""]
     mm = report["greedy_mismatches"]
     if meta["greedy"]:
         if mm:
@@ -308,6 +314,13 @@ def markdown(report: dict) -> str:
         L += ["## Most rejected draft tokens", "",
               ", ".join(f"{t['text']!r} ({t['count']})" for t in report["most_rejected_tokens"][:15]), ""]
     return "\n".join(L)
+
+
+def lossy_methods(report: dict) -> list[str]:
+    """The methods whose pooled stats say a lossy verifier ran (``DecodeStats.lossy``): a reader
+    must not take their speedups for lossless ones."""
+    return [m["name"] for m in report["methods"]
+            if (s := report["summary"][m["name"]]["all"]["stats"]) is not None and s.get("lossy")]
 
 
 def drafts_chains(stats: dict | None) -> bool:

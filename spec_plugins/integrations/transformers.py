@@ -4,8 +4,9 @@ inside transformers' ``generate()``.
 transformers prepares everything (generation config, logits processors incl. its own warpers,
 stopping criteria, left-padded ``input_ids``) and calls this function instead of its greedy/sample
 loop. We strip each row's left pads (the runtime never sees them), decode the batch with any
-registered proposer and the exact verifier, and return transformers' layout: prompt incl. pads +
-new tokens, right-padded with ``pad_token_id``.
+registered proposer and the verifier ``spec_config`` names (``exact`` unless it says otherwise; a
+lossy one, e.g. ``typical``, warns when it samples), and return transformers' layout: prompt incl.
+pads + new tokens, right-padded with ``pad_token_id``.
 
 What user processors see: for row b, exactly what plain ``generate()`` shows them for that row,
 i.e. ``input_ids[b]`` with its left pads + the tokens before the scored one (the engine's
@@ -35,6 +36,7 @@ whose rejection tests draw from a stream anyway: those calls sample from torch's
 from __future__ import annotations
 
 import sys
+import warnings
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -78,8 +80,9 @@ def speculative_generate(
     **model_kwargs: Any,
 ) -> Any:
     """Speculative ``generate()`` loop. Extra ``generate()`` kwargs: ``spec_config`` (file, dict or
-    SpecConfig; its proposer/verifier are used, its target section is not and its sampling section
-    must be the default: the model and ``generation_config`` are), ``draft_model`` (a loaded model
+    SpecConfig; its proposer/verifier are used, a lossy verifier with a ``UserWarning`` per sampled
+    call, its target section is not and its sampling section must be the default: the model and
+    ``generation_config`` are), ``draft_model`` (a loaded model
     for the draft_model proposer), ``spec_streamer`` (a streamer: transformers keeps ``streamer=`` from a callable;
     the ``CUSTOM_GENERATE`` directory form takes ``streamer=`` and ``assistant_model=``),
     ``proposer`` (a Proposer instance), ``spec_stats`` (a DecodeStats to fill), ``stop_strings``
@@ -110,6 +113,10 @@ def speculative_generate(
             check_context(rows, max_new, target.max_context)
             wiring = setup.wired(cfg, draft_model, spec_config is None, proposer, tokenizer=spec_tokenizer)
             verifier = VERIFIERS.get(cfg.verifier.type)(cfg.verifier)
+            if gc.do_sample and getattr(verifier, "lossy", True):  # at temperature 0 every verifier is greedy
+                warnings.warn(f"speculative_generate: the {cfg.verifier.type!r} verifier is lossy: the samples do "
+                              "not follow the model's distribution (use verifier: {type: exact})", UserWarning,
+                              stacklevel=2)
             # transformers' processor list already holds its warpers (temperature, top-k, top-p, ...):
             # sample from the processed scores as they are (temperature 1), or take their argmax.
             sampling = SamplingConfig(temperature=1.0 if gc.do_sample else 0.0, seed=None)
