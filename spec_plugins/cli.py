@@ -162,7 +162,7 @@ def generate(
             f"[{len(toks)} tokens, {s.tokens_per_second:.1f} tok/s, {s.target_forwards} target forwards, "
             f"mean accepted {s.mean_accepted_tokens:.2f}, {_acceptance(s)}, finish: {reason}"
             + (f", forced {s.forced_tokens}" if grammar is not None else "")
-            + (f", LOSSY verifier ({cfg.verifier.type})" if s.lossy else "")
+            + (f", LOSSY verifier ({cfg.verifier.type})" if s.lossy and not cfg.sampling.greedy else "")
             + "]",
             err=True, fg=typer.colors.CYAN)
     if error is not None:  # the output ended early: say why (a grammar with no way on, a failed sampling)

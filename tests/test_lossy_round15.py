@@ -116,3 +116,50 @@ def test_a_config_with_no_proposer_decodes_plain_under_the_exact_verifier():
     want = reference.generate_batch([prompt] * n, max_new_tokens=1, seeds=list(range(n)))
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert not got[0].stats.lossy
+
+
+GREEDY_TYPICAL = "verifier: {type: typical}\nsampling: {temperature: 0.0}\n"
+
+
+def test_greedy_under_a_typical_verifier_is_not_called_lossy(tmp_path, tiny_dir):
+    """At temperature 0 every verifier matches the argmax: the output is exact, so neither the
+    bench's summary nor ``generate``'s line warns, and a greedy compare config may name another
+    verifier."""
+    cfg = _config(tmp_path, tiny_dir, GREEDY_TYPICAL)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"question_id": "x", "category": "c", "turns": ["w1 w2 w1 w2 w1"]}\n')
+    out = tmp_path / "out"
+    res = CliRunner().invoke(app, ["bench", "--config", str(cfg), "--prompts", str(prompts), "-n", "4", "--gammas",
+                                   "2", "--no-auto", "--baselines", "", "--no-progress", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "LOSSY" not in (out / "summary.md").read_text()
+    res = CliRunner().invoke(app, ["generate", "--config", str(cfg), "--prompt", "w1 w2 w1 w2", "--raw", "-n", "4"])
+    assert res.exit_code == 0 and "LOSSY" not in res.output, res.output
+    base = {"target": {"backend": "torch", "model": "m"}, "proposer": {"type": "ngram", "num_draft_tokens": 2}}
+    check_compare_sampling(SpecConfig.parse(base), SpecConfig.parse({**base, "verifier": {"type": "typical"}}), "g")
+
+
+def test_the_plugin_with_no_proposer_samples_the_targets_law_unwarned():
+    """``spec_config`` with no proposer through the transformers plugin: plain sampling under the
+    exact verifier (as ``from_config``), so a typical verifier named there neither truncates nor warns."""
+    import warnings
+
+    import torch
+
+    from spec_plugins.integrations.transformers import speculative_generate
+
+    model = tiny_llama(vocab=32, seed=0, sharpness=4.0)
+    ids = torch.tensor([[3, 7, 1, 9]])
+    outs = {}
+    for verifier in ("typical", "exact"):
+        got = []
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for seed in range(40):
+                torch.manual_seed(seed)
+                got.append(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=True,
+                                          pad_token_id=0, custom_generate=speculative_generate,
+                                          spec_config={"proposer": None, "verifier": {"type": verifier}}).tolist())
+        assert not [w for w in seen if "lossy" in str(w.message)]
+        outs[verifier] = got
+    assert outs["typical"] == outs["exact"]

@@ -228,7 +228,7 @@ def markdown(report: dict) -> str:
              f"max_new_tokens {meta.get('max_new_tokens')} · runs {meta.get('runs')} · "
              f"bench took {meta['duration_s']:.0f} s")
     L.append("")
-    lossy = lossy_methods(report)
+    lossy = [] if meta.get("greedy") else lossy_methods(report)  # greedy: every verifier matches the argmax
     if lossy:
         L += [f"**WARNING: LOSSY verifier `{meta.get('verifier', {}).get('type', '?')}`: the outputs of "
               + ", ".join(f"`{n}`" for n in lossy) + " do not follow the target model's distribution; their "

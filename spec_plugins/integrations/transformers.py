@@ -112,7 +112,8 @@ def speculative_generate(
             target = setup.runtime
             check_context(rows, max_new, target.max_context)
             wiring = setup.wired(cfg, draft_model, spec_config is None, proposer, tokenizer=spec_tokenizer)
-            verifier = VERIFIERS.get(cfg.verifier.type)(cfg.verifier)
+            # no proposer: plain decoding, the target's law (the exact verifier), as ``from_config``
+            verifier = VERIFIERS.get(cfg.verifier.type)(cfg.verifier) if wiring.proposer is not None else VERIFIERS.get("exact")()
             if gc.do_sample and getattr(verifier, "lossy", True):  # at temperature 0 every verifier is greedy
                 warnings.warn(f"speculative_generate: the {cfg.verifier.type!r} verifier is lossy: the samples do "
                               "not follow the model's distribution (use verifier: {type: exact})", UserWarning,

@@ -49,7 +49,7 @@ class Batch:
         self._budgets: list[int] | None = None  # this round's, set by ``draft``
         self.device = torch.device(getattr(runtime, "device", "cpu"))
         self.eos = {int(e) for e in eos_ids}
-        self.lossy = bool(getattr(verifier, "lossy", False))
+        self.lossy = bool(getattr(verifier, "lossy", True))  # undeclared: not known to be exact
         self.generator = generator if generator is not None else (
             torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None)
         self.stats = stats if stats is not None else DecodeStats()
