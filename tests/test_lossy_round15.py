@@ -35,14 +35,20 @@ def _config(tmp_path, model_dir, verifier: str, name: str = "c.yaml"):
     return cfg
 
 
-def test_bench_under_a_typical_verifier_says_lossy(tmp_path, tiny_dir):
-    cfg = _config(tmp_path, tiny_dir, TYPICAL)
+def _bench(tmp_path, cfg, new_tokens: int):
+    """``spec-plugins bench`` of one copy prompt under ``cfg``, plain and k=2; its output folder."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"question_id": "x", "category": "c", "turns": ["w1 w2 w1 w2 w1"]}\n')
     out = tmp_path / "out"
-    res = CliRunner().invoke(app, ["bench", "--config", str(cfg), "--prompts", str(prompts), "-n", "6", "--gammas",
-                                   "2", "--no-auto", "--baselines", "", "--no-progress", "--out", str(out), "--json"])
+    res = CliRunner().invoke(app, ["bench", "--config", str(cfg), "--prompts", str(prompts), "-n", str(new_tokens),
+                                   "--gammas", "2", "--no-auto", "--baselines", "", "--no-progress", "--out", str(out)])
     assert res.exit_code == 0, res.output
+    return out
+
+
+def test_bench_under_a_typical_verifier_says_lossy(tmp_path, tiny_dir):
+    cfg = _config(tmp_path, tiny_dir, TYPICAL)
+    out = _bench(tmp_path, cfg, 6)
     rep = json.loads((out / "report.json").read_text())
     assert rep["meta"]["verifier"]["type"] == "typical"
     lossy = {m["name"]: rep["summary"][m["name"]]["all"]["stats"]["lossy"] for m in rep["methods"]}
@@ -55,12 +61,7 @@ def test_bench_under_a_typical_verifier_says_lossy(tmp_path, tiny_dir):
 
 def test_bench_summary_has_no_lossy_warning_under_the_exact_verifier(tmp_path, tiny_dir):
     cfg = _config(tmp_path, tiny_dir, "")
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"question_id": "x", "category": "c", "turns": ["w1 w2 w1 w2 w1"]}\n')
-    out = tmp_path / "out"
-    res = CliRunner().invoke(app, ["bench", "--config", str(cfg), "--prompts", str(prompts), "-n", "4", "--gammas",
-                                   "2", "--no-auto", "--baselines", "", "--no-progress", "--out", str(out)])
-    assert res.exit_code == 0, res.output
+    out = _bench(tmp_path, cfg, 4)
     rep = json.loads((out / "report.json").read_text())
     assert rep["meta"]["verifier"]["type"] == "exact"
     assert not any(rep["summary"][m["name"]]["all"]["stats"]["lossy"] for m in rep["methods"])
@@ -126,12 +127,7 @@ def test_greedy_under_a_typical_verifier_is_not_called_lossy(tmp_path, tiny_dir)
     bench's summary nor ``generate``'s line warns, and a greedy compare config may name another
     verifier."""
     cfg = _config(tmp_path, tiny_dir, GREEDY_TYPICAL)
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"question_id": "x", "category": "c", "turns": ["w1 w2 w1 w2 w1"]}\n')
-    out = tmp_path / "out"
-    res = CliRunner().invoke(app, ["bench", "--config", str(cfg), "--prompts", str(prompts), "-n", "4", "--gammas",
-                                   "2", "--no-auto", "--baselines", "", "--no-progress", "--out", str(out)])
-    assert res.exit_code == 0, res.output
+    out = _bench(tmp_path, cfg, 4)
     assert "LOSSY" not in (out / "summary.md").read_text()
     res = CliRunner().invoke(app, ["generate", "--config", str(cfg), "--prompt", "w1 w2 w1 w2", "--raw", "-n", "4"])
     assert res.exit_code == 0 and "LOSSY" not in res.output, res.output
