@@ -56,14 +56,20 @@ def test_decoders_over_one_runtime_refuse_a_second_thread_and_stay_exact_in_turn
         assert dec.generate(P1, 16).token_ids == want1
 
 
-def test_a_draft_runtime_shared_by_two_targets_decoders_refuses_a_second_thread():
-    """Two targets, one draft model's runtime: its cache holds one batch's rows too."""
+def _two_targets_one_draft(n: int = 12):
+    """Decoders over two targets sharing one draft model's runtime, that runtime, and each target's
+    transformers greedy output (P1 on the first, P2 on the second, ``n`` tokens)."""
     model_a, model_b = tiny_llama(vocab=32, seed=5, sharpness=6.0), tiny_llama(vocab=32, seed=6, sharpness=6.0)
     draft = TorchRuntime(tiny_llama(vocab=32, seed=7, sharpness=6.0))
     rt_a, rt_b = TorchRuntime(model_a), TorchRuntime(model_b)
     dec_a = SpeculativeDecoder(rt_a, DraftModelProposer(None, target=rt_a, runtime=draft))
     dec_b = SpeculativeDecoder(rt_b, DraftModelProposer(None, target=rt_b, runtime=draft))
-    want_a, want_b = hf_generate(model_a, [P1], 12, pad=0)[0], hf_generate(model_b, [P2], 12, pad=0)[0]
+    return dec_a, dec_b, draft, hf_generate(model_a, [P1], n, pad=0)[0], hf_generate(model_b, [P2], n, pad=0)[0]
+
+
+def test_a_draft_runtime_shared_by_two_targets_decoders_refuses_a_second_thread():
+    """Two targets, one draft model's runtime: its cache holds one batch's rows too."""
+    dec_a, dec_b, draft, want_a, want_b = _two_targets_one_draft()
 
     stream = dec_a.stream(P1, 12)
     first = next(stream)
@@ -112,12 +118,7 @@ def test_a_joint_waiter_holds_no_runtime_while_it_waits():
     """The server waits for its decoder's lock (target + a draft model's runtime) while a stream of
     another decoder holds the shared draft runtime: it used to take the target's lock and keep it
     while blocking on the draft's, refusing every generation on the idle target meanwhile."""
-    model_a, model_b = tiny_llama(vocab=32, seed=5, sharpness=6.0), tiny_llama(vocab=32, seed=6, sharpness=6.0)
-    draft = TorchRuntime(tiny_llama(vocab=32, seed=7, sharpness=6.0))
-    rt_a, rt_b = TorchRuntime(model_a), TorchRuntime(model_b)
-    served = SpeculativeDecoder(rt_a, DraftModelProposer(None, target=rt_a, runtime=draft))
-    other = SpeculativeDecoder(rt_b, DraftModelProposer(None, target=rt_b, runtime=draft))
-    want_a, want_b = hf_generate(model_a, [P1], 12, pad=0)[0], hf_generate(model_b, [P2], 12, pad=0)[0]
+    served, other, draft, want_a, want_b = _two_targets_one_draft()
     joint, draft_lock = served.generation_lock, runtime_lock(draft)
     waiting = threading.Event()
 
@@ -127,7 +128,7 @@ def test_a_joint_waiter_holds_no_runtime_while_it_waits():
             return super().wait(timeout)
 
     draft_lock._free = Signals(draft_lock._guard)
-    for first in (runtime_lock(rt_a), draft_lock):  # whichever the joint lock tries first
+    for first in (runtime_lock(served.target), draft_lock):  # whichever the joint lock tries first
         joint.locks.sort(key=lambda lock: lock is not first)
         waiting.clear()
         stream = other.stream(P2, 12)
@@ -149,12 +150,7 @@ def test_streams_interleaved_over_a_shared_draft_runtime_are_caught():
     """Two decoders sharing a draft model's runtime, their streams interleaved in one thread: the
     second's batch takes the draft runtime over (its cache now holds that batch's rows), so the
     first refuses to go on instead of drafting over the other's cache."""
-    model_a, model_b = tiny_llama(vocab=32, seed=5, sharpness=6.0), tiny_llama(vocab=32, seed=6, sharpness=6.0)
-    draft = TorchRuntime(tiny_llama(vocab=32, seed=7, sharpness=6.0))
-    rt_a, rt_b = TorchRuntime(model_a), TorchRuntime(model_b)
-    dec_a = SpeculativeDecoder(rt_a, DraftModelProposer(None, target=rt_a, runtime=draft))
-    dec_b = SpeculativeDecoder(rt_b, DraftModelProposer(None, target=rt_b, runtime=draft))
-    want_a, want_b = hf_generate(model_a, [P1], 16, pad=0)[0], hf_generate(model_b, [P2], 16, pad=0)[0]
+    dec_a, dec_b, draft, want_a, want_b = _two_targets_one_draft(16)
 
     sa, sb = dec_a.stream(P1, 16), dec_b.stream(P2, 16)
     first_a, first_b = next(sa), next(sb)

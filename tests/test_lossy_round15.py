@@ -79,6 +79,17 @@ def test_a_compare_config_with_another_verifier_is_refused_naming_both():
     check_compare_sampling(typical, SpecConfig.parse({**base, "verifier": {"type": "typical"}}), "same")  # accepted
 
 
+def _draws_as_exact(plain, reference, n: int) -> None:
+    """``plain`` (built from a typical config) is exact and draws, seed for seed, what
+    ``reference`` (the exact config's plain decoder) draws: the target's own law."""
+    assert plain.proposer is None and not plain.verifier.lossy
+    prompt = [3, 7, 1, 9]
+    got = plain.generate_batch([prompt] * n, max_new_tokens=1, seeds=list(range(n)))
+    want = reference.generate_batch([prompt] * n, max_new_tokens=1, seeds=list(range(n)))
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert not got[0].stats.lossy
+
+
 def test_plain_decoding_under_a_typical_config_is_the_targets_law():
     """Plain decoding of a typical config draws what plain decoding of the exact config draws, seed
     for seed (the exact verifier's keyed draws: the target's own law); the typical verifier would
@@ -88,12 +99,7 @@ def test_plain_decoding_under_a_typical_config_is_the_targets_law():
            "sampling": {"temperature": 1.0, "seed": 0}}
     plain = SpeculativeDecoder.from_config({**cfg, "verifier": {"type": "typical"}}, target=rt).without_speculation()
     reference = SpeculativeDecoder.from_config({**cfg, "verifier": {"type": "exact"}}, target=rt).without_speculation()
-    assert plain.proposer is None and not plain.verifier.lossy
-    n, prompt = 200, [3, 7, 1, 9]
-    got = plain.generate_batch([prompt] * n, max_new_tokens=1, seeds=list(range(n)))
-    want = reference.generate_batch([prompt] * n, max_new_tokens=1, seeds=list(range(n)))
-    assert [r.token_ids for r in got] == [r.token_ids for r in want]
-    assert not got[0].stats.lossy
+    _draws_as_exact(plain, reference, 200)
 
 
 @pytest.mark.parametrize("verifier, lossy", [(TYPICAL, True), ("sampling: {temperature: 1.0, seed: 0}\n", False)])
@@ -111,12 +117,7 @@ def test_a_config_with_no_proposer_decodes_plain_under_the_exact_verifier():
     cfg = {"target": {"backend": "torch", "model": "x"}, "sampling": {"temperature": 1.0, "seed": 0}}
     plain = SpeculativeDecoder.from_config({**cfg, "verifier": {"type": "typical"}}, target=rt)
     reference = SpeculativeDecoder.from_config({**cfg, "verifier": {"type": "exact"}}, target=rt)
-    assert plain.proposer is None and not plain.verifier.lossy
-    n, prompt = 100, [3, 7, 1, 9]
-    got = plain.generate_batch([prompt] * n, max_new_tokens=1, seeds=list(range(n)))
-    want = reference.generate_batch([prompt] * n, max_new_tokens=1, seeds=list(range(n)))
-    assert [r.token_ids for r in got] == [r.token_ids for r in want]
-    assert not got[0].stats.lossy
+    _draws_as_exact(plain, reference, 100)
 
 
 GREEDY_TYPICAL = "verifier: {type: typical}\nsampling: {temperature: 0.0}\n"
