@@ -20,6 +20,26 @@ from spec_plugins.tree import paths
 # transformers-compatible: processor(input_ids [R, L] long, scores [R, V] float) -> scores
 LogitsProcessorFn = Callable[[torch.LongTensor, torch.FloatTensor], torch.FloatTensor]
 
+# Temperatures above this sample as at it. Dividing by a larger one sends every float32 logit to
+# 0 (above float32's max, 3.4e38, T itself becomes inf and a banned -inf logit NaN), so top-k and
+# top-p kept the whole vocabulary. At 2**100 softmax is already uniform to float32 precision (for
+# logits less than 1e22 apart), and dividing by a power of two is exact, so distinct logits keep
+# their order (any two of size above 2**-26) and top_k 1 stays greedy, as at any T > 0.
+MAX_TEMPERATURE = 2.0 ** 100
+
+
+def warped_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``LogitsPipeline.warp`` samples in: at least float32. The runtimes give float32
+    logits (``StepOutput``); float16 ones divided by a temperature overflow (T = 1e-4) or vanish
+    (T = 1e9), losing the order top-k and top-p select by."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / temperature``, the temperature capped at ``MAX_TEMPERATURE``."""
+    t = min(temperature, MAX_TEMPERATURE)
+    return logits / t if t != 1.0 else logits
+
 
 def checked_processors(processors: Sequence[LogitsProcessorFn]) -> list[LogitsProcessorFn]:
     """``processors`` as a list, refused before any row runs unless it is a list or tuple of
@@ -57,10 +77,12 @@ class LogitsPipeline:
 
     # ---- prefix-independent warpers, vectorised over any leading dims -----------------------
     def warp(self, logits: torch.Tensor) -> torch.Tensor:
+        """Temperature (``tempered``), top-k, top-p, in ``warped_dtype`` (float32 logits: no copy)."""
         s = self.sampling
+        x = logits.to(warped_dtype(logits.dtype))
         if s.greedy:
-            return logits
-        x = logits / s.temperature if s.temperature != 1.0 else logits
+            return x
+        x = tempered(x, s.temperature)
         if s.top_k is not None and s.top_k < x.shape[-1]:
             kth = torch.topk(x, s.top_k, dim=-1).values[..., -1:]
             x = x.masked_fill(x < kth, float("-inf"))
@@ -213,7 +235,7 @@ class RowPipelines:
     def process_rows(self, logits: torch.Tensor, prefixes: Sequence[Sequence[int] | torch.Tensor]) -> torch.Tensor:
         if len(self.groups) == 1:
             return self._point_mass(self.pipelines[0], self.pipelines[0].process_rows(logits, prefixes))
-        out = torch.empty_like(logits)
+        out = logits.new_empty(logits.shape, dtype=warped_dtype(logits.dtype))
         for rows in self.groups:
             p = self.pipelines[rows[0]]
             at = upload_tensor(rows, logits.device)
@@ -224,7 +246,7 @@ class RowPipelines:
                      parents: tuple[int, ...]) -> torch.Tensor:
         if len(self.groups) == 1:
             return self.pipelines[0].process_tree(logits, sequences, tokens, parents)
-        out = torch.empty_like(logits)
+        out = logits.new_empty(logits.shape, dtype=warped_dtype(logits.dtype))
         for rows in self.groups:
             idx = upload_tensor(rows, logits.device)
             out[idx] = self.pipelines[rows[0]].process_tree(logits[idx], [sequences[r] for r in rows], tokens[idx],
@@ -247,7 +269,7 @@ def process_rows_apart(pipeline: "LogitsPipeline | RowPipelines", logits: torch.
     try:
         return pipeline.process_rows(logits, prefixes), []
     except Exception:  # noqa: BLE001 - find the rows it fails for, one at a time
-        out, failed = logits.clone(), []
+        out, failed = logits.to(warped_dtype(logits.dtype), copy=True), []
         for b in range(logits.shape[0]):
             own = pipeline.pipelines[b] if isinstance(pipeline, RowPipelines) else pipeline
             try:

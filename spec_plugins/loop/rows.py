@@ -93,6 +93,8 @@ class Row:
         self.tokens.extend(out)
         if self.stop is not None and out:
             keep = self.stop(self.tokens, len(out))
+            if keep == len(out) and self.finish_reason == "eos_token":
+                keep = None  # the EOS token completed the stop (its text spells it): EOS ends it, as TGI checks first
             if keep is not None:
                 del self.tokens[len(self.tokens) - len(out) + keep:]
                 out, self.finish_reason = out[:keep], "stop"
