@@ -1,10 +1,11 @@
 """HTTP routes of the text-generation-inference API over a continuously batched speculative decoder.
 
 POST /generate, /generate_stream (SSE: one event per token, the last one with generated_text and
-details), / (TGI's compat route: either, by ``stream``); the OpenAI routes (``openai_routes``);
-GET /info, /health, /metrics. Bad requests get TGI's error body and codes. Bodies are read under
-a size cap and a deadline, and parsed and tokenized in worker threads (``body``), so the event
-loop only moves bytes and tokens: /health answers while clients send 4 MiB bodies.
+details), / (TGI's compat route: either, by ``stream``), /tokenize; the OpenAI routes
+(``openai_routes``); GET /info, /health, /metrics. Bad requests get TGI's error body and codes.
+Bodies are read under a size cap and a deadline, and parsed and tokenized in worker threads
+(``body``), so the event loop only moves bytes and tokens: /health answers while clients send
+4 MiB bodies.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from spec_plugins.server.body import MAX_BODY_BYTES, offload, read_request
 from spec_plugins.server.controls import compiled, tgi_controls
 from spec_plugins.server.jobs import Finished, JobStream, Tally, TokenOut, follow, read_streamed, sse, submit, timed
 from spec_plugins.server.metrics import Metrics, proposer_metrics
-from spec_plugins.server.requests import Prepared, encode_text, max_token_chars, prepare, tenant_of
+from spec_plugins.server.requests import Prepared, encode_text, max_token_chars, prepare, tenant_of, token_spans
 from spec_plugins.server.scheduler import Scheduler
-from spec_plugins.server.schemas import ApiError, GenerateRequest
+from spec_plugins.server.schemas import MAX_BEST_OF, ApiError, GenerateRequest
 
 if TYPE_CHECKING:
     from spec_plugins.server.connections import ConnectionGuard, ConnectionLimits
@@ -217,6 +218,13 @@ def create_app(state: ServerState) -> FastAPI:
             return await stream_tgi(request, req, tally, "compat_stream")
         return JSONResponse([await generate_body(request, req, tally)])
 
+    @app.post("/tokenize")
+    @timed(state, "tokenize")
+    async def tokenize(request: Request, tally: Tally) -> Response:
+        """TGI's: the input's tokens with their offsets, as /generate would read it (limits, truncate)."""
+        req = await read_request(state, request, GenerateRequest)
+        return JSONResponse(await offload(state.cpu_limiter, token_spans, state, req.inputs, req.parameters.truncate))
+
     add_openai_routes(app, state)
 
     @app.get("/info")
@@ -228,7 +236,7 @@ def create_app(state: ServerState) -> FastAPI:
             "model_dtype": str(getattr(state.batch.runtime, "dtype", "")).replace("torch.", ""),
             "model_device_type": str(getattr(state.batch.runtime, "device", "cpu")),
             "max_concurrent_requests": state.scheduler.max_queue + state.scheduler.max_batch,
-            "max_best_of": 1, "max_stop_sequences": 4,
+            "max_best_of": MAX_BEST_OF, "max_stop_sequences": 4,
             "max_input_tokens": state.max_input_tokens, "max_input_length": state.max_input_tokens,
             "max_total_tokens": state.max_total_tokens, "max_batch_size": state.scheduler.max_batch,
             "max_batch_total_tokens": state.max_total_tokens * state.scheduler.max_batch,

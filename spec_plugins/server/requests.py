@@ -70,6 +70,22 @@ def max_token_chars(tokenizer: Any) -> int:
     return max((len(t) for t in vocab), default=1)
 
 
+def check_input_count(state: Any, n: int, names: Names = TGI) -> None:
+    """An input of ``n`` tokens is within ``--max-input-tokens`` (TGI's 422 otherwise)."""
+    if n > state.max_input_tokens:
+        raise ApiError(422, f"`{names.inputs}` tokens must be <= {state.max_input_tokens} (--max-input-tokens). "
+                            f"Given: {n}")
+
+
+def check_truncate(state: Any, truncate: int | None) -> None:
+    """TGI's bound on ``truncate`` (its wording: ``--max-input-tokens`` itself is allowed). A larger
+    one cannot be honoured, since no input keeps more tokens than the limit; it was taken as no
+    truncation, so a long input was refused or kept in full instead of cut as asked."""
+    if truncate is not None and not 0 < truncate <= state.max_input_tokens:
+        raise ApiError(422, f"`truncate` must be strictly positive and less than {state.max_input_tokens}. "
+                            f"Given: {truncate}")
+
+
 def prepare(state: Any, ids: list[int], params: GenerateParameters, key: int, tenant: str | None = None,
             names: Names = TGI, hide_stop: bool = False, controls: Any = None, compiled: Any = None) -> Prepared:
     """Token limits and sampling, with TGI's messages. ``hide_stop`` (OpenAI's routes): the text
@@ -80,9 +96,7 @@ def prepare(state: Any, ids: list[int], params: GenerateParameters, key: int, te
     n_in = len(ids)
     if n_in == 0:
         raise ApiError(422, f"`{names.inputs}` cannot be empty")
-    if n_in > state.max_input_tokens:
-        raise ApiError(422, f"`{names.inputs}` tokens must be <= {state.max_input_tokens} (--max-input-tokens). "
-                            f"Given: {n_in}")
+    check_input_count(state, n_in, names)
     room = state.max_total_tokens - n_in
     max_new = params.max_new_tokens if params.max_new_tokens is not None else min(room, DEFAULT_MAX_NEW_TOKENS)
     if n_in + max_new > state.max_total_tokens:
@@ -111,25 +125,24 @@ def _tokenize(tokenizer: Any, text: str, special: bool) -> list[int]:
 _WORD_START = re.compile(r"(?<=\S)\s")
 
 
-def encode_text(state: Any, text: str, truncate: int | None = None, names: Names = TGI,
-                special: bool = True) -> list[int]:
-    """Token ids of ``text`` (call it off the event loop), tokenizing no more than the limits use.
-
-    Without ``truncate``: a text longer than ``8 x`` (then ``max_token_chars x``) the token limit
-    is first counted on that many leading characters; more than the limit there (+ the margin)
-    and it is refused unread. With ``truncate``: a text longer than ``max_token_chars x
-    (truncate + margin + 1)`` characters is tokenized from a word start within that tail only,
-    which holds more than ``truncate`` tokens; its last ``truncate`` are the whole text's unless
-    one word spans the cut."""
+def _bounded(state: Any, text: str, truncate: int | None, names: Names, special: bool) -> int:
+    """Where in ``text`` tokenizing starts (a character index), so no more is tokenized than the
+    limits use. Without ``truncate``: a text longer than ``8 x`` (then ``max_token_chars x``) the
+    token limit is first counted on that many leading characters; more than the limit there (+ the
+    margin) and it is refused unread (0: the whole text). With ``truncate``: a text longer than
+    ``max_token_chars x (truncate + margin + 1)`` characters starts at a word start within that
+    tail, which holds more than ``truncate`` tokens; their last ``truncate`` are the whole text's
+    unless one word spans the cut."""
+    check_truncate(state, truncate)
     tok, per = state.tokenizer, state.max_token_chars
     limit = state.max_input_tokens
-    if truncate is not None and truncate <= limit:  # a longer truncate keeps more than the limit: as none
+    if truncate is not None:
         window = per * (truncate + PROBE_MARGIN + 1)
-        if len(text) > window:
-            tail = text[-window:]
-            cut = _WORD_START.search(tail, 0, PROBE_MARGIN * per)
-            return _tokenize(tok, tail[cut.start():] if cut else tail, special)[-truncate:]
-        return _tokenize(tok, text, special)
+        if len(text) <= window:
+            return 0
+        tail = len(text) - window
+        cut = _WORD_START.search(text, tail, tail + PROBE_MARGIN * per)
+        return cut.start() if cut else tail
     for size in sorted({8 * (limit + PROBE_MARGIN + 1), per * (limit + PROBE_MARGIN + 1)}):
         if len(text) <= size:
             break
@@ -137,7 +150,48 @@ def encode_text(state: Any, text: str, truncate: int | None = None, names: Names
         if n > limit + PROBE_MARGIN:
             raise ApiError(422, f"`{names.inputs}` tokens must be <= {limit} (--max-input-tokens). Given: more "
                                 f"than {n - PROBE_MARGIN} (counted in its first {size} of {len(text)} characters)")
-    return _tokenize(tok, text, special)
+    return 0
+
+
+def encode_text(state: Any, text: str, truncate: int | None = None, names: Names = TGI,
+                special: bool = True) -> list[int]:
+    """Token ids of ``text`` (call it off the event loop), tokenizing no more than the limits use
+    (``_bounded``); with ``truncate``, its last ``truncate`` tokens."""
+    start = _bounded(state, text, truncate, names, special)
+    ids = _tokenize(state.tokenizer, text[start:], special)
+    return ids[-truncate:] if truncate is not None else ids
+
+
+def token_spans(state: Any, text: str, truncate: int | None = None, names: Names = TGI) -> list[dict[str, Any]]:
+    """TGI's ``/tokenize`` answer: ``{id, text, start, stop}`` per token of ``text``, under the
+    same limits and ``truncate`` as ``encode_text`` (an input over ``--max-input-tokens`` is a
+    422, as /generate answers it). ``start``/``stop`` are UTF-8 byte offsets into ``text`` and
+    ``text`` the text between them, as TGI reports them (its Rust tokenizer's offsets are byte
+    offsets; the text between two character offsets is the same); a token the tokenizer adds
+    (BOS) spans 0..0. Offsets need a fast tokenizer (its offsets mapping)."""
+    tok = state.tokenizer
+    if not getattr(tok, "is_fast", False):
+        raise ApiError(404, f"No fast tokenizer available: /tokenize reports each token's offsets, which this "
+                            f"model's tokenizer ({type(tok).__name__}) cannot give", "tokenizer")
+    start = _bounded(state, text, truncate, names, True)
+    enc = tok(text[start:], add_special_tokens=True, return_offsets_mapping=True)
+    spans = [(t, a + start, b + start) if b > a else (t, 0, 0) for t, (a, b) in zip(enc["input_ids"],
+                                                                                 enc["offset_mapping"])]
+    spans = spans[-truncate:] if truncate is not None else spans
+    check_input_count(state, len(spans), names)
+    at = _byte_index(text, {i for _, a, b in spans for i in (a, b)})
+    return [{"id": t, "text": text[a:b], "start": at[a], "stop": at[b]} for t, a, b in spans]
+
+
+def _byte_index(text: str, positions: set[int]) -> dict[int, int]:
+    """UTF-8 byte offset of each character index in ``positions`` (one pass over ``text``)."""
+    if text.isascii():
+        return {i: i for i in positions}
+    out, size, prev = {}, 0, 0
+    for i in sorted(positions):
+        size += len(text[prev:i].encode("utf-8", "surrogatepass"))
+        out[i], prev = size, i
+    return out
 
 
 CHAT = Names("messages", "max_tokens")

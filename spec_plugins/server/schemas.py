@@ -3,7 +3,8 @@
 TGI answers a bad request with ``{"error": "...", "error_type": "validation"}`` (422; 400 when
 the body is not JSON) and the official clients turn ``error_type`` into their exception types,
 so the messages below follow TGI's wording. Parameters TGI knows but this server does not
-implement are accepted at their neutral value (clients send them as null) and refused otherwise.
+implement are accepted at their neutral value (clients send them as null) and refused otherwise;
+a value TGI itself refuses (``best_of: 0``) gets TGI's range error first.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ MAX_STOP_SEQUENCES = 4
 # and searched per token, so a bound keeps a request's stop strings cheap (docs/serving.md)
 MAX_STOP_CHARS = 1024
 MAX_TOP_N_TOKENS = 5  # TGI's default --max-top-n-tokens
+MAX_BEST_OF = 1  # sequences per request (/info's max_best_of): best_of > 1 is not implemented
 
 
 class ApiError(Exception):
@@ -100,7 +102,8 @@ class GenerateParameters(BaseModel):
     stop: list[str] = Field(default_factory=list)
     details: bool = False
     return_full_text: bool | None = False
-    truncate: int | None = None
+    truncate: int | None = Field(None, description="Keep the input's last tokens: 1..--max-input-tokens "
+                                                   "(requests.check_truncate, which knows the limit).")
     top_n_tokens: int | None = Field(None, description="Most likely tokens reported per position (details).")
     # known to TGI, neutral values only
     frequency_penalty: float | None = Field(None, description="TGI's: minus penalty x the token's share of the text.")
@@ -150,13 +153,6 @@ class GenerateParameters(BaseModel):
             raise ValueError(f"`top_n_tokens` must be >= 0 and <= {MAX_TOP_N_TOKENS}. Given: {v}")
         return v
 
-    @field_validator("truncate")
-    @classmethod
-    def _truncate(cls, v: int | None) -> int | None:
-        if v is not None and v <= 0:
-            raise ValueError("`truncate` must be strictly positive")
-        return v
-
     @field_validator("frequency_penalty")
     @classmethod
     def _frequency(cls, v: float | None) -> float | None:
@@ -166,6 +162,12 @@ class GenerateParameters(BaseModel):
 
     @model_validator(mode="after")
     def _unsupported(self) -> "GenerateParameters":
+        # a value no server takes is an error in TGI's words, before the rule for valid values this
+        # server does not implement (`best_of: 0` was "not supported", as if 0 were meaningful)
+        if self.best_of is not None and self.best_of <= 0:
+            raise ValueError(f"`best_of` must be > 0 and <= {MAX_BEST_OF}. Given: {self.best_of}")
+        if self.typical_p not in (None, 1.0) and not 0.0 < self.typical_p < 1.0:  # NaN fails
+            raise ValueError("`typical_p` must be > 0.0 and < 1.0")
         _neutral("best_of", self.best_of, (None, 1))
         _neutral("decoder_input_details", self.decoder_input_details, (False,))
         _neutral("typical_p", self.typical_p, (None, 1.0))
