@@ -64,7 +64,8 @@ def _io(kind: str, c: Any, vd: int) -> tuple[list[dict], list[dict], dict]:
 
 
 def head_inputs(kind: str, module: Any, B: int = 2, T: int = 3, S: int = 4, seed: int = 0) -> tuple:
-    """Random inputs for a head graph (causal mask over a non-empty past for EAGLE)."""
+    """Random inputs for a head graph; with a cache (EAGLE, block layers with context) each row at
+    its own positions under its own mask (``row_context``), so a graph that mixes rows fails."""
     g = torch.Generator().manual_seed(seed)
     c = module.config
     if kind == "medusa_heads":
@@ -72,13 +73,27 @@ def head_inputs(kind: str, module: Any, B: int = 2, T: int = 3, S: int = 4, seed
     refiner = kind == "block_refiner"
     if refiner and not getattr(c, "block_context", False):
         return (torch.randn(B, T, c.hidden_size, generator=g),)
-    ok = torch.cat([torch.ones(T, S, dtype=torch.bool), torch.ones(T, T, dtype=torch.bool).tril()], -1)
-    mask = torch.zeros(B, 1, T, S + T).masked_fill_(~ok[None, None], torch.finfo(torch.float32).min)
     heads = c.cache_heads - c.num_kv_heads if refiner else c.cache_heads
     feats = torch.randn(B, T, c.hidden_size, generator=g)
     tokens = () if refiner else (torch.randint(0, module.embed_weight.shape[0], (B, T), generator=g),)
-    return (feats, *tokens, (torch.arange(T) + S)[None].expand(B, T).contiguous(),
-            torch.randn(B, heads, S, c.head_dim, generator=g), torch.randn(B, heads, S, c.head_dim, generator=g), mask)
+    past = torch.randn(B, heads, S, c.head_dim, generator=g), torch.randn(B, heads, S, c.head_dim, generator=g)
+    positions, mask = row_context(g, B, T, S)
+    return (feats, *tokens, positions, *past, mask)
+
+
+def row_context(g: torch.Generator, B: int, T: int, S: int, holes: float = 0.3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions [B, T] and an additive mask [B, 1, T, S+T] as the runtime feeds batched rows of
+    unlike lengths: each row at its own offset (distinct, from S on), and its own holes among the
+    cached slots and the causal new ones (slots a row does not hold, padding, tree nodes off a
+    node's path). Every query sees itself, as the runtime's padding queries do, so no query's
+    attention is empty."""
+    offsets = S + torch.randperm(4 * B, generator=g)[:B]
+    positions = offsets[:, None] + torch.arange(T)
+    causal = torch.cat([torch.ones(T, S, dtype=torch.bool), torch.ones(T, T, dtype=torch.bool).tril()], -1)
+    ok = causal & (torch.rand(B, T, S + T, generator=g) >= holes)
+    ok[:, :, S:] |= torch.eye(T, dtype=torch.bool)
+    mask = torch.zeros(B, 1, T, S + T).masked_fill_(~ok[:, None], torch.finfo(torch.float32).min)
+    return positions, mask
 
 
 def _kind(module: Any) -> str:
@@ -207,7 +222,7 @@ def load_head_module(entry: GraphEntry, model: Any) -> Any:
 def check_head(directory: str | Path, entry: GraphEntry, model: Any, rtol: float, module: Any = None) -> list:
     """ORT vs the PyTorch head on random inputs of a few shapes, every output (Medusa: logits;
     EAGLE: the drafter's output features, which its LM head reads, and the keys and values it
-    caches)."""
+    caches); batched rows at positions and under masks of their own (``head_inputs``)."""
     from spec_plugins.backends.onnxruntime_runtime import create_session
 
     module = module if module is not None else load_head_module(entry, model)
