@@ -219,7 +219,9 @@ class StaticTorchRuntime(TorchRuntime):
         self.cache = SlotCache(self._layers, bucket(rows, ROW_BUCKETS), cap, self._kv_heads, self._head_dim,
                                self.dtype, self.device,
                                static_addresses=self.fixed_shapes and self.device.type == "cuda")
-        self._steps.clear()  # new buffers: a graph captured on the old ones would write there
+        for step in self._steps.values():  # new buffers: a graph captured on the old ones would write there,
+            step.clear()  # and Dynamo keeps a dropped step's compiled graphs alive unless its cache is emptied
+        self._steps.clear()
         if live:
             self.kv = live
 

@@ -4,8 +4,11 @@ of a proposer whose drafts read the sequence alone). ``bench.replay`` decodes th
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import TYPE_CHECKING, Any
 
+if TYPE_CHECKING:
+    from spec_plugins.bench.prompts import BenchPrompt
 
 SEQUENCE_ONLY = ("ngram", "suffix")  # proposers whose drafts read only the sequence: replayed exactly
 
@@ -19,19 +22,35 @@ def check_replayable(kind: str) -> None:
                          f"alone ({', '.join(SEQUENCE_ONLY)})")
 
 
+REPORT_KEYS = ("meta", "prompts", "methods", "summary", "cost_model")  # what the replay reads of a report
+
+
+def read_report(path: str) -> dict:
+    """A bench's report.json; a file that is missing, unreadable, not JSON or not a bench report
+    is refused naming the reason (ValueError), before any model loads."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            report = json.load(fh)
+    except OSError as exc:
+        raise ValueError(f"cannot read it ({exc.strerror or exc})") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"not a JSON file ({exc})") from None
+    missing = [k for k in REPORT_KEYS if k not in report] if isinstance(report, dict) else list(REPORT_KEYS)
+    if missing:
+        raise ValueError(f"not a bench report.json (it lacks {', '.join(missing)})")
+    return report
+
+
 def turns_from_report(report: dict, prompts_file: str, decoder: Any) -> list[tuple[str, list[int], list[int]]]:
     """(category, prompt ids, plain output) per turn, re-encoding multi-turn histories as the bench
     did (``runner.encode_history``, with the report's ``meta.chat``: False for a ``--raw`` run). A
     report from before ``meta.chat`` was recorded is read as the bench's default (the chat template
     where the tokenizer has one), which is what every run without ``--raw`` did."""
-    from spec_plugins.bench.prompts import load_prompts
     from spec_plugins.bench.runner import encode_history
 
     chat = bool(report.get("meta", {}).get("chat", True))
-    by_id = {p.question_id: p for p in load_prompts(prompts_file)}
     out = []
-    for entry in report["prompts"]:
-        p = by_id[entry["question_id"]]
+    for p, entry in recorded_prompts(report, prompts_file):
         history: list[dict] = []
         for turn, toks in zip(p.turns, entry["methods"]["plain"]["token_ids"]):
             history.append({"role": "user", "content": turn})
@@ -39,6 +58,36 @@ def turns_from_report(report: dict, prompts_file: str, decoder: Any) -> list[tup
             out.append((p.category, ids, list(toks)))
             history.append({"role": "assistant", "content": decoder.tokenizer.decode(toks, skip_special_tokens=True)})
     return out
+
+
+def recorded_prompts(report: dict, prompts_file: str) -> list[tuple[BenchPrompt, dict]]:
+    """Each of the report's prompt entries with its prompt from ``prompts_file``, which must hold
+    every recorded question_id with the turns recorded for it: checked before any model loads
+    (``load_prompts``' errors name the file; ValueError)."""
+    from spec_plugins.bench.prompts import load_prompts
+
+    by_id = {p.question_id: p for p in load_prompts(prompts_file)}
+    out = []
+    for entry in report["prompts"]:
+        qid, recorded = entry["question_id"], len(entry["methods"]["plain"]["token_ids"])
+        p = by_id.get(qid)
+        if p is None:
+            raise ValueError(f"{prompts_file} lacks question_id {qid!r} recorded in the report (give the prompts "
+                             "file the bench ran)")
+        if len(p.turns) != recorded:
+            raise ValueError(f"{prompts_file}: question_id {qid!r} has {len(p.turns)} turns, the report recorded "
+                             f"{recorded} (give the prompts file the bench ran)")
+        out.append((p, entry))
+    return out
+
+
+def memory_spans(report: dict) -> list[int]:
+    """Turns per span of the run's cross-request memory (suffix's global index), in the order
+    ``turns_from_report`` lists them: ``meta.memory: sequence`` kept it over every prompt of a run;
+    ``independent`` (the bench's default, also read for a report that records none) cleared it
+    before each prompt, whose turns shared it. ``replay_report`` builds one proposer per span."""
+    turns = [len(e["methods"]["plain"]["token_ids"]) for e in report["prompts"]]
+    return [sum(turns)] if report.get("meta", {}).get("memory") == "sequence" else turns
 
 
 def round_overhead(report: dict) -> float:
@@ -57,9 +106,13 @@ def round_overhead(report: dict) -> float:
 
 def not_replayable(meta: dict) -> str | None:
     """Why a report's run cannot be replayed (None: it can): the replay re-decodes greedy outputs
-    with the report's ``max_new_tokens`` (a sampling run's tokens differ per method and run)."""
+    with the report's ``max_new_tokens`` (a sampling run's tokens differ per method and run), its
+    cross-request memory as the bench kept it (``memory_spans``)."""
     if meta.get("greedy") is not True:
         return f"meta.greedy is {meta.get('greedy')!r} (a sampling run): the replay reproduces greedy runs only"
+    if meta.get("memory", "independent") not in ("independent", "sequence"):
+        return (f"meta.memory is {meta['memory']!r}: the replay knows the bench's cross-request memory as "
+                "independent or sequence (memory_spans)")
     limit = isinstance(meta.get("max_new_tokens"), int)
     return None if limit else "the report records no meta.max_new_tokens, the limit its turns were decoded with"
 

@@ -12,7 +12,9 @@ fixed gamma without a full bench per setting). Rates are the bench's: tokens/s c
 token over the whole generation, prefill included; "accepted" is tokens emitted per row-round
 (``DecodeStats.mean_accepted_tokens``: plain decoding = 1.0). ``TapeClock``
 plays back the clock readings of a recorded run, so the replay must reproduce its decisions
-exactly (a test checks it). The bench itself remains the measurement.
+exactly (a test checks it). A proposer with cross-request memory (suffix, ``scope: global``)
+keeps it over the turns the bench's ``--memory`` kept it over (``memory_spans``). The bench
+itself remains the measurement.
 
     python -m spec_plugins.bench.replay --report bench-out/report.json --prompts examples/prompts/dev.jsonl
 """
@@ -20,15 +22,15 @@ exactly (a test checks it). The bench itself remains the measurement.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from typing import Any, Callable, Sequence
 
 import torch
 
 from spec_plugins.backends.base import RuntimeCapabilities, StepOutput
-from spec_plugins.bench.recorded import (SEQUENCE_ONLY, check_replayable, not_replayable, report_config,  # noqa: F401
-                                         report_limits, round_overhead, turns_from_report)
+from spec_plugins.bench.recorded import (SEQUENCE_ONLY, check_replayable, memory_spans, not_replayable,  # noqa: F401
+                                         read_report, recorded_prompts, report_config, report_limits,
+                                         round_overhead, turns_from_report)
 from spec_plugins.config import SamplingConfig
 from spec_plugins.loop import decode
 from spec_plugins.policy import DEFAULTS, AutoDraftLength, Costs, DraftCost, DraftPolicy, FixedLength, ForwardCost
@@ -254,17 +256,31 @@ def auto(cost: ForwardCost, draft: DraftCost = DraftCost(), **kwargs: Any) -> Ca
 def replay_report(turns: Sequence[tuple[str, list[int], list[int]]], make_proposer: Callable[[], Any],
                   policies: dict[str, Callable[[], Any]], cost: ForwardCost, overhead: float,
                   draft: DraftCost = DraftCost(), max_new: int | None = None,
-                  eos_ids: Sequence[int] = ()) -> dict[str, dict[str, float]]:
+                  eos_ids: Sequence[int] = (), spans: Sequence[int] | None = None) -> dict[str, dict[str, float]]:
     """tokens/s (``rates``) per policy and category (plus "all") over ``turns`` = (category, prompt
-    ids, output); ``max_new``/``eos_ids``: the recording's (``recorded_limit``)."""
+    ids, output); ``max_new``/``eos_ids``: the recording's (``recorded_limit``). ``spans``: turns
+    per span of the bench's cross-request memory (``memory_spans``), each decoded in order by one
+    proposer, as the bench's were; None: a fresh proposer per turn."""
+    starts = _span_starts(spans, len(turns))
     sums: dict[str, dict[str, DecodeStats]] = {}
     for name, factory in {"plain": fixed(0), **policies}.items():
         acc = sums.setdefault(name, {})
-        for cat, prompt, out in turns:
-            st = replay_turn(prompt, out, make_proposer(), factory(), cost, overhead, draft, max_new, eos_ids)
+        for i, (cat, prompt, out) in enumerate(turns):
+            if i in starts:
+                prop = make_proposer()
+            st = replay_turn(prompt, out, prop, factory(), cost, overhead, draft, max_new, eos_ids)
             for c in (cat, "all"):
                 acc[c] = acc.get(c, DecodeStats()).merge(st)
     return {name: {c: rates(st)["tokens_per_s"] for c, st in cats.items()} for name, cats in sums.items()}
+
+
+def _span_starts(spans: Sequence[int] | None, turns: int) -> set[int]:
+    """The turns where a span of cross-request memory begins (None: every turn)."""
+    if spans is None:
+        return set(range(turns))
+    if any(n < 1 for n in spans) or sum(spans) != turns:
+        raise ValueError(f"memory spans {list(spans)} do not cover the {turns} turns one by one")
+    return {sum(spans[:j]) for j in range(len(spans))}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -285,8 +301,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         ap.error(str(exc))
     if not gammas:
         ap.error(f"--gammas {args.gammas!r} names no draft length; the replay compares auto with the best of them")
-    report = json.loads(open(args.report).read())
-    if why := not_replayable(report.get("meta", {})):
+    try:
+        report = read_report(args.report)
+    except ValueError as exc:
+        ap.error(f"--report {args.report}: {exc}")
+    if why := not_replayable(report["meta"]):
         ap.error(f"--report {args.report}: {why}")
     try:
         cfg = report_config(report, args.config)
@@ -295,6 +314,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         ap.error(f"{exc}; give --config (the config the bench ran with)")
     except ValueError as exc:  # the proposer (check_replayable)
         ap.error(f"{exc}; give --config with one of them")
+    try:  # the prompts file matches the report before the model loads
+        recorded_prompts(report, args.prompts)
+    except (OSError, ValueError) as exc:
+        ap.error(f"--prompts: {exc}")
     dec = SpeculativeDecoder.from_config(cfg)
     cm = report["cost_model"]
     cost = ForwardCost.from_curve(cm.get("raw_target_seconds") or cm["target_seconds"])
@@ -306,7 +329,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     policies["auto"] = auto(cost, draft)
     over = round_overhead(report)
     try:
-        sim = replay_report(turns, make, policies, cost, over, draft, **report_limits(report, dec))
+        sim = replay_report(turns, make, policies, cost, over, draft, **report_limits(report, dec),
+                            spans=memory_spans(report))
     except ValueError as exc:  # a turn that the report's limits cannot have ended (recorded_limit)
         ap.error(f"--report {args.report}: {exc}; the config's tokenizer must be the bench's")
     measured = {("plain" if m["name"] == "plain" else m["name"].replace("ours_", "")): report["summary"][m["name"]]

@@ -299,8 +299,8 @@ def markdown(report: dict) -> str:
           "| × T(1) | " + " | ".join(f"{cm['target_relative'][n - 1]:.2f}" for n in pick) + " |", "",
           f"Draft: {cm['draft_round_seconds'] * 1e3:.3f} ms per propose call + {cm['draft_step_seconds'] * 1e3:.3f} ms "
           f"per drafted token (c = {cm['draft_cost_ratio']:.3f} of one target forward).", ""]
-    if report.get("target_kernels"):
-        L += [f"Target matmul kernels (measured at load, `matmul: auto`): {report['target_kernels']['choice']}.", ""]
+    if k := report.get("target_kernels"):
+        L += [f"Target matmul kernels (measured at load, `matmul: {matmul_setting(k)}`): {k['choice']}.", ""]
     th = report["theory"]
     if has_theory(report):  # without fixed-γ chain runs there is no α to put into the formula
         L += ["## Measured speedup against theory", "",
@@ -314,6 +314,12 @@ def markdown(report: dict) -> str:
         L += ["## Most rejected draft tokens", "",
               ", ".join(f"{t['text']!r} ({t['count']})" for t in report["most_rejected_tokens"][:15]), ""]
     return "\n".join(L)
+
+
+def matmul_setting(kernels: dict) -> str:
+    """The runtime's ``matmul`` setting that measured ``target_kernels``: ``auto_transposed`` also
+    times the transposed one-row kernel (``KernelChoice.to_dict`` records it), ``auto`` does not."""
+    return "auto_transposed" if "transposed_1row_ms" in kernels else "auto"
 
 
 def lossy_methods(report: dict) -> list[str]:

@@ -12,14 +12,16 @@ with ``sampled_token_ids[i]`` the tokens row i accepted this step (empty for a r
 prefill), ``num_tokens_no_spec`` an int array (row i's history length) and ``token_ids_cpu`` a
 [max_num_reqs, max_model_len] int array (row i's history in ``[i, :num_tokens_no_spec[i]]``).
 Drafts are returned by row position; vLLM's own rejection sampler verifies them. The call
-carries no request ids, so a row's index is recognised by its history (``RowIndexes``), and an
-index no row of the batch continues any more is a finished request (it enters suffix decoding's
+carries no request ids, so a row's index is recognised by its whole history (``RowIndexes``), and
+an index no row of the batch continues any more is a finished request (it enters suffix decoding's
 global index). A row still in prefill continues its index too (it drafts nothing, but its
 request has not finished); a request missing from a step's batch (preempted) counts as
 finished, as nothing tells it from one that ended.
 
 Proposer settings come from our own YAML proposer section, in the environment variable
-``SPEC_PLUGINS_VLLM_PROPOSER`` (a path or inline YAML), so vLLM's config carries only the class.
+``SPEC_PLUGINS_VLLM_PROPOSER`` (a path or inline YAML; a value that looks like a path, ending in
+``.yaml``/``.yml``/``.json`` or holding a path separator, must name a file), so vLLM's config
+carries only the class.
 Fields vLLM decides itself are refused unless they agree with it: ``num_draft_tokens`` (vLLM's
 ``num_speculative_tokens``), ``tree_nodes`` (vLLM verifies chains) and ``scope: tenant`` (vLLM's
 call carries no tenant).
@@ -32,8 +34,11 @@ from __future__ import annotations
 import os
 from typing import Any, Sequence
 
+import numpy as np
+
 ENV = "SPEC_PLUGINS_VLLM_PROPOSER"
-KEY_TOKENS = 32  # a row is recognised by the first tokens of its history
+KEY_TOKENS = 32  # first and last tokens of a history compared before the whole of it (most rows differ there)
+PATH_SUFFIXES = (".yaml", ".yml", ".json")
 _REGISTERED = False
 
 
@@ -44,7 +49,13 @@ def proposer_section(default_type: str) -> dict[str, Any]:
     raw = os.environ.get(ENV)
     if not raw:
         return {"type": default_type}
-    text = open(raw).read() if os.path.isfile(raw) else raw
+    if os.path.isfile(raw):
+        text = open(raw).read()
+    elif _looks_like_path(raw):  # a mistyped path would otherwise be read as a YAML string
+        raise FileNotFoundError(f"{ENV}={raw!r}: file not found (give an existing YAML/JSON file, or the "
+                                "proposer section as inline YAML)")
+    else:
+        text = raw
     data = yaml.safe_load(text)
     if isinstance(data, dict) and "proposer" in data:
         data = data["proposer"]
@@ -53,13 +64,23 @@ def proposer_section(default_type: str) -> dict[str, Any]:
     return {"type": default_type, **data}
 
 
+def _looks_like_path(raw: str) -> bool:
+    """A one-line value with no YAML mapping in it, ending in a config suffix or holding a path
+    separator (inline YAML holds ``key: value``)."""
+    seps = [sep for sep in (os.sep, os.altsep) if sep]
+    return "\n" not in raw and ": " not in raw and (raw.strip().endswith(PATH_SUFFIXES)
+                                                    or any(sep in raw for sep in seps))
+
+
 class RowIndexes:
     """The index of each live request, recognised by its history (vLLM passes no request ids and
     moves rows when others leave): an index held from the last step whose tokens begin this
-    row's history (first and last held tokens compared) is the same request's, extended by the
-    new tokens; an unclaimed one belongs to a finished request. A history is read by slices
-    (a view of vLLM's array): its key tokens and what the row's index lacks, so a step costs the
-    new tokens, not the context."""
+    row's history (all of them: a new request sharing another's head and tail is not it) is the
+    same request's, extended by the new tokens; an unclaimed one belongs to a finished request.
+    A history is read by slices (a view of vLLM's array): its key tokens against every held
+    index, the whole prefix (one numpy comparison) only against an index whose key tokens
+    match, and what the row's index lacks converted to Python ints, so a step's Python work is
+    the new tokens, not the context."""
 
     def __init__(self, make: Any) -> None:
         self.make = make
@@ -78,7 +99,7 @@ class RowIndexes:
         held: list[Any] = []
         for i in sorted(range(len(histories)), key=lambda i: prefill[i]):  # decoding rows first
             h = histories[i]
-            idx = next((x for x in free if _continues(x.tokens, h)), None)
+            idx = next((x for x in free if _continues(x, h)), None)
             if idx is not None:
                 free.remove(idx)
                 held.append(idx)
@@ -93,11 +114,14 @@ class RowIndexes:
         return out, free
 
 
-def _continues(held: list[int], history: Sequence[int]) -> bool:
-    """``history`` begins with ``held``, judged by their first and last ``KEY_TOKENS`` tokens."""
-    n = len(held)
-    return 0 < n <= len(history) and held[:KEY_TOKENS] == _ints(history[:min(n, KEY_TOKENS)]) and \
-        held[-KEY_TOKENS:] == _ints(history[max(0, n - KEY_TOKENS):n])
+def _continues(held: "_Sized", history: Sequence[int]) -> bool:
+    """``history`` begins with every token ``held`` holds: their first and last ``KEY_TOKENS``
+    compared first (cheap, and most other requests differ there), then the whole prefix."""
+    t, n = held.tokens, held.length
+    if not (0 < n <= len(history) and t[:KEY_TOKENS] == _ints(history[:min(n, KEY_TOKENS)])
+            and t[-KEY_TOKENS:] == _ints(history[max(0, n - KEY_TOKENS):n])):
+        return False
+    return n <= 2 * KEY_TOKENS or bool(np.array_equal(held.array, np.asarray(history[:n])))
 
 
 def _ints(tokens: Sequence[int]) -> list[int]:
@@ -210,16 +234,28 @@ class SuffixDrafter(_Drafter):
 
 
 class _Sized:
-    """An index plus how many history tokens it holds and the tokens themselves."""
+    """An index plus how many history tokens it holds and the tokens themselves (a list for the
+    indexes, a numpy buffer for ``_continues``' prefix comparison, grown by doubling)."""
 
     def __init__(self, inner: Any) -> None:
         self.inner, self.tokens = inner, []
+        self._buf = np.empty(64, dtype=np.int64)
 
     @property
     def length(self) -> int:
         return len(self.tokens)
 
+    @property
+    def array(self) -> np.ndarray:
+        return self._buf[: len(self.tokens)]
+
     def extend(self, new: list[int]) -> None:
+        n, end = len(self.tokens), len(self.tokens) + len(new)
+        if end > len(self._buf):
+            grown = np.empty(max(end, 2 * len(self._buf)), dtype=np.int64)
+            grown[:n] = self._buf[:n]
+            self._buf = grown
+        self._buf[n:end] = new
         self.tokens += new
         self.inner.extend(new)
 
