@@ -123,6 +123,26 @@ def test_tokens_the_tokenizer_adds_span_zero_to_zero(tok):  # noqa: F811
     assert [s["text"] for s in spans[:-1]] == ["w2", "w3"]
 
 
+def test_tokenize_takes_tgis_add_special_tokens_and_spans_only_added_tokens_zero_to_zero(live, tok):  # noqa: F811
+    """TGI's top-level ``add_special_tokens: false`` tokenizes without what the tokenizer adds (it
+    was refused as an unknown field); an empty token of the text itself keeps its own offsets."""
+    import copy
+
+    from tokenizers import processors
+
+    r = _post(live, "/tokenize", {"inputs": "w2 w3", "add_special_tokens": False})
+    assert r.status_code == 200, r.text
+    assert [s["id"] for s in r.json()] == tok("w2 w3", add_special_tokens=False)["input_ids"]
+    assert _post(live, "/tokenize", {"inputs": "w2", "stream": True}).status_code == 422  # not a /tokenize field
+    both = copy.deepcopy(tok)
+    both.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A </s>",
+                                                                          special_tokens=[("<s>", 0), ("</s>", 1)])
+    assert [s["id"] for s in requests.token_spans(_state(both), "w2 w3", special=False)] == \
+        tok("w2 w3", add_special_tokens=False)["input_ids"]
+    with_them = requests.token_spans(_state(both), "w2 w3")
+    assert (with_them[0]["start"], with_them[0]["stop"], with_them[-1]["start"]) == (0, 0, 0)
+
+
 def test_a_tokenizer_without_offsets_is_a_clear_error(tok):  # noqa: F811
     class Slow:  # a Python ("slow") tokenizer: transformers gives it no offsets mapping
         is_fast = False

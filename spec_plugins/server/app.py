@@ -29,9 +29,9 @@ from spec_plugins.server.body import MAX_BODY_BYTES, offload, read_request
 from spec_plugins.server.controls import compiled, tgi_controls
 from spec_plugins.server.jobs import Finished, JobStream, Tally, TokenOut, follow, read_streamed, sse, submit, timed
 from spec_plugins.server.metrics import Metrics, proposer_metrics
-from spec_plugins.server.requests import Prepared, encode_text, max_token_chars, prepare, tenant_of, token_spans
+from spec_plugins.server.requests import TGI, Prepared, encode_text, max_token_chars, prepare, tenant_of, token_spans
 from spec_plugins.server.scheduler import Scheduler
-from spec_plugins.server.schemas import MAX_BEST_OF, ApiError, GenerateRequest
+from spec_plugins.server.schemas import MAX_BEST_OF, ApiError, GenerateRequest, TokenizeRequest
 
 if TYPE_CHECKING:
     from spec_plugins.server.connections import ConnectionGuard, ConnectionLimits
@@ -222,8 +222,9 @@ def create_app(state: ServerState) -> FastAPI:
     @timed(state, "tokenize")
     async def tokenize(request: Request, tally: Tally) -> Response:
         """TGI's: the input's tokens with their offsets, as /generate would read it (limits, truncate)."""
-        req = await read_request(state, request, GenerateRequest)
-        return JSONResponse(await offload(state.cpu_limiter, token_spans, state, req.inputs, req.parameters.truncate))
+        req = await read_request(state, request, TokenizeRequest)
+        return JSONResponse(await offload(state.cpu_limiter, token_spans, state, req.inputs, req.parameters.truncate,
+                                          TGI, req.add_special_tokens))
 
     add_openai_routes(app, state)
 

@@ -162,21 +162,23 @@ def encode_text(state: Any, text: str, truncate: int | None = None, names: Names
     return ids[-truncate:] if truncate is not None else ids
 
 
-def token_spans(state: Any, text: str, truncate: int | None = None, names: Names = TGI) -> list[dict[str, Any]]:
+def token_spans(state: Any, text: str, truncate: int | None = None, names: Names = TGI,
+                special: bool = True) -> list[dict[str, Any]]:
     """TGI's ``/tokenize`` answer: ``{id, text, start, stop}`` per token of ``text``, under the
     same limits and ``truncate`` as ``encode_text`` (an input over ``--max-input-tokens`` is a
     422, as /generate answers it). ``start``/``stop`` are UTF-8 byte offsets into ``text`` and
     ``text`` the text between them, as TGI reports them (its Rust tokenizer's offsets are byte
     offsets; the text between two character offsets is the same); a token the tokenizer adds
-    (BOS) spans 0..0. Offsets need a fast tokenizer (its offsets mapping)."""
+    (BOS; none with ``special`` false, TGI's ``add_special_tokens``) spans 0..0, any other token
+    its own offsets (an empty one k..k). Offsets need a fast tokenizer (its offsets mapping)."""
     tok = state.tokenizer
     if not getattr(tok, "is_fast", False):
         raise ApiError(404, f"No fast tokenizer available: /tokenize reports each token's offsets, which this "
                             f"model's tokenizer ({type(tok).__name__}) cannot give", "tokenizer")
-    start = _bounded(state, text, truncate, names, True)
-    enc = tok(text[start:], add_special_tokens=True, return_offsets_mapping=True)
-    spans = [(t, a + start, b + start) if b > a else (t, 0, 0) for t, (a, b) in zip(enc["input_ids"],
-                                                                                 enc["offset_mapping"])]
+    start = _bounded(state, text, truncate, names, special)
+    enc = tok(text[start:], add_special_tokens=special, return_offsets_mapping=True, return_special_tokens_mask=True)
+    spans = [(t, 0, 0) if added else (t, a + start, b + start)
+             for t, (a, b), added in zip(enc["input_ids"], enc["offset_mapping"], enc["special_tokens_mask"])]
     spans = spans[-truncate:] if truncate is not None else spans
     check_input_count(state, len(spans), names)
     at = _byte_index(text, {i for _, a, b in spans for i in (a, b)})

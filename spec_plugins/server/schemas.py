@@ -182,12 +182,13 @@ class GenerateParameters(BaseModel):
                     or self.top_p is not None)
 
 
-class GenerateRequest(BaseModel):
+class _TgiInputs(BaseModel):
+    """TGI's ``{inputs, parameters}`` body, shared by the generate routes and /tokenize."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
 
     inputs: str
     parameters: GenerateParameters = Field(default_factory=GenerateParameters)
-    stream: bool = False  # only read by the compat route POST /
 
     @field_validator("inputs")
     @classmethod
@@ -200,6 +201,14 @@ class GenerateRequest(BaseModel):
     @classmethod
     def _params_none(cls, v: Any) -> Any:
         return {} if v is None else v
+
+
+class GenerateRequest(_TgiInputs):
+    stream: bool = False  # only read by the compat route POST /
+
+
+class TokenizeRequest(_TgiInputs):
+    add_special_tokens: bool = True  # TGI's switch: false tokenizes without the BOS the model adds
 
 
 def validation_message(exc: Any) -> str:
