@@ -20,9 +20,9 @@ from spec_plugins.tree import paths
 # transformers-compatible: processor(input_ids [R, L] long, scores [R, V] float) -> scores
 LogitsProcessorFn = Callable[[torch.LongTensor, torch.FloatTensor], torch.FloatTensor]
 
-# Temperatures above this sample as at it. Dividing by a larger one sends every float32 logit to
-# 0 (above float32's max, 3.4e38, T itself becomes inf and a banned -inf logit NaN), so top-k and
-# top-p kept the whole vocabulary. At 2**100 softmax is already uniform to float32 precision (for
+# Temperatures above this sample as at it. Above float32's max (3.4e38) T itself becomes inf in the
+# division: every logit 0 and a banned -inf logit NaN, so top-k and top-p would keep the whole
+# vocabulary. At 2**100 softmax is already uniform to float32 precision (for
 # logits less than 1e22 apart), and dividing by a power of two is exact, so distinct logits keep
 # their order (any two of size above 2**-26) and top_k 1 stays greedy, as at any T > 0.
 MAX_TEMPERATURE = 2.0 ** 100

@@ -19,8 +19,9 @@ text before it (a space in the token that starts an emoji) may finish a stop str
 incomplete tail a row ends on (``flush``) is searched too (only a stop string holding U+FFFD
 can start there; the text then ends before it, the row having finished already). A hit becomes
 a row stop (``StopStrings``, a ``types.RowStop``): the row keeps its tokens up to the one that
-completed the stop string and finishes with reason ``"stop"``, inside the round, so no token
-past the stop is ever computed.
+completed the stop string and finishes with reason ``"stop"`` (on text that spells special
+tokens, a stop the EOS token completes leaves ``"eos_token"``: ``StopStrings.eos_first``), inside
+the round, so no token past the stop is ever computed.
 
 The stream's text is the row's text: ``generate``, ``stream``, ``generate_batch`` and the
 server's OpenAI routes (streamed or not) all return it. It is ``decode`` of the row's ids except
@@ -248,10 +249,14 @@ def _failure(stop: str) -> list[int]:
 
 class StopStrings:
     """A ``RowStop`` over a row's ``TextStream``: the row stops at the token that completes a
-    stop string (its text then holds the stop string; ``stream.visible`` the text before it)."""
+    stop string (its text then holds the stop string; ``stream.visible`` the text before it).
+    Over a stream that spells special tokens (TGI's routes) ``eos_first``: a stop the EOS token
+    itself completes leaves the row's end to the EOS (``Row.emit``), as TGI checks EOS first;
+    where the text skips them, an EOS that completes a stop shows as text and the stop stands."""
 
     def __init__(self, stream: TextStream) -> None:
         self.stream = stream
+        self.eos_first = not stream.skip
 
     def __call__(self, tokens: Sequence[int], n_new: int) -> int | None:
         for i, t in enumerate(tokens[len(tokens) - n_new:]):

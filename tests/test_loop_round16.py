@@ -14,7 +14,10 @@ from grammar_helpers import EOS, tiny_tokenizer
 from conftest import tiny_llama
 from spec_plugins.backends.torch_runtime import TorchRuntime
 from spec_plugins.config import SamplingConfig
-from spec_plugins.loop.round import decode
+from spec_plugins.types import RowRequest
+from spec_plugins.loop.batch import Batch
+from spec_plugins.loop.round import run_round
+from spec_plugins.policy.draft_policy import build_policy
 from spec_plugins.loop.rows import Row
 from spec_plugins.sampling import LogitsPipeline, RowPipelines
 from spec_plugins.text import StopStrings, TextStream
@@ -126,13 +129,47 @@ class Script:
         return out
 
 
+def test_where_the_text_shows_the_eos_a_stop_it_completes_stands():
+    """The Python API's and OpenAI's text skips special tokens, so an EOS that completes a stop
+    there is an ordinary token's text (``eos_token_id`` listing "b"): the text is cut before the
+    stop, and the finish reason says so ("stop"), not "eos_token" over a cut text."""
+    stream = TextStream(tiny_tokenizer(), ["ab"], skip_special_tokens=True)
+    row = Row("r", [A], 1, 10, _pipe(0.0), None, stop=StopStrings(stream))
+    em = row.emit([A, B], {B}, {}, 0)
+    assert (em.finish_reason, em.tokens, stream.visible) == ("stop", [A, B], "")
+
+
 def test_decode_with_the_eos_text_as_stop_finishes_on_eos():
     """The engine's path under TGI's routes: a stop spelling the EOS token, the row ending on EOS."""
     tok = tiny_tokenizer()
     stream = TextStream(tok, ["<eos>"], skip_special_tokens=False)
     pipe = LogitsPipeline(SamplingConfig(temperature=0.0), [Script(2, [A, B, EOS])])
-    reasons = {}
-    for step in decode(TorchRuntime(tiny_llama(seed=0), tok), None, ExactVerifier(), pipe, [[A, B]], 8, [EOS],
-                       stop=lambda i, toks, n: StopStrings(stream)(toks, n)):
-        reasons |= step.finished
-    assert reasons == {0: "eos_token"} and stream.text == "ab<eos>"
+    batch = Batch(TorchRuntime(tiny_llama(seed=0), tok), None, ExactVerifier(), [EOS], seed=None)
+    emitted = list(batch.add([RowRequest(0, [A, B], 8, pipeline=pipe, stop=StopStrings(stream))]))
+    policy = build_policy(None, None)
+    while not batch.rows[0].done and (record := run_round(batch, policy)) is not None:
+        emitted += record.emissions
+    assert emitted[-1].finish_reason == "eos_token" and stream.text == "ab<eos>"
+
+
+def _raises(ids, scores):
+    raise RuntimeError("this row's processor fails")
+
+
+def test_a_neighbours_failing_processor_leaves_half_precision_rows_their_float32_distribution():
+    """Where one row's processor raises, each row is processed alone (``loop.processing._apart`` for
+    the tree, ``process_rows_apart`` for plain rows): those buffers were the logits' float16, so a
+    healthy row's warped logits (T = 1e-4) were cast back to float16 and all became +-inf."""
+    from spec_plugins.loop import processing
+    from spec_plugins.sampling import process_rows_apart
+
+    logits = (torch.randn(2, 1, 40, generator=torch.Generator().manual_seed(2)) * 4).to(torch.float16)
+    good = LogitsPipeline(SamplingConfig(temperature=1e-4, top_k=3))
+    bad = LogitsPipeline(SamplingConfig(temperature=1e-4, top_k=3), [_raises])
+    rows = [Row(i, [1], 1, 5, p, None) for i, p in enumerate([good, bad])]
+    seen = [torch.tensor([1]), torch.tensor([1])]
+    z, raised = processing.process(RowPipelines([good, bad]), rows, logits, seen,
+                                   torch.zeros(2, 1, dtype=torch.long), (-1,))
+    assert raised is not None and z.dtype == torch.float32 and int(torch.isfinite(z[0, 0]).sum()) == 3
+    z, failed = process_rows_apart(RowPipelines([good, bad]), logits[:, 0], seen)
+    assert failed == [1] and z.dtype == torch.float32 and int(torch.isfinite(z[0]).sum()) == 3

@@ -17,7 +17,7 @@ import torch
 
 from spec_plugins.loop.rows import Row
 from spec_plugins.row_trees import Parents, rows_of
-from spec_plugins.sampling import RowPipelines
+from spec_plugins.sampling import RowPipelines, warped_dtype
 
 
 @dataclass
@@ -40,7 +40,7 @@ def process(pipes: RowPipelines, rows: Sequence[Row], logits: torch.Tensor, seen
 def _apart(rows: Sequence[Row], logits: torch.Tensor, seen: Sequence, tokens: torch.Tensor,
            parents: Parents) -> tuple[torch.Tensor, Raised | None]:
     """``process`` for each row alone, node by node where a row's processing raises."""
-    z, errors = torch.empty_like(logits), {}
+    z, errors = logits.new_empty(logits.shape, dtype=warped_dtype(logits.dtype)), {}
     for b, r in enumerate(rows):
         z[b:b + 1], raised = r.pipeline.process_tree_apart(logits[b:b + 1], [seen[b]], tokens[b:b + 1],
                                                            rows_of(parents, slice(b, b + 1)))

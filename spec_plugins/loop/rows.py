@@ -93,8 +93,8 @@ class Row:
         self.tokens.extend(out)
         if self.stop is not None and out:
             keep = self.stop(self.tokens, len(out))
-            if keep == len(out) and self.finish_reason == "eos_token":
-                keep = None  # the EOS token completed the stop (its text spells it): EOS ends it, as TGI checks first
+            if keep == len(out) and self.finish_reason == "eos_token" and getattr(self.stop, "eos_first", False):
+                keep = None  # the EOS token completed a spelled stop (``StopStrings.eos_first``): EOS ends it
             if keep is not None:
                 del self.tokens[len(self.tokens) - len(out) + keep:]
                 out, self.finish_reason = out[:keep], "stop"
