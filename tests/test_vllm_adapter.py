@@ -152,8 +152,8 @@ class _CountedRow:
         return iter(self.row)
 
 
-def test_a_step_reads_each_history_once_not_once_per_held_index():
-    from spec_plugins.integrations.vllm import KEY_TOKENS
+def test_a_step_reads_the_new_tokens_of_each_history_not_the_whole_history():
+    from spec_plugins.integrations.vllm import KEY_TOKENS, SPREAD
 
     rng = np.random.default_rng(0)
     rows, context = 3, 2000
@@ -167,11 +167,8 @@ def test_a_step_reads_each_history_once_not_once_per_held_index():
         tokens.read = 0
         drafts = d.propose([[1] * new] * rows, lens, tokens)
         assert drafts == [ours(ids[i, : lens[i]].tolist()) for i in range(rows)]
-        # per row: its history once (one numpy comparison with the index it continues: a request
-        # is recognised by all of it), the new tokens, and the key tokens of the indexes it is
-        # compared with; what becomes Python ints is only the new and the key tokens
-        # (tests/test_tools_round16.py)
-        assert tokens.read <= rows * (int(lens.max()) + new + 2 * KEY_TOKENS * rows), tokens.read
+        # per row: the new tokens, and the key and spread tokens of the indexes it is compared with
+        assert tokens.read <= rows * (new + 2 * (KEY_TOKENS + SPREAD) * rows), tokens.read
 
 
 def test_suffix_drafter_keeps_the_node_cap_of_its_config():
