@@ -57,12 +57,16 @@ def write_text_atomic(path: str | Path, text: str) -> None:
 def write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
     """``write(tmp)`` into a temporary file beside ``path``, then renamed onto it: a reader never
     sees half a file. A write that fails (a full disk: an OSError, ``torch.save``'s RuntimeError,
-    safetensors' own error) deletes the temporary file and raises ``WriteError`` naming ``path``."""
+    safetensors' own error) deletes the temporary file and raises ``WriteError`` naming ``path``.
+    The file gets ``temp_beside``'s mode (a plain write's) even where ``write`` recreated the
+    temporary file (safetensors' ``save_file`` makes it 0600 again)."""
     from safetensors import SafetensorError
 
     tmp = temp_beside(path)
     try:
+        mode = tmp.stat().st_mode & 0o7777
         write(tmp)
+        tmp.chmod(mode)
         tmp.replace(path)
     except (OSError, RuntimeError, SafetensorError) as exc:
         tmp.unlink(missing_ok=True)

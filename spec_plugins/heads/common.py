@@ -116,19 +116,22 @@ def save_head(module: nn.Module, config: dict, directory: str | Path, dtype: tor
     """Write trainable weights (+ the draft vocabulary) as safetensors and the config as JSON.
     The frozen target tensors (LM head, embeddings) are not written: they come from the target,
     so the config records a sample of them (``target_fingerprint``) that loading checks.
-    A ``target`` name in ``config`` is what the refusal names as the head's target."""
+    A ``target`` name in ``config`` is what the refusal names as the head's target.
+    Each file is written whole or not at all (``files.write_atomic``): a full disk leaves the
+    earlier file (if any) and no half-written one, and raises ``WriteError`` naming the file."""
     from safetensors.torch import save_file
+
+    from spec_plugins.files import write_atomic
 
     files = HeadFiles(Path(directory))
     files.directory.mkdir(parents=True, exist_ok=True)
     state = {k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).contiguous().cpu()
              for k, v in module.state_dict().items()}
-    tmp = files.weights.with_suffix(".tmp")
-    save_file(state, str(tmp), metadata={"kind": str(config.get("kind", ""))})
-    tmp.replace(files.weights)
+    meta = {"kind": str(config.get("kind", ""))}
+    write_atomic(files.weights, lambda tmp: save_file(state, str(tmp), metadata=meta))
     sample = target_fingerprint(module)
-    config = config if sample is None else {**config, FINGERPRINT: sample}
-    files.config.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    text = json.dumps(config if sample is None else {**config, FINGERPRINT: sample}, indent=2, sort_keys=True) + "\n"
+    write_atomic(files.config, lambda tmp: tmp.write_text(text, encoding="utf-8"))
     return files
 
 

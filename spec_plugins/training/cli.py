@@ -226,7 +226,11 @@ def self_distill_cmd(
     from spec_plugins.training.tokens import seconds_per_million, write_meta, write_token_shards
 
     try:
-        ways = variants([float(t) for t in temperatures.split(",")], samples)
+        try:
+            temps = [float(t) for t in temperatures.split(",")]
+        except ValueError:
+            raise ValueError(f"--temperatures {temperatures!r}: expected comma-separated numbers (0 = greedy)") from None
+        ways = variants(temps, samples)
         from spec_plugins.training.sharegpt import dataset_file
 
         dataset_file()

@@ -12,7 +12,6 @@ each one's effect can be measured (the README's ablation table):
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,8 @@ from spec_plugins.training.batches import (EagleBatch, ShardCache, Window, batch
                                            eagle_batch, epoch_batches, epoch_steps, plan_windows, soft_labels,
                                            step_mask, token_counts, unroll_masks)
 from spec_plugins.training.features import ShardSource
-from spec_plugins.training.trainer import IGNORE, Loop, StepHook, TrainConfig, TrainResult, loss_summary, map_vocab
+from spec_plugins.training.trainer import (IGNORE, Loop, StepHook, TrainConfig, TrainResult, loss_summary, map_vocab,
+                                            write_report)
 
 
 def unrolled(model: EagleDrafter, b: EagleBatch, steps: int, noise: float = 0.0) -> list[torch.Tensor]:
@@ -304,5 +304,5 @@ def _finish(model: EagleDrafter, res: TrainResult, cfg: TrainConfig, out: Path, 
                       "train_seconds": report["train_seconds"], "steps": res.steps, "train_tokens": tokens,
                       "heldout": report.get("heldout")}, out)
     report["head_bytes"] = (out / "head.safetensors").stat().st_size
-    (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_report(out, report)
     return report

@@ -4,7 +4,6 @@ the LM head itself gives t+1), soft labels by default, weighted 0.8^k."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,8 @@ from spec_plugins.training.batches import (ShardCache, Window, batches_for_steps
                                            plan_windows, soft_labels)
 from spec_plugins.training.eagle_train import draft_vocab
 from spec_plugins.training.features import Shard, ShardSource
-from spec_plugins.training.trainer import IGNORE, Loop, StepHook, TrainConfig, loss_summary, map_vocab
+from spec_plugins.training.trainer import (IGNORE, Loop, StepHook, TrainConfig, loss_summary, map_vocab,
+                                            write_report)
 
 
 def positions(shard: Shard, windows: list[Window], heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +115,7 @@ def train_medusa(store: ShardSource, target_model: Any, cfg: TrainConfig, out: s
                       "calibration_source": source}, out)
     report["holdout_topk_accuracy"], report["calibration_source"] = calib, source
     report["head_bytes"] = (out / "head.safetensors").stat().st_size
-    (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_report(out, report)
     return report
 
 

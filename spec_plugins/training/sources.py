@@ -35,9 +35,17 @@ DEFAULT_PROMPTS = shipped_prompts("train.jsonl")
 
 
 def load_prompts(path: str | Path) -> list[str]:
-    """One JSON object per line with a ``prompt`` field."""
+    """One JSON object per line with a ``prompt`` field, in UTF-8 (a file that is not names the
+    line of its first bad byte)."""
+    data = Path(path).read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        bad = data.count(b"\n", 0, exc.start) + 1
+        raise ValueError(f"{path} line {bad}: not UTF-8 text "
+                         f"(byte 0x{data[exc.start]:02x}); save the file as UTF-8") from None
     out = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:

@@ -210,4 +210,7 @@ def loss_summary(res: TrainResult, out: Path) -> dict[str, list[float]]:
 
 
 def write_report(out: Path, info: dict[str, Any]) -> None:
-    (out / "train_report.json").write_text(json.dumps(info, indent=2) + "\n")
+    """``out/train_report.json``, written whole or not at all (``files.write_atomic``): a failed
+    write keeps the earlier report and raises ``WriteError`` naming the file."""
+    text = json.dumps(info, indent=2) + "\n"
+    write_atomic(out / "train_report.json", lambda tmp: tmp.write_text(text, encoding="utf-8"))
