@@ -75,26 +75,31 @@ def create_session(file: str | Path, device: str = "cpu", device_id: int = 0, gr
     try:
         session = ort.InferenceSession(str(file), so, providers=providers, provider_options=opts)
     except load_errors(ort) as exc:
-        from spec_plugins.graphs.manifest import ManifestError
-
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ManifestError(f"ONNX Runtime cannot load graph {file}: {reason}; if the file is damaged "
-                            "(corrupted in place), export again") from exc
-    except ort.capi.onnxruntime_pybind11_state.Fail as exc:  # also a weights file it cannot read in full
         from spec_plugins.graphs.manifest import ManifestError, unreadable_weights
 
-        if (why := unreadable_weights(Path(file))) is None:
+        # a bare Fail is also a weights file it cannot read in full, or an opset it does not take;
+        # any other Fail (a provider's) is not the file's and stays as it is
+        bare = isinstance(exc, ort.capi.onnxruntime_pybind11_state.Fail)
+        if bare and (why := unreadable_weights(Path(file))):
+            raise ManifestError(f"ONNX Runtime cannot load graph {file}: {why}; export again") from exc
+        if bare and "opset" not in str(exc).lower():
             raise
-        raise ManifestError(f"ONNX Runtime cannot load graph {file}: {why}; export again") from exc
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ManifestError(f"ONNX Runtime cannot load graph {file}: {reason} (onnxruntime {ort.__version__}); if "
+                            "the file is damaged (corrupted in place) or holds what this onnxruntime does not "
+                            "support (an opset), export again") from exc
     check_session_providers(session, providers, device, file)  # ONNX Runtime falls back to the CPU silently
     return session
 
 
 def load_errors(ort: Any) -> tuple[type[Exception], ...]:
-    """ONNX Runtime's errors for a graph file it cannot read (not a provider's or a kernel's
-    failures, such as an op the device lacks: re-exporting would not help those)."""
+    """ONNX Runtime's errors for a graph file it cannot load: one it cannot read, and its bare
+    ``Fail``, which may be a graph it will not take (an opset it does not support, a weights file
+    cut short: ``create_session`` tells those from a provider's, which re-exporting would not
+    help). Caught around ``InferenceSession``'s construction only, so a step's failures are not
+    taken for the file's."""
     state = ort.capi.onnxruntime_pybind11_state
-    names = ("InvalidGraph", "InvalidProtobuf", "NoModel", "NoSuchFile")
+    names = ("InvalidGraph", "InvalidProtobuf", "NoModel", "NoSuchFile", "Fail")
     return tuple(getattr(state, n) for n in names if hasattr(state, n))
 
 

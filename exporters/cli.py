@@ -188,7 +188,9 @@ def export_check(
                                                                "exporters/parity.py, by the scheme's bits, against "
                                                                "fp32 on real inputs, "
                                                                "and a logits scale bound --rtol does not change)."),
-    max_new_tokens: int = typer.Option(48, "--max-new-tokens", min=1, help="Greedy speculative tokens compared."),
+    max_new_tokens: int = typer.Option(48, "--max-new-tokens", min=1,
+                                       help="Greedy speculative tokens compared (capped, with a note, at what the "
+                                            "graph's context leaves after the check's prompt)."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="ONNX Runtime intra-op threads."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     graph: list[str] = typer.Option([], "--graph", help="Only check this graph (repeatable; default: all)."),

@@ -13,7 +13,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from spec_plugins.graphs.io import GRAPH_DTYPES, Port, layout_fields
+from spec_plugins.graphs.io import GRAPH_DTYPES, MAX_OPSET, MIN_OPSET, Port, layout_fields
 
 
 MANIFEST_NAME = "manifest.json"
@@ -95,6 +95,9 @@ class Manifest:
         for i, g in enumerate(raw):
             check_fields(GraphEntry, g, f"{path}: graphs[{i}] ({g.get('name', '?')!r}) ")
         man = cls(graphs=[GraphEntry(**g) for g in raw], **data)
+        if not MIN_OPSET <= man.opset <= MAX_OPSET:
+            raise ManifestError(f"{path}: opset {man.opset} is outside the opsets the ONNX export writes "
+                                f"({MIN_OPSET}..{MAX_OPSET}); restore the manifest or export again")
         for g in man.graphs:
             check_entry(path, g)
         if man.tokenizer is not None and not (path.parent / man.tokenizer).is_dir():
