@@ -58,13 +58,15 @@ def write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
     """``write(tmp)`` into a temporary file beside ``path``, then renamed onto it: a reader never
     sees half a file. A write that fails (a full disk: an OSError, ``torch.save``'s RuntimeError,
     safetensors' own error) deletes the temporary file and raises ``WriteError`` naming ``path``.
-    The file gets ``temp_beside``'s mode (a plain write's) even where ``write`` recreated the
-    temporary file (safetensors' ``save_file`` makes it 0600 again)."""
+    As ``write_text_atomic``: an existing file keeps its permissions and a symlink is written
+    through; a new file gets a plain write's mode (``temp_beside``'s), even where ``write``
+    recreated the temporary file (safetensors' ``save_file`` makes it 0600 again)."""
     from safetensors import SafetensorError
 
+    path = path.resolve() if path.is_symlink() else path
     tmp = temp_beside(path)
     try:
-        mode = tmp.stat().st_mode & 0o7777
+        mode = (path if path.is_file() else tmp).stat().st_mode & 0o7777
         write(tmp)
         tmp.chmod(mode)
         tmp.replace(path)

@@ -152,7 +152,7 @@ def test_summary_names_the_matmul_setting_the_run_measured_with(sequence_bench):
 
 # ---- 5. vLLM: a row is recognised by its head, tail and middle; a mistyped config path ------------------------------
 def _vllm_call(drafter, histories, sampled):
-    ids = np.zeros((4, 512), dtype=np.int32)
+    ids = np.zeros((4, max([512, *map(len, histories)])), dtype=np.int32)
     lens = np.zeros(4, dtype=np.int32)
     for i, h in enumerate(histories):
         ids[i, : len(h)] = h
@@ -185,6 +185,22 @@ def test_vllm_a_new_request_sharing_head_and_tail_is_not_the_finished_one(kind):
     held = d.rows.held[0]
     _vllm_call(d, [y + [5, 6]], [[5, 6]])
     assert d.rows.held[0] is held and held.tokens == y + [5, 6]
+
+
+def test_vllm_a_long_request_differing_only_in_its_middle_is_not_the_finished_one():
+    """Past 2 x 32 + 127 tokens the middle is read at a stride (14 at 1,000 tokens): a 20-token
+    difference there is still seen, and the same request continuing is still recognised."""
+    from spec_plugins.integrations.vllm import NgramDrafter
+
+    x = [int(t) for t in np.random.default_rng(3).integers(0, 500, size=1000)]
+    y = x[:500] + [t + 1 for t in x[500:520]] + x[520:]
+    d = NgramDrafter(_cfg(), {"type": "ngram"})
+    _vllm_call(d, [x], [[x[-1]]])
+    first = d.rows.held[0]
+    _vllm_call(d, [y], [[y[-1]]])
+    assert d.rows.held[0] is not first and d.rows.held[0].tokens == y
+    _vllm_call(d, [y + [5]], [[5]])
+    assert d.rows.held[0].tokens == y + [5]
 
 
 def test_vllm_a_config_path_that_is_not_there_is_named(tmp_path, monkeypatch):

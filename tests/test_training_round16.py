@@ -122,3 +122,17 @@ def test_self_distill_names_temperatures_that_are_not_numbers(tmp_path):
     res = cli("train", "self-distill", "--out", tmp_path / "s", "--temperatures", "0,abc", "--backend", "nope")
     assert res.exit_code == 2 and "--temperatures '0,abc': expected comma-separated numbers" in res.output, res.output
     assert not (tmp_path / "s").exists()
+
+
+def test_a_rewritten_file_keeps_its_mode_and_a_symlink_is_written_through(tmp_path):
+    """``write_atomic`` over an existing file keeps its permissions (a 0600 config stays 0600) and
+    writes through a symlink, as ``write_text_atomic`` and a plain write do."""
+    from spec_plugins.files import write_atomic
+
+    real = tmp_path / "real.json"
+    real.write_text("old")
+    real.chmod(0o600)
+    link = tmp_path / "link.json"
+    link.symlink_to(real)
+    write_atomic(link, lambda tmp: tmp.write_text("new"))
+    assert link.is_symlink() and real.read_text() == "new" and real.stat().st_mode & 0o777 == 0o600

@@ -36,7 +36,7 @@ from typing import Any, Sequence
 
 ENV = "SPEC_PLUGINS_VLLM_PROPOSER"
 KEY_TOKENS = 32  # first and last tokens of a history compared (most rows differ there)
-SPREAD = 64  # and this many more spread over its middle (``_continues``)
+SPREAD = 64  # and this many to twice as many more, spread over its middle (``_continues``)
 PATH_SUFFIXES = (".yaml", ".yml", ".json")
 _REGISTERED = False
 
