@@ -336,13 +336,11 @@ def check_export(directory: str | Path, gamma: int = 5, rtol: float | None = Non
         ort_rt = OnnxRuntime(session, g, tok, eos_token_ids=man.eos_token_ids)  # checks the manifest's fields
         cases = check_random(g.name, session, model, gamma, tol, feature_layers=g.feature_layers)
         ids = list(tok(_PROMPT)["input_ids"]) if tok is not None else list(range(1, 25))
-        # the draft graph drafts for the torch target, whose context bounds the decode too
         context = min([ort_rt.max_context] + ([man.graph("verify").max_context] if g.name == "draft" else []))
         new_tokens = greedy_room(g.name, len(ids), max_new_tokens, context)
         if new_tokens < max_new_tokens:
-            report.notes.append(f"{g.name}: greedy speculative output compared over {new_tokens} new tokens, not "
-                                f"--max-new-tokens {max_new_tokens}: the check's prompt of {len(ids)} tokens leaves "
-                                f"no more of the graph's {context}-position context")
+            report.notes.append(f"{g.name}: greedy output compared over {new_tokens} new tokens, not --max-new-tokens "
+                                f"{max_new_tokens}: its {len(ids)}-token prompt fills the rest of the {context}-position context")
         scale_bound = QUANT_SCALE_BOUND if g.quantization else None
         real = check_runtimes(g.name, TorchRuntime(model), ort_rt, ids, gamma, real_tol, scale_bound=scale_bound)
         if g.quantization:
@@ -375,9 +373,8 @@ def check_export(directory: str | Path, gamma: int = 5, rtol: float | None = Non
 
 
 def greedy_room(graph: str, prompt: int, max_new_tokens: int, context: int) -> int:
-    """The new tokens the greedy comparison of ``graph`` runs: ``max_new_tokens``, capped at what
-    the ``context`` positions leave after the check's ``prompt`` tokens (the decode loop refuses a
-    request that runs past it); ValueError where the prompt leaves no room for even one."""
+    """``max_new_tokens`` capped at what ``context`` leaves after the check's ``prompt`` tokens (the
+    decode loop refuses a request past it); ValueError where the prompt leaves no room at all."""
     if prompt >= context:
         raise ValueError(f"graph {graph!r} holds {context} positions of context; export check's prompt of {prompt} "
                          "tokens leaves none for a new token, so its outputs cannot be compared: export the model "

@@ -251,11 +251,12 @@ def unpack(args: argparse.Namespace) -> None:
 
 def device(args: argparse.Namespace) -> None:
     from spec_plugins.training.device_run import RunOptions, run
+    from spec_plugins.training.self_distill import parse_temperatures
 
     try:
-        temperatures = tuple(float(t) for t in args.temperatures.split(","))
-    except ValueError:
-        fail(f"--temperatures {args.temperatures!r}: give comma-separated numbers (0 = greedy)")
+        temperatures = tuple(parse_temperatures(args.temperatures))
+    except ValueError as exc:
+        fail(str(exc))
     try:  # RunOptions refuses bad options by name before anything loads or is written
         opts = RunOptions(heads=tuple(h for h in args.heads.split(",") if h), block_size=args.block_size,
                           anchors=args.anchors, block_layers=args.block_layers,

@@ -120,7 +120,7 @@ def test_a_prompts_file_that_is_not_utf8_names_the_file_and_line(tmp_path):
 
 def test_self_distill_names_temperatures_that_are_not_numbers(tmp_path):
     res = cli("train", "self-distill", "--out", tmp_path / "s", "--temperatures", "0,abc", "--backend", "nope")
-    assert res.exit_code == 2 and "--temperatures '0,abc': expected comma-separated numbers" in res.output, res.output
+    assert res.exit_code == 2 and "--temperatures '0,abc': give comma-separated numbers" in res.output, res.output
     assert not (tmp_path / "s").exists()
 
 

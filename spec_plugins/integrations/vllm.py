@@ -114,9 +114,9 @@ class RowIndexes:
 
 def _continues(held: "_Sized", history: Sequence[int]) -> bool:
     """``history`` begins with the tokens ``held`` holds, judged by their first and last
-    ``KEY_TOKENS`` and ``SPREAD`` more spread evenly over the middle: a fixed number per row, so
-    a step costs no context (reading every held token doubled a 256-row, 32k-token step), while
-    a new request sharing a finished one's head and tail but not its middle is told apart."""
+    ``KEY_TOKENS`` and ``SPREAD`` or more spread evenly over the middle: a fixed number per row,
+    so a step's cost does not grow with the context, while a new request sharing a finished one's
+    head and tail but not its middle is told apart."""
     t, n = held.tokens, held.length
     if not (0 < n <= len(history) and t[:KEY_TOKENS] == _ints(history[:min(n, KEY_TOKENS)])
             and t[-KEY_TOKENS:] == _ints(history[max(0, n - KEY_TOKENS):n])):

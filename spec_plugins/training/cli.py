@@ -220,17 +220,13 @@ def self_distill_cmd(
     from spec_plugins.config import SpecConfig
     from spec_plugins.decoder import SpeculativeDecoder
     from spec_plugins.training.features import recorded_path
-    from spec_plugins.training.self_distill import regenerate, variants
+    from spec_plugins.training.self_distill import parse_temperatures, regenerate, variants
     from spec_plugins.training.sharegpt import DataFilter
     from spec_plugins.training.sources import fit_max_seq, sharegpt_examples
     from spec_plugins.training.tokens import seconds_per_million, write_meta, write_token_shards
 
     try:
-        try:
-            temps = [float(t) for t in temperatures.split(",")]
-        except ValueError:
-            raise ValueError(f"--temperatures {temperatures!r}: expected comma-separated numbers (0 = greedy)") from None
-        ways = variants(temps, samples)
+        ways = variants(parse_temperatures(temperatures), samples)
         from spec_plugins.training.sharegpt import dataset_file
 
         dataset_file()

@@ -61,6 +61,14 @@ class Variant:
         return int.from_bytes(hashlib.sha256(key).digest()[:4], "little")
 
 
+def parse_temperatures(text: str) -> list[float]:
+    """``--temperatures`` (comma-separated numbers) as floats, a bad one named with the option."""
+    try:
+        return [float(t) for t in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--temperatures {text!r}: give comma-separated numbers (0 = greedy)") from None
+
+
 def variants(temperatures: Sequence[float], samples: int) -> list[Variant]:
     """Greedy once (it is deterministic) if 0 is listed, and ``samples`` draws per other temperature."""
     bad = [t for t in temperatures if not math.isfinite(t) or t < 0]
