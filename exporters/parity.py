@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from spec_plugins.exporters.parity_greedy import GreedyCase, first_diff, greedy_room, greedy_tokens
 from spec_plugins.exporters.parity_rule import RTOL, ParityCase, compare, compare_scale
 from spec_plugins.graphs.manifest import Manifest
 
@@ -52,14 +53,6 @@ REAL_RTOL = {"float32": 1e-4, "float16": 2e-2}
 # them 0.065, SmolLM2's honest int4 0.11 to 0.44).
 QUANT_SCALE_BOUND = 1.5
 _PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog again, and"
-
-
-@dataclass
-class GreedyCase:
-    graph: str
-    tokens: int
-    identical: bool
-    first_difference: int | None = None
 
 
 @dataclass
@@ -232,38 +225,6 @@ def check_runtimes(graph: str, torch_rt: Any, ort_rt: Any, ids: list[int], gamma
     return pair.cases
 
 
-def greedy_tokens(runtime: Any, prompt: list[int], max_new: int, draft_runtime: Any = None,
-                  plain: bool = False) -> list[int]:
-    """Greedy speculative decoding: n-gram drafts, or a draft model on ``draft_runtime``;
-    ``plain``: no drafts at all."""
-    from spec_plugins.config import SamplingConfig
-    from spec_plugins.loop import decode
-    from spec_plugins.policy import FixedLength
-    from spec_plugins.proposers.draft_model import DraftModelProposer
-    from spec_plugins.proposers.ngram import NgramProposer
-    from spec_plugins.sampling import LogitsPipeline
-    from spec_plugins.verifiers import ExactVerifier
-
-    if plain:
-        prop: Any = None
-    elif draft_runtime is not None:
-        prop = DraftModelProposer(None, target=runtime, runtime=draft_runtime)
-    else:
-        prop = NgramProposer(NgramProposer.Config(num_draft_tokens=5))
-    toks: list[int] = []
-    for step in decode(runtime, prop, ExactVerifier(), LogitsPipeline(SamplingConfig()), [prompt], max_new,
-                       (), None, None, FixedLength(5)):
-        toks.extend(step.emitted.get(0, []))
-    return toks
-
-
-def _first_diff(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def quant_rtol(quantization: dict) -> float:
     """The bound of a graph quantized as ``quantization`` (its manifest entry's) against fp32:
     :data:`QUANT_RTOL_BITS` by its bits, :data:`QUANT_RTOL` (the loosest) where they are not named.
@@ -357,7 +318,7 @@ def check_export(directory: str | Path, gamma: int = 5, rtol: float | None = Non
         else:
             want = greedy_tokens(TorchRuntime(model), ids, new_tokens)
             got = greedy_tokens(ort_rt, ids, new_tokens)
-        report.greedy.append(GreedyCase(g.name, len(want), want == got, _first_diff(want, got)))
+        report.greedy.append(GreedyCase(g.name, len(want), want == got, first_diff(want, got)))
     for g in man.graphs:
         if g.kind != "decoder_with_past":
             from spec_plugins.exporters.onnx_heads import check_head
@@ -370,16 +331,6 @@ def check_export(directory: str | Path, gamma: int = 5, rtol: float | None = Non
             tol = report.tolerances[g.name] = tolerance(g.dtype, rtol, g.quantization)
             report.cases += check_head(directory, g, model, tol, module)
     return report
-
-
-def greedy_room(graph: str, prompt: int, max_new_tokens: int, context: int) -> int:
-    """``max_new_tokens`` capped at what ``context`` leaves after the check's ``prompt`` tokens (the
-    decode loop refuses a request past it); ValueError where the prompt leaves no room at all."""
-    if prompt >= context:
-        raise ValueError(f"graph {graph!r} holds {context} positions of context; export check's prompt of {prompt} "
-                         "tokens leaves none for a new token, so its outputs cannot be compared: export the model "
-                         "with a longer context")
-    return min(max_new_tokens, context - prompt)
 
 
 def target_dtype(man: Manifest) -> str:
