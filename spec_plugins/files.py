@@ -41,17 +41,7 @@ def write_text_atomic(path: str | Path, text: str) -> None:
         with path.open("a", encoding="utf-8") as f:  # "w" would truncate a redirected file
             f.write(text)
         return
-    if path.is_symlink():
-        path = path.resolve()
-    tmp = temp_beside(path)
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        if path.exists():
-            tmp.chmod(path.stat().st_mode & 0o7777)
-        tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    _replace(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
@@ -63,6 +53,18 @@ def write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
     recreated the temporary file (safetensors' ``save_file`` makes it 0600 again)."""
     from safetensors import SafetensorError
 
+    try:
+        _replace(path, write)
+    except (OSError, RuntimeError, SafetensorError) as exc:
+        path = path.resolve() if path.is_symlink() else path
+        raise WriteError(f"{path}: {type(exc).__name__}: {exc}") from exc
+
+
+def _replace(path: Path, write: Callable[[Path], Any]) -> None:
+    """The rule both writers follow, in one place: ``write(tmp)`` beside ``path`` (through a
+    symlink, beside its target), the temporary file given the existing file's mode (or a plain
+    write's, even where ``write`` recreated it), renamed over ``path``; on any failure the
+    temporary file is deleted and the error raised as it came."""
     path = path.resolve() if path.is_symlink() else path
     tmp = temp_beside(path)
     try:
@@ -70,9 +72,6 @@ def write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
         write(tmp)
         tmp.chmod(mode)
         tmp.replace(path)
-    except (OSError, RuntimeError, SafetensorError) as exc:
-        tmp.unlink(missing_ok=True)
-        raise WriteError(f"{path}: {type(exc).__name__}: {exc}") from exc
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from spec_plugins.backends.torch_runtime import pick_device
+from spec_plugins.files import write_text_atomic
 
 HEAD_FILES = ("head.safetensors", "config.json", "train_report.json")
 HEADS = ("eagle", "parallel")  # what ``heads`` may list (medusa: the ``medusa`` switch)
@@ -118,7 +119,7 @@ class Watch:
         save_head(module, {**module.config.to_dict(), **info}, self.out)  # type: ignore[operator]
         report = {"kind": self.kind, "finished": False, **info, "features": self.features.meta,
                   "head_bytes": (self.out / "head.safetensors").stat().st_size}
-        (self.out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
+        write_text_atomic(self.out / "train_report.json", json.dumps(report, indent=2) + "\n")
         self._last = time.time()
         self.snapshots.append({"step": step, "seconds": round(self._last - self._t0, 1)})
         self.write_run()
@@ -173,7 +174,7 @@ def run(bundle: str | Path, out: str | Path, work: str | Path, opts: RunOptions)
     def write() -> None:  # run.json as it stands: a run cut off by the call's limit still reports itself
         for k, w in running.items():
             report["heads"][k] = {"running": True, **w.summary()}
-        (out / "run.json").write_text(json.dumps(report, indent=2) + "\n")
+        write_text_atomic(out / "run.json", json.dumps(report, indent=2) + "\n")
 
     t0 = time.time()
     model = load_target(bundle, man["model"], opts.dtype, dev)
@@ -290,7 +291,7 @@ def _stamp(path: Path, device: dict[str, Any]) -> None:
     """Name the machine a head was trained on in its report (the data curve's "machine" column)."""
     rep = json.loads(path.read_text())
     rep["trained_on"] = f"{device.get('name', device['type'])} (torch {device['torch']}, transformers {device['transformers']})"
-    path.write_text(json.dumps(rep, indent=2) + "\n")
+    write_text_atomic(path, json.dumps(rep, indent=2) + "\n")
 
 
 def _device_info(dev: torch.device) -> dict[str, Any]:
