@@ -12,7 +12,11 @@ from spec_plugins.config import ConfigError, SamplingConfig
 # model_kwargs transformers always prepares for decoder-only models; anything else is a model
 # input we do not forward (images, embeddings, token types...).
 # The cache arrives under the model's own keyword ('cache' or 'past_key_values', by version).
-_KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "logits_to_keep", "use_cache", *hf_compat.CACHE_KEYWORDS}
+# generate() also puts the config's output_attentions / output_hidden_states here for its forwards:
+# without return_dict_in_generate it drops what they return (the sequences do not change), and with
+# it ``check_supported`` refuses them first.
+_KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "logits_to_keep", "use_cache", "output_attentions",
+                       "output_hidden_states", *hf_compat.CACHE_KEYWORDS}
 
 
 def check_supported(model: Any, gc: Any, synced_gpus: bool, model_kwargs: dict) -> None:

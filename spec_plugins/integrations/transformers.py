@@ -48,6 +48,7 @@ from spec_plugins.integrations.hf_guards import (check_context, check_dropped_st
                                                  check_supported, synced_gpus_of)
 from spec_plugins.integrations.hf_inputs import split_left_padding
 from spec_plugins.integrations.hf_processors import adapt_processors
+from spec_plugins.integrations.hf_stops import Stops, pad_of, token_ids
 from spec_plugins.integrations.plugin_state import Setup, model_lock
 from spec_plugins.loop import decode
 from spec_plugins.loop.verdicts import takes_keyed_draws
@@ -97,8 +98,8 @@ def speculative_generate(
         check_dropped_streamer(caller)
         check_supported(model, gc, synced_gpus_of(model, synced_gpus, caller), model_kwargs)
         # generate() stores the resolved ids (pad falls back to EOS) as tensors on the config
-        eos = _ids(getattr(gc, "_eos_token_tensor", gc.eos_token_id))
-        pad_id = next(iter(_ids(getattr(gc, "_pad_token_tensor", gc.pad_token_id))), None)
+        eos = token_ids(getattr(gc, "_eos_token_tensor", gc.eos_token_id))
+        pad_id = next(iter(token_ids(getattr(gc, "_pad_token_tensor", gc.pad_token_id))), None)
 
         # 1. rows: strip left padding, keep the pads for the processors' view
         rows, pads = split_left_padding(input_ids, model_kwargs.get("attention_mask"), pad_id)
@@ -125,7 +126,7 @@ def speculative_generate(
             criteria = [*(stopping_criteria or []), *_stop_string_criteria(stop_strings, spec_tokenizer)]
             out: list[list[int]] = [[] for _ in rows]
             done = [False] * len(rows)
-            stop = _Stops.build(criteria, gc, eos, pad_id, pads, rows, out, done, input_ids.device)
+            stop = Stops.build(criteria, gc, eos, pad_id, pads, rows, input_ids.device)
             # seeded rows where their draws are keyed; a drafted distribution's rejection tests draw from
             # streams either way (seeds would cost one verifier call per row): torch's global RNG there
             keyed = wiring.traits.point_masses and takes_keyed_draws(verifier)
@@ -143,17 +144,18 @@ def speculative_generate(
                                    traits=wiring.traits):
                     for i, toks in step.emitted.items():
                         out[i].extend(toks)
-                    if stop is not None and stop.end is not None:
-                        cut += _cut(out, stop.end)
                     for i in step.finished:
                         done[i] = True
                     errors |= {i: (len(out[i]), why) for i, why in step.errors.items()}
+                    if stop is not None:  # the criteria, step by step over the whole batch (``hf_stops``)
+                        gone, errors = stop.settle(out, done, errors)
+                        cut += gone
                     if errors:  # plain generate() raises at the first column where a row's processing fails
                         if _reached(out, done, errors):
                             break
                         continue
                     if streamer is not None:
-                        sent = _stream(streamer, out, done, sent, pad_id)
+                        sent = _stream(streamer, out, done, sent, pad_id, None if stop is None else stop.checked)
             finally:  # the kept runtime (and proposer) hold no rows or KV between calls, also after a
                 # streamer, stopping criterion or Ctrl-C raised mid-decode
                 target.select_rows([])
@@ -210,14 +212,6 @@ def _locks(model: Any, proposer: Proposer | None) -> Iterator[None]:
         yield
 
 
-def _ids(x: Any) -> list[int]:
-    if x is None:
-        return []
-    if isinstance(x, torch.Tensor):
-        return [int(v) for v in x.flatten().tolist()]
-    return [int(x)] if isinstance(x, int) else [int(v) for v in x]
-
-
 # ---- components ----------------------------------------------------------------------------------
 def _spec_config(spec: SpecConfig | dict | str | Path | None) -> SpecConfig:
     """File path (YAML/JSON), dict or SpecConfig. A file or dict gets a placeholder target where it
@@ -265,96 +259,22 @@ def _stop_string_criteria(stop_strings: str | Sequence[str] | None, tokenizer: A
     return [StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings)]
 
 
-class _Stops:
-    """The stopping criteria the engine does not apply itself (it applies max length and EOS),
-    evaluated after each new token of a row on that row's transformers-layout sequence (a
-    round's tokens are cut at the first hit), ending rows where plain ``generate()`` ends them:
-
-    - a per-row criterion ends its row, which is then right-padded; with no EOS criterion
-      (``keep_going``) plain ``generate()`` instead keeps appending each stopped row's real
-      tokens until every row has stopped: the row decodes on, and all rows end at the last stop;
-    - ``max_time`` (``MaxTimeCriteria``: one answer for the whole batch) ends every row at one
-      length, the shortest running row's when it fires, as plain ``generate()`` stops every row
-      at one step.
-
-    ``end``: the number of new tokens every row ends at, once known (rows past it are cut to it).
-    ``out``/``done``: the caller's per-row new tokens and finished flags, as of the last round."""
-
-    def __init__(self, per_row: Any, batch: Any, keep_going: bool, pads: list[list[int]],
-                 rows: list[list[int]], out: list[list[int]], done: list[bool], device: torch.device) -> None:
-        self.per_row, self.batch, self.keep_going = per_row, batch, keep_going
-        self.pads, self.prompt = pads, [len(r) for r in rows]
-        self.out, self.done, self.device = out, done, device
-        self.stopped: dict[int, int] = {}  # keep_going: row -> new tokens at its stop
-        self.end: int | None = None
-
-    @staticmethod
-    def build(criteria: Sequence[Any], gc: Any, eos: list[int], pad_id: int | None, pads: list[list[int]],
-              rows: list[list[int]], out: list[list[int]], done: list[bool], device: torch.device) -> _Stops | None:
-        """The criteria left to apply (None: none), split into per-row and whole-batch ones."""
-        from transformers.generation.stopping_criteria import (
-            EosTokenCriteria,
-            MaxLengthCriteria,
-            MaxTimeCriteria,
-            StoppingCriteriaList,
-        )
-
-        rest = [c for c in criteria
-                if not (isinstance(c, MaxLengthCriteria) and c.max_length >= gc.max_length)  # max_new_tokens
-                and not (isinstance(c, EosTokenCriteria) and set(_ids(c.eos_token_id)) <= set(eos))]
-        if not rest:
-            return None
-        keep_going = not any(hasattr(c, "eos_token_id") for c in criteria)  # plain generate()'s own test
-        if not keep_going and pad_id is None and len(rows) > 1:
-            raise ValueError("speculative_generate: a stopping criterion with an eos_token_id pads the rows it stops, "
-                             "and there is no pad_token_id to pad them with: pass pad_token_id=")
-        per_row = [c for c in rest if not isinstance(c, MaxTimeCriteria)]
-        batch = [c for c in rest if isinstance(c, MaxTimeCriteria)]
-        return _Stops(StoppingCriteriaList(per_row) if per_row else None,
-                      StoppingCriteriaList(batch) if batch else None, keep_going, pads, rows, out, done, device)
-
-    def __call__(self, i: int, tokens: Sequence[int], n_new: int) -> int | None:
-        """How many of row ``i``'s ``n_new`` newest tokens it keeps before it ends (None: it goes on)."""
-        before = len(tokens) - n_new - self.prompt[i]
-        for j in range(1, n_new + 1):
-            seq = self.pads[i] + list(tokens[: len(tokens) - n_new + j])
-            if (self.end is None or before + j <= self.end) and self._stops(i, seq, before + j):
-                return j
-            if self.end is not None and before + j >= self.end:
-                return max(0, self.end - before)
-        return None
-
-    def _stops(self, i: int, seq: list[int], n: int) -> bool:
-        """Whether a per-row criterion ends row ``i`` at ``n`` new tokens (``seq``: its padded
-        sequence there); sets ``end`` where the batch's end becomes known."""
-        ids = torch.tensor([seq], dtype=torch.long, device=self.device)
-        if self.batch is not None and bool(self.batch(ids, None)[0]):
-            running = [len(o) for o, d in zip(self.out, self.done) if not d]  # as of the last round: all reached
-            self._end_at(max(1, min([n, *running])))  # plain generate() makes one token before it checks
-        if self.per_row is None or i in self.stopped or not bool(self.per_row(ids, None)[0]):
-            return False
-        if not self.keep_going:
-            return True
-        self.stopped[i] = n
-        if len(self.stopped) == len(self.out):
-            self._end_at(max(self.stopped.values()))
-        return False
-
-    def _end_at(self, n: int) -> None:
-        self.end = n if self.end is None else min(self.end, n)
-
-
 # ---- output ------------------------------------------------------------------------------------
-def _stream(streamer: Any, out: list[list[int]], done: list[bool], sent: int, pad_id: int | None) -> int:
+def _stream(streamer: Any, out: list[list[int]], done: list[bool], sent: int, pad_id: int | None,
+            final: int | None = None) -> int:
     """Batch 1: put each round's new tokens at once. Batch > 1: put column by column, [B] per put
-    as plain generate() does, once every unfinished row has the column (finished rows: pad)."""
+    as plain generate() does, once every unfinished row has the column (finished rows: pad).
+    ``final``: the columns the stopping criteria have checked (None: no criteria), the only ones
+    no later check can cut."""
     if len(out) == 1:
-        if len(out[0]) > sent:
-            streamer.put(torch.tensor(out[0][sent:], dtype=torch.long))
-        return len(out[0])
-    ready = min((len(o) for o, d in zip(out, done) if not d), default=max(len(o) for o in out))
+        ready = len(out[0]) if final is None else min(len(out[0]), final)
+        if ready > sent:
+            streamer.put(torch.tensor(out[0][sent:ready], dtype=torch.long))
+        return max(sent, ready)
+    ready = final if final is not None else min((len(o) for o, d in zip(out, done) if not d),
+                                                default=max(len(o) for o in out))
     for c in range(sent, ready):
-        streamer.put(torch.tensor([o[c] if c < len(o) else _pad(pad_id) for o in out], dtype=torch.long))
+        streamer.put(torch.tensor([o[c] if c < len(o) else pad_of(pad_id) for o in out], dtype=torch.long))
     return max(sent, ready)
 
 
@@ -366,31 +286,15 @@ def _reached(out: list[list[int]], done: list[bool], errors: dict[int, tuple[int
     return all(done[i] or len(o) >= end for i, o in enumerate(out) if i not in errors)
 
 
-def _cut(out: list[list[int]], end: int) -> int:
-    """Cut every row to ``end`` new tokens (tokens past the batch's end, emitted before it was
-    known); how many were cut."""
-    gone = sum(max(0, len(o) - end) for o in out)
-    for o in out:
-        del o[end:]
-    return gone
-
-
 def _uncount(stats: DecodeStats, cut: int) -> None:
     """``new_tokens`` (and so ``tokens_per_second``) counts the tokens the call returns: take out
-    the ``cut`` tokens the rounds emitted past the batch's end. The per-round counts (emitted,
+    the ``cut`` tokens the rounds emitted past where the stopping criteria ended their rows. The per-round counts (emitted,
     accepted, by depth) stay what the rounds did: they measure the speculation, not the output."""
     stats.new_tokens -= cut
 
 
-def _pad(pad_id: int | None) -> int:
-    if pad_id is None:
-        raise ValueError("rows finished at different lengths and there is no pad_token_id to fill them; "
-                         "set generation_config.pad_token_id (or pass pad_token_id=)")
-    return pad_id
-
-
 def _assemble(input_ids: torch.Tensor, out: list[list[int]], pad_id: int | None) -> torch.Tensor:
     T = max((len(o) for o in out), default=0)
-    new = [o + [_pad(pad_id)] * (T - len(o)) if len(o) < T else o for o in out]
+    new = [o + [pad_of(pad_id)] * (T - len(o)) if len(o) < T else o for o in out]
     new_t = torch.tensor(new, dtype=torch.long, device=input_ids.device).reshape(len(out), T)
     return torch.cat([input_ids, new_t], dim=1)
