@@ -22,13 +22,18 @@ comments.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from spec_plugins.tune_budget import Budget, _spent  # noqa: F401 (tune_cli and tests import Budget here)
+from spec_plugins.tune_budget import (  # noqa: F401 (tune_cli and tests import these from here)
+    MAX_BUDGET_SECONDS,
+    Budget,
+    TuneError,
+    _spent,
+    parse_budget,
+)
 from spec_plugins.tune_replay import (  # tune's replay predictions (_replay: callers import it from here)
     _replay,  # noqa: F401
     _replay_counted,
@@ -56,10 +61,6 @@ INSTALL = {"onnxruntime": ("onnxruntime", "pip install -e '.[onnx]'"),
            "llamacpp": ("llama_cpp", "pip install -e '.[llamacpp]' (see the README for the CPU build flags)")}
 
 
-class TuneError(ValueError):
-    """Bad input to tune (the message names it)."""
-
-
 BUDGET_BOUNDS = ("It bounds the runtimes after the first, the feature drafters, the predictions confirmed after the "
                  "best, and each plain decoding, replay and confirmation pass after its first prompt (what it cuts is "
                  "noted in the YAML); loading the first runtime, measuring its verify cost and one prompt of each pass "
@@ -77,23 +78,6 @@ class Measured:
     mean_accepted: float | None = None
 
 
-MAX_BUDGET_SECONDS = 7 * 24 * 3600
-
-
-def parse_budget(text: str) -> float:
-    """'5m', '90s', '1h', '300' -> seconds; finite, positive, at most a week."""
-    unit = {"s": 1, "m": 60, "h": 3600}.get(text[-1:].lower(), None)
-    try:
-        value = float(text[:-1] if unit else text) * (unit or 1)
-    except ValueError:
-        raise TuneError(f"--budget {text!r}: use e.g. 5m, 90s or 1h") from None
-    if not math.isfinite(value) or value <= 0:  # nan fails both
-        raise TuneError(f"--budget {text!r} must be a positive, finite time")
-    if value > MAX_BUDGET_SECONDS:
-        raise TuneError(f"--budget {text!r} is {value:.3g} s; at most {MAX_BUDGET_SECONDS // 3600} h")
-    return value
-
-
 def _needs_gguf(runtime: str) -> bool:
     """llama.cpp and the GGUF-grid int4 export read the model's GGUF file itself, not only its weights."""
     fields = RUNTIMES[runtime]
@@ -101,8 +85,8 @@ def _needs_gguf(runtime: str) -> bool:
 
 
 def unavailable(runtime: str, model: str | None = None) -> str | None:
-    """Why ``runtime`` cannot run here (its package is missing) or cannot run ``model``; None if it
-    can (``model`` None: only the package is checked)."""
+    """Why ``runtime`` cannot run here (its package is missing or fails to import) or cannot run
+    ``model``; None if it can (``model`` None: only the package is checked)."""
     import importlib.util
 
     from spec_plugins.models import resolve_model
@@ -110,6 +94,8 @@ def unavailable(runtime: str, model: str | None = None) -> str | None:
     mod, hint = INSTALL.get(runtime.split("-")[0], (None, ""))
     if mod is not None and importlib.util.find_spec(mod) is None:
         return f"is not installed: {hint}"
+    if mod is not None and (why := _import_failure(mod)) is not None:
+        return f"is installed but its package {mod} fails to import ({why}); reinstall it: {hint}"
     if model is None or not _needs_gguf(runtime):
         return None
     gguf_path = resolve_model(model).gguf_path
@@ -120,6 +106,19 @@ def unavailable(runtime: str, model: str | None = None) -> str | None:
 
         if not gguf_block_types(gguf_path) & CARRIED:
             return f"carries the GGUF's {' and '.join(sorted(CARRIED))} blocks; {model!r} holds none"
+    return None
+
+
+def _import_failure(module: str) -> str | None:
+    """Why importing ``module`` fails (a broken install: llama-cpp-python whose shared library does
+    not load raises RuntimeError, a missing system library OSError), checked before any runtime is
+    measured so that a build later cannot fail on it; None when it imports."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except (ImportError, RuntimeError, OSError) as exc:
+        return f"{type(exc).__name__}: {exc}"
     return None
 
 
@@ -203,6 +202,16 @@ def _measure_costs(target: Any) -> Any:
     return Costs.measure(target, max_positions=positions, context=context)
 
 
+def _check_fit(ids: Sequence[list[int]], names: Sequence[str] | None, max_new: int, rt: str, context: int) -> None:
+    """Every prompt and its answer must fit the runtime's context, checked before it is measured:
+    the decode loop refuses one that does not as its batch's "request 0", whichever prompt it is."""
+    for i, p in enumerate(ids):
+        if len(p) + max_new > context:
+            raise TuneError(f"{names[i] if names else f'prompts[{i}]'}: a prompt of {len(p)} tokens plus "
+                            f"--max-new-tokens {max_new} runs past the context of {context} positions on runtime "
+                            f"{rt}: lower --max-new-tokens or shorten the prompt")
+
+
 def _plain_outputs(dec: Any, prompts: Sequence[list[int]], max_new: int, budget: Budget | None = None
                    ) -> tuple[list[list[int]], float]:
     """Greedy outputs of the first prompts (all, or as many as ``budget`` allows, at least one) and
@@ -262,9 +271,10 @@ class TuneResult:
 
 def tune(model: str, prompts: Sequence[str], runtimes: Sequence[str] | None, proposers: Sequence[str],
          budget: Budget, max_new: int = 64, confirm: int = 3, noise: float = 0.03,
-         log: Callable[[str], None] = print) -> TuneResult:
+         log: Callable[[str], None] = print, names: Sequence[str] | None = None) -> TuneResult:
     """Measure, predict, confirm (module docstring); returns what to write. ``runtimes`` None:
-    every one that can run ``model`` here; those left out are logged and noted with why."""
+    every one that can run ``model`` here; those left out are logged and noted with why.
+    ``names``: each prompt as errors name it (default ``prompts[i]``)."""
     notes: list[str] = []
     model = model_reference(model)
     by_default = runtimes is None
@@ -277,6 +287,8 @@ def tune(model: str, prompts: Sequence[str], runtimes: Sequence[str] | None, pro
     check_choices(runtimes, proposers, model)
     if not prompts:
         raise TuneError("no prompts to tune on")
+    if names is not None and len(names) != len(prompts):
+        raise TuneError(f"{len(names)} prompt names for {len(prompts)} prompts: give one name each")
     t0 = time.perf_counter()
     built: dict[str, Any] = {}
     info: dict[str, dict[str, Any]] = {}
@@ -296,6 +308,7 @@ def tune(model: str, prompts: Sequence[str], runtimes: Sequence[str] | None, pro
             continue
         ids = [dec.encode([{"role": "user", "content": p}]) if dec.has_chat_template else dec.encode(p)
                for p in prompts]
+        _check_fit(ids, names, max_new, rt, dec.target.max_context)
         costs = _measure_costs(dec.target)
         cost = costs.forward.base
         outs, plain_tps = _plain_outputs(dec, ids, max_new, budget)

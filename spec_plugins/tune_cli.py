@@ -49,7 +49,8 @@ def tune_cmd(
             raise TuneError(f"{prompts} holds no prompts")
         texts = [p.turns[0] for p in plist[:limit]]
         res = tune(model, texts, rts, props, Budget(seconds), max_new_tokens,
-                   log=lambda m: typer.secho(m, err=True, fg=typer.colors.CYAN))
+                   log=lambda m: typer.secho(m, err=True, fg=typer.colors.CYAN),
+                   names=[f"{prompts}: question_id {p.question_id!r}" for p in plist[:limit]])
     except (TuneError, ValueError, FileNotFoundError, LookupError, ImportError) as exc:
         fail(exc)
         return

@@ -5,7 +5,7 @@ Plain ``generate()`` calls its criteria once after each step t (t new tokens per
 [B, prompt + t] batch, so a criterion may keep per-row state (``stops[b]`` against
 ``input_ids[b, -1]``), count its calls, or answer for the whole batch (``max_time``). Here rows
 accept different numbers of tokens per round, so step t is checked once every row still running
-at t holds t new tokens (rows ahead wait, and their tokens past a stop are cut), and the engine
+at t holds t new tokens (rows ahead decode on; their tokens past a stop are cut), and the engine
 learns of the rows that stop through the stop rule it calls at each row's next emit.
 """
 
