@@ -16,13 +16,14 @@ _log = logging.getLogger(__name__)
 
 
 def providers_for(device: str, available: Sequence[str], torch_cuda: bool = True) -> list[str]:
-    """Execution providers for a device setting; CUDA requested but absent is an error. ``auto``
+    """Execution providers for a device setting; CUDA requested but absent is a config error
+    (``ValueError``: the CLI prints it as one line naming the setting). ``auto``
     takes CUDA only where ONNX Runtime has the provider and torch has CUDA (``torch_cuda``:
     ``create_session`` passes ``torch.cuda.is_available()``): the KV cache lives in torch tensors on
     the session's device, and onnxruntime-gpu lists its CUDA provider on any machine."""
     has_cuda = CUDA in available
     if device == "cuda" and not has_cuda:
-        raise RuntimeError(
+        raise ValueError(
             "device 'cuda' requested but this onnxruntime has no CUDAExecutionProvider (available: "
             f"{', '.join(available)}); install onnxruntime-gpu (pip install 'spec-plugins[gpu]') or set device: cpu"
         )

@@ -23,6 +23,7 @@ import torch
 from pydantic import Field, model_validator
 
 from spec_plugins.backends.base import RuntimeCapabilities, StepOutput, Want
+from spec_plugins.backends.llamacpp_config import MAX_THREADS
 from spec_plugins.backends.onnx_cache import exported_from, first_use_export
 from spec_plugins.backends.onnx_providers import (  # callers import these from here too
     check_session_providers, check_torch_cuda, provider_options, providers_for, session_stream)
@@ -55,10 +56,13 @@ def create_session(file: str | Path, device: str = "cpu", device_id: int = 0, gr
     runs on a torch stream of its own (``provider_options``); torch's streams come from a pool
     that lives as long as the process, so the session may keep the handle."""
     ort = import_ort()
+    if device == "cuda":  # no CUDA in torch: the config's device field, named, before the providers' checks
+        from spec_plugins.backends.torch_runtime import pick_device
+
+        pick_device(device)
     providers = providers_for(device, ort.get_available_providers(), torch.cuda.is_available())
     stream = None
-    if "CUDAExecutionProvider" in providers:
-        check_torch_cuda()
+    if "CUDAExecutionProvider" in providers:  # torch has CUDA: device: cuda was checked above, auto asks torch
         stream = torch.cuda.Stream(torch.device("cuda", device_id)).cuda_stream
     so = ort.SessionOptions()
     if graph_optimization not in _OPT_LEVELS:
@@ -123,7 +127,8 @@ class OnnxRuntime(SlotRuntime):
         device_id: int = Field(0, ge=0, description="CUDA device index.")
         graph_optimization: Literal["disable", "basic", "extended", "all"] = Field(
             "all", description="ONNX Runtime graph optimisation level.")
-        threads: int | None = Field(None, ge=1, description="Intra-op threads (None = onnxruntime's default).")
+        threads: int | None = Field(None, ge=1, le=MAX_THREADS,
+                                    description="Intra-op threads (None = onnxruntime's default).")
         arena: bool = Field(True, description="ONNX Runtime's CPU memory arena (buffers reused between calls).")
         pad_single: bool | Literal["auto"] = Field(
             "auto", description="Run one-position forwards as two positions. auto: where the graph's quantized "

@@ -22,6 +22,7 @@ from pydantic import Field, field_validator, model_validator
 
 from spec_plugins.backends import hf_compat, torch_kernels
 from spec_plugins.backends.base import RuntimeCapabilities, StepOutput, Want
+from spec_plugins.backends.llamacpp_config import MAX_THREADS
 from spec_plugins.backends.slot_runtime import SlotRuntime
 from spec_plugins.slots import KVSlots
 from spec_plugins.config import SWITCH, RuntimeConfig
@@ -31,11 +32,18 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def pick_device(name: str) -> torch.device:
+    """The torch device a ``device`` setting names; a CUDA device this host lacks is a ValueError
+    naming the field (a config error, as a mistyped device is), raised here, where the device is
+    picked: a config may be written on one host and run on another."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device 'cuda' requested but torch sees no CUDA device")
+        raise ValueError(f"device: {name!r} needs a CUDA device, but torch sees none on this host; "
+                         "set device: cpu (or auto)")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= (count := torch.cuda.device_count()):
+        raise ValueError(f"device: {name!r}: torch sees {count} CUDA device(s) on this host (cuda:0 to "
+                         f"cuda:{count - 1})")
     return dev
 
 
@@ -168,7 +176,8 @@ class TorchRuntime(SlotRuntime):
             "auto", description="Weights/activations dtype; 'auto': bfloat16 on CUDA, float32 elsewhere (logits "
             "come back as float32 either way).")
         device: str = Field("auto", description="'auto' (cuda if available), 'cpu', 'cuda', 'cuda:1' ...")
-        threads: int | None = Field(None, ge=1, description="torch intra-op threads (None = torch default).")
+        threads: int | None = Field(None, ge=1, le=MAX_THREADS,
+                                    description="torch intra-op threads (None = torch default).")
         max_context: int | None = Field(None, ge=1, description="Override the model's context length.")
         matmul: Literal["auto", "auto_transposed", "native"] = Field(
             "auto", description="'auto': on CPU, time F.linear against weight@x.T per row count (1-16) at "

@@ -77,10 +77,36 @@ def template_role(role: str) -> str:
     return "system" if role == "developer" else role
 
 
+def holds_calls(m: Mapping[str, Any]) -> bool:
+    """Whether ``m`` is an assistant turn holding tool calls (``tool_calls``, not empty, or the
+    older ``function_call``): the one message OpenAI lets leave its content out or null."""
+    return m.get("role") == "assistant" and (bool(m.get("tool_calls")) or m.get("function_call") is not None)
+
+
+def check_content(m: Mapping[str, Any], i: int) -> None:
+    """Refuse message ``i`` (a dict with a known role) when it gives no content, naming
+    ``messages[i].content``, as OpenAI refuses it (a 400) rather than rendering an empty turn: a
+    missing key, null or an empty list of parts, unless the turn holds tool calls
+    (``holds_calls``). An empty string is text, as at OpenAI. The server's chat route and
+    ``chat_messages`` share this check."""
+    where = f"messages[{i}].content"
+    content = m.get("content")
+    if content is None and holds_calls(m):  # left out or null
+        return
+    if content is None:
+        how = "is missing" if "content" not in m else "is null"
+        calls = " (an assistant turn may leave it out only where it holds tool_calls)" \
+            if m.get("role") == "assistant" else ""
+        raise ValueError(f"{where} {how}: give a string or a list of text parts{calls}")
+    if isinstance(content, (list, tuple)) and not content:
+        raise ValueError(f"{where} is an empty list: give at least one text part, or a string")
+
+
 def content_text(content: Any, where: str) -> str:
-    """A message's content as the template's text: a str, None (OpenAI's assistant turn with no
-    text: ""), or text parts (``{"type": "text", "text": str}``) joined; anything else is refused
-    naming ``where`` (``messages[0].content``), as a template would fail on it or print it raw."""
+    """A message's content as the template's text: a str, None (an assistant turn holding tool
+    calls, ``check_content``: ""), or text parts (``{"type": "text", "text": str}``) joined;
+    anything else is refused naming ``where`` (``messages[0].content``), as a template would fail
+    on it or print it raw."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, (list, tuple)):
@@ -95,11 +121,11 @@ def content_text(content: Any, where: str) -> str:
 
 def chat_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
     """Chat messages as the template gets them, each a dict with a known ``role`` and its
-    ``content`` (``content_text``; an assistant turn holding only ``tool_calls`` may leave it out:
-    ""), mapped as the server maps them (``template_role``). Other keys (``name``, ``tool_calls``)
-    are kept for templates that read them; the server's routes pass role and content only (its
-    special-token escaping covers message text, not what a template prints of other keys). A bad
-    message is refused naming it."""
+    ``content`` (``content_text``; only an assistant turn holding tool calls may leave it out or
+    null, ``check_content``: ""), mapped as the server maps them (``template_role``). Other keys
+    (``name``, ``tool_calls``) are kept for templates that read them; the server's routes pass
+    role and content only (its special-token escaping covers message text, not what a template
+    prints of other keys). A bad message is refused naming it."""
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
@@ -108,8 +134,7 @@ def chat_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
         if m.get("role") not in CHAT_ROLES:
             got = f"{m['role']!r}" if "role" in m else "none"
             raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {got}")
-        if "content" not in m and not (m["role"] == "assistant" and "tool_calls" in m):
-            raise ValueError(f"messages[{i}].content is missing: give a string or a list of text parts")
+        check_content(m, i)
         out.append({**m, "role": template_role(m["role"]),
                     "content": content_text(m.get("content"), f"messages[{i}].content")})
     return out

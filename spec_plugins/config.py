@@ -102,7 +102,7 @@ def load_file(path: str | Path, what: str = "config") -> Any:
     if path.is_dir():  # anything else is read: a pipe (``--config <(...)``) holds a file's text too
         raise ConfigError(f"{what} {path} is a directory, not a YAML/JSON file")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a leading BOM dropped: json refuses one, YAML skips it
         if path.suffix.lower() == ".json" or _json_text(text):
             return json.loads(text, object_pairs_hook=unique_keys)
         return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass

@@ -89,10 +89,10 @@ def resolve_model(name: str) -> ModelSource:
 
 
 def cache_root() -> Path:
-    """Where converted models and trained heads are cached (``SPEC_PLUGINS_CACHE`` overrides)."""
-    import os
-
-    return Path(os.environ.get("SPEC_PLUGINS_CACHE", Path.home() / ".cache" / "spec-plugins"))
+    """Where converted models, exports and trained heads are cached: ``SPEC_PLUGINS_CACHE`` where it
+    names a path, else ``~/.cache/spec-plugins``; an empty value counts as unset (``Path("")`` is the
+    working directory, which would fill with cached models). The one reader of that variable."""
+    return Path(os.environ.get("SPEC_PLUGINS_CACHE") or Path.home() / ".cache" / "spec-plugins")
 
 
 def converted_dir(src: ModelSource) -> Path:
@@ -104,17 +104,20 @@ def converted_dir(src: ModelSource) -> Path:
 def write_cache_dir(target: Path, write: Callable[[Path], None]) -> None:
     """Fill a temporary directory next to ``target`` with ``write`` and move it into place, so a
     partial directory is never left behind. Caching is an optimisation: a failure (or another
-    process winning the race) warns and never fails the load."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=target.parent, prefix=".tmp-")
+    process winning the race) warns and never fails the load: a cache root that is a file or
+    unwritable included."""
+    tmp: str | None = None
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=target.parent, prefix=".tmp-")
         write(Path(tmp))
         os.chmod(tmp, 0o755)
         os.replace(tmp, target)
     except Exception as exc:  # noqa: BLE001
-        if not any(target.glob("*.json")):
+        if not (target.is_dir() and any(target.glob("*.json"))):  # another process's copy is in place
             warnings.warn(f"could not cache {target}: {exc}")
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 # the files a transformers tokenizer is read from (fast, sentencepiece, BPE, WordPiece, tiktoken)

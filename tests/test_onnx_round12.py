@@ -190,7 +190,7 @@ def test_device_auto_runs_on_the_cpu_where_only_onnxruntime_has_cuda(inline, mon
         session = create_session(inline / "verify.onnx", "auto", threads=1)
     assert session.get_providers() == ["CPUExecutionProvider"]
     assert "device 'auto'" in caplog.text and "torch has no CUDA" in caplog.text
-    with pytest.raises(RuntimeError, match="this torch has no CUDA"):
+    with pytest.raises(ValueError, match="device: 'cuda' needs a CUDA device"):
         create_session(inline / "verify.onnx", "cuda")
     cuda = ["CUDAExecutionProvider", "CPUExecutionProvider"]
     assert providers_for("auto", cuda, torch_cuda=True) == cuda

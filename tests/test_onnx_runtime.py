@@ -94,7 +94,7 @@ def test_mixed_runtimes_give_the_same_greedy_tokens(exported):
 
 def test_session_settings_and_cuda_error(exported):
     out, _, _ = exported
-    with pytest.raises(RuntimeError, match="no CUDAExecutionProvider.*spec-plugins\\[gpu\\]"):
+    with pytest.raises(ValueError, match="no CUDAExecutionProvider.*spec-plugins\\[gpu\\]"):
         providers_for("cuda", ["CPUExecutionProvider"])
     assert providers_for("auto", ["CPUExecutionProvider"]) == ["CPUExecutionProvider"]
     assert providers_for("auto", ["CUDAExecutionProvider", "CPUExecutionProvider"])[0] == "CUDAExecutionProvider"

@@ -168,7 +168,8 @@ def test_a_bad_message_is_refused_naming_it(chat_decoder, msgs, named):
 
 @pytest.mark.parametrize("msgs, text", [
     ([{"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
-      {"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}],
+      {"role": "user", "content": "Hi"},
+      {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}],
      "<system>Be brief.<user>Hi<assistant><assistant>"),
     ([{"role": "user", "content": "Weather?"}, {"role": "assistant", "tool_calls": [{"id": "1"}]},
       {"role": "tool", "content": "sunny"}], "<user>Weather?<assistant><tool>sunny<assistant>"),

@@ -4,7 +4,8 @@
 ``n`` choices (times the prompts of a text completion) are that many batch rows, submitted
 together before the response starts; streamed chunks of different choices interleave as their
 tokens come, each tagged with its ``index``. Logprobs are the target's raw log-probabilities of
-the emitted tokens (``loop.batch._logprobs``), with the most likely alternatives where asked;
+the emitted tokens (``loop.batch._logprobs``), with the most likely alternatives where asked (the
+legacy layout's ``top_logprobs`` always holds the emitted token too, as OpenAI's does);
 special tokens (EOS) are neither text nor logprob entries; the legacy (text completion) layout
 names a token that is not whole UTF-8 text by its bytes, ``bytes:\\xe3\\x81``, as OpenAI does.
 A token's ``text_offset`` is where its own text starts (``TextStream.pieces``; clipped to the
@@ -132,12 +133,15 @@ def add_openai_routes(app: FastAPI, state: Any) -> None:
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{c:02x}" for c in b)
 
-    def top_by_label(top: Sequence[tuple[int, float]], k: int, text: TextStream) -> dict[str, float]:
-        """``top`` (best first, the ``k``-th token's alternatives) as {label: logprob}; two tokens of
-        one label (equal text, e.g. two special tokens) keep the likelier one's logprob."""
+    def top_by_label(x: TokenOut, top: int, k: int, text: TextStream) -> dict[str, float]:
+        """The ``k``-th token ``x``'s ``top`` likeliest alternatives (best first) as {label: logprob},
+        and always ``x`` itself, as OpenAI and vLLM answer (up to ``top`` + 1 entries; ``logprobs: 0``
+        gives ``x`` alone). Two alternatives of one label (equal text, e.g. two special tokens) keep
+        the likelier one's logprob; ``x``'s label holds ``x``'s own, as ``token_logprobs`` does."""
         out: dict[str, float] = {}
-        for t, lp in top:
+        for t, lp in x.top[:top]:
             out.setdefault(token_label(bytes_at(t, k, text)), lp)
+        out[token_label(bytes_at(x.id, k, text))] = x.logprob
         return out
 
     def check_rows(rows: int, what: str) -> None:
@@ -255,12 +259,13 @@ def add_openai_routes(app: FastAPI, state: Any) -> None:
 
     # ---- text completions ----------------------------------------------------------------------
     def text_logprobs(toks: Sequence[tuple[TokenOut, int, int]], top: int, text: TextStream) -> dict[str, Any]:
-        """OpenAI's legacy layout: parallel lists, top alternatives as {token: logprob}; ``toks``
-        holds each token with its index in the row whose text is ``text`` and its ``text_offset``."""
+        """OpenAI's legacy layout: parallel lists, the top alternatives and the token itself as
+        {token: logprob} (``top_by_label``); ``toks`` holds each token with its index in the row
+        whose text is ``text`` and its ``text_offset``."""
         shown = [(x, k, o) for x, k, o in toks if not x.special]
         return {"tokens": [token_label(bytes_at(x.id, k, text)) for x, k, _ in shown],
                 "token_logprobs": [x.logprob for x, _, _ in shown],
-                "top_logprobs": [top_by_label(x.top[:top], k, text) for x, k, _ in shown] if top else None,
+                "top_logprobs": [top_by_label(x, top, k, text) for x, k, _ in shown],
                 "text_offset": [o for _, _, o in shown]}
 
     def encode_prompts(prompts: Sequence[str | list[int]], names: Names) -> list[list[int]]:

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from spec_plugins.api_inputs import CHAT_ROLES, template_role
+from spec_plugins.api_inputs import CHAT_ROLES, check_content, template_role
 from spec_plugins.config import MAX_SEED
 from spec_plugins.server.controls import Controls, check_penalty, openai_logit_bias
 from spec_plugins.server.schemas import (GenerateParameters, _neutral, check_repetition_penalty, check_seed,
@@ -184,7 +184,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... travel with the history
 
     role: Literal[CHAT_ROLES]  # type: ignore[valid-type]
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart] | None = None  # None: an assistant turn holding tool calls (``_contents``)
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -216,6 +216,18 @@ class ChatRequest(OpenAIRequest):
     modalities: list[str] | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _contents(cls, data: Any) -> Any:
+        """Each message that gives no content is refused by name (``api_inputs.check_content``,
+        the Python API's check), before it could render as an empty turn; other faults of a
+        message (its shape, role, parts) are the fields' own errors."""
+        msgs = data.get("messages") if isinstance(data, dict) else None
+        for i, m in enumerate(msgs if isinstance(msgs, list) else ()):
+            if isinstance(m, dict) and m.get("role") in CHAT_ROLES:
+                check_content(m, i)
+        return data
 
     @field_validator("messages")
     @classmethod
