@@ -78,9 +78,12 @@ def template_role(role: str) -> str:
 
 
 def holds_calls(m: Mapping[str, Any]) -> bool:
-    """Whether ``m`` is an assistant turn holding tool calls (``tool_calls``, not empty, or the
-    older ``function_call``): the one message OpenAI lets leave its content out or null."""
-    return m.get("role") == "assistant" and (bool(m.get("tool_calls")) or m.get("function_call") is not None)
+    """Whether ``m`` is an assistant turn holding tool calls (``tool_calls``, a non-empty list, or
+    the older ``function_call``, an object): the one message OpenAI lets leave its content out or
+    null."""
+    calls, call = m.get("tool_calls"), m.get("function_call")
+    return m.get("role") == "assistant" and (
+        (isinstance(calls, (list, tuple)) and len(calls) > 0) or (isinstance(call, Mapping) and len(call) > 0))
 
 
 def check_content(m: Mapping[str, Any], i: int) -> None:
@@ -95,7 +98,8 @@ def check_content(m: Mapping[str, Any], i: int) -> None:
         return
     if content is None:
         how = "is missing" if "content" not in m else "is null"
-        calls = " (an assistant turn may leave it out only where it holds tool_calls)" \
+        calls = " (an assistant turn may leave it out only where it holds a non-empty tool_calls list or a " \
+            "function_call object)" \
             if m.get("role") == "assistant" else ""
         raise ValueError(f"{where} {how}: give a string or a list of text parts{calls}")
     if isinstance(content, (list, tuple)) and not content:

@@ -73,9 +73,15 @@ NO_CONTENT = [
     ([{"role": "system", "content": "w2"}, {"role": "tool", "content": None}], "messages[1].content is null"),
     ([{"role": "user", "content": "w2"}, {"role": "assistant", "content": None}],
      "messages[1].content is null: give a string or a list of text parts (an assistant turn may leave it out only "
-     "where it holds tool_calls)"),
+     "where it holds a non-empty tool_calls list or a function_call object)"),
     ([{"role": "user", "content": "w2"}, {"role": "assistant"}], "messages[1].content is missing"),
     ([{"role": "user", "content": "w2"}, {"role": "assistant", "tool_calls": []}], "messages[1].content is missing"),
+    # calls that are not calls: a string for the list, a non-object function_call
+    ([{"role": "user", "content": "w2"}, {"role": "assistant", "tool_calls": "x"}], "messages[1].content is missing"),
+    ([{"role": "user", "content": "w2"}, {"role": "assistant", "content": None, "function_call": {}}],
+     "messages[1].content is null"),
+    ([{"role": "user", "content": "w2"}, {"role": "assistant", "function_call": False}],
+     "messages[1].content is missing"),
     ([{"role": "user", "content": "w2"}, {"role": "assistant", "content": [], "tool_calls": CALL}],
      "messages[1].content is an empty list"),
 ]
