@@ -52,7 +52,7 @@ def export_cache_dir(model: str, quantize: str = "none", dtype: str = "float32",
     decoder layers its ``features`` output returns (None: the default ones)."""
     from spec_plugins.graphs.io import OPSET
     from spec_plugins.graphs.manifest import EXPORTER_VERSION
-    from spec_plugins.models import cache_root, resolve_model
+    from spec_plugins.models import cache_dir, resolve_model
 
     src = resolve_model(model)
     files = [(f.resolve(), f.stat()) for f in source_files(src)]
@@ -60,7 +60,7 @@ def export_cache_dir(model: str, quantize: str = "none", dtype: str = "float32",
     layers = [] if feature_layers is None else [f"layers={','.join(map(str, feature_layers))}"]
     key = "|".join([*ident, EXPORTER_VERSION, str(OPSET), quantize, dtype, *layers])
     suffix = ("" if quantize == "none" else f"-{quantize}") + ("" if dtype == "float32" else f"-{dtype}")
-    return cache_root() / "onnx" / f"{src.name}-{hashlib.sha1(key.encode()).hexdigest()[:12]}{suffix}"
+    return cache_dir("onnx", f"{src.name}-{hashlib.sha1(key.encode()).hexdigest()[:12]}{suffix}")
 
 
 def first_use_export(model: str, scheme: Any, dtype: str, layers: Sequence[int] | None) -> Path:

@@ -41,10 +41,26 @@ def pick_device(name: str) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device: {name!r} needs a CUDA device, but torch sees none on this host; "
                          "set device: cpu (or auto)")
+    if dev.type == "meta":
+        raise ValueError(f"device: {name!r} holds no data (shapes only): set device: cpu, cuda or auto")
+    if dev.type not in ("cpu", "cuda") and not _available(dev.type):
+        raise ValueError(f"device: {name!r}: this torch ({torch.__version__}) has no {dev.type} device on this host; "
+                         "set device: cpu (or auto)")
     if dev.type == "cuda" and dev.index is not None and dev.index >= (count := torch.cuda.device_count()):
         raise ValueError(f"device: {name!r}: torch sees {count} CUDA device(s) on this host (cuda:0 to "
                          f"cuda:{count - 1})")
     return dev
+
+
+def _available(kind: str) -> bool:
+    """Whether torch can run on an accelerator of ``kind`` other than CUDA (``mps``, ``xpu``, ...):
+    its module's ``is_available()`` (mps's under ``torch.backends``)."""
+    module = torch.backends.mps if kind == "mps" else getattr(torch, kind, None)
+    check = getattr(module, "is_available", None)
+    try:
+        return bool(check()) if callable(check) else False
+    except (RuntimeError, AssertionError):
+        return False
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:

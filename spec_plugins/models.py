@@ -95,6 +95,18 @@ def cache_root() -> Path:
     return Path(os.environ.get("SPEC_PLUGINS_CACHE") or Path.home() / ".cache" / "spec-plugins")
 
 
+def cache_dir(*parts: str) -> Path:
+    """``cache_root() / parts`` for a cache a run cannot go without (ONNX exports, head graphs):
+    a root that exists but is not a directory is a ValueError naming ``SPEC_PLUGINS_CACHE`` (the
+    CLI's one error line), not the export's NotADirectoryError with no path. Optional caches
+    (``write_cache_dir``) warn instead."""
+    root = cache_root()
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"the cache directory {root} (SPEC_PLUGINS_CACHE, else ~/.cache/spec-plugins) is not a "
+                         "directory: point SPEC_PLUGINS_CACHE at a directory, or unset it")
+    return root.joinpath(*parts)
+
+
 def converted_dir(src: ModelSource) -> Path:
     """Cache directory for a GGUF dequantised to a transformers directory, keyed by file identity."""
     st = src.gguf_path.stat()

@@ -107,3 +107,48 @@ def test_json_config_with_a_bom_loads_as_yaml_does(tmp_path):
         path.write_bytes(b"\xef\xbb\xbf" + json.dumps(data).encode())
         cfg = SpecConfig.from_file(path)
         assert (cfg.target.model, cfg.proposer.num_draft_tokens) == ("m", 3), name
+
+
+# ---- review follow-ups: every device kind, the caches a run needs, every thread count --------------
+@pytest.mark.parametrize("device, named", [
+    ("meta", "holds no data"),
+    ("mps", "has no mps device on this host"),
+    ("xpu", "has no xpu device on this host"),
+])
+def test_a_device_this_host_cannot_run_is_named(device, named):
+    """mps/xpu/meta were torch's own RuntimeError/AssertionError tracebacks at load."""
+    from spec_plugins.backends.torch_runtime import _available, pick_device
+
+    if device != "meta" and _available(device):
+        pytest.skip(f"this host has {device}")
+    with pytest.raises(ValueError, match=rf"^device: '{device}'.*{named}"):
+        pick_device(device)
+
+
+def test_a_cache_root_that_is_a_file_is_named_where_a_run_needs_the_cache(tmp_path, monkeypatch):
+    """The ONNX export cache was a bare NotADirectoryError (no path, exit 1) after the target loaded."""
+    from spec_plugins.backends.onnx_cache import export_cache_dir
+    from spec_plugins.models import cache_dir
+
+    root = tmp_path / "afile"
+    root.write_text("x\n")
+    monkeypatch.setenv("SPEC_PLUGINS_CACHE", str(root))
+    with pytest.raises(ValueError, match=rf"cache directory {root} \(SPEC_PLUGINS_CACHE.*is not a directory"):
+        cache_dir("onnx-heads", "h", "head.onnx")
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"\0")
+    with pytest.raises(ValueError, match="is not a directory"):
+        export_cache_dir(str(model))
+    assert root.read_text() == "x\n"
+
+
+def test_thread_counts_past_any_cpu_are_refused_by_the_ray_options_and_the_train_cli(tmp_path):
+    from spec_plugins.server.ray_serve import ReplicaOptions
+
+    with pytest.raises(ValueError, match=rf"options.threads must be <= {MAX_THREADS}, got {10**12}"):
+        ReplicaOptions({"target": {"model": "m"}}, threads=10**12)
+    assert ReplicaOptions({"target": {"model": "m"}}, threads=MAX_THREADS).threads == MAX_THREADS
+    r = CliRunner().invoke(app, ["train", "features", "--threads", str(10**12), "--out", str(tmp_path / "f")])
+    assert r.exit_code == 2 and "--threads" in r.output, r.output

@@ -60,7 +60,7 @@ def head_session(module: torch.nn.Module, target: Any = None) -> Any:
     ``target``'s session (``session_threads``)."""
     from spec_plugins.backends.onnxruntime_runtime import create_session, import_ort
     from spec_plugins.graphs.manifest import EXPORTER_VERSION, ManifestError
-    from spec_plugins.models import cache_root
+    from spec_plugins.models import cache_dir
     from spec_plugins.registry import EXPORTERS
 
     import_ort()
@@ -69,7 +69,7 @@ def head_session(module: torch.nn.Module, target: Any = None) -> Any:
     if path is not None:
         return create_session(path, "cpu", threads=threads, spinning=spinning)
     kind = type(module).__name__.lower()
-    path = cache_root() / "onnx-heads" / f"{kind}-{weights_key(module)}-v{EXPORTER_VERSION}" / "head.onnx"
+    path = cache_dir("onnx-heads", f"{kind}-{weights_key(module)}-v{EXPORTER_VERSION}", "head.onnx")
     if not path.is_file():
         EXPORTERS.get("onnx_head")(module, path)
     try:

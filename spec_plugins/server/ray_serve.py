@@ -17,6 +17,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from spec_plugins.backends.llamacpp_config import MAX_THREADS
 from spec_plugins.server.setup import DRAFT_POLICIES
 
 INSTALL_HINT = "Ray Serve needs the [ray] extra: pip install -e '.[ray]' (or pip install 'ray[serve]')"
@@ -66,6 +67,8 @@ class ReplicaOptions:
             raise ValueError(f"options.config must be a mapping (a SpecConfig), got {type(self.config).__name__}")
         for name, (kind, least, optional) in OPTION_BOUNDS.items():
             _check_bound(name, getattr(self, name), kind, least, optional)
+        if self.threads is not None and self.threads > MAX_THREADS:
+            raise ValueError(f"options.threads must be <= {MAX_THREADS}, got {self.threads!r}")
         if self.draft_policy not in DRAFT_POLICIES:
             raise ValueError(f"options.draft_policy must be one of {list(DRAFT_POLICIES)}, got {self.draft_policy!r}")
         if not isinstance(self.escape_special_tokens, bool):

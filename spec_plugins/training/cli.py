@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import typer
 
+from spec_plugins.backends.llamacpp_config import MAX_THREADS
 from spec_plugins.cli import app, check_finite, check_output_dir, fail
 
 train_app = typer.Typer(no_args_is_help=True, help="Train drafters: extract target features, then train heads.")
@@ -38,7 +39,7 @@ MAX_TRAIN_TOKENS = typer.Option(None, "--max-train-tokens", min=1,
 MAX_STEPS = typer.Option(None, "--max-steps", min=1)
 STOP_AFTER = typer.Option(None, "--stop-after", min=1, help="Leave after N steps; rerun to resume.")
 FINALIZE = typer.Option(False, "--finalize", help="Write the head from the last checkpoint now.")
-THREADS = typer.Option(2, "--threads", min=1)
+THREADS = typer.Option(2, "--threads", min=1, max=MAX_THREADS)
 SEED = typer.Option(0, "--seed", min=0, max=2**32 - 1)  # trainer.MAX_SEED: derived seeds stay in int64
 NO_PROGRESS = typer.Option(False, "--no-progress")
 
@@ -70,7 +71,7 @@ def features_cmd(
     gen_batch: Optional[int] = typer.Option(None, "--gen-batch", min=1,
                                             help="--responses self: rows per target forward (default 16)."),
     shard_tokens: int = typer.Option(32768, "--shard-tokens", min=256),
-    threads: int = typer.Option(2, "--threads", min=1, help="torch threads."),
+    threads: int = typer.Option(2, "--threads", min=1, max=MAX_THREADS, help="torch threads."),
     no_progress: bool = NO_PROGRESS,
 ) -> None:
     """Run the target once over training conversations and write feature shards."""
