@@ -110,14 +110,14 @@ def unavailable(runtime: str, model: str | None = None) -> str | None:
 
 
 def _import_failure(module: str) -> str | None:
-    """Why importing ``module`` fails (a broken install: llama-cpp-python whose shared library does
-    not load raises RuntimeError, a missing system library OSError), checked before any runtime is
+    """Why importing ``module`` fails (a broken install: a shared library that does not load, a
+    missing system library, one built for another version), checked before any runtime is
     measured so that a build later cannot fail on it; None when it imports."""
     import importlib
 
     try:
         importlib.import_module(module)
-    except (ImportError, RuntimeError, OSError) as exc:
+    except Exception as exc:  # a third-party import may raise anything (ctypes: AttributeError)
         return f"{type(exc).__name__}: {exc}"
     return None
 
@@ -219,7 +219,7 @@ def _plain_outputs(dec: Any, prompts: Sequence[list[int]], max_new: int, budget:
     from spec_plugins.bench.baselines import time_decoder
 
     plain = dec.without_speculation()
-    time_decoder(plain, prompts[0], 8)  # warm-up
+    time_decoder(plain, prompts[0], min(8, max_new))  # warm-up, within what every prompt was checked for
     outs, secs, n = [], 0.0, 0
     for p in prompts:
         if outs and _spent(budget):
@@ -308,7 +308,14 @@ def tune(model: str, prompts: Sequence[str], runtimes: Sequence[str] | None, pro
             continue
         ids = [dec.encode([{"role": "user", "content": p}]) if dec.has_chat_template else dec.encode(p)
                for p in prompts]
-        _check_fit(ids, names, max_new, rt, dec.target.max_context)
+        try:
+            _check_fit(ids, names, max_new, rt, dec.target.max_context)
+        except TuneError as exc:  # a default runtime with a shorter context: the others still tune
+            if not by_default:
+                raise
+            left_out[rt] = str(exc)
+            _note(notes, log, f"runtime {rt} left out: {exc}")
+            continue
         costs = _measure_costs(dec.target)
         cost = costs.forward.base
         outs, plain_tps = _plain_outputs(dec, ids, max_new, budget)

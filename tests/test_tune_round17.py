@@ -19,6 +19,8 @@ FAILURES = {  # what a broken install raises on import, as its package's own cod
                     "cannot open shared object file\")",
     "OSError": "raise OSError('libonnxruntime.so.1: cannot open shared object file')",
     "ImportError": "raise ImportError('DLL load failed while importing onnxruntime_pybind11_state')",
+    # a library built for another version: ctypes binding a symbol it lacks
+    "AttributeError": "raise AttributeError('/x/libllama.so: undefined symbol: llama_max_devices')",
 }
 
 
@@ -105,3 +107,14 @@ def test_a_prompt_too_long_for_the_context_is_named(tmp_path, monkeypatch):
     assert "request 0" not in r.output and not out.exists()
     with pytest.raises(TuneError, match=r"^prompts\[1\]: a prompt of 27 tokens"):  # called without names
         tune(str(d), ["w1 w2 w3", long], ["torch"], ["ngram"], Budget(600), max_new=8, log=lambda m: None)
+
+
+def test_the_warm_up_stays_within_max_new_tokens(tmp_path, monkeypatch):
+    """The warm-up decoded 8 tokens of the first prompt whatever ``max_new`` was: a prompt that fits
+    with its own 4 new tokens failed as "request 0" (Python API; the CLI's least is 8)."""
+    monkeypatch.setenv("SPEC_PLUGINS_CACHE", str(tmp_path / "cache"))
+    d = _tiny(tmp_path / "short", max_pos=32)
+    near_full = " ".join(["w1 w2 w3 w4"] * 7)  # 28 tokens: 4 new ones fill the 32 positions
+    result = tune(str(d), [near_full, "w1 w2 w3"], ["torch"], ["ngram"], Budget(600), max_new=4,
+                  log=lambda m: None)
+    assert result is not None
