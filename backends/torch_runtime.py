@@ -54,11 +54,12 @@ def pick_device(name: str) -> torch.device:
 
 def _available(kind: str) -> bool:
     """Whether torch can run on an accelerator of ``kind`` other than CUDA (``mps``, ``xpu``, ...):
-    its module's ``is_available()`` (mps's under ``torch.backends``)."""
+    its module's ``is_available()`` (mps's under ``torch.backends``). A kind with no such check (a
+    privateuse1 backend, ``hpu`` from its own package) is left for torch to judge when used."""
     module = torch.backends.mps if kind == "mps" else getattr(torch, kind, None)
     check = getattr(module, "is_available", None)
     try:
-        return bool(check()) if callable(check) else False
+        return bool(check()) if callable(check) else True
     except (RuntimeError, AssertionError):
         return False
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
+from spec_plugins.backends.llamacpp_config import MAX_THREADS
 from spec_plugins.cli import app, check_finite, check_output_dir, fail, load_config
 from spec_plugins.graphs.io import MAX_OPSET, MIN_OPSET, OPSET
 
@@ -191,7 +192,8 @@ def export_check(
     max_new_tokens: int = typer.Option(48, "--max-new-tokens", min=1,
                                        help="Greedy speculative tokens compared (capped, with a note, at what the "
                                             "graph's context leaves after the check's prompt)."),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="ONNX Runtime intra-op threads."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, max=MAX_THREADS,
+                                           help="ONNX Runtime intra-op threads."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     graph: list[str] = typer.Option([], "--graph", help="Only check this graph (repeatable; default: all)."),
 ) -> None:

@@ -101,10 +101,14 @@ def cache_dir(*parts: str) -> Path:
     CLI's one error line), not the export's NotADirectoryError with no path. Optional caches
     (``write_cache_dir``) warn instead."""
     root = cache_root()
-    if root.exists() and not root.is_dir():
-        raise ValueError(f"the cache directory {root} (SPEC_PLUGINS_CACHE, else ~/.cache/spec-plugins) is not a "
-                         "directory: point SPEC_PLUGINS_CACHE at a directory, or unset it")
-    return root.joinpath(*parts)
+    path = root.joinpath(*parts)
+    # the nearest of the path's folders that exists must be a folder (the root, a parent of it, a subfolder)
+    there = next((d for d in (path.parent, *path.parent.parents) if d.exists()), None)
+    if there is not None and not there.is_dir():
+        raise ValueError(f"the cache directory {root} (SPEC_PLUGINS_CACHE, else ~/.cache/spec-plugins) cannot hold "
+                         f"{path.relative_to(root)}: {there} is not a directory; point SPEC_PLUGINS_CACHE at a "
+                         "directory, or unset it")
+    return path
 
 
 def converted_dir(src: ModelSource) -> Path:

@@ -142,6 +142,17 @@ def test_a_cache_root_that_is_a_file_is_named_where_a_run_needs_the_cache(tmp_pa
     with pytest.raises(ValueError, match="is not a directory"):
         export_cache_dir(str(model))
     assert root.read_text() == "x\n"
+    # a root under a file, and a subfolder that is a file (the root itself fine)
+    monkeypatch.setenv("SPEC_PLUGINS_CACHE", str(root / "sub"))
+    with pytest.raises(ValueError, match=rf"cannot hold onnx-heads/h/head.onnx: {root} is not a directory"):
+        cache_dir("onnx-heads", "h", "head.onnx")
+    good = tmp_path / "cache"
+    (good / "onnx-heads").parent.mkdir()
+    (good / "onnx-heads").write_text("x\n")
+    monkeypatch.setenv("SPEC_PLUGINS_CACHE", str(good))
+    with pytest.raises(ValueError, match=rf"{good / 'onnx-heads'} is not a directory"):
+        cache_dir("onnx-heads", "h", "head.onnx")
+    assert cache_dir("onnx", "m") == good / "onnx" / "m"  # a path not made yet is fine
 
 
 def test_thread_counts_past_any_cpu_are_refused_by_the_ray_options_and_the_train_cli(tmp_path):
@@ -152,3 +163,7 @@ def test_thread_counts_past_any_cpu_are_refused_by_the_ray_options_and_the_train
     assert ReplicaOptions({"target": {"model": "m"}}, threads=MAX_THREADS).threads == MAX_THREADS
     r = CliRunner().invoke(app, ["train", "features", "--threads", str(10**12), "--out", str(tmp_path / "f")])
     assert r.exit_code == 2 and "--threads" in r.output, r.output
+    import spec_plugins.exporters.cli  # noqa: F401 - registers `export`
+
+    r = CliRunner().invoke(app, ["export", "check", "--threads", str(10**12), str(tmp_path / "none")])
+    assert r.exit_code == 2 and "Invalid value for '--threads'" in r.output, r.output
