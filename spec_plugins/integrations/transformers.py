@@ -269,12 +269,12 @@ def _stream(streamer: Any, out: list[list[int]], done: list[bool], sent: int, pa
     if len(out) == 1:
         ready = len(out[0]) if final is None else min(len(out[0]), final)
         if ready > sent:
-            streamer.put(torch.tensor(out[0][sent:ready], dtype=torch.long))
+            streamer.put(torch.tensor(out[0][sent:ready], dtype=torch.long, device="cpu"))
         return max(sent, ready)
     ready = final if final is not None else min((len(o) for o, d in zip(out, done) if not d),
                                                 default=max(len(o) for o in out))
     for c in range(sent, ready):
-        streamer.put(torch.tensor([o[c] if c < len(o) else pad_of(pad_id) for o in out], dtype=torch.long))
+        streamer.put(torch.tensor([o[c] if c < len(o) else pad_of(pad_id) for o in out], dtype=torch.long, device="cpu"))
     return max(sent, ready)
 
 
