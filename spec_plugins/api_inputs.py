@@ -45,7 +45,8 @@ def token_id(t: Any, i: int) -> int:
     out = integer(t)
     if out is None:
         kind = "bool" if _is_bool(t) else type(t).__name__
-        raise TypeError(f"prompt token ids must be integers; position {i} holds {t!r} ({kind})")
+        several = "; generate_batch() takes several prompts" if isinstance(t, (list, tuple)) else ""
+        raise TypeError(f"prompt token ids must be integers; position {i} holds {t!r} ({kind}){several}")
     return out
 
 
@@ -63,7 +64,9 @@ def ordered_sequence(prompt: Any) -> Iterable:
     ndim = getattr(prompt, "ndim", 1)
     if not isinstance(prompt, Iterable) or isinstance(prompt, (AbstractSet, Mapping, MappingView)) or ndim != 1:
         shape = f" of shape {list(prompt.shape)}" if ndim != 1 and hasattr(prompt, "shape") else ""
-        raise TypeError(f"a prompt is a str, chat messages or a list of token ids, got {type(prompt).__name__}{shape}")
+        several = "; generate_batch() takes several prompts" if ndim == 2 else ""
+        raise TypeError(f"a prompt is a str, chat messages or a list of token ids, got {type(prompt).__name__}{shape}"
+                        f"{several}")
     return prompt
 
 
@@ -201,12 +204,53 @@ def per_prompt(name: str, value: Any, rows: int, entry: str) -> list[Any] | None
     return out
 
 
+def batch_prompts(prompts: Any, encode: Callable[[Any], list[int]]) -> list[list[int]]:
+    """A batch's prompts, each encoded; a ``TypeError``/``ValueError`` of entry i is raised again
+    (same type) naming ``prompts[i]``. One prompt where the list goes is refused pointing at
+    ``generate()``: a str, bytes, or a flat list of token ids or of chat messages (each entry
+    would be read as a prompt of its own); so is what has no order of prompts (a dict, a set; a
+    dict's ``.values()`` has one and is read as a list)."""
+    if isinstance(prompts, (str, bytes, bytearray, memoryview)):
+        raise TypeError(f"generate_batch takes a list of prompts, got one {type(prompts).__name__}; use "
+                        "generate() for one prompt")
+    if not isinstance(prompts, Iterable) or isinstance(prompts, (Mapping, AbstractSet)):
+        raise TypeError(f"generate_batch takes a list of prompts, got {type(prompts).__name__}")
+    entries = list(prompts)
+    ids = bool(entries) and all(integer(p) is not None and getattr(p, "ndim", 0) == 0 for p in entries)
+    if ids or entries and all(isinstance(p, Mapping) for p in entries):
+        raise TypeError(f"generate_batch takes a list of prompts, got one list of "
+                        f"{'token ids' if ids else 'chat messages'}; use generate() for one prompt, or wrap it "
+                        "in a list")
+    out = []
+    for i, p in enumerate(entries):
+        try:
+            out.append(encode(p))
+        except (TypeError, ValueError) as exc:
+            if type(exc) not in (TypeError, ValueError):  # subclasses (pydantic's, a tokenizer's) as they are
+                raise
+            raise type(exc)(f"prompts[{i}]: {exc}") from exc
+    return out
+
+
+def checked_sampling(fields: Mapping[str, Any], title: str, where: tuple[str, ...] = ()) -> SamplingConfig:
+    """``fields`` checked as a ``SamplingConfig`` is. A failure stays pydantic's ``ValidationError``
+    (a ``ValueError``), titled ``title`` (the call) with each error's place under ``where``, so it
+    names what the caller gave (``sampling[1].top_p``, ``temperature``), not SamplingConfig's."""
+    try:
+        return SamplingConfig.model_validate(dict(fields))
+    except ValidationError as exc:
+        errors = [{"type": e["type"], "loc": (*where, *e["loc"]), "input": e["input"],
+                   **({"ctx": e["ctx"]} if "ctx" in e else {})} for e in exc.errors()]
+        raise ValidationError.from_exception_data(title, errors) from None  # type: ignore[arg-type]
+
+
 def row_sampling(s: SamplingConfig | Mapping, i: int) -> SamplingConfig:
-    """Row ``i``'s sampling: a ``SamplingConfig``, or its fields (checked as a config is)."""
+    """Row ``i``'s sampling: a ``SamplingConfig``, or its fields (checked as a config is, an error
+    naming ``sampling[i]``)."""
     if isinstance(s, SamplingConfig):
         return s
     if isinstance(s, Mapping):
-        return SamplingConfig.model_validate(dict(s))
+        return checked_sampling(s, "generate_batch", (f"sampling[{i}]",))
     raise TypeError(f"sampling[{i}] must be a SamplingConfig or a dict of its fields, got {type(s).__name__}")
 
 

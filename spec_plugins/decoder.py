@@ -13,8 +13,9 @@ from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence, Union
 
-from spec_plugins.api_inputs import (Stop, chat_messages, in_vocab, not_bytes, ordered_sequence, per_prompt,
-                                     row_sampling, row_seeds, stop_strings, token_id, token_limits)
+from spec_plugins.api_inputs import (Stop, batch_prompts, chat_messages, checked_sampling, in_vocab, not_bytes,
+                                     ordered_sequence, per_prompt, row_sampling, row_seeds, stop_strings, token_id,
+                                     token_limits)
 from spec_plugins.backends import build_runtime
 from spec_plugins.config import SamplingConfig, SpecConfig
 from spec_plugins.decoder_lock import runtime_lock
@@ -196,7 +197,7 @@ class SpeculativeDecoder:
         ``error`` and the event's ``error`` says why."""
         ids = self.encode(prompt, chat)
         stops = stop_strings(stop)
-        pipeline = LogitsPipeline(self._sampling(temperature, seed), processors)
+        pipeline = LogitsPipeline(self._sampling(temperature, seed, "stream"), processors)
         rows = self.row_grammars([grammar], response_format, forced_drafts)
         yield from self._stream_ids(ids, max_new_tokens, stops, pipeline, stats, observers, rows)
 
@@ -232,7 +233,7 @@ class SpeculativeDecoder:
         """One prompt to the end (``stream``'s arguments)."""
         ids = self.encode(prompt, chat)
         stops = stop_strings(stop)
-        pipeline = LogitsPipeline(self._sampling(temperature, seed), processors)
+        pipeline = LogitsPipeline(self._sampling(temperature, seed, "generate"), processors)
         rows = self.row_grammars([grammar], response_format, forced_drafts)
         stats = DecodeStats()
         toks: list[int] = []
@@ -268,18 +269,15 @@ class SpeculativeDecoder:
         result's ``error`` says why. Each result's ``stats`` are its row's own (its tokens, and the
         prefill and rounds it took part in, with their times); the whole batch's totals are
         ``decoder.last_stats`` (a ``BatchStats``, whose ``rows`` holds those per-row stats)."""
-        if isinstance(prompts, (str, bytes, bytearray, memoryview)):
-            raise TypeError(f"generate_batch takes a list of prompts, got one {type(prompts).__name__}; use "
-                            "generate() for one prompt")
         if sampling is not None and temperature is not None:
             raise ValueError("give temperature or sampling, not both: sampling sets each row's temperature")
-        ids = [self.encode(p, chat) for p in prompts]
+        ids = batch_prompts(prompts, lambda p: self.encode(p, chat))
         stops = stop_strings(stop)
         per_row = list(grammar) if isinstance(grammar, (list, tuple)) else [grammar] * len(ids)
         if len(per_row) != len(ids):
             raise ValueError(f"grammar needs one entry per prompt ({len(ids)}), got {len(per_row)}")
         rows = self.row_grammars(per_row, None, forced_drafts)
-        base = self._sampling(temperature, seed)
+        base = self._sampling(temperature, seed, "generate_batch")
         sampling = per_prompt("sampling", sampling, len(ids), "SamplingConfig or dict")
         configs = [row_sampling(s, i) for i, s in enumerate(sampling)] if sampling is not None else None
         seeds_by_row = row_seeds(per_prompt("seeds", seeds, len(ids), "seed (an int or None)"), configs)
@@ -357,14 +355,16 @@ class SpeculativeDecoder:
         return [None if s is None else RowGrammar(compiled[id(s)], self.eos_ids(), int(self.target.vocab_size),
                                                   forced_drafts) for s in specs]
 
-    def _sampling(self, temperature: float | None, seed: int | None) -> SamplingConfig:
+    def _sampling(self, temperature: float | None, seed: int | None, call: str = "generate") -> SamplingConfig:
+        """The config's sampling with the ``call``'s temperature and seed over it (an error names
+        the argument, titled ``call``)."""
         base = self.config.sampling if self.config else SamplingConfig()
         upd: dict[str, Any] = {}
         if temperature is not None:
             upd["temperature"] = temperature
         if seed is not None:
             upd["seed"] = seed
-        return SamplingConfig.model_validate(base.model_dump() | upd) if upd else base  # checked as a config is
+        return checked_sampling(base.model_dump() | upd, call) if upd else base  # checked as a config is
 
 
 def _reason(reason: str | None) -> str | None:
