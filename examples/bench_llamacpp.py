@@ -14,8 +14,14 @@ import json
 import os
 import statistics
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+# the side-by-side configs: only the backend line differs
+SIDE_BY_SIDE = {"torch": ROOT / "examples" / "configs" / "smollm2-ngram.yaml",
+                "llamacpp": ROOT / "examples" / "configs" / "smollm2-ngram-llamacpp.yaml"}
 
 TEXT = ("The city council voted on Tuesday to expand the bicycle lane network by 40 kilometres over the "
         "next three years. The plan adds protected lanes on the main north-south avenues, new bike parking "
@@ -75,13 +81,22 @@ def compare(model: str, k: int, runs: int, max_new: int, threads: int) -> dict:
     return out
 
 
-def backends_side_by_side(runs: int, max_new: int) -> dict:
+def side_by_side_configs(threads: int) -> dict[str, dict]:
+    """``SIDE_BY_SIDE``'s configs, read from the repository whatever the working directory, each
+    target on ``threads`` threads (the files leave them to the runtime's default), as the first
+    stage's targets are."""
+    from spec_plugins.config import load_file
+
+    configs = {b: load_file(path) for b, path in SIDE_BY_SIDE.items()}
+    return {b: {**cfg, "target": {**cfg["target"], "threads": threads}} for b, cfg in configs.items()}
+
+
+def backends_side_by_side(runs: int, max_new: int, threads: int) -> dict:
     """examples/configs/smollm2-ngram.yaml vs -llamacpp.yaml: only the backend line differs."""
     from spec_plugins import SpeculativeDecoder
 
     res = {}
-    decs = {b: SpeculativeDecoder.from_config(f"examples/configs/smollm2-ngram{s}.yaml")
-            for b, s in (("torch", ""), ("llamacpp", "-llamacpp"))}
+    decs = {b: SpeculativeDecoder.from_config(cfg) for b, cfg in side_by_side_configs(threads).items()}
     for pname, text in PROMPTS.items():
         row = {}
         for b, d in decs.items():
@@ -102,20 +117,38 @@ def backends_side_by_side(runs: int, max_new: int) -> dict:
     return res
 
 
-def main() -> None:
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1, so that 0 runs or tokens is a usage error before any
+    model loads, not a failed median after every method ran."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, its numbers checked before anything loads."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="smollm2-135m-instruct,gemma-3-270m")
     ap.add_argument("--k", type=int, default=4, help="fixed draft length for ours and the peer")
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--runs", type=positive_int, default=3, help="timed runs per method and prompt (medians)")
+    ap.add_argument("--max-new-tokens", type=positive_int, default=64)
+    ap.add_argument("--threads", type=positive_int, default=2,
+                    help="threads of every target, the side-by-side configs' too")
     ap.add_argument("--skip-backends", action="store_true")
     ap.add_argument("--out", default="bench-llamacpp.json")
-    a = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    a = parse_args()
     t0 = time.perf_counter()
     report = {"models": {m: compare(m, a.k, a.runs, a.max_new_tokens, a.threads) for m in a.models.split(",")}}
     if not a.skip_backends:
-        report["backends"] = backends_side_by_side(a.runs, a.max_new_tokens)
+        report["backends"] = backends_side_by_side(a.runs, a.max_new_tokens, a.threads)
     report["wall_s"] = time.perf_counter() - t0
     with open(a.out, "w") as f:
         json.dump(report, f, indent=1)

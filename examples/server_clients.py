@@ -14,13 +14,16 @@ import argparse
 import asyncio
 import os
 import sys
+import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from spec_plugins.server.loadtest import _free_port, _wait_healthy  # noqa: E402
+from spec_plugins.server.loadtest import _start, _wait_healthy  # noqa: E402
 
+TIMEOUT = 120  # seconds a client waits for an answer (the clients' 10 s fail on a loaded CPU)
 BAD = [
     ("malformed JSON", b"{not json"),
     ("unknown parameter", b'{"inputs": "Hi", "parameters": {"frobnicate": 1}}'),
@@ -33,25 +36,27 @@ BAD = [
 ]
 
 
-def main() -> None:
-    import subprocess
+def log_tail(log: Path, lines: int = 40) -> str:
+    """The last ``lines`` lines of the server's output: why a client call failed is often there."""
+    return "\n".join(log.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
 
+
+def main() -> None:
     import httpx
     import text_generation
     from huggingface_hub import InferenceClient
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--config", default="examples/configs/smollm2-server.yaml")
+    ap.add_argument("--config", default=str(ROOT / "examples" / "configs" / "smollm2-server.yaml"))
     a = ap.parse_args()
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-c", "from spec_plugins.cli import app; app()", "serve", "--config",
-                             a.config, "--port", str(port), "--max-input-tokens", "512", "--max-total-tokens", "1024"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    fd, name = tempfile.mkstemp(prefix="spec-server-clients-", suffix=".log")
+    os.close(fd)
+    log = Path(name)  # the server's stdout and stderr, shown when anything here fails
+    proc, url = _start(a.config, ["--max-input-tokens", "512", "--max-total-tokens", "1024"], log)
     try:
         _wait_healthy(url, proc)
         prompt = "List three primary colors."
-        c = text_generation.Client(url)
+        c = text_generation.Client(url, timeout=TIMEOUT)
         r = c.generate(prompt, max_new_tokens=20)
         print(f"Client.generate: {r.generated_text!r} ({r.details.generated_tokens} tokens, "
               f"finish={r.details.finish_reason.value})")
@@ -59,7 +64,7 @@ def main() -> None:
         print(f"Client.generate_stream: {len(streamed)} events, text {''.join(streamed)!r}")
 
         async def many() -> list[str]:
-            ac = text_generation.AsyncClient(url)
+            ac = text_generation.AsyncClient(url, timeout=TIMEOUT)
             rs = await asyncio.gather(*(ac.generate(p, max_new_tokens=12) for p in
                                         ("Name a fruit.", "Name a planet.", "Name a color.")))
             return [x.generated_text for x in rs]
@@ -70,7 +75,7 @@ def main() -> None:
         # HF_HUB_OFFLINE blocks the hub client's HTTP session even for loopback; this client only
         # talks to our local server (base_url), so lift it here (the server stays offline)
         huggingface_hub.constants.HF_HUB_OFFLINE = False
-        hub = InferenceClient(base_url=url)
+        hub = InferenceClient(base_url=url, timeout=TIMEOUT)
         toks = list(hub.text_generation(prompt, max_new_tokens=20, stream=True))
         print(f"InferenceClient.text_generation(stream=True): {''.join(toks)!r}")
         chunks = hub.chat_completion([{"role": "user", "content": prompt}], max_tokens=20, stream=True)
@@ -81,9 +86,13 @@ def main() -> None:
             print(f"bad request, {name}: HTTP {resp.status_code} {resp.text[:160]}")
         ok = httpx.post(url + "/generate", json={"inputs": prompt, "parameters": {"max_new_tokens": 5}})
         print(f"after the bad requests: HTTP {ok.status_code} {ok.json()['generated_text']!r}")
+    except Exception:
+        print(f"failed; the server's output ({log}) ends with:\n{log_tail(log)}", file=sys.stderr, flush=True)
+        raise
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+    log.unlink()  # it all went well: nothing to look at
 
 
 if __name__ == "__main__":

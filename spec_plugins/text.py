@@ -64,6 +64,7 @@ class TextStream:
         self._win: list[int] = []  # the decode window: emitted context, then held-back tokens
         self._read = 0  # index in ``_win`` where the tokens not yet emitted start
         self._searched = 0  # text before this index was searched for stops
+        self._ahead = 0  # characters of the held-back text emitted already (``_settled_stop``)
         self._specials: set[int] | None = None  # listed special ids, read on first use
         self._left: dict[int, bool] = {}  # per special id: whether decode leaves it out
 
@@ -152,17 +153,23 @@ class TextStream:
         if at is None:
             return ""
         self.text += settled
-        self._searched, self.stop_at = len(self.text), at
+        self._searched, self.stop_at, self._ahead = len(self.text), at, len(settled)
         return settled
 
-    def flush(self) -> str:
+    def flush(self, past_stop: bool = False) -> str:
         """The held-back tail at the end of the row (an incomplete character, shown as U+FFFD),
-        searched for stop strings as any other text."""
-        if self.stop_at is not None or self._read == len(self._win):
+        searched for stop strings as any other text. After a stop string it is "" unless
+        ``past_stop``: TGI's token texts spell the whole ``decode`` of the row's tokens, so the
+        token completing a stop also carries the bytes after it that it holds back (``" \ufffd"``
+        of SmolLM2's ``"ĠðŁ"`` ending ``", "``), less the text before them emitted already."""
+        if (self.stop_at is not None and not past_stop) or self._read == len(self._win):
             return ""
         done, full = self._window()
-        self._win, self._read = [], 0
-        return self._append(full[len(done):])
+        self._win, self._read, ahead, self._ahead = [], 0, self._ahead, 0
+        if self.stop_at is None:
+            return self._append(full[len(done):])
+        self.text += full[len(done) + ahead:]
+        return full[len(done) + ahead:]
 
     def _append(self, new: str) -> str:
         """Emit ``new``, the first stop string it completes becoming ``stop_at``."""

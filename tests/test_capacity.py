@@ -159,7 +159,7 @@ def test_the_server_queues_a_request_until_the_cells_it_reserves_are_free():
     for i in range(2):
         solo = dec.generate(texts[i], max_new_tokens=150, chat=False)
         assert answers[i].json()["generated_text"] == solo.text
-    assert too_big.status_code == 422 and "n_ctx" in too_big.json()["error"]
+    assert too_big.status_code == 422 and "n_ctx" in too_big.json()["error"]["message"]
 
 
 @_model_test

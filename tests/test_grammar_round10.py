@@ -133,7 +133,7 @@ def test_the_chat_route_at_a_dead_end_inside_a_string_is_a_500_naming_the_cause(
         body = {"messages": [{"role": "user", "content": "abc"}], "max_tokens": 10, "response_format": {
             "type": "json_schema", "json_schema": {"name": "x", "schema": DEAD_SCHEMA}}}
         r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
-        assert r.status_code == 500 and NO_WAY_ON in r.json()["error"], (r.status_code, r.text)
+        assert r.status_code == 500 and NO_WAY_ON in r.json()["error"]["message"], (r.status_code, r.text)
         assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
     finally:
         srv.stop()

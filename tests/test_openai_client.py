@@ -94,10 +94,10 @@ def test_chat_plain_system_developer_and_max_completion_tokens(client, model, to
     assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
     with pytest.raises(openai.UnprocessableEntityError) as e:
         client.chat.completions.create(model="tiny", messages=MSGS, max_completion_tokens=0, max_tokens=3)
-    assert e.value.body == "`max_completion_tokens` must be strictly positive"
+    assert e.value.body["message"] == "`max_completion_tokens` must be strictly positive"
     with pytest.raises(openai.UnprocessableEntityError) as e:
         client.chat.completions.create(model="tiny", messages=MSGS, max_completion_tokens=500)
-    assert "`messages` tokens + `max_completion_tokens` must be <= 128" in e.value.body
+    assert "`messages` tokens + `max_completion_tokens` must be <= 128" in e.value.body["message"]
 
 
 def test_chat_streaming_with_usage_chunk(client, model, tok):
@@ -150,10 +150,10 @@ def test_response_format_text_and_refusals(client):
     assert r.choices[0].finish_reason in ("length", "stop")
     with pytest.raises(openai.UnprocessableEntityError) as e:  # json_object and json_schema: tests/test_server_grammar.py
         client.chat.completions.create(model="tiny", messages=MSGS, response_format={"type": "yaml"})
-    assert "response_format" in e.value.body
+    assert "response_format" in e.value.body["message"]
     with pytest.raises(openai.UnprocessableEntityError) as e:
         client.chat.completions.create(model="tiny", messages=MSGS, n=5)
-    assert "`n` must be <= 4" in e.value.body
+    assert "`n` must be <= 4" in e.value.body["message"]
 
 
 def test_stop_strings_end_the_text_before_the_stop_streaming_or_not(client, model, tok):
@@ -205,7 +205,7 @@ def test_text_completions(client, model, tok):
     assert [(c.index, c.text) for c in many.choices] == [(0, first), (1, first), (2, second), (3, second)]
     with pytest.raises(openai.UnprocessableEntityError) as e:
         client.completions.create(model="tiny", prompt=prompt, max_tokens=0)
-    assert e.value.body == "`max_tokens` must be strictly positive"
+    assert e.value.body["message"] == "`max_tokens` must be strictly positive"
     with pytest.raises(openai.UnprocessableEntityError) as e:
         client.completions.create(model="tiny", prompt=[5, 99], max_tokens=2)
-    assert "`prompt`: token id 99 is not in this model's vocabulary" in e.value.body
+    assert "`prompt`: token id 99 is not in this model's vocabulary" in e.value.body["message"]

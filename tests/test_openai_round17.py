@@ -93,7 +93,8 @@ def test_a_chat_message_without_content_is_a_422_naming_it(live, msgs, named, st
     r = httpx.post(live.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, "stream": stream},
                    timeout=60)
     assert r.status_code == 422, r.text
-    assert r.json()["error_type"] == "validation" and named in r.json()["error"], r.text
+    err = r.json()["error"]
+    assert err["code"] == "validation" and named in err["message"], r.text
     with pytest.raises(ValueError, match=re.escape(named)):
         chat_messages(msgs)  # the Python API refuses it alike (one check)
 

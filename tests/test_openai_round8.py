@@ -138,4 +138,4 @@ def test_null_max_tokens_stream_and_echo_on_completions(live):
 def test_a_null_required_field_is_refused_naming_it(live, route, field):
     body = dict(COMPLETION if field == "prompt" else CHAT, **{field: None})
     r = httpx.post(live.url + route, json=body, timeout=60)
-    assert r.status_code == 422 and r.json()["error"].startswith(f"`{field}")
+    assert r.status_code == 422 and r.json()["error"]["message"].startswith(f"`{field}")

@@ -235,7 +235,7 @@ def test_bad_chat_requests(live):
              ({"messages": [{"role": "user", "content": "w2"}], "mystery": 1}, "unknown field `mystery`")]
     for body, msg in cases:
         r = httpx.post(live.url + "/v1/chat/completions", json=body)
-        assert r.status_code == 422 and msg in r.json()["error"], (body, r.text)
+        assert r.status_code == 422 and msg in r.json()["error"]["message"], (body, r.text)
 
 
 def test_client_sees_validation_error(live):

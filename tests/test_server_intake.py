@@ -36,6 +36,13 @@ def post(srv, route: str, body: bytes, ctype: str | None = "application/json") -
     return httpx.post(srv.url + route, content=body, headers=headers, timeout=60)
 
 
+def error_of(r: httpx.Response) -> tuple[str, str]:
+    """(message, kind) of an error answer in its route's shape: OpenAI's on /v1 (kind: ``code``), else TGI's."""
+    if r.request.url.path.startswith("/v1/"):
+        return r.json()["error"]["message"], r.json()["error"]["code"]
+    return r.json()["error"], r.json()["error_type"]
+
+
 def with_raw_field(route: str, key: str, literal: str) -> bytes:
     """A good body for ``route`` with ``"key": <literal>`` spliced in as raw JSON text."""
     text = json.dumps(GOOD[route])
@@ -46,7 +53,11 @@ def with_raw_field(route: str, key: str, literal: str) -> bytes:
 def test_an_integer_literal_longer_than_python_parses_is_a_422_naming_the_field(live, route):
     r = post(live, route, with_raw_field(route, "x", "1" * 4400))
     assert r.status_code == 422, r.text
-    assert r.json() == {"error": "`x`: a number with 4400 digits (at most 100)", "error_type": "validation"}
+    if route.startswith("/v1/"):
+        assert r.json() == {"error": {"message": "`x`: a number with 4400 digits (at most 100)",
+                                      "type": "invalid_request_error", "param": "x", "code": "validation"}}
+    else:
+        assert r.json() == {"error": "`x`: a number with 4400 digits (at most 100)", "error_type": "validation"}
     # ... nested too, by its path, and negative
     body = json.dumps({"inputs": "w2", "parameters": {"stop": ["a"]}}).replace('["a"]', "[-" + "7" * 5000 + "]")
     r = post(live, "/generate", body.encode())
@@ -85,7 +96,7 @@ def test_a_compressed_body_is_a_415_naming_its_content_encoding(live, route):
         r = httpx.post(live.url + route, content=body, headers={"content-type": "application/json",
                                                                 "content-encoding": coding}, timeout=60)
         assert r.status_code == 415, (coding, r.status_code, r.text)
-        assert f"Content-Encoding `{coding}` is not supported" in r.json()["error"]
+        assert f"Content-Encoding `{coding}` is not supported" in error_of(r)[0]
     plain = json.dumps(GOOD[route]).encode()
     r = httpx.post(live.url + route, content=plain, headers={"content-type": "application/json",
                                                              "content-encoding": "identity"}, timeout=60)
@@ -149,9 +160,9 @@ def test_a_row_that_fails_while_generating_has_a_request_id_in_body_and_log(live
         body = ({"inputs": "w2 w3", "parameters": {"temperature": 0.777, "max_new_tokens": 4}} if route == "/generate"
                 else {"messages": [{"role": "user", "content": "w2"}], "temperature": 0.777, "max_tokens": 4})
         r = httpx.post(live.url + route, json=body, timeout=60)
-        err = r.json()
-        assert r.status_code == 500 and err["error_type"] == "generation" and "not finite" in err["error"], r.text
-        rid = err["error"].split("request id ")[1].split(")")[0]
+        message, kind = error_of(r)
+        assert r.status_code == 500 and kind == "generation" and "not finite" in message, r.text
+        rid = message.split("request id ")[1].split(")")[0]
         assert len(rid) == 12 and any(rid in rec.getMessage() for rec in caplog.records), rid
     assert httpx.post(live.url + "/generate", json=GOOD["/generate"]).status_code == 200
 
@@ -204,7 +215,7 @@ def test_a_body_of_more_values_than_any_request_needs_is_refused_before_parsing(
                                                                  f"more than {cap}"), r.text
     monkeypatch.setattr(body_mod, "json", types.SimpleNamespace(loads=no_parse))  # the server's parser only
     r = post(live, "/v1/completions", json.dumps({"prompt": ["w2"] * 100_000}).encode())
-    assert r.status_code == 422 and "holds 100001 values" in r.json()["error"], r.text
+    assert r.status_code == 422 and "holds 100001 values" in error_of(r)[0], r.text
     monkeypatch.undo()
     # a prompt of token ids up to the input limit is within the cap, and answered
     r = post(live, "/v1/completions", json.dumps({"prompt": [5] * 40, "max_tokens": 2}).encode())
@@ -322,7 +333,7 @@ def test_a_full_queue_is_a_429_before_a_stream_starts(live, monkeypatch):
                               (1, "/v1/chat/completions", {**GOOD["/v1/chat/completions"], "n": 2, "stream": True})):
         monkeypatch.setattr(live.state.scheduler, "max_queue", room)
         r = httpx.post(live.url + route, json=body, timeout=30)
-        assert r.status_code == 429 and r.json()["error_type"] == "overloaded", (route, r.status_code, r.text[:200])
+        assert r.status_code == 429 and error_of(r)[1] == "overloaded", (route, r.status_code, r.text[:200])
     monkeypatch.setattr(live.state.scheduler, "max_queue", 1024)
     assert httpx.post(live.url + "/generate", json=GOOD["/generate"]).status_code == 200
 

@@ -133,7 +133,7 @@ def test_openai_takes_every_int64_seed_as_its_low_63_bits(live):
     for bad in (2**63, -(2**63) - 1):
         r = httpx.post(live.url + "/v1/completions", json=dict(body, seed=bad), timeout=60)
         assert r.status_code == 422
-        assert r.json()["error"] == f"`seed` must be between {-(2**63)} and {2**63 - 1}. Given: {bad}"
+        assert r.json()["error"]["message"] == f"`seed` must be between {-(2**63)} and {2**63 - 1}. Given: {bad}"
 
 
 def byte_fallback_tokenizer():

@@ -179,6 +179,6 @@ def test_a_unicode_digit_key_is_a_422_naming_it():
             timeout=60)
     finally:
         srv.stop()
-    assert r.status_code == 422 and "keys must be decimal token ids" in r.json()["error"]
-    assert "\u0663\u0660" in r.json()["error"]
-    assert dup.status_code == 422 and "both name token 5" in dup.json()["error"]
+    assert r.status_code == 422 and "keys must be decimal token ids" in r.json()["error"]["message"]
+    assert "\u0663\u0660" in r.json()["error"]["message"]
+    assert dup.status_code == 422 and "both name token 5" in dup.json()["error"]["message"]

@@ -2,7 +2,8 @@
 
 POST /generate, /generate_stream (SSE: one event per token, the last one with generated_text and
 details), / (TGI's compat route: either, by ``stream``), /tokenize; the OpenAI routes
-(``openai_routes``); GET /info, /health, /metrics. Bad requests get TGI's error body and codes.
+(``openai_routes``); GET /info, /health, /metrics. Bad requests get TGI's error body and codes
+(OpenAI's body on /v1: ``schemas.error_body``).
 Bodies are read under a size cap and a deadline, and parsed and tokenized in worker threads
 (``body``), so the event loop only moves bytes and tokens: /health answers while clients send
 4 MiB bodies.
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 import anyio
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -31,7 +33,8 @@ from spec_plugins.server.jobs import Finished, JobStream, Tally, TokenOut, follo
 from spec_plugins.server.metrics import Metrics, proposer_metrics
 from spec_plugins.server.requests import TGI, Prepared, encode_text, max_token_chars, prepare, tenant_of, token_spans
 from spec_plugins.server.scheduler import Scheduler
-from spec_plugins.server.schemas import MAX_BEST_OF, ApiError, GenerateRequest, TokenizeRequest
+from spec_plugins.server.schemas import (MAX_BEST_OF, ApiError, GenerateRequest, TokenizeRequest, validation_message,
+                                         validation_param)
 
 if TYPE_CHECKING:
     from spec_plugins.server.connections import ConnectionGuard, ConnectionLimits
@@ -122,14 +125,19 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return exc.response(request.scope)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        """404, 405 ... in TGI's error shape, not FastAPI's ``{"detail": ...}``."""
+        """404, 405 ... in the path's error shape (``error_body``), not FastAPI's ``{"detail": ...}``."""
         text = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
-        return JSONResponse({"error": text.get(exc.status_code, str(exc.detail)), "error_type": "http"},
-                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        return ApiError(exc.status_code, text.get(exc.status_code, str(exc.detail)), "http",
+                        getattr(exc, "headers", None)).response(request.scope)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        """FastAPI's own checks of a route's parameters, a 422 in the path's error shape."""
+        return ApiError(422, validation_message(exc), param=validation_param(exc)).response(request.scope)
 
     def top_tokens(tok: TokenOut, n: int) -> list[dict[str, Any]]:
         return [{"id": t, "text": state.token_text(t), "logprob": lp, "special": t in state.special_ids}
@@ -194,7 +202,7 @@ def create_app(state: ServerState) -> FastAPI:
                             yield sse(held)
             except ApiError as exc:
                 tally.status = exc.status
-                yield sse(exc.body())
+                yield sse(exc.body(request.scope))
 
         return JobStream(events(), state, [job], tally, route)
 
@@ -247,11 +255,11 @@ def create_app(state: ServerState) -> FastAPI:
         })
 
     @app.get("/health")
-    async def health() -> Response:
+    async def health(request: Request) -> Response:
         problem = state.scheduler.unhealthy
         if problem is None:
             return JSONResponse({})
-        return JSONResponse({"error": problem, "error_type": "unhealthy"}, status_code=503)
+        return ApiError(503, problem, "unhealthy").response(request.scope)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:

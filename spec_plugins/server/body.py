@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from starlette.requests import ClientDisconnect, Request
 
 from spec_plugins.config import DuplicateKey, unique_keys
-from spec_plugins.server.schemas import ApiError, validation_message
+from spec_plugins.server.schemas import ApiError, validation_message, validation_param
 
 MAX_BODY_BYTES = 4 << 20  # a prompt of a 32k-token context is ~130 KB of text
 MAX_JSON_DEPTH = 32  # TGI's bodies nest 4 deep
@@ -40,7 +40,7 @@ def _returning_errors(fn: Callable[..., T], args: tuple) -> tuple[bool, Any]:
     try:
         return True, fn(*args)
     except ApiError as exc:
-        return False, (exc.status, exc.message, exc.error_type, exc.headers)
+        return False, (exc.status, exc.message, exc.error_type, exc.headers, exc.param)
 
 
 async def offload(limiter: anyio.CapacityLimiter, fn: Callable[..., T], *args: Any) -> T:
@@ -238,7 +238,7 @@ def parse(model: type[T], body: bytes, max_items: int = 1 << 16) -> T:
     try:
         return model.model_validate(data)  # type: ignore[attr-defined]
     except ValidationError as exc:
-        raise ApiError(422, validation_message(exc)) from None
+        raise ApiError(422, validation_message(exc), param=validation_param(exc)) from None
 
 
 async def read_request(state: Any, request: Request, model: type[T]) -> T:

@@ -51,6 +51,7 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from spec_plugins.server.body_end import BodyEnd, BodyReading, stray_crlf
+from spec_plugins.server.schemas import ApiError, error_bytes, request_line_path
 
 log = logging.getLogger("spec_plugins.server")
 
@@ -171,12 +172,10 @@ class ConnectionGuard:
 
 
 async def _over_capacity(scope: Any, receive: Any, send: Any) -> None:
-    """What a request on a connection past the cap gets, unless it asks for /health or /metrics."""
-    body = b'{"error":"' + BUSY.encode() + b'","error_type":"overloaded"}'
-    await send({"type": "http.response.start", "status": 503,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close"), (b"retry-after", b"1")]})
-    await send({"type": "http.response.body", "body": body})
+    """What a request on a connection past the cap gets, unless it asks for /health or /metrics: a
+    503 in its path's error shape (``error_body``), and the connection closes after it."""
+    busy = ApiError(503, BUSY, "overloaded", headers={"connection": "close", "retry-after": "1"})
+    await busy.response(scope)(scope, receive, send)
 
 
 class GuardedHttpTools(BodyReading, HttpToolsProtocol):
@@ -224,6 +223,7 @@ class GuardedHttpTools(BodyReading, HttpToolsProtocol):
     def _headers_open(self, arm: bool) -> None:
         self.in_headers, self.header_bytes, self._line, self._request_line = True, 0, 0, False
         self._stray = 0  # blank-line bytes dropped ahead of this request (``_drop_stray_crlf``)
+        self._head = b""  # its request line as it comes, capped as a header line (the shape of ``refuse``)
         if arm:
             self._arm()
 
@@ -287,6 +287,8 @@ class GuardedHttpTools(BodyReading, HttpToolsProtocol):
             end = len(data) if nl < 0 else nl + 1
             self._line += end - start
             self.header_bytes += end - start
+            if not self._request_line:
+                self._head += data[start:min(end, start + lim.max_header_bytes - len(self._head))]
             if self._line > lim.max_header_bytes or self.header_bytes > lim.max_headers_bytes:
                 self.guard.counts["header_too_large"] += 1
                 what = (f"a header line over {lim.max_header_bytes} bytes" if self._line > lim.max_header_bytes
@@ -358,10 +360,11 @@ class GuardedHttpTools(BodyReading, HttpToolsProtocol):
         self._timer = self.loop.call_later(self.guard.limits.header_timeout, self.transport.close)
 
     def refuse(self, status: int, message: str, mid_body: bool = False) -> None:
-        """Answer ``status`` with ``message`` and close, outside any request cycle; while a response
-        is in progress, after it (HTTP answers in order), reading nothing more meanwhile. A refusal
-        of the body being read (``mid_body``) is its request's answer, at once unless a response has
-        begun (the handler then sees a disconnect)."""
+        """Answer ``status`` with ``message`` and close, outside any request cycle, as JSON in the
+        error shape of the request's path (``error_bytes``; TGI's while no path came); while a
+        response is in progress, after it (HTTP answers in order), reading nothing more meanwhile. A
+        refusal of the body being read (``mid_body``) is its request's answer, at once unless a
+        response has begun (the handler then sees a disconnect)."""
         if self.transport.is_closing():
             return
         if self.busy and not (mid_body and not self.pipeline and not self.cycle.response_started):
@@ -369,10 +372,9 @@ class GuardedHttpTools(BodyReading, HttpToolsProtocol):
             self.flow.pause_reading()
             return
         self._refused = None
-        body = message.encode("ascii", "replace")
-        self.transport.write(b"".join([STATUS_LINE[status], b"content-type: text/plain; charset=utf-8\r\n",
-                                       b"content-length: ", str(len(body)).encode(), b"\r\n",
-                                       b"connection: close\r\n\r\n", body]))
+        scope = {"path": request_line_path(self._head)} if self.in_headers else self.scope
+        error = ApiError(status, message, "overloaded" if status == 503 else "http", {"connection": "close"})
+        self.transport.write(error_bytes(STATUS_LINE[status], error, scope))
         self.transport.close()
 
 

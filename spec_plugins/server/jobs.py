@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from spec_plugins.server.body import offload, parse, parse_json, read_body
@@ -166,8 +166,8 @@ async def follow(state: Any, job: Job, prep: Prepared, request: Request,
             for i, (t, lp) in enumerate(zip(ids, lps)):
                 last = reason is not None and i == len(ids) - 1
                 piece = pieces[len(toks)]
-                if last and shown is None:  # TGI's routes: the last token's text ends the row's text
-                    piece += prep.text.flush()
+                if last and shown is None:  # TGI's routes: the last token's text ends the row's text,
+                    piece += prep.text.flush(past_stop=True)  # the bytes held past a stop string included
                 if shown is not None:
                     piece = shown.push(piece, prep.text.stop_at, last)
                 special, released = t in state.special_ids, ""
@@ -300,9 +300,10 @@ def sse(data: Any) -> bytes:
 def timed(state: Any, route: str) -> Callable:
     """Count the request once in /metrics, with its latency, tokens and time to first token
     (``fn`` fills its ``Tally``), errors included; a stream is counted by its ``JobStream`` when
-    it ends. Errors in TGI's shape, an internal one with a request id whose details only the log
-    has. A client that left is a 499 and no error: Ray Serve cancels the handler's task (the
-    cancellation goes on) or raises its own cancellation error (``ray_cancelled``)."""
+    it ends. Errors in the path's shape (``error_body``), an internal one with a request id whose
+    details only the log has. A client that left is a 499 and no error: Ray Serve cancels the
+    handler's task (the cancellation goes on) or raises its own cancellation error
+    (``ray_cancelled``)."""
 
     def deco(fn: Callable) -> Callable:
         async def wrapper(request: Request) -> Response:
@@ -312,19 +313,11 @@ def timed(state: Any, route: str) -> Callable:
             except asyncio.CancelledError:
                 tally.record(state, route, 499)
                 raise
-            except ApiError as exc:
-                tally.record(state, route, exc.status)
-                return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-            except Exception as exc:  # noqa: BLE001 - the details go to the log, never to the client
-                if ray_cancelled(exc):
-                    gone = ApiError(499, "client disconnected", "cancelled")
-                    tally.record(state, route, gone.status)
-                    return JSONResponse(gone.body(), status_code=gone.status)
-                rid = uuid.uuid4().hex[:12]
-                log.exception("request failed (request id %s)", rid)
-                tally.record(state, route, 500)
-                return JSONResponse({"error": f"internal error (request id {rid}); the server log has the details",
-                                     "error_type": "internal"}, status_code=500)
+            except Exception as exc:  # noqa: BLE001 - an internal one's details go to the log, never to the client
+                # no local holds the error: its traceback holds this frame, whose locals hold the body
+                resp = _answered(exc).response(request.scope)
+                tally.record(state, route, resp.status_code)
+                return resp
             if not isinstance(resp, JobStream):
                 tally.record(state, route, resp.status_code)
             return resp
@@ -333,3 +326,15 @@ def timed(state: Any, route: str) -> Callable:
         return wrapper
 
     return deco
+
+
+def _answered(exc: Exception) -> ApiError:
+    """The error a handler's exception is answered with: an ApiError as it is, Ray's cancellation
+    a 499, anything else a 500 with a request id, the details logged under it."""
+    if isinstance(exc, ApiError):
+        return exc
+    if ray_cancelled(exc):
+        return ApiError(499, "client disconnected", "cancelled")
+    rid = uuid.uuid4().hex[:12]
+    log.error("request failed (request id %s)", rid, exc_info=exc)
+    return ApiError(500, f"internal error (request id {rid}); the server log has the details", "internal")

@@ -177,7 +177,7 @@ def add_openai_routes(app: FastAPI, state: Any) -> None:
                         yield b"data: [DONE]\n\n"
                 except ApiError as exc:
                     tally.status = exc.status
-                    yield sse(exc.body())
+                    yield sse(exc.body(request.scope))
 
             return JobStream(events(), state, jobs, tally, route + "_stream")
         fins: list[Finished | None] = [None] * len(jobs)

@@ -4,8 +4,8 @@ Field names, ranges and defaults are OpenAI's, and every error names the field t
 (``max_completion_tokens``, not the TGI name it maps to). A field sent as null is one left out,
 as at OpenAI: it takes its default (``max_tokens`` 16 on /v1/completions, ``stream`` and ``echo``
 false). Fields this server does not implement are accepted at their neutral value (clients send
-them as null) and refused otherwise; the error bodies stay TGI's ``{"error", "error_type"}``, as
-on TGI's own OpenAI routes.
+them as null) and refused otherwise. Errors answer in OpenAI's shape
+(``{"error": {"message", "type", "param", "code"}}``, built by ``schemas.error_body``).
 """
 
 from __future__ import annotations

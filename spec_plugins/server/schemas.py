@@ -1,19 +1,24 @@
-"""Request/response models with text-generation-inference's names, and its error shapes.
+"""Request/response models with text-generation-inference's names, and the error shapes.
 
 TGI answers a bad request with ``{"error": "...", "error_type": "validation"}`` (422; 400 when
 the body is not JSON) and the official clients turn ``error_type`` into their exception types,
-so the messages below follow TGI's wording. Parameters TGI knows but this server does not
-implement are accepted at their neutral value (clients send them as null) and refused otherwise;
-a value TGI itself refuses (``best_of: 0``) gets TGI's range error first.
+so the messages below follow TGI's wording. On the OpenAI routes (``/v1/...``) the same error is
+OpenAI's ``{"error": {"message", "type", "param", "code"}}``, the body the ``openai`` client
+reads (``error_body`` decides by the request's path). Parameters TGI knows but this server does
+not implement are accepted at their neutral value (clients send them as null) and refused
+otherwise; a value TGI itself refuses (``best_of: 0``) gets TGI's range error first.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import math
+import re
+from os.path import commonprefix
+from typing import Any, Mapping
+from urllib.parse import unquote, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from starlette.responses import JSONResponse
 
 from spec_plugins.config import MAX_SEED, REPETITION_PENALTY_RANGE
 
@@ -25,18 +30,77 @@ MAX_TOP_N_TOKENS = 5  # TGI's default --max-top-n-tokens
 MAX_BEST_OF = 1  # sequences per request (/info's max_best_of): best_of > 1 is not implemented
 
 
+# our error kinds as OpenAI names them (``type``); a kind OpenAI has no name for is its own type
+OPENAI_TYPES = {"validation": "invalid_request_error", "http": "invalid_request_error",
+                "not_found": "invalid_request_error", "overloaded": "server_error", "generation": "server_error",
+                "internal": "server_error"}
+_NAMED = re.compile(r"`([A-Za-z_][\w.]*)`")  # a field as the messages here quote it: `messages.0.content`
+
+
+def param_of(message: str) -> str | None:
+    """The field a message names at its start (`` `temperature` must be ...``), else None."""
+    named = _NAMED.match(message)
+    return named.group(1) if named else None
+
+
+def openai_path(scope: Mapping[str, Any]) -> bool:
+    """Whether the request (an ASGI scope) is on the OpenAI routes: its path under the app's root
+    path (a proxy's prefix) is /v1 or below it."""
+    path, root = scope.get("path", ""), scope.get("root_path", "").rstrip("/")
+    if root and (path == root or path.startswith(root + "/")):
+        path = path[len(root):]
+    return path == "/v1" or path.startswith("/v1/")
+
+
+def error_body(scope: Mapping[str, Any], message: str, error_type: str, param: str | None = None) -> dict[str, Any]:
+    """The one place an error's body is built: OpenAI's shape on /v1 (``type`` OpenAI's name for
+    the kind, ``code`` the kind itself, ``param`` the field named, given or as the message starts),
+    TGI's ``{"error", "error_type"}`` on every other route."""
+    if not openai_path(scope):
+        return {"error": message, "error_type": error_type}
+    return {"error": {"message": message, "type": OPENAI_TYPES.get(error_type, error_type),
+                      "param": (param if param is not None else param_of(message)) or None, "code": error_type}}
+
+
 class ApiError(Exception):
-    """An error answered as TGI does: status code + ``{"error", "error_type"}``."""
+    """An error answered with a status code and ``error_body``'s body for the request's path."""
 
     def __init__(self, status: int, message: str, error_type: str = "validation",
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, param: str | None = None) -> None:
         # client text quoted in a message may hold a lone surrogate, which UTF-8 cannot encode
         message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status, self.message, self.error_type, self.headers = status, message, error_type, headers
+        self.param = param
 
-    def body(self) -> dict[str, str]:
-        return {"error": self.message, "error_type": self.error_type}
+    def body(self, scope: Mapping[str, Any]) -> dict[str, Any]:
+        return error_body(scope, self.message, self.error_type, self.param)
+
+    def response(self, scope: Mapping[str, Any]) -> JSONResponse:
+        """The JSON response (an ASGI app) for a request whose scope is ``scope``."""
+        return JSONResponse(self.body(scope), status_code=self.status, headers=self.headers)
+
+
+def error_bytes(status_line: bytes, error: ApiError, scope: Mapping[str, Any]) -> bytes:
+    """``error``'s response as bytes for the socket, for an answer outside any request cycle (a
+    connection's refusal, ``connections``): JSON in its path's shape, as clients parse every
+    error (``text_generation`` reads the body as JSON before it looks at the status)."""
+    resp = error.response(scope)
+    return b"".join([status_line, *(k + b": " + v + b"\r\n" for k, v in resp.raw_headers), b"\r\n", resp.body])
+
+
+def request_line_path(head: bytes) -> str:
+    """The path in a request line (``POST /v1/chat/completions HTTP/1.1``) as uvicorn's scope has
+    it (percent-decoded, less the root path), from the line's first bytes, so that a refusal before
+    the request is parsed has its path's error shape; "" (TGI's shape) while they do not hold the
+    path whole."""
+    parts = head.lstrip(b"\r\n").split(b" ", 2)
+    if len(parts) < 2 or (len(parts) == 2 and b"?" not in parts[1]):
+        return ""
+    try:
+        return unquote(urlsplit(parts[1].decode("ascii", "replace")).path)
+    except ValueError:  # an absolute target it cannot read ("http://[::1/v1"): not known
+        return ""
 
 
 def _neutral(name: str, value: Any, neutral: tuple = (None,)) -> Any:
@@ -223,3 +287,21 @@ def validation_message(exc: Any) -> str:
             msg = f"`{loc}`: {msg}" if loc else msg
         parts.append(msg)
     return "; ".join(parts)
+
+
+def _error_path(err: Mapping[str, Any]) -> list[str]:
+    """One pydantic error's field path; a validator's own message may name a field deeper than
+    its ``loc`` (a model validator's loc is its model's): that one where it extends the loc."""
+    loc = [str(p) for p in err["loc"] if p != "__root__"]
+    named = param_of(str(err["msg"]).removeprefix("Value error, ")) if err["type"] == "value_error" else None
+    if named and named.split(".")[:len(loc)] == loc:
+        return named.split(".")
+    return loc
+
+
+def validation_param(exc: Any) -> str:
+    """The field a pydantic ValidationError is about (OpenAI's ``param``): the path its errors
+    share, so the failed alternatives of a union (``prompt.str``, ``prompt.list[int].0``) name
+    their field (``prompt``); "" when they share none (no field: the message's first is only one
+    of several)."""
+    return ".".join(commonprefix([_error_path(e) for e in exc.errors()]))
