@@ -72,8 +72,9 @@ def serve(
                                            help="--ray: replicas, each with its model and batch (default 1)."),
     autoscale: Optional[str] = typer.Option(None, "--autoscale", help="--ray: MIN:MAX replicas, scaled on "
                                                                       "ongoing requests (instead of --replicas)."),
-    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="--ray: a running cluster (default: "
-                                                                          "start a local Ray)."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="--ray: a running cluster, left "
+                                                                          "running ('auto': this machine's; "
+                                                                          "default: start a new local Ray)."),
     num_cpus: float = typer.Option(1.0, "--num-cpus", min=0.0, help="--ray: CPUs per replica."),
     num_gpus: float = typer.Option(0.0, "--num-gpus", min=0.0, help="--ray: GPUs per replica."),
     write_config: Optional[Path] = typer.Option(None, "--write-config",
@@ -158,12 +159,14 @@ def _serve_ray(config: Optional[Path], host: str, port: int, max_batch: int, max
     """``serve --ray``: the same app on Ray Serve replicas (``spec_plugins.server.ray_serve``).
     Connections are Ray's proxy's (its own timeouts): the connection limits above are not applied."""
     import json
-    import signal
 
+    from spec_plugins.backends.llamacpp_config import MAX_THREADS
     from spec_plugins.config import ConfigError
     from spec_plugins.server.ray_serve import (INSTALL_HINT, RayServeConfig, ReplicaOptions, Scaling, application,
                                                parse_autoscale)
 
+    if int(num_cpus) > MAX_THREADS:  # each replica runs int(--num-cpus) torch threads
+        fail(f"--num-cpus {num_cpus:g}: each replica runs one torch thread per CPU, at most {MAX_THREADS}")
     try:
         cfg = load_config(config)
         if no_speculation:
@@ -186,38 +189,121 @@ def _serve_ray(config: Optional[Path], host: str, port: int, max_batch: int, max
         write_output(write_config, text, "--write-config")
         typer.echo(f"wrote {write_config}: deploy it with `serve deploy {write_config}` on the cluster")
         return
+    started_here = ray_address in (None, "local")  # no --ray-address: a Ray of this command's own
+    if started_here:
+        _check_port(host, port)  # before Ray starts and the replicas load
     try:
         import ray as ray_mod
         from ray import serve
     except ImportError:
         fail(INSTALL_HINT)
         return
-    ray_mod.init(address=ray_address, include_dashboard=False) if ray_address else ray_mod.init(include_dashboard=False)
-    serve.start(http_options={"host": host, "port": port})
-    serve.run(application(opts, scaling), name=APP_NAME, route_prefix="/")
-    typer.secho(f"serving on http://{host}:{port} via Ray Serve "
-                f"({'autoscale ' + autoscale if autoscale else f'{scaling.replicas} replica(s)'}); Ctrl-C to stop",
-                err=True, fg=typer.colors.CYAN)
-    stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-    try:
-        import time
-
-        while not stop:
-            time.sleep(1.0)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        _stop_serve(serve, ray_mod)
+    shown = f"autoscale {autoscale}" if autoscale else f"{scaling.replicas} replica(s)"
+    _run_on_ray(ray_mod, serve, ray_address, started_here, host, port, application(opts, scaling), shown)
     typer.echo(json.dumps({"stopped": True}))
 
 
-def _stop_serve(serve: Any, ray_mod: Any) -> None:
-    """Delete the app first: its replicas drain (each app's lifespan waits up to
-    --shutdown-timeout) while Ray's proxy still carries their streams to the clients;
-    ``serve.shutdown`` takes the proxies down at once, so it comes after, as ``ray.shutdown``."""
+class _StartFailed(Exception):
+    """A start-up step failed: its message is printed as ``error:`` once Ray has stopped."""
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    """SIGTERM as Ctrl-C: the start-up or serving step under way is left and ``_run_on_ray`` stops."""
+    raise KeyboardInterrupt
+
+
+def _run_on_ray(ray_mod: Any, serve: Any, ray_address: Optional[str], started_here: bool, host: str, port: int,
+                app: Any, shown: str) -> None:
+    """Start or join Ray, deploy, serve until SIGTERM/Ctrl-C, then stop, after a failed or interrupted
+    start-up too. SIGTERM is ours from before ``ray.init`` and again after it (``ray.init`` replaces
+    it; a SIGTERM then ended the command with Ray's C++ stack dump); a second SIGTERM does not cut
+    the drain short.
+    A failed step's error is printed last, after Ray's own clean-up lines."""
+    import signal
+    import time
+
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    deployed, problem = False, None
     try:
-        serve.delete(APP_NAME)
+        _connect(ray_mod, ray_address)
+        signal.signal(signal.SIGTERM, _interrupt)
+        _start_serve(serve, host, port)
+        deployed = True  # from here our app may exist on the cluster: deleted on the way out
+        _deploy(serve, app)
+        typer.secho(f"serving on http://{host}:{port} via Ray Serve ({shown}); Ctrl-C to stop",
+                    err=True, fg=typer.colors.CYAN)
+        while True:
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        pass
+    except _StartFailed as exc:
+        problem = str(exc)
     finally:
-        serve.shutdown()
-        ray_mod.shutdown()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            _stop_serve(serve, ray_mod, started_here, deployed)
+        finally:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+    if problem is not None:
+        fail(problem)
+
+
+def _connect(ray_mod: Any, ray_address: Optional[str]) -> None:
+    """``ray.init``: without --ray-address a new local Ray ("local": never a cluster found on the
+    machine or in RAY_ADDRESS, whose Serve this command must not shut down)."""
+    from spec_plugins.server.ray_serve import ray_error_text
+
+    try:
+        ray_mod.init(address=ray_address or "local", include_dashboard=False)
+    except Exception as exc:  # noqa: BLE001 - Ray raises many types (ValueError, ConnectionError, ...)
+        where = f"--ray-address {ray_address}: cannot connect" if ray_address else "cannot start a local Ray"
+        raise _StartFailed(f"{where} ({ray_error_text(exc)})") from None
+
+
+def _start_serve(serve: Any, host: str, port: int) -> None:
+    """``serve.start``, then the proxy's address as Serve holds it: on a cluster where Serve already
+    runs, Serve keeps its proxies' host and port and ignores ours, so a differing one is refused
+    rather than announcing an address nothing listens on."""
+    from spec_plugins.server.ray_serve import proxy_address, ray_error_text
+
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        actual = proxy_address()
+    except Exception as exc:  # noqa: BLE001 - a proxy that cannot bind comes back as a RayTaskError
+        raise _StartFailed(f"--host {host} --port {port}: Ray Serve's proxy cannot listen there "
+                           f"({ray_error_text(exc)})") from None
+    if actual != (host, port):
+        raise _StartFailed(f"--host {host} --port {port}: Ray Serve already runs on this cluster with its "
+                           f"proxy on {actual[0]}:{actual[1]} (fixed while Serve runs): give "
+                           f"--host {actual[0]} --port {actual[1]}")
+
+
+def _deploy(serve: Any, app: Any) -> None:
+    """``serve.run``; a deployment whose replicas fail to start is named with the replica's error."""
+    from spec_plugins.server.ray_serve import ray_error_text, replica_errors
+
+    try:
+        serve.run(app, name=APP_NAME, route_prefix="/")
+    except Exception as exc:  # noqa: BLE001 - Ray raises many types
+        try:
+            errors = replica_errors(serve.status(), APP_NAME)
+        except Exception:  # noqa: BLE001 - the status is a detail; serve.run's error still says it
+            errors = []
+        raise _StartFailed(f"the replicas of {APP_NAME!r} failed to start: "
+                           f"{'; '.join(errors) or ray_error_text(exc)}") from None
+
+
+def _stop_serve(serve: Any, ray_mod: Any, started_here: bool, deployed: bool) -> None:
+    """Delete our app first: its replicas drain (each app's lifespan waits up to --shutdown-timeout)
+    while Ray's proxy still carries their streams to the clients. ``serve.shutdown`` takes down every
+    app and proxy of the cluster, so it runs only on a Ray this command started (then Ray stops with
+    ``ray.shutdown``); on a --ray-address cluster ``ray.shutdown`` only disconnects."""
+    try:
+        if deployed and ray_mod.is_initialized():
+            serve.delete(APP_NAME)
+    finally:
+        try:
+            if started_here and ray_mod.is_initialized():
+                serve.shutdown()
+        finally:
+            ray_mod.shutdown()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -223,12 +224,13 @@ class RayServeConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        dep = {"name": "spec-plugins", **self.scaling.deployment_options()}
+        """Replicas and resources are written once, in ``args.scaling`` (``app_from_args`` checks them
+        and builds the deployment from them): a ``deployments`` entry beside it would override them
+        in Ray, so an edit of ``args.scaling`` would be ignored without a word."""
         return {"proxy_location": "EveryNode", "http_options": {"host": self.host, "port": self.port},
                 "applications": [{"name": "spec-plugins", "route_prefix": "/",
                                   "import_path": "spec_plugins.server.ray_serve:app_from_args",
-                                  "args": {"options": asdict(self.options), "scaling": asdict(self.scaling)},
-                                  "deployments": [dep]}]}
+                                  "args": {"options": asdict(self.options), "scaling": asdict(self.scaling)}}]}
 
 
 def app_from_args(args: dict[str, Any]) -> Any:
@@ -237,3 +239,43 @@ def app_from_args(args: dict[str, Any]) -> Any:
     if sc.get("autoscale") is not None:
         sc["autoscale"] = tuple(sc["autoscale"])
     return application(ReplicaOptions(**args["options"]), Scaling(**sc))
+
+
+def proxy_address() -> tuple[str, int]:
+    """The host and port Serve's HTTP proxies listen on, as the Serve controller holds them (its
+    client keeps them; ``serve.status()`` does not report them)."""
+    from ray.serve.context import _get_global_client
+
+    http = _get_global_client().http_config
+    return http.host, http.port
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def error_line(text: str) -> str:
+    """A Ray error text on one line, colour codes removed; of a traceback (a replica's, a proxy's)
+    its last line, which names the exception and its message."""
+    text = _ANSI.sub("", text).strip()
+    if 'File "' in text or "Traceback (most recent call last)" in text:
+        return text.splitlines()[-1].strip()
+    return " ".join(text.split())
+
+
+def ray_error_text(exc: BaseException) -> str:
+    """What went wrong, in one line, for an error Ray raised: a task's or actor's error
+    (``RayTaskError``) carries the remote exception as ``cause``, whose message says it."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException) and cause is not exc:
+        return ray_error_text(cause)
+    return error_line(str(exc)) or type(exc).__name__
+
+
+def replica_errors(status: Any, app_name: str) -> list[str]:
+    """Each failed deployment's error (``serve.status()``): ``serve.run`` raises only "failed to
+    update the deployments", while the deployment's status message ends with the replica's traceback."""
+    app = status.applications.get(app_name)
+    if app is None:
+        return []
+    return [error_line(dep.message) for dep in app.deployments.values()
+            if dep.status == "DEPLOY_FAILED" and dep.message]  # DeploymentStatus is a str enum
