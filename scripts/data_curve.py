@@ -85,15 +85,16 @@ def main() -> None:
     for name in dict.fromkeys(order + names):
         if name not in names:
             if name in old:
-                rows[name] = old[name]
+                rows[name] = kept_row(name, old[name], runs / name)
             continue
         d = runs / name
         if not (d / "train_report.json").is_file():
             print(f"{name}: no finished run, skipped")
             continue
         rep = json.loads((d / "train_report.json").read_text())
-        kind = rep["kind"]
-        row = {"kind": kind, "train_tokens": rep["train_tokens"], "train_seconds": rep["train_seconds"],
+        facts = head_facts(d)
+        kind = facts["kind"]
+        row = {**facts, "train_tokens": rep["train_tokens"], "train_seconds": rep["train_seconds"],
                "steps": rep["steps"], "draft_vocab": rep["draft_vocab"], "coverage": rep["draft_vocab_coverage"],
                "heldout": rep.get("heldout"), "head_bytes": rep["head_bytes"], "train": rep["train"],
                "features": rep["features"].get("responses"), "machine": rep.get("trained_on") or machine()}
@@ -107,6 +108,43 @@ def main() -> None:
     curve = [rows[n] for n in args.curve.split(",") if n in rows]
     plot(curve, [rows[n] for n in args.longer.split(",") if n in rows], Path(args.plot))
     write_markdown(rows, args, Path(args.markdown))
+
+
+def head_facts(run: Path) -> dict:
+    """The head's kind and whether it reads fused target layers, from the run's config.json (its
+    name says neither: a parallel run is no Medusa head, a run may be named for other settings)."""
+    path = run / "config.json"
+    if not path.is_file():
+        raise SystemExit(f"{path}: no head config; the table reads the head's kind and input from it (for a row "
+                         "of --out written before it recorded them too): give --runs the run's finished directory")
+    cfg = json.loads(path.read_text())
+    return {"kind": cfg["kind"], "fused": bool(cfg.get("feature_layers"))}
+
+
+def kept_row(name: str, row: dict, run: Path) -> dict:
+    """A row of --out kept by --merge. One written before it recorded the head's kind and input
+    takes them from its run's config.json, or where that run is gone, from its name as the table
+    read them then (``no-fused`` in it: the last hidden state), with a warning saying so."""
+    if "kind" in row and "fused" in row:
+        return row
+    if (run / "config.json").is_file():
+        return {**row, **head_facts(run)}
+    kind = row.get("kind") or ("medusa" if "medusa" in name else "eagle")
+    facts = {"kind": kind, "fused": kind == "eagle" and "no-fused" not in name}
+    print(f"warning: {name}: its row in --out records no head kind or input and {run / 'config.json'} is "
+          f"absent; taken from its name: {facts} (give --runs the run's directory to read them)", flush=True)
+    return {**row, **facts}
+
+
+def describe(r: dict) -> str:
+    """The table's ``labels / input / TTT`` of a row (its ``kind`` and ``fused`` from ``head_facts``)."""
+    t = r["train"]
+    if r["kind"] == "medusa":
+        return f"{t.get('loss')} / medusa heads / –"
+    layers = "fused" if r["fused"] else "last hidden"
+    if r["kind"] == "parallel":
+        return f"{t.get('loss')} / {layers}, parallel block / –"
+    return f"{t.get('loss')} / {layers} / {t.get('unroll')}"
 
 
 def plot(curve: list[dict], longer: list[dict], path: Path) -> None:
@@ -157,8 +195,7 @@ def write_markdown(rows: dict[str, dict], args: argparse.Namespace, doc: Path) -
              "", head, "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
         t = r["train"]
-        desc = (f"{t.get('loss')} / {'fused' if r['kind'] == 'eagle' and 'no-fused' not in name else 'last hidden'} / "
-                f"{t.get('unroll')}" if r["kind"] == "eagle" else f"{t.get('loss')} / medusa heads / –")
+        desc = describe(r)
         if r["features"] == "self":
             desc += " (self-distilled)"
         h = r["heldout"] or {}

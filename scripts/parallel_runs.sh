@@ -54,7 +54,8 @@ run parallel-from-eagle-sharegpt spec-plugins train parallel --features "$F" --h
 # --max-tokens continues after its last shard), then the parallel drafter against the EAGLE head at
 # equal data from scratch (batch 1, 1 epoch), and the shipped recipe (from the EAGLE head) on 4x its data
 [ -f "$F/DONE-2M" ] || { t0=$(date +%s)
-  spec-plugins train features --split train --max-tokens 2000000 --out "$F" --no-progress && touch "$F/DONE-2M"
+  spec-plugins train features --split train --max-tokens 2000000 --out "$F" --no-progress
+  touch "$F/DONE-2M"  # its own line: a failed `cmd && touch` would not stop the script (set -e skips && lists)
   echo "feat-train-to-2M: $(( $(date +%s) - t0 )) s" | tee -a "$R/times.txt"; }
 M="--max-train-tokens 2000000 --batch-size 1"
 run parallel-2M-from-eagle spec-plugins train parallel --features "$F" --heldout "$H" $P $M --init "$SHIPPED" --lr 3e-4

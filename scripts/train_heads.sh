@@ -30,7 +30,8 @@ run abl-b1-top1    spec-plugins train eagle --features "$F" --heldout "$H" $B1 -
 S=${SELF_FEATURES:-data/feat-self}
 [ -f "$S/DONE" ] || { t0=$(date +%s)
   spec-plugins train features --responses self --split train --max-tokens 66000 --gen-batch 16 \
-    --max-new-tokens 256 --out "$S" && touch "$S/DONE"
+    --max-new-tokens 256 --out "$S"
+  touch "$S/DONE"  # its own line: a failed `cmd && touch` would not stop the script (set -e skips && lists)
   echo "feat-self: $(( $(date +%s) - t0 )) s" | tee -a "$R/times.txt"; }
 run abl-b1-self    spec-plugins train eagle --features "$S" --heldout "$H" $B1
 # the next rungs: the full recipe trained longer. Two epochs at batch 1 over the same 0.5M-token
@@ -39,7 +40,8 @@ run abl-b1-self    spec-plugins train eagle --features "$S" --heldout "$H" $B1
 # batch 1 over all of it. The runs above read all of $F, so they come first on a fresh machine.
 run eagle-b1-e2   spec-plugins train eagle --features "$F" --heldout "$H" --epochs 2 --batch-size 1
 [ -f "$F/DONE-1.5M" ] || { t0=$(date +%s)
-  spec-plugins train features --split train --max-tokens 1500000 --out "$F" --no-progress && touch "$F/DONE-1.5M"
+  spec-plugins train features --split train --max-tokens 1500000 --out "$F" --no-progress
+  touch "$F/DONE-1.5M"
   echo "feat-train-to-1.5M: $(( $(date +%s) - t0 )) s" | tee -a "$R/times.txt"; }
 run eagle-1.5M-b1 spec-plugins train eagle --features "$F" --heldout "$H" --epochs 1.5 --batch-size 1
 # then the table, the plot and the in-loop acceptance:

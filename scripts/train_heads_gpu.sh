@@ -85,7 +85,8 @@ train() {  # train K [device-step options]: the last call
     for other in "$STAGE_HOME"/work/*/; do  # made by other options: kept, not used
       [ "${other%/}" = "$work" ] || [ ! -f "$other/options.txt" ] || at "NOTE: left as it is, other options: ${other%/} ($(cat "$other/options.txt"))"
     done
-    mkdir -p "$work" && printf '%s ' "$@" > "$work/options.txt"
+    mkdir -p "$work"
+    printf '%s ' "$@" > "$work/options.txt"
     "$PY" $DRIVER device --bundle "$STAGE_HOME/bundle" --out "$OUT" --work "$work" \
       --until $((start + ${BUDGET_S:-480})) "$@"
     at "done"

@@ -102,6 +102,7 @@ def features_cmd(
     from spec_plugins.heads.eagle import parse_feature_layers
     from spec_plugins.training.features import extract, recorded_path, resume_state
     from spec_plugins.training.sharegpt import DataFilter, FilterCounts
+    from spec_plugins.training.target_check import FINGERPRINT, model_fingerprint
 
     torch.set_num_threads(threads)
     flt = DataFilter(language=language)  # type: ignore[arg-type]
@@ -129,7 +130,8 @@ def features_cmd(
         meta = {"target": recorded_path(target), "source": source, "responses": responses, "split": split,
                 "max_seq": max_seq, "layers": list(keep), "language": language, "heldout_share": heldout_share,
                 "prompts": recorded_path(str(prompts)) if prompts else None,
-                "max_new_tokens": max_new_tokens if responses == "self" else None}
+                "max_new_tokens": max_new_tokens if responses == "self" else None,
+                FINGERPRINT: model_fingerprint(model)}  # training refuses other weights at that path
         if source == "tokens":  # the shards' content too: a rerun of self-distill may have replaced them
             store.check_model(target, int(model.get_input_embeddings().weight.shape[0]))
             meta |= {"tokens": recorded_path(str(tokens)), "token_meta": store.state.get("meta"),
@@ -174,24 +176,6 @@ def _decoder(backend: str, target: str) -> Any:
 
     return SpeculativeDecoder.from_config(SpecConfig.parse({"target": {"backend": backend, "model": target},
                                                             "proposer": None}))
-
-
-def _load(features: Path, heldout: Optional[Path], target: Optional[str], layers: bool):
-    """The training features, the held-out ones (checked against them; their layers only where the
-    head reads them: ``layers``) and the target."""
-    from spec_plugins.backends.torch_runtime import load_hf
-    from spec_plugins.training.features import FeatureStore
-    from spec_plugins.training.heldout import check_heldout
-
-    store = FeatureStore(features)
-    held = FeatureStore(heldout) if heldout else None
-    if held is not None:
-        check_heldout(store, held, layers)
-    name = target or store.meta["target"]
-    if name != store.meta["target"]:
-        raise ValueError(f"{features} holds features of {store.meta['target']!r}, not {name!r}")
-    model, _ = load_hf(name, "float32", "cpu")
-    return store, held, model
 
 
 @train_app.command("self-distill")
@@ -391,7 +375,9 @@ def _run_training(features: Path, heldout: Optional[Path], out: Path, threads: i
     torch.set_num_threads(threads)
     try:
         tcfg = TrainConfig(**{k: v for k, v in cfg.items() if v is not None})  # checks its values before anything loads
-        store, held, model = _load(features, heldout, None, layers)
+        from spec_plugins.training.target_check import load_for_training
+
+        store, held, model = load_for_training(features, heldout, layers)
         report = go(store, model, tcfg, held)
     except (FileNotFoundError, ValueError, OSError, SafetensorError) as exc:  # save_head's safetensors error
         _fail(exc, out)

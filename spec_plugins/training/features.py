@@ -37,6 +37,7 @@ from spec_plugins.training.heldout import check_heldout  # noqa: F401 (imported 
 from spec_plugins.files import write_atomic
 
 FORMAT = "spec-plugins-features/1"
+FEATURES_AGAIN = "extract the features again into a new --out (`spec-plugins train features`)"
 
 
 @dataclass
@@ -85,13 +86,12 @@ class Shard:
 
 
 @contextmanager
-def shard_errors(path: Path) -> Iterator[None]:
-    """Feature shard ``path`` read: missing or corrupt (an interrupted copy), a ValueError naming it (as load_head)."""
+def shard_errors(path: Path, what: str = "feature shard", again: str = FEATURES_AGAIN) -> Iterator[None]:
+    """Shard ``path`` read: missing or corrupt (an interrupted copy), a ValueError naming it (as load_head)."""
     try:
         yield
-    except Exception as exc:  # noqa: BLE001 - safetensors' own error, a missing file or tensor name
-        raise ValueError(f"feature shard {path} cannot be read ({type(exc).__name__}: {exc}); extract the features "
-                         "again into a new --out (`spec-plugins train features`) or copy them again") from None
+    except Exception as exc:  # noqa: BLE001 - safetensors' or numpy's own error, a missing file or tensor name
+        raise ValueError(f"{what} {path} cannot be read ({type(exc).__name__}: {exc}); {again} or copy them again") from None
 
 
 def compact(t: torch.Tensor) -> torch.Tensor:
@@ -192,17 +192,15 @@ def check_plain_head(model: Any, ids: torch.Tensor, probe: int = 64) -> None:
 def resume_state(out: Path, meta: dict) -> dict | None:
     """The progress of an earlier extraction into ``out`` (None if there is none), refused when it
     was made with other settings: a rerun only continues the same extraction. The target is
-    compared as a model: a rerun may name it another way (an older run recorded paths as typed)."""
-    from spec_plugins.models import same_model
+    compared as a model, by name and by its weights' fingerprint (``target_check.rerun_meta``)."""
+    from spec_plugins.training.target_check import rerun_meta
     from spec_plugins.training.trainer import differences
 
     path = Path(out) / "progress.json"
     state = json.loads(path.read_text()) if path.is_file() else None
     if state is None:
         return None
-    was = state["meta"].get("target")
-    if "target" in meta and was is not None and same_model(str(was), str(meta["target"])):
-        meta = {**meta, "target": was}
+    meta = rerun_meta(state["meta"], meta)
     if state["meta"] != meta:
         raise ValueError(f"{out} holds features made with other settings ({'; '.join(differences(state['meta'], meta))}); "
                          "use a new --out directory")

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from spec_plugins.models import same_model
-from spec_plugins.training.features import ShardDirectory
+from spec_plugins.training.features import ShardDirectory, shard_errors
 
 FORMAT = "spec-plugins-tokens/1"
 PARTIAL = ".partial"  # the subdirectory a run writes its shards into until it is complete
@@ -54,7 +54,8 @@ class TokenShard:
 
     @classmethod
     def load(cls, path: Path) -> "TokenShard":
-        with np.load(path, allow_pickle=False) as z:
+        with shard_errors(path, "token shard", "write the token shards again"), \
+                np.load(path, allow_pickle=False) as z:  # a truncated copy: numpy's BadZipFile, named as a ValueError
             offsets = z["offsets"].astype(np.int64)
             n = int(offsets[-1])
             tokens, trained = z["tokens"], np.unpackbits(z["trained"], count=n).astype(bool)
