@@ -19,6 +19,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import typer
 import yaml
 from typer.testing import CliRunner
 
@@ -95,6 +96,7 @@ def test_a_busy_port_is_refused_before_ray_starts(tmp_path, tiny, monkeypatch):
         raise AssertionError("Ray was started")
 
     monkeypatch.setattr(ray, "init", no_ray)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -125,6 +127,109 @@ def test_stopping_shuts_serve_down_only_on_a_ray_of_our_own(started_here, deploy
     fake_ray = SimpleNamespace(is_initialized=lambda: True, shutdown=lambda: seen.append("ray.shutdown"))
     server_cli._stop_serve(fake_serve, fake_ray, started_here, deployed)
     assert seen == calls
+
+
+def test_ray_address_from_the_environment_is_joined_and_left_running(tmp_path, tiny, monkeypatch):
+    """`ray job submit` sets RAY_ADDRESS for its entrypoint: without --ray-address the command joins
+    that cluster (its proxy's port is not checked here; Serve is not shut down) rather than starting
+    a second Ray on the node."""
+    asked: list = []
+
+    def spy(address=None, **kwargs):
+        asked.append(address)
+        raise ConnectionError("unreachable")
+
+    monkeypatch.setattr(ray, "init", spy)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
+    with socket.socket() as busy:  # a port of this machine is not the cluster's proxy's: not checked
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        res = CliRunner().invoke(app, ["serve", "--ray", "-c", _spec_config(tmp_path, tiny), "--num-cpus", "0.5",
+                                       "--port", str(busy.getsockname()[1])])
+    assert asked == ["10.0.0.5:6379"], res.output
+    assert "joining the Ray cluster in RAY_ADDRESS (10.0.0.5:6379), left running at stop" in res.output
+    assert res.exit_code == 2 and res.output.rstrip().splitlines()[-1] == (
+        "error: RAY_ADDRESS 10.0.0.5:6379: cannot connect (unreachable)"), res.output
+
+
+def _fake_ray(seen: list, status, run_error: BaseException = KeyboardInterrupt()) -> tuple:
+    """Ray's module and Serve as ``_run_on_ray`` calls them, recording the calls; ``serve.run`` raises
+    ``run_error`` (a Ctrl-C by default, so a deploy that goes ahead stops at once)."""
+    def run(app, name, route_prefix):
+        seen.append("run")
+        raise run_error
+
+    fake_serve = SimpleNamespace(start=lambda http_options: seen.append("start"), status=lambda: status, run=run,
+                                 delete=lambda name: seen.append(("delete", name)),
+                                 shutdown=lambda: seen.append("serve.shutdown"))
+    fake_ray = SimpleNamespace(init=lambda address, include_dashboard: seen.append(("init", address)),
+                               is_initialized=lambda: True, shutdown=lambda: seen.append("ray.shutdown"))
+    return fake_ray, fake_serve
+
+
+def _serve_status(apps: dict):
+    from ray.serve.schema import ApplicationStatusOverview, ServeStatus
+
+    return ServeStatus(applications={name: ApplicationStatusOverview(status, "", 0.0, {})
+                                     for name, status in apps.items()})
+
+
+def test_an_app_of_our_name_on_the_cluster_is_refused_and_left(monkeypatch, capsys):
+    """``serve.run`` would replace it (a `serve deploy` of a written config is named so) and the stop
+    delete it: neither runs, and the error names the app."""
+    from ray.serve import context
+    from ray.serve.schema import ApplicationStatus
+
+    monkeypatch.setattr(context, "_get_global_client",
+                        lambda: SimpleNamespace(http_config=SimpleNamespace(host="127.0.0.1", port=8000)))
+    seen: list = []
+    fake_ray, fake_serve = _fake_ray(seen, _serve_status({"spec-plugins": ApplicationStatus.RUNNING}))
+    with pytest.raises(typer.Exit):
+        server_cli._run_on_ray(fake_ray, fake_serve, "head:6379", False, "127.0.0.1", 8000, None, "1 replica(s)")
+    assert seen == [("init", "head:6379"), "start", "ray.shutdown"]
+    assert capsys.readouterr().err.rstrip().splitlines()[-1] == (
+        "error: Ray Serve on this cluster already has an application named 'spec-plugins' (status RUNNING), "
+        "owned by another deployment: it is left as it is; remove it first (serve.delete('spec-plugins') from "
+        "a Ray driver, or `serve shutdown` for all of Serve) to serve this one there")
+
+
+def test_a_deploy_serve_refuses_is_not_called_a_replica_failure():
+    """A route prefix another app holds: Serve refuses the deploy before any replica exists."""
+    from ray.exceptions import RayTaskError
+    from ray.serve.exceptions import RayServeException
+
+    reason = 'Prefix / is being used by application "other". Failed to deploy application "spec-plugins".'
+    refused = RayTaskError("ServeController.deploy_applications", "Traceback (most recent call last):\n"
+                           f"ray.serve.exceptions.RayServeException: {reason}",
+                           RayServeException(reason)).as_instanceof_cause()
+    _, fake_serve = _fake_ray([], _serve_status({}), run_error=refused)
+    with pytest.raises(server_cli._StartFailed) as failed:
+        server_cli._deploy(fake_serve, None)
+    assert str(failed.value) == f"Ray Serve refused to deploy 'spec-plugins': {reason}"
+
+
+@pytest.mark.parametrize("started_here", [True, False])
+def test_a_ray_without_the_private_proxy_api(started_here, monkeypatch, capsys):
+    """Another Ray release without ``_get_global_client``: a Serve of our own Ray took our address, so
+    it serves; on a joined cluster the running proxy's address cannot be checked, and that is the error."""
+    from ray.serve import context
+
+    monkeypatch.delattr(context, "_get_global_client")
+    seen: list = []
+    fake_ray, fake_serve = _fake_ray(seen, _serve_status({}))
+    address = None if started_here else "head:6379"
+    if started_here:  # then a Ctrl-C: our app deleted, Serve and Ray shut down
+        server_cli._run_on_ray(fake_ray, fake_serve, address, True, "127.0.0.1", 8000, None, "1 replica(s)")
+        assert seen == [("init", "local"), "start", "run", ("delete", "spec-plugins"), "serve.shutdown",
+                        "ray.shutdown"]
+        return
+    with pytest.raises(typer.Exit):
+        server_cli._run_on_ray(fake_ray, fake_serve, address, False, "127.0.0.1", 8000, None, "1 replica(s)")
+    assert seen == [("init", "head:6379"), "start", "ray.shutdown"]
+    assert capsys.readouterr().err.rstrip().splitlines()[-1].startswith(
+        "error: --host 127.0.0.1 --port 8000: cannot tell whether the running Ray Serve proxy listens there "
+        f"(Serve keeps the address it first started with): Ray {ray.__version__} has no "
+        "ray.serve.context._get_global_client().http_config to read it from (")
 
 
 def test_ray_errors_come_down_to_their_line():
@@ -245,10 +350,13 @@ def test_sigterm_leaves_the_other_apps_of_the_cluster_running(cluster, tmp_path,
 
 
 def test_sigterm_during_start_up_stops_cleanly(cluster, tmp_path, tiny):
-    """SIGTERM while the replica is being added: our handler, not Ray's C++ one, so the app is deleted."""
+    """SIGTERM while the replica is being added: our handler, not Ray's C++ one, so the app is deleted.
+    The replica asks for 2 CPUs, which the cluster (2 CPUs, 0.1 held by "other") cannot place while
+    "other" runs, so start-up lasts until the SIGTERM however fast a replica builds (--shutdown-timeout 0:
+    Serve gives the unplaced replica 5 s to stop, not 35)."""
     address, port = cluster
-    rc, out, err = _cli(["--ray-address", address, "-c", _spec_config(tmp_path, tiny), "--port", str(port)],
-                        stop_after="Adding 1 replica")
-    assert "SIGTERM received" not in err, err[-3000:]
+    rc, out, err = _cli(["--ray-address", address, "-c", _spec_config(tmp_path, tiny), "--port", str(port),
+                         "--num-cpus", "2", "--shutdown-timeout", "0"], stop_after="Adding 1 replica")
+    assert "SIGTERM received" not in err and "serving on" not in err, err[-3000:]
     assert rc == 0 and '{"stopped": true}' in out, err[-3000:]
     assert _other_app_and_ours(port) == ("other app alive", 404)

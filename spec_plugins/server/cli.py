@@ -73,8 +73,10 @@ def serve(
     autoscale: Optional[str] = typer.Option(None, "--autoscale", help="--ray: MIN:MAX replicas, scaled on "
                                                                       "ongoing requests (instead of --replicas)."),
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="--ray: a running cluster, left "
-                                                                          "running ('auto': this machine's; "
-                                                                          "default: start a new local Ray)."),
+                                                                          "running ('auto': RAY_ADDRESS's, else "
+                                                                          "this machine's; 'local': a new local "
+                                                                          "Ray; default: RAY_ADDRESS's cluster "
+                                                                          "where it is set, else a new local Ray)."),
     num_cpus: float = typer.Option(1.0, "--num-cpus", min=0.0, help="--ray: CPUs per replica."),
     num_gpus: float = typer.Option(0.0, "--num-gpus", min=0.0, help="--ray: GPUs per replica."),
     write_config: Optional[Path] = typer.Option(None, "--write-config",
@@ -189,7 +191,12 @@ def _serve_ray(config: Optional[Path], host: str, port: int, max_batch: int, max
         write_output(write_config, text, "--write-config")
         typer.echo(f"wrote {write_config}: deploy it with `serve deploy {write_config}` on the cluster")
         return
-    started_here = ray_address in (None, "local")  # no --ray-address: a Ray of this command's own
+    address_from = "--ray-address"
+    if ray_address is None and os.environ.get("RAY_ADDRESS"):  # set by `ray job submit` for its entrypoint
+        ray_address, address_from = os.environ["RAY_ADDRESS"], "RAY_ADDRESS"
+        typer.secho(f"joining the Ray cluster in RAY_ADDRESS ({ray_address}), left running at stop "
+                    "(--ray-address local: a new local Ray instead)", err=True, fg=typer.colors.CYAN)
+    started_here = ray_address in (None, "local")  # a Ray of this command's own
     if started_here:
         _check_port(host, port)  # before Ray starts and the replicas load
     try:
@@ -199,7 +206,8 @@ def _serve_ray(config: Optional[Path], host: str, port: int, max_batch: int, max
         fail(INSTALL_HINT)
         return
     shown = f"autoscale {autoscale}" if autoscale else f"{scaling.replicas} replica(s)"
-    _run_on_ray(ray_mod, serve, ray_address, started_here, host, port, application(opts, scaling), shown)
+    _run_on_ray(ray_mod, serve, ray_address, started_here, host, port, application(opts, scaling), shown,
+                address_from)
     typer.echo(json.dumps({"stopped": True}))
 
 
@@ -213,7 +221,7 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 
 def _run_on_ray(ray_mod: Any, serve: Any, ray_address: Optional[str], started_here: bool, host: str, port: int,
-                app: Any, shown: str) -> None:
+                app: Any, shown: str, address_from: str = "--ray-address") -> None:
     """Start or join Ray, deploy, serve until SIGTERM/Ctrl-C, then stop, after a failed or interrupted
     start-up too. SIGTERM is ours from before ``ray.init`` and again after it (``ray.init`` replaces
     it; a SIGTERM then ended the command with Ray's C++ stack dump); a second SIGTERM does not cut
@@ -225,9 +233,10 @@ def _run_on_ray(ray_mod: Any, serve: Any, ray_address: Optional[str], started_he
     previous = signal.signal(signal.SIGTERM, _interrupt)
     deployed, problem = False, None
     try:
-        _connect(ray_mod, ray_address)
+        _connect(ray_mod, ray_address, address_from)
         signal.signal(signal.SIGTERM, _interrupt)
-        _start_serve(serve, host, port)
+        _start_serve(serve, host, port, started_here)
+        _check_name_free(serve)
         deployed = True  # from here our app may exist on the cluster: deleted on the way out
         _deploy(serve, app)
         typer.secho(f"serving on http://{host}:{port} via Ray Serve ({shown}); Ctrl-C to stop",
@@ -248,38 +257,69 @@ def _run_on_ray(ray_mod: Any, serve: Any, ray_address: Optional[str], started_he
         fail(problem)
 
 
-def _connect(ray_mod: Any, ray_address: Optional[str]) -> None:
-    """``ray.init``: without --ray-address a new local Ray ("local": never a cluster found on the
-    machine or in RAY_ADDRESS, whose Serve this command must not shut down)."""
+def _connect(ray_mod: Any, ray_address: Optional[str], address_from: str = "--ray-address") -> None:
+    """``ray.init``: with no address a new local Ray ("local": never a cluster found on the machine,
+    whose Serve this command must not shut down); ``address_from`` names where the address came from
+    (the flag, or RAY_ADDRESS) in the error."""
     from spec_plugins.server.ray_serve import ray_error_text
 
     try:
         ray_mod.init(address=ray_address or "local", include_dashboard=False)
     except Exception as exc:  # noqa: BLE001 - Ray raises many types (ValueError, ConnectionError, ...)
-        where = f"--ray-address {ray_address}: cannot connect" if ray_address else "cannot start a local Ray"
+        where = f"{address_from} {ray_address}: cannot connect" if ray_address else "cannot start a local Ray"
         raise _StartFailed(f"{where} ({ray_error_text(exc)})") from None
 
 
-def _start_serve(serve: Any, host: str, port: int) -> None:
+def _start_serve(serve: Any, host: str, port: int, started_here: bool = False) -> None:
     """``serve.start``, then the proxy's address as Serve holds it: on a cluster where Serve already
     runs, Serve keeps its proxies' host and port and ignores ours, so a differing one is refused
-    rather than announcing an address nothing listens on."""
-    from spec_plugins.server.ray_serve import proxy_address, ray_error_text
+    rather than announcing an address nothing listens on. The address is read through Ray's private
+    API (``PROXY_ADDRESS_API``); where this Ray lacks it, a Serve this command started on its own Ray
+    took our host and port anyway, while on a joined cluster the check cannot be made and is refused."""
+    import ray
+
+    from spec_plugins.server.ray_serve import PROXY_ADDRESS_API, proxy_address, ray_error_text
 
     try:
         serve.start(http_options={"host": host, "port": port})
-        actual = proxy_address()
     except Exception as exc:  # noqa: BLE001 - a proxy that cannot bind comes back as a RayTaskError
         raise _StartFailed(f"--host {host} --port {port}: Ray Serve's proxy cannot listen there "
                            f"({ray_error_text(exc)})") from None
+    try:
+        actual = proxy_address()
+    except (ImportError, AttributeError) as exc:  # moved in another Ray release
+        if started_here:
+            return
+        raise _StartFailed(f"--host {host} --port {port}: cannot tell whether the running Ray Serve proxy listens "
+                           f"there (Serve keeps the address it first started with): Ray {ray.__version__} has no "
+                           f"{PROXY_ADDRESS_API} to read it from ({exc}); upgrade or downgrade Ray to a version "
+                           "that has it") from None
     if actual != (host, port):
         raise _StartFailed(f"--host {host} --port {port}: Ray Serve already runs on this cluster with its "
                            f"proxy on {actual[0]}:{actual[1]} (fixed while Serve runs): give "
                            f"--host {actual[0]} --port {actual[1]}")
 
 
+def _check_name_free(serve: Any) -> None:
+    """``serve.run`` replaces an app of the same name without a word, and our stop would then delete
+    it: an app named ``APP_NAME`` already on the cluster (a `serve deploy` of a --write-config file,
+    another ``serve --ray``) is another deployment's, so the command is refused and leaves it."""
+    from spec_plugins.server.ray_serve import ray_error_text
+
+    try:
+        found = serve.status().applications.get(APP_NAME)
+    except Exception as exc:  # noqa: BLE001 - Ray raises many types
+        raise _StartFailed(f"cannot read Ray Serve's applications ({ray_error_text(exc)})") from None
+    if found is not None:
+        raise _StartFailed(f"Ray Serve on this cluster already has an application named {APP_NAME!r} (status "
+                           f"{getattr(found.status, 'value', found.status)}), owned by another deployment: it is "
+                           f"left as it is; remove it first (serve.delete({APP_NAME!r}) from a Ray driver, or "
+                           "`serve shutdown` for all of Serve) to serve this one there")
+
+
 def _deploy(serve: Any, app: Any) -> None:
-    """``serve.run``; a deployment whose replicas fail to start is named with the replica's error."""
+    """``serve.run``; a deployment whose replicas fail to start is named with the replica's error,
+    a deploy Serve refuses (a route prefix another app holds) with Serve's reason."""
     from spec_plugins.server.ray_serve import ray_error_text, replica_errors
 
     try:
@@ -289,8 +329,9 @@ def _deploy(serve: Any, app: Any) -> None:
             errors = replica_errors(serve.status(), APP_NAME)
         except Exception:  # noqa: BLE001 - the status is a detail; serve.run's error still says it
             errors = []
-        raise _StartFailed(f"the replicas of {APP_NAME!r} failed to start: "
-                           f"{'; '.join(errors) or ray_error_text(exc)}") from None
+        if errors:
+            raise _StartFailed(f"the replicas of {APP_NAME!r} failed to start: {'; '.join(errors)}") from None
+        raise _StartFailed(f"Ray Serve refused to deploy {APP_NAME!r}: {ray_error_text(exc)}") from None
 
 
 def _stop_serve(serve: Any, ray_mod: Any, started_here: bool, deployed: bool) -> None:

@@ -241,9 +241,12 @@ def app_from_args(args: dict[str, Any]) -> Any:
     return application(ReplicaOptions(**args["options"]), Scaling(**sc))
 
 
+PROXY_ADDRESS_API = "ray.serve.context._get_global_client().http_config"  # private: may move between releases
+
+
 def proxy_address() -> tuple[str, int]:
     """The host and port Serve's HTTP proxies listen on, as the Serve controller holds them (its
-    client keeps them; ``serve.status()`` does not report them)."""
+    client keeps them, ``PROXY_ADDRESS_API``; ``serve.status()`` does not report them)."""
     from ray.serve.context import _get_global_client
 
     http = _get_global_client().http_config
