@@ -120,12 +120,26 @@ def backends_side_by_side(runs: int, max_new: int, threads: int) -> dict:
 def positive_int(text: str) -> int:
     """An argparse type: an integer >= 1, so that 0 runs or tokens is a usage error before any
     model loads, not a failed median after every method ran."""
+    return bounded_int(text, None)
+
+
+def thread_count(text: str) -> int:
+    """An argparse type: a thread count, 1..MAX_THREADS as every runtime takes it."""
+    from spec_plugins.backends.llamacpp_config import (
+        MAX_THREADS,  # imported once HF_HUB_OFFLINE is set
+    )
+
+    return bounded_int(text, MAX_THREADS)
+
+
+def bounded_int(text: str, most: int | None) -> int:
+    """An integer >= 1 (and <= ``most`` where given), or argparse's usage error."""
     try:
         n = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    if n < 1 or (most is not None and n > most):
+        raise argparse.ArgumentTypeError(f"must be in 1..{most}, got {n}" if most else f"must be >= 1, got {n}")
     return n
 
 
@@ -136,7 +150,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--k", type=int, default=4, help="fixed draft length for ours and the peer")
     ap.add_argument("--runs", type=positive_int, default=3, help="timed runs per method and prompt (medians)")
     ap.add_argument("--max-new-tokens", type=positive_int, default=64)
-    ap.add_argument("--threads", type=positive_int, default=2,
+    ap.add_argument("--threads", type=thread_count, default=2,
                     help="threads of every target, the side-by-side configs' too")
     ap.add_argument("--skip-backends", action="store_true")
     ap.add_argument("--out", default="bench-llamacpp.json")

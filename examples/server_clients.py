@@ -82,9 +82,10 @@ def main() -> None:
         text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
         print(f"InferenceClient.chat_completion(stream=True): {text!r}")
         for name, body in BAD:
-            resp = httpx.post(url + "/generate", content=body, headers={"content-type": "application/json"})
+            resp = httpx.post(url + "/generate", content=body, headers={"content-type": "application/json"},
+                              timeout=TIMEOUT)
             print(f"bad request, {name}: HTTP {resp.status_code} {resp.text[:160]}")
-        ok = httpx.post(url + "/generate", json={"inputs": prompt, "parameters": {"max_new_tokens": 5}})
+        ok = httpx.post(url + "/generate", json={"inputs": prompt, "parameters": {"max_new_tokens": 5}}, timeout=TIMEOUT)
         print(f"after the bad requests: HTTP {ok.status_code} {ok.json()['generated_text']!r}")
     except Exception:
         print(f"failed; the server's output ({log}) ends with:\n{log_tail(log)}", file=sys.stderr, flush=True)

@@ -127,12 +127,13 @@ def test_503s_of_the_connection_cap_are_json_in_their_paths_shape(model):  # noq
             assert time.time() < deadline, "the server did not read the headers sent"
             time.sleep(0.05)
         newer = _connect(srv)
-        status, _, body = _reply(_read_all(victim))
+        status, headers, body = _reply(_read_all(victim))
         assert (status, body) == (503, _openai_error(BUSY, "overloaded", "server_error"))
+        assert headers.get("retry-after") == "1"  # as the 503 of a full cap answered in the app
         newer.close()
         busy = _busy(srv, 1)  # the cap busy and no reserve: a new connection's 503 comes before any path
-        status, _, body = _reply(_read_all(_connect(srv)))
-        assert (status, body) == (503, {"error": BUSY, "error_type": "overloaded"})
+        status, headers, body = _reply(_read_all(_connect(srv)))
+        assert (status, body) == (503, {"error": BUSY, "error_type": "overloaded"}) and headers["retry-after"] == "1"
         for b in busy:
             b.close()
     finally:
@@ -141,7 +142,7 @@ def test_503s_of_the_connection_cap_are_json_in_their_paths_shape(model):  # noq
 
 # ---- examples ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("args,named", [(["--runs", "0"], "--runs"), (["--max-new-tokens", "-1"], "--max-new-tokens"),
-                                        (["--threads", "0"], "--threads")])
+                                        (["--threads", "0"], "--threads"), (["--threads", "100000"], "--threads")])
 def test_bench_llamacpp_refuses_non_positive_numbers_before_loading(args, named, tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "examples" / "bench_llamacpp.py"), *args], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)

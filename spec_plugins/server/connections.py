@@ -373,7 +373,8 @@ class GuardedHttpTools(BodyReading, HttpToolsProtocol):
             return
         self._refused = None
         scope = {"path": request_line_path(self._head)} if self.in_headers else self.scope
-        error = ApiError(status, message, "overloaded" if status == 503 else "http", {"connection": "close"})
+        headers = {"connection": "close", **({"retry-after": "1"} if status == 503 else {})}  # as _over_capacity's
+        error = ApiError(status, message, "overloaded" if status == 503 else "http", headers)
         self.transport.write(error_bytes(STATUS_LINE[status], error, scope))
         self.transport.close()
 
