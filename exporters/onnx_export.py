@@ -2,23 +2,24 @@
 
 One entry point, :func:`export_config`, used by ``spec-plugins export onnx`` and by the ONNX
 Runtime backend's export-on-first-use. Graphs are written to a temporary directory next to the
-target and renamed into place at the end, so an interrupted export never leaves a half-written
-directory. Only a previous export (or an empty directory) is ever replaced.
+target and renamed into place at the end (``exporters.staging``), so an interrupted export (an
+error, Ctrl-C, SIGTERM) never leaves a half-written directory; one killed outright leaves its
+temporary one, which the next export to that target removes. Only a previous export (or an empty
+directory) is ever replaced.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from spec_plugins.backends import hf_compat
 from spec_plugins.backends.onnx_cache import stored_model_name
 from spec_plugins.graphs.manifest import (FORMAT, MANIFEST_NAME, GraphEntry, Manifest, ManifestError,
                                           graph_files, library_versions, read_json)
 from spec_plugins.exporters.onnx_verify import export_verify_graph, graph_context_cap
+from spec_plugins.exporters.staging import move_into_place, staged
 from spec_plugins.graphs.io import GRAPH_DTYPES, MAX_OPSET, MIN_OPSET, OPSET
 
 Log = Callable[[str], None]
@@ -88,41 +89,6 @@ def holds_manifest(directory: Path, name: str = MANIFEST_NAME, error: type[Excep
     return data.get("format") == fmt
 
 
-def move_into_place(tmp: Path, out: Path) -> None:
-    """Rename the finished output ``tmp`` onto ``out``. What ``out`` held (a previous output or an
-    empty directory: ``check_out_dir``) is renamed aside first, put back if the rename fails, and
-    deleted only once the new output is in place."""
-    if not out.exists():
-        os.replace(tmp, out)
-        return
-    old = tmp.with_name(tmp.name + "-old")
-    os.rename(out, old)
-    try:
-        os.rename(tmp, out)
-    except BaseException:
-        os.rename(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def make_parents(directory: Path) -> list[Path]:
-    """Create ``directory`` with its missing parents; returns those it created, deepest first,
-    for ``remove_made`` to take back when the export or build fails."""
-    missing = [p for p in (directory, *directory.parents) if not p.exists()]
-    directory.mkdir(parents=True, exist_ok=True)
-    return missing
-
-
-def remove_made(made: Sequence[Path]) -> None:
-    """Remove the directories ``make_parents`` created, deepest first, stopping at one that is
-    no longer empty (something else wrote there meanwhile) or already gone."""
-    for p in made:
-        try:
-            p.rmdir()
-        except OSError:
-            return
-
-
 def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
     ids: set[int] = set()
     if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -156,9 +122,7 @@ def export_models(out: str | Path, target: tuple[Any, Any, str], draft: tuple[An
     if draft is not None:
         check_dtype(*draft)
     check_out_dir(out)
-    made = make_parents(out.parent)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    try:
+    with staged(out) as tmp:
         model, tok, source = target
         log(f"exporting verify graph of {source} ...")
         if feature_layers is None:
@@ -192,10 +156,6 @@ def export_models(out: str | Path, target: tuple[Any, Any, str], draft: tuple[An
         os.chmod(tmp, 0o755)  # mkdtemp makes it private
         move_into_place(tmp, out)
         return man
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        remove_made(made)
-        raise
 
 
 def _quantize_entry(directory: Path, g: GraphEntry, scheme: Any, log: Log) -> None:
@@ -240,11 +200,13 @@ def export_config(config: Any, out: str | Path, opset: int = OPSET, log: Log = _
         dmodel, _ = load_hf(dm.model, export_dtype(dm), "cpu")
         draft = (dmodel, dm.model)
     elif prop is not None and prop.type in ("medusa", "eagle", "parallel"):
-        from spec_plugins.heads import MedusaHeads, drafter_class
+        from spec_plugins.heads import MedusaHeads
         from spec_plugins.proposers.medusa import resolve_head_dir
+        from spec_plugins.registry import PROPOSERS
 
         where = str(resolve_head_dir(prop.heads))  # as the proposers find it: shipped examples from any directory
-        cls = MedusaHeads if prop.type == "medusa" else drafter_class(where)
+        # the proposer's own class, as the runtime loads it: a head of another kind is refused here
+        cls = MedusaHeads if prop.type == "medusa" else PROPOSERS.get(prop.type).drafter_class
         heads.append((prop.type, cls.from_pretrained(where, model), where))
     layers = export_layers(feature_layers, tgt, prop, int(hf_compat.decoder_layers(model)))
     return export_models(out, (model, tok, tgt.model), draft, None, opset, log, heads, layers, quantize)

@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from spec_plugins.exporters.parity_greedy import GreedyCase, first_diff, greedy_room, greedy_tokens
+from spec_plugins.exporters.parity_plan import RANDOM_PAST, RuntimePlan, check_gamma, random_tree
 from spec_plugins.exporters.parity_rule import RTOL, ParityCase, compare, compare_scale
 from spec_plugins.graphs.manifest import Manifest
 
@@ -111,14 +112,9 @@ def _finite_or_null(value: Any) -> Any:
     return value
 
 
-def random_tree(n: int, gen: torch.Generator) -> tuple[int, ...]:
-    """Parents of a random tree of n nodes rooted at node 0 (topological order)."""
-    return (-1,) + tuple(int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n))
-
-
 @torch.no_grad()
 def check_random(graph: str, session: Any, model: Any, gamma: int, rtol: float, seed: int = 0,
-                 past: int = 7, feature_layers: Sequence[int] = ()) -> list[ParityCase]:
+                 past: int = RANDOM_PAST, feature_layers: Sequence[int] = ()) -> list[ParityCase]:
     """Random ids, random past, chain and tree masks, N = 1..gamma+1, fed to the session directly;
     the logits, the hidden states and (``feature_layers``) the features are each compared: the
     drafters on ONNX Runtime read the latter two."""
@@ -188,39 +184,30 @@ class _Pair:
 def check_runtimes(graph: str, torch_rt: Any, ort_rt: Any, ids: list[int], gamma: int, rtol: float,
                    seed: int = 0, scale_bound: float | None = None) -> list[ParityCase]:
     """Real prompt ids through both runtimes: prefill (solo and left-padded batch), chains of
-    N = 1..gamma+1 with partial commits, a tree with a path commit, a rollback. Each step compares
-    the logits and the hidden states or features (``_Pair``); ``scale_bound``: also the logits'
-    scale (a quantized graph against its float source, ``compare_scale``)."""
+    N = 1..gamma+1 with partial commits, a tree with a path commit, a rollback (every random draw of
+    them: ``RuntimePlan``). Each step compares the logits and the hidden states or features
+    (``_Pair``); ``scale_bound``: also the logits' scale (a quantized graph against its float
+    source, ``compare_scale``)."""
     from spec_plugins.tree import layout
 
-    gen = torch.Generator().manual_seed(seed)
+    plan = RuntimePlan.draw(gamma, torch_rt.vocab_size, seed)
     pair = _Pair(graph, torch_rt, ort_rt, rtol, scale_bound)
     half = ids[: max(1, len(ids) // 2)]
     label = f"real prefill B=2 (left-padded, {len(ids)}/{len(half)} tokens)"
     for want in (True, pair.layers) if pair.layers else (True,):  # a prefill starts afresh: both on one prompt
         pair.step(label, lambda rt, w: rt.prefill([ids, half], want_hidden=w), want, pad=(0, len(ids) - len(half)),
                   logits=want is True)
-    vocab = torch_rt.vocab_size
-    for n in range(1, gamma + 2):
-        toks = torch.randint(0, vocab, (2, n), generator=gen)
-        toks[0] = torch.tensor((ids * 4)[n : 2 * n])  # real continuation-like ids for row 0
+    for n, (toks, keep) in enumerate(plan.chains, 1):
+        toks[0] = torch.tensor([ids[i % len(ids)] for i in range(n, 2 * n)])  # real continuation-like ids for row 0
         label = f"real chain B=2 N={n} P={torch_rt.lengths()[0]}"
         pair.step(label, lambda rt, w, t=toks: rt.forward(t, want_hidden=w), pair.want(n))
-        pair.both("commit", [list(range(int(torch.randint(1, n + 1, (1,), generator=gen)))) for _ in range(2)])
-    n = gamma + 1
-    parents = random_tree(max(n, 3), gen)
-    lay = layout(parents)
-    toks = torch.randint(0, vocab, (2, lay.size), generator=gen)
+        pair.both("commit", [list(range(k)) for k in keep])
+    lay, toks = layout(plan.parents), plan.tree_tokens
     pair.step(f"real tree B=2 N={lay.size} (holes in past)", lambda rt, w: rt.forward(toks, tree=lay, want_hidden=w),
               pair.want(1))
-    leaf = lay.size - 1
-    path = []
-    while leaf >= 0:
-        path.append(leaf)
-        leaf = parents[leaf]
-    pair.both("commit", [sorted(path), [0]])
+    pair.both("commit", [plan.path(), [0]])
     pair.both("rollback", [max(1, L - 3) for L in torch_rt.lengths()])
-    toks = torch.randint(0, vocab, (2, 2), generator=gen)
+    toks = plan.last_tokens
     pair.step("real chain after tree commit + rollback", lambda rt, w: rt.forward(toks, want_hidden=w), True)
     return pair.cases
 
@@ -286,9 +273,11 @@ def check_export(directory: str | Path, gamma: int = 5, rtol: float | None = Non
         from spec_plugins.models import load_tokenizer
 
         tok = load_tokenizer(str(directory / man.tokenizer))
-    for g in man.graphs:
-        if g.kind != "decoder_with_past" or (only and g.name not in only):
-            continue
+    ids = list(tok(_PROMPT)["input_ids"]) if tok is not None else list(range(1, 25))
+    decoders = [g for g in man.graphs if g.kind == "decoder_with_past" and not (only and g.name not in only)]
+    for g in decoders:  # before any model loads
+        check_gamma(g.name, gamma, len(ids), min(g.max_context, g.context_cap or g.max_context), g.vocab_size)
+    for g in decoders:
         log(f"checking {g.name} ({g.source_model}) ...")
         tol = report.tolerances[g.name] = tolerance(g.dtype, rtol, g.quantization)
         real_tol = report.real_tolerances[g.name] = tolerance(g.dtype, rtol, g.quantization, real=True)
@@ -296,7 +285,6 @@ def check_export(directory: str | Path, gamma: int = 5, rtol: float | None = Non
         session = create_session(directory / g.file, "cpu", threads=threads)
         ort_rt = OnnxRuntime(session, g, tok, eos_token_ids=man.eos_token_ids)  # checks the manifest's fields
         cases = check_random(g.name, session, model, gamma, tol, feature_layers=g.feature_layers)
-        ids = list(tok(_PROMPT)["input_ids"]) if tok is not None else list(range(1, 25))
         context = min([ort_rt.max_context] + ([man.graph("verify").max_context] if g.name == "draft" else []))
         new_tokens = greedy_room(g.name, len(ids), max_new_tokens, context)
         if new_tokens < max_new_tokens:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import tempfile
 import time
 from functools import partial
 from pathlib import Path
@@ -169,7 +168,7 @@ def build_engines(onnx_dir: str | Path, out: str | Path, precision: str = "fp32"
     from spec_plugins.graphs.manifest import MANIFEST_NAME as ONNX_MANIFEST
     from spec_plugins.graphs.manifest import Manifest
 
-    from spec_plugins.exporters.onnx_export import make_parents, move_into_place, remove_made
+    from spec_plugins.exporters.staging import move_into_place, staged
 
     onnx_dir, out = Path(onnx_dir), Path(out).absolute()
     check_workspace(workspace_gib)
@@ -177,30 +176,14 @@ def build_engines(onnx_dir: str | Path, out: str | Path, precision: str = "fp32"
     if hardware_compat not in HARDWARE_COMPAT:
         raise ProfileError(f"unknown hardware compatibility {hardware_compat!r} (known: {', '.join(HARDWARE_COMPAT)})")
     man = Manifest.read(onnx_dir)
+    limits = limits or Limits()
+    chosen, skipped = chosen_graphs(man, onnx_dir, graphs, limits)  # before TensorRT: a bad flag is named first
+    profs = profiles(limits)
     trt = import_tensorrt()
-    chosen = [g for g in man.graphs if graphs is None or g.name in graphs]
-    check_precision(trt, precision, [g.dtype for g in chosen if g.kind == "decoder_with_past"])
+    check_precision(trt, precision, [g.dtype for g in chosen])
     cuda_device("cuda")
     env = BuildEnv.current()
-    limits = limits or Limits()
-    skipped = [f"{g}: not in the export" for g in (graphs or []) if g not in {x.name for x in man.graphs}]
-    for g in man.graphs:
-        if g.kind != "decoder_with_past":
-            skipped.append(f"{g.name}: {g.kind} graphs are not built for TensorRT yet (only decoder graphs "
-                           "have a TensorRT runtime)")
-    chosen = [g for g in chosen if g.kind == "decoder_with_past"]
-    if not chosen:
-        raise ProfileError(f"no decoder graph to build in {onnx_dir} ({'; '.join(skipped) or 'empty export'})")
-    for g in chosen:
-        check_graph(g.inputs, g.outputs, g.name)
-        if limits.max_context > g.max_context:
-            raise ProfileError(f"--max-context {limits.max_context} exceeds the {g.max_context} positions of "
-                               f"graph {g.name!r} ({g.source_model})")
-    profs = profiles(limits)
-    made = make_parents(out.parent)
-    tmp: Path | None = None
-    try:
-        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    with staged(out) as tmp:
         log(f"TensorRT {env.tensorrt_version} on {env.gpu_name} (sm {env.compute_capability[0]}"
             f"{env.compute_capability[1]})")
         entries = []
@@ -230,11 +213,26 @@ def build_engines(onnx_dir: str | Path, out: str | Path, precision: str = "fp32"
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the ONNX export's directory is 0755 too
         move_into_place(tmp, out)
         return em
-    except BaseException:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        remove_made(made)
-        raise
+
+
+def chosen_graphs(man: Any, onnx_dir: Path, graphs: Sequence[str] | None, limits: Limits
+                  ) -> tuple[list[Any], list[str]]:
+    """The decoder graphs of ``man`` to build (``graphs``: those named) and why others are skipped;
+    a ProfileError where none is left or ``limits`` exceed a graph's positions. Needs no TensorRT."""
+    skipped = [f"{g}: not in the export" for g in (graphs or []) if g not in {x.name for x in man.graphs}]
+    for g in man.graphs:
+        if g.kind != "decoder_with_past":
+            skipped.append(f"{g.name}: {g.kind} graphs are not built for TensorRT yet (only decoder graphs "
+                           "have a TensorRT runtime)")
+    chosen = [g for g in man.graphs if (graphs is None or g.name in graphs) and g.kind == "decoder_with_past"]
+    if not chosen:
+        raise ProfileError(f"no decoder graph to build in {onnx_dir} ({'; '.join(skipped) or 'empty export'})")
+    for g in chosen:
+        check_graph(g.inputs, g.outputs, g.name)
+        if limits.max_context > g.max_context:
+            raise ProfileError(f"--max-context {limits.max_context} exceeds the {g.max_context} positions of "
+                               f"graph {g.name!r} ({g.source_model})")
+    return chosen, skipped
 
 
 def precision_of(fp16: bool, bf16: bool, tf32: bool) -> str:

@@ -260,7 +260,7 @@ def test_corrupt_or_mismatched_heads_fail_in_one_line(tmp_path):
 
     h = medusa(model)
     save_head(h, h.config.to_dict(), tmp_path / "m")
-    with pytest.raises(ValueError, match="does not hold a eagle head"):
+    with pytest.raises(ValueError, match="does not hold an eagle head"):
         EagleDrafter.from_pretrained(str(tmp_path / "m"), model)
     (tmp_path / "m" / "head.safetensors").write_bytes(b"\x00garbage" * 10)
     with pytest.raises(ValueError, match="cannot be read as safetensors"):
@@ -279,7 +279,7 @@ def test_corrupt_or_mismatched_heads_fail_in_one_line(tmp_path):
     model.save_pretrained(str(d))
     save_head(medusa(model), h.config.to_dict(), tmp_path / "good")
     for kind, heads, needle in (("medusa", tmp_path / "m", "is not a head config"),
-                                ("eagle", tmp_path / "good", "does not hold a eagle head")):
+                                ("eagle", tmp_path / "good", "does not hold an eagle head")):
         cfg = tmp_path / f"{kind}.yaml"
         cfg.write_text(json.dumps({"target": {"backend": "torch", "model": str(d)},
                                    "proposer": {"type": kind, "heads": str(heads)}}))

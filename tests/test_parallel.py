@@ -183,7 +183,7 @@ def test_an_eagle_head_is_refused_as_a_parallel_one_and_back(tmp_path):
     save_head(p, p.config.to_dict(), tmp_path / "par")
     with pytest.raises(ValueError, match="does not hold a parallel head.*kind 'eagle'"):
         ParallelDrafter.from_pretrained(str(tmp_path / "eagle"), model)
-    with pytest.raises(ValueError, match="does not hold a eagle head.*kind 'parallel'"):
+    with pytest.raises(ValueError, match="does not hold an eagle head.*kind 'parallel'"):
         EagleDrafter.from_pretrained(str(tmp_path / "par"), model)
     loaded = ParallelDrafter.from_pretrained(str(tmp_path / "par"), model)
     assert loaded.config == p.config

@@ -296,14 +296,24 @@ def target_name(target: Any) -> str:
     return f"target {name!r}" if name else "this target"
 
 
-def build_head(kind: str, directory: str | Path, build: Any) -> Any:
-    """``build()`` a head from a saved directory; a head of the other kind (or of another model)
-    fails with one line naming the directory instead of a deep KeyError / size mismatch. The
-    error's lines are joined, not cut to the first: torch's load_state_dict names the tensor and
-    both shapes (or the missing keys) only after its heading line."""
+def a_or_an(word: str) -> str:
+    """``word`` with its indefinite article, by its first letter (an eagle, a medusa)."""
+    return f"{'an' if word[:1].lower() in 'aeiou' else 'a'} {word}"
+
+
+def build_head(kind: str, directory: str | Path, build: Any, found: Any = None) -> Any:
+    """``build()`` a head from a saved directory; a head of another kind (``found``: its config.json's
+    ``kind``, None where it names none) or of another model fails with one line naming the
+    directory, and the kind it holds, instead of a deep KeyError / size mismatch. The error's lines
+    are joined, not cut to the first: torch's load_state_dict names the tensor and both shapes (or
+    the missing keys) only after its heading line."""
+    if found is not None and found != kind:
+        raise ValueError(f"{directory} does not hold {a_or_an(kind)} head: it holds {a_or_an(found)} head (its "
+                         f"config.json says kind {found!r}); load it with proposer type {found}, or give a directory "
+                         f"of {a_or_an(kind)} head")
     try:
         return build()
     except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as exc:
         why = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
-        raise ValueError(f"{directory} does not hold a {kind} head for this model "
+        raise ValueError(f"{directory} does not hold {a_or_an(kind)} head for this model "
                          f"({type(exc).__name__}: {why if len(why) <= 500 else why[:497] + '...'})") from None

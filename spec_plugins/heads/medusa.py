@@ -97,7 +97,7 @@ class MedusaHeads(nn.Module):
             heads.calibration = calibration_field(cfg.get("holdout_topk_accuracy"))
             return heads.eval()
 
-        return build_head("medusa", directory, build)
+        return build_head("medusa", directory, build, cfg.get("kind", "medusa"))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         hs = torch.stack([blk(hidden) for blk in self.blocks], dim=-2)  # [B, K, H]
