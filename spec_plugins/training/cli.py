@@ -375,7 +375,7 @@ def _run_training(features: Path, heldout: Optional[Path], out: Path, threads: i
     torch.set_num_threads(threads)
     try:
         tcfg = TrainConfig(**{k: v for k, v in cfg.items() if v is not None})  # checks its values before anything loads
-        from spec_plugins.training.target_check import load_for_training
+        from spec_plugins.training.inputs import load_for_training
 
         store, held, model = load_for_training(features, heldout, layers)
         report = go(store, model, tcfg, held)

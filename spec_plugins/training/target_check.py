@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -62,22 +62,3 @@ def rerun_meta(was: dict, meta: dict) -> dict:
     if FINGERPRINT not in was:
         meta = {k: v for k, v in meta.items() if k != FINGERPRINT}
     return meta
-
-
-def load_for_training(features: Path, heldout: Optional[Path], layers: bool) -> tuple[Any, Any, Any]:
-    """The training features, the held-out ones (checked against them; their layers only where the
-    head reads them: ``layers``) and the target they name, refused where its weights are not those
-    either store was made from."""
-    from spec_plugins.backends.torch_runtime import load_hf
-    from spec_plugins.training.features import FeatureStore
-    from spec_plugins.training.heldout import check_heldout
-
-    store = FeatureStore(features)
-    held = FeatureStore(heldout) if heldout else None
-    if held is not None:
-        check_heldout(store, held, layers)
-    model, _ = load_hf(store.meta["target"], "float32", "cpu")
-    for s in (store, held):
-        if s is not None:
-            check_features_model(s.meta, model, s.directory)
-    return store, held, model
