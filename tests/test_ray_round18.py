@@ -31,9 +31,8 @@ from spec_plugins.cli import app  # noqa: E402
 from spec_plugins.server import cli as server_cli  # noqa: E402
 from spec_plugins.server.ray_serve import Scaling  # noqa: E402
 from support import free_port  # noqa: E402
-from test_ray_serve import _tokenizer  # noqa: E402
+from test_ray_serve import model_dir  # noqa: E402,F401 (its fixture)
 
-from conftest import tiny_llama  # noqa: E402
 
 ENV = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {
     "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "token"}  # token: an explicit address too
@@ -58,12 +57,9 @@ ray.shutdown()
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(model_dir):  # noqa: F811 (the fixture imported above)
     """test_ray_serve's tiny model (1024 positions) with its word-level tokenizer."""
-    d = tmp_path_factory.mktemp("ray18") / "tiny"
-    _tokenizer().save_pretrained(str(d))
-    tiny_llama(seed=3, layers=4, hidden=128, max_pos=1024).save_pretrained(str(d))
-    return d
+    return model_dir
 
 
 def _spec_config(tmp_path, model) -> str:
